@@ -1,0 +1,254 @@
+"""Fused AdamW over a rank's flat shard: one pass, 28 bytes per parameter with bf16 grads and output.
+
+Reads fp32 master, grad (fp32/bf16/fp16), exp_avg, exp_avg_sq; writes master, exp_avg, exp_avg_sq
+and optionally a bf16/fp16 copy of the new params. lr, step, the combined grad scale and the skip
+flag are read from device tensors, so a step has no host sync and can be captured in a CUDA graph.
+
+Layout. A param group's flat buffer is cut into `num_buckets` equal buckets; a rank owns the same
+`shard_numel`-element piece of every bucket. Each stream is described by `(tensor, stride, base)`:
+piece k of the shard lives at `tensor[k * stride + base : k * stride + base + shard_numel]`. The
+rank's contiguous local shard is `stride=shard_numel, base=0`; its piece inside a full bucketed
+buffer (the model's param buffer, an in-place reduce-scattered grad buffer) is
+`stride=bucket_numel, base=rank*shard_numel`. exp_avg and exp_avg_sq are always local.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from fusedzero.kernels._dispatch import count_launch, use_triton
+
+# 1024 elements per program: with 4 warps each thread handles 8 fp32 values, i.e. two 128-bit
+# vector accesses per stream, enough bytes in flight to saturate HBM on A100/H100.
+BLOCK = 1024
+NUM_WARPS = 4
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class Strided(NamedTuple):
+    """A rank's shard viewed inside a bucketed buffer: piece k at `k*stride + base`."""
+
+    tensor: torch.Tensor
+    stride: int
+    base: int
+
+
+@triton.jit
+def _round_to_bf16(x):
+    # Round-to-nearest-even fp32 -> bf16 in integer ops. The GPU's cvt.rn does the same, but the
+    # Triton interpreter truncates; spelling it out keeps one kernel bitwise-identical in both.
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _adamw_kernel(
+    # pointers
+    master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr,
+    lr_ptr, step_ptr, scale_ptr, skip_ptr,
+    # sizes and strides (elements)
+    shard_numel, master_stride, master_base, grad_stride, grad_base, out_stride, out_base,
+    # scalars
+    beta1, beta2, one_minus_beta1, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay,
+    # flags
+    HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    # int64 offsets: a flat shard may pass 2**31 elements.
+    pid = tl.program_id(0).to(tl.int64)
+    bucket = tl.program_id(1).to(tl.int64)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    # A skipped step (non-finite grads) masks every access: nothing is read or written.
+    limit = tl.where(tl.load(skip_ptr) == 0, shard_numel, 0)
+    mask = offs < limit
+
+    lr = tl.load(lr_ptr).to(tl.float32)
+    scale = tl.load(scale_ptr).to(tl.float32)
+    # Bias corrections 1 - beta**step = -expm1(step * log(beta)) in fp64: in fp32, 1 - 0.999**1
+    # would lose 4-5 digits to cancellation. One scalar per program, so the fp64 math is free.
+    step = tl.load(step_ptr).to(tl.float64)
+    bc1 = (1.0 - tl.exp(step * log_beta1)).to(tl.float32)
+    bc2 = (1.0 - tl.exp(step * log_beta2)).to(tl.float32)
+    step_size = lr / bc1
+    bc2_sqrt = tl.sqrt(bc2)
+
+    local = bucket * shard_numel + offs
+    m_offs = bucket * master_stride + master_base + offs
+    g_offs = bucket * grad_stride + grad_base + offs
+    p = tl.load(master_ptr + m_offs, mask=mask).to(tl.float32)
+    g = tl.load(grad_ptr + g_offs, mask=mask).to(tl.float32) * scale
+    m = tl.load(exp_avg_ptr + local, mask=mask)
+    v = tl.load(exp_avg_sq_ptr + local, mask=mask)
+    if MAXIMIZE:
+        g = -g
+
+    # The order of operations follows torch.optim.AdamW's single-tensor path.
+    p = p * (1.0 - lr * weight_decay)
+    m = m + one_minus_beta1 * (g - m)
+    v = v * beta2 + one_minus_beta2 * g * g
+    denom = tl.sqrt(v) / bc2_sqrt + eps
+    p = p - step_size * (m / denom)
+
+    tl.store(master_ptr + m_offs, p, mask=mask)
+    tl.store(exp_avg_ptr + local, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + local, v, mask=mask)
+    if HAS_OUT:
+        o_offs = bucket * out_stride + out_base + offs
+        if OUT_BF16:
+            o = _round_to_bf16(p)
+        else:
+            o = p.to(out_ptr.dtype.element_ty)
+        tl.store(out_ptr + o_offs, o, mask=mask)
+
+
+def _as_strided(x: torch.Tensor | Strided, shard_numel: int) -> Strided:
+    return x if isinstance(x, Strided) else Strided(x, shard_numel, 0)
+
+
+def _pieces(s: Strided, num_buckets: int, shard_numel: int) -> list[torch.Tensor]:
+    if s.stride == shard_numel and s.base == 0:
+        return [s.tensor[: num_buckets * shard_numel]]
+    return [s.tensor[k * s.stride + s.base : k * s.stride + s.base + shard_numel]
+            for k in range(num_buckets)]
+
+
+def _check(name: str, s: Strided, dtypes: tuple[torch.dtype, ...], num_buckets: int,
+           shard_numel: int, device: torch.device) -> None:
+    t = s.tensor
+    if t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}, expected one of {dtypes}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} like master")
+    if t.dim() != 1 or not t.is_contiguous():
+        raise ValueError(f"{name} must be a flat contiguous 1-D buffer, got shape "
+                         f"{tuple(t.shape)} with strides {t.stride()}")
+    if s.stride < shard_numel or s.base < 0:
+        raise ValueError(f"{name}: stride {s.stride} must be >= shard_numel {shard_numel} "
+                         f"and base {s.base} >= 0")
+    need = (num_buckets - 1) * s.stride + s.base + shard_numel if num_buckets else 0
+    if t.numel() < need:
+        raise ValueError(f"{name} has {t.numel()} elements, but {num_buckets} buckets of "
+                         f"{shard_numel} at stride {s.stride} + base {s.base} need {need}")
+
+
+def adamw_step(
+    master: torch.Tensor | Strided,
+    grad: torch.Tensor | Strided,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    out: torch.Tensor | Strided | None = None,
+    *,
+    lr: torch.Tensor,
+    step: torch.Tensor,
+    grad_scale: torch.Tensor,
+    skip: torch.Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool = False,
+    num_buckets: int = 1,
+    shard_numel: int | None = None,
+) -> None:
+    """One AdamW update of a shard, in place.
+
+    `lr`, `step` (the step number of this update, already counted), `grad_scale` (multiplies the
+    grad: 1/(world*accum*loss_scale) * clip_coef) and `skip` (non-zero: leave everything untouched)
+    are one-element tensors on the same device. Every stream covers `num_buckets` pieces of
+    `shard_numel` elements (see the module docstring); plain tensors are the local layout.
+    """
+    if shard_numel is None:
+        if num_buckets != 1:
+            raise ValueError("shard_numel is required when num_buckets != 1")
+        shard_numel = exp_avg.numel()
+    ms, gs = _as_strided(master, shard_numel), _as_strided(grad, shard_numel)
+    os_ = None if out is None else _as_strided(out, shard_numel)
+    device = ms.tensor.device
+    _check("master", ms, (torch.float32,), num_buckets, shard_numel, device)
+    _check("grad", gs, GRAD_DTYPES, num_buckets, shard_numel, device)
+    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        _check(name, Strided(t, shard_numel, 0), (torch.float32,), num_buckets, shard_numel, device)
+    if os_ is not None:
+        _check("out", os_, OUT_DTYPES, num_buckets, shard_numel, device)
+    for name, t in (("lr", lr), ("step", step), ("grad_scale", grad_scale), ("skip", skip)):
+        if t.numel() != 1 or t.device != device:
+            raise ValueError(f"{name} must be a one-element tensor on {device}, got "
+                             f"{t.numel()} elements on {t.device}")
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"betas must be in [0, 1), got ({beta1}, {beta2})")
+    if num_buckets == 0 or shard_numel == 0:
+        return
+
+    count_launch("adamw")
+    if use_triton(device):
+        grid = (triton.cdiv(shard_numel, BLOCK), num_buckets)
+        o = os_ if os_ is not None else ms  # never written when HAS_OUT is False
+        _adamw_kernel[grid](
+            ms.tensor, gs.tensor, exp_avg, exp_avg_sq, o.tensor,
+            lr, step, grad_scale, skip,
+            shard_numel, ms.stride, ms.base, gs.stride, gs.base, o.stride, o.base,
+            beta1, beta2, 1.0 - beta1, 1.0 - beta2,
+            math.log(beta1) if beta1 > 0 else -math.inf,
+            math.log(beta2) if beta2 > 0 else -math.inf,
+            eps, weight_decay,
+            HAS_OUT=os_ is not None,
+            OUT_BF16=os_ is not None and os_.tensor.dtype == torch.bfloat16, MAXIMIZE=maximize, BLOCK=BLOCK, num_warps=NUM_WARPS,
+        )
+        return
+    _adamw_torch(ms, gs, exp_avg, exp_avg_sq, os_, lr=lr, step=step, grad_scale=grad_scale,
+                 skip=skip, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                 maximize=maximize, num_buckets=num_buckets, shard_numel=shard_numel)
+
+
+def _adamw_torch(ms: Strided, gs: Strided, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 os_: Strided | None, *, lr: torch.Tensor, step: torch.Tensor,
+                 grad_scale: torch.Tensor, skip: torch.Tensor, beta1: float, beta2: float,
+                 eps: float, weight_decay: float, maximize: bool, num_buckets: int,
+                 shard_numel: int) -> None:
+    """The same math on CPU through torch's own fused AdamW kernel (vectorised C++).
+
+    On CPU, reading `skip` is a memory read, not a device sync. torch's kernel divides the grad by
+    `grad_scale` in place: the grads are consumed by the step, as they are in the Triton path's
+    callers (they are zeroed afterwards).
+    """
+    if skip.item() != 0:
+        return
+    masters = _pieces(ms, num_buckets, shard_numel)
+    grads = _pieces(gs, num_buckets, shard_numel)
+    # torch's CPU kernel wants the grad in the param's dtype: one cast pass for bf16/fp16 grads.
+    grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
+    ms_ = [exp_avg[: num_buckets * shard_numel]]
+    vs_ = [exp_avg_sq[: num_buckets * shard_numel]]
+    if len(masters) > 1:
+        ms_ = list(exp_avg[: num_buckets * shard_numel].split(shard_numel))
+        vs_ = list(exp_avg_sq[: num_buckets * shard_numel].split(shard_numel))
+    torch._fused_adamw_(
+        masters, grads, ms_, vs_, [], [step.float()] * len(masters),
+        lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+        amsgrad=False, maximize=maximize, grad_scale=grad_scale.reciprocal(), found_inf=None,
+    )
+    if os_ is not None:
+        for o, p in zip(_pieces(os_, num_buckets, shard_numel), masters):
+            o.copy_(p)
+
+
+def adamw_reference(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+                    exp_avg_sq: torch.Tensor, *, lr: float, step: int, grad_scale: float,
+                    beta1: float, beta2: float, eps: float, weight_decay: float,
+                    maximize: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float64 reference of one update on local (contiguous) tensors; returns new (p, m, v)."""
+    p, g = master.double(), grad.double() * grad_scale
+    m, v = exp_avg.double(), exp_avg_sq.double()
+    if maximize:
+        g = -g
+    p = p * (1 - lr * weight_decay)
+    m = m + (1 - beta1) * (g - m)
+    v = v * beta2 + (1 - beta2) * g * g
+    denom = v.sqrt() / math.sqrt(1 - beta2**step) + eps
+    p = p - lr / (1 - beta1**step) * m / denom
+    return p, m, v
