@@ -1,0 +1,152 @@
+"""The flat-shard layout (DESIGN.md, contract C): where every parameter element lives.
+
+A *flat buffer* holds the params of one (param group, dtype[, ZeRO-3 unit]) back to back, each
+starting at a multiple of ALIGN elements. The buffer is cut into `num_buckets` buckets of equal
+size `bucket_numel`, a multiple of `world_size * ALIGN`; a param may straddle two buckets. Every
+bucket is split into `world_size` equal shards of `shard_numel` elements, and rank r owns
+`[r*S, (r+1)*S)` of every bucket. A rank's *local shard* is the concatenation of its pieces:
+
+    full element  k*B + r*S + j   <->   rank r, local element  k*S + j      (0 <= j < S)
+
+Equal buckets keep the map a two-term formula, which lets the fused kernel read and write a
+rank's pieces of full buffers in place (see `fusedzero.kernels.adamw`), and bound the padding to
+`num_buckets * world_size * ALIGN` elements per buffer plus each param's alignment hole.
+
+Everything that must survive a change of world size or stage goes through `Segment`s, never raw
+buffer offsets.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+# 128 elements = 256 B of bf16 / 512 B of fp32: every param view and every shard edge is 16-byte
+# aligned (128-bit vector accesses) for any element size up to 4 bytes.
+ALIGN = 128
+# 2**25 elements (32M: 64 MiB of bf16): large enough that a collective is bandwidth-bound on NCCL,
+# small enough that reduce-scatter of early buckets overlaps the rest of backward.
+DEFAULT_BUCKET_NUMEL = 1 << 25
+
+
+def round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+class ParamSlot(NamedTuple):
+    """One param in a flat buffer."""
+
+    index: int  # position in the optimizer's flat list of params (all groups)
+    name: str
+    shape: tuple[int, ...]
+    numel: int
+    offset: int  # first element in the full flat buffer, a multiple of ALIGN
+
+
+class Segment(NamedTuple):
+    """A run of one param's elements held by one rank: the unit of resharding."""
+
+    param: int  # ParamSlot.index
+    start: int  # first element within the flattened param
+    length: int
+    rank: int
+    local: int  # offset in that rank's local shard of this buffer
+
+
+@dataclass
+class FlatLayout:
+    """Geometry of one flat buffer at one world size. Pure arithmetic, no tensors."""
+
+    params: list[ParamSlot]
+    world_size: int
+    numel: int  # end of the last param (alignment holes included, no tail padding)
+    num_buckets: int
+    bucket_numel: int
+    _segments: dict[int, list[Segment]] = field(default_factory=dict, repr=False)
+
+    @property
+    def shard_numel(self) -> int:
+        return self.bucket_numel // self.world_size if self.world_size else 0
+
+    @property
+    def padded_numel(self) -> int:
+        return self.num_buckets * self.bucket_numel
+
+    @property
+    def local_numel(self) -> int:
+        return self.num_buckets * self.shard_numel
+
+    @property
+    def param_numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def bucket_range(self, k: int) -> tuple[int, int]:
+        return k * self.bucket_numel, (k + 1) * self.bucket_numel
+
+    def piece(self, k: int, rank: int) -> tuple[int, int]:
+        """[start, end) of rank's shard of bucket k in the full buffer."""
+        s = k * self.bucket_numel + rank * self.shard_numel
+        return s, s + self.shard_numel
+
+    def buckets_of(self, slot: ParamSlot) -> range:
+        if slot.numel == 0 or self.bucket_numel == 0:
+            return range(0)
+        first = slot.offset // self.bucket_numel
+        last = (slot.offset + slot.numel - 1) // self.bucket_numel
+        return range(first, last + 1)
+
+    def segments(self, rank: int) -> list[Segment]:
+        """Every run of param elements that `rank` owns, in local-shard order."""
+        if rank not in self._segments:
+            out: list[Segment] = []
+            for k in range(self.num_buckets):
+                lo, hi = self.piece(k, rank)
+                for p in self.params:
+                    a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
+                    if a < b:
+                        out.append(Segment(p.index, a - p.offset, b - a, rank,
+                                           k * self.shard_numel + a - lo))
+            self._segments[rank] = out
+        return self._segments[rank]
+
+
+def build_layout(params: list[ParamSlot] | list[tuple[int, str, tuple[int, ...]]],
+                 world_size: int, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> FlatLayout:
+    """Place params (index, name, shape) back to back at ALIGN offsets and cut equal buckets."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+    slots: list[ParamSlot] = []
+    cur = 0
+    for item in params:
+        index, name, shape = item[0], item[1], tuple(item[2])
+        numel = math.prod(shape)
+        offset = round_up(cur, ALIGN)
+        slots.append(ParamSlot(index, name, shape, numel, offset))
+        cur = offset + numel
+    if cur == 0:
+        return FlatLayout(slots, world_size, 0, 0, 0)
+    num_buckets = math.ceil(cur / bucket_numel)
+    b = round_up(math.ceil(cur / num_buckets), world_size * ALIGN)
+    return FlatLayout(slots, world_size, cur, num_buckets, b)
+
+
+def intersect(a: list[Segment], b: list[Segment]) -> list[tuple[Segment, Segment, int, int]]:
+    """Overlaps of two segment lists: (seg_a, seg_b, start within the param, length).
+
+    Used to move state between layouts of different world sizes or stages (checkpoint load).
+    """
+    by_param: dict[int, list[Segment]] = {}
+    for s in b:
+        by_param.setdefault(s.param, []).append(s)
+    out = []
+    for sa in a:
+        for sb in by_param.get(sa.param, ()):
+            lo = max(sa.start, sb.start)
+            hi = min(sa.start + sa.length, sb.start + sb.length)
+            if lo < hi:
+                out.append((sa, sb, lo, hi - lo))
+    return out

@@ -1,0 +1,723 @@
+"""ZeroAdamW: data-parallel AdamW over flat sharded buffers, ZeRO stages 0 to 3.
+
+    opt = ZeroAdamW(model.parameters(), lr=3e-4, stage=2, module=model, max_grad_norm=1.0)
+    loss = model(x).loss; loss.backward(); opt.step(); opt.zero_grad()
+
+Stage 0: plain data parallelism (bucketed all-reduce, full optimizer state on every rank).
+Stage 1: optimizer state sharded; full grads kept, each bucket reduce-scattered in place.
+Stage 2: grads sharded too: each bucket lives only while it is being reduced.
+Stage 3: params sharded per unit as well (see `fusedzero.zero3`).
+
+Grads follow DDP: averaged over ranks, summed over micro-batches (divide the loss by the number of
+micro-batches, as with DDP). The step consumes the grads: after `step()` they are zero.
+
+[Note: buffer lifetimes]
+- param_flat (stages 0-2): the full param buffer; model params are views into it, so the
+  all-gather after the update writes the model's weights in place.
+- grad_flat (stages 0-1): the full grad buffer in the reduce dtype. Reduce-scatter is in place:
+  afterwards only this rank's pieces hold reduced sums, and the kernel reads them there.
+- bucket buffers (stages 2-3): allocated when a bucket's first grad arrives, reduce-scattered,
+  added into grad_shard, freed. At most the buckets of one backward are alive at once.
+- master / exp_avg / exp_avg_sq / grad_shard: this rank's local shard, contiguous, fp32
+  (grad_shard: reduce dtype). With fp32 params the master *is* the param buffer's own pieces.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import math
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fusedzero import comm
+from fusedzero.comm import CommCounter
+from fusedzero.kernels import Strided, adamw_step, sumsq
+from fusedzero.layout import DEFAULT_BUCKET_NUMEL, FlatLayout, build_layout
+
+
+class Stage(enum.IntEnum):
+    DP = 0
+    OPTIMIZER = 1
+    GRADIENTS = 2
+    PARAMETERS = 3
+
+
+class MemoryReport(NamedTuple):
+    """Resident bytes this rank owns, exactly, from the tensors themselves."""
+
+    params: int
+    grads: int
+    optimizer: int
+    padding_elements: int  # elements of params that are padding (alignment + bucket tail)
+    param_elements: int  # Psi: trainable elements
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+class StepStats(NamedTuple):
+    grad_norm: torch.Tensor  # true global norm of the averaged grads (before clipping)
+    skipped: torch.Tensor  # 1.0 if the step was skipped for non-finite grads
+
+
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class FlatGroup:
+    """One flat buffer: the params of one (param group, dtype[, unit]) and their shard state."""
+
+    def __init__(self, *, group_index: int, params: list[nn.Parameter], names: list[str],
+                 indices: list[int], dtype: torch.dtype, stage: Stage, world_size: int,
+                 rank: int, bucket_numel: int, reduce_dtype: torch.dtype, device: torch.device,
+                 unit: int = 0) -> None:
+        self.group_index, self.dtype, self.stage, self.unit = group_index, dtype, stage, unit
+        self.params = params
+        self.world_size, self.rank = world_size, rank
+        # Stage 0 replicates everything: its layout is the world-size-1 layout.
+        shard_world = 1 if stage == Stage.DP else world_size
+        self.shard_rank = 0 if stage == Stage.DP else rank
+        self.layout: FlatLayout = build_layout(
+            [(i, n, tuple(p.shape)) for i, n, p in zip(indices, names, params)],
+            shard_world, bucket_numel)
+        L = self.layout
+        self.device = device
+        self.reduce_dtype = reduce_dtype
+        S, n_local = L.shard_numel, L.local_numel
+        f32 = dict(dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros(n_local, **f32)
+        self.exp_avg_sq = torch.zeros(n_local, **f32)
+        self.lr = torch.zeros(1, **f32)
+        self._lr_value: float | None = None
+        self.param_flat: torch.Tensor | None = None
+        self.param_shard: torch.Tensor | None = None
+        self.master: torch.Tensor | None = None
+        self.grad_flat: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self.bucket_grads: dict[int, torch.Tensor] = {}
+
+        if stage == Stage.PARAMETERS:
+            return  # zero3.py builds the param shard itself
+        self.param_flat = torch.zeros(L.padded_numel, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, slot in zip(params, L.params):
+                src = p.detach().reshape(-1)
+                view = self.param_flat[slot.offset:slot.offset + slot.numel]
+                if dtype != torch.float32:
+                    pass  # the master is filled below from the original values
+                view.copy_(src)
+        if dtype != torch.float32:
+            self.master = torch.zeros(n_local, **f32)
+            self._fill_master_from(params)
+        for p, slot in zip(params, L.params):
+            p.data = self.param_flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        if stage in (Stage.DP, Stage.OPTIMIZER):
+            self.grad_flat = torch.zeros(L.padded_numel, dtype=reduce_dtype, device=device)
+        else:
+            self.grad_shard = torch.zeros(n_local, dtype=reduce_dtype, device=device)
+        del S
+
+    def _fill_master_from(self, params: list[torch.Tensor]) -> None:
+        """Master = the exact fp32 values of this rank's pieces of the given full params."""
+        assert self.master is not None
+        with torch.no_grad():
+            for seg in self.layout.segments(self.shard_rank):
+                p = params[self._slot_pos(seg.param)]
+                self.master[seg.local:seg.local + seg.length].copy_(
+                    p.detach().reshape(-1)[seg.start:seg.start + seg.length])
+
+    def _slot_pos(self, index: int) -> int:
+        if not hasattr(self, "_pos"):
+            self._pos = {s.index: i for i, s in enumerate(self.layout.params)}
+        return self._pos[index]
+
+    # -- views the kernel and the collectives use ---------------------------------------------
+    def own(self, full: torch.Tensor) -> Strided:
+        """This rank's pieces of a full bucketed buffer."""
+        L = self.layout
+        return Strided(full, L.bucket_numel, self.shard_rank * L.shard_numel)
+
+    def master_stream(self) -> Strided | torch.Tensor:
+        if self.master is not None:
+            return self.master
+        if self.param_shard is not None:
+            return self.param_shard
+        assert self.param_flat is not None
+        return self.own(self.param_flat)
+
+    def out_stream(self) -> Strided | torch.Tensor | None:
+        if self.master is None:
+            return None
+        if self.param_shard is not None:
+            return self.param_shard
+        assert self.param_flat is not None
+        return self.own(self.param_flat)
+
+    def grad_stream(self) -> Strided | torch.Tensor:
+        if self.grad_shard is not None:
+            return self.grad_shard
+        assert self.grad_flat is not None
+        return self.own(self.grad_flat)
+
+    def bucket_grad(self, k: int) -> torch.Tensor:
+        lo, hi = self.layout.bucket_range(k)
+        if self.grad_flat is not None:
+            return self.grad_flat[lo:hi]
+        buf = self.bucket_grads.get(k)
+        if buf is None:
+            buf = torch.zeros(hi - lo, dtype=self.reduce_dtype, device=self.device)
+            self.bucket_grads[k] = buf
+        return buf
+
+    def accumulate(self, pos: int, grad: torch.Tensor) -> None:
+        """Add a param's grad into the bucket buffer(s) it falls in."""
+        slot = self.layout.params[pos]
+        g = grad.reshape(-1)
+        B = self.layout.bucket_numel
+        for k in self.layout.buckets_of(slot):
+            a, b = max(slot.offset, k * B), min(slot.offset + slot.numel, (k + 1) * B)
+            self.bucket_grad(k)[a - k * B:b - k * B].add_(g[a - slot.offset:b - slot.offset])
+
+    def set_lr(self, lr: float | torch.Tensor) -> None:
+        if isinstance(lr, torch.Tensor):
+            self.lr.copy_(lr.reshape(1))
+            self._lr_value = None
+        elif lr != self._lr_value:
+            self.lr.fill_(lr)  # a host-to-device scalar write, not a sync
+            self._lr_value = lr
+
+    def resident(self) -> tuple[int, int, int]:
+        def b(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+        params = b(self.param_flat) + b(self.param_shard)
+        grads = b(self.grad_flat) + b(self.grad_shard)
+        opt = b(self.master) + b(self.exp_avg) + b(self.exp_avg_sq)
+        return params, grads, opt
+
+
+@dataclasses.dataclass
+class _Bucket:
+    fg: FlatGroup
+    k: int
+    slots: list[int]  # positions in fg.layout.params overlapping this bucket
+    pending: int = 0
+    launched: bool = False
+
+
+class ZeroAdamW(torch.optim.Optimizer):
+    """AdamW with ZeRO sharding over a process group and one fused kernel per flat buffer.
+
+    Args:
+        params: parameters or param-group dicts, as for `torch.optim.AdamW`. Params with
+            `requires_grad=False` are left out (frozen).
+        lr, betas, eps, weight_decay, maximize: as `torch.optim.AdamW` (decoupled weight decay).
+        stage: 0 (DP), 1 (optimizer state), 2 (+ grads), 3 (+ params; needs `module`).
+        module: the model; gives parameter names (checkpoints) and, for stage 3, the units.
+        process_group: the data-parallel group (default: the world; none initialised = 1 rank).
+        param_dtype: dtype of the model's params (e.g. torch.bfloat16, with an fp32 master);
+            default keeps each param's dtype (fp32 params are their own master).
+        reduce_dtype: dtype grads are reduced and accumulated in (fp32 default; bf16 halves bytes).
+        bucket_numel: elements per bucket (rounded so buckets are equal and divide by W*ALIGN).
+        max_grad_norm: clip the global grad norm to this (None: no clipping).
+        skip_nonfinite: skip the whole step (on the device, no sync) when a grad is inf/nan.
+        loss_scale: "dynamic" for fp16 dynamic loss scaling, a float for a static scale, None.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        maximize: bool = False,
+        *,
+        stage: int | Stage = 1,
+        module: nn.Module | None = None,
+        process_group: Any = None,
+        param_dtype: torch.dtype | None = None,
+        reduce_dtype: torch.dtype = torch.float32,
+        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        max_grad_norm: float | None = None,
+        skip_nonfinite: bool = True,
+        loss_scale: str | float | None = None,
+        unit_policy: Any = None,
+        reshard_after_forward: bool = True,
+        trace: bool = False,
+    ) -> None:
+        _check_hyper(lr, betas, eps, weight_decay)
+        try:
+            stage = Stage(stage)
+        except ValueError:
+            raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}") from None
+        if reduce_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"reduce_dtype {reduce_dtype} not in {FLOAT_DTYPES}")
+        if param_dtype is not None and param_dtype not in FLOAT_DTYPES:
+            raise ValueError(f"param_dtype {param_dtype} not in {FLOAT_DTYPES}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+        if stage == Stage.PARAMETERS and module is None:
+            raise ValueError("stage 3 needs module=model: units are modules")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        maximize=maximize)
+        super().__init__(_trainable(params), defaults)
+        for g in self.param_groups:
+            _check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+
+        self.stage = stage
+        self.process_group = process_group
+        self.world_size = comm.group_size(process_group)
+        self.rank = comm.group_rank(process_group)
+        self.reduce_dtype = reduce_dtype
+        self.param_dtype = param_dtype
+        self.bucket_numel = bucket_numel
+        self.max_grad_norm = max_grad_norm
+        self.skip_nonfinite = skip_nonfinite
+        self.comm = CommCounter()
+        self.trace: list[tuple[str, Any]] | None = [] if trace else None
+        self.module = module
+
+        all_params = [p for g in self.param_groups for p in g["params"]]
+        if len({id(p) for p in all_params}) != len(all_params):
+            raise ValueError("a parameter appears in more than one param group")
+        devices = {p.device for p in all_params}
+        if len(devices) > 1:
+            raise ValueError(f"all params must be on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        names = _param_names(module, all_params)
+        for p, n in zip(all_params, names):
+            if p.is_sparse or p.layout != torch.strided:
+                raise ValueError(f"param {n} has layout {p.layout}; only dense params are supported")
+            if p.dtype not in FLOAT_DTYPES:
+                raise ValueError(f"param {n} has dtype {p.dtype}; expected one of {FLOAT_DTYPES}")
+        self.param_names = names
+        self.params = all_params
+        if param_dtype is not None and stage != Stage.PARAMETERS:
+            pass  # conversion happens as params become views of the flat buffers
+
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self._step = torch.zeros(1, **f32)
+        self._skip = torch.zeros(1, **f32)
+        self._grad_scale = torch.ones(1, **f32)
+        self._norm = torch.zeros(1, **f32)
+        self._inv_world = torch.full((1,), 1.0 / self.world_size, **f32)
+        self.scaler = _LossScaler(loss_scale, self.device) if loss_scale is not None else None
+
+        if stage == Stage.PARAMETERS:
+            from fusedzero.zero3 import build_zero3
+            self.flat_groups = build_zero3(self, module, unit_policy, reshard_after_forward)
+        else:
+            self.flat_groups = self._build_flat_groups()
+        self._buckets = self._order_buckets()
+        self._where: dict[int, tuple[FlatGroup, int]] = {}
+        for fg in self.flat_groups:
+            for pos, p in enumerate(fg.params):
+                self._where[id(p)] = (fg, pos)
+        self._bucket_of: dict[tuple[int, int], _Bucket] = {(id(b.fg), b.k): b
+                                                           for b in self._buckets}
+        self._handles: list[tuple[Any, Callable[[], None] | None]] = []
+        self._gather_handles: list[Any] = []
+        self._sync = True
+        self._in_backward = False
+        self._next = 0
+        self._reset_pending()
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in all_params]
+
+    # -- construction -----------------------------------------------------------------------
+    def _build_flat_groups(self) -> list[FlatGroup]:
+        out = []
+        index = 0
+        for gi, g in enumerate(self.param_groups):
+            by_dtype: dict[torch.dtype, list[tuple[int, nn.Parameter]]] = {}
+            for p in g["params"]:
+                dt = self.param_dtype or p.dtype
+                by_dtype.setdefault(dt, []).append((index, p))
+                index += 1
+            for dt, items in by_dtype.items():
+                out.append(FlatGroup(
+                    group_index=gi, params=[p for _, p in items],
+                    names=[self.param_names[i] for i, _ in items], indices=[i for i, _ in items],
+                    dtype=dt, stage=self.stage, world_size=self.world_size, rank=self.rank,
+                    bucket_numel=self.bucket_numel, reduce_dtype=self.reduce_dtype,
+                    device=self.device))
+        return out
+
+    def _order_buckets(self) -> list[_Bucket]:
+        """Launch order, identical on every rank: the bucket whose params come last goes first
+        (backward produces grads roughly in reverse registration order)."""
+        buckets = []
+        for fg in self.flat_groups:
+            L = fg.layout
+            for k in range(L.num_buckets):
+                slots = [i for i, s in enumerate(L.params) if k in L.buckets_of(s)]
+                buckets.append(_Bucket(fg, k, slots))
+        key = {id(b): max((b.fg.layout.params[i].index for i in b.slots), default=-1)
+               for b in buckets}
+        buckets.sort(key=lambda b: (-key[id(b)], b.fg.unit, b.k))
+        return buckets
+
+    def _reset_pending(self) -> None:
+        for b in self._buckets:
+            b.pending = len(b.slots)
+            b.launched = False
+        self._next = 0
+
+    # -- backward -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate grads locally for the micro-batches inside (stages 0-1). Stages 2-3 still
+        reduce-scatter every micro-batch: they keep no full grad buffer to accumulate in."""
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        if p.grad.is_sparse:
+            raise RuntimeError(f"param {self.param_names[self._index(p)]} got a sparse grad; "
+                               "sparse gradients are not supported")
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        fg, pos = self._where[id(p)]
+        with torch.no_grad():
+            fg.accumulate(pos, p.grad)
+        p.grad = None
+        for k in fg.layout.buckets_of(fg.layout.params[pos]):
+            self._bucket_of[(id(fg), k)].pending -= 1
+        self._launch_ready(force=False)
+
+    def _index(self, p: torch.Tensor) -> int:
+        return next(i for i, q in enumerate(self.params) if q is p)
+
+    def _reduces_now(self) -> bool:
+        return self._sync or self.stage >= Stage.GRADIENTS
+
+    def _launch_ready(self, force: bool) -> None:
+        if not self._reduces_now():
+            return
+        while self._next < len(self._buckets):
+            b = self._buckets[self._next]
+            if b.pending > 0 and not force:
+                return
+            self._launch(b)
+            self._next += 1
+
+    def _launch(self, b: _Bucket) -> None:
+        fg, k = b.fg, b.k
+        buf = fg.bucket_grad(k)
+        if self.trace is not None:
+            self.trace.append(("reduce", (fg.unit, fg.group_index, k)))
+        if self.stage == Stage.DP:
+            h = comm.all_reduce(buf, self.process_group, self.world_size, self.comm)
+            self._handles.append((h, None))
+            return
+        lo, hi = fg.layout.piece(k, fg.shard_rank)
+        lo, hi = lo - k * fg.layout.bucket_numel, hi - k * fg.layout.bucket_numel
+        h = comm.reduce_scatter(buf[lo:hi], buf, self.process_group, self.world_size, self.comm)
+        finish = None
+        if fg.grad_shard is not None:
+            S = fg.layout.shard_numel
+
+            def finish(fg: FlatGroup = fg, k: int = k, lo: int = lo, hi: int = hi) -> None:
+                fg.grad_shard[k * S:(k + 1) * S].add_(fg.bucket_grads.pop(k)[lo:hi])
+        self._handles.append((h, finish))
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        if self._reduces_now():
+            self._launch_ready(force=True)
+        if self.stage >= Stage.GRADIENTS:
+            self._wait_reductions()  # frees the bucket buffers before the next micro-batch
+        if self.trace is not None:
+            self.trace.append(("backward_end", None))
+        self._reset_pending()
+
+    def _wait_reductions(self) -> None:
+        for h, finish in self._handles:
+            comm.wait(h)
+            if finish is not None:
+                finish()
+        self._handles.clear()
+
+    # -- step -----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update. No host sync on CUDA: scale, clip and skip are computed on the device."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._in_backward:
+            raise RuntimeError("step() called during backward")
+        self._wait_reductions()
+        self._prepare_scalars()
+        # The step counter advances only for steps that are taken.
+        self._step.add_(1.0 - self._skip)
+        for fg in self.flat_groups:
+            g = self.param_groups[fg.group_index]
+            fg.set_lr(g["lr"])
+            beta1, beta2 = g["betas"]
+            adamw_step(fg.master_stream(), fg.grad_stream(), fg.exp_avg, fg.exp_avg_sq,
+                       fg.out_stream(), lr=fg.lr, step=self._step, grad_scale=self._grad_scale,
+                       skip=self._skip, beta1=beta1, beta2=beta2, eps=g["eps"],
+                       weight_decay=g["weight_decay"], maximize=g["maximize"],
+                       num_buckets=fg.layout.num_buckets, shard_numel=fg.layout.shard_numel)
+        if self.scaler is not None:
+            self.scaler.update(self._skip)
+        self._gather_params()
+        self._zero_grad_buffers()
+        return loss
+
+    def _prepare_scalars(self) -> None:
+        need_norm = self.max_grad_norm is not None or self.skip_nonfinite or self.scaler
+        inv = self._inv_world if self.scaler is None else self._inv_world / self.scaler.scale
+        if not need_norm:
+            self._grad_scale.copy_(inv)
+            self._skip.zero_()
+            return
+        total = torch.zeros(1, dtype=torch.float32, device=self.device)
+        for fg in self.flat_groups:
+            total += sumsq(fg.grad_stream(), num_buckets=fg.layout.num_buckets,
+                           shard_numel=fg.layout.shard_numel)
+        if self.stage != Stage.DP:  # stage 0 grads are replicated: the local sum is global
+            comm.wait(comm.all_reduce(total, self.process_group, self.world_size, self.comm))
+        finite = torch.isfinite(total)
+        torch.mul(total.sqrt(), inv, out=self._norm)
+        scale = inv
+        if self.max_grad_norm is not None:
+            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1.
+            coef = (self.max_grad_norm / (self._norm + 1e-6)).clamp_(max=1.0)
+            scale = inv * torch.where(finite, coef, torch.ones_like(coef))
+        self._grad_scale.copy_(scale)
+        if self.skip_nonfinite or self.scaler is not None:
+            torch.logical_not(finite, out=self._skip) if False else self._skip.copy_(~finite)
+        else:
+            self._skip.zero_()
+
+    def _gather_params(self) -> None:
+        if self.stage == Stage.PARAMETERS:
+            return  # zero3 gathers per unit just in time
+        if self.stage == Stage.DP:
+            return
+        for fg in self.flat_groups:
+            L = fg.layout
+            assert fg.param_flat is not None
+            for k in range(L.num_buckets):
+                lo, hi = L.bucket_range(k)
+                plo, phi = L.piece(k, self.rank)
+                h = comm.all_gather(fg.param_flat[lo:hi], fg.param_flat[plo:phi],
+                                    self.process_group, self.world_size, self.comm)
+                self._gather_handles.append(h)
+        # Before the next forward reads the params. On NCCL this only orders the streams.
+        for h in self._gather_handles:
+            comm.wait(h)
+        self._gather_handles.clear()
+
+    def _zero_grad_buffers(self) -> None:
+        for fg in self.flat_groups:
+            if fg.grad_flat is not None:
+                fg.grad_flat.zero_()
+            if fg.grad_shard is not None:
+                fg.grad_shard.zero_()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Grads live in the flat buffers and are consumed (zeroed) by `step()`; this clears any
+        `.grad` left on params and empties the buffers (e.g. to drop a micro-batch)."""
+        for p in self.params:
+            p.grad = None
+        if not self._in_backward:
+            self._wait_reductions()
+            self._zero_grad_buffers()
+
+    # -- introspection ---------------------------------------------------------------------------
+    @property
+    def grad_norm(self) -> torch.Tensor:
+        """Global grad norm of the last step (before clipping), a device tensor."""
+        return self._norm
+
+    @property
+    def skipped(self) -> torch.Tensor:
+        return self._skip
+
+    @property
+    def step_count(self) -> torch.Tensor:
+        return self._step
+
+    def memory(self) -> MemoryReport:
+        params = grads = opt = pad = 0
+        for fg in self.flat_groups:
+            a, b, c = fg.resident()
+            params, grads, opt = params + a, grads + b, opt + c
+            pad += fg.layout.padded_numel - fg.layout.param_numel
+        return MemoryReport(params, grads, opt, pad, sum(p.numel() for p in self.params))
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Multiply the loss by the current loss scale (identity without loss scaling)."""
+        return loss if self.scaler is None else loss * self.scaler.scale
+
+    # -- state dict (this rank's shard; `fusedzero.checkpoint` reshards) ----------------------
+    def state_dict(self) -> dict[str, Any]:
+        groups = []
+        index = 0
+        for g in self.param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = list(range(index, index + len(g["params"])))
+            index += len(g["params"])
+            groups.append(d)
+        flat = []
+        for fg in self.flat_groups:
+            flat.append({"master": self.master_shard(fg).clone(), "exp_avg": fg.exp_avg.clone(),
+                         "exp_avg_sq": fg.exp_avg_sq.clone()})
+        state = {"step": self._step.clone(), "flat": flat}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return {"state": state, "param_groups": groups, "layout": self.layout_key()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        key = state_dict.get("layout")
+        if key != self.layout_key():
+            raise ValueError(f"state dict was saved with layout {key}, this optimizer has "
+                             f"{self.layout_key()}; use fusedzero.checkpoint to load across "
+                             "world sizes or stages")
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups):
+            raise ValueError(f"state dict has {len(groups)} param groups, optimizer has "
+                             f"{len(self.param_groups)}")
+        for mine, saved in zip(self.param_groups, groups):
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError("param group sizes differ between state dict and optimizer")
+            for k, v in saved.items():
+                if k != "params":
+                    mine[k] = v
+        st = state_dict["state"]
+        with torch.no_grad():
+            self._step.copy_(st["step"])
+            for fg, d in zip(self.flat_groups, st["flat"], strict=True):
+                fg.exp_avg.copy_(d["exp_avg"])
+                fg.exp_avg_sq.copy_(d["exp_avg_sq"])
+                self.set_master_shard(fg, d["master"])
+            if self.scaler is not None and "scaler" in st:
+                self.scaler.load_state_dict(st["scaler"])
+
+    def layout_key(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "rank": self.rank, "stage": int(self.stage),
+                "bucket_numel": self.bucket_numel,
+                "flat": [(fg.group_index, str(fg.dtype), fg.unit, fg.layout.local_numel)
+                         for fg in self.flat_groups]}
+
+    def master_shard(self, fg: FlatGroup) -> torch.Tensor:
+        """This rank's fp32 master values of `fg`, as a contiguous local-shard tensor."""
+        m = fg.master_stream()
+        if isinstance(m, torch.Tensor):
+            return m if m.dtype == torch.float32 else m.float()
+        L = fg.layout
+        pieces = [m.tensor[k * m.stride + m.base:k * m.stride + m.base + L.shard_numel]
+                  for k in range(L.num_buckets)]
+        return torch.cat(pieces) if pieces else m.tensor.new_zeros(0)
+
+    def set_master_shard(self, fg: FlatGroup, values: torch.Tensor) -> None:
+        """Write this rank's fp32 master (and the param copy derived from it), then gather."""
+        with torch.no_grad():
+            m = fg.master_stream()
+            L = fg.layout
+            if isinstance(m, torch.Tensor):
+                m.copy_(values)
+            else:
+                for k in range(L.num_buckets):
+                    s = k * m.stride + m.base
+                    m.tensor[s:s + L.shard_numel].copy_(values[k * L.shard_numel:
+                                                               (k + 1) * L.shard_numel])
+            out = fg.out_stream()
+            if out is not None:
+                if isinstance(out, torch.Tensor):
+                    out.copy_(values)
+                else:
+                    for k in range(L.num_buckets):
+                        s = k * out.stride + out.base
+                        out.tensor[s:s + L.shard_numel].copy_(values[k * L.shard_numel:
+                                                                     (k + 1) * L.shard_numel])
+        self._gather_params()
+
+
+class _LossScaler:
+    """Dynamic (or static) loss scale kept on the device; updated without a host sync."""
+
+    def __init__(self, loss_scale: str | float, device: torch.device, init: float = 2.0**16,
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000) -> None:
+        self.dynamic = loss_scale == "dynamic"
+        if not self.dynamic and not (isinstance(loss_scale, (int, float)) and loss_scale > 0):
+            raise ValueError(f"loss_scale must be 'dynamic', a positive number or None, "
+                             f"got {loss_scale!r}")
+        value = init if self.dynamic else float(loss_scale)
+        self.scale = torch.full((1,), value, dtype=torch.float32, device=device)
+        self.growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
+        self.growth_factor, self.backoff_factor = growth_factor, backoff_factor
+        self.growth_interval = growth_interval
+
+    def update(self, found_inf: torch.Tensor) -> None:
+        if self.dynamic:
+            torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf,
+                                     self.growth_factor, self.backoff_factor,
+                                     self.growth_interval)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"scale": self.scale.clone(), "growth_tracker": self.growth_tracker.clone()}
+
+    def load_state_dict(self, d: dict[str, torch.Tensor]) -> None:
+        self.scale.copy_(d["scale"])
+        self.growth_tracker.copy_(d["growth_tracker"])
+
+
+def _check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    lr_v = float(lr) if not isinstance(lr, torch.Tensor) else float(lr.reshape(-1)[0])
+    if not lr_v >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if len(betas) != 2 or not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def _trainable(params: Any) -> list[Any]:
+    params = list(params)
+    if not params:
+        raise ValueError("optimizer got an empty parameter list")
+    if isinstance(params[0], dict):
+        out = []
+        for g in params:
+            g = dict(g)
+            ps = g["params"]
+            g["params"] = [p for p in ([ps] if isinstance(ps, torch.Tensor) else ps)
+                           if p.requires_grad]
+            out.append(g)
+        return out
+    return [p for p in params if p.requires_grad]
+
+
+def _param_names(module: nn.Module | None, params: list[nn.Parameter]) -> list[str]:
+    names: dict[int, str] = {}
+    if module is not None:
+        for n, p in module.named_parameters(remove_duplicate=True):
+            names.setdefault(id(p), n)
+    out = [names.get(id(p), f"param.{i}") for i, p in enumerate(params)]
+    if module is not None:
+        missing = [i for i, p in enumerate(params) if id(p) not in names]
+        if missing:
+            raise ValueError(f"params at positions {missing} are not parameters of `module`")
+    return out

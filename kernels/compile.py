@@ -1,0 +1,126 @@
+"""Compile the kernels ahead of time for a CUDA target, with no GPU present.
+
+`compile_for` gives the same binary the runtime would build for 16-byte-aligned buffers, so tests
+can assert on the PTX (vector widths, no spills) and benchmarks/README can quote register counts
+without a device. It needs only Triton's bundled `ptxas`; nothing here runs a kernel.
+"""
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from fusedzero.kernels import adamw as _adamw
+from fusedzero.kernels import reduce as _reduce
+
+KERNELS = ("adamw", "sumsq")
+
+_TRITON_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+                 torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+
+# Int arguments the launcher passes as sizes, strides and bases. The runtime marks an int divisible
+# by 16 ("tt.divisibility") when it is; the bucketed layout pads every bucket and shard to a
+# multiple of 16 elements so that it always is, and this is what lets the compiler prove 128-bit
+# alignment of `ptr + bucket * stride + base + offs`.
+_ADAMW_INTS = ("shard_numel", "master_stride", "master_base", "grad_stride", "grad_base",
+               "out_stride", "out_base")
+_SUMSQ_INTS = ("shard_numel", "stride", "base")
+
+
+def _jit_fn(module: Any, name: str) -> triton.runtime.JITFunction:
+    """The kernel as a JITFunction, even when TRITON_INTERPRET=1 made it an interpreted one.
+
+    `triton.jit` decides at decoration time, so under the interpreter the module's kernels cannot
+    be compiled; a private copy of the module, executed with the interpreter off, can.
+    """
+    fn = getattr(module, name)
+    if isinstance(fn, triton.runtime.JITFunction):
+        return fn
+    spec = importlib.util.spec_from_file_location(f"{module.__name__}._compiled", module.__file__)
+    assert spec is not None and spec.loader is not None
+    copy = importlib.util.module_from_spec(spec)
+    with triton.knobs.runtime.scope():
+        triton.knobs.runtime.interpret = False
+        spec.loader.exec_module(copy)
+    return getattr(copy, name)
+
+
+def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
+                out_dtype: torch.dtype | None = None, *, maximize: bool = False,
+                int_dtype: str = "i32", step_dtype: torch.dtype = torch.float32,
+                skip_dtype: torch.dtype = torch.int32) -> Any:
+    """Compile `kernel_name` ("adamw" or "sumsq") for `sm_{capability}`; returns Triton's
+    CompiledKernel (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata`).
+
+    `grad_dtype` is the grad (adamw) or input (sumsq) dtype; `out_dtype` the adamw low-precision
+    output, None for none. Every pointer and every size/stride/base is declared divisible by 16,
+    as the runtime specialises them for our 16-aligned buffers. `int_dtype` is "i32" for shards
+    under 2**31 elements (what the runtime picks), "i64" above. lr and grad_scale are fp32 tensors;
+    `step_dtype`/`skip_dtype` only change the scalar prologue, not the streams.
+    """
+    if kernel_name not in KERNELS:
+        raise ValueError(f"kernel_name={kernel_name!r}, expected one of {KERNELS}")
+    if grad_dtype not in _adamw.GRAD_DTYPES:
+        raise ValueError(f"grad_dtype {grad_dtype}, expected one of {_adamw.GRAD_DTYPES}")
+    g = _TRITON_DTYPE[grad_dtype]
+    if kernel_name == "adamw":
+        if out_dtype is not None and out_dtype not in _adamw.OUT_DTYPES:
+            raise ValueError(f"out_dtype {out_dtype}, expected None or one of {_adamw.OUT_DTYPES}")
+        fn = _jit_fn(_adamw, "_adamw_kernel")
+        ptrs = {"master_ptr": "*fp32", "grad_ptr": f"*{g}", "exp_avg_ptr": "*fp32",
+                "exp_avg_sq_ptr": "*fp32",
+                # Without an output the launcher passes master as a never-written dummy.
+                "out_ptr": f"*{_TRITON_DTYPE[out_dtype]}" if out_dtype is not None else "*fp32",
+                "lr_ptr": "*fp32", "step_ptr": f"*{_TRITON_DTYPE[step_dtype]}",
+                "scale_ptr": "*fp32", "skip_ptr": f"*{_TRITON_DTYPE[skip_dtype]}"}
+        ints = _ADAMW_INTS
+        constexprs = {"HAS_OUT": out_dtype is not None, "OUT_BF16": out_dtype == torch.bfloat16,
+                      "MAXIMIZE": maximize, "BLOCK": _adamw.BLOCK}
+        num_warps = _adamw.NUM_WARPS
+    else:
+        if out_dtype is not None:
+            raise ValueError("sumsq has no output dtype; pass out_dtype=None")
+        fn = _jit_fn(_reduce, "_sumsq_kernel")
+        ptrs = {"x_ptr": f"*{g}", "partial_ptr": "*fp32"}
+        ints = _SUMSQ_INTS
+        constexprs = {"BLOCK": _reduce.BLOCK}
+        num_warps = _reduce.NUM_WARPS
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ptrs:
+            signature[name] = ptrs[name]
+        elif name in ints:
+            signature[name] = int_dtype
+        else:  # Python float scalars arrive as fp32
+            signature[name] = "fp32"
+    aligned = set(ptrs) | set(ints)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name in aligned}
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32),
+                          options={"num_warps": num_warps})
+
+
+def resource_usage(compiled: Any) -> dict[str, int]:
+    """Registers, spill stack and local memory of a compiled kernel, read from its cubin with the
+    `cuobjdump` Triton bundles (CompiledKernel only learns n_regs/n_spills when loaded on a GPU).
+    Keys: REG, STACK, SHARED, LOCAL (bytes except REG)."""
+    import tempfile
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([str(tool), "--dump-resource-usage", f.name], check=True,
+                              capture_output=True, text=True).stdout
+    line = next(ln for ln in text.splitlines() if "REG:" in ln)
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
