@@ -62,7 +62,9 @@ class CausalSelfAttention(nn.Module):
         self.n_head = config.n_head
         self.dropout = config.dropout
         # One matmul for q, k and v together, split afterwards.
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd)
+        # No qkv bias: the key bias cannot change softmax, so its exact gradient is zero and Adam
+        # would turn rounding noise in it into full-size, sign-random updates.
+        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         # Output projection into the residual stream; GPT.init_weights scales its init down.
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)

@@ -65,7 +65,7 @@ def _adamw_kernel(
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     # A skipped step (non-finite grads) masks every access: nothing is read or written.
     limit = tl.where(tl.load(skip_ptr) == 0, shard_numel, 0)
-    mask = offs < limit
+    mask = offs <= limit
 
     lr = tl.load(lr_ptr).to(tl.float32)
     scale = tl.load(scale_ptr).to(tl.float32)
@@ -110,8 +110,10 @@ def _as_strided(x: torch.Tensor | Strided, shard_numel: int) -> Strided:
     return x if isinstance(x, Strided) else Strided(x, shard_numel, 0)
 
 
-def _pieces(s: Strided, num_buckets: int, shard_numel: int) -> list[torch.Tensor]:
-    if s.stride == shard_numel and s.base == 0:
+def _pieces(s: Strided, num_buckets: int, shard_numel: int,
+            split: int | None = None) -> list[torch.Tensor]:
+    """The shard's pieces as views: one view when contiguous (unless `split` asks per bucket)."""
+    if split != num_buckets and s.stride == shard_numel and s.base == 0:
         return [s.tensor[: num_buckets * shard_numel]]
     return [s.tensor[k * s.stride + s.base : k * s.stride + s.base + shard_numel]
             for k in range(num_buckets)]
@@ -218,22 +220,21 @@ def _adamw_torch(ms: Strided, gs: Strided, exp_avg: torch.Tensor, exp_avg_sq: to
     """
     if skip.item() != 0:
         return
-    masters = _pieces(ms, num_buckets, shard_numel)
-    grads = _pieces(gs, num_buckets, shard_numel)
+    m_, v_ = Strided(exp_avg, shard_numel, 0), Strided(exp_avg_sq, shard_numel, 0)
+    streams = [ms, gs, m_, v_] + ([os_] if os_ is not None else [])
+    # One whole-buffer view per stream when every stream is the local layout, else per bucket.
+    split = num_buckets if any(s.stride != shard_numel or s.base != 0 for s in streams) else 1
+    masters, grads, ms_, vs_ = (_pieces(s, num_buckets, shard_numel, split)
+                                for s in (ms, gs, m_, v_))
     # torch's CPU kernel wants the grad in the param's dtype: one cast pass for bf16/fp16 grads.
     grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
-    ms_ = [exp_avg[: num_buckets * shard_numel]]
-    vs_ = [exp_avg_sq[: num_buckets * shard_numel]]
-    if len(masters) > 1:
-        ms_ = list(exp_avg[: num_buckets * shard_numel].split(shard_numel))
-        vs_ = list(exp_avg_sq[: num_buckets * shard_numel].split(shard_numel))
     torch._fused_adamw_(
         masters, grads, ms_, vs_, [], [step.float()] * len(masters),
         lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
         amsgrad=False, maximize=maximize, grad_scale=grad_scale.reciprocal(), found_inf=None,
     )
     if os_ is not None:
-        for o, p in zip(_pieces(os_, num_buckets, shard_numel), masters):
+        for o, p in zip(_pieces(os_, num_buckets, shard_numel, split), masters):
             o.copy_(p)
 
 
