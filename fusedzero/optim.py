@@ -100,6 +100,8 @@ class FlatGroup:
         self.grad_flat: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.bucket_grads: dict[int, torch.Tensor] = {}
+        self.full: torch.Tensor | None = None  # stage 3: gathered params (storage freed between)
+        self.param_base: torch.Tensor | None = None
 
         if stage == Stage.PARAMETERS:
             return  # zero3.py builds the param shard itself
@@ -310,6 +312,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._inv_world = torch.full((1,), 1.0 / self.world_size, **f32)
         self.scaler = _LossScaler(loss_scale, self.device) if loss_scale is not None else None
 
+        self._zero3: Any = None
         if stage == Stage.PARAMETERS:
             from fusedzero.zero3 import build_zero3
             self.flat_groups = build_zero3(self, module, unit_policy, reshard_after_forward)
@@ -358,6 +361,10 @@ class ZeroAdamW(torch.optim.Optimizer):
             for k in range(L.num_buckets):
                 slots = [i for i, s in enumerate(L.params) if k in L.buckets_of(s)]
                 buckets.append(_Bucket(fg, k, slots))
+        if self.stage == Stage.PARAMETERS:
+            # Units finish backward in reverse forward order; the root (unit 0) finishes last.
+            buckets.sort(key=lambda b: (b.fg.unit == 0, -b.fg.unit, -b.k))
+            return buckets
         key = {id(b): max((b.fg.layout.params[i].index for i in b.slots), default=-1)
                for b in buckets}
         buckets.sort(key=lambda b: (-key[id(b)], b.fg.unit, b.k))
@@ -396,6 +403,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         for k in fg.layout.buckets_of(fg.layout.params[pos]):
             self._bucket_of[(id(fg), k)].pending -= 1
         self._launch_ready(force=False)
+        if self._zero3 is not None:
+            self._zero3.grad_ready(fg.unit)
 
     def _index(self, p: torch.Tensor) -> int:
         return next(i for i, q in enumerate(self.params) if q is p)
@@ -439,6 +448,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._launch_ready(force=True)
         if self.stage >= Stage.GRADIENTS:
             self._wait_reductions()  # frees the bucket buffers before the next micro-batch
+        if self._zero3 is not None:
+            self._zero3.end_backward()
         if self.trace is not None:
             self.trace.append(("backward_end", None))
         self._reset_pending()
@@ -541,6 +552,13 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._zero_grad_buffers()
 
     # -- introspection ---------------------------------------------------------------------------
+    def gathered_params(self) -> contextlib.AbstractContextManager[None]:
+        """Context in which every model param holds its full value (stage 3 gathers all units
+        and frees them on exit; other stages always hold full params)."""
+        if self._zero3 is not None:
+            return self._zero3.gathered()
+        return contextlib.nullcontext()
+
     @property
     def grad_norm(self) -> torch.Tensor:
         """Global grad norm of the last step (before clipping), a device tensor."""

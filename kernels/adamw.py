@@ -65,7 +65,7 @@ def _adamw_kernel(
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     # A skipped step (non-finite grads) masks every access: nothing is read or written.
     limit = tl.where(tl.load(skip_ptr) == 0, shard_numel, 0)
-    mask = offs <= limit
+    mask = offs < limit
 
     lr = tl.load(lr_ptr).to(tl.float32)
     scale = tl.load(scale_ptr).to(tl.float32)

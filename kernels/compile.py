@@ -2,13 +2,18 @@
 
 `compile_for` gives the same binary the runtime would build for 16-byte-aligned buffers, so tests
 can assert on the PTX (vector widths, no spills) and benchmarks/README can quote register counts
-without a device. It needs only Triton's bundled `ptxas`; nothing here runs a kernel.
+without a device. It needs only Triton's bundled `ptxas` (and `cuobjdump` for `resource_usage`);
+nothing here runs a kernel. Triton must have been imported without TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
-import importlib.util
+import argparse
+import json
 import re
 import subprocess
+import sys
+import tempfile
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -26,30 +31,24 @@ _TRITON_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "
                  torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 
 # Int arguments the launcher passes as sizes, strides and bases. The runtime marks an int divisible
-# by 16 ("tt.divisibility") when it is; the bucketed layout pads every bucket and shard to a
-# multiple of 16 elements so that it always is, and this is what lets the compiler prove 128-bit
-# alignment of `ptr + bucket * stride + base + offs`.
+# by 16 ("tt.divisibility") when it is; fusedzero/layout.py makes every bucket a multiple of
+# world_size * 128 elements, so shards, strides and bases always are. Without it the compiler
+# cannot prove `ptr + bucket * stride + base + offs` 16-byte aligned and falls back to scalar
+# accesses (without these attrs the 128-bit checks in tests/test_compile.py fail).
 _ADAMW_INTS = ("shard_numel", "master_stride", "master_base", "grad_stride", "grad_base",
                "out_stride", "out_base")
 _SUMSQ_INTS = ("shard_numel", "stride", "base")
 
 
 def _jit_fn(module: Any, name: str) -> triton.runtime.JITFunction:
-    """The kernel as a JITFunction, even when TRITON_INTERPRET=1 made it an interpreted one.
-
-    `triton.jit` decides at decoration time, so under the interpreter the module's kernels cannot
-    be compiled; a private copy of the module, executed with the interpreter off, can.
-    """
     fn = getattr(module, name)
-    if isinstance(fn, triton.runtime.JITFunction):
-        return fn
-    spec = importlib.util.spec_from_file_location(f"{module.__name__}._compiled", module.__file__)
-    assert spec is not None and spec.loader is not None
-    copy = importlib.util.module_from_spec(spec)
-    with triton.knobs.runtime.scope():
-        triton.knobs.runtime.interpret = False
-        spec.loader.exec_module(copy)
-    return getattr(copy, name)
+    if not isinstance(fn, triton.runtime.JITFunction):
+        # triton.jit decides at decoration time, and triton.language's own helpers (tl.sum, ...)
+        # were decorated when triton was imported: nothing in this process can be compiled.
+        raise RuntimeError(f"{name} was built for the Triton interpreter (TRITON_INTERPRET=1 when "
+                           "triton was imported); compile in a process without it, e.g. "
+                           "`TRITON_INTERPRET=0 python -m fusedzero.kernels.compile`")
+    return fn
 
 
 def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
@@ -114,8 +113,6 @@ def resource_usage(compiled: Any) -> dict[str, int]:
     """Registers, spill stack and local memory of a compiled kernel, read from its cubin with the
     `cuobjdump` Triton bundles (CompiledKernel only learns n_regs/n_spills when loaded on a GPU).
     Keys: REG, STACK, SHARED, LOCAL (bytes except REG)."""
-    import tempfile
-
     tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
@@ -124,3 +121,46 @@ def resource_usage(compiled: Any) -> dict[str, int]:
                               capture_output=True, text=True).stdout
     line = next(ln for ln in text.splitlines() if "REG:" in ln)
     return {k: int(v) for k, v in re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", line)}
+
+
+def memory_accesses(ptx: str) -> Counter[str]:
+    """Count of each global/shared/local load and store form in PTX, e.g. "ld.global.v4.b32"."""
+    pattern = r"\b((?:ld|st)\.(?:global|shared|local)\S*)\s"
+    return Counter(m.group(1) for m in re.finditer(pattern, ptx))
+
+
+def variants() -> list[tuple[str, torch.dtype, torch.dtype | None]]:
+    """Every (kernel, grad dtype, out dtype) the launchers can produce."""
+    out: list[tuple[str, torch.dtype, torch.dtype | None]] = []
+    for g in _adamw.GRAD_DTYPES:
+        out += [("adamw", g, o) for o in (None, *_adamw.OUT_DTYPES)]
+        out.append(("sumsq", g, None))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m fusedzero.kernels.compile [--capability 80 90] [--json PATH]`: compile every
+    variant offline and print registers, spills and global access widths (JSON with PTX to PATH)."""
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("--capability", type=int, nargs="+", default=[80, 90])
+    ap.add_argument("--json", type=Path, help="write every variant's facts and PTX here")
+    args = ap.parse_args(argv)
+    rows = []
+    for cap in args.capability:
+        for kernel, g, o in variants():
+            k = compile_for(kernel, cap, g, o)
+            ptx = k.asm["ptx"]
+            rows.append({"kernel": kernel, "capability": cap, "grad_dtype": str(g),
+                         "out_dtype": str(o), "usage": resource_usage(k),
+                         "shared_bytes": k.metadata.shared,
+                         "accesses": dict(memory_accesses(ptx)), "ptx": ptx})
+            acc = {a: n for a, n in memory_accesses(ptx).items() if ".global" in a}
+            print(f"sm_{cap} {kernel:5s} grad={g} out={o}: regs={rows[-1]['usage']['REG']} "
+                  f"local={rows[-1]['usage']['LOCAL']}B shared={k.metadata.shared}B {acc}",
+                  file=sys.stderr)
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from fusedzero.layout import build_layout
 from fusedzero.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
+from torch.utils.checkpoint import checkpoint
 
 CFG = GPTConfig(vocab_size=61, block_size=12, n_layer=2, n_head=2, n_embd=22)
 GLOBAL_BATCH = 8
@@ -45,7 +47,11 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
     model = make_model()
     for name in opts.get("freeze", ()):
         model.get_submodule(name).requires_grad_(False)
+    if opts.get("checkpointing"):
+        for blk in model.blocks:
+            blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
     opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, stage=opts["stage"], module=model,
+                    reshard_after_forward=opts.get("reshard", True),
                     bucket_numel=opts.get("bucket", BUCKET),
                     max_grad_norm=opts.get("clip"), param_dtype=opts.get("param_dtype"),
                     reduce_dtype=opts.get("reduce_dtype", torch.float32),
@@ -69,11 +75,16 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
         skipped.append(opt.skipped.item())
         comm.append(opt.comm.snapshot())
     masters = [opt.master_shard(fg).clone() for fg in opt.flat_groups]
+    with opt.gathered_params():
+        params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     return {
-        "params": {n: p.detach().float().clone() for n, p in model.named_parameters()},
+        "params": params,
         "norms": norms, "skipped": skipped, "comm": comm, "memory": tuple(opt.memory()),
         "padded": [fg.layout.padded_numel for fg in opt.flat_groups],
         "trace": opt.trace, "masters": masters,
+        "max_gathered": opt._zero3.max_gathered if opt._zero3 else None,
+        "unit_padded": ([sum(fg.layout.padded_numel for fg in opt._zero3.fgs[u])
+                         for u in range(len(opt._zero3.modules))] if opt._zero3 else None),
         "segments": [fg.layout.segments(fg.shard_rank) for fg in opt.flat_groups],
     }
 
@@ -124,10 +135,10 @@ RTOL, ATOL = 1e-6, 1e-6
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_stages_0_1_2_match_torch_adamw(world: int) -> None:
+def test_stages_0_to_3_match_torch_adamw(world: int) -> None:
     ref, ref_norms = train_reference(clip=1.0)
-    outs = run_ranks(train_many, world, [{"stage": s, "clip": 1.0} for s in (0, 1, 2)])
-    for stage in (0, 1, 2):
+    outs = run_ranks(train_many, world, [{"stage": s, "clip": 1.0} for s in (0, 1, 2, 3)])
+    for stage in (0, 1, 2, 3):
         out = [o[stage] for o in outs]
         for r, o in enumerate(out):
             assert_params_close(o["params"], ref, RTOL, ATOL, f"stage {stage} rank {r}/{world}")
@@ -141,8 +152,8 @@ def test_stages_0_1_2_match_torch_adamw(world: int) -> None:
 def test_grad_accumulation_equals_big_batch_on_2_ranks() -> None:
     ref, ref_norms = train_reference(steps=6, accum=2, clip=0.5)
     outs = run_ranks(train_many, 2, [{"stage": s, "accum": 2, "steps": 6, "clip": 0.5}
-                                     for s in (0, 1, 2)])
-    for stage in (0, 1, 2):
+                                     for s in (0, 1, 2, 3)])
+    for stage in (0, 1, 2, 3):
         out = [o[stage] for o in outs]
         for r, o in enumerate(out):
             assert_params_close(o["params"], ref, RTOL, ATOL, f"accum stage {stage} rank {r}")
@@ -278,15 +289,21 @@ class _Branchy(torch.nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
-def train_branchy(rank: int, world: int, stage: int) -> dict:
-    torch.manual_seed(0)
-    m = _Branchy()
-    opt = ZeroAdamW(m.parameters(), lr=LR, stage=stage, module=m, bucket_numel=256)
-    for step in range(3):
-        x = torch.randn(8, 9, generator=torch.Generator().manual_seed(step))
-        m(rank_slice(x, rank, world)).square().mean().backward()
-        opt.step()
-    return {n: p.detach().clone() for n, p in m.named_parameters()}
+def train_branchy(rank: int, world: int, stages: tuple[int, ...]) -> list[dict]:
+    out = []
+    for stage in stages:
+        torch.manual_seed(0)
+        m = _Branchy()
+        # Stage 3 with one unit per Linear: the `unused` unit is never called.
+        opt = ZeroAdamW(m.parameters(), lr=LR, stage=stage, module=m, bucket_numel=256,
+                        unit_policy=torch.nn.Linear)
+        for step in range(3):
+            x = torch.randn(8, 9, generator=torch.Generator().manual_seed(step))
+            m(rank_slice(x, rank, world)).square().mean().backward()
+            opt.step()
+        with opt.gathered_params():
+            out.append({n: p.detach().clone() for n, p in m.named_parameters()})
+    return out
 
 
 def test_param_without_grad_is_treated_as_zero_no_hang_on_2_ranks() -> None:
@@ -298,8 +315,8 @@ def test_param_without_grad_is_treated_as_zero_no_hang_on_2_ranks() -> None:
         m(x).square().mean().backward()
         ref.step()
         ref.zero_grad()
-    for stage in (1, 2):
-        for o in run_ranks(train_branchy, 2, stage, timeout=60):
+    for outs in run_ranks(train_branchy, 2, (1, 2, 3), timeout=60):
+        for o in outs:
             for n, p in m.named_parameters():
                 # torch skips params whose grad is None; ours treats it as zero: the unused
                 # layer still decays (decoupled weight decay), documented in the README.
@@ -317,3 +334,36 @@ def test_padding_under_half_percent_for_gpt_default_layout() -> None:
     for W in (1, 2, 4, 8, 64):
         L = build_layout(items, W)
         assert (L.padded_numel - L.param_numel) / L.param_numel < 0.005, W
+
+
+def test_zero3_memory_units_comm_overlap_and_checkpointing_on_2_ranks() -> None:
+    W = 2
+    ref, _ = train_reference(steps=3, clip=1.0)
+    cases = [{"stage": 3, "steps": 3, "clip": 1.0, "trace": True},
+             {"stage": 3, "steps": 3, "clip": 1.0, "reshard": False},
+             {"stage": 3, "steps": 3, "clip": 1.0, "checkpointing": True},
+             {"stage": 3, "steps": 2, "param_dtype": torch.bfloat16,
+              "reduce_dtype": torch.bfloat16}]
+    outs = run_ranks(train_many, W, cases)
+    for o in outs:
+        resharded, kept, ckpt, bf16 = o
+        for case in (resharded, kept, ckpt):
+            assert_params_close(case["params"], ref, RTOL, ATOL, "zero3")
+            # The root holds the params outside blocks; at most 2 blocks (current + prefetched).
+            assert 1 <= case["max_gathered"] <= 2
+        psi = sum(resharded["padded"])
+        assert psi == sum(resharded["unit_padded"])
+        # Resident: bf16 params 2Psi/W, bf16 grads 2Psi/W, fp32 master + moments 12Psi/W.
+        params, grads, optim, pad, _ = bf16["memory"]
+        assert (params, grads, optim) == (2 * psi // W, 2 * psi // W, 12 * psi // W)
+        # Comm per step, fp32 params: forward all-gather + backward all-gather + reduce-scatter
+        # with reshard_after_forward; one all-gather less without it.
+        rs = (W - 1) * psi * 4 // W
+        scalar = 2 * (W - 1) * 4 // W
+        assert resharded["comm"][-1]["bytes"] == {"reduce_scatter": rs, "all_gather": 2 * rs,
+                                                  "all_reduce": scalar}
+        assert kept["comm"][-1]["bytes"] == {"reduce_scatter": rs, "all_gather": rs,
+                                             "all_reduce": scalar}
+        # Overlap: unit 2's gather is issued before unit 1's forward compute ends.
+        trace = resharded["trace"]
+        assert trace.index(("gather", 2)) < trace.index(("forward_end", 1))
