@@ -43,7 +43,9 @@ def _round_to_bf16(x):
     # Round-to-nearest-even fp32 -> bf16 in integer ops. The GPU's cvt.rn does the same, but the
     # Triton interpreter truncates; spelling it out keeps one kernel bitwise-identical in both.
     bits = x.to(tl.uint32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
+    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
+    # A NaN stays a (quiet) NaN: the carry could otherwise wrap its payload to +-0 or inf.
+    bits = tl.where(x != x, bits | 0x400000, rounded)
     return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
