@@ -61,11 +61,6 @@ class MemoryReport(NamedTuple):
         return self.params + self.grads + self.optimizer
 
 
-class StepStats(NamedTuple):
-    grad_norm: torch.Tensor  # true global norm of the averaged grads (before clipping)
-    skipped: torch.Tensor  # 1.0 if the step was skipped for non-finite grads
-
-
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -88,7 +83,7 @@ class FlatGroup:
         L = self.layout
         self.device = device
         self.reduce_dtype = reduce_dtype
-        S, n_local = L.shard_numel, L.local_numel
+        n_local = L.local_numel
         f32 = dict(dtype=torch.float32, device=device)
         self.exp_avg = torch.zeros(n_local, **f32)
         self.exp_avg_sq = torch.zeros(n_local, **f32)
@@ -108,12 +103,9 @@ class FlatGroup:
         self.param_flat = torch.zeros(L.padded_numel, dtype=dtype, device=device)
         with torch.no_grad():
             for p, slot in zip(params, L.params):
-                src = p.detach().reshape(-1)
-                view = self.param_flat[slot.offset:slot.offset + slot.numel]
-                if dtype != torch.float32:
-                    pass  # the master is filled below from the original values
-                view.copy_(src)
+                self.param_flat[slot.offset:slot.offset + slot.numel].copy_(p.detach().reshape(-1))
         if dtype != torch.float32:
+            # From the original values, before the params become (possibly bf16) views.
             self.master = torch.zeros(n_local, **f32)
             self._fill_master_from(params)
         for p, slot in zip(params, L.params):
@@ -122,7 +114,6 @@ class FlatGroup:
             self.grad_flat = torch.zeros(L.padded_numel, dtype=reduce_dtype, device=device)
         else:
             self.grad_shard = torch.zeros(n_local, dtype=reduce_dtype, device=device)
-        del S
 
     def _fill_master_from(self, params: list[torch.Tensor]) -> None:
         """Master = the exact fp32 values of this rank's pieces of the given full params."""
@@ -301,8 +292,6 @@ class ZeroAdamW(torch.optim.Optimizer):
                 raise ValueError(f"param {n} has dtype {p.dtype}; expected one of {FLOAT_DTYPES}")
         self.param_names = names
         self.params = all_params
-        if param_dtype is not None and stage != Stage.PARAMETERS:
-            pass  # conversion happens as params become views of the flat buffers
 
         f32 = dict(dtype=torch.float32, device=self.device)
         self._step = torch.zeros(1, **f32)
@@ -326,12 +315,15 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._bucket_of: dict[tuple[int, int], _Bucket] = {(id(b.fg), b.k): b
                                                            for b in self._buckets}
         self._handles: list[tuple[Any, Callable[[], None] | None]] = []
-        self._gather_handles: list[Any] = []
+        self._gather_handles: dict[tuple[int, int], Any] = {}
         self._sync = True
         self._in_backward = False
         self._next = 0
         self._reset_pending()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in all_params]
+        self._module_waits = module is not None and stage in (Stage.OPTIMIZER, Stage.GRADIENTS)
+        if self._module_waits:
+            self._install_param_waits(module)
 
     # -- construction -----------------------------------------------------------------------
     def _build_flat_groups(self) -> list[FlatGroup]:
@@ -464,13 +456,19 @@ class ZeroAdamW(torch.optim.Optimizer):
     # -- step -----------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One update. No host sync on CUDA: scale, clip and skip are computed on the device."""
+        """One update. No host sync on CUDA: scale, clip and skip are computed on the device.
+
+        With `module` given (stages 1-2), the params' all-gather is still in flight when this
+        returns; the model's forward waits for each bucket as it needs it. To read params
+        outside a forward, use `with opt.gathered_params():` (as with FSDP).
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         if self._in_backward:
             raise RuntimeError("step() called during backward")
+        self._wait_params()  # the kernel rewrites this rank's pieces of the param buffer
         self._wait_reductions()
         self._prepare_scalars()
         # The step counter advances only for steps that are taken.
@@ -512,15 +510,21 @@ class ZeroAdamW(torch.optim.Optimizer):
             scale = inv * torch.where(finite, coef, torch.ones_like(coef))
         self._grad_scale.copy_(scale)
         if self.skip_nonfinite or self.scaler is not None:
-            torch.logical_not(finite, out=self._skip) if False else self._skip.copy_(~finite)
+            self._skip.copy_(~finite)
         else:
             self._skip.zero_()
 
     def _gather_params(self) -> None:
-        if self.stage == Stage.PARAMETERS:
-            return  # zero3 gathers per unit just in time
-        if self.stage == Stage.DP:
-            return
+        """Issue the all-gather of every bucket's updated params (stages 1-2), async.
+
+        [Note: all-gather overlap] With `module` given, each module that owns params waits, in
+        its forward pre-hook, only for the buckets holding them: the gather of later buckets
+        overlaps the forward of earlier layers. Without `module`, `step()` waits before
+        returning. The next `step()` (whose kernel rewrites the params) and `gathered_params()`
+        wait for whatever is still in flight.
+        """
+        if self.stage in (Stage.DP, Stage.PARAMETERS):
+            return  # stage 0 updates the full buffer; stage 3 gathers per unit just in time
         for fg in self.flat_groups:
             L = fg.layout
             assert fg.param_flat is not None
@@ -529,11 +533,37 @@ class ZeroAdamW(torch.optim.Optimizer):
                 plo, phi = L.piece(k, self.rank)
                 h = comm.all_gather(fg.param_flat[lo:hi], fg.param_flat[plo:phi],
                                     self.process_group, self.world_size, self.comm)
-                self._gather_handles.append(h)
-        # Before the next forward reads the params. On NCCL this only orders the streams.
-        for h in self._gather_handles:
-            comm.wait(h)
-        self._gather_handles.clear()
+                self._gather_handles[(id(fg), k)] = h
+        if not self._module_waits:
+            self._wait_params()
+
+    def _wait_params(self, keys: Iterable[tuple[int, int]] | None = None) -> None:
+        """Wait for in-flight param all-gathers (all, or those buckets). On NCCL this orders
+        the streams; it is not a host sync."""
+        if not self._gather_handles:
+            return
+        for key in list(self._gather_handles) if keys is None else keys:
+            h = self._gather_handles.pop(key, None)
+            if h is not None:
+                if self.trace is not None:
+                    self.trace.append(("param_wait", key))
+                comm.wait(h)
+
+    def _install_param_waits(self, module: nn.Module) -> None:
+        """Forward pre-hooks: each module with params of ours waits for their buckets."""
+        for m in module.modules():
+            keys = []
+            for p in m.parameters(recurse=False):
+                where = self._where.get(id(p))
+                if where is not None:
+                    fg, pos = where
+                    keys += [(id(fg), k) for k in fg.layout.buckets_of(fg.layout.params[pos])]
+            if keys:
+                keys = sorted(set(keys))
+                self._hooks.append(m.register_forward_pre_hook(
+                    lambda mod, args, keys=keys: self._wait_params(keys)))
+        # A param a parent uses directly (not through a submodule) is in the parent's own
+        # parameters(recurse=False), so the parent's hook covers it.
 
     def _zero_grad_buffers(self) -> None:
         for fg in self.flat_groups:
@@ -557,6 +587,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         and frees them on exit; other stages always hold full params)."""
         if self._zero3 is not None:
             return self._zero3.gathered()
+        self._wait_params()
         return contextlib.nullcontext()
 
     @property
@@ -666,6 +697,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                         out.tensor[s:s + L.shard_numel].copy_(values[k * L.shard_numel:
                                                                      (k + 1) * L.shard_numel])
         self._gather_params()
+        self._wait_params()
 
 
 class _LossScaler:
