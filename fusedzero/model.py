@@ -150,20 +150,26 @@ class GPT(nn.Module):
         # Module.to_empty() from meta gives each module its own new Parameter, which silently
         # unties lm_head from wte (torch 2.13); re-tie so a materialised model is tied again.
         self.lm_head.weight = self.wte.weight
-        residual_std = INIT_STD / math.sqrt(2 * self.config.n_layer)
         for name, module in self.named_modules():
-            if module is self.lm_head:
-                continue  # its weight is wte.weight, initialised as an embedding
-            if isinstance(module, nn.Linear):
-                std = residual_std if name.endswith(".proj") else INIT_STD
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
+            self.init_module(name, module)
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """Initialise the params a module owns directly (see init_weights). ZeRO-3 calls this
+        module by module to build a model from the meta device without ever holding it whole."""
+        if module is self.lm_head:
+            return  # its weight is wte.weight, initialised as an embedding
+        if isinstance(module, nn.Linear):
+            std = INIT_STD / math.sqrt(2 * self.config.n_layer) if name.endswith(".proj") \
+                else INIT_STD
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=INIT_STD)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
 
     def num_params(self) -> int:
         """Number of unique parameter elements (the tied embedding/head weight counted once)."""

@@ -219,6 +219,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         max_grad_norm: clip the global grad norm to this (None: no clipping).
         skip_nonfinite: skip the whole step (on the device, no sync) when a grad is inf/nan.
         loss_scale: "dynamic" for fp16 dynamic loss scaling, a float for a static scale, None.
+        unit_policy: stage 3 units: None (each child of an nn.ModuleList), a module class or
+            tuple of classes, a callable(module) -> bool, or a minimum element count.
+        reshard_after_forward: stage 3: free a unit after its forward and gather it again for
+            backward (3 Psi of traffic per step); False keeps it until backward (2 Psi).
+        param_init_fn: stage 3 with params on the meta device: `fn(name, module)` initialises the
+            params a module owns directly (default: `module.reset_parameters()`).
+        device: where meta-device params are materialised (default: cuda if present, else cpu).
+        trace: record the order of collectives and unit events in `self.trace` (tests).
     """
 
     def __init__(
@@ -241,6 +249,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         loss_scale: str | float | None = None,
         unit_policy: Any = None,
         reshard_after_forward: bool = True,
+        param_init_fn: Callable[[str, nn.Module], None] | None = None,
+        device: torch.device | str | None = None,
         trace: bool = False,
     ) -> None:
         _check_hyper(lr, betas, eps, weight_decay)
@@ -284,6 +294,18 @@ class ZeroAdamW(torch.optim.Optimizer):
         if len(devices) > 1:
             raise ValueError(f"all params must be on one device, got {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
+        if self.device.type == "meta":
+            if stage != Stage.PARAMETERS:
+                raise ValueError("params on the meta device need stage=3, which materialises "
+                                 "them unit by unit; other stages hold the full model anyway")
+            if module is not None and any(p.is_meta for p in module.parameters()
+                                          if not p.requires_grad):
+                raise ValueError("frozen params on the meta device are not supported: "
+                                 "materialise them before building the optimizer")
+            self.device = torch.device(device if device is not None else
+                                       ("cuda" if torch.cuda.is_available() else "cpu"))
+        elif device is not None and torch.device(device) != self.device:
+            raise ValueError(f"device={device} but the params are on {self.device}")
         names = _param_names(module, all_params)
         for p, n in zip(all_params, names):
             if p.is_sparse or p.layout != torch.strided:
@@ -304,7 +326,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._zero3: Any = None
         if stage == Stage.PARAMETERS:
             from fusedzero.zero3 import build_zero3
-            self.flat_groups = build_zero3(self, module, unit_policy, reshard_after_forward)
+            self.flat_groups = build_zero3(self, module, unit_policy, reshard_after_forward,
+                                           param_init_fn)
         else:
             self.flat_groups = self._build_flat_groups()
         self._buckets = self._order_buckets()

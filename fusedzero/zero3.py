@@ -99,6 +99,7 @@ class Zero3:
         self.gathered_now = 0
         self.max_gathered = 0  # units gathered at once, the root excluded
         self.max_gathered_with_root = 0
+        self.materialize_peak = 0  # most full-buffer elements alive during meta-device init
         self._hooks: list[Any] = []
         self.unit_of_param: dict[int, int] = {}
 
@@ -117,18 +118,59 @@ class Zero3:
             self.n_trainable[u] += 1
         return units
 
-    def setup(self, fgs: list[FlatGroup]) -> None:
-        """Fill the shards from the params' current values, point params at the gathered buffer,
-        release it, and install the hooks."""
+    def setup(self, fgs: list[FlatGroup], param_init_fn: Any) -> None:
+        """Fill the shards from the params' current values (or, for params on the meta device,
+        initialise them unit by unit), point params at the gathered buffer, release it, and
+        install the hooks."""
+        meta = any(p.is_meta for fg in fgs for p in fg.params)
         for fg in fgs:
             self.fgs[fg.unit].append(fg)
             _init_flat_group(fg)
+        if meta:
+            self._materialize(param_init_fn)
         for u, m in enumerate(self.modules):
             if not self.fgs[u]:
                 continue
             self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(u)))
             self._hooks.append(m.register_forward_hook(self._make_post_forward(u)))
         self.pending = list(self.n_trainable)
+
+    def _materialize(self, init_fn: Any) -> None:
+        """Initialise meta-device params module by module, in `named_modules()` order (the order
+        an eager build draws its random numbers in, so both give the same values). A unit's
+        full buffer lives only while its modules are being initialised: the whole model never
+        exists on one rank. Each rank computes the same full values and keeps its own shard."""
+        if init_fn is None:
+            def init_fn(name: str, m: nn.Module) -> None:
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+        todo: list[tuple[str, nn.Module, int]] = []
+        left = [0] * len(self.modules)
+        for name, m in self.root.named_modules():
+            owned = [p for p in m.parameters(recurse=False) if id(p) in self.unit_of_param]
+            if owned:
+                u = self.unit_of_param[id(owned[0])]
+                todo.append((name, m, u))
+                left[u] += 1
+        for name, m, u in todo:
+            if self.state[u] == UnitState.FREE:
+                for fg in self.fgs[u]:
+                    st = fg.full.untyped_storage()
+                    st.resize_(fg.layout.padded_numel * fg.full.element_size())
+                    fg.full.zero_()
+                self.state[u] = UnitState.GATHERED
+                self.materialize_peak = max(self.materialize_peak, sum(
+                    fg.layout.padded_numel for v in range(len(self.modules))
+                    if self.state[v] != UnitState.FREE for fg in self.fgs[v]))
+            with torch.no_grad():
+                init_fn(name, m)
+            left[u] -= 1
+            if left[u] == 0:
+                for fg in self.fgs[u]:
+                    _copy_own_shard(fg)
+                for fg in self.fgs[u]:
+                    fg.full.untyped_storage().resize_(0)
+                self.state[u] = UnitState.FREE
 
     # -- gather / free --------------------------------------------------------------------------
     def gather(self, u: int) -> None:
@@ -254,6 +296,8 @@ def _init_flat_group(fg: FlatGroup) -> None:
     with torch.no_grad():
         for seg in L.segments(fg.shard_rank):
             p = fg.params[fg._slot_pos(seg.param)]
+            if p.is_meta:
+                continue  # filled by Zero3._materialize
             src = p.detach().reshape(-1)[seg.start:seg.start + seg.length]
             fg.param_shard[seg.local:seg.local + seg.length].copy_(src)
             if fg.master is not None:
@@ -263,12 +307,32 @@ def _init_flat_group(fg: FlatGroup) -> None:
     base.set_(fg.full.untyped_storage(), 0, (fg.full.numel(),))
     fg.param_base = base
     for p, slot in zip(fg.params, L.params):
-        p.data = base[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        view = base[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        if p.is_meta:
+            # `.data =` cannot move a tensor off the meta device; swapping keeps the Python
+            # object (the module, the optimizer and tied modules all hold this one).
+            torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
+        else:
+            p.data = view
     fg.full.untyped_storage().resize_(0)
 
 
+def _copy_own_shard(fg: FlatGroup) -> None:
+    """param_shard and master from this rank's pieces of the (materialised) full buffer."""
+    L = fg.layout
+    with torch.no_grad():
+        for k in range(L.num_buckets):
+            lo, hi = L.piece(k, fg.shard_rank)
+            S = L.shard_numel
+            fg.param_shard[k * S:(k + 1) * S].copy_(fg.full[lo:hi])
+            if fg.master is not None:
+                # From the full-precision init when the params are bf16: the values the
+                # eager build would cast from are gone, so the master starts at the cast.
+                fg.master[k * S:(k + 1) * S].copy_(fg.full[lo:hi])
+
+
 def build_zero3(opt: ZeroAdamW, module: nn.Module, policy: Any,
-                reshard_after_forward: bool) -> list[FlatGroup]:
+                reshard_after_forward: bool, param_init_fn: Any = None) -> list[FlatGroup]:
     from fusedzero.optim import FlatGroup
 
     z = Zero3(opt, module, policy, reshard_after_forward)
@@ -290,5 +354,5 @@ def build_zero3(opt: ZeroAdamW, module: nn.Module, policy: Any,
             stage=opt.stage, world_size=opt.world_size, rank=opt.rank,
             bucket_numel=opt.bucket_numel, reduce_dtype=opt.reduce_dtype, device=opt.device,
             unit=u))
-    z.setup(fgs)
+    z.setup(fgs, param_init_fn)
     return fgs
