@@ -52,11 +52,16 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
         model = make_model()
     for name in opts.get("freeze", ()):
         model.get_submodule(name).requires_grad_(False)
+    pg = None
+    if opts.get("subgroups"):  # two independent data-parallel groups of 2 ranks
+        import torch.distributed as dist
+        pgs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        pg, rank, world = pgs[rank // 2], rank % 2, 2
     if opts.get("checkpointing"):
         for blk in model.blocks:
             blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
     opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, stage=opts["stage"], module=model,
-                    reshard_after_forward=opts.get("reshard", True),
+                    reshard_after_forward=opts.get("reshard", True), process_group=pg,
                     param_init_fn=model.init_module if opts.get("meta") else None,
                     bucket_numel=opts.get("bucket", BUCKET),
                     max_grad_norm=opts.get("clip"), param_dtype=opts.get("param_dtype"),
@@ -144,7 +149,13 @@ RTOL, ATOL = 1e-6, 1e-6
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_stages_0_to_3_match_torch_adamw(world: int) -> None:
     ref, ref_norms = train_reference(clip=1.0)
-    outs = run_ranks(train_many, world, [{"stage": s, "clip": 1.0} for s in (0, 1, 2, 3)])
+    outs = run_ranks(train_many, world, [{"stage": s, "clip": 1.0} for s in (0, 1, 2, 3)]
+                     + ([{"stage": 2, "clip": 1.0, "subgroups": True}] if world == 4 else []))
+    if world == 4:  # process_group=: two groups of 2 ranks train independently, each like W=2
+        for r, o in enumerate(outs):
+            assert_params_close(o[4]["params"], ref, RTOL, ATOL, f"subgroup rank {r}")
+            assert o[4]["comm"][-1]["bytes"]["reduce_scatter"] == \
+                sum(o[4]["padded"]) * 4 // 2  # (W-1)/W with W = 2, fp32
     for stage in (0, 1, 2, 3):
         out = [o[stage] for o in outs]
         for r, o in enumerate(out):
@@ -267,13 +278,13 @@ def test_first_reduce_scatter_issued_before_backward_ends_on_2_ranks() -> None:
 
 
 def test_frozen_layer_unused_param_and_nan_grad_on_2_ranks() -> None:
-    """A frozen block is left out and stays put; wpe... every param gets a grad here, so an unused
-    param is produced by freezing nothing and never using lm-head-only paths: we use a model
-    with a branch that is skipped (see below). A NaN loss on one rank skips the step on all."""
+    """A frozen block is left out of the optimizer and stays put (stages 1 and 3); a NaN loss on
+    one rank skips the step on every rank and leaves the params finite."""
     ref, _ = train_reference(steps=4, freeze=("blocks.0",))
-    out = run_ranks(train_zero, 2, {"stage": 1, "steps": 4, "freeze": ("blocks.0",)})
+    outs = run_ranks(train_many, 2, [{"stage": s, "steps": 4, "freeze": ("blocks.0",)}
+                                     for s in (1, 3)])
     init = make_model()
-    for o in out:
+    for o in (o for pair in outs for o in pair):
         assert_params_close(o["params"], ref, RTOL, ATOL, "frozen")
         for n, p in init.named_parameters():
             if n.startswith("blocks.0."):
