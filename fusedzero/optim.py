@@ -167,6 +167,23 @@ class FlatGroup:
             self.bucket_grads[k] = buf
         return buf
 
+    def grad_view(self, pos: int) -> torch.Tensor | None:
+        """The param's grad as a view of grad_flat, when autograd can accumulate into it
+        directly (stages 0-1 with grads reduced in the param dtype), else None."""
+        if self.grad_flat is None or self.grad_flat.dtype != self.dtype:
+            return None
+        slot = self.layout.params[pos]
+        return self.grad_flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def attach_grad_views(self) -> None:
+        """[Note: grads as bucket views] `p.grad` is a view of grad_flat, so autograd's
+        AccumulateGrad adds each new grad in place into the bucket: no per-step grad allocation
+        and no copy (DDP's gradient_as_bucket_view)."""
+        for pos, p in enumerate(self.params):
+            view = self.grad_view(pos)
+            if view is not None:
+                p.grad = view
+
     def accumulate(self, pos: int, grad: torch.Tensor) -> None:
         """Add a param's grad into the bucket buffer(s) it falls in."""
         slot = self.layout.params[pos]
@@ -313,6 +330,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             if p.dtype not in FLOAT_DTYPES:
                 raise ValueError(f"param {n} has dtype {p.dtype}; expected one of {FLOAT_DTYPES}")
         self.param_names = names
+        if module is not None:
+            for n, m in module.named_modules():
+                if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+                    raise ValueError(f"module {n or type(m).__name__} has sparse=True: sparse "
+                                     "gradients are not supported; build it with sparse=False")
         self.params = all_params
 
         f32 = dict(dtype=torch.float32, device=self.device)
@@ -344,6 +366,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._next = 0
         self._reset_pending()
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in all_params]
+        for fg in self.flat_groups:
+            fg.attach_grad_views()
         self._module_waits = module is not None and stage in (Stage.OPTIMIZER, Stage.GRADIENTS)
         if self._module_waits:
             self._install_param_waits(module)
@@ -412,9 +436,12 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         fg, pos = self._where[id(p)]
-        with torch.no_grad():
-            fg.accumulate(pos, p.grad)
-        p.grad = None
+        view = fg.grad_view(pos)
+        if view is None or p.grad.data_ptr() != view.data_ptr():
+            # Not (or no longer: the user reset .grad) a view of our bucket: copy it in.
+            with torch.no_grad():
+                fg.accumulate(pos, p.grad)
+            p.grad = view
         for k in fg.layout.buckets_of(fg.layout.params[pos]):
             self._bucket_of[(id(fg), k)].pending -= 1
         self._launch_ready(force=False)
@@ -596,10 +623,13 @@ class ZeroAdamW(torch.optim.Optimizer):
                 fg.grad_shard.zero_()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Grads live in the flat buffers and are consumed (zeroed) by `step()`; this clears any
-        `.grad` left on params and empties the buffers (e.g. to drop a micro-batch)."""
-        for p in self.params:
-            p.grad = None
+        """Grads live in the flat buffers and are consumed (zeroed) by `step()`; this empties
+        the buffers (e.g. to drop a micro-batch). Stages 0-1 with grads reduced in the param
+        dtype keep `.grad` as views of the zeroed buffer whatever `set_to_none` says; elsewhere
+        `.grad` is None between backward passes."""
+        for fg in self.flat_groups:
+            for pos, p in enumerate(fg.params):
+                p.grad = fg.grad_view(pos)
         if not self._in_backward:
             self._wait_reductions()
             self._zero_grad_buffers()

@@ -228,8 +228,11 @@ def _adamw_torch(ms: Strided, gs: Strided, exp_avg: torch.Tensor, exp_avg_sq: to
     split = num_buckets if any(s.stride != shard_numel or s.base != 0 for s in streams) else 1
     masters, grads, ms_, vs_ = (_pieces(s, num_buckets, shard_numel, split)
                                 for s in (ms, gs, m_, v_))
-    # torch's CPU kernel wants the grad in the param's dtype: one cast pass for bf16/fp16 grads.
-    grads = [g if g.dtype == torch.float32 else g.float() for g in grads]
+    # torch's CPU kernel wants the grad in the param's dtype: one cast pass for bf16/fp16 grads,
+    # into a reused workspace (a fresh fp32 buffer per step costs page faults on every step).
+    if grads[0].dtype != torch.float32:
+        ws = _workspace(sum(g.numel() for g in grads), grads[0].device)
+        grads = [w.copy_(g) for w, g in zip(ws.split([g.numel() for g in grads]), grads)]
     torch._fused_adamw_(
         masters, grads, ms_, vs_, [], [step.float()] * len(masters),
         lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
@@ -238,6 +241,18 @@ def _adamw_torch(ms: Strided, gs: Strided, exp_avg: torch.Tensor, exp_avg_sq: to
     if os_ is not None:
         for o, p in zip(_pieces(os_, num_buckets, shard_numel, split), masters):
             o.copy_(p)
+
+
+_WORKSPACE: dict[torch.device, torch.Tensor] = {}
+
+
+def _workspace(numel: int, device: torch.device) -> torch.Tensor:
+    """An fp32 scratch buffer of at least `numel` elements, kept between steps."""
+    buf = _WORKSPACE.get(device)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=torch.float32, device=device)
+        _WORKSPACE[device] = buf
+    return buf[:numel]
 
 
 def adamw_reference(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
