@@ -534,6 +534,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                        num_buckets=fg.layout.num_buckets, shard_numel=fg.layout.shard_numel)
         if self.scaler is not None:
             self.scaler.update(self._skip)
+        if self._zero3 is not None:
+            self._zero3.free_all()  # a unit still gathered (e.g. by a no_grad forward) is stale
         self._gather_params()
         self._zero_grad_buffers()
         return loss
