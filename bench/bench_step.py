@@ -54,7 +54,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from _common import SUMMARY, percentiles, replay
 from fusedzero.model import GPT, GPTConfig, gpt_param_groups

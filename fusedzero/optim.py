@@ -26,12 +26,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fusedzero import comm
@@ -725,6 +723,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         m = fg.master_stream()
         if isinstance(m, torch.Tensor):
             return m if m.dtype == torch.float32 else m.float()
+        # fp32 params are their own master: let the param all-gather in flight land first.
+        self._wait_params()
         L = fg.layout
         pieces = [m.tensor[k * m.stride + m.base:k * m.stride + m.base + L.shard_numel]
                   for k in range(L.num_buckets)]

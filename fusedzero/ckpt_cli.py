@@ -1,0 +1,139 @@
+"""`fusedzero ckpt inspect|verify|export`: look at, check and consolidate sharded checkpoints.
+
+    fusedzero ckpt inspect DIR                  world size, stage, step, params, files (sizes)
+    fusedzero ckpt verify DIR                   sizes, headers and sha256 of every shard
+    fusedzero ckpt export DIR OUT [--dtype bf16|fp32] [--max-shard-size 5GB]
+
+DIR is a checkpoint directory or a root holding `latest`. Exit status: 0 ok; 1 `inspect` or
+`verify` found bad shard files (one line per problem: which file, and why); 2 an error (no
+checkpoint there, a model mismatch, bad flags), reported as one line `fusedzero: error: ...`.
+
+The `fusedzero` CLI wires this in with `add_ckpt_subparser(subparsers)`; the parsed namespace
+carries `func=run_ckpt`. `python -m fusedzero.ckpt_cli ...` runs it alone.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from typing import Any
+
+import torch
+
+from fusedzero import checkpoint
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
+          "GIB": 2**30}
+
+
+def add_ckpt_subparser(subparsers: Any) -> argparse.ArgumentParser:
+    """Add the `ckpt` command (with inspect / verify / export) to an argparse subparsers set."""
+    p = subparsers.add_parser("ckpt", help="inspect, verify or export a sharded checkpoint",
+                              description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="ckpt_command", required=True)
+    a = sub.add_parser("inspect", help="world size, stage, step, params, files")
+    a.add_argument("dir", help="checkpoint directory, or a root holding `latest`")
+    a = sub.add_parser("verify", help="check sizes, headers and sha256 of every shard")
+    a.add_argument("dir", help="checkpoint directory, or a root holding `latest`")
+    a = sub.add_parser("export", help="one safetensors file with the model's param names")
+    a.add_argument("dir", help="checkpoint directory, or a root holding `latest`")
+    a.add_argument("out", help="output .safetensors path")
+    a.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+                   help="dtype of the exported params (default fp32, the master values)")
+    a.add_argument("--max-shard-size", default=None, type=_parse_size,
+                   help="split into HF-style shards + index above this size, e.g. 5GB")
+    a.add_argument("--no-verify", action="store_true", help="skip the sha256 check")
+    p.set_defaults(func=run_ckpt)
+    return p
+
+
+def _parse_size(s: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]I?B|B)?\s*", s.upper())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {s!r} (e.g. 5GB, 500MiB, 1000000)")
+    return int(float(m.group(1)) * _UNITS[m.group(2) or ""])
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def run_ckpt(args: argparse.Namespace) -> int:
+    """Handler for the parsed `ckpt` namespace; returns the exit status."""
+    try:
+        if args.ckpt_command == "inspect":
+            return _inspect(args.dir)
+        if args.ckpt_command == "verify":
+            d = checkpoint.resolve(args.dir)
+            bad = checkpoint.problems(d)
+            for line in bad:
+                print(f"FAILED {line}")
+            n = len(checkpoint.read_manifest(d)["files"])
+            if bad:
+                print(f"{d}: {len(bad)} of {n} shard file(s) failed verification")
+                return 1
+            print(f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest")
+            return 0
+        if args.ckpt_command == "export":
+            r = checkpoint.export(args.dir, args.out, dtype=DTYPES[args.dtype],
+                                  max_shard_bytes=args.max_shard_size,
+                                  verify=not args.no_verify)
+            for f in r.files:
+                print(f"wrote {f}")
+            if r.index is not None:
+                print(f"wrote {r.index}")
+            print(f"{_human(r.bytes)} of {args.dtype} params; peak buffer "
+                  f"{_human(r.peak_buffer_bytes)}")
+            return 0
+    except (checkpoint.CheckpointError, ValueError, OSError) as e:
+        msg = " ".join(str(e).split())  # one line, as the rest of the `fusedzero` CLI
+        print(f"fusedzero: error: {msg}", file=sys.stderr)
+        return 2
+    raise AssertionError(args.ckpt_command)
+
+
+def _inspect(path: str) -> int:
+    info = checkpoint.inspect(path)
+    m = checkpoint.read_manifest(info["path"])
+    print(f"checkpoint   {info['path']}")
+    print(f"world size   {info['world_size']}")
+    print(f"stage        {info['stage']}")
+    print(f"step         {info['step']} (optimizer steps taken: {info['step_count']:g})")
+    print(f"params       {info['num_params']} tensors, {info['param_elements']:,} elements")
+    print(f"size         {_human(info['bytes'])} in {len(info['files'])} file(s)")
+    print()
+    width = max([len(f["name"]) for f in info["files"]] + [4])
+    print(f"{'file':<{width}}  {'bytes':>12}  status")
+    ok = True
+    for f in info["files"]:
+        if f["present_bytes"] is None:
+            status = "MISSING"
+        elif not f["ok"]:
+            status = f"SIZE {f['present_bytes']} != {f['bytes']}"
+        else:
+            status = "ok (size; `verify` checks sha256)"
+        ok &= f["ok"]
+        print(f"{f['name']:<{width}}  {f['bytes']:>12,}  {status}")
+    print()
+    width = max(len(p["name"]) for p in m["params"])
+    print(f"{'param':<{width}}  {'shape':<16} dtype")
+    for p in m["params"]:
+        alias = f"  (also {', '.join(p['aliases'])})" if p.get("aliases") else ""
+        print(f"{p['name']:<{width}}  {str(tuple(p['shape'])):<16} {p['dtype']}{alias}")
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fusedzero")
+    add_ckpt_subparser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
