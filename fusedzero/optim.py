@@ -725,34 +725,29 @@ class ZeroAdamW(torch.optim.Optimizer):
             return m if m.dtype == torch.float32 else m.float()
         # fp32 params are their own master: let the param all-gather in flight land first.
         self._wait_params()
-        L = fg.layout
-        pieces = [m.tensor[k * m.stride + m.base:k * m.stride + m.base + L.shard_numel]
-                  for k in range(L.num_buckets)]
+        pieces = _stream_pieces(m, fg.layout)
         return torch.cat(pieces) if pieces else m.tensor.new_zeros(0)
 
     def set_master_shard(self, fg: FlatGroup, values: torch.Tensor) -> None:
         """Write this rank's fp32 master (and the param copy derived from it), then gather."""
         with torch.no_grad():
-            m = fg.master_stream()
-            L = fg.layout
-            if isinstance(m, torch.Tensor):
-                m.copy_(values)
-            else:
-                for k in range(L.num_buckets):
-                    s = k * m.stride + m.base
-                    m.tensor[s:s + L.shard_numel].copy_(values[k * L.shard_numel:
-                                                               (k + 1) * L.shard_numel])
-            out = fg.out_stream()
-            if out is not None:
-                if isinstance(out, torch.Tensor):
-                    out.copy_(values)
-                else:
-                    for k in range(L.num_buckets):
-                        s = k * out.stride + out.base
-                        out.tensor[s:s + L.shard_numel].copy_(values[k * L.shard_numel:
-                                                                     (k + 1) * L.shard_numel])
+            for stream in (fg.master_stream(), fg.out_stream()):
+                if stream is None:
+                    continue
+                pieces = _stream_pieces(stream, fg.layout)
+                for dst, src in zip(pieces, values.split(max(1, pieces[0].numel()) if pieces else 1)):
+                    dst.copy_(src)
         self._gather_params()
         self._wait_params()
+
+
+def _stream_pieces(s: Strided | torch.Tensor, L: FlatLayout) -> list[torch.Tensor]:
+    """A shard stream as views, in local-shard order: the whole tensor if it is local, else
+    its piece of every bucket."""
+    if isinstance(s, torch.Tensor):
+        return [s[:L.local_numel]]
+    return [s.tensor[k * s.stride + s.base:k * s.stride + s.base + L.shard_numel]
+            for k in range(L.num_buckets)]
 
 
 class _LossScaler:
