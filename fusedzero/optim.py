@@ -735,7 +735,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                 if stream is None:
                     continue
                 pieces = _stream_pieces(stream, fg.layout)
-                for dst, src in zip(pieces, values.split(max(1, pieces[0].numel()) if pieces else 1)):
+                size = max(1, pieces[0].numel()) if pieces else 1
+                for dst, src in zip(pieces, values.split(size)):
                     dst.copy_(src)
         self._gather_params()
         self._wait_params()
