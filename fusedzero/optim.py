@@ -324,7 +324,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         names = _param_names(module, all_params)
         for p, n in zip(all_params, names):
             if p.is_sparse or p.layout != torch.strided:
-                raise ValueError(f"param {n} has layout {p.layout}; only dense params are supported")
+                raise ValueError(f"param {n} has layout {p.layout}; only dense params are "
+                                 "supported")
             if p.dtype not in FLOAT_DTYPES:
                 raise ValueError(f"param {n} has dtype {p.dtype}; expected one of {FLOAT_DTYPES}")
         self.param_names = names

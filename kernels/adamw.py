@@ -1,4 +1,4 @@
-"""Fused AdamW over a rank's flat shard: one pass, 28 bytes per parameter with bf16 grads and output.
+"""Fused AdamW over a rank's flat shard: one pass, 28 bytes per param with bf16 grads and output.
 
 Reads fp32 master, grad (fp32/bf16/fp16), exp_avg, exp_avg_sq; writes master, exp_avg, exp_avg_sq
 and optionally a bf16/fp16 copy of the new params. lr, step, the combined grad scale and the skip
@@ -201,7 +201,8 @@ def adamw_step(
             math.log(beta2) if beta2 > 0 else -math.inf,
             eps, weight_decay,
             HAS_OUT=os_ is not None,
-            OUT_BF16=os_ is not None and os_.tensor.dtype == torch.bfloat16, MAXIMIZE=maximize, BLOCK=BLOCK, num_warps=NUM_WARPS,
+            OUT_BF16=os_ is not None and os_.tensor.dtype == torch.bfloat16,
+            MAXIMIZE=maximize, BLOCK=BLOCK, num_warps=NUM_WARPS,
         )
         return
     _adamw_torch(ms, gs, exp_avg, exp_avg_sq, os_, lr=lr, step=step, grad_scale=grad_scale,
