@@ -125,8 +125,12 @@ class GPT(nn.Module):
         # get_default_device() honours an enclosing `with torch.device(...)` (meta included).
         device = torch.get_default_device()
         with torch.device("meta"):
-            self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-            self.wpe = nn.Embedding(config.block_size, config.n_embd)
+            # `_weight=` skips nn.Embedding's own normal_() init: on the meta device that call
+            # goes through torch._refs and imports torch._dynamo (seconds per process).
+            self.wte = nn.Embedding(config.vocab_size, config.n_embd,
+                                    _weight=torch.empty(config.vocab_size, config.n_embd))
+            self.wpe = nn.Embedding(config.block_size, config.n_embd,
+                                    _weight=torch.empty(config.block_size, config.n_embd))
             self.drop = nn.Dropout(config.dropout)
             self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
             self.ln_f = nn.LayerNorm(config.n_embd)
@@ -150,6 +154,8 @@ class GPT(nn.Module):
         # Module.to_empty() from meta gives each module its own new Parameter, which silently
         # unties lm_head from wte (torch 2.13); re-tie so a materialised model is tied again.
         self.lm_head.weight = self.wte.weight
+        if self.wte.weight.is_meta:
+            return  # nothing to fill; meta-device init ops import torch._dynamo for nothing
         for name, module in self.named_modules():
             self.init_module(name, module)
 
