@@ -435,6 +435,7 @@ def save(opt: Any, directory: str | os.PathLike[str], *, step: int,
     """Save a sharded checkpoint of `opt` (a `ZeroAdamW`) as `directory/step-{step:08d}`.
 
     Collective: every rank of the optimizer's process group calls it with the same arguments
+    (with a `replicate_group`, only the first replica writes; the others return at once)
     except `caller_state`, which is per rank (e.g. lr scheduler state, data position); each rank's
     RNG states (torch CPU[, CUDA], python `random`[, numpy]) are saved with it.
 
@@ -454,6 +455,9 @@ def save(opt: Any, directory: str | os.PathLike[str], *, step: int,
     root = Path(directory)
     W, rank, group = opt.world_size, opt.rank, opt.process_group
     name = step_dir_name(step)
+    if getattr(opt, "replica_rank", 0) != 0:
+        # 2-D mesh: replicas hold the same shards; the first replica's shard group writes.
+        return SaveHandle(root / name)
     staging = root / f".{name}.tmp"
     writer = all(fg.shard_rank == rank for fg in opt.flat_groups)
 

@@ -226,7 +226,12 @@ class ZeroAdamW(torch.optim.Optimizer):
         lr, betas, eps, weight_decay, maximize: as `torch.optim.AdamW` (decoupled weight decay).
         stage: 0 (DP), 1 (optimizer state), 2 (+ grads), 3 (+ params; needs `module`).
         module: the model; gives parameter names (checkpoints) and, for stage 3, the units.
-        process_group: the data-parallel group (default: the world; none initialised = 1 rank).
+        process_group: the group params, grads and state are sharded over (default: the world;
+            none initialised = 1 rank).
+        replicate_group: for a 2-D mesh (shard within a node, replicate across nodes): the group
+            of ranks that hold the same shard. Their grad shards are all-reduced once per step,
+            after accumulation, before the update; everything else stays within
+            `process_group`. Grads are averaged over both groups.
         param_dtype: dtype of the model's params (e.g. torch.bfloat16, with an fp32 master);
             default keeps each param's dtype (fp32 params are their own master).
         reduce_dtype: dtype grads are reduced and accumulated in (fp32 default; bf16 halves bytes).
@@ -256,6 +261,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         stage: int | Stage = 1,
         module: nn.Module | None = None,
         process_group: Any = None,
+        replicate_group: Any = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
@@ -293,6 +299,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.process_group = process_group
         self.world_size = comm.group_size(process_group)
         self.rank = comm.group_rank(process_group)
+        self.replicate_group = replicate_group
+        self.replicas = 1 if replicate_group is None else comm.group_size(replicate_group)
+        self.replica_rank = 0 if replicate_group is None else comm.group_rank(replicate_group)
         self.reduce_dtype = reduce_dtype
         self.param_dtype = param_dtype
         self.bucket_numel = bucket_numel
@@ -341,7 +350,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._skip = torch.zeros(1, **f32)
         self._grad_scale = torch.ones(1, **f32)
         self._norm = torch.zeros(1, **f32)
-        self._inv_world = torch.full((1,), 1.0 / self.world_size, **f32)
+        self._inv_world = torch.full((1,), 1.0 / (self.world_size * self.replicas), **f32)
         self.scaler = _LossScaler(loss_scale, self.device) if loss_scale is not None else None
 
         self._zero3: Any = None
@@ -519,6 +528,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             raise RuntimeError("step() called during backward")
         self._wait_params()  # the kernel rewrites this rank's pieces of the param buffer
         self._wait_reductions()
+        self._reduce_replicas()
         self._prepare_scalars()
         # The step counter advances only for steps that are taken.
         self._step.add_(1.0 - self._skip)
@@ -538,6 +548,19 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._gather_params()
         self._zero_grad_buffers()
         return loss
+
+    def _reduce_replicas(self) -> None:
+        """2-D mesh: sum this rank's grad shard over the replicas that hold the same shard.
+        Once per step, after accumulation: replicas then hold equal grads and stay in step."""
+        if self.replicas == 1:
+            return
+        handles = []
+        for fg in self.flat_groups:
+            for piece in _stream_pieces(fg.grad_stream(), fg.layout):
+                handles.append(comm.all_reduce(piece, self.replicate_group, self.replicas,
+                                               self.comm))
+        for h in handles:
+            comm.wait(h)
 
     def _prepare_scalars(self) -> None:
         need_norm = self.max_grad_norm is not None or self.skip_nonfinite or self.scaler

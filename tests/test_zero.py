@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch
 
+from fusedzero import checkpoint
 from fusedzero.layout import build_layout
 from fusedzero.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
@@ -52,16 +53,22 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
         model = make_model()
     for name in opts.get("freeze", ()):
         model.get_submodule(name).requires_grad_(False)
-    pg = None
-    if opts.get("subgroups"):  # two independent data-parallel groups of 2 ranks
+    pg = rep = None
+    if opts.get("subgroups") or opts.get("hsdp"):
         import torch.distributed as dist
         pgs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        pg, rank, world = pgs[rank // 2], rank % 2, 2
+        reps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        pg = pgs[rank // 2]
+        if opts.get("hsdp"):  # 2-D mesh: shard over {0,1} / {2,3}, replicate over {0,2} / {1,3}
+            rep = reps[rank % 2]
+        else:  # two independent data-parallel groups of 2 ranks, each its own batch
+            rank, world = rank % 2, 2
     if opts.get("checkpointing"):
         for blk in model.blocks:
             blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
     opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, stage=opts["stage"], module=model,
                     reshard_after_forward=opts.get("reshard", True), process_group=pg,
+                    replicate_group=rep,
                     param_init_fn=model.init_module if opts.get("meta") else None,
                     bucket_numel=opts.get("bucket", BUCKET),
                     max_grad_norm=opts.get("clip"), param_dtype=opts.get("param_dtype"),
@@ -85,6 +92,8 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
         norms.append(opt.grad_norm.item())
         skipped.append(opt.skipped.item())
         comm.append(opt.comm.snapshot())
+    if opts.get("save"):
+        checkpoint.save(opt, opts["save"], step=opts.get("steps", 10))
     masters = [opt.master_shard(fg).clone() for fg in opt.flat_groups]
     with opt.gathered_params():
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
@@ -147,15 +156,34 @@ RTOL, ATOL = 1e-6, 1e-6
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
-def test_stages_0_to_3_match_torch_adamw(world: int) -> None:
+def test_stages_0_to_3_match_torch_adamw(world: int, tmp_path) -> None:
     ref, ref_norms = train_reference(clip=1.0)
     outs = run_ranks(train_many, world, [{"stage": s, "clip": 1.0} for s in (0, 1, 2, 3)]
-                     + ([{"stage": 2, "clip": 1.0, "subgroups": True}] if world == 4 else []))
+                     + ([{"stage": 2, "clip": 1.0, "subgroups": True}]
+                        + [{"stage": s, "clip": 1.0, "hsdp": True,
+                            "save": str(tmp_path / f"mesh{s}")} for s in (1, 3)]
+                        if world == 4 else []))
     if world == 4:  # process_group=: two groups of 2 ranks train independently, each like W=2
         for r, o in enumerate(outs):
             assert_params_close(o[4]["params"], ref, RTOL, ATOL, f"subgroup rank {r}")
             assert o[4]["comm"][-1]["bytes"]["reduce_scatter"] == \
                 sum(o[4]["padded"]) * 4 // 2  # (W-1)/W with W = 2, fp32
+            # replicate_group=: shard over 2, replicate over 2, the batch split 4 ways; the
+            # replicas all-reduce their grad shard (Psi/2 elements) once: 2(R-1)/R * Psi/2 * 4.
+            for h in o[5:7]:
+                assert_params_close(h["params"], ref, RTOL, ATOL, f"2-D mesh rank {r}")
+                psi = sum(h["padded"])
+                assert h["comm"][-1]["bytes"]["all_reduce"] == psi * 4 // 2 + 2 * 4 // 2
+                assert h["norms"] == pytest.approx(ref_norms, rel=1e-5)
+        # The first replica's shard group wrote the checkpoint; it loads on one process.
+        for i, s in ((5, 1), (6, 3)):
+            model = make_model(seed=1)
+            opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, stage=s, module=model,
+                            bucket_numel=BUCKET)
+            checkpoint.load(opt, tmp_path / f"mesh{s}")
+            with opt.gathered_params():
+                for n, p in model.named_parameters():
+                    assert torch.equal(p, outs[0][i]["params"][n]), n
     for stage in (0, 1, 2, 3):
         out = [o[stage] for o in outs]
         for r, o in enumerate(out):
