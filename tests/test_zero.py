@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch
 
-from fusedzero import checkpoint
+from fusedzero import checkpoint as ckpt
 from fusedzero.layout import build_layout
 from fusedzero.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
@@ -93,7 +93,7 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
         skipped.append(opt.skipped.item())
         comm.append(opt.comm.snapshot())
     if opts.get("save"):
-        checkpoint.save(opt, opts["save"], step=opts.get("steps", 10))
+        ckpt.save(opt, opts["save"], step=opts.get("steps", 10))
     masters = [opt.master_shard(fg).clone() for fg in opt.flat_groups]
     with opt.gathered_params():
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
@@ -180,7 +180,7 @@ def test_stages_0_to_3_match_torch_adamw(world: int, tmp_path) -> None:
             model = make_model(seed=1)
             opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, stage=s, module=model,
                             bucket_numel=BUCKET)
-            checkpoint.load(opt, tmp_path / f"mesh{s}")
+            ckpt.load(opt, tmp_path / f"mesh{s}")
             with opt.gathered_params():
                 for n, p in model.named_parameters():
                     assert torch.equal(p, outs[0][i]["params"][n]), n
