@@ -93,6 +93,10 @@ class FlatGroup:
         self.grad_flat: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         self.bucket_grads: dict[int, torch.Tensor] = {}
+        # Buckets whose reduced grads already landed in grad_shard since the last step: the first
+        # reduction of a step copies into the shard, later micro-batches add (no zeroing pass).
+        self.shard_written: set[int] = set()
+        self._holes: dict[int, list[tuple[int, int]]] = {}
         self.full: torch.Tensor | None = None  # stage 3: gathered params (storage freed between)
         self.param_base: torch.Tensor | None = None
 
@@ -161,9 +165,61 @@ class FlatGroup:
             return self.grad_flat[lo:hi]
         buf = self.bucket_grads.get(k)
         if buf is None:
-            buf = torch.zeros(hi - lo, dtype=self.reduce_dtype, device=self.device)
+            # Every param range is written whole by `accumulate` (a copy) or `zero_missing`:
+            # only the alignment holes and the tail need zeros, not the whole bucket.
+            buf = torch.empty(hi - lo, dtype=self.reduce_dtype, device=self.device)
+            for a, b in self.holes(k):
+                buf[a:b].zero_()
             self.bucket_grads[k] = buf
         return buf
+
+    def _overlap(self, pos: int, k: int) -> tuple[int, int, int]:
+        """(start in bucket k, end in bucket k, start in the param) of param `pos` in bucket k."""
+        slot, B = self.layout.params[pos], self.layout.bucket_numel
+        a, b = max(slot.offset, k * B), min(slot.offset + slot.numel, (k + 1) * B)
+        return a - k * B, b - k * B, a - slot.offset
+
+    def holes(self, k: int) -> list[tuple[int, int]]:
+        """Ranges of bucket k that belong to no param (alignment gaps, tail padding)."""
+        if k not in self._holes:
+            spans = sorted(self._overlap(pos, k)[:2] for pos, s in enumerate(self.layout.params)
+                           if k in self.layout.buckets_of(s))
+            out, cur = [], 0
+            for a, b in spans:
+                if a > cur:
+                    out.append((cur, a))
+                cur = max(cur, b)
+            if cur < self.layout.bucket_numel:
+                out.append((cur, self.layout.bucket_numel))
+            self._holes[k] = out
+        return self._holes[k]
+
+    def zero_missing(self, k: int, positions: Iterable[int]) -> None:
+        """Transient bucket k: zero the ranges of params whose grad did not arrive."""
+        buf = self.bucket_grad(k)
+        for pos in positions:
+            a, b, _ = self._overlap(pos, k)
+            buf[a:b].zero_()
+
+    def reduced_into_shard(self, k: int, piece: torch.Tensor) -> None:
+        S = self.layout.shard_numel
+        assert self.grad_shard is not None
+        dst = self.grad_shard[k * S:(k + 1) * S]
+        if k in self.shard_written:
+            dst.add_(piece)
+        else:
+            dst.copy_(piece)
+            self.shard_written.add(k)
+
+    def zero_unwritten_shard(self) -> None:
+        """Shard pieces no reduction reached since the last step hold stale grads: zero them."""
+        if self.grad_shard is None:
+            return
+        S = self.layout.shard_numel
+        for k in range(self.layout.num_buckets):
+            if k not in self.shard_written:
+                self.grad_shard[k * S:(k + 1) * S].zero_()
+                self.shard_written.add(k)
 
     def grad_view(self, pos: int) -> torch.Tensor | None:
         """The param's grad as a view of grad_flat, when autograd can accumulate into it
@@ -183,13 +239,17 @@ class FlatGroup:
                 p.grad = view
 
     def accumulate(self, pos: int, grad: torch.Tensor) -> None:
-        """Add a param's grad into the bucket buffer(s) it falls in."""
-        slot = self.layout.params[pos]
+        """Put a param's grad into the bucket buffer(s) it falls in: a copy into a transient
+        bucket (each param's grad arrives once per backward), an add into grad_flat (which
+        accumulates over micro-batches)."""
         g = grad.reshape(-1)
-        B = self.layout.bucket_numel
-        for k in self.layout.buckets_of(slot):
-            a, b = max(slot.offset, k * B), min(slot.offset + slot.numel, (k + 1) * B)
-            self.bucket_grad(k)[a - k * B:b - k * B].add_(g[a - slot.offset:b - slot.offset])
+        for k in self.layout.buckets_of(self.layout.params[pos]):
+            a, b, p = self._overlap(pos, k)
+            dst = self.bucket_grad(k)[a:b]
+            if self.grad_flat is None:
+                dst.copy_(g[p:p + b - a])
+            else:
+                dst.add_(g[p:p + b - a])
 
     def set_lr(self, lr: float | torch.Tensor) -> None:
         if isinstance(lr, torch.Tensor):
@@ -214,7 +274,7 @@ class _Bucket:
     k: int
     slots: list[int]  # positions in fg.layout.params overlapping this bucket
     pending: int = 0
-    launched: bool = False
+    arrived: set[int] = dataclasses.field(default_factory=set)  # slots whose grad came
 
 
 class ZeroAdamW(torch.optim.Optimizer):
@@ -420,7 +480,7 @@ class ZeroAdamW(torch.optim.Optimizer):
     def _reset_pending(self) -> None:
         for b in self._buckets:
             b.pending = len(b.slots)
-            b.launched = False
+            b.arrived.clear()
         self._next = 0
 
     # -- backward -----------------------------------------------------------------------------
@@ -451,7 +511,9 @@ class ZeroAdamW(torch.optim.Optimizer):
                 fg.accumulate(pos, p.grad)
             p.grad = view
         for k in fg.layout.buckets_of(fg.layout.params[pos]):
-            self._bucket_of[(id(fg), k)].pending -= 1
+            b = self._bucket_of[(id(fg), k)]
+            b.pending -= 1
+            b.arrived.add(pos)
         self._launch_ready(force=False)
         if self._zero3 is not None:
             self._zero3.grad_ready(fg.unit)
@@ -474,6 +536,8 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def _launch(self, b: _Bucket) -> None:
         fg, k = b.fg, b.k
+        if fg.grad_flat is None and len(b.arrived) < len(b.slots):
+            fg.zero_missing(k, (pos for pos in b.slots if pos not in b.arrived))
         buf = fg.bucket_grad(k)
         if self.trace is not None:
             self.trace.append(("reduce", (fg.unit, fg.group_index, k)))
@@ -486,10 +550,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         h = comm.reduce_scatter(buf[lo:hi], buf, self.process_group, self.world_size, self.comm)
         finish = None
         if fg.grad_shard is not None:
-            S = fg.layout.shard_numel
-
             def finish(fg: FlatGroup = fg, k: int = k, lo: int = lo, hi: int = hi) -> None:
-                fg.grad_shard[k * S:(k + 1) * S].add_(fg.bucket_grads.pop(k)[lo:hi])
+                fg.reduced_into_shard(k, fg.bucket_grads.pop(k)[lo:hi])
         self._handles.append((h, finish))
 
     def _end_backward(self) -> None:
@@ -528,6 +590,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             raise RuntimeError("step() called during backward")
         self._wait_params()  # the kernel rewrites this rank's pieces of the param buffer
         self._wait_reductions()
+        for fg in self.flat_groups:
+            fg.zero_unwritten_shard()
         self._reduce_replicas()
         self._prepare_scalars()
         # The step counter advances only for steps that are taken.
@@ -643,8 +707,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         for fg in self.flat_groups:
             if fg.grad_flat is not None:
                 fg.grad_flat.zero_()
-            if fg.grad_shard is not None:
-                fg.grad_shard.zero_()
+            fg.shard_written.clear()  # the next reduction copies into grad_shard
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Grads live in the flat buffers and are consumed (zeroed) by `step()`; this empties

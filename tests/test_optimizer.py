@@ -158,16 +158,39 @@ def test_state_dict_round_trip_continues_identically() -> None:
         other.load_state_dict(sd)
 
 
-def test_maximize_and_zero_grad_drop_a_micro_batch() -> None:
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_maximize_and_zero_grad_drop_a_micro_batch(stage: int) -> None:
     ref_m, m = make(), make()
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3, maximize=True)
-    opt = ZeroAdamW(m.parameters(), lr=1e-3, maximize=True, stage=1)
-    m(batch(99)).square().mean().backward()
-    opt.zero_grad()  # dropped: must not reach the update
+    opt = ZeroAdamW(m.parameters(), lr=1e-3, maximize=True, stage=stage, module=m,
+                    bucket_numel=200, unit_policy=nn.Linear)
+    for step in range(3):
+        m(batch(99)).square().mean().backward()
+        opt.zero_grad()  # dropped: must not reach the update
+        for model, o in ((ref_m, ref), (m, opt)):
+            model(batch(step)).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    with opt.gathered_params():
+        assert_close(m, ref_m)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_step_without_backward_sees_zero_grads(stage: int) -> None:
+    """After a step the grads are consumed: a second step with no backward in between sees zero
+    grads (Adam moves by its moments only), never the previous step's grads again."""
+    ref_m, m = make(), make()
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3)
+    opt = ZeroAdamW(m.parameters(), lr=1e-3, stage=stage, module=m, bucket_numel=200,
+                    unit_policy=nn.Linear)
     for model, o in ((ref_m, ref), (m, opt)):
         model(batch(0)).square().mean().backward()
         o.step()
-    assert_close(m, ref_m)
+        for p in model.parameters():  # torch: zero (not None) grads step the moments too
+            p.grad = torch.zeros_like(p) if o is ref else p.grad
+        o.step()
+    with opt.gathered_params():
+        assert_close(m, ref_m)
 
 
 def test_dynamic_loss_scale_skips_inf_step_and_backs_off() -> None:
