@@ -441,6 +441,14 @@ class ZeroAdamW(torch.optim.Optimizer):
             self._install_param_waits(module)
 
     # -- construction -----------------------------------------------------------------------
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Only during construction: the flat buffers and their sharding are built once."""
+        if hasattr(self, "flat_groups"):
+            raise NotImplementedError(
+                "ZeroAdamW cannot add param groups after construction (its flat buffers are "
+                "sharded at build time); pass every group to the constructor")
+        super().add_param_group(param_group)
+
     def _build_flat_groups(self) -> list[FlatGroup]:
         out = []
         index = 0

@@ -257,6 +257,9 @@ def test_bad_inputs_raise_clear_errors() -> None:
         ZeroAdamW([nn.Parameter(torch.zeros(3, dtype=torch.float64))])
     with pytest.raises(ValueError, match="not parameters of `module`"):
         ZeroAdamW([nn.Parameter(torch.zeros(3))], module=m)
+    opt = ZeroAdamW([m.a.weight])
+    with pytest.raises(NotImplementedError, match="after construction"):
+        opt.add_param_group({"params": [m.b.weight]})
     emb = nn.Embedding(10, 4, sparse=True)
     with pytest.raises(ValueError, match="sparse"):
         ZeroAdamW(emb.parameters(), module=emb)
