@@ -16,8 +16,9 @@ micro-batches, as with DDP). The step consumes the grads: after `step()` they ar
   all-gather after the update writes the model's weights in place.
 - grad_flat (stages 0-1): the full grad buffer in the reduce dtype. Reduce-scatter is in place:
   afterwards only this rank's pieces hold reduced sums, and the kernel reads them there.
-- bucket buffers (stages 2-3): allocated when a bucket's first grad arrives, reduce-scattered,
-  added into grad_shard, freed. At most the buckets of one backward are alive at once.
+- bucket buffers (stages 2-3): allocated when a bucket's first grad arrives (only the alignment
+  holes are zeroed; every param range is copied in whole), reduce-scattered, copied (first
+  micro-batch of a step) or added (later ones) into grad_shard, freed at the end of backward.
 - master / exp_avg / exp_avg_sq / grad_shard: this rank's local shard, contiguous, fp32
   (grad_shard: reduce dtype). With fp32 params the master *is* the param buffer's own pieces.
 """
