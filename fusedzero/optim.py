@@ -61,6 +61,10 @@ class MemoryReport(NamedTuple):
 
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Stages 2-3: reduce-scatters of transient bucket buffers allowed in flight at once. Two keep the
+# network busy (one bucket reducing while the next is sent) and bound the full-size grad memory
+# of a backward to a few buckets instead of the whole model.
+MAX_INFLIGHT_BUCKETS = 2
 
 
 class FlatGroup:
@@ -429,6 +433,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._bucket_of: dict[tuple[int, int], _Bucket] = {(id(b.fg), b.k): b
                                                            for b in self._buckets}
         self._handles: list[tuple[Any, Callable[[], None] | None]] = []
+        self.max_live_buckets = 0  # most transient bucket buffers alive at once (stages 2-3)
         self._gather_handles: dict[tuple[int, int], Any] = {}
         self._sync = True
         self._in_backward = False
@@ -469,8 +474,13 @@ class ZeroAdamW(torch.optim.Optimizer):
         return out
 
     def _order_buckets(self) -> list[_Bucket]:
-        """Launch order, identical on every rank: the bucket whose params come last goes first
-        (backward produces grads roughly in reverse registration order)."""
+        """Launch order, identical on every rank (collectives must match): the bucket expected
+        to be complete first goes first. Backward produces grads in about reverse forward order,
+        and a bucket is complete when its earliest-used param's grad arrives, so buckets go in
+        descending order of their earliest param's place in `module.parameters()` (the
+        optimizer's order without a module). A bucket that mixes early and late layers (a small
+        no-decay group of biases and norms) thus waits at the end instead of holding up every
+        other bucket."""
         buckets = []
         for fg in self.flat_groups:
             L = fg.layout
@@ -481,9 +491,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             # Units finish backward in reverse forward order; the root (unit 0) finishes last.
             buckets.sort(key=lambda b: (b.fg.unit == 0, -b.fg.unit, -b.k))
             return buckets
-        key = {id(b): max((b.fg.layout.params[i].index for i in b.slots), default=-1)
-               for b in buckets}
-        buckets.sort(key=lambda b: (-key[id(b)], b.fg.unit, b.k))
+        order = {id(p): i for i, p in enumerate(
+            self.module.parameters() if self.module is not None else self.params)}
+        first = {id(b): min((order.get(id(b.fg.params[i]), -1) for i in b.slots), default=-1)
+                 for b in buckets}
+        buckets.sort(key=lambda b: (-first[id(b)], -b.k))
         return buckets
 
     def _reset_pending(self) -> None:
@@ -562,6 +574,20 @@ class ZeroAdamW(torch.optim.Optimizer):
             def finish(fg: FlatGroup = fg, k: int = k, lo: int = lo, hi: int = hi) -> None:
                 fg.reduced_into_shard(k, fg.bucket_grads.pop(k)[lo:hi])
         self._handles.append((h, finish))
+        if finish is not None:
+            self.max_live_buckets = max(self.max_live_buckets,
+                                        sum(len(g.bucket_grads) for g in self.flat_groups))
+            self._bound_inflight()
+
+    def _bound_inflight(self) -> None:
+        """Finish the oldest transient reductions beyond MAX_INFLIGHT_BUCKETS: their buffers
+        are freed as backward goes on. (On NCCL the wait orders streams; it does not block.)"""
+        live = [i for i, (_, f) in enumerate(self._handles) if f is not None]
+        for i in live[:max(0, len(live) - MAX_INFLIGHT_BUCKETS)]:
+            h, finish = self._handles[i]
+            comm.wait(h)
+            finish()
+            self._handles[i] = (None, None)
 
     def _end_backward(self) -> None:
         self._in_backward = False

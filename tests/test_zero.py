@@ -104,6 +104,8 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
         "trace": opt.trace, "masters": masters,
         "max_gathered": opt._zero3.max_gathered if opt._zero3 else None,
         "materialize_peak": opt._zero3.materialize_peak if opt._zero3 else None,
+        "max_live_buckets": opt.max_live_buckets,
+        "buckets": sum(fg.layout.num_buckets for fg in opt.flat_groups),
         "unit_padded": ([sum(fg.layout.padded_numel for fg in opt._zero3.fgs[u])
                          for u in range(len(opt._zero3.modules))] if opt._zero3 else None),
         "segments": [fg.layout.segments(fg.shard_rank) for fg in opt.flat_groups],
@@ -303,6 +305,11 @@ def test_first_reduce_scatter_issued_before_backward_ends_on_2_ranks() -> None:
         kinds = [k for k, _ in o["trace"]]
         assert kinds.count("reduce") >= 3
         assert kinds.index("reduce") < kinds.index("backward_end")
+        # Full-size grad buckets are freed as their reduce-scatter lands: alive at once are the
+        # ones in flight (MAX_INFLIGHT_BUCKETS), the ones being filled and the no-decay group's
+        # few buckets that wait for block 0 (6 of 21 here), never the whole model's grads.
+        assert o["buckets"] > 20
+        assert o["max_live_buckets"] <= o["buckets"] // 3, (o["max_live_buckets"], o["buckets"])
 
 
 def test_frozen_layer_unused_param_and_nan_grad_on_2_ranks() -> None:
