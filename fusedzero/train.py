@@ -204,15 +204,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step per rank")
     a("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
     a("--warmup", type=int, default=None, help="linear warmup steps (default 5%% of --steps)")
-    a("--weight-decay", type=float, default=d.weight_decay)
-    a("--beta1", type=float, default=d.beta1)
-    a("--beta2", type=float, default=d.beta2)
+    a("--weight-decay", type=float, default=d.weight_decay,
+      help="AdamW decoupled weight decay of matrices")
+    a("--beta1", type=float, default=d.beta1, help="AdamW beta1")
+    a("--beta2", type=float, default=d.beta2, help="AdamW beta2")
     a("--clip", type=float, default=d.clip, help="max grad norm, 0 disables (default %(default)s)")
     a("--seed", type=int, default=d.seed, help="model init and data order")
-    a("--n-layer", type=int, default=d.n_layer)
-    a("--n-head", type=int, default=d.n_head)
-    a("--n-embd", type=int, default=d.n_embd)
-    a("--block-size", type=int, default=d.block_size)
+    a("--n-layer", type=int, default=d.n_layer, help="transformer blocks")
+    a("--n-head", type=int, default=d.n_head, help="attention heads")
+    a("--n-embd", type=int, default=d.n_embd, help="model width")
+    a("--block-size", type=int, default=d.block_size, help="sequence length in bytes")
     a("--data", default=None, metavar="PATH",
       help="text file or folder (default: the Python standard library's sources)")
     a("--eval-every", type=int, default=d.eval_every,
@@ -233,14 +234,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="dtype grads are reduced in (default %(default)s)")
     a("--param-dtype", choices=sorted(_DTYPES), default=None,
       help="model param dtype (default bf16 on CUDA, fp32 on CPU)")
-    a("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    a("--device", choices=("auto", "cpu", "cuda"), default="auto",
+      help="auto: CUDA with NCCL when a GPU is visible, else CPU with gloo")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default unless its help already says it or there is none to show."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or any(action.default is v for v in (None, False, argparse.SUPPRESS)):
+            return text
+        return super()._get_help_string(action) or ""
 
 
 def add_train_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train", help="pretrain the small GPT with ZeroAdamW",
                               description=__doc__.split("\n\n")[0],
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              formatter_class=_HelpFormatter)
     add_arguments(p)
     p.set_defaults(func=_cli_train)
     return p
