@@ -102,6 +102,7 @@ class FlatGroup:
         # reduction of a step copies into the shard, later micro-batches add (no zeroing pass).
         self.shard_written: set[int] = set()
         self._holes: dict[int, list[tuple[int, int]]] = {}
+        self._grad_views: list[torch.Tensor | None] | None = None
         self.full: torch.Tensor | None = None  # stage 3: gathered params (storage freed between)
         self.param_base: torch.Tensor | None = None
 
@@ -228,11 +229,14 @@ class FlatGroup:
 
     def grad_view(self, pos: int) -> torch.Tensor | None:
         """The param's grad as a view of grad_flat, when autograd can accumulate into it
-        directly (stages 0-1 with grads reduced in the param dtype), else None."""
-        if self.grad_flat is None or self.grad_flat.dtype != self.dtype:
-            return None
-        slot = self.layout.params[pos]
-        return self.grad_flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        directly (stages 0-1 with grads reduced in the param dtype), else None. Built once:
+        the grad hook compares against it on every backward."""
+        if self._grad_views is None:
+            usable = self.grad_flat is not None and self.grad_flat.dtype == self.dtype
+            self._grad_views = [
+                self.grad_flat[s.offset:s.offset + s.numel].view(s.shape) if usable else None
+                for s in self.layout.params]
+        return self._grad_views[pos]
 
     def attach_grad_views(self) -> None:
         """[Note: grads as bucket views] `p.grad` is a view of grad_flat, so autograd's
