@@ -115,7 +115,7 @@ class FlatGroup:
         if dtype != torch.float32:
             # From the original values, before the params become (possibly bf16) views.
             self.master = torch.zeros(n_local, **f32)
-            self._fill_master_from(params)
+            self.copy_params_into(self.master)
         for p, slot in zip(params, L.params):
             p.data = self.param_flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
         if stage in (Stage.DP, Stage.OPTIMIZER):
@@ -123,19 +123,16 @@ class FlatGroup:
         else:
             self.grad_shard = torch.zeros(n_local, dtype=reduce_dtype, device=device)
 
-    def _fill_master_from(self, params: list[torch.Tensor]) -> None:
-        """Master = the exact fp32 values of this rank's pieces of the given full params."""
-        assert self.master is not None
+    def copy_params_into(self, dst: torch.Tensor) -> None:
+        """This rank's pieces of the params' current full values into a local-shard tensor,
+        segment by segment (cast to dst's dtype). Params still on the meta device are skipped."""
+        pos = {s.index: i for i, s in enumerate(self.layout.params)}
         with torch.no_grad():
             for seg in self.layout.segments(self.shard_rank):
-                p = params[self._slot_pos(seg.param)]
-                self.master[seg.local:seg.local + seg.length].copy_(
-                    p.detach().reshape(-1)[seg.start:seg.start + seg.length])
-
-    def _slot_pos(self, index: int) -> int:
-        if not hasattr(self, "_pos"):
-            self._pos = {s.index: i for i, s in enumerate(self.layout.params)}
-        return self._pos[index]
+                p = self.params[pos[seg.param]]
+                if not p.is_meta:
+                    dst[seg.local:seg.local + seg.length].copy_(
+                        p.detach().reshape(-1)[seg.start:seg.start + seg.length])
 
     # -- views the kernel and the collectives use ---------------------------------------------
     def own(self, full: torch.Tensor) -> Strided:

@@ -293,15 +293,10 @@ def _init_flat_group(fg: FlatGroup) -> None:
     if fg.dtype != torch.float32:
         fg.master = torch.zeros(n_local, dtype=torch.float32, device=dev)
     fg.grad_shard = torch.zeros(n_local, dtype=fg.reduce_dtype, device=dev)
-    with torch.no_grad():
-        for seg in L.segments(fg.shard_rank):
-            p = fg.params[fg._slot_pos(seg.param)]
-            if p.is_meta:
-                continue  # filled by Zero3._materialize
-            src = p.detach().reshape(-1)[seg.start:seg.start + seg.length]
-            fg.param_shard[seg.local:seg.local + seg.length].copy_(src)
-            if fg.master is not None:
-                fg.master[seg.local:seg.local + seg.length].copy_(src)
+    # Meta-device params are skipped here and filled by Zero3._materialize.
+    fg.copy_params_into(fg.param_shard)
+    if fg.master is not None:
+        fg.copy_params_into(fg.master)
     fg.full = torch.empty(max(L.padded_numel, 1), dtype=fg.dtype, device=dev)
     base = torch.empty(0, dtype=fg.dtype, device=dev)
     base.set_(fg.full.untyped_storage(), 0, (fg.full.numel(),))
