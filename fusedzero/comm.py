@@ -96,3 +96,12 @@ def all_reduce(t: torch.Tensor, group: Any, world_size: int, counter: CommCounte
 def wait(handle: Any) -> None:
     if handle is not None:
         handle.wait()
+
+
+def broadcast(t: torch.Tensor, group: Any, world_size: int) -> Any:
+    """Overwrite `t` with the value group rank 0 holds (async). Used once, at construction, to
+    start replicas from one copy (as DDP); not per-step traffic, so not counted."""
+    if world_size == 1:
+        return None
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    return dist.broadcast(t, src=src, group=group, async_op=True)

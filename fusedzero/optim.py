@@ -9,7 +9,23 @@ Stage 2: grads sharded too: each bucket lives only while it is being reduced.
 Stage 3: params sharded per unit as well (see `fusedzero.zero3`).
 
 Grads follow DDP: averaged over ranks, summed over micro-batches (divide the loss by the number of
-micro-batches, as with DDP). The step consumes the grads: after `step()` they are zero.
+micro-batches, as with DDP), with or without `no_sync()` (a speed switch, never a correctness
+one). The step consumes the grads: after `step()` they are zero. Replicas start from rank 0's
+params and buffers (broadcast at construction, as DDP). When `backward()` returns, every
+reduction it started is complete (on NCCL: stream-ordered).
+
+[Note: accumulating across reductions] Every reduction sums grads pre-divided by the world size
+(as DDP and FSDP2: an fp16 sum of W ranks cannot overflow sooner than one rank's grad), so a
+reduced buffer holds the average. A backward outside `no_sync` reduces what was accumulated so
+far; a later micro-batch of the same step must add only its own new grads:
+- stage 0: the bucket holds the average A, identical on every rank; the next micro-batch adds
+  its local g; dividing by W and all-reducing gives A + mean(g) (linearity, as DDP).
+- stage 1: after an in-place reduce-scatter only this rank's piece holds A; the other pieces
+  hold local grads already contributed. Before new grads land in a reduced bucket those pieces
+  are zeroed, and the new grads are added pre-divided (`.grad` is no longer a bucket view, so
+  autograd cannot add them raw): the next reduce-scatter, which divides nothing, gives
+  A + mean(g) in this rank's piece.
+- stages 2-3: each backward reduces a fresh bucket and adds the result into grad_shard.
 
 [Note: buffer lifetimes]
 - param_flat (stages 0-2): the full param buffer; model params are views into it, so the
@@ -27,11 +43,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from fusedzero import comm
 from fusedzero.comm import CommCounter
@@ -101,6 +120,10 @@ class FlatGroup:
         # Buckets whose reduced grads already landed in grad_shard since the last step: the first
         # reduction of a step copies into the shard, later micro-batches add (no zeroing pass).
         self.shard_written: set[int] = set()
+        # Stage 1: buckets already reduce-scattered since the last step, and those of them whose
+        # other ranks' pieces were zeroed since (see [Note: accumulating across reductions]).
+        self.reduced: set[int] = set()
+        self.cleaned: set[int] = set()
         self._holes: dict[int, list[tuple[int, int]]] = {}
         self._grad_views: list[torch.Tensor | None] | None = None
         self.full: torch.Tensor | None = None  # stage 3: gathered params (storage freed between)
@@ -214,6 +237,11 @@ class FlatGroup:
             dst.copy_(piece)
             self.shard_written.add(k)
 
+    def forget_reductions(self) -> None:
+        self.shard_written.clear()  # the next reduction copies into grad_shard
+        self.reduced.clear()
+        self.cleaned.clear()
+
     def zero_unwritten_shard(self) -> None:
         """Shard pieces no reduction reached since the last step hold stale grads: zero them."""
         if self.grad_shard is None:
@@ -244,18 +272,40 @@ class FlatGroup:
             if view is not None:
                 p.grad = view
 
-    def accumulate(self, pos: int, grad: torch.Tensor) -> None:
-        """Put a param's grad into the bucket buffer(s) it falls in: a copy into a transient
-        bucket (each param's grad arrives once per backward), an add into grad_flat (which
-        accumulates over micro-batches)."""
+    def accumulate(self, pos: int, grad: torch.Tensor, inv_world: float) -> None:
+        """Put a param's grad into the bucket buffer(s) it falls in.
+
+        Transient buckets (stages 2-3): a copy pre-divided by the world size, fused into the
+        copy (each param's grad arrives once per backward). grad_flat (stages 0-1): an add,
+        which accumulates over micro-batches; pre-divided here only into a stage-1 bucket that
+        was already reduced this step (its reduction then divides nothing again)."""
         g = grad.reshape(-1)
         for k in self.layout.buckets_of(self.layout.params[pos]):
             a, b, p = self._overlap(pos, k)
             dst = self.bucket_grad(k)[a:b]
+            src = g[p:p + b - a]
             if self.grad_flat is None:
-                dst.copy_(g[p:p + b - a])
+                if inv_world == 1.0:
+                    dst.copy_(src)
+                else:
+                    torch.mul(src, inv_world, out=dst)
+            elif k in self.reduced:
+                self.clean(k)
+                dst.add_(src, alpha=inv_world)
             else:
-                dst.add_(g[p:p + b - a])
+                dst.add_(src)
+
+    def clean(self, k: int) -> None:
+        """Stage 1, bucket k reduced this step: zero the pieces other ranks own (their local
+        grads were contributed already and must not be counted again)."""
+        if k in self.cleaned:
+            return
+        lo, hi = self.layout.bucket_range(k)
+        plo, phi = self.layout.piece(k, self.shard_rank)
+        assert self.grad_flat is not None
+        self.grad_flat[lo:plo].zero_()
+        self.grad_flat[phi:hi].zero_()
+        self.cleaned.add(k)
 
     def set_lr(self, lr: float | torch.Tensor) -> None:
         if isinstance(lr, torch.Tensor):
@@ -410,13 +460,19 @@ class ZeroAdamW(torch.optim.Optimizer):
                     raise ValueError(f"module {n or type(m).__name__} has sparse=True: sparse "
                                      "gradients are not supported; build it with sparse=False")
         self.params = all_params
+        _check_not_owned(module, all_params, names)
+        self._sync_replicas(module)
 
         f32 = dict(dtype=torch.float32, device=self.device)
         self._step = torch.zeros(1, **f32)
         self._skip = torch.zeros(1, **f32)
         self._grad_scale = torch.ones(1, **f32)
         self._norm = torch.zeros(1, **f32)
-        self._inv_world = torch.full((1,), 1.0 / (self.world_size * self.replicas), **f32)
+        # Grads are pre-divided before every reduction ([Note: accumulating across
+        # reductions]): the reduced buffers hold the average, and the kernel's grad scale is
+        # 1 (times the inverse loss scale and the clip coefficient).
+        self._one = torch.ones(1, **f32)
+        self._inv_w = 1.0 / self.world_size
         self.scaler = _LossScaler(loss_scale, self.device) if loss_scale is not None else None
 
         self._zero3: Any = None
@@ -438,14 +494,24 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._gather_handles: dict[tuple[int, int], Any] = {}
         self._sync = True
         self._in_backward = False
+        self._task_id = -1  # autograd graph task the end-of-backward callback is queued on
+        self._closed = False
+        self._no_grad: dict[int, torch.Tensor] = {}  # per param: its _NoLocalGrad, built once
         self._next = 0
         self._reset_pending()
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in all_params]
+        self._hooks: list[Any] = []
+        for p in all_params:
+            self._hooks.append(p.register_hook(functools.partial(self._before_accumulate, p)))
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
         for fg in self.flat_groups:
             fg.attach_grad_views()
+        if module is not None:
+            self._hooks.append(module.register_forward_hook(self._on_model_output))
         self._module_waits = module is not None and stage in (Stage.OPTIMIZER, Stage.GRADIENTS)
         if self._module_waits:
             self._install_param_waits(module)
+        for p in {id(p): p for p in self._owned(module)}.values():
+            setattr(p, _OWNER, weakref.ref(self))
 
     # -- construction -----------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -455,6 +521,73 @@ class ZeroAdamW(torch.optim.Optimizer):
                 "ZeroAdamW cannot add param groups after construction (its flat buffers are "
                 "sharded at build time); pass every group to the constructor")
         super().add_param_group(param_group)
+
+    def _owned(self, module: nn.Module | None) -> list[torch.Tensor]:
+        """Every tensor replicas must agree on: the optimizer's params, and the module's params
+        (frozen ones too) and buffers."""
+        out = list(self.params)
+        if module is not None:
+            out += list(module.parameters()) + list(module.buffers())
+        return out
+
+    def _sync_replicas(self, module: nn.Module | None) -> None:
+        """Start every replica from rank 0's params and buffers, as DDP does at construction:
+        ranks that initialised differently (another seed) would otherwise train apart (stage 0)
+        or silently mix their inits shard by shard (stages 1-3). Over the shard group, then the
+        replicate group: rank 0 of both reaches every rank of a 2-D mesh. Meta tensors have no
+        values yet: stage 3 broadcasts them as it materialises them."""
+        tensors = [t for t in {id(t): t for t in self._owned(module)}.values() if not t.is_meta]
+        for group, size in ((self.process_group, self.world_size),
+                            (self.replicate_group, self.replicas)):
+            if size == 1:
+                continue
+            work = []
+            for t in tensors:
+                buf = t.detach() if t.is_contiguous() else t.detach().contiguous()
+                work.append((t, buf, comm.broadcast(buf, group, size)))
+            with torch.no_grad():
+                for t, buf, h in work:
+                    comm.wait(h)
+                    if buf.data_ptr() != t.data_ptr():
+                        t.copy_(buf)
+
+    def broadcast_from_rank0(self, t: torch.Tensor) -> None:
+        """Overwrite `t` (contiguous) with rank 0's value over the shard and replicate groups."""
+        for group, size in ((self.process_group, self.world_size),
+                            (self.replicate_group, self.replicas)):
+            comm.wait(comm.broadcast(t, group, size))
+
+    def close(self) -> None:
+        """Detach from the model: finish in-flight collectives, remove every hook this optimizer
+        installed, and leave the params as plain tensors holding their current full values
+        (stage 3: gathered once more into storage of their own). `.grad` is reset to None.
+        Afterwards the model can get a new optimizer; this one refuses `step()`. Idempotent."""
+        if self._closed:
+            return
+        if self._in_backward:
+            raise RuntimeError("close() called during backward")
+        self._wait_reductions()
+        self._wait_params()
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        if self._zero3 is not None:
+            for h in self._zero3._hooks:
+                h.remove()
+            self._zero3._hooks.clear()
+            with self._zero3.gathered(), torch.no_grad():
+                for p in self.params:
+                    p.data = p.detach().clone()  # off the unit buffer, which is freed on exit
+        for p in {id(p): p for p in self._owned(self.module)}.values():
+            if getattr(p, _OWNER, None) is not None and getattr(p, _OWNER)() is self:
+                delattr(p, _OWNER)
+        for p in self.params:
+            p.grad = None
+        self._closed = True
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(f"{what}() on a closed ZeroAdamW: build a new optimizer")
 
     def _build_flat_groups(self) -> list[FlatGroup]:
         out = []
@@ -516,22 +649,59 @@ class ZeroAdamW(torch.optim.Optimizer):
         finally:
             self._sync = prev
 
+    def _on_model_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        """[Note: end of backward] The end-of-backward callback must run on the outermost
+        autograd graph task. Queued from the first param grad, it lands on an inner task when
+        that grad comes from a reentrant checkpoint (`use_reentrant=True` runs a nested backward
+        for the checkpointed part) and would fire when that part is done. The grad of the
+        model's output arrives first, in the outer task: queue it from there. (A forward run as
+        a recomputation inside backward adds no hook: the outer backward is already running.)"""
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        if not self._in_backward:
+            self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        self._in_backward = True
+        self._task_id = torch._C._current_graph_task_id()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _before_accumulate(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Runs before autograd accumulates into `p.grad`: a placeholder `p.grad` is dropped, so
+        the new grad arrives as a fresh tensor for `_on_grad` to put where it belongs."""
+        if type(p.grad) is _NoLocalGrad:
+            p.grad = None
+
     def _on_grad(self, p: torch.Tensor) -> None:
         if p.grad is None:
             return
         if p.grad.is_sparse:
             raise RuntimeError(f"param {self.param_names[self._index(p)]} got a sparse grad; "
                                "sparse gradients are not supported")
+        task = torch._C._current_graph_task_id()
+        if task < self._task_id:
+            # Graph task ids grow: a grad from an older task than the one our callback is queued
+            # on means that one was a nested (reentrant) backward and the callback fired early.
+            raise RuntimeError(
+                "ZeroAdamW: a grad arrived from an outer autograd graph task after the end-of-"
+                "backward callback ran on a nested one (reentrant activation checkpointing, "
+                "torch.utils.checkpoint(..., use_reentrant=True)). Pass module=model to "
+                "ZeroAdamW (the callback is then queued from the model output's grad) or use "
+                "use_reentrant=False")
         if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+            self._begin_backward()
         fg, pos = self._where[id(p)]
         view = fg.grad_view(pos)
         if view is None or p.grad.data_ptr() != view.data_ptr():
-            # Not (or no longer: the user reset .grad) a view of our bucket: copy it in.
+            # Not (or no longer: reduced, or the user reset .grad) a view of our bucket: put it in.
             with torch.no_grad():
-                fg.accumulate(pos, p.grad)
-            p.grad = view
+                fg.accumulate(pos, p.grad, self._inv_w)
+            p.grad = self._idle_grad(fg, pos, p)
         for k in fg.layout.buckets_of(fg.layout.params[pos]):
             b = self._bucket_of[(id(fg), k)]
             b.pending -= 1
@@ -539,6 +709,26 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._launch_ready(force=False)
         if self._zero3 is not None:
             self._zero3.grad_ready(fg.unit)
+
+    def _idle_grad(self, fg: FlatGroup, pos: int, p: torch.Tensor) -> torch.Tensor | None:
+        """What `p.grad` holds between backward passes. [Note: user grad clipping] A view of
+        grad_flat where that view is this param's true grad: stage 0 with grads in the param
+        dtype, where after backward it holds the grad averaged over ranks on every rank, so
+        `torch.nn.utils.clip_grad_norm_` computes the true global norm and clips it in place,
+        identically on every replica (as with DDP); and stage 1 until its bucket is reduced
+        (local grads, as DDP's inside `no_sync`). Elsewhere this rank holds only a shard of the
+        reduced grad (or a copy in another dtype), and a norm over `.grad` would be silently
+        wrong or, over None, silently zero: `.grad` is then a placeholder that raises, naming
+        `max_grad_norm` and `opt.grad_norm`, on any use."""
+        view = fg.grad_view(pos)
+        if view is not None and not any(k in fg.reduced
+                                        for k in fg.layout.buckets_of(fg.layout.params[pos])):
+            return view
+        ng = self._no_grad.get(id(p))
+        if ng is None:
+            ng = _NoLocalGrad(p, self.stage, fg.layout.params[pos].name)
+            self._no_grad[id(p)] = ng
+        return ng
 
     def _index(self, p: torch.Tensor) -> int:
         return next(i for i, q in enumerate(self.params) if q is p)
@@ -563,6 +753,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         buf = fg.bucket_grad(k)
         if self.trace is not None:
             self.trace.append(("reduce", (fg.unit, fg.group_index, k)))
+        if fg.grad_flat is not None:  # transient buckets were pre-divided in `accumulate`
+            if k in fg.reduced:
+                fg.clean(k)  # new grads were added pre-divided: divide nothing again
+            elif self.world_size > 1:
+                buf.mul_(self._inv_w)
+            if self.stage == Stage.OPTIMIZER:
+                fg.reduced.add(k)
+                fg.cleaned.discard(k)  # the other pieces are contributed again by this one
         if self.stage == Stage.DP:
             h = comm.all_reduce(buf, self.process_group, self.world_size, self.comm)
             self._handles.append((h, None))
@@ -592,14 +790,22 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def _end_backward(self) -> None:
         self._in_backward = False
-        if self._reduces_now():
+        reduced = self._reduces_now()
+        if reduced:
             self._launch_ready(force=True)
-        if self.stage >= Stage.GRADIENTS:
-            self._wait_reductions()  # frees the bucket buffers before the next micro-batch
+        # Every stage: the grads are final when backward returns (what the user does next may
+        # read them), the next micro-batch never writes into a buffer a collective is reading,
+        # and stages 2-3 free their bucket buffers. On NCCL the wait orders the streams.
+        self._wait_reductions()
+        if reduced and self.stage == Stage.OPTIMIZER:
+            # Only this rank's pieces hold reduced grads now: no param's .grad is a true view.
+            for fg in self.flat_groups:
+                for pos, p in enumerate(fg.params):
+                    p.grad = self._idle_grad(fg, pos, p)
         if self._zero3 is not None:
             self._zero3.end_backward()
         if self.trace is not None:
-            self.trace.append(("backward_end", None))
+            self.trace.append(("backward_end", len(self._handles)))
         self._reset_pending()
 
     def _wait_reductions(self) -> None:
@@ -622,8 +828,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._check_open("step")
         if self._in_backward:
             raise RuntimeError("step() called during backward")
+        self._check_frozen()
         self._wait_params()  # the kernel rewrites this rank's pieces of the param buffer
         self._wait_reductions()
         for fg in self.flat_groups:
@@ -649,6 +857,18 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._zero_grad_buffers()
         return loss
 
+    def _check_frozen(self) -> None:
+        """A param frozen after construction still sits in a flat buffer the fused kernel
+        updates as a whole: momentum and weight decay would keep moving it. Refuse, naming it
+        (a Python attribute read per param: no host sync)."""
+        frozen = [n for n, p in zip(self.param_names, self.params) if not p.requires_grad]
+        if frozen:
+            raise RuntimeError(
+                f"params {frozen} were set requires_grad=False after ZeroAdamW was built; the "
+                "fused update would keep moving them (momentum, weight decay). Freeze params "
+                "before building the optimizer (frozen params are left out), or unfreeze them; "
+                "to change the set mid-run: checkpoint.save, close(), build a new ZeroAdamW")
+
     def _reduce_replicas(self) -> None:
         """2-D mesh: sum this rank's grad shard over the replicas that hold the same shard.
         Once per step, after accumulation: replicas then hold equal grads and stay in step."""
@@ -657,6 +877,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         handles = []
         for fg in self.flat_groups:
             for piece in _stream_pieces(fg.grad_stream(), fg.layout):
+                piece.mul_(1.0 / self.replicas)  # pre-divided: the sum is the average
                 handles.append(comm.all_reduce(piece, self.replicate_group, self.replicas,
                                                self.comm))
         for h in handles:
@@ -664,7 +885,7 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def _prepare_scalars(self) -> None:
         need_norm = self.max_grad_norm is not None or self.skip_nonfinite or self.scaler
-        inv = self._inv_world if self.scaler is None else self._inv_world / self.scaler.scale
+        inv = self._one if self.scaler is None else self._one / self.scaler.scale
         if not need_norm:
             self._grad_scale.copy_(inv)
             self._skip.zero_()
@@ -743,13 +964,17 @@ class ZeroAdamW(torch.optim.Optimizer):
         for fg in self.flat_groups:
             if fg.grad_flat is not None:
                 fg.grad_flat.zero_()
-            fg.shard_written.clear()  # the next reduction copies into grad_shard
+                if fg.reduced:  # stage 1: autograd may accumulate into the views again
+                    for pos, p in enumerate(fg.params):
+                        p.grad = fg.grad_view(pos)
+            fg.forget_reductions()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Grads live in the flat buffers and are consumed (zeroed) by `step()`; this empties
         the buffers (e.g. to drop a micro-batch). Stages 0-1 with grads reduced in the param
         dtype keep `.grad` as views of the zeroed buffer whatever `set_to_none` says; elsewhere
         `.grad` is None between backward passes."""
+        self._check_open("zero_grad")
         for fg in self.flat_groups:
             for pos, p in enumerate(fg.params):
                 p.grad = fg.grad_view(pos)
@@ -863,6 +1088,51 @@ class ZeroAdamW(torch.optim.Optimizer):
                     dst.copy_(src)
         self._gather_params()
         self._wait_params()
+
+
+class _NoLocalGrad(torch.Tensor):
+    """`p.grad` where this rank holds no full, reduced grad of p (see [Note: user grad
+    clipping]): no storage; any op on it raises, saying what to use instead."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, stage: Stage, name: str) -> _NoLocalGrad:
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype,
+                                                device=like.device)
+        t.why = (f"{name}.grad is not available: ZeroAdamW at stage {int(stage)} keeps grads in "
+                 "flat buffers reduced across ranks, and this rank holds only its shard (or a "
+                 "copy in the reduce dtype), so a norm or clip computed from .grad (e.g. "
+                 "torch.nn.utils.clip_grad_norm_) would be wrong. Clip with "
+                 "ZeroAdamW(max_grad_norm=...) and read the global norm from opt.grad_norm")
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        t = next(a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, _NoLocalGrad))
+        raise RuntimeError(f"{t.why} (op: {func})")
+
+    def __repr__(self) -> str:
+        return f"<no local grad: {self.why}>"
+
+
+# Attribute a param carries while a live ZeroAdamW owns it: a weak reference to that optimizer.
+_OWNER = "_fusedzero_owner"
+
+
+def _check_not_owned(module: nn.Module | None, params: list[nn.Parameter],
+                     names: list[str]) -> None:
+    """Two optimizers on one model would both hook every grad and both rewrite the params."""
+    tensors = list(zip(params, names))
+    if module is not None:
+        tensors += list(module.named_parameters())
+    for p, n in tensors:
+        ref = getattr(p, _OWNER, None)
+        owner = ref() if ref is not None else None
+        if owner is not None and not owner._closed:
+            raise ValueError(f"param {n} already belongs to a live ZeroAdamW (stage "
+                             f"{int(owner.stage)}); call close() on that optimizer before "
+                             "building another one on the same model")
 
 
 def _stream_pieces(s: Strided | torch.Tensor, L: FlatLayout) -> list[torch.Tensor]:

@@ -167,6 +167,8 @@ class Zero3:
             left[u] -= 1
             if left[u] == 0:
                 for fg in self.fgs[u]:
+                    # Every rank drew its own init: start every replica from rank 0's, as DDP.
+                    self.opt.broadcast_from_rank0(fg.full)
                     _copy_own_shard(fg)
                 for fg in self.fgs[u]:
                     fg.full.untyped_storage().resize_(0)
