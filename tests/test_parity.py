@@ -6,18 +6,21 @@ each case twice in the same process to show the result is deterministic, not jus
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 
 GLOBAL_BATCH = 12  # divides by W * micro for W in (1, 2, 4) and micro in (1, 3)
-STEPS = 4
+STEPS = 3
 LR = 1e-3
+CLIP = 0.05  # below the grad norm of these models, so clipping acts
 # fp32 tolerance, as in test_zero.py: ranks average per-rank mean losses where the reference
 # takes one mean over the global batch, so grads differ by summation order (~1e-7 relative);
 # Adam's division by sqrt(v) amplifies that in near-zero-grad elements by at most lr times the
@@ -80,80 +83,163 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (model(x) - y).square().mean()
 
 
-def reference(kind: str, steps: int = STEPS) -> dict[str, torch.Tensor]:
+def reference(kind: str, clip: float | None = None) -> dict[str, torch.Tensor]:
     """Single process, whole global batch at once. A param without a grad gets a zero grad:
     ZeroAdamW's documented rule (decoupled weight decay still applies to it)."""
     model = make(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    for step in range(steps):
+    for step in range(STEPS):
         loss_fn(model, *global_batch(step)).backward()
         for p in model.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train(rank: int, world: int, case: dict) -> dict[str, torch.Tensor]:
-    model = make(case["model"])
+def train(rank: int, world: int, case: dict) -> dict:
+    """One case on this rank: its params after STEPS steps, the reductions still in flight when
+    each backward returned, or the error it raised."""
+    model = make(case["model"], seed=rank if case.get("seed_rank") else 0)
+    if case.get("reentrant"):  # the last layer first: its grads come from the nested backward
+        for m in (model.c, model.b):
+            m.forward = functools.partial(checkpoint, m.forward, use_reentrant=True)
     opt = ZeroAdamW(model.parameters(), lr=LR, weight_decay=0.1, stage=case["stage"],
-                    module=model, bucket_numel=case.get("bucket", 64),
-                    unit_policy=nn.Linear)
+                    module=model, bucket_numel=256, unit_policy=nn.Linear, trace=True,
+                    reduce_dtype=case.get("reduce_dtype", torch.float32))
     accum = case["accum"]
-    for step in range(case.get("steps", STEPS)):
-        x, y = global_batch(step)
-        for m in range(accum):
-            quiet = case["no_sync"] and m < accum - 1
-            with opt.no_sync() if quiet else _null():
-                (loss_fn(model, local(x, rank, world, m, accum),
-                         local(y, rank, world, m, accum)) / accum).backward()
-        opt.step()
-        opt.zero_grad()
+    try:
+        for step in range(STEPS):
+            x, y = global_batch(step)
+            for m in range(accum):
+                quiet = case["no_sync"] and m < accum - 1
+                with opt.no_sync() if quiet else contextlib.nullcontext():
+                    (loss_fn(model, local(x, rank, world, m, accum),
+                             local(y, rank, world, m, accum)) / accum).backward()
+            if case.get("user_clip"):
+                torch.nn.utils.clip_grad_norm_(model.parameters(), case["user_clip"])
+            opt.step()
+            opt.zero_grad()
+    except RuntimeError as e:
+        opt.close()
+        return {"error": str(e)}
     with opt.gathered_params():
-        out = {n: p.detach().clone() for n, p in model.named_parameters()}
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
     opt.close()
-    return out
-
-
-def _null():
-    import contextlib
-    return contextlib.nullcontext()
+    return {"params": params, "in_flight": [v for k, v in opt.trace if k == "backward_end"]}
 
 
 def parity_cases() -> list[dict]:
+    """The matrix: stages x {1 micro-batch; 3 with no_sync; 3 without} for the plain model, and
+    3 micro-batches without no_sync (the path with the most reductions) for the model used out
+    of registration order and the one with an unused param."""
     cases = []
     for stage in (0, 1, 2, 3):
         cases.append({"model": "mlp", "stage": stage, "accum": 1, "no_sync": False})
         for no_sync in (True, False):
-            cases.append({"model": "mlp", "stage": stage, "accum": 3, "no_sync": no_sync})
+            cases.append({"model": "mlp", "stage": stage, "accum": 3, "no_sync": no_sync,
+                          "twice": True})
         for kind in ("reordered", "unused"):
             cases.append({"model": kind, "stage": stage, "accum": 3, "no_sync": False})
     return cases
 
 
-def run_parity(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    """Worker: every case twice (determinism within a run), plus the extra per-W checks."""
-    return [{"first": train(rank, world, c), "second": train(rank, world, c)} for c in cases]
+def extra_cases(world: int) -> list[dict]:
+    """Per-item cases that ride along in the same spawn."""
+    one = {"model": "mlp", "accum": 1, "no_sync": False}
+    if world == 2:
+        return [{**one, "stage": s, "item": item, **kw} for s in (0, 1, 2, 3)
+                for item, kw in (("seed_rank", {"seed_rank": True}),
+                                 ("reentrant", {"reentrant": True}),
+                                 ("user_clip", {"user_clip": CLIP}))]
+    return []
+
+
+def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Worker: every case; the `twice` ones again from scratch (determinism within a run)."""
+    out = []
+    for c in cases:
+        r = train(rank, world, c)
+        if c.get("twice"):
+            r["again"] = train(rank, world, c)["params"]
+        out.append(r)
+    return out
 
 
 @functools.cache
-def parity_results(world: int) -> list[list[dict]]:
-    return run_ranks(run_parity, world, parity_cases())
+def results(world: int) -> list[list[dict]]:
+    """Per rank, per case of parity_cases() + extra_cases(world): one spawn per world size."""
+    return run_ranks(run_cases, world, parity_cases() + extra_cases(world))
+
+
+@functools.cache
+def reference_params(kind: str, clip: float | None = None) -> dict[str, torch.Tensor]:
+    return reference(kind, clip=clip)
+
+
+def assert_matches(got: dict, want: dict, where: str) -> None:
+    for n, w in want.items():
+        d = (got[n] - w).abs()
+        assert torch.allclose(got[n], w, rtol=RTOL, atol=ATOL), \
+            f"{where} param {n}: max abs diff {d.max():.3g} (max rel {(d / w.abs()).max():.3g})"
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_parity_with_torch_adamw_every_stage_micro_batch_and_no_sync(world: int) -> None:
-    refs = {kind: reference(kind) for kind in MODELS}
-    outs = parity_results(world)
+    outs = results(world)
     for i, case in enumerate(parity_cases()):
-        ref = refs[case["model"]]
+        ref = reference_params(case["model"])
         for r, o in enumerate(outs):
-            got, again = o[i]["first"], o[i]["second"]
-            for n, want in ref.items():
-                where = f"{case} rank {r}/{world} param {n}"
-                assert torch.equal(got[n], again[n]), f"not deterministic: {where}"
-                assert torch.equal(got[n], outs[0][i]["first"][n]), f"replicas differ: {where}"
-                d = (got[n] - want).abs()
-                assert torch.allclose(got[n], want, rtol=RTOL, atol=ATOL), \
-                    f"{where}: max abs diff {d.max():.3g} (max rel {(d / want.abs()).max():.3g})"
+            where = f"{case} rank {r}/{world}"
+            got = o[i]["params"]
+            assert_matches(got, ref, where)
+            for n in ref:
+                assert torch.equal(got[n], outs[0][i]["params"][n]), f"replicas differ: {where}"
+                if case.get("twice"):
+                    assert torch.equal(got[n], o[i]["again"][n]), f"not deterministic: {where}"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reductions_complete_when_backward_returns(world: int) -> None:
+    """Issue 9 item 2: nothing in flight when backward() returns, at every stage, with and
+    without no_sync (so reading a grad, or the next micro-batch, never races a collective)."""
+    for i, case in enumerate(parity_cases()):
+        for o in results(world):
+            assert o[i]["in_flight"] and set(o[i]["in_flight"]) == {0}, (case, o[i]["in_flight"])
+
+
+def _extra(world: int, item: str) -> list[tuple[dict, list[dict]]]:
+    n = len(parity_cases())
+    return [(c, [o[n + j] for o in results(world)])
+            for j, c in enumerate(extra_cases(world)) if c["item"] == item]
+
+
+def test_replicas_start_from_rank0_params_at_every_stage() -> None:
+    """Issue 9 item 16: ranks built with `seed + rank` train exactly like rank 0's init."""
+    for case, per_rank in _extra(2, "seed_rank"):
+        for r, o in enumerate(per_rank):
+            assert_matches(o["params"], reference_params("mlp"), f"{case} rank {r}")
+
+
+def test_reentrant_activation_checkpointing_at_every_stage() -> None:
+    """Issue 9 item 11: the end-of-backward callback is queued on the outer graph task even
+    when the first grads come from a reentrant checkpoint's nested backward."""
+    for case, per_rank in _extra(2, "reentrant"):
+        for r, o in enumerate(per_rank):
+            assert "error" not in o, o.get("error")
+            assert_matches(o["params"], reference_params("mlp"), f"{case} rank {r}")
+
+
+def test_user_clip_grad_norm_is_exact_at_stage_0_and_refused_elsewhere() -> None:
+    """Issue 9 item 17: stage 0 `.grad` holds the rank-averaged grad, so torch's own
+    clip_grad_norm_ sees the global norm and clips like the single-process reference; at stages
+    1-3 `.grad` is not the full reduced grad and any use of it raises, naming max_grad_norm."""
+    for case, per_rank in _extra(2, "user_clip"):
+        for r, o in enumerate(per_rank):
+            if case["stage"] == 0:
+                assert_matches(o["params"], reference_params("mlp", CLIP), f"{case} rank {r}")
+            else:
+                assert "max_grad_norm" in o.get("error", ""), (case, o)
