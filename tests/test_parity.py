@@ -155,13 +155,47 @@ def extra_cases(world: int) -> list[dict]:
                 for item, kw in (("seed_rank", {"seed_rank": True}),
                                  ("reentrant", {"reentrant": True}),
                                  ("user_clip", {"user_clip": CLIP}))]
-    return []
+    return [{"stage": s, "item": "fp16"} for s in (0, 1, 2, 3)]
+
+
+# Item 7: per-rank grads near fp16's max (65504): each rank's fits, the sum of 4 does not.
+FP16_GRAD = 3.0e4
+
+
+def fp16_grads(world: int) -> list[torch.Tensor]:
+    sign = torch.randn(300, generator=torch.Generator().manual_seed(7)).sign()
+    return [FP16_GRAD * (1 + 0.1 * r) * sign for r in range(world)]
+
+
+class Linear1(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.linspace(-1, 1, 300))
+
+    def forward(self, c: torch.Tensor) -> torch.Tensor:
+        return (self.w * c).sum()  # d loss / d w = c
+
+
+def train_fp16(rank: int, world: int, case: dict) -> dict:
+    model = Linear1()
+    opt = ZeroAdamW(model.parameters(), lr=LR, stage=case["stage"], module=model,
+                    reduce_dtype=torch.float16, unit_policy=nn.Linear)
+    for _ in range(2):
+        model(fp16_grads(world)[rank]).backward()
+        opt.step()
+    with opt.gathered_params():
+        w = model.w.detach().clone()
+    opt.close()
+    return {"w": w, "skipped": opt.skipped.item()}
 
 
 def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
     """Worker: every case; the `twice` ones again from scratch (determinism within a run)."""
     out = []
     for c in cases:
+        if c.get("item") == "fp16":
+            out.append(train_fp16(rank, world, c))
+            continue
         r = train(rank, world, c)
         if c.get("twice"):
             r["again"] = train(rank, world, c)["params"]
@@ -243,3 +277,20 @@ def test_user_clip_grad_norm_is_exact_at_stage_0_and_refused_elsewhere() -> None
                 assert_matches(o["params"], reference_params("mlp", CLIP), f"{case} rank {r}")
             else:
                 assert "max_grad_norm" in o.get("error", ""), (case, o)
+
+
+def test_fp16_reduction_pre_divides_so_grads_near_fp16_max_do_not_overflow() -> None:
+    """Issue 9 item 7: at W=4 the fp16 sum of the ranks' grads would overflow (4 x 3e4 >
+    65504); pre-divided (as DDP and FSDP2), the average (3.45e4) fits. The reference gets the
+    exact fp32 average. Adam's first steps with a constant grad move by lr * sign(g), so the
+    fp16 rounding of g (5e-4 relative) does not show: fp32 tolerance holds."""
+    model = Linear1()
+    ref = torch.optim.AdamW(model.parameters(), lr=LR)
+    for _ in range(2):
+        model.w.grad = torch.stack(fp16_grads(4)).mean(0)
+        ref.step()
+    for case, per_rank in _extra(4, "fp16"):
+        for r, o in enumerate(per_rank):
+            assert o["skipped"] == 0.0, (case, r)
+            torch.testing.assert_close(o["w"], model.w.detach(), rtol=RTOL, atol=ATOL,
+                                       msg=f"{case} rank {r}")
