@@ -1,0 +1,122 @@
+"""Single-process semantics of issue 9: detaching an optimizer, params frozen after
+construction, reentrant checkpointing without a module. (Multi-rank items: test_parity.py.)"""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from fusedzero.optim import ZeroAdamW
+
+LR = 1e-3
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 13)
+        self.b = nn.Linear(13, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(x)))
+
+
+def make() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def batch(step: int) -> torch.Tensor:
+    return torch.randn(5, 6, generator=torch.Generator().manual_seed(step))
+
+
+def loss(m: nn.Module, step: int) -> torch.Tensor:
+    return m(batch(step)).square().mean()
+
+
+def build(m: Net, stage: int, **kw) -> ZeroAdamW:
+    return ZeroAdamW(m.parameters(), lr=LR, stage=stage, module=m, bucket_numel=128,
+                     unit_policy=nn.Linear, **kw)
+
+
+def hooks_left(m: nn.Module) -> int:
+    n = 0
+    for mod in m.modules():
+        n += len(mod._forward_hooks) + len(mod._forward_pre_hooks)
+    for p in m.parameters():
+        n += len(p._backward_hooks or {}) + len(getattr(p, "_post_accumulate_grad_hooks",
+                                                         None) or {})
+    return n
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_close_removes_every_hook_and_a_live_optimizer_refuses_a_second(stage: int) -> None:
+    """Issue 9 item 10. A second optimizer on a model with a live one is refused; after
+    close() no hook of ours is left, the params keep their values, and a new optimizer trains
+    exactly like a fresh torch.optim.AdamW from there."""
+    m, ref_m = make(), make()
+    assert hooks_left(m) == 0
+    opt = build(m, stage)
+    with pytest.raises(ValueError, match=r"a\.weight already belongs to a live ZeroAdamW.*close"):
+        build(m, stage)
+    ref = torch.optim.AdamW(ref_m.parameters(), lr=LR)
+    for model, o in ((m, opt), (ref_m, ref)):
+        loss(model, 0).backward()
+        o.step()
+        o.zero_grad()
+    opt.close()
+    opt.close()  # idempotent
+    assert hooks_left(m) == 0
+    assert all(p.grad is None for p in m.parameters())
+    for p, q in zip(m.parameters(), ref_m.parameters()):  # stage 3: full values, own storage
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step()
+    opt2 = build(m, stage)  # no longer refused; one set of hooks
+    ref2 = torch.optim.AdamW(ref_m.parameters(), lr=LR)
+    for step in (1, 2):
+        for model, o in ((m, opt2), (ref_m, ref2)):
+            loss(model, step).backward()
+            o.step()
+            o.zero_grad()
+    with opt2.gathered_params():
+        for p, q in zip(m.parameters(), ref_m.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_param_frozen_after_build_is_refused_at_step_naming_it(stage: int) -> None:
+    """Issue 9 item 20: the fused update would keep moving a param frozen after construction
+    (momentum, weight decay); step() refuses before touching anything, naming it."""
+    m = make()
+    opt = build(m, stage)
+    loss(m, 0).backward()
+    opt.step()
+    m.a.weight.requires_grad_(False)
+    loss(m, 1).backward()
+    with opt.gathered_params():
+        before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    with pytest.raises(RuntimeError, match=r"\['a\.weight'\].*requires_grad=False after"):
+        opt.step()
+    with opt.gathered_params():
+        for n, p in m.named_parameters():
+            assert torch.equal(p, before[n]), n
+    m.a.weight.requires_grad_(True)  # unfrozen again: the step goes through
+    opt.step()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_reentrant_checkpointing_without_module_is_refused_clearly(stage: int) -> None:
+    """Issue 9 item 11, the case the fix cannot cover: without `module` the end-of-backward
+    callback can only be queued from the first grad, which a reentrant checkpoint delivers
+    from its nested graph task. It is detected and refused, naming the two ways out. (With
+    `module=` it works: test_parity.py::test_reentrant_activation_checkpointing_at_every_stage.)"""
+    m = make()
+    m.b.forward = functools.partial(checkpoint, m.b.forward, use_reentrant=True)
+    ZeroAdamW(m.parameters(), lr=LR, stage=stage, bucket_numel=128)
+    with pytest.raises(RuntimeError, match="use_reentrant.*module=model|module=model.*"
+                                           "use_reentrant"):
+        loss(m, 0).backward()
