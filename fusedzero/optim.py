@@ -363,6 +363,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             params a module owns directly (default: `module.reset_parameters()`).
         device: where meta-device params are materialised (default: cuda if present, else cpu).
         trace: record the order of collectives and unit events in `self.trace` (tests).
+
+    One live optimizer per model: `close()` detaches it (hooks removed, params left as plain
+    tensors) before another is built on the same params.
     """
 
     def __init__(
@@ -495,6 +498,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._sync = True
         self._in_backward = False
         self._task_id = -1  # autograd graph task the end-of-backward callback is queued on
+        self._grads_arrived = False  # a param grad came in the current backward
         self._closed = False
         self._no_grad: dict[int, torch.Tensor] = {}  # per param: its _NoLocalGrad, built once
         self._next = 0
@@ -641,7 +645,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     # -- backward -----------------------------------------------------------------------------
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accumulate grads locally for the micro-batches inside (stages 0-1). Stages 2-3 still
+        """Accumulate grads locally for the micro-batches inside (stages 0-1), saving their
+        reductions; a speed switch only: without it the result is the same. Stages 2-3 still
         reduce-scatter every micro-batch: they keep no full grad buffer to accumulate in."""
         prev, self._sync = self._sync, False
         try:
@@ -668,6 +673,7 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def _begin_backward(self) -> None:
         self._in_backward = True
+        self._grads_arrived = False
         self._task_id = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -695,6 +701,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                 "use_reentrant=False")
         if not self._in_backward:
             self._begin_backward()
+        self._grads_arrived = True
         fg, pos = self._where[id(p)]
         view = fg.grad_view(pos)
         if view is None or p.grad.data_ptr() != view.data_ptr():
@@ -790,7 +797,9 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def _end_backward(self) -> None:
         self._in_backward = False
-        reduced = self._reduces_now()
+        # A backward that reached the model's output but no param (torch.autograd.grad w.r.t.
+        # inputs) has nothing to reduce.
+        reduced = self._reduces_now() and self._grads_arrived
         if reduced:
             self._launch_ready(force=True)
         # Every stage: the grads are final when backward returns (what the user does next may
@@ -870,7 +879,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                 "to change the set mid-run: checkpoint.save, close(), build a new ZeroAdamW")
 
     def _reduce_replicas(self) -> None:
-        """2-D mesh: sum this rank's grad shard over the replicas that hold the same shard.
+        """2-D mesh: average this rank's grad shard over the replicas that hold the same shard.
         Once per step, after accumulation: replicas then hold equal grads and stay in step."""
         if self.replicas == 1:
             return
@@ -964,9 +973,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         for fg in self.flat_groups:
             if fg.grad_flat is not None:
                 fg.grad_flat.zero_()
-                if fg.reduced:  # stage 1: autograd may accumulate into the views again
-                    for pos, p in enumerate(fg.params):
-                        p.grad = fg.grad_view(pos)
+            # The grads are consumed: placeholders go (stage 1: autograd accumulates into the
+            # bucket views again).
+            for pos, p in enumerate(fg.params):
+                if type(p.grad) is _NoLocalGrad:
+                    p.grad = fg.grad_view(pos)
             fg.forget_reductions()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
