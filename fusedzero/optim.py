@@ -625,6 +625,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self._in_backward:
             raise RuntimeError("step() called during backward")
         self._wait_params()  # the kernel rewrites this rank's pieces of the param buffer
+        if self._zero3 is not None:
+            # Likewise at stage 3: a unit still gathering (a no-grad or partial forward since
+            # backward) has all-gathers reading param_shard, which the kernel rewrites. Wait and
+            # free them all first; a gathered unit would be stale after the update anyway.
+            self._zero3.free_all()
         self._wait_reductions()
         for fg in self.flat_groups:
             fg.zero_unwritten_shard()
@@ -643,8 +648,6 @@ class ZeroAdamW(torch.optim.Optimizer):
                        num_buckets=fg.layout.num_buckets, shard_numel=fg.layout.shard_numel)
         if self.scaler is not None:
             self.scaler.update(self._skip)
-        if self._zero3 is not None:
-            self._zero3.free_all()  # a unit still gathered (e.g. by a no_grad forward) is stale
         self._gather_params()
         self._zero_grad_buffers()
         return loss
