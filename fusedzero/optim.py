@@ -788,7 +788,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             a, b, c = fg.resident()
             params, grads, opt = params + a, grads + b, opt + c
             pad += fg.layout.padded_numel - fg.layout.param_numel
-        return MemoryReport(params, grads, opt, pad, sum(p.numel() for p in self.params))
+        # From the layout: stage-3 params are empty tensors while their unit is freed.
+        return MemoryReport(params, grads, opt, pad,
+                            sum(fg.layout.param_numel for fg in self.flat_groups))
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Multiply the loss by the current loss scale (identity without loss scaling)."""
