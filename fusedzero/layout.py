@@ -128,8 +128,14 @@ def build_layout(params: list[ParamSlot] | list[tuple[int, str, tuple[int, ...]]
         cur = offset + numel
     if cur == 0:
         return FlatLayout(slots, world_size, 0, 0, 0)
-    num_buckets = math.ceil(cur / bucket_numel)
-    b = round_up(math.ceil(cur / num_buckets), world_size * ALIGN)
+    # Round the requested bucket up to a whole number of aligned shards *before* counting
+    # buckets: counting with the raw size first (bucket_numel < world_size * ALIGN) made one
+    # bucket per `bucket_numel` elements, each then padded to world_size * ALIGN, e.g. 9x a 1M
+    # param's size at W=8, bucket 100. Then spread the elements evenly over that many buckets,
+    # so the tail padding is under world_size * ALIGN per bucket.
+    unit = world_size * ALIGN
+    num_buckets = math.ceil(cur / round_up(bucket_numel, unit))
+    b = round_up(math.ceil(cur / num_buckets), unit)
     return FlatLayout(slots, world_size, cur, num_buckets, b)
 
 

@@ -842,6 +842,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             raise RuntimeError("step() called during backward")
         self._check_frozen()
         self._wait_params()  # the kernel rewrites this rank's pieces of the param buffer
+        if self._zero3 is not None:
+            # Likewise at stage 3: a unit still gathering (a no-grad or partial forward since
+            # backward) has all-gathers reading param_shard, which the kernel rewrites. Wait and
+            # free them all first; a gathered unit would be stale after the update anyway.
+            self._zero3.free_all()
         self._wait_reductions()
         for fg in self.flat_groups:
             fg.zero_unwritten_shard()
@@ -860,8 +865,6 @@ class ZeroAdamW(torch.optim.Optimizer):
                        num_buckets=fg.layout.num_buckets, shard_numel=fg.layout.shard_numel)
         if self.scaler is not None:
             self.scaler.update(self._skip)
-        if self._zero3 is not None:
-            self._zero3.free_all()  # a unit still gathered (e.g. by a no_grad forward) is stale
         self._gather_params()
         self._zero_grad_buffers()
         return loss
@@ -1021,7 +1024,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             a, b, c = fg.resident()
             params, grads, opt = params + a, grads + b, opt + c
             pad += fg.layout.padded_numel - fg.layout.param_numel
-        return MemoryReport(params, grads, opt, pad, sum(p.numel() for p in self.params))
+        # From the layout: stage-3 params are empty tensors while their unit is freed.
+        return MemoryReport(params, grads, opt, pad,
+                            sum(fg.layout.param_numel for fg in self.flat_groups))
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Multiply the loss by the current loss scale (identity without loss scaling)."""

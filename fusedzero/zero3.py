@@ -8,10 +8,14 @@ gathered by one all-gather per bucket.
 [Note: buffer lifetimes]
 - param_shard / master / exp_avg / exp_avg_sq / grad_shard: this rank's local shard, always alive.
 - full (per flat buffer): the gathered params. Its storage is allocated by `gather` and released
-  by `free` (`untyped_storage().resize_(0)`); the model's params are permanent views of it. Two
-  tensor objects share that storage: `full` takes the collective's in-place write, `param_base`
-  carries the param views, so the write does not bump the version counter of tensors that
-  autograd saved in forward.
+  by `free` (`untyped_storage().resize_(0)`). Two tensor objects share that storage: `full` takes
+  the collective's in-place write, `param_base` carries the param views, so the write does not
+  bump the version counter of tensors that autograd saved in forward.
+- The model's params hold their view of `param_base` only while the unit is gathered; `free`
+  swaps in a zero-element tensor (`.data`, as FSDP1 does). A view of a zero-byte storage still
+  claims its full shape, so `print(p)`, `p.norm()` or `p.fill_()` outside a forward read or wrote
+  freed memory (a segfault); an empty param is safe and visibly not the value. Read full values
+  inside `opt.gathered_params()`, or through `model.state_dict()` (gathered on demand, copied).
 - Forward: the pre-hook gathers unit u (waiting on its prefetch) and issues unit u+1's gather;
   the post-hook frees u (reshard_after_forward=True) unless it runs as a recomputation inside
   backward (activation checkpointing).
@@ -133,6 +137,15 @@ class Zero3:
                 continue
             self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(u)))
             self._hooks.append(m.register_forward_hook(self._make_post_forward(u)))
+        # `model.state_dict()` gathers what is free, copies the full values, frees again (FSDP's
+        # full state dict): a collective, so every rank calls it. Without this it held the
+        # empty params, and torch.save wrote tensors that cannot be loaded back.
+        self._sd_freed: list[list[int]] = []
+        # (Plain functions: torch tags the hook with an attribute, which a bound method refuses.)
+        self._hooks.append(self.root.register_state_dict_pre_hook(
+            lambda *a: self._state_dict_pre(*a)))
+        self._hooks.append(self.root.register_state_dict_post_hook(
+            lambda *a: self._state_dict_post(*a)))
         self.pending = list(self.n_trainable)
 
     def _materialize(self, init_fn: Any) -> None:
@@ -158,6 +171,7 @@ class Zero3:
                     st = fg.full.untyped_storage()
                     st.resize_(fg.layout.padded_numel * fg.full.element_size())
                     fg.full.zero_()
+                    _point_params(fg, gathered=True)
                 self.state[u] = UnitState.GATHERED
                 self.materialize_peak = max(self.materialize_peak, sum(
                     fg.layout.padded_numel for v in range(len(self.modules))
@@ -172,6 +186,7 @@ class Zero3:
                     _copy_own_shard(fg)
                 for fg in self.fgs[u]:
                     fg.full.untyped_storage().resize_(0)
+                    _point_params(fg, gathered=False)
                 self.state[u] = UnitState.FREE
 
     # -- gather / free --------------------------------------------------------------------------
@@ -185,6 +200,7 @@ class Zero3:
         for fg in self.fgs[u]:
             L = fg.layout
             fg.full.untyped_storage().resize_(L.padded_numel * fg.full.element_size())
+            _point_params(fg, gathered=True)  # values land when the handles are waited on
             for k in range(L.num_buckets):
                 lo, hi = L.bucket_range(k)
                 S = L.shard_numel
@@ -214,6 +230,7 @@ class Zero3:
         self.handles[u].clear()
         for fg in self.fgs[u]:
             fg.full.untyped_storage().resize_(0)
+            _point_params(fg, gathered=False)
         self.state[u] = UnitState.FREE
         if u != 0:
             self.gathered_now -= 1
@@ -233,6 +250,24 @@ class Zero3:
             yield
         finally:
             self.free_all()
+
+    # -- state dict -------------------------------------------------------------------------------
+    def _state_dict_pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        free = [u for u in range(len(self.modules)) if self.state[u] == UnitState.FREE]
+        self._sd_freed.append(free)
+        for u in range(len(self.modules)):
+            self.wait(u)
+
+    def _state_dict_post(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
+                         local_metadata: dict[str, Any]) -> None:
+        storages = {fg.full.untyped_storage().data_ptr() for fgs in self.fgs for fg in fgs
+                    if fg.full is not None and fg.full.untyped_storage().nbytes()}
+        for k, v in state_dict.items():
+            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in storages:
+                # A copy: the gathered storage is freed below (and rewritten by every step).
+                state_dict[k] = v.detach().clone()
+        for u in self._sd_freed.pop():
+            self.free(u)
 
     # -- hooks ------------------------------------------------------------------------------------
     def _next_unit(self, u: int, step: int) -> int | None:
@@ -303,15 +338,27 @@ def _init_flat_group(fg: FlatGroup) -> None:
     base = torch.empty(0, dtype=fg.dtype, device=dev)
     base.set_(fg.full.untyped_storage(), 0, (fg.full.numel(),))
     fg.param_base = base
+    fg.param_views = []
     for p, slot in zip(fg.params, L.params):
         view = base[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        fg.param_views.append(view)
         if p.is_meta:
             # `.data =` cannot move a tensor off the meta device; swapping keeps the Python
             # object (the module, the optimizer and tied modules all hold this one).
             torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
         else:
             p.data = view
+    fg.param_empty = torch.empty(0, dtype=fg.dtype, device=dev)
     fg.full.untyped_storage().resize_(0)
+    _point_params(fg, gathered=False)
+
+
+def _point_params(fg: FlatGroup, gathered: bool) -> None:
+    """The params as views of the gathered buffer, or empty while it is freed (see the note on
+    buffer lifetimes). `.data` swaps keep the Parameter objects and autograd's saved leaves; views
+    autograd saved in forward keep the storage itself, which `gather` refills."""
+    for p, view in zip(fg.params, fg.param_views):
+        p.data = view if gathered else fg.param_empty
 
 
 def _copy_own_shard(fg: FlatGroup) -> None:

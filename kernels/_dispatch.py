@@ -8,6 +8,7 @@ forces the torch path everywhere.
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 
 import torch
@@ -45,3 +46,28 @@ def use_triton(device: torch.device) -> bool:
 
 def count_launch(name: str) -> None:
     LAUNCHES[name] += 1
+
+
+# CUDA's grid limits: axis 0 up to 2**31 - 1 blocks, axes 1 and 2 only 65535. Our kernels use a
+# 1-D grid over (bucket, block) pairs: a bucket axis of its own would cap a flat buffer at 65535
+# buckets (bucket_numel=2**20 on a 70B-param group is ~67k).
+MAX_GRID_X = 2**31 - 1
+
+
+def grid_1d(num_buckets: int, shard_numel: int, block: int) -> tuple[int]:
+    """The launch grid of a kernel that covers `num_buckets` pieces of `shard_numel` elements
+    with `block` elements per program: program id = bucket * blocks_per_piece + block."""
+    blocks = -(-shard_numel // block)
+    n = num_buckets * blocks
+    if n > MAX_GRID_X:
+        raise ValueError(f"{num_buckets} buckets x {blocks} blocks of {block} = {n} programs "
+                         f"exceeds CUDA's grid limit {MAX_GRID_X}; use larger buckets")
+    return (n,)
+
+
+def device_guard(device: torch.device) -> contextlib.AbstractContextManager[object]:
+    """Context for a Triton launch on `device`: Triton launches on the *current* CUDA device, so
+    a tensor on cuda:1 while cuda:0 is current would be an illegal address without it."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

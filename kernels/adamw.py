@@ -20,13 +20,22 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedzero.kernels._dispatch import count_launch, use_triton
+from fusedzero.kernels._dispatch import count_launch, device_guard, grid_1d, use_triton
 
 # 1024 elements per program: with 4 warps each thread handles 8 fp32 values, i.e. two 128-bit
 # vector accesses per stream, enough bytes in flight to saturate HBM on A100/H100.
 BLOCK = 1024
 NUM_WARPS = 4
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# [Note: GPU vs interpreter numerics] Compiled with FMA contraction off (ENABLE_FP_FUSION, free
+# in a memory-bound kernel) and sqrt_rn/div_rn, every fp32 operation of the update is one IEEE
+# round-to-nearest op, as numpy does it in the interpreter: the two agree bitwise except through
+# the fp64 exp of the bias corrections (libdevice on the GPU, within 1 ulp of fp64, vs numpy's),
+# which changes bc1/bc2 only when it straddles an fp32 rounding boundary (~2**-29 of steps) and
+# then by 1 fp32 ulp: at most 2 ulps of the update. Not measured on a GPU here; the PTX is checked
+# for the exact forms (tests/test_compile.py). The torch path (torch._fused_adamw_) orders the
+# math differently: within 2 * 8 ulps of the interpreter (tests/test_kernels.py).
+ENABLE_FP_FUSION = False
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -41,7 +50,8 @@ class Strided(NamedTuple):
 @triton.jit
 def _round_to_bf16(x):
     # Round-to-nearest-even fp32 -> bf16 in integer ops. The GPU's cvt.rn does the same, but the
-    # Triton interpreter truncates; spelling it out keeps one kernel bitwise-identical in both.
+    # Triton interpreter truncates; spelling it out gives the same rounding on both (integer ops
+    # are exact, so the bf16 copy is bitwise the rounded master on both).
     bits = x.to(tl.uint32, bitcast=True)
     rounded = bits + 0x7FFF + ((bits >> 16) & 1)
     # A NaN stays a (quiet) NaN: the carry could otherwise wrap its payload to +-0 or inf.
@@ -61,9 +71,12 @@ def _adamw_kernel(
     # flags
     HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # int64 offsets: a flat shard may pass 2**31 elements.
-    pid = tl.program_id(0).to(tl.int64)
-    bucket = tl.program_id(1).to(tl.int64)
+    # One grid axis over (bucket, block) pairs (`_dispatch.grid_1d`): CUDA caps axes 1-2 at
+    # 65535. int64 offsets: a flat shard may pass 2**31 elements.
+    nblocks = tl.cdiv(shard_numel, BLOCK)
+    prog = tl.program_id(0).to(tl.int64)
+    bucket = prog // nblocks
+    pid = prog - bucket * nblocks
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     # A skipped step (non-finite grads) masks every access: nothing is read or written.
     limit = tl.where(tl.load(skip_ptr) == 0, shard_numel, 0)
@@ -76,8 +89,10 @@ def _adamw_kernel(
     step = tl.load(step_ptr).to(tl.float64)
     bc1 = (1.0 - tl.exp(step * log_beta1)).to(tl.float32)
     bc2 = (1.0 - tl.exp(step * log_beta2)).to(tl.float32)
-    step_size = lr / bc1
-    bc2_sqrt = tl.sqrt(bc2)
+    # sqrt_rn / div_rn: IEEE round-to-nearest, where tl.sqrt compiles to sqrt.approx.ftz and `/`
+    # to div.full (2 ulp). The kernel is memory-bound, so the exact forms cost nothing.
+    step_size = tl.div_rn(lr, bc1)
+    bc2_sqrt = tl.sqrt_rn(bc2)
 
     local = bucket * shard_numel + offs
     m_offs = bucket * master_stride + master_base + offs
@@ -93,8 +108,8 @@ def _adamw_kernel(
     p = p * (1.0 - lr * weight_decay)
     m = m + one_minus_beta1 * (g - m)
     v = v * beta2 + one_minus_beta2 * g * g
-    denom = tl.sqrt(v) / bc2_sqrt + eps
-    p = p - step_size * (m / denom)
+    denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
+    p = p - step_size * tl.div_rn(m, denom)
 
     tl.store(master_ptr + m_offs, p, mask=mask)
     tl.store(exp_avg_ptr + local, m, mask=mask)
@@ -190,20 +205,22 @@ def adamw_step(
 
     count_launch("adamw")
     if use_triton(device):
-        grid = (triton.cdiv(shard_numel, BLOCK), num_buckets)
+        grid = grid_1d(num_buckets, shard_numel, BLOCK)
         o = os_ if os_ is not None else ms  # never written when HAS_OUT is False
-        _adamw_kernel[grid](
-            ms.tensor, gs.tensor, exp_avg, exp_avg_sq, o.tensor,
-            lr, step, grad_scale, skip,
-            shard_numel, ms.stride, ms.base, gs.stride, gs.base, o.stride, o.base,
-            beta1, beta2, 1.0 - beta1, 1.0 - beta2,
-            math.log(beta1) if beta1 > 0 else -math.inf,
-            math.log(beta2) if beta2 > 0 else -math.inf,
-            eps, weight_decay,
-            HAS_OUT=os_ is not None,
-            OUT_BF16=os_ is not None and os_.tensor.dtype == torch.bfloat16,
-            MAXIMIZE=maximize, BLOCK=BLOCK, num_warps=NUM_WARPS,
-        )
+        with device_guard(device):
+            _adamw_kernel[grid](
+                ms.tensor, gs.tensor, exp_avg, exp_avg_sq, o.tensor,
+                lr, step, grad_scale, skip,
+                shard_numel, ms.stride, ms.base, gs.stride, gs.base, o.stride, o.base,
+                beta1, beta2, 1.0 - beta1, 1.0 - beta2,
+                math.log(beta1) if beta1 > 0 else -math.inf,
+                math.log(beta2) if beta2 > 0 else -math.inf,
+                eps, weight_decay,
+                HAS_OUT=os_ is not None,
+                OUT_BF16=os_ is not None and os_.tensor.dtype == torch.bfloat16,
+                MAXIMIZE=maximize, BLOCK=BLOCK, num_warps=NUM_WARPS,
+                enable_fp_fusion=ENABLE_FP_FUSION,
+            )
         return
     _adamw_torch(ms, gs, exp_avg, exp_avg_sq, os_, lr=lr, step=step, grad_scale=grad_scale,
                  skip=skip, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,

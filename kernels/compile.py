@@ -105,8 +105,10 @@ def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name in aligned}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    # The launchers' options, so the PTX here is what runs (no FMA contraction: see adamw.py).
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
-                          options={"num_warps": num_warps})
+                          options={"num_warps": num_warps,
+                                   "enable_fp_fusion": _adamw.ENABLE_FP_FUSION})
 
 
 def resource_usage(compiled: Any) -> dict[str, int]:

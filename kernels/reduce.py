@@ -10,8 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedzero.kernels._dispatch import count_launch, use_triton
-from fusedzero.kernels.adamw import GRAD_DTYPES, Strided, _as_strided, _check, _pieces
+from fusedzero.kernels._dispatch import count_launch, device_guard, grid_1d, use_triton
+from fusedzero.kernels.adamw import (ENABLE_FP_FUSION, GRAD_DTYPES, Strided, _as_strided, _check,
+                                     _pieces)
 
 # 4096 elements per program keeps the partials buffer small (1/4096 of the shard) while every
 # thread still issues several 128-bit loads.
@@ -25,12 +26,16 @@ def _sumsq_kernel(
     shard_numel, stride, base,
     BLOCK: tl.constexpr,
 ):
-    pid = tl.program_id(0).to(tl.int64)
-    bucket = tl.program_id(1).to(tl.int64)
+    # One grid axis over (bucket, block) pairs, as in the AdamW kernel (CUDA caps axes 1-2 at
+    # 65535); program `prog` writes partial `prog`.
+    nblocks = tl.cdiv(shard_numel, BLOCK)
+    prog = tl.program_id(0).to(tl.int64)
+    bucket = prog // nblocks
+    pid = prog - bucket * nblocks
     offs = pid * BLOCK + tl.arange(0, BLOCK)
     mask = offs < shard_numel
     x = tl.load(x_ptr + bucket * stride + base + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(partial_ptr + bucket * tl.num_programs(0) + pid, tl.sum(x * x, axis=0))
+    tl.store(partial_ptr + prog, tl.sum(x * x, axis=0))
 
 
 def sumsq(x: torch.Tensor | Strided, *, num_buckets: int = 1,
@@ -47,15 +52,26 @@ def sumsq(x: torch.Tensor | Strided, *, num_buckets: int = 1,
         return torch.zeros(1, dtype=torch.float32, device=device)
     count_launch("sumsq")
     if use_triton(device):
-        nblocks = triton.cdiv(shard_numel, BLOCK)
-        partial = torch.empty(num_buckets * nblocks, dtype=torch.float32, device=device)
-        _sumsq_kernel[(nblocks, num_buckets)](s.tensor, partial, shard_numel, s.stride, s.base,
-                                             BLOCK=BLOCK, num_warps=NUM_WARPS)
+        grid = grid_1d(num_buckets, shard_numel, BLOCK)
+        partial = torch.empty(grid[0], dtype=torch.float32, device=device)
+        with device_guard(device):
+            _sumsq_kernel[grid](s.tensor, partial, shard_numel, s.stride, s.base,
+                                BLOCK=BLOCK, num_warps=NUM_WARPS,
+                                enable_fp_fusion=ENABLE_FP_FUSION)
         return partial.sum().reshape(1)
-    pieces = _pieces(s, num_buckets, shard_numel)
-    # torch's CPU reductions are pairwise in fp32 accumulation order: deterministic for a shape.
-    total = torch.zeros(1, dtype=torch.float32, device=device)
-    for p in pieces:
-        pf = p if p.dtype == torch.float32 else p.float()
-        total += torch.dot(pf, pf) if pf.numel() else 0.0
-    return total
+    # torch.sum, not torch.dot: MKL's sdot accumulates each SIMD lane sequentially over the
+    # thread's share, an error growing with n / (lanes * threads) (5e-6 relative at 1e5 elements
+    # with 2 threads), where torch's CPU sum is a cascade (tree) summation within ~log2(n) ulps
+    # for any thread count, as the kernel's in-block tree then sum over partials. The squares go
+    # through a bounded scratch chunk; chunk and piece sums are summed as a tree too.
+    sums = [_square(c).sum() for p in _pieces(s, num_buckets, shard_numel)
+            for c in p.split(_CHUNK)]
+    return torch.stack(sums).sum().reshape(1)
+
+
+# Elements squared at a time on the torch path: 16 MiB of fp32 scratch.
+_CHUNK = 1 << 22
+
+
+def _square(x: torch.Tensor) -> torch.Tensor:
+    return x.float().square_() if x.dtype != torch.float32 else x.square()

@@ -102,6 +102,20 @@ def test_adamw_all_fp32_needs_no_layout_conversion(compiled, o, cap):
     assert not any(".shared" in a for a in row["accesses"]), row["accesses"]
 
 
+@pytest.mark.parametrize("cap", CAPABILITIES)
+@pytest.mark.parametrize("kernel,g,o", [("adamw", g, o) for g in DTYPES for o in OUTS]
+                         + [("sumsq", g, None) for g in DTYPES], ids=str)
+def test_fp32_math_is_ieee_round_to_nearest_as_in_the_interpreter(compiled, kernel, g, o, cap):
+    # tl.sqrt is sqrt.approx.ftz and `/` is div.full (2 ulp); FMA contraction fuses a*b+c with
+    # one rounding instead of two. Any of them breaks agreement with the interpreter (numpy does
+    # each fp32 op with IEEE rounding); see [Note: GPU vs interpreter numerics] in adamw.py.
+    ptx = _row(compiled, kernel, cap, g, o)["ptx"]
+    for form in ("sqrt.approx", "div.full", "div.approx", "rsqrt", "fma.rn.f32"):
+        assert form not in ptx, f"sm_{cap} {kernel} {g}/{o}: PTX contains {form}"
+    if kernel == "adamw":
+        assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx, f"sm_{cap} {g}/{o}: no IEEE sqrt/div"
+
+
 def test_compile_for_in_process_compiles_or_refuses_interpreted_kernels():
     if isinstance(adamw._adamw_kernel, triton.runtime.JITFunction):  # TRITON_INTERPRET=0 run
         assert "st.global.v4.b32" in compile_for("adamw", 90, torch.bfloat16).asm["ptx"]

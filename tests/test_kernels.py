@@ -371,6 +371,25 @@ def test_sumsq_matches_float64(backend, n, dtype):
     assert rel <= _sumsq_tolerance(n), f"n={n} {dtype}: got {got.item()!r}, want {want.item()!r}"
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=str)
+def test_sumsq_torch_path_is_a_tree_sum_for_any_thread_count(monkeypatch, dtype, threads):
+    # The tree bound must hold whatever the thread count: a BLAS dot (per-lane sequential
+    # accumulation, split by thread) measured 1-5x over it at 3M elements with 1 or 2 threads.
+    monkeypatch.setenv("FUSEDZERO_BACKEND", "torch")
+    n = 3_000_017
+    gen = torch.Generator().manual_seed(n)
+    x = (torch.randn(n, generator=gen) * 3).to(dtype)
+    want = (x.double() ** 2).sum().item()
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = sumsq(x).item()
+    finally:
+        torch.set_num_threads(old)
+    assert abs(got - want) / want <= _sumsq_tolerance(n), f"{dtype}, {threads} threads: {got!r}"
+
+
 def test_sumsq_bucketed_strided_layout(backend):
     num_buckets, world, rank, shard = 3, 2, 1, RBLOCK + 9
     stride = world * shard + 16

@@ -1,0 +1,121 @@
+"""Stage 3 hazards outside the happy path (issue 9): step ordering against in-flight gathers,
+params touched outside a forward, and state dicts."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import fusedzero.optim as optim_mod
+from fusedzero.optim import ZeroAdamW
+
+
+class Stack(nn.Module):
+    """Three units (the ModuleList children) and a root-owned head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
+def _setup(seed: int = 0, **kw) -> tuple[Stack, ZeroAdamW]:
+    torch.manual_seed(seed)
+    model = Stack()
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=3, module=model, **kw)
+    return model, opt
+
+
+def test_stage3_step_frees_in_flight_gathers_before_the_kernel(monkeypatch) -> None:
+    model, opt = _setup(trace=True)
+    x = torch.randn(8, 16)
+    model(x).square().mean().backward()
+    # A partial no-grad forward after backward: block 0's pre-hook prefetches block 1, whose
+    # gather is left in flight (its forward never runs) while param_shard is its source.
+    with torch.no_grad():
+        model.blocks[0](x)
+    z = opt._zero3
+    assert any(s.name != "FREE" for s in z.state), "the setup must leave a unit gathered"
+    real = optim_mod.adamw_step
+
+    def recording_step(*args, **kwargs):
+        opt.trace.append(("kernel", None))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(optim_mod, "adamw_step", recording_step)
+    del opt.trace[:]
+    opt.step()
+    kinds = [k for k, _ in opt.trace]
+    first_kernel = kinds.index("kernel")
+    assert "free" in kinds[:first_kernel], f"nothing freed before the update: {opt.trace}"
+    assert "free" not in kinds[first_kernel:], (
+        f"a unit was freed (its gather waited) after the kernel rewrote its shard: {opt.trace}")
+    assert all(s.name == "FREE" for s in z.state)
+
+
+# Touching a stage-3 param outside a forward used to read freed memory: rc 139 (SIGSEGV). Each
+# case runs in its own interpreter so a crash fails the test instead of the test run.
+TOUCH = r'''
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_zero3_safety import _setup
+model, opt = _setup()
+x = torch.randn(8, 16)
+model(x).square().mean().backward()
+opt.step()
+p = model.blocks[1].weight
+{action}
+print("survived", tuple(p.shape))
+'''
+
+
+@pytest.mark.parametrize("action", ["print(p)", "print(p.norm())", "p.data.fill_(1.0)",
+                                    "print(p.sum() + 1)"])
+def test_stage3_param_touched_outside_forward_does_not_crash(action: str) -> None:
+    code = TOUCH.format(tests=str(Path(__file__).parent), action=action)
+    env = {**os.environ, "FUSEDZERO_BACKEND": "torch"}
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 0, f"{action}: rc {p.returncode}\n{p.stderr[-2000:]}"
+    assert "survived (0,)" in p.stdout, p.stdout  # empty while freed: visibly not the value
+
+
+def test_stage3_state_dict_gathers_full_values_and_round_trips(tmp_path: Path) -> None:
+    model, opt = _setup()
+    x = torch.randn(8, 16)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        opt.step()
+    with opt.gathered_params():
+        want = {n: p.detach().clone() for n, p in model.named_parameters()}
+        inside = model.state_dict()  # nested: must not free what gathered_params holds
+        assert all(p.numel() > 0 for p in model.parameters())
+    z = opt._zero3
+    assert all(s.name == "FREE" for s in z.state)
+    sd = model.state_dict()
+    assert all(s.name == "FREE" for s in z.state), "state_dict() left units gathered"
+    assert all(p.numel() == 0 for p in model.blocks.parameters())
+    for n, v in want.items():
+        assert torch.equal(sd[n], v), n
+        assert torch.equal(inside[n], v), n
+    torch.save(sd, tmp_path / "sd.pt")
+    fresh = Stack()
+    fresh.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))
+    for n, p in fresh.named_parameters():
+        assert torch.equal(p, want[n]), n
+    # Training continues from the same values after the state dict.
+    before = {n: v.clone() for n, v in want.items()}
+    model(x).square().mean().backward()
+    opt.step()
+    with opt.gathered_params():
+        assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
