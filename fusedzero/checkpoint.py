@@ -32,8 +32,9 @@ for the i-th flat group of the optimizer (`opt.flat_groups[i]`), three 1-D float
     fg{i}.exp_avg_sq  Adam second moment
 
 Elements no segment covers are padding and are zero. The safetensors `__metadata__` holds
-`format`, `version`, `rank`, `world_size`, `stage`, `step` (strings), so a shard copied into the
-wrong directory is caught even without checksums.
+`format`, `version`, `rank`, `world_size`, `stage`, `step` and (since it was added, checked when
+present) `step_count` (strings), so a shard copied into the wrong directory, or a manifest whose
+step count was edited, is caught even without checksums.
 
 manifest.json (written last, after every shard is fsynced and renamed into place):
 
@@ -48,8 +49,14 @@ manifest.json (written last, after every shard is fsynced and renamed into place
     files                    [{name, rank, bytes, sha256,
                                groups: [{key, group_index, dtype, unit, local_numel,
                                          segments: [[param, start, length, local], ...]}]}]
-    ranks                    [{rank, state}]: state is base64 of torch.save({"caller": caller_state,
-                             "rng": {torch, python[, cuda][, numpy]}}), read with weights_only=True
+    ranks                    [{rank[, replica], state}]: state is base64 of torch.save({"caller":
+                             caller_state, "rng": {torch, python[, cuda][, numpy]}}), read with
+                             weights_only=True; with a replicate_group one entry per (rank,
+                             replica), "replica" present (older readers take replica 0's)
+
+The manifest is untrusted input: `fusedzero.ckpt_manifest.validate` checks all of it (types,
+ranges, finiteness, shard names `rank{r:05d}-of-{W:05d}.safetensors`, segments inside their
+tensors, every param element covered exactly once) before anything reads it.
 
 A segment `[param, start, length, local]` says: elements `[start, start+length)` of the flattened
 param `param` are elements `[local, local+length)` of that file's `fg{i}.*` tensors. Loading at any

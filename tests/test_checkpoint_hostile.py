@@ -232,6 +232,7 @@ def test_refused_pickle_payload_is_a_clear_checkpoint_error(good: Path, tmp_path
     assert same(snapshot(opt), before)  # the optimizer is untouched
 
 
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")
 def test_param_listed_twice_in_one_group_is_reported_as_such() -> None:
     torch.manual_seed(0)
     model = GPT(CFG)
