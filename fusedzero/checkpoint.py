@@ -84,7 +84,6 @@ import json
 import math
 import os
 import random
-import re
 import secrets
 import shutil
 import struct
@@ -923,7 +922,18 @@ def load(opt: Any, path: str | os.PathLike[str], *, verify: bool = True,
         state = _staged_state(manifest, rank, getattr(opt, "replica_rank", 0), d, restore_rng)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
         err = e
-    _agree(err, group, W, "load")  # the one collective that decides: commit or raise
+    # The collective that decides: commit or raise. With a replicate_group the replicas agree
+    # too, so no replica commits while another raises (they would no longer hold the same).
+    try:
+        _agree(err, group, W, "load")
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = e
+    replicas = getattr(opt, "replicas", 1)
+    if replicas > 1:
+        _agree(err, opt.replicate_group, replicas, "load (across replicas)")
+    elif err is not None:
+        raise err
 
     with torch.no_grad():
         for fg, (master, exp_avg, exp_avg_sq) in zip(opt.flat_groups, staged, strict=True):
