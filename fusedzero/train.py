@@ -691,7 +691,8 @@ def _resume(cfg: TrainConfig, opt: Any, sched: Any, log: _Log) -> int:
         found = box[0]
         for why in found.skipped if dist.get_rank() == 0 else ():
             print(f"fusedzero: warning: --resume: skipped {why}", file=sys.stderr, flush=True)
-        loaded = checkpoint.load(opt, found.path)
+        # find_latest just hashed every shard on rank 0: load checks sizes and headers only.
+        loaded = checkpoint.load(opt, found.path, verify=False)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         msg = " ".join(str(e).split())
         raise UsageError(f"--resume: cannot load a checkpoint from {cfg.ckpt_dir!r}: "
