@@ -32,8 +32,9 @@ for the i-th flat group of the optimizer (`opt.flat_groups[i]`), three 1-D float
     fg{i}.exp_avg_sq  Adam second moment
 
 Elements no segment covers are padding and are zero. The safetensors `__metadata__` holds
-`format`, `version`, `rank`, `world_size`, `stage`, `step` (strings), so a shard copied into the
-wrong directory is caught even without checksums.
+`format`, `version`, `rank`, `world_size`, `stage`, `step` and (since it was added, checked when
+present) `step_count` (strings), so a shard copied into the wrong directory, or a manifest whose
+step count was edited, is caught even without checksums.
 
 manifest.json (written last, after every shard is fsynced and renamed into place):
 
@@ -48,8 +49,14 @@ manifest.json (written last, after every shard is fsynced and renamed into place
     files                    [{name, rank, bytes, sha256,
                                groups: [{key, group_index, dtype, unit, local_numel,
                                          segments: [[param, start, length, local], ...]}]}]
-    ranks                    [{rank, state}]: state is base64 of torch.save({"caller": caller_state,
-                             "rng": {torch, python[, cuda][, numpy]}}), read with weights_only=True
+    ranks                    [{rank[, replica], state}]: state is base64 of torch.save({"caller":
+                             caller_state, "rng": {torch, python[, cuda][, numpy]}}), read with
+                             weights_only=True; with a replicate_group one entry per (rank,
+                             replica), "replica" present (older readers take replica 0's)
+
+The manifest is untrusted input: `fusedzero.ckpt_manifest.validate` checks all of it (types,
+ranges, finiteness, shard names `rank{r:05d}-of-{W:05d}.safetensors`, segments inside their
+tensors, every param element covered exactly once) before anything reads it.
 
 A segment `[param, start, length, local]` says: elements `[start, start+length)` of the flattened
 param `param` are elements `[local, local+length)` of that file's `fg{i}.*` tensors. Loading at any
@@ -77,12 +84,13 @@ import json
 import math
 import os
 import random
-import re
+import secrets
 import shutil
 import struct
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -92,15 +100,15 @@ import torch
 import torch.distributed as dist
 from safetensors import safe_open
 
+from fusedzero.ckpt_manifest import FORMAT, VERSION, CheckpointError, plain_name
+from fusedzero.ckpt_manifest import STEP_DIR as _STEP_DIR
+from fusedzero.ckpt_manifest import parse as _parse_manifest
 from fusedzero.layout import Segment, intersect
 
-FORMAT = "fusedzero-checkpoint"
 SHARD_FORMAT = "fusedzero-shard"
-VERSION = 1
 MANIFEST = "manifest.json"
 LATEST = "latest"
 KINDS = ("master", "exp_avg", "exp_avg_sq")
-_STEP_DIR = re.compile(r"^step-(\d+)$")
 # Bytes per write()/hash update: big enough that syscalls cost nothing, small enough that the
 # hash never holds a second copy of a large tensor.
 _CHUNK = 16 << 20
@@ -113,10 +121,6 @@ EXPORT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Test hook: called as _write_hook(path, bytes_written) after every chunk written to a shard or
 # export file (lets a test kill a save part-way through a write).
 _write_hook: Callable[[Path, int], None] | None = None
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or inconsistent with its manifest."""
 
 
 def shard_file_name(rank: int, world_size: int) -> str:
@@ -144,8 +148,9 @@ class SafetensorsWriter:
     """Write a safetensors file one tensor at a time, in the order given up front.
 
     The header (names, dtypes, shapes, offsets) is fixed at construction, so memory is bounded by
-    the tensor being written. The file is written as `path.tmp`, fsynced on `close()` and renamed
-    to `path`; the sha256 of the whole file is computed on the way.
+    the tensor being written. The file is written under a fresh temporary name (`_create_temp`:
+    never through a planted link), fsynced on `close()` and renamed to `path`; the sha256 of the
+    whole file is computed on the way.
     """
 
     def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
@@ -165,8 +170,7 @@ class SafetensorsWriter:
         hb = json.dumps(header, separators=(",", ":")).encode()
         hb += b" " * (-len(hb) % 8)  # safetensors aligns the data start to 8 bytes
         self.path = Path(path)
-        self._tmp = self.path.with_name(self.path.name + ".tmp")
-        self._f = open(self._tmp, "wb")  # noqa: SIM115 - closed in close()/abort()
+        self._tmp, self._f = _create_temp(self.path)
         self._sha = hashlib.sha256()
         self._n = 0
         self._next = 0
@@ -225,13 +229,39 @@ def _fsync_dir(d: Path) -> None:
             os.close(fd)
 
 
+def _create_temp(path: Path) -> tuple[Path, io.BufferedWriter]:
+    """A new file beside `path`, opened for writing, under a fresh random name.
+
+    O_CREAT|O_EXCL|O_NOFOLLOW: the name is created here and now or the open fails, so a file
+    or symlink planted in advance (say `latest.tmp` -> /etc/passwd) is never written through.
+    The final `os.replace` then swaps in the new file for `path` itself (a link at `path` is
+    replaced, its target untouched)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) \
+        | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(16):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:  # 2**-64 per try; loop rather than reason about it
+            continue
+        return tmp, os.fdopen(fd, "wb")
+    raise FileExistsError(f"{path.parent}: could not create a fresh temporary file")
+
+
 def _write_text_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    tmp, f = _create_temp(path)
+    try:
+        with f:
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(e, OSError):
+            raise _named(e, path) from e
+        raise
     _fsync_dir(path.parent)
 
 
@@ -271,16 +301,17 @@ class _Peak:
 
 def resolve(path: str | os.PathLike[str]) -> Path:
     """The checkpoint directory `path` means: itself if it has a manifest, else what its
-    `latest` file names. Raises CheckpointError otherwise."""
+    `latest` file names (a plain `step-N` name inside `path`). Raises CheckpointError otherwise.
+    See `find_latest` for the fallback to the newest verified checkpoint."""
     p = Path(path)
     if (p / MANIFEST).is_file():
         return p
     latest = p / LATEST
     if latest.is_file():
-        name = latest.read_text().strip()
-        target = p / name
+        target = p / _latest_name(latest)
         if not (target / MANIFEST).is_file():
-            raise CheckpointError(f"{latest} names {name!r}, but {target} has no {MANIFEST}")
+            raise CheckpointError(f"{latest} names {target.name!r}, but {target} has no "
+                                  f"{MANIFEST}")
         return target
     if not p.exists():
         raise CheckpointError(f"not a checkpoint: {p} does not exist")
@@ -288,25 +319,107 @@ def resolve(path: str | os.PathLike[str]) -> Path:
                           "naming a checkpoint inside it)")
 
 
+def _latest_name(latest: Path) -> str:
+    """The step folder a `latest` file names; refuses anything but a plain `step-N` name."""
+    try:
+        raw = latest.read_bytes()[:4096]
+        name = raw.decode().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{latest}: unreadable ({e})") from None
+    plain_name(name, f"the content of {latest.name}", latest)
+    if not _STEP_DIR.match(name):
+        raise CheckpointError(f"{latest}: names {name!r}; it must name a step folder "
+                              "('step-N') inside the checkpoint root")
+    return name
+
+
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Parse and check the manifest of checkpoint directory `path` (or of its `latest`)."""
+    """Parse the manifest of checkpoint directory `path` (or of its `latest`) and validate all
+    of it against the format's schema (`fusedzero.ckpt_manifest`): CheckpointError naming the
+    first malformed field."""
     d = resolve(path)
     f = d / MANIFEST
     try:
-        m = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
+        # A manifest is kilobytes to a few MB; a huge one is not ours (and would sit in memory).
+        with open(f, "rb") as fh:
+            raw = fh.read(_MAX_MANIFEST + 1)
+    except OSError as e:
         raise CheckpointError(f"{f}: unreadable manifest ({e})") from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT:
-        raise CheckpointError(f"{f}: not a {FORMAT} manifest (format={m.get('format')!r})"
-                              if isinstance(m, dict) else f"{f}: not a JSON object")
-    if m.get("version") != VERSION:
-        raise CheckpointError(f"{f}: format version {m.get('version')!r}, this fusedzero reads "
-                              f"version {VERSION}")
-    missing = [k for k in ("world_size", "stage", "step", "params", "files", "ranks")
-               if k not in m]
-    if missing:
-        raise CheckpointError(f"{f}: manifest lacks {missing}")
-    return m
+    if len(raw) > _MAX_MANIFEST:
+        raise CheckpointError(f"{f}: larger than {_MAX_MANIFEST} bytes; not a manifest")
+    try:
+        text = raw.decode()
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{f}: unreadable manifest ({e})") from None
+    return _parse_manifest(text, f)
+
+
+# Upper bound of a manifest's size: ~200 bytes per segment; 1 GiB is millions of params.
+_MAX_MANIFEST = 1 << 30
+
+
+class Latest(NamedTuple):
+    """What `find_latest` chose."""
+
+    path: Path  # the checkpoint directory to load
+    root: Path  # the folder that holds the step folders (where later saves go)
+    skipped: list[str]  # newer checkpoints passed over, one line each: which and why
+
+
+def find_latest(path: str | os.PathLike[str], *, checksums: bool = True) -> Latest:
+    """The newest checkpoint under `path` that passes `verify`, for resuming.
+
+    `path` is a root (with or without `latest`) or one step folder. A step folder is verified
+    and returned as it is (its root is its parent). For a root, candidates are what `latest`
+    names, then every `step-N` folder with a manifest, newest step first; the first that
+    verifies (manifest schema, shard sizes and headers, and with `checksums` sha256) wins, and
+    each newer one passed over is listed in `skipped` with the reason (callers warn with it).
+    Raises CheckpointError when nothing verifies, listing every reason.
+    """
+    p = Path(path)
+    if (p / MANIFEST).is_file():
+        return Latest(_verify(p, checksums), p.parent, [])
+    if not p.is_dir():
+        raise CheckpointError(f"not a checkpoint: {p} " + ("is not a folder" if p.exists()
+                                                           else "does not exist"))
+    candidates: list[Path] = []
+    skipped: list[str] = []
+    latest = p / LATEST
+    if latest.is_file():
+        try:
+            candidates.append(resolve(p))
+        except CheckpointError as e:
+            skipped.append(f"{latest}: {e}")
+    elif latest.exists() or latest.is_symlink():
+        skipped.append(f"{latest}: not a regular file")
+    for d in reversed(list_checkpoints(p)):
+        if d not in candidates:
+            candidates.append(d)
+    # `latest` first only when it is the newest: an older `latest` (e.g. a crash between the
+    # rename and the pointer update) is still a candidate in step order.
+    candidates.sort(key=lambda d: -_step_of(d))
+    for d in candidates:
+        try:
+            return Latest(_verify(d, checksums), p, skipped)
+        except CheckpointError as e:
+            skipped.append(" ".join(str(e).split()))
+    if not skipped:
+        raise CheckpointError(f"not a checkpoint: {p} holds no complete checkpoint "
+                              f"(no step-N folder with a {MANIFEST})")
+    raise CheckpointError(f"no checkpoint under {p} passes verification:\n  "
+                          + "\n  ".join(skipped))
+
+
+def save_root(path: str | os.PathLike[str]) -> Path:
+    """Where saves go when a run was pointed at `path`: the root itself, or, for one step
+    folder (resuming from a named checkpoint), the root that holds it."""
+    p = Path(path)
+    return p.parent if (p / MANIFEST).is_file() else p
+
+
+def _step_of(d: Path) -> int:
+    m = _STEP_DIR.match(d.name)
+    return int(m.group(1)) if m else -1
 
 
 def _file_problems(d: Path, manifest: dict[str, Any], names: list[str] | None,
@@ -318,6 +431,11 @@ def _file_problems(d: Path, manifest: dict[str, Any], names: list[str] | None,
         if names is not None and name not in names:
             continue
         p = d / name
+        if p.is_symlink():
+            # A link could point anywhere (e.g. /etc/shadow): shards are regular files here.
+            out.append(f"{p}: a symlink; shard files must be regular files inside the "
+                       "checkpoint folder")
+            continue
         if not p.is_file():
             out.append(f"{p}: missing shard file")
             continue
@@ -335,6 +453,8 @@ def _file_problems(d: Path, manifest: dict[str, Any], names: list[str] | None,
             continue
         want_meta = {"format": SHARD_FORMAT, "rank": str(entry["rank"]),
                      "world_size": str(manifest["world_size"]), "step": str(manifest["step"])}
+        if "step_count" in meta:  # shards written since the manifest was validated
+            want_meta["step_count"] = _count_str(manifest["step_count"])
         bad = {k: (meta.get(k), v) for k, v in want_meta.items() if meta.get(k) != v}
         if bad:
             out.append(f"{p}: header metadata does not match the manifest "
@@ -349,6 +469,10 @@ def _file_problems(d: Path, manifest: dict[str, Any], names: list[str] | None,
             if got != entry["sha256"]:
                 out.append(f"{p}: sha256 mismatch (expected {entry['sha256']}, got {got})")
     return out
+
+
+def _count_str(step_count: float) -> str:
+    return str(int(step_count))
 
 
 def verify(path: str | os.PathLike[str], *, checksums: bool = True) -> Path:
@@ -380,9 +504,10 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
     files = []
     for e in m["files"]:
         p = d / e["name"]
-        size = p.stat().st_size if p.is_file() else None
+        link = p.is_symlink()  # never stat through it: it would tell the size of its target
+        size = p.stat().st_size if p.is_file() and not link else None
         files.append({"name": e["name"], "bytes": e["bytes"], "present_bytes": size,
-                      "ok": size == e["bytes"]})
+                      "symlink": link, "ok": size == e["bytes"]})
     return {"path": str(d), "world_size": m["world_size"], "stage": m["stage"],
             "step": m["step"], "step_count": m.get("step_count"),
             "num_params": len(m["params"]),
@@ -455,9 +580,23 @@ def save(opt: Any, directory: str | os.PathLike[str], *, step: int,
     root = Path(directory)
     W, rank, group = opt.world_size, opt.rank, opt.process_group
     name = step_dir_name(step)
-    if getattr(opt, "replica_rank", 0) != 0:
-        # 2-D mesh: replicas hold the same shards; the first replica's shard group writes.
+    replicas, replica = getattr(opt, "replicas", 1), getattr(opt, "replica_rank", 0)
+    packed, bad_state = "", None
+    try:
+        packed = _pack({"caller": caller_state, "rng": _rng_state()})
+        _unpack(packed)  # fail now, not at resume time
+    except Exception as e:  # noqa: BLE001
+        bad_state = (f"rank {rank}: caller_state must be loadable by torch.load("
+                     f"weights_only=True) (tensors, numbers, strings, lists, tuples, dicts): {e}")
+    # 2-D mesh: replicas hold the same shards and the first replica's shard group writes them,
+    # but RNG and caller state differ per replica (dropout on other data): each replica's goes
+    # to its first-replica peer, which writes them all into the manifest.
+    states = [(packed, bad_state)]
+    if replicas > 1:
+        states = _gather_to_first((packed, bad_state), opt.replicate_group, replicas, replica)
+    if replica != 0:
         return SaveHandle(root / name)
+    assert states is not None
     staging = root / f".{name}.tmp"
     writer = all(fg.shard_rank == rank for fg in opt.flat_groups)
 
@@ -476,15 +615,10 @@ def save(opt: Any, directory: str | os.PathLike[str], *, step: int,
                 "local_numel": fg.layout.local_numel,
                 "segments": [[s.param, s.start, s.length, s.local]
                              for s in fg.layout.segments(fg.shard_rank)]})
-    packed, bad_state = "", None
-    try:
-        packed = _pack({"caller": caller_state, "rng": _rng_state()})
-        _unpack(packed)  # fail now, not at resume time
-    except Exception as e:  # noqa: BLE001
-        bad_state = (f"rank {rank}: caller_state must be loadable by torch.load("
-                     f"weights_only=True) (tensors, numbers, strings, lists, tuples, dicts): {e}")
-    local = {"rank": rank, "writer": writer, "groups": groups_meta, "state": packed,
-             "error": bad_state}
+    errors = [f"replica {k} {b}" if replicas > 1 else b for k, (_, b) in enumerate(states)
+              if b is not None]
+    local = {"rank": rank, "writer": writer, "groups": groups_meta,
+             "states": [st for st, _ in states], "error": "\n".join(errors) or None}
     everyone = _gather_to_first(local, group, W, rank)
 
     base: dict[str, Any] | None = None
@@ -495,17 +629,21 @@ def save(opt: Any, directory: str | os.PathLike[str], *, step: int,
             bad = [e["error"] for e in everyone if e["error"] is not None]
             if bad:
                 raise ValueError("\n".join(bad))
+            if (root / MANIFEST).is_file():
+                raise CheckpointError(f"{root} is a checkpoint (it has {MANIFEST}); save into "
+                                      f"its root {root.parent} (see `save_root`)")
             base = _manifest_base(opt, step, everyone)
             root.mkdir(parents=True, exist_ok=True)
-            if staging.exists():  # left by a killed save of the same step
-                shutil.rmtree(staging)
-            staging.mkdir()
+            _remove(staging)  # left by a killed save of the same step (or planted: a link)
+            staging.mkdir()  # fails rather than follow anything created since
         except Exception as e:  # noqa: BLE001 - every rank must learn of it
             err = e
     _agree(err, group, W, "save")  # also the barrier: the staging directory exists now
 
     meta = {"format": SHARD_FORMAT, "version": str(VERSION), "rank": str(rank),
-            "world_size": str(W), "stage": str(int(opt.stage)), "step": str(step)}
+            "world_size": str(W), "stage": str(int(opt.stage)), "step": str(step),
+            # In every shard header too: an edited manifest step_count fails verification.
+            "step_count": _count_str(float(opt.step_count.reshape(-1)[0]))}
     fname = shard_file_name(rank, W)
     writers = [e["rank"] for e in everyone if e["writer"]] if everyone is not None else []
     handle = SaveHandle(root / name)
@@ -518,15 +656,20 @@ def save(opt: Any, directory: str | os.PathLike[str], *, step: int,
             except Exception as e:  # noqa: BLE001
                 err = e
         infos = _gather_to_first((rank, info), group, W, rank)
-        _agree(err, group, W, "save")
-        if rank == 0:
-            assert base is not None and infos is not None
-            try:
-                _finalize(root, staging, name, base, {r: i for r, i in infos if i is not None},
-                          everyone, keep_last)
-            except Exception as e:  # noqa: BLE001
-                err = e
-        _agree(err, group, W, "save")
+        try:
+            _agree(err, group, W, "save")  # every rank has stopped writing into staging
+            if rank == 0:
+                assert base is not None and infos is not None
+                try:
+                    _finalize(root, staging, name, base,
+                              {r: i for r, i in infos if i is not None}, everyone, keep_last)
+                except Exception as e:  # noqa: BLE001
+                    err = e
+            _agree(err, group, W, "save")
+        except BaseException:
+            if rank == 0:  # a failed save leaves nothing behind (disk full: free the space)
+                _remove(staging, quiet=True)
+            raise
         return handle
 
     def job() -> None:
@@ -544,6 +687,8 @@ def save(opt: Any, directory: str | os.PathLike[str], *, step: int,
                 _finalize(root, staging, name, base, infos, everyone, keep_last)
         except BaseException as e:  # noqa: BLE001 - surfaced by handle.wait()
             handle.error = e
+            if rank == 0:
+                _remove(staging, quiet=True)
         finally:
             tensors.clear()
 
@@ -557,16 +702,42 @@ def save(opt: Any, directory: str | os.PathLike[str], *, step: int,
 
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]
                  ) -> dict[str, Any]:
-    w = SafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()],
-                          meta)
+    try:
+        w = SafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()],
+                              meta)
+    except OSError as e:
+        raise _named(e, path) from e
     try:
         for k, t in tensors.items():
             w.write(k, t)
+        size, sha = w.close()
+    except OSError as e:
+        w.abort()
+        raise _named(e, path) from e
     except BaseException:
         w.abort()
         raise
-    size, sha = w.close()
     return {"name": path.name, "bytes": size, "sha256": sha}
+
+
+def _named(e: OSError, path: Path) -> OSError:
+    """`e` with `path` in its message: os.write's "[Errno 28] No space left on device" names
+    no file, and the user must know which disk filled up."""
+    if e.filename is not None:
+        return e
+    return type(e)(e.errno, f"{e.strerror or e} (writing {path})", str(path))
+
+
+def _remove(p: Path, quiet: bool = False) -> None:
+    """Delete a file, a folder tree or a symlink (the link only: never what it points to)."""
+    try:
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.exists():
+            shutil.rmtree(p)
+    except OSError:
+        if not quiet:
+            raise
 
 
 def _collect_sidecars(staging: Path, writers: list[int], W: int, timeout: float
@@ -630,7 +801,10 @@ def _manifest_base(opt: Any, step: int, everyone: list[dict[str, Any]]) -> dict[
         "bucket_numel": getattr(opt, "bucket_numel", None),
         "param_dtype": _dtype_name(opt.param_dtype) if opt.param_dtype is not None else None,
         "params": params, "param_groups": groups, "scaler": scaler,
-        "ranks": [{"rank": e["rank"], "state": e["state"]} for e in everyone],
+        # One entry per rank; with a replicate_group one per (rank, replica), "replica" added.
+        "ranks": [{"rank": e["rank"], "state": st} if len(e["states"]) == 1 else
+                  {"rank": e["rank"], "replica": k, "state": st}
+                  for e in everyone for k, st in enumerate(e["states"])],
     }
 
 
@@ -649,15 +823,14 @@ def _finalize(root: Path, staging: Path, name: str, base: dict[str, Any],
     _write_text_atomic(staging / MANIFEST, json.dumps(manifest, indent=1))
     final = root / name
     old = root / f".{name}.old"
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
+    if final.exists() or final.is_symlink():
+        _remove(old)
         os.replace(final, old)
     os.replace(staging, final)
     _fsync_dir(root)
     _write_text_atomic(root / LATEST, name + "\n")
-    if old.exists():
-        shutil.rmtree(old)
+    # The save is complete from here on: cleaning up must not turn it into a failure.
+    _remove(old, quiet=True)
     if keep_last is not None:
         _rotate(root, keep_last, name)
 
@@ -670,8 +843,12 @@ def _rotate(root: Path, keep_last: int, current: str) -> None:
             done.append((int(m.group(1)), p))
     done.sort()
     for _, p in done[:-keep_last]:
-        if p.name != current:
-            shutil.rmtree(p)
+        if p.name == current:
+            continue
+        try:
+            _remove(p)  # a symlinked step folder: the link goes, what it points to stays
+        except OSError as e:
+            warnings.warn(f"keep_last: could not remove old checkpoint {p}: {e}", stacklevel=3)
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
@@ -700,24 +877,36 @@ class Loaded(NamedTuple):
 
 def load(opt: Any, path: str | os.PathLike[str], *, verify: bool = True,
          restore_rng: bool = True, load_hyperparams: bool = True) -> Loaded:
-    """Load a checkpoint into `opt` at any world size and stage. Collective.
+    """Load a checkpoint into `opt` at any world size and stage. Collective and transactional.
 
-    `path` is a checkpoint directory or a root with `latest`. The saved param table must match
-    the optimizer's (by name and shape) or ValueError lists the differences. Each rank opens only
-    the shard files that hold its new segments, verifies them (size and header always; sha256 with
-    `verify`), and reads only the overlapping slices. Every rank raises if any rank fails, before
-    the optimizer is touched.
+    `path` is a checkpoint directory or a root with `latest` (`find_latest` picks the newest
+    verified one). The manifest is validated against the format's schema first. The saved param
+    table must match the optimizer's (by name and shape) or ValueError lists the differences.
+    Each rank opens only the shard files that hold its new segments, verifies them (size and
+    header always; sha256 with `verify`), and reads only the overlapping slices.
+
+    [Note: transactional load] Every rank first reads all it needs (master, exp_avg,
+    exp_avg_sq, its caller and RNG state, the hyper-parameters) into staging buffers on the
+    host, then the ranks agree on success in one collective, and only then is the optimizer
+    written. So a read error on any rank (a corrupt slice, a file gone after planning) raises
+    the same error on every rank, nobody is left waiting in a later collective, and the
+    optimizer is untouched everywhere. The cost: this rank's three fp32 shard buffers are held
+    on the host at once (`peak_buffer_bytes` reports it).
 
     Restores master (and the params), exp_avg, exp_avg_sq, the step count, the loss scaler, and
     (with `load_hyperparams`, when the param groups hold the same params) the hyper-parameters;
-    with `restore_rng`, this rank's saved RNG states if the saving run had this rank.
+    with `restore_rng`, this rank's saved RNG states if the saving run had this rank (with a
+    `replicate_group`, this rank of this replica).
     """
     wait_pending(opt)
     W, rank, group = opt.world_size, opt.rank, opt.process_group
     err: BaseException | None = None
-    plan: list[list[tuple[str, str, int, int, int]]] = []
     d = Path(path)
     manifest: dict[str, Any] = {}
+    staged: list[tuple[torch.Tensor, ...]] = []
+    groups: list[dict[str, Any]] | None = None
+    state: dict[str, Any] | None = None
+    peak = _Peak()
     try:
         d = resolve(path)
         manifest = read_manifest(d)
@@ -727,41 +916,140 @@ def load(opt: Any, path: str | os.PathLike[str], *, verify: bool = True,
         problems = _file_problems(d, manifest, needed, checksums=verify)
         if problems:
             raise CheckpointError(f"checkpoint {d}:\n  " + "\n  ".join(problems))
+        staged = _read_staged(d, opt, plan, peak)
+        if load_hyperparams:
+            groups = _staged_groups(opt, manifest["param_groups"], d)
+        state = _staged_state(manifest, rank, getattr(opt, "replica_rank", 0), d, restore_rng)
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
         err = e
-    _agree(err, group, W, "load")
+    # The collective that decides: commit or raise. With a replicate_group the replicas agree
+    # too, so no replica commits while another raises (they would no longer hold the same).
+    try:
+        _agree(err, group, W, "load")
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = e
+    replicas = getattr(opt, "replicas", 1)
+    if replicas > 1:
+        _agree(err, opt.replicate_group, replicas, "load (across replicas)")
+    elif err is not None:
+        raise err
 
-    peak = _Peak()
-    with _Readers(d) as readers, torch.no_grad():
-        for fg, reads in zip(opt.flat_groups, plan):
-            master = peak.add(torch.zeros(fg.layout.local_numel, dtype=torch.float32))
-            fg.exp_avg.zero_()
-            fg.exp_avg_sq.zero_()
-            for kind, dst in zip(KINDS, (master, fg.exp_avg, fg.exp_avg_sq)):
-                for fname, key, src, dl, n in reads:
-                    piece = peak.add(readers.slice(fname, f"{key}.{kind}", src, src + n))
-                    dst[dl:dl + n].copy_(piece)
-                    peak.sub(piece)
-            opt.set_master_shard(fg, master)
-            peak.sub(master)
+    with torch.no_grad():
+        for fg, (master, exp_avg, exp_avg_sq) in zip(opt.flat_groups, staged, strict=True):
+            fg.exp_avg.copy_(exp_avg)
+            fg.exp_avg_sq.copy_(exp_avg_sq)
+            opt.set_master_shard(fg, master)  # collective at stages 1-3 (gathers the params)
         opt._step.fill_(manifest["step_count"])
         if opt.scaler is not None and manifest.get("scaler") is not None:
             s = manifest["scaler"]
             opt.scaler.load_state_dict({
                 "scale": torch.tensor([s["scale"]], dtype=torch.float32),
                 "growth_tracker": torch.tensor([s["growth_tracker"]], dtype=torch.int32)})
-    if load_hyperparams:
-        _restore_groups(opt, manifest["param_groups"])
-
+    if groups is not None:
+        for g, new in zip(opt.param_groups, groups):
+            for k, v in new.items():
+                if isinstance(g.get(k), torch.Tensor):
+                    g[k].fill_(v)
+                else:
+                    g[k] = v
     caller, restored = None, False
-    entry = next((e for e in manifest["ranks"] if e["rank"] == rank), None)
-    if entry is not None:
-        state = _unpack(entry["state"])
+    if state is not None:
         caller = state.get("caller")
-        if restore_rng:
+        if restore_rng and "rng" in state:
             _set_rng_state(state["rng"])
             restored = True
     return Loaded(d, manifest["step"], caller, restored, peak.peak)
+
+
+def _read_staged(d: Path, opt: Any, plan: list[list[tuple[str, str, int, int, int]]],
+                 peak: _Peak) -> list[tuple[torch.Tensor, ...]]:
+    """Every flat group's master, exp_avg, exp_avg_sq from the shard files, on the host."""
+    out = []
+    with _Readers(d) as readers, torch.no_grad():
+        for fg, reads in zip(opt.flat_groups, plan, strict=True):
+            bufs = tuple(peak.add(torch.zeros(fg.layout.local_numel, dtype=torch.float32))
+                         for _ in KINDS)
+            for kind, dst in zip(KINDS, bufs):
+                for fname, key, src, dl, n in reads:
+                    try:
+                        piece = peak.add(readers.slice(fname, f"{key}.{kind}", src, src + n))
+                    except CheckpointError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - safetensors / OS errors
+                        raise CheckpointError(f"{d / fname}: cannot read {key}.{kind}"
+                                              f"[{src}:{src + n}] ({e})") from None
+                    if piece.numel() != n:
+                        raise CheckpointError(f"{d / fname}: {key}.{kind}[{src}:{src + n}] "
+                                              f"has {piece.numel()} elements, expected {n}")
+                    dst[dl:dl + n].copy_(piece)
+                    peak.sub(piece)
+            out.append(bufs)
+    return out
+
+
+def _staged_state(manifest: dict[str, Any], rank: int, replica: int, d: Path,
+                  check_rng: bool) -> dict[str, Any] | None:
+    """This rank's saved caller and RNG state (this replica's with a replicate_group), decoded
+    and checked; None when the saving run had no such rank."""
+    ranks = manifest["ranks"]
+    entry = next((e for e in ranks if e["rank"] == rank and e.get("replica", 0) == replica),
+                 None)
+    if entry is None:
+        return None
+    where = f"{d / MANIFEST}: ranks[{ranks.index(entry)}].state"
+    state = _unpack(entry["state"], where)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where} is a {type(state).__name__}, expected a dict")
+    if check_rng and "rng" in state:
+        _check_rng_state(state["rng"], where)
+    return state
+
+
+def _check_rng_state(st: Any, where: str) -> None:
+    """Apply the saved RNG states to scratch generators: a malformed one fails here, before
+    anything was changed, not half-way through the commit."""
+    try:
+        torch.Generator().set_state(st["torch"])
+        py = st["python"]
+        random.Random().setstate((py[0], tuple(py[1]), py[2]))
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{where}: RNG state is malformed ({type(e).__name__}: {e})"
+                              ) from None
+
+
+def _staged_groups(opt: Any, saved: list[dict[str, Any]], d: Path
+                   ) -> list[dict[str, Any]] | None:
+    """The saved hyper-parameters, typed like the optimizer's own, or None when the saved
+    groups hold other params. CheckpointError when a value does not fit (e.g. a string lr)."""
+    if [g.get("param_names") for g in saved] != _group_names(opt):
+        return None
+    out = []
+    for i, (g, s) in enumerate(zip(opt.param_groups, saved)):
+        new: dict[str, Any] = {}
+        for k, v in s.items():
+            if k == "param_names" or k not in g:
+                continue
+            cur = g[k]
+            field = f"{d / MANIFEST}: param_groups[{i}].{k}"
+            if isinstance(cur, (torch.Tensor, float)) or (isinstance(cur, int)
+                                                          and not isinstance(cur, bool)):
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise CheckpointError(f"{field} is {v!r}, expected a number")
+                new[k] = v
+            elif isinstance(cur, bool):
+                if not isinstance(v, bool):
+                    raise CheckpointError(f"{field} is {v!r}, expected true or false")
+                new[k] = v
+            elif isinstance(cur, tuple):
+                if (not isinstance(v, list) or len(v) != len(cur) or any(
+                        isinstance(x, bool) or not isinstance(x, (int, float)) for x in v)):
+                    raise CheckpointError(f"{field} is {v!r}, expected {len(cur)} numbers")
+                new[k] = tuple(v)
+            else:
+                new[k] = v
+        out.append(new)
+    return out
 
 
 class _Readers:
@@ -874,23 +1162,6 @@ def _merge(reads: list[tuple[str, str, int, int, int]]) -> list[tuple[str, str, 
     return out
 
 
-def _restore_groups(opt: Any, saved: list[dict[str, Any]]) -> None:
-    """Hyper-parameters back into param_groups, only when the groups hold the same params."""
-    if [g.get("param_names") for g in saved] != _group_names(opt):
-        return
-    for g, s in zip(opt.param_groups, saved):
-        for k, v in s.items():
-            if k == "param_names":
-                continue
-            cur = g.get(k)
-            if isinstance(cur, torch.Tensor):
-                cur.fill_(v)
-            elif isinstance(cur, tuple):
-                g[k] = tuple(v)
-            else:
-                g[k] = v
-
-
 # ---------------------------------------------------------------------------------------------
 # Export / import
 # ---------------------------------------------------------------------------------------------
@@ -919,6 +1190,7 @@ def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     d = _verify(src, verify)
     m = read_manifest(d)
     out = Path(out)
+    _refuse_inside_checkpoint(out, d)
     pieces: dict[int, list[tuple[str, str, int, int, int]]] = {}
     for e in m["files"]:
         for g in e["groups"]:
@@ -984,6 +1256,22 @@ def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
         _write_text_atomic(index, json.dumps({"metadata": {"total_size": total},
                                               "weight_map": weight_map}, indent=1))
     return Exported(paths, index, total, peak.peak)
+
+
+def _refuse_inside_checkpoint(out: Path, d: Path) -> None:
+    """Export writes `out` and files beside it (shards, index): never inside a checkpoint (it
+    would replace shard files or the manifest it is reading), nor over a root's `latest` or
+    step folders. Links are resolved first. Beside the step folders, in the root, is fine."""
+    target = out.resolve()
+    for a in target.parents:
+        if a == d.resolve() or (a / MANIFEST).is_file() or _STEP_DIR.match(a.name) \
+                or (a.name.startswith(".step-") and a.name.endswith(".tmp")):
+            raise CheckpointError(f"export output {out} lies inside the checkpoint {a}; "
+                                  "write it outside any checkpoint folder")
+    if (target.parent / LATEST).is_file() and (
+            target.name == LATEST or _STEP_DIR.match(target.name)):
+        raise CheckpointError(f"export output {out} would replace a checkpoint root's "
+                              f"{target.name!r}; choose another name")
 
 
 class _WeightSource:
@@ -1141,9 +1429,8 @@ def _agree(err: BaseException | None, group: Any, W: int, what: str) -> None:
     text = "\n".join(f"ranks {rs}: {m}" if len(rs) > 1 else f"rank {rs[0]}: {m}"
                      for m, rs in msgs.items())
     cls: type[Exception] = ValueError if kinds == {"ValueError"} else CheckpointError
-    if err is not None and len(bad) == 1:
-        raise err
-    raise cls(f"{what} failed:\n{text}")
+    # The same error on every rank, failing or not: callers may compare or log any rank's.
+    raise cls(f"{what} failed:\n{text}") from err
 
 
 def _rng_state() -> dict[str, Any]:
@@ -1175,9 +1462,18 @@ def _pack(obj: Any) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
-def _unpack(s: str) -> Any:
+def _unpack(s: str, what: str = "state") -> Any:
     # weights_only: a manifest is data, it must not run code when read.
-    return torch.load(io.BytesIO(base64.b64decode(s)), weights_only=True)
+    try:
+        return torch.load(io.BytesIO(base64.b64decode(s, validate=True)), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - binascii, pickle and torch all raise their own
+        # Not torch's own text: it suggests weights_only=False, i.e. running the payload.
+        why = next((ln.strip() for ln in str(e).splitlines()
+                    if "GLOBAL" in ln or "Unsupported" in ln), type(e).__name__)
+        raise CheckpointError(
+            f"{what} is refused: only tensors, numbers, strings, lists, tuples and dicts are "
+            f"loaded from a checkpoint, never objects that would run code ({why[:200]})"
+        ) from None
 
 
 _SKIP = object()
@@ -1204,6 +1500,7 @@ def _group_names(opt: Any) -> list[list[str]]:
     return [[opt.param_names[index[id(p)]] for p in g["params"]] for g in opt.param_groups]
 
 
-__all__ = ["CheckpointError", "Exported", "Loaded", "SafetensorsWriter", "SaveHandle", "export",
-           "import_weights", "inspect", "list_checkpoints", "load", "problems", "read_manifest",
-           "resolve", "save", "verify", "wait_pending"]
+__all__ = ["CheckpointError", "Exported", "Latest", "Loaded", "SafetensorsWriter", "SaveHandle",
+           "export", "find_latest", "import_weights", "inspect", "list_checkpoints", "load",
+           "problems", "read_manifest", "resolve", "save", "save_root", "verify",
+           "wait_pending"]

@@ -111,7 +111,9 @@ def _inspect(path: str) -> int:
     print(f"{'file':<{width}}  {'bytes':>12}  status")
     ok = True
     for f in info["files"]:
-        if f["present_bytes"] is None:
+        if f.get("symlink"):
+            status = "SYMLINK (refused: shard files must be regular files)"
+        elif f["present_bytes"] is None:
             status = "MISSING"
         elif not f["ok"]:
             status = f"SIZE {f['present_bytes']} != {f['bytes']}"

@@ -430,6 +430,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.trace: list[tuple[str, Any]] | None = [] if trace else None
         self.module = module
 
+        for gi, g in enumerate(self.param_groups):
+            if len({id(p) for p in g["params"]}) != len(g["params"]):
+                raise ValueError(f"param group {gi} lists a parameter twice; list each "
+                                 "parameter once")
         all_params = [p for g in self.param_groups for p in g["params"]]
         if len({id(p) for p in all_params}) != len(all_params):
             raise ValueError("a parameter appears in more than one param group")

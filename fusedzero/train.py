@@ -335,10 +335,13 @@ def _load_data(cfg: TrainConfig) -> Split:
 def _check_resume_dir(cfg: TrainConfig) -> None:
     from fusedzero import checkpoint
 
-    root = Path(cfg.ckpt_dir or "")
-    if not root.is_dir() or not checkpoint.list_checkpoints(root):
-        raise UsageError(f"--resume: no complete checkpoint in {str(root)!r}; "
-                         "drop --resume to start a new run")
+    # A root or one step folder; sizes and headers only here, sha256 when the ranks load.
+    try:
+        checkpoint.find_latest(cfg.ckpt_dir or "", checksums=False)
+    except checkpoint.CheckpointError as e:
+        msg = " ".join(str(e).split())
+        raise UsageError(f"--resume: no usable checkpoint in {cfg.ckpt_dir!r} ({msg}); "
+                         "drop --resume to start a new run") from None
 
 
 def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool,
@@ -665,7 +668,8 @@ def _save(cfg: TrainConfig, opt: Any, sched: Any, log: _Log, step: int) -> None:
     from fusedzero import checkpoint
 
     log.flush()
-    checkpoint.save(opt, cfg.ckpt_dir, step=step, caller_state=_caller_state(cfg, sched, log, step),
+    checkpoint.save(opt, checkpoint.save_root(cfg.ckpt_dir), step=step,
+                    caller_state=_caller_state(cfg, sched, log, step),
                     keep_last=cfg.keep_last)
 
 
@@ -673,7 +677,22 @@ def _resume(cfg: TrainConfig, opt: Any, sched: Any, log: _Log) -> int:
     from fusedzero import checkpoint
 
     try:
-        loaded = checkpoint.load(opt, cfg.ckpt_dir)
+        # The newest checkpoint that verifies (a corrupt newest one or a lost `latest` falls
+        # back, with a warning); rank 0 decides so every rank loads the same one.
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                box[0] = checkpoint.find_latest(cfg.ckpt_dir)
+            except checkpoint.CheckpointError as e:
+                box[0] = e
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise box[0]
+        found = box[0]
+        for why in found.skipped if dist.get_rank() == 0 else ():
+            print(f"fusedzero: warning: --resume: skipped {why}", file=sys.stderr, flush=True)
+        # find_latest just hashed every shard on rank 0: load checks sizes and headers only.
+        loaded = checkpoint.load(opt, found.path, verify=False)
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         msg = " ".join(str(e).split())
         raise UsageError(f"--resume: cannot load a checkpoint from {cfg.ckpt_dir!r}: "
