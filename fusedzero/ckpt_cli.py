@@ -44,6 +44,13 @@ def add_ckpt_subparser(subparsers: Any) -> argparse.ArgumentParser:
     a.add_argument("--max-shard-size", default=None, type=_parse_size,
                    help="split into HF-style shards + index above this size, e.g. 5GB")
     a.add_argument("--no-verify", action="store_true", help="skip the sha256 check")
+    a.add_argument("--hf-config", default=None, metavar="CONFIG_JSON",
+                   help="OUT is a folder for transformers' from_pretrained: model.safetensors "
+                        "(or shards + index) and this config.json (see fusedzero.hf)")
+    a = sub.add_parser("import-dcp", help="an FSDP2 + AdamW torch.distributed.checkpoint "
+                       "folder -> a fusedzero checkpoint (see fusedzero.dcp_import)")
+    a.add_argument("dcp_dir", help="DCP folder of {'model': ..., 'optim': ...} state dicts")
+    a.add_argument("out", help="fusedzero checkpoint root to write (out/step-N, out/latest)")
     p.set_defaults(func=run_ckpt)
     return p
 
@@ -78,6 +85,16 @@ def run_ckpt(args: argparse.Namespace) -> int:
                 print(f"{d}: {len(bad)} of {n} shard file(s) failed verification")
                 return 1
             print(f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest")
+            return 0
+        if args.ckpt_command == "import-dcp":
+            from fusedzero.dcp_import import run_import_dcp
+            return run_import_dcp(args)
+        if args.ckpt_command == "export" and getattr(args, "hf_config", None):
+            from fusedzero import hf
+            r = hf.export_hf(args.dir, args.out, hf_config=args.hf_config,
+                             dtype=DTYPES[args.dtype], max_shard_bytes=args.max_shard_size,
+                             verify=not args.no_verify)
+            print(f"wrote {hf.CONFIG_NAME} and {len(r.files)} weight file(s) in {args.out}")
             return 0
         if args.ckpt_command == "export":
             r = checkpoint.export(args.dir, args.out, dtype=DTYPES[args.dtype],

@@ -2,6 +2,7 @@
 
     fusedzero train --stage 2 --steps 300
     fusedzero ckpt ...            # when fusedzero.ckpt_cli is part of the build
+    fusedzero plan --params 7.5e9 --world-size 64
 
 Errors in flags, paths or checkpoints print one line, `fusedzero: error: ...`, and exit with 2.
 """
@@ -19,6 +20,7 @@ SUBCOMMANDS: list[tuple[str, str]] = [
     ("fusedzero.train", "add_train_subparser"),
     ("fusedzero.ckpt_cli", "add_ckpt_subparser"),
     ("fusedzero.bench_cli", "add_bench_subparser"),
+    ("fusedzero.plan", "add_plan_subparser"),
 ]
 
 

@@ -1,0 +1,331 @@
+"""`fusedzero plan`: memory and communication per rank, before anything is allocated.
+
+    fusedzero plan --params 7.5e9 --world-size 64          # the ZeRO paper's setting
+    fusedzero plan --preset gpt2 --world-size 8 --json
+    fusedzero plan --hf-config path/to/config.json --world-size 16 --reduce-dtype fp32
+
+The numbers are what `ZeroAdamW.memory()` and `opt.comm` report on a real run, exactly: the plan
+builds the same flat buffers (`fusedzero.layout.build_layout`, grouped by (param group, dtype
+[, stage-3 unit]) as the optimizer groups them) from parameter shapes alone, on the meta device,
+so alignment holes and bucket padding are counted to the byte. Activations, the transient bucket
+buffers of stages 2-3 (at most `MAX_INFLIGHT_BUCKETS` buckets) and the gathered units of stage 3
+are not resident state and are not counted (neither does `memory()`).
+
+Defaults are the ZeRO paper's mixed-precision Adam: bf16 params, bf16 grads, fp32 master and two
+fp32 moments (K = 12 bytes per param of optimizer state). Note that `ZeroAdamW` itself defaults to
+fp32 grad reduction: pass `--reduce-dtype fp32` to plan for that.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from fusedzero.layout import DEFAULT_BUCKET_NUMEL, FlatLayout, build_layout
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+STAGES = (0, 1, 2, 3)
+# fp32 exp_avg + exp_avg_sq per param; an fp32 master adds 4 more unless the params are fp32
+# (then the param buffer is its own master).
+MOMENT_BYTES = 8
+MASTER_BYTES = 4
+# The global grad norm (clipping, non-finite skip) is one fp32 scalar all-reduced per step.
+SCALAR_BYTES = 4
+
+
+def _gpt_presets() -> dict[str, dict[str, int]]:
+    from fusedzero.train import (DEFAULT_BLOCK, DEFAULT_N_EMBD, DEFAULT_N_HEAD,
+                                 DEFAULT_N_LAYER)
+    gpt2 = dict(vocab_size=50257, block_size=1024)
+    return {
+        # `fusedzero train`'s default model (byte-level, runs on a laptop CPU)
+        "train": dict(n_layer=DEFAULT_N_LAYER, n_head=DEFAULT_N_HEAD, n_embd=DEFAULT_N_EMBD,
+                      block_size=DEFAULT_BLOCK),
+        # GPTConfig's defaults: the model the tests train
+        "tiny": {},
+        # GPT-2 shapes in fusedzero.model.GPT (tied head, no qkv bias: a few params fewer)
+        "gpt2": dict(n_layer=12, n_head=12, n_embd=768, **gpt2),
+        "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, **gpt2),
+        "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, **gpt2),
+        "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, **gpt2),
+    }
+
+
+PRESETS = ("train", "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+
+class StagePlan(NamedTuple):
+    """Per-rank resident bytes of one stage and bytes it sends per step (the JSON schema)."""
+
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    total_bytes: int
+    comm_bytes_per_step: int
+
+
+@dataclass(kw_only=True)
+class PlanConfig:
+    """What the optimizer would be built with. Validated at construction."""
+
+    world_size: int
+    """Ranks the state is sharded over (ZeroAdamW's process_group size)."""
+    param_dtype: torch.dtype | None = torch.bfloat16
+    """Model param dtype (ZeroAdamW's param_dtype); None keeps each param's own dtype."""
+    reduce_dtype: torch.dtype = torch.bfloat16
+    """Dtype grads are reduced and kept in (ZeroAdamW's reduce_dtype)."""
+    bucket_numel: int = DEFAULT_BUCKET_NUMEL
+    """Elements per bucket, as ZeroAdamW's bucket_numel."""
+    reshard_after_forward: bool = True
+    """Stage 3: re-gather every unit for backward (3 Psi of traffic) or keep it (2 Psi)."""
+    grad_norm: bool = True
+    """The step all-reduces the grad norm (max_grad_norm, skip_nonfinite=True: the default)."""
+    unit_policy: Any = None
+    """Stage 3 units, as ZeroAdamW's unit_policy (only used when planning from a model)."""
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.bucket_numel < 1:
+            raise ValueError(f"bucket_numel must be >= 1, got {self.bucket_numel}")
+        for name in ("param_dtype", "reduce_dtype"):
+            dt = getattr(self, name)
+            if dt is not None and dt not in DTYPES.values():
+                raise ValueError(f"{name}={dt} is not one of {list(DTYPES.values())}")
+
+
+@dataclass
+class Plan:
+    params: int  # Psi: trainable elements
+    world_size: int
+    stages: dict[int, StagePlan]
+    config: PlanConfig
+    source: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stages": {str(s): p._asdict() for s, p in self.stages.items()},
+                "world_size": self.world_size, "params": self.params}
+
+    def table(self) -> str:
+        """A text table: which buffer each column is, full or sharded, in decimal GB."""
+        c, W = self.config, self.world_size
+        pdt = _name(c.param_dtype) if c.param_dtype is not None else "own dtype"
+        k = MOMENT_BYTES + (0 if c.param_dtype == torch.float32 else MASTER_BYTES)
+        lines = [f"{self.source}: {self.params:,} params (Psi), world size W={W}",
+                 f"params {pdt}, grads {_name(c.reduce_dtype)}, optimizer "
+                 + ("fp32 exp_avg + exp_avg_sq (fp32 params are their own master)"
+                    if k == MOMENT_BYTES else "fp32 master + exp_avg + exp_avg_sq")
+                 + f": K={k} bytes/param", ""]
+        where = {0: ("full", "full", "full"), 1: ("full", "full", "1/W"),
+                 2: ("full", "1/W", "1/W"), 3: ("1/W", "1/W", "1/W")}
+        head = ("stage", "params", "grads", "optimizer", "total/rank", "comm/step")
+        rows = [head]
+        for s, p in self.stages.items():
+            a, b, o = where[s]
+            rows.append((str(s), f"{_gb(p.params_bytes)} {a}", f"{_gb(p.grads_bytes)} {b}",
+                         f"{_gb(p.optimizer_bytes)} {o}", _gb(p.total_bytes),
+                         _gb(p.comm_bytes_per_step)))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        for r in rows:
+            lines.append("  ".join(x.ljust(w) if i < 4 else x.rjust(w)
+                                   for i, (x, w) in enumerate(zip(r, widths))).rstrip())
+        ag = "2 x all-gather" if c.reshard_after_forward else "1 x all-gather"
+        lines += ["",
+                  "GB = 1e9 bytes, resident per rank (as ZeroAdamW.memory()), padding included.",
+                  "comm/step = bytes this rank sends per step (as opt.comm), one micro-batch: "
+                  "stage 0 all-reduce of grads; 1-2 reduce-scatter of grads + all-gather of "
+                  f"params; 3 reduce-scatter + {ag}"
+                  + (" + the grad-norm scalar." if c.grad_norm else "."),
+                  "Not counted: activations, stage 2-3 transient grad buckets (<= 2 in flight), "
+                  "stage-3 gathered units (the current one and one prefetched)."]
+        return "\n".join(lines)
+
+
+def _name(dt: torch.dtype) -> str:
+    return next(k for k, v in DTYPES.items() if v == dt)
+
+
+def _gb(n: int) -> str:
+    return f"{n / 1e9:.3g} GB"
+
+
+# -- flat buffers, as the optimizer builds them ---------------------------------------------
+Item = tuple[int, str, tuple[int, ...]]  # (index in the optimizer's param list, name, shape)
+
+
+def _buffers_from_groups(groups: list[list[tuple[str, nn.Parameter]]], stage: int,
+                         cfg: PlanConfig, units: list[int] | None
+                         ) -> list[tuple[torch.dtype, list[Item]]]:
+    """(dtype, params) of every flat buffer, in ZeroAdamW's order: stages 0-2 group by
+    (param group, dtype) (`ZeroAdamW._build_flat_groups`), stage 3 by (unit, group, dtype)
+    (`fusedzero.zero3.build_zero3`)."""
+    keyed: dict[tuple[int, int, torch.dtype], list[Item]] = {}
+    index = 0
+    for gi, group in enumerate(groups):
+        for name, p in group:
+            dt = cfg.param_dtype or p.dtype
+            u = units[index] if stage == 3 and units is not None else 0
+            keyed.setdefault((u, gi, dt), []).append((index, name, tuple(p.shape)))
+            index += 1
+    order = sorted(keyed, key=lambda k: (k[0], k[1])) if stage == 3 else list(keyed)
+    return [(k[2], keyed[k]) for k in order]
+
+
+def _units(model: nn.Module, params: list[nn.Parameter], policy: Any) -> list[int]:
+    """Stage-3 unit of each param, as `fusedzero.zero3.Zero3.assign` decides."""
+    from fusedzero.zero3 import select_units
+
+    owner: dict[int, int] = {}
+    for u, m in enumerate(select_units(model, policy), start=1):
+        for p in m.parameters():
+            if id(p) in owner and owner[id(p)] != u:
+                owner[id(p)] = 0  # shared by two units (tied weights): the root holds it
+            else:
+                owner.setdefault(id(p), u)
+    return [owner.get(id(p), 0) for p in params]
+
+
+def _stage_plan(buffers: list[tuple[torch.dtype, list[Item]]], stage: int,
+                cfg: PlanConfig) -> StagePlan:
+    W = cfg.world_size
+    g = cfg.reduce_dtype.itemsize
+    params = grads = opt = comm = 0
+    for dt, items in buffers:
+        # Stage 0 replicates everything: its layout is the world-size-1 layout.
+        L: FlatLayout = build_layout(items, 1 if stage == 0 else W, cfg.bucket_numel)
+        p = dt.itemsize
+        params += p * (L.local_numel if stage == 3 else L.padded_numel)
+        grads += g * (L.local_numel if stage >= 2 else L.padded_numel)
+        opt += L.local_numel * (MOMENT_BYTES + (0 if dt == torch.float32 else MASTER_BYTES))
+        # One collective per bucket, counted as comm.CommCounter.add does (ring formulas,
+        # integer division per call).
+        B, nb = L.bucket_numel, L.num_buckets
+        if stage == 0:
+            comm += nb * (2 * (W - 1) * B * g // W)
+        else:
+            gathers = 2 if stage == 3 and cfg.reshard_after_forward else 1
+            comm += nb * ((W - 1) * B * g // W + gathers * ((W - 1) * B * p // W))
+    if stage > 0 and cfg.grad_norm:
+        comm += 2 * (W - 1) * SCALAR_BYTES // W
+    return StagePlan(params, grads, opt, params + grads + opt, comm)
+
+
+def plan_groups(groups: list[list[tuple[str, nn.Parameter]]], cfg: PlanConfig, *,
+                model: nn.Module | None = None, source: str = "model") -> Plan:
+    """Plan from the optimizer's param groups, each a list of (name, param); params may live on
+    the meta device. `model` is needed for stage-3 units (without it: one root unit)."""
+    flat = [p for grp in groups for _, p in grp]
+    units = _units(model, flat, cfg.unit_policy) if model is not None else None
+    stages = {s: _stage_plan(_buffers_from_groups(groups, s, cfg, units), s, cfg)
+              for s in STAGES}
+    return Plan(sum(p.numel() for p in flat), cfg.world_size, stages, cfg, source)
+
+
+def plan_model(model: nn.Module, cfg: PlanConfig, *, decay_split: bool = True,
+               source: str = "model") -> Plan:
+    """Plan for `ZeroAdamW(groups, module=model)`, the groups as `fusedzero train` makes them
+    (`gpt_param_groups`: >= 2-D params decayed, the rest not) or one group of every trainable
+    param (`decay_split=False`)."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if decay_split:
+        groups = [[(n, p) for n, p in named if p.dim() >= 2],
+                  [(n, p) for n, p in named if p.dim() < 2]]
+    else:
+        groups = [named]
+    return plan_groups(groups, cfg, model=model, source=source)
+
+
+def plan_params(n: int, cfg: PlanConfig) -> Plan:
+    """Plan for a model given only its parameter count: one flat buffer of `n` elements."""
+    if n < 1:
+        raise ValueError(f"--params must be >= 1, got {n}")
+    p = nn.Parameter(torch.empty(n, device="meta"))
+    return plan_groups([[("params", p)]], cfg, source="--params")
+
+
+# -- models on the meta device ----------------------------------------------------------------
+def preset_model(name: str) -> nn.Module:
+    """One of PRESETS as a fusedzero.model.GPT on the meta device (nothing allocated)."""
+    from fusedzero.model import GPT, GPTConfig
+
+    presets = _gpt_presets()
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r}; choose one of {PRESETS}")
+    with torch.device("meta"):
+        return GPT(GPTConfig(**presets[name]))
+
+
+def hf_model_from_config(path: str | Path) -> nn.Module:
+    """A transformers causal LM built from a config.json (or a folder holding one) on the meta
+    device: shapes only, nothing downloaded, no weights allocated."""
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("--hf-config needs the transformers package: "
+                          "pip install 'fusedzero[hf]'") from None
+    p = Path(path)
+    f = p / "config.json" if p.is_dir() else p
+    if not f.is_file():
+        raise FileNotFoundError(f"{path}: no config.json there")
+    d = json.loads(f.read_text())
+    if "model_type" not in d:
+        raise ValueError(f"{f}: no 'model_type' key; is it a Hugging Face config.json?")
+    config = transformers.AutoConfig.for_model(**d)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
+# -- CLI ----------------------------------------------------------------------------------------
+def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("plan", help="memory and communication per rank, every stage",
+                              description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--params", type=float, metavar="N",
+                     help="parameter count, e.g. 7.5e9 (one flat buffer)")
+    src.add_argument("--preset", choices=PRESETS, help="a fusedzero.model.GPT shape")
+    src.add_argument("--hf-config", metavar="PATH",
+                     help="a Hugging Face config.json or its folder (needs transformers)")
+    p.add_argument("--world-size", "-W", type=int, required=True, help="ranks sharding the state")
+    p.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16",
+                   help="model param dtype (default bf16; fp32: no separate master)")
+    p.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="bf16",
+                   help="grad reduction dtype (default bf16, the ZeRO paper's; ZeroAdamW's "
+                        "own default is fp32)")
+    p.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
+                   help="elements per bucket (default %(default)s)")
+    p.add_argument("--no-reshard-after-forward", dest="reshard", action="store_false",
+                   help="stage 3 keeps units gathered from forward to backward (2 Psi comm)")
+    p.add_argument("--one-group", action="store_true",
+                   help="one param group (default: decay / no-decay groups, as `train`)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.set_defaults(func=_cli_plan)
+    return p
+
+
+def _cli_plan(args: argparse.Namespace) -> int:
+    from fusedzero.train import UsageError
+
+    try:
+        cfg = PlanConfig(world_size=args.world_size, param_dtype=DTYPES[args.param_dtype],
+                         reduce_dtype=DTYPES[args.reduce_dtype], bucket_numel=args.bucket_numel,
+                         reshard_after_forward=args.reshard)
+        if args.params is not None:
+            if not (math.isfinite(args.params) and args.params == int(args.params)):
+                raise ValueError(f"--params must be a whole number, got {args.params}")
+            plan = plan_params(int(args.params), cfg)
+        elif args.preset is not None:
+            plan = plan_model(preset_model(args.preset), cfg, decay_split=not args.one_group,
+                              source=f"preset {args.preset}")
+        else:
+            plan = plan_model(hf_model_from_config(args.hf_config), cfg,
+                              decay_split=not args.one_group, source=str(args.hf_config))
+    except (ValueError, ImportError, OSError) as e:
+        raise UsageError(str(e)) from None
+    print(json.dumps(plan.to_json(), indent=1) if args.json else plan.table())
+    return 0
