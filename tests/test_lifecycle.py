@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import ctypes
 import os
+import selectors
+import shutil
 import signal
+import subprocess
+import sys
+import sysconfig
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -82,3 +88,129 @@ def test_run_ranks_reports_a_dead_rank_at_once(victim: int, how: str, sig: str) 
     code = -getattr(signal, sig)
     assert f"rank {victim} died without reporting: killed by {sig} (exit code {code})" \
         in str(e.value)
+
+
+# -- `fusedzero train` as a real process: signals, stalls ------------------------------------
+# A tiny model and more steps than any test waits for: the run is always ended from outside.
+LONG_RUN = ["train", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
+            "--batch-size", "4", "--steps", "100000", "--eval-seqs", "2", "--eval-every", "0",
+            "--log-every", "1", "--nproc", "2", "--no-progress", "--device", "cpu"]
+# How long a test waits for something that takes a second or two on an idle machine (a busy
+# 2-core machine can be ten times slower); a pytest timeout above it bounds every test.
+PATIENCE_S = 90.0
+
+
+def _state(pid: int) -> str | None:
+    """The process state letter, or None when there is no such process. A zombie ('Z') has
+    exited: it only waits for its new parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return None
+
+
+def _alive(pid: int) -> bool:
+    return _state(pid) not in (None, "Z", "X")
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            if ppid == pid:
+                out.append(int(d))
+    return sorted(out)
+
+
+def _ranks(pid: int) -> list[int]:
+    """The spawned rank processes of a `fusedzero train` launcher (not its resource tracker)."""
+    ranks = []
+    for c in _children(pid):
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            ranks.append(c)
+    return ranks
+
+
+def _start_training(corpus: Path, *extra: str) -> tuple[subprocess.Popen, list[int]]:
+    """Start `fusedzero train`; return it and its 2 rank pids once the ranks are training."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
+    p = subprocess.Popen([sys.executable, "-m", "fusedzero.cli", *LONG_RUN, "--data",
+                          str(corpus), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    deadline = time.monotonic() + PATIENCE_S
+    seen = ""
+    with selectors.DefaultSelector() as sel:
+        sel.register(p.stdout, selectors.EVENT_READ)
+        while "val loss" not in seen:  # the first eval: every rank is set up and training
+            if time.monotonic() > deadline or p.poll() is not None:
+                p.kill()
+                raise AssertionError(f"the run did not start: {seen!r} {p.stderr.read()!r}")
+            if sel.select(timeout=1.0):
+                seen += p.stdout.readline()
+    ranks = _ranks(p.pid)
+    assert len(ranks) == 2, ranks
+    return p, ranks
+
+
+def _wait_gone(pids: list[int]) -> list[int]:
+    deadline = time.monotonic() + PATIENCE_S
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [q for q in pids if _alive(q)]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data") / "argparse.py"
+    shutil.copy(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py", path)
+    return path
+
+
+@pytest.mark.timeout(300)
+def test_killed_launcher_takes_its_ranks_and_sigterm_stops_like_ctrl_c(corpus: Path) -> None:
+    """SIGKILL to the launcher: its ranks die too (before: they trained on with PPID 1).
+    SIGTERM: the launcher ends its ranks and exits 128+15 with one line."""
+    p, ranks = _start_training(corpus)
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait(timeout=PATIENCE_S)
+    assert _wait_gone(ranks) == [], "ranks outlived their SIGKILLed launcher"
+    p.stdout.close()
+    p.stderr.close()
+
+    p, ranks = _start_training(corpus)
+    os.kill(p.pid, signal.SIGTERM)
+    _, err = p.communicate(timeout=PATIENCE_S)
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "fusedzero: terminated by SIGTERM", err
+    assert _wait_gone(ranks) == [], "ranks outlived their SIGTERMed launcher"
+
+
+@pytest.mark.timeout(300)
+def test_stalled_rank_ends_the_run_naming_rank_and_wait(corpus: Path) -> None:
+    """A rank that stops (SIGSTOP: it holds its sockets, so no peer sees a closed connection)
+    stalls the others; after --timeout the run ends with one line naming what the live rank
+    waited for and the silent rank, exit code 1, and no rank is left behind."""
+    p, ranks = _start_training(corpus, "--timeout", "3")
+    os.kill(ranks[1], signal.SIGSTOP)
+    try:
+        _, err = p.communicate(timeout=PATIENCE_S)
+    finally:
+        if _alive(ranks[1]):
+            os.kill(ranks[1], signal.SIGCONT)
+    assert p.returncode == 1, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("fusedzero: error: rank "), err
+    assert "timed out" in line and "waiting for" in line and "limit 3s" in line, line
+    assert "did not report and were ended" in line, line
+    assert _wait_gone(ranks) == []
