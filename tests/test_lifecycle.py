@@ -214,3 +214,61 @@ def test_stalled_rank_ends_the_run_naming_rank_and_wait(corpus: Path) -> None:
     assert "timed out" in line and "waiting for" in line and "limit 3s" in line, line
     assert "did not report and were ended" in line, line
     assert _wait_gone(ranks) == []
+
+
+# -- async checkpoint save with a dead peer -----------------------------------------------------
+def _async_save_with_dead_peer(rank: int, port: int, ckpt: str, result: str) -> None:
+    """Rank 1 dies (SIGKILL) while writing its shard; rank 0's save thread must give up after
+    the group's timeout, so its handle reports the dead rank and the process can exit."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from fusedzero import checkpoint
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2,
+                           timeout=datetime.timedelta(seconds=STALL_TIMEOUT_S))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=1)
+    model(torch.randn(2, 8)).sum().backward()
+    opt.step()
+    if rank == 1:
+        checkpoint._write_shard = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+    h = checkpoint.save(opt, ckpt, step=1, async_=True)
+    try:
+        h.wait()
+        msg = "saved"
+    except checkpoint.CheckpointError as e:
+        msg = str(e)
+    Path(result).write_text(msg)
+    os._exit(0)  # gloo's teardown with a dead peer is not what this test is about
+
+
+@pytest.mark.timeout(120)
+def test_async_save_with_a_dead_peer_ends(tmp_path: Path) -> None:
+    """Before: rank 0's (non-daemon) save thread waited 1800 s for the dead rank's shard."""
+    import multiprocessing
+
+    from fusedzero.testing import free_port
+
+    ctx = multiprocessing.get_context("spawn")
+    port, result = free_port(), tmp_path / "rank0.txt"
+    procs = [ctx.Process(target=_async_save_with_dead_peer,
+                         args=(r, port, str(tmp_path / "ckpt"), str(result)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        procs[0].join(timeout=PATIENCE_S)
+        assert procs[0].exitcode == 0, "rank 0 did not finish its save"
+        msg = result.read_text()
+        assert "ranks [1] did not finish their shards" in msg, msg
+        assert f"{STALL_TIMEOUT_S}s" in msg, msg
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
