@@ -1,4 +1,5 @@
-"""An exclusive lock on a run folder (`--ckpt-dir`) for the life of one run.
+"""The run folder (`--ckpt-dir`): an exclusive lock for the life of one run, and the checks a
+run makes before it trains (writable paths; a new run does not mix into an old run's steps).
 
 Two runs writing one checkpoint folder replace each other's steps and move `latest` back and
 forth. The first run takes `<folder>/.fusedzero.lock`; a second one is refused with an error
@@ -17,6 +18,7 @@ import json
 import os
 import socket
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,7 +31,11 @@ except ImportError:  # Windows: no flock; the lock file alone (O_EXCL) excludes,
     fcntl = None  # type: ignore[assignment]
 
 
-class RunLockError(RuntimeError):
+class RunFolderError(ValueError):
+    """A run folder or output path that a run must not start with (one line, names the fix)."""
+
+
+class RunLockError(RunFolderError):
     """The folder is locked by another live run."""
 
 
@@ -64,9 +70,15 @@ class RunLock:
     def acquire(self) -> RunLock:
         if self._fd is not None:
             return self
-        self.folder.mkdir(parents=True, exist_ok=True)
-        if fcntl is None:
-            return self._acquire_exclusive()
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            if fcntl is None:
+                return self._acquire_exclusive()
+            return self._acquire_flock()
+        except OSError as e:
+            raise RunFolderError(f"cannot lock {str(self.path)!r}: {e.strerror or e}") from None
+
+    def _acquire_flock(self) -> RunLock:
         while True:
             # O_NOFOLLOW: a planted symlink must not make us lock (and rewrite) another file.
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
@@ -123,3 +135,61 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+# -- pre-flight checks ---------------------------------------------------------------------------
+def check_ckpt_dir(root: str | os.PathLike[str], *, resume: bool, overwrite: bool) -> None:
+    """Resuming needs a checkpoint in `root`; a new run must not write into an old run's steps
+    (same-step checkpoints replaced, `latest` moved backwards) unless told to `overwrite`."""
+    from fusedzero import checkpoint
+
+    root = Path(root)
+    found = checkpoint.list_checkpoints(root) if root.is_dir() else []
+    if resume and not found:
+        raise RunFolderError(f"--resume: no complete checkpoint in {str(root)!r}; "
+                             "drop --resume to start a new run")
+    if found and not resume and not overwrite:
+        raise RunFolderError(
+            f"--ckpt-dir {str(root)!r} already holds {len(found)} checkpoint(s) (newest "
+            f"{found[-1].name}); pass --resume to continue that run or --overwrite to start "
+            "over (the old ones are removed after this run's first save)")
+
+
+def _probe(folder: Path, flag: str) -> None:
+    """Create and remove a file in `folder` (made if missing): permission bits say nothing for
+    root or on a read-only mount; a real write does."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=folder, prefix=".fusedzero-probe-")
+        os.close(fd)
+        os.unlink(name)
+    except (FileExistsError, NotADirectoryError):
+        raise RunFolderError(f"{flag}: {str(folder)!r} (or a folder above it) is a file, not a "
+                             "folder; pass a folder path") from None
+    except OSError as e:
+        raise RunFolderError(f"{flag}: cannot write in {str(folder)!r}: {e.strerror or e}; "
+                             "pass a writable folder") from None
+
+
+def check_writable(ckpt_dir: str | os.PathLike[str] | None,
+                   out_json: str | os.PathLike[str] | None) -> None:
+    """Fail now, not after the run (or at its first save), if the checkpoint folder or the
+    summary file cannot be written."""
+    if ckpt_dir is not None:
+        root = Path(ckpt_dir)
+        if root.exists() and not root.is_dir():
+            raise RunFolderError(f"--ckpt-dir {str(root)!r} is a file, not a folder; "
+                                 "pass a folder path")
+        _probe(root, "--ckpt-dir")
+    if out_json is not None:
+        out = Path(out_json)
+        if out.is_dir():
+            raise RunFolderError(f"--out-json {str(out)!r} is a folder; pass a file path")
+        _probe(out.parent, "--out-json")
+        if out.exists():
+            try:
+                with open(out, "a"):  # opens for writing without truncating the old summary
+                    pass
+            except OSError as e:
+                raise RunFolderError(f"--out-json: cannot write {str(out)!r}: "
+                                     f"{e.strerror or e}; pass a writable file") from None

@@ -28,7 +28,6 @@ import os
 import queue as queue_mod
 import shutil
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -372,56 +371,23 @@ def _load_data(cfg: TrainConfig) -> Split:
 
 def _check_ckpt_dir(cfg: TrainConfig) -> None:
     """--resume needs a checkpoint; a new run must not mix its steps into an old run's."""
-    if cfg.ckpt_dir is None:
-        return
-    from fusedzero import checkpoint
+    from fusedzero.runlock import RunFolderError, check_ckpt_dir
 
-    root = Path(cfg.ckpt_dir)
-    found = checkpoint.list_checkpoints(root) if root.is_dir() else []
-    if cfg.resume and not found:
-        raise UsageError(f"--resume: no complete checkpoint in {str(root)!r}; "
-                         "drop --resume to start a new run")
-    if found and not cfg.resume and not cfg.overwrite:
-        raise UsageError(f"--ckpt-dir {str(root)!r} already holds {len(found)} checkpoint(s) "
-                         f"(newest {found[-1].name}); pass --resume to continue that run or "
-                         "--overwrite to start over (the old ones are removed after this "
-                         "run's first save)")
+    if cfg.ckpt_dir is not None:
+        try:
+            check_ckpt_dir(cfg.ckpt_dir, resume=cfg.resume, overwrite=cfg.overwrite)
+        except RunFolderError as e:
+            raise UsageError(str(e)) from None
 
 
 def _check_writable(cfg: TrainConfig) -> None:
-    """--ckpt-dir and --out-json must be writable before training starts (a real file is
-    created and removed: permission bits say nothing for root or read-only mounts)."""
-    def probe(folder: Path, flag: str) -> None:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            fd, name = tempfile.mkstemp(dir=folder, prefix=".fusedzero-probe-")
-            os.close(fd)
-            os.unlink(name)
-        except FileExistsError:
-            raise UsageError(f"{flag}: {str(folder)!r} is a file, not a folder; "
-                             "pass a folder path") from None
-        except OSError as e:
-            raise UsageError(f"{flag}: cannot write in {str(folder)!r}: {e.strerror or e}; "
-                             "pass a writable folder") from None
+    """--ckpt-dir and --out-json must be writable before training starts."""
+    from fusedzero.runlock import RunFolderError, check_writable
 
-    if cfg.ckpt_dir is not None:
-        root = Path(cfg.ckpt_dir)
-        if root.exists() and not root.is_dir():
-            raise UsageError(f"--ckpt-dir {str(root)!r} is a file, not a folder; "
-                             "pass a folder path")
-        probe(root, "--ckpt-dir")
-    if cfg.out_json is not None:
-        out = Path(cfg.out_json)
-        if out.is_dir():
-            raise UsageError(f"--out-json {str(out)!r} is a folder; pass a file path")
-        probe(out.parent, "--out-json")
-        if out.exists():
-            try:
-                with open(out, "a"):  # opens for writing without truncating the old summary
-                    pass
-            except OSError as e:
-                raise UsageError(f"--out-json: cannot write {str(out)!r}: {e.strerror or e}; "
-                                 "pass a writable file") from None
+    try:
+        check_writable(cfg.ckpt_dir, cfg.out_json)
+    except RunFolderError as e:
+        raise UsageError(str(e)) from None
 
 
 @contextlib.contextmanager
@@ -431,16 +397,13 @@ def _run_folder_lock(cfg: TrainConfig) -> Any:
     if cfg.ckpt_dir is None:
         yield
         return
-    from fusedzero.runlock import RunLock, RunLockError
+    from fusedzero.runlock import RunFolderError, RunLock
 
     lock = RunLock(cfg.ckpt_dir)
     try:
         lock.acquire()
-    except RunLockError as e:
+    except RunFolderError as e:
         raise UsageError(f"--ckpt-dir: {e}") from None
-    except OSError as e:
-        raise UsageError(f"--ckpt-dir: cannot lock {str(lock.path)!r}: {e.strerror or e}") \
-            from None
     try:
         if lock.took_over:
             print(f"fusedzero: note: took over the stale lock of {lock.took_over} (not running)",
