@@ -805,22 +805,21 @@ def _save(cfg: TrainConfig, opt: Any, sched: Any, log: _Log, step: int,
         checkpoint.save(opt, cfg.ckpt_dir, step=step,
                         caller_state=_caller_state(cfg, sched, log, step),
                         keep_last=None if replace_old else cfg.keep_last)
-    if replace_old:
-        if dist.get_rank() == 0:
-            new = Path(cfg.ckpt_dir or "") / checkpoint.step_dir_name(step)
-            for old in checkpoint.list_checkpoints(cfg.ckpt_dir or ""):
-                if old.resolve() != new.resolve():
-                    shutil.rmtree(old)
+    if replace_old and dist.get_rank() == 0:
+        new = Path(cfg.ckpt_dir or "") / checkpoint.step_dir_name(step)
+        for old in checkpoint.list_checkpoints(cfg.ckpt_dir or ""):
+            if old.resolve() != new.resolve():
+                shutil.rmtree(old)
 
 
 def _resume(cfg: TrainConfig, opt: Any, sched: Any, log: _Log) -> int:
     from fusedzero import checkpoint
 
-    # The run's own hyper-parameters, before load() puts the checkpoint's into the groups.
-    own = [(g["betas"], g["weight_decay"]) for g in opt.param_groups]
+    # This run's flags are what runs (and what --out-json records): the groups keep their
+    # betas and decay, and the scheduler's lr base is put back after load_state_dict.
     base_lrs = list(sched.base_lrs)
     try:
-        loaded = checkpoint.load(opt, cfg.ckpt_dir)
+        loaded = checkpoint.load(opt, cfg.ckpt_dir, load_hyperparams=False)
     except CollectiveTimeout:
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as e:
@@ -842,14 +841,9 @@ def _resume(cfg: TrainConfig, opt: Any, sched: Any, log: _Log) -> int:
             raise UsageError(f"--resume: the checkpoint was trained with {key}={state.get(key)}, "
                              f"this run has {key}={mine}; pass the same flags to resume")
     step = int(state["step"])
-    saved = _saved_hparams(state, opt, sched)
+    saved = _saved_hparams(state)
     sched.load_state_dict(state["scheduler"])
-    # The flags of this run are what runs (and what --out-json records): put back the lr base,
-    # betas and decay that load_state_dict/load() replaced with the checkpoint's, and say so
-    # where they differ.
     sched.base_lrs = base_lrs
-    for g, (betas, wd) in zip(opt.param_groups, own, strict=True):
-        g["betas"], g["weight_decay"] = betas, wd
     changed = [f"--{k.replace('_', '-')} {v} (checkpoint: {saved[k]})"
                for k, v in _hparams(cfg).items() if k in saved and saved[k] != v]
     if changed and dist.get_rank() == 0:
@@ -866,15 +860,13 @@ def _resume(cfg: TrainConfig, opt: Any, sched: Any, log: _Log) -> int:
     return step
 
 
-def _saved_hparams(state: dict[str, Any], opt: Any, sched: Any) -> dict[str, Any]:
-    """The checkpoint's hyper-parameters: recorded by this version in the caller state; for
-    older checkpoints, what load() restored into the groups and the scheduler's lr base."""
+def _saved_hparams(state: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint run's hyper-parameter flags (recorded in the caller state since they can
+    change on resume; older checkpoints have only the lr, in the scheduler's state)."""
     if isinstance(state.get("hparams"), dict):
         return dict(state["hparams"])
-    g = opt.param_groups[0]
-    base = state.get("scheduler", {}).get("base_lrs") or [None]
-    out = {"beta1": g["betas"][0], "beta2": g["betas"][1], "weight_decay": g["weight_decay"]}
-    return out | ({"lr": base[0]} if base[0] is not None else {})
+    base = (state.get("scheduler") or {}).get("base_lrs") or [None]
+    return {} if base[0] is None else {"lr": base[0]}
 
 
 # -- summary --------------------------------------------------------------------------------------

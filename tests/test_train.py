@@ -276,7 +276,7 @@ def test_locked_folder_is_refused_naming_the_holder_and_stale_lock_is_taken_over
 
 
 @needs_ckpt
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)  # includes the 4 runs of stage_runs on a busy machine
 def test_new_run_resume_flags_and_overwrite(capfd: pytest.CaptureFixture[str], tmp_path: Path,
                                             corpus: Path, stage_runs: dict[int, dict]) -> None:
     """One folder through its life: a run stops at step 2; a new run into it is refused; a
