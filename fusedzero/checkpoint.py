@@ -556,7 +556,7 @@ def wait_pending(opt: Any) -> None:
 
 def save(opt: Any, directory: str | os.PathLike[str], *, step: int,
          caller_state: Any = None, keep_last: int | None = None, async_: bool = False,
-         timeout: float = 1800.0) -> SaveHandle:
+         timeout: float | None = None) -> SaveHandle:
     """Save a sharded checkpoint of `opt` (a `ZeroAdamW`) as `directory/step-{step:08d}`.
 
     Collective: every rank of the optimizer's process group calls it with the same arguments
@@ -570,7 +570,9 @@ def save(opt: Any, directory: str | os.PathLike[str], *, step: int,
         async_: copy the shards off the training buffers now and write them in a background
             thread; the returned handle's `wait()` reports completion. The next save or load
             waits for the previous save first.
-        timeout: async only: how long rank 0 waits for the other ranks' shards.
+        timeout: async only: how long rank 0 waits for the other ranks' shards (None: the
+            process group's timeout, see `fusedzero.comm.group_timeout`). It bounds the save
+            thread, which the interpreter waits for at exit: a dead peer ends it with an error.
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
@@ -579,6 +581,10 @@ def save(opt: Any, directory: str | os.PathLike[str], *, step: int,
     wait_pending(opt)
     root = Path(directory)
     W, rank, group = opt.world_size, opt.rank, opt.process_group
+    if timeout is None:
+        from fusedzero.comm import group_timeout
+
+        timeout = group_timeout(group)
     name = step_dir_name(step)
     replicas, replica = getattr(opt, "replicas", 1), getattr(opt, "replica_rank", 0)
     packed, bad_state = "", None

@@ -5,13 +5,16 @@
     fusedzero plan --params 7.5e9 --world-size 64
 
 Errors in flags, paths or checkpoints print one line, `fusedzero: error: ...`, and exit with 2.
+A run that stalls past --timeout prints one such line naming each rank's wait and exits with 1;
+Ctrl-C exits with 130, SIGTERM/SIGHUP with 128 + the signal number, the ranks ended either way.
 """
 from __future__ import annotations
 
 import importlib
 import sys
 
-from fusedzero.train import ArgParser, UsageError
+from fusedzero.lifecycle import Terminated
+from fusedzero.train import ArgParser, StalledError, UsageError
 
 # (module, function adding its subparser): a subcommand whose module is not in this build is
 # left out. Each function takes the `subparsers` action and calls `set_defaults(func=...)`
@@ -47,6 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         msg = msg.removeprefix("fusedzero: ")
         print(f"fusedzero: error: {msg}", file=sys.stderr)
         return 2
+    except StalledError as e:
+        print(f"fusedzero: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    except Terminated as e:
+        print(f"fusedzero: terminated by {e}", file=sys.stderr)
+        return 128 + e.signum
     except KeyboardInterrupt:
         print("fusedzero: interrupted", file=sys.stderr)
         return 130

@@ -11,12 +11,25 @@ collective and b its element size: all-reduce 2(W-1)/W*n*b, reduce-scatter and a
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+
+# How long a wait on other ranks may take before the run ends with an error naming the wait, when
+# the process group was created with torch's default timeout (gloo: 30 minutes, long enough for a
+# silent stall to waste a job). 10 minutes covers a first Triton compile and a large checkpoint
+# write on a slow disk; pass `timeout=` to `init_process_group` (or `fusedzero train --timeout`)
+# to choose another value: a group's own non-default timeout is used as it is.
+DEFAULT_TIMEOUT_S = 600.0
+
+
+class CollectiveTimeout(RuntimeError):
+    """A wait on other ranks did not finish in time: some rank stalled or took another path."""
 
 
 @dataclasses.dataclass
@@ -93,9 +106,60 @@ def all_reduce(t: torch.Tensor, group: Any, world_size: int, counter: CommCounte
     return dist.all_reduce(t, group=group, async_op=True)
 
 
-def wait(handle: Any) -> None:
-    if handle is not None:
+def group_timeout(group: Any = None) -> float:
+    """Seconds a wait on `group` may take: the group's timeout if it was set explicitly at
+    `init_process_group`/`new_group`, else DEFAULT_TIMEOUT_S (never torch's 30-minute default)."""
+    if not dist.is_initialized():
+        return DEFAULT_TIMEOUT_S
+    pg = group if group is not None else dist.group.WORLD
+    for dev in getattr(pg, "_device_types", ()):
+        try:
+            t = pg._get_backend(dev).options._timeout
+        except (AttributeError, RuntimeError):
+            continue  # a backend without readable options: use the default
+        if isinstance(t, datetime.timedelta) and t != dist.default_pg_timeout:
+            return t.total_seconds()
+    return DEFAULT_TIMEOUT_S
+
+
+def _host_blocking(group: Any) -> bool:
+    """True where `Work.wait` blocks the host anyway (gloo). On NCCL a wait only orders streams;
+    passing it a timeout would turn it into a host sync in `step()`, so NCCL is left to its
+    watchdog, which aborts the communicator after the group's timeout."""
+    try:
+        return dist.get_backend(group) != "nccl"
+    except (RuntimeError, ValueError):
+        return True
+
+
+def wait(handle: Any, what: str = "a collective", group: Any = None,
+         timeout: float | None = None) -> None:
+    """Wait for `handle`; past `timeout` seconds (default: `group_timeout(group)`) raise
+    CollectiveTimeout naming this rank and `what` it waited for (e.g. "all-gather of unit 3
+    params"), so a stalled or diverged rank ends the run instead of hanging it."""
+    if handle is None:
+        return
+    if not _host_blocking(group):
         handle.wait()
+        return
+    limit = group_timeout(group) if timeout is None else timeout
+    t0 = time.monotonic()
+    try:
+        handle.wait(datetime.timedelta(seconds=limit))
+    except RuntimeError as e:
+        elapsed = time.monotonic() - t0
+        rank = group_rank(group)
+        msg = " ".join(str(e).split())
+        # gloo reports its own transport timeout ("Timed out waiting ...") when the group's
+        # timeout is the shorter one; either way the cause is a rank that did not join.
+        if elapsed >= 0.9 * limit or "timed out" in msg.lower():
+            raise CollectiveTimeout(
+                f"rank {rank}: timed out after {elapsed:.0f}s (limit {limit:g}s) waiting for "
+                f"{what}; another rank stalled or ran a different collective (rank-dependent "
+                "control flow, e.g. a module run on some ranks only). Raise the limit with "
+                "the process group's timeout (fusedzero train --timeout) if it is just slow"
+            ) from None
+        raise RuntimeError(f"rank {rank}: {what} failed: {msg}") from e
 
 
 def broadcast(t: torch.Tensor, group: Any, world_size: int) -> Any:

@@ -91,7 +91,8 @@ def load_corpus(path: str | Path | None = None, block_size: int = 128) -> bytes:
             supply one ``block_size + 1`` window.
 
     Raises:
-        ValueError: if the path does not exist, holds no text, or is too small.
+        ValueError: if the path does not exist, is not a regular file or folder, is not
+            readable, holds no text, or is too small.
     """
     if path is None:
         data = b"".join(p.read_bytes() for p in default_corpus_files())
@@ -100,7 +101,11 @@ def load_corpus(path: str | Path | None = None, block_size: int = 128) -> bytes:
         p = Path(path)
         where = f"corpus {str(p)!r}"
         if p.is_file():
-            data = p.read_bytes()
+            try:
+                data = p.read_bytes()
+            except PermissionError:
+                raise ValueError(f"{where} is not readable (permission denied); pass a file "
+                                 "you can read") from None
         elif p.is_dir():
             texts = [t for t in map(_read_text_file, _folder_text_files(p)) if t is not None]
             if not texts:
@@ -109,6 +114,12 @@ def load_corpus(path: str | Path | None = None, block_size: int = 128) -> bytes:
                     f"pass a text file or a folder of text files"
                 )
             data = b"".join(texts)
+        elif p.exists():
+            # /dev/null, a FIFO, a socket: reading it would give nothing or block forever.
+            raise ValueError(
+                f"{where} is not a regular file or folder (a device, pipe or socket); pass a "
+                f"text file or a folder of text files"
+            )
         else:
             raise ValueError(
                 f"{where} does not exist; pass an existing text file or folder, "

@@ -795,7 +795,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         live = [i for i, (_, f) in enumerate(self._handles) if f is not None]
         for i in live[:max(0, len(live) - MAX_INFLIGHT_BUCKETS)]:
             h, finish = self._handles[i]
-            comm.wait(h)
+            comm.wait(h, what="grad reduction of a backward bucket", group=self.process_group)
             finish()
             self._handles[i] = (None, None)
 
@@ -823,7 +823,7 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def _wait_reductions(self) -> None:
         for h, finish in self._handles:
-            comm.wait(h)
+            comm.wait(h, what="grad reduction of a backward bucket", group=self.process_group)
             if finish is not None:
                 finish()
         self._handles.clear()
@@ -897,7 +897,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                 handles.append(comm.all_reduce(piece, self.replicate_group, self.replicas,
                                                self.comm))
         for h in handles:
-            comm.wait(h)
+            comm.wait(h, what="grad all-reduce across replicas", group=self.replicate_group)
 
     def _prepare_scalars(self) -> None:
         need_norm = self.max_grad_norm is not None or self.skip_nonfinite or self.scaler
@@ -911,7 +911,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             total += sumsq(fg.grad_stream(), num_buckets=fg.layout.num_buckets,
                            shard_numel=fg.layout.shard_numel)
         if self.stage != Stage.DP:  # stage 0 grads are replicated: the local sum is global
-            comm.wait(comm.all_reduce(total, self.process_group, self.world_size, self.comm))
+            comm.wait(comm.all_reduce(total, self.process_group, self.world_size, self.comm),
+                      what="grad-norm all-reduce", group=self.process_group)
         finite = torch.isfinite(total)
         torch.mul(total.sqrt(), inv, out=self._norm)
         scale = inv
@@ -958,7 +959,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             if h is not None:
                 if self.trace is not None:
                     self.trace.append(("param_wait", key))
-                comm.wait(h)
+                comm.wait(h, what=f"param all-gather of (flat group, bucket) {key}",
+                          group=self.process_group)
 
     def _install_param_waits(self, module: nn.Module) -> None:
         """Forward pre-hooks: each module with params of ours waits for their buckets."""

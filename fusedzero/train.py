@@ -20,11 +20,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import datetime
 import importlib.util
 import json
 import math
 import os
 import queue as queue_mod
+import shutil
 import sys
 import time
 import traceback
@@ -34,6 +36,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from fusedzero.comm import DEFAULT_TIMEOUT_S, CollectiveTimeout
 
 # Defaults for the 2-rank CPU run: measured 77 s wall on an idle 2-core machine including
 # start-up (~30k tokens/s; 104 s with other jobs on the cores), validation loss 5.33 -> 1.90.
@@ -61,6 +65,15 @@ Split = tuple[torch.Tensor, torch.Tensor]  # (train, val) uint8 byte tensors
 
 class UsageError(Exception):
     """A bad flag, path or checkpoint: reported as one line, `fusedzero: error: ...`, exit 2."""
+
+
+class StalledError(RuntimeError):
+    """A rank waited on the others past --timeout: one line naming each rank and its wait
+    (`fusedzero: error: ...`, exit 1)."""
+
+# After the first rank reports a stall, how long the launcher waits for the other ranks' own
+# reports (they hit the same timeout at about the same moment) before it ends them.
+_STALL_GRACE_S = 3.0
 
 
 class ArgParser(argparse.ArgumentParser):
@@ -126,6 +139,12 @@ class TrainConfig:
     """Checkpoints to keep in --ckpt-dir (None: all)."""
     resume: bool = False
     """Resume from the latest complete checkpoint in --ckpt-dir (any world size or stage)."""
+    overwrite: bool = False
+    """Start a new run in a --ckpt-dir that holds checkpoints; they are removed after this
+    run's first complete save (without it, such a folder is refused)."""
+    timeout: float = DEFAULT_TIMEOUT_S
+    """Seconds any rank may wait on the others (a collective, a checkpoint write) before the run
+    ends with an error naming the rank and what it waited for."""
     stop_at: int | None = None
     """Stop cleanly after this step and save, as a preempted job would."""
     out_json: str | None = None
@@ -171,12 +190,18 @@ class TrainConfig:
              f"--reduce-dtype must be one of {sorted(_DTYPES)}, got {self.reduce_dtype!r}")
         need(self.param_dtype is None or self.param_dtype in _DTYPES,
              f"--param-dtype must be one of {sorted(_DTYPES)}, got {self.param_dtype!r}")
+        need(math.isfinite(self.timeout) and self.timeout > 0,
+             f"--timeout must be > 0 seconds, got {self.timeout}")
+        need(not (self.resume and self.overwrite),
+             "--resume and --overwrite exclude each other: continue the run in --ckpt-dir, or "
+             "start over in it")
         need(self.device in ("auto", "cpu", "cuda"),
              f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.stop_at is not None:
             need(1 <= self.stop_at <= self.steps,
                  f"--stop-at must be in [1, --steps={self.steps}], got {self.stop_at}")
-        for flag, used in (("--resume", self.resume), ("--save-every", self.save_every > 0),
+        for flag, used in (("--resume", self.resume), ("--overwrite", self.overwrite),
+                           ("--save-every", self.save_every > 0),
                            ("--stop-at", self.stop_at is not None),
                            ("--keep-last", self.keep_last is not None)):
             need(not used or self.ckpt_dir is not None,
@@ -225,10 +250,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="steps between checkpoints (0: at --stop-at and the end only)")
     a("--keep-last", type=int, default=None, help="checkpoints to keep (default all)")
     a("--resume", action="store_true",
-      help="resume from the latest complete checkpoint in --ckpt-dir (any world size/stage)")
+      help="resume from the latest complete checkpoint in --ckpt-dir (any world size/stage); "
+           "hyper-parameter flags given now (--lr, --beta1, --beta2, --weight-decay, --clip, "
+           "--warmup) override the checkpoint's")
+    a("--overwrite", action="store_true",
+      help="start a new run in a --ckpt-dir that holds checkpoints (removed after this run's "
+           "first save); without it or --resume such a folder is refused")
     a("--stop-at", type=int, default=None, metavar="STEP",
       help="stop after STEP and save, as if preempted (the schedule still spans --steps)")
     a("--out-json", default=None, metavar="FILE", help="write the run summary as JSON")
+    a("--timeout", type=float, default=d.timeout, metavar="SECONDS",
+      help="end the run with an error naming the rank and the operation when any rank waits "
+           "on the others longer than this (default %(default)g = 10 minutes)")
     a("--bucket-numel", type=int, default=None, help="elements per bucket")
     a("--reduce-dtype", choices=sorted(_DTYPES), default="fp32",
       help="dtype grads are reduced in (default %(default)s)")
@@ -293,11 +326,15 @@ def run_config(cfg: TrainConfig) -> dict[str, Any]:
     if use_cuda and nproc > torch.cuda.device_count():
         raise UsageError(f"--nproc {nproc} exceeds the {torch.cuda.device_count()} visible GPUs")
     _check_batch(cfg, nproc)
+    _check_writable(cfg)  # before anything slow: a bad path fails now, not after the run
     # Loaded once here; the tensors reach the ranks through shared memory, not a pipe.
     data = _load_data(cfg)
-    if cfg.resume:
-        _check_resume_dir(cfg)
-    return _spawn(cfg, nproc, use_cuda, data)
+    with _run_folder_lock(cfg):
+        _check_ckpt_dir(cfg)
+        from fusedzero.lifecycle import sigterm_as_interrupt
+
+        with sigterm_as_interrupt():
+            return _spawn(cfg, nproc, use_cuda, data)
 
 
 def _use_cuda(cfg: TrainConfig) -> bool:
@@ -332,16 +369,62 @@ def _load_data(cfg: TrainConfig) -> Split:
         raise UsageError(f"--data: {e}") from None
 
 
-def _check_resume_dir(cfg: TrainConfig) -> None:
-    from fusedzero import checkpoint
+def _check_ckpt_dir(cfg: TrainConfig) -> None:
+    """--resume needs a checkpoint; a new run must not mix its steps into an old run's."""
+    from fusedzero.runlock import RunFolderError, check_ckpt_dir
 
-    # A root or one step folder; sizes and headers only here, sha256 when the ranks load.
+    if cfg.ckpt_dir is None:
+        return
+    if cfg.resume:
+        from fusedzero import checkpoint
+
+        # A root or one step folder; sizes and headers only here, sha256 when the ranks load.
+        try:
+            checkpoint.find_latest(cfg.ckpt_dir, checksums=False)
+        except checkpoint.CheckpointError as e:
+            msg = " ".join(str(e).split())
+            raise UsageError(f"--resume: no usable checkpoint in {cfg.ckpt_dir!r} ({msg}); "
+                             "drop --resume to start a new run") from None
+        return
     try:
-        checkpoint.find_latest(cfg.ckpt_dir or "", checksums=False)
-    except checkpoint.CheckpointError as e:
-        msg = " ".join(str(e).split())
-        raise UsageError(f"--resume: no usable checkpoint in {cfg.ckpt_dir!r} ({msg}); "
-                         "drop --resume to start a new run") from None
+        check_ckpt_dir(cfg.ckpt_dir, resume=False, overwrite=cfg.overwrite)
+    except RunFolderError as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_writable(cfg: TrainConfig) -> None:
+    """--ckpt-dir and --out-json must be writable before training starts."""
+    from fusedzero.runlock import RunFolderError, check_writable
+
+    try:
+        check_writable(cfg.ckpt_dir, cfg.out_json)
+    except RunFolderError as e:
+        raise UsageError(str(e)) from None
+
+
+@contextlib.contextmanager
+def _run_folder_lock(cfg: TrainConfig) -> Any:
+    """Hold --ckpt-dir's lock for the run's life: two runs in one folder would replace each
+    other's checkpoints."""
+    if cfg.ckpt_dir is None:
+        yield
+        return
+    from fusedzero.runlock import RunFolderError, RunLock
+
+    from fusedzero.checkpoint import save_root
+
+    lock = RunLock(save_root(cfg.ckpt_dir))
+    try:
+        lock.acquire()
+    except RunFolderError as e:
+        raise UsageError(f"--ckpt-dir: {e}") from None
+    try:
+        if lock.took_over:
+            print(f"fusedzero: note: took over the stale lock of {lock.took_over} (not running)",
+                  file=sys.stderr)
+        yield
+    finally:
+        lock.release()
 
 
 def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool,
@@ -353,20 +436,28 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool,
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_spawn_entry, args=(r, nproc, port, use_cuda, cfg, data, q),
+    procs = [ctx.Process(target=_spawn_entry,
+                         args=(r, nproc, port, use_cuda, cfg, data, q, os.getpid()),
                          daemon=False) for r in range(nproc)]
     for p in procs:
         p.start()
     summary: dict[str, Any] | None = None
     reported: set[int] = set()
+    stalls: dict[int, str] = {}
+    stall_deadline = math.inf
     try:
         while len(reported) < nproc:
+            if stalls and (time.monotonic() > stall_deadline or len(stalls) == nproc):
+                silent = [r for r in range(nproc) if r not in stalls]
+                raise StalledError(
+                    "; ".join(stalls[r] for r in sorted(stalls))
+                    + (f"; ranks {silent} did not report and were ended" if silent else ""))
             try:
-                rank, status, value = q.get(timeout=1.0)
+                rank, status, value = q.get(timeout=0.2 if stalls else 1.0)
             except queue_mod.Empty:
                 # A rank that exits without a report (killed, out of memory) would hang the rest.
                 dead = [(r, p.exitcode) for r, p in enumerate(procs)
-                        if p.exitcode is not None and r not in reported]
+                        if p.exitcode is not None and r not in reported and r not in stalls]
                 if dead and q.empty():
                     time.sleep(0.5)  # a report written just before exit may still be in flight
                     if q.empty():
@@ -375,6 +466,10 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool,
                 continue
             if status == "usage":
                 raise UsageError(value)
+            if status == "stalled":
+                stalls[rank] = value
+                stall_deadline = min(stall_deadline, time.monotonic() + _STALL_GRACE_S)
+                continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             if rank == 0:
@@ -397,23 +492,31 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool,
 
 
 def _spawn_entry(rank: int, world: int, port: int, use_cuda: bool, cfg: TrainConfig,
-                 data: Split, q: Any) -> None:
+                 data: Split, q: Any, parent_pid: int) -> None:
+    from fusedzero.lifecycle import die_with_parent
+
+    die_with_parent(parent_pid)  # never train on as an orphan (see fusedzero.lifecycle)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     code = 1
     try:
         device = _setup_device(use_cuda, rank, world)
+        # The group's timeout bounds every wait (fusedzero.comm.wait reads it back).
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=cfg.timeout),
                                 **({"device_id": device} if use_cuda else {}))
         summary = train_rank(cfg, device, data)
         q.put((rank, "ok", summary if rank == 0 else None))
         # A gloo process can abort at exit after its work is done: barrier, destroy, then exit.
-        dist.barrier()
+        with _waiting_for("the end-of-run barrier"):
+            dist.barrier()
         dist.destroy_process_group()
         code = 0
     except UsageError as e:
         # The parent kills the other ranks: no barrier with ranks that may never come.
         q.put((rank, "usage", str(e)))
+    except CollectiveTimeout as e:
+        q.put((rank, "stalled", " ".join(str(e).split())))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put((rank, "error", traceback.format_exc()))
     finally:
@@ -433,12 +536,26 @@ def _run_in_group(cfg: TrainConfig) -> dict[str, Any]:
     world = int(os.environ["WORLD_SIZE"]) if own_group else dist.get_world_size()
     device = _setup_device(use_cuda, local, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if own_group:
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        dist.init_process_group("nccl" if use_cuda else "gloo",
+                                timeout=datetime.timedelta(seconds=cfg.timeout))
     try:
         _check_batch(cfg, dist.get_world_size())
-        if cfg.resume:
-            _check_resume_dir(cfg)
-        summary = train_rank(cfg, device, _load_data(cfg))
+        # One rank checks the shared paths and holds the folder's lock; all learn the outcome.
+        box: list[Any] = [None]
+        lock = contextlib.ExitStack()
+        if dist.get_rank() == 0:
+            try:
+                _check_writable(cfg)
+                lock.enter_context(_run_folder_lock(cfg))
+                _check_ckpt_dir(cfg)
+            except UsageError as e:
+                lock.close()
+                box[0] = str(e)
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise UsageError(box[0])
+        with lock:
+            summary = train_rank(cfg, device, _load_data(cfg))
     finally:
         if own_group:
             dist.barrier()
@@ -457,6 +574,20 @@ def _setup_device(use_cuda: bool, local_rank: int, local_world: int) -> torch.de
 
 
 # -- one rank -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _waiting_for(what: str) -> Any:
+    """Blocking `torch.distributed` calls outside the optimizer (logging, evals, the end
+    barrier) time out after the group's timeout with gloo's own words: name the wait instead."""
+    try:
+        yield
+    except RuntimeError as e:
+        if isinstance(e, CollectiveTimeout) or "timed out" not in str(e).lower():
+            raise
+        raise CollectiveTimeout(f"rank {dist.get_rank()}: timed out waiting for {what} "
+                                f"({' '.join(str(e).split())}); another rank stalled or "
+                                "crashed (raise --timeout if it is just slow)") from None
+
+
 def lr_lambda_for(cfg: TrainConfig) -> Callable[[int], float]:
     """The schedule as a plain closure: LambdaLR.state_dict() then stores nothing for it (the
     position is `last_epoch`), so its state is JSON-able and independent of the world size."""
@@ -504,6 +635,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
     start = 0
     if cfg.resume:
         start = _resume(cfg, opt, sched, log)
+    replace_old = cfg.overwrite  # until the first save of this run
     stop = cfg.stop_at if cfg.stop_at is not None else cfg.steps
     A = cfg.grad_accum
     tokens_per_step = cfg.batch_size * cfg.block_size
@@ -585,7 +717,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
                 f"train loss {log.steps[-1]['loss']:.4f}")
             seg_start = time.perf_counter()
         if is_save:
-            _save(cfg, opt, sched, log, step)
+            _save(cfg, opt, sched, log, step, replace_old=replace_old)
+            replace_old = False
             say(f"step {step:5d}: checkpoint saved in {cfg.ckpt_dir}")
             seg_start = time.perf_counter()
     close_segment()
@@ -622,7 +755,8 @@ class _Log:
         losses = torch.stack([p[1] for p in self.pending])
         norms = torch.stack([p[2] for p in self.pending]).float()
         # The global mean loss: logging only, so through dist directly, not counted in opt.comm.
-        dist.all_reduce(losses)
+        with _waiting_for("the all-reduce of logged losses"):
+            dist.all_reduce(losses)
         losses = (losses / self.world).tolist()  # host sync
         for (step, _, _, lr), loss, norm in zip(self.pending, losses, norms.tolist(), strict=True):
             self.steps.append({"step": step, "loss": loss, "grad_norm": norm, "lr": lr})
@@ -651,31 +785,54 @@ def evaluate(model: torch.nn.Module, val: Split, rank: int,
         totals[1] += y.numel()
     else:
         model(val[0][:1].to(device))  # keep collective forwards in step across ranks
-    dist.all_reduce(totals)
+    with _waiting_for("the all-reduce of the validation loss"):
+        dist.all_reduce(totals)
     model.train(was_training)
     return float(totals[0] / totals[1])  # host sync
 
 
 # -- checkpoints ----------------------------------------------------------------------------------
+# Hyper-parameter flags a resume may change (the others must match the checkpoint's run).
+_HPARAMS = ("lr", "beta1", "beta2", "weight_decay", "clip", "warmup")
+
+
+def _hparams(cfg: TrainConfig) -> dict[str, Any]:
+    return {k: getattr(cfg, k) for k in _HPARAMS}
+
+
 def _caller_state(cfg: TrainConfig, sched: Any, log: _Log, step: int) -> dict[str, Any]:
     """Everything besides the optimizer a resume needs, identical on every rank, JSON-able."""
     return {"step": step, "scheduler": sched.state_dict(), "steps": list(log.steps),
             "val": list(log.val), "model": cfg.model_config(), "seed": cfg.seed,
-            "batch_size": cfg.batch_size, "total_steps": cfg.steps}
+            "batch_size": cfg.batch_size, "total_steps": cfg.steps, "hparams": _hparams(cfg)}
 
 
-def _save(cfg: TrainConfig, opt: Any, sched: Any, log: _Log, step: int) -> None:
+def _save(cfg: TrainConfig, opt: Any, sched: Any, log: _Log, step: int,
+          replace_old: bool = False) -> None:
+    """Save step `step`; with `replace_old` (--overwrite, first save of the run) then remove
+    every other checkpoint in the folder: the old run's stay until this one has a complete
+    save (keep_last waits too: it would keep the old run's higher steps instead)."""
     from fusedzero import checkpoint
 
     log.flush()
-    checkpoint.save(opt, checkpoint.save_root(cfg.ckpt_dir), step=step,
-                    caller_state=_caller_state(cfg, sched, log, step),
-                    keep_last=cfg.keep_last)
+    root = checkpoint.save_root(cfg.ckpt_dir or "")
+    with _waiting_for(f"the checkpoint save of step {step}"):
+        checkpoint.save(opt, root, step=step,
+                        caller_state=_caller_state(cfg, sched, log, step),
+                        keep_last=None if replace_old else cfg.keep_last)
+    if replace_old and dist.get_rank() == 0:
+        new = root / checkpoint.step_dir_name(step)
+        for old in checkpoint.list_checkpoints(root):
+            if old.resolve() != new.resolve():
+                shutil.rmtree(old)
 
 
 def _resume(cfg: TrainConfig, opt: Any, sched: Any, log: _Log) -> int:
     from fusedzero import checkpoint
 
+    # This run's flags are what runs (and what --out-json records): the groups keep their
+    # betas and decay, and the scheduler's lr base is put back after load_state_dict.
+    base_lrs = list(sched.base_lrs)
     try:
         # The newest checkpoint that verifies (a corrupt newest one or a lost `latest` falls
         # back, with a warning); rank 0 decides so every rank loads the same one.
@@ -692,7 +849,10 @@ def _resume(cfg: TrainConfig, opt: Any, sched: Any, log: _Log) -> int:
         for why in found.skipped if dist.get_rank() == 0 else ():
             print(f"fusedzero: warning: --resume: skipped {why}", file=sys.stderr, flush=True)
         # find_latest just hashed every shard on rank 0: load checks sizes and headers only.
-        loaded = checkpoint.load(opt, found.path, verify=False)
+        loaded = checkpoint.load(opt, found.path, verify=False,
+                                 load_hyperparams=False)
+    except CollectiveTimeout:
+        raise
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         msg = " ".join(str(e).split())
         raise UsageError(f"--resume: cannot load a checkpoint from {cfg.ckpt_dir!r}: "
@@ -700,7 +860,8 @@ def _resume(cfg: TrainConfig, opt: Any, sched: Any, log: _Log) -> int:
     # Every saving rank stored the same caller state, but a run with more ranks than the saving
     # one gets None on the new ranks: rank 0's (always there) goes to all.
     box = [loaded.caller_state]
-    dist.broadcast_object_list(box, src=0)
+    with _waiting_for("the broadcast of the resumed run's state"):
+        dist.broadcast_object_list(box, src=0)
     state = box[0]
     if not isinstance(state, dict) or "step" not in state:
         raise UsageError(f"--resume: the checkpoint in {cfg.ckpt_dir!r} was not written by "
@@ -711,14 +872,32 @@ def _resume(cfg: TrainConfig, opt: Any, sched: Any, log: _Log) -> int:
             raise UsageError(f"--resume: the checkpoint was trained with {key}={state.get(key)}, "
                              f"this run has {key}={mine}; pass the same flags to resume")
     step = int(state["step"])
+    saved = _saved_hparams(state)
     sched.load_state_dict(state["scheduler"])
+    sched.base_lrs = base_lrs
+    changed = [f"--{k.replace('_', '-')} {v} (checkpoint: {saved[k]})"
+               for k, v in _hparams(cfg).items() if k in saved and saved[k] != v]
+    if changed and dist.get_rank() == 0:
+        print(f"fusedzero: resume: flags override the checkpoint: {', '.join(changed)}",
+              flush=True)
     # LambdaLR.load_state_dict restores the schedule position only: set the groups' lr to the
-    # exact value the uninterrupted run would use for the next update.
-    for g, lr in zip(opt.param_groups, sched.get_last_lr(), strict=True):
+    # exact value the uninterrupted run would use for the next update (LambdaLR's own formula).
+    lrs = [base * lam(sched.last_epoch) for base, lam in zip(base_lrs, sched.lr_lambdas,
+                                                              strict=True)]
+    for g, lr in zip(opt.param_groups, lrs, strict=True):
         g["lr"] = lr
     log.steps[:] = state.get("steps", [])
     log.val[:] = state.get("val", [])
     return step
+
+
+def _saved_hparams(state: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint run's hyper-parameter flags (recorded in the caller state since they can
+    change on resume; older checkpoints have only the lr, in the scheduler's state)."""
+    if isinstance(state.get("hparams"), dict):
+        return dict(state["hparams"])
+    base = (state.get("scheduler") or {}).get("base_lrs") or [None]
+    return {} if base[0] is None else {"lr": base[0]}
 
 
 # -- summary --------------------------------------------------------------------------------------

@@ -218,7 +218,8 @@ class Zero3:
         self.gather(u)
         if self.state[u] == UnitState.GATHERING:
             for h in self.handles[u]:
-                comm.wait(h)
+                comm.wait(h, what=f"all-gather of unit {u} params (stage 3)",
+                          group=self.opt.process_group)
             self.handles[u].clear()
             self.state[u] = UnitState.GATHERED
 
@@ -226,7 +227,8 @@ class Zero3:
         if self.state[u] == UnitState.FREE:
             return
         for h in self.handles[u]:  # never release memory a collective is still writing
-            comm.wait(h)
+            comm.wait(h, what=f"all-gather of unit {u} params (stage 3)",
+                      group=self.opt.process_group)
         self.handles[u].clear()
         for fg in self.fgs[u]:
             fg.full.untyped_storage().resize_(0)

@@ -206,7 +206,8 @@ def test_bad_data_paths_give_one_line(capsys: pytest.CaptureFixture[str], tmp_pa
     for path, words in [(tmp_path / "missing.txt", "does not exist"),
                         (tmp_path / "empty", "no text files"),
                         (tmp_path / "bin", "no text files"),
-                        (tmp_path / "tiny.txt", "fewer than 2*block_size+2")]:
+                        (tmp_path / "tiny.txt", "fewer than 2*block_size+2"),
+                        (Path("/dev/null"), "not a regular file or folder")]:
         line = _cli_error(capsys, ["train", "--data", str(path), "--nproc", "1"])
         assert "--data" in line and words in line, line
     with pytest.raises(UsageError, match="no complete checkpoint"):
@@ -224,3 +225,94 @@ def test_console_script_error_is_one_line_without_traceback(tmp_path: Path) -> N
         assert "Traceback" not in p.stderr
         assert len(p.stderr.strip().splitlines()) == 1, p.stderr
         assert p.stderr.startswith("fusedzero: error: ")
+
+
+# -- the run folder: pre-flight checks, lock, new run vs resume vs overwrite -----------------------
+def test_unwritable_paths_fail_before_training(capsys: pytest.CaptureFixture[str],
+                                               tmp_path: Path) -> None:
+    """Each fails at once with one line and rc 2 (before: after the whole run, or at the first
+    save with a traceback). /proc stands for a read-only mount: refused even for root, where
+    permission bits are not."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    for argv, words in [(["--ckpt-dir", str(a_file)], "is a file, not a folder"),
+                        (["--ckpt-dir", "/proc/fusedzero-ckpt"], "cannot write in"),
+                        (["--ckpt-dir", "/proc"], "cannot write in"),
+                        (["--out-json", str(tmp_path)], "is a folder"),
+                        (["--out-json", str(a_file / "run.json")], "is a file, not a folder"),
+                        (["--out-json", "/proc/run.json"], "cannot write in")]:
+        line = _cli_error(capsys, ["train", *TINY, *argv])
+        assert argv[0] in line and words in line, line
+
+
+def _checkpoint_names(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
+
+
+@pytest.mark.timeout(240)
+def test_locked_folder_is_refused_naming_the_holder_and_stale_lock_is_taken_over(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path, corpus: Path) -> None:
+    """A live process holding --ckpt-dir (another run) is named in the error; once it is killed
+    (SIGKILL: no cleanup), its lock is stale and the next user takes it over."""
+    from fusedzero.runlock import RunLock
+
+    ckpt = tmp_path / "ckpt"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from fusedzero.runlock import RunLock; "
+         f"RunLock({str(ckpt)!r}).acquire(); print('locked', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        line = _cli_error(capsys, ["train", *TINY, "--data", str(corpus), "--ckpt-dir",
+                                   str(ckpt)])
+        assert "is in use by another run" in line and f"pid {holder.pid} " in line, line
+    finally:
+        holder.kill()
+        holder.wait(timeout=60)
+        holder.stdout.close()
+    with RunLock(ckpt) as lock:
+        assert lock.took_over is not None and f"pid {holder.pid} " in lock.took_over
+    assert not (ckpt / ".fusedzero.lock").exists()  # released on exit
+
+
+@needs_ckpt
+@pytest.mark.timeout(900)  # includes the 4 runs of stage_runs on a busy machine
+def test_new_run_resume_flags_and_overwrite(capfd: pytest.CaptureFixture[str], tmp_path: Path,
+                                            corpus: Path, stage_runs: dict[int, dict]) -> None:
+    """One folder through its life: a run stops at step 2; a new run into it is refused; a
+    resume with changed --lr/--beta2/--weight-decay says so in one line and runs (and records)
+    the new values; --overwrite starts over and, after its first save, the old steps are gone."""
+    base = TINY + ["--stage", "2", "--data", str(corpus)]
+    ckpt = tmp_path / "ckpt"
+    run(base + ["--ckpt-dir", str(ckpt), "--stop-at", "2"])
+    assert _checkpoint_names(ckpt) == ["step-00000002"]
+    capfd.readouterr()
+
+    assert cli.main(["train", *base, "--ckpt-dir", str(ckpt)]) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "already holds 1 checkpoint(s) (newest step-00000002)" in err[0] \
+        and "--resume" in err[0] and "--overwrite" in err[0], err
+
+    out_json = tmp_path / "resumed.json"
+    changed = ["--lr", "1e-3", "--beta2", "0.99", "--weight-decay", "0.2"]
+    resumed = run(base + changed + ["--ckpt-dir", str(ckpt), "--resume",
+                                    "--out-json", str(out_json)])
+    lines = [x for x in capfd.readouterr().out.splitlines() if "override the checkpoint" in x]
+    assert len(lines) == 1, lines
+    for words in ("--lr 0.001 (checkpoint: 0.003)", "--beta2 0.99 (checkpoint: 0.95)",
+                  "--weight-decay 0.2 (checkpoint: 0.1)"):
+        assert words in lines[0], lines
+    assert "--beta1" not in lines[0] and "--clip" not in lines[0]
+    # Steps 1-2 come from the checkpoint; steps 3-4 ran at the new peak lr on the same schedule.
+    ref = stage_runs[2]["steps"]
+    assert resumed["steps"][:2] == ref[:2]
+    for new, old in zip(resumed["steps"][2:], ref[2:], strict=True):
+        assert new["lr"] == pytest.approx(old["lr"] / 3, rel=1e-12)
+    assert resumed["steps"][3]["loss"] != ref[3]["loss"]  # the step-3 update differed
+    recorded = json.loads(out_json.read_text())["config"]
+    assert (recorded["lr"], recorded["beta2"], recorded["weight_decay"]) == (1e-3, 0.99, 0.2)
+    assert _checkpoint_names(ckpt) == ["step-00000002", "step-00000004"]
+
+    run(base + ["--ckpt-dir", str(ckpt), "--overwrite", "--stop-at", "1"])
+    assert _checkpoint_names(ckpt) == ["step-00000001"]
+    assert (ckpt / "latest").read_text().strip() == "step-00000001"
