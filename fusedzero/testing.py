@@ -61,12 +61,18 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: 
         buf = io.BytesIO()
         torch.save(result, buf)
         queue.put((rank, "ok", buf.getvalue()))
-        # A gloo process can abort at exit after its work is done: barrier, destroy, then exit.
-        dist.barrier()
-        dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put((rank, "error", traceback.format_exc()))
         code = 1
+    if not code:
+        try:
+            # A gloo process can abort at exit after its work is done: barrier, destroy, exit.
+            dist.barrier()
+            dist.destroy_process_group()
+        except RuntimeError:
+            # The result is in; a failing teardown (a peer that already left after a test's
+            # deliberate stall) is no second report, just a reason to leave at once.
+            code = 1
     if code:
         # After an error a gloo thread may still sit in a collective that never completes, and
         # interpreter teardown would wait for it: leave once the report is through the pipe.

@@ -431,7 +431,7 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool,
            data: Split) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from fusedzero.testing import free_port
+    from fusedzero.testing import exit_description, free_port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -461,8 +461,8 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool,
                 if dead and q.empty():
                     time.sleep(0.5)  # a report written just before exit may still be in flight
                     if q.empty():
-                        raise RuntimeError(f"rank {dead[0][0]} exited with code {dead[0][1]} "
-                                           "without reporting") from None
+                        raise RuntimeError(f"rank {dead[0][0]} died without reporting: "
+                                           f"{exit_description(dead[0][1])}") from None
                 continue
             if status == "usage":
                 raise UsageError(value)

