@@ -583,9 +583,12 @@ class ZeroAdamW(torch.optim.Optimizer):
             for h in self._zero3._hooks:
                 h.remove()
             self._zero3._hooks.clear()
+            # Copies taken while gathered, installed after the exit frees the units (a freed
+            # unit points its params at an empty tensor).
             with self._zero3.gathered(), torch.no_grad():
-                for p in self.params:
-                    p.data = p.detach().clone()  # off the unit buffer, which is freed on exit
+                full = [p.detach().clone() for p in self.params]
+            for p, value in zip(self.params, full):
+                p.data = value
         for p in {id(p): p for p in self._owned(self.module)}.values():
             if getattr(p, _OWNER, None) is not None and getattr(p, _OWNER)() is self:
                 delattr(p, _OWNER)
