@@ -132,6 +132,9 @@ def _host_blocking(group: Any) -> bool:
         return True
 
 
+# Dynamo cannot trace a wait on other ranks (nor the process-group internals it reads): when a
+# compiled model's hook waits, the graph breaks here, once, with this function named.
+@torch.compiler.disable(reason="fusedzero.comm.wait blocks on other ranks")
 def wait(handle: Any, what: str = "a collective", group: Any = None,
          timeout: float | None = None) -> None:
     """Wait for `handle`; past `timeout` seconds (default: `group_timeout(group)`) raise
