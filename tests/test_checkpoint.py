@@ -26,6 +26,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from fusedzero import checkpoint as ck
+from fusedzero.checkpoint import format as ckformat
 from fusedzero.ckpt_cli import main as cli_main
 from fusedzero.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
@@ -485,13 +486,13 @@ def test_failed_save_leaves_latest_on_the_previous_checkpoint(tmp_path: Path,
         if n > 4096:
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ck, "_write_hook", disk_full)
+    monkeypatch.setattr(ckformat, "_write_hook", disk_full)
     with pytest.raises(OSError, match="No space left"):
         ck.save(opt, tmp_path, step=2)
     h = ck.save(opt, tmp_path, step=3, async_=True)
     with pytest.raises(ck.CheckpointError, match="No space left"):
         h.wait()
-    monkeypatch.setattr(ck, "_write_hook", None)
+    monkeypatch.setattr(ckformat, "_write_hook", None)
     with pytest.raises(ValueError, match="caller_state must be loadable"):
         ck.save(opt, tmp_path, step=4, caller_state={"gen": torch.Generator()})
     assert (tmp_path / "latest").read_text().strip() == ck.step_dir_name(1)
@@ -510,7 +511,7 @@ def _killed_save_child(root: str, marker: str) -> None:
         Path(marker).write_text(str(path))
         time.sleep(120)
 
-    ck._write_hook = hang
+    ckformat._write_hook = hang
     x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size + 1))
     opt.module(x[:, :-1], x[:, 1:])[1].backward()
     opt.step()
