@@ -14,7 +14,8 @@ from typing import Any, NamedTuple
 
 from safetensors import safe_open
 
-from fusedzero.checkpoint.format import KINDS, LATEST, MANIFEST, SHARD_FORMAT, count_str, sha256_file
+from fusedzero.checkpoint.format import (KINDS, LATEST, MANIFEST, SHARD_FORMAT, count_str,
+                                         sha256_file)
 from fusedzero.checkpoint.manifest import STEP_DIR, CheckpointError, parse, plain_name
 
 
@@ -226,7 +227,6 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
             "bytes": sum(e["bytes"] for e in m["files"]), "files": files}
 
 
-
 def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
     """Complete checkpoint directories under `root`, oldest step first."""
     out = []
@@ -235,4 +235,3 @@ def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:
         if m and (p / MANIFEST).is_file():
             out.append((int(m.group(1)), p))
     return [p for _, p in sorted(out)]
-

@@ -9,7 +9,8 @@ import torch.distributed as dist
 from fusedzero.checkpoint.manifest import CheckpointError
 
 
-def gather_to_first(obj: Any, group: dist.ProcessGroup | None, W: int, rank: int) -> list[Any] | None:
+def gather_to_first(obj: Any, group: dist.ProcessGroup | None, W: int, rank: int
+                    ) -> list[Any] | None:
     """Every rank's `obj` on group rank 0 (None elsewhere)."""
     if W == 1:
         return [obj]
@@ -41,4 +42,3 @@ def agree(err: BaseException | None, group: dist.ProcessGroup | None, W: int, wh
     cls: type[Exception] = ValueError if kinds == {"ValueError"} else CheckpointError
     # The same error on every rank, failing or not: callers may compare or log any rank's.
     raise cls(f"{what} failed:\n{text}") from err
-

@@ -284,7 +284,6 @@ class Peak:
         self.live -= t.numel() * t.element_size()
 
 
-
 def named(e: OSError, path: Path) -> OSError:
     """`e` with `path` in its message: os.write's "[Errno 28] No space left on device" names
     no file, and the user must know which disk filled up."""
@@ -303,7 +302,6 @@ def remove(p: Path, quiet: bool = False) -> None:
     except OSError:
         if not quiet:
             raise
-
 
 
 class ShardReaders:
@@ -338,5 +336,3 @@ class ShardReaders:
         if s is None:
             s = self._slices[key] = self.file(fname).get_slice(tensor)
         return s[a:b]
-
-

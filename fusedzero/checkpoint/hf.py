@@ -118,4 +118,3 @@ def export_hf(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
         tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, out / CONFIG_NAME)
     return r
-

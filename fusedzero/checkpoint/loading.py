@@ -64,7 +64,7 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     err: BaseException | None = None
     d = Path(path)
     manifest: dict[str, Any] = {}
-    staged: list[tuple[torch.Tensor, ...]] = []
+    staged = ShardState()
     infos = opt.shard_infos()
     groups: list[dict[str, Any]] | None = None
     state: dict[str, Any] | None = None
@@ -97,11 +97,9 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     elif err is not None:
         raise err
 
-    # Collective at stages 1-3 (it gathers the params); the loss scaler only if both have one.
-    opt.load_shard_state(ShardState(
-        master=[m for m, _, _ in staged], exp_avg=[a for _, a, _ in staged],
-        exp_avg_sq=[s for _, _, s in staged], step_count=manifest["step_count"],
-        scaler=manifest.get("scaler")))
+    staged.step_count = manifest["step_count"]
+    staged.scaler = manifest.get("scaler")  # applied only when this optimizer has a scaler
+    opt.load_shard_state(staged)  # collective at stages 1-3 (it gathers the params)
     if groups is not None:
         for g, new in zip(opt.param_groups, groups):
             for k, v in new.items():
@@ -119,14 +117,14 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
 
 
 def _read_staged(d: Path, infos: list[ShardInfo], plan: list[list[Read]], peak: Peak
-                 ) -> list[tuple[torch.Tensor, ...]]:
+                 ) -> ShardState:
     """Every buffer's master, exp_avg, exp_avg_sq from the shard files, on the host."""
-    out = []
+    out: dict[str, list[torch.Tensor]] = {kind: [] for kind in KINDS}
     with ShardReaders(d) as readers, torch.no_grad():
         for info, reads in zip(infos, plan, strict=True):
-            bufs = tuple(peak.add(torch.zeros(info.local_numel, dtype=torch.float32))
-                         for _ in KINDS)
-            for kind, dst in zip(KINDS, bufs):
+            for kind in KINDS:
+                dst = peak.add(torch.zeros(info.local_numel, dtype=torch.float32))
+                out[kind].append(dst)
                 for fname, key, src, dl, n in reads:
                     try:
                         piece = peak.add(readers.slice(fname, f"{key}.{kind}", src, src + n))
@@ -140,8 +138,7 @@ def _read_staged(d: Path, infos: list[ShardInfo], plan: list[list[Read]], peak: 
                                               f"has {piece.numel()} elements, expected {n}")
                     dst[dl:dl + n].copy_(piece)
                     peak.sub(piece)
-            out.append(bufs)
-    return out
+    return ShardState(**out)
 
 
 def _staged_state(manifest: dict[str, Any], rank: int, replica: int, d: Path,
@@ -194,4 +191,3 @@ def _staged_groups(opt: ZeroAdamW, saved: list[dict[str, Any]], d: Path
                 new[k] = v
         out.append(new)
     return out
-

@@ -57,7 +57,6 @@ def unpack(s: str, what: str = "state") -> Any:
         ) from None
 
 
-
 def check_rng_state(st: Any, where: str) -> None:
     """Apply the saved RNG states to scratch generators: a malformed one fails here, before
     anything was changed, not half-way through the commit."""
@@ -68,4 +67,3 @@ def check_rng_state(st: Any, where: str) -> None:
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{where}: RNG state is malformed ({type(e).__name__}: {e})"
                               ) from None
-

@@ -140,7 +140,7 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
     errors = [f"replica {k} {b}" if replicas > 1 else b for k, (_, b) in enumerate(states)
               if b is not None]
     local = {"rank": rank, "writer": writer, "groups": groups_meta,
-             "states": [st for st, _ in states], "error": "\n".join(errors) or None}
+             "states": [packed for packed, _ in states], "error": "\n".join(errors) or None}
     everyone = gather_to_first(local, group, W, rank)
 
     base: dict[str, Any] | None = None
