@@ -88,12 +88,15 @@ def train(model: GPT, opt: ZeroAdamW, sched: LambdaLR, rank: int, world: int,
 
 
 def local_state(opt: ZeroAdamW, model: GPT | None = None) -> dict[str, Any]:
-    """This rank's optimizer state, by flat group, with its segment tables."""
+    """This rank's optimizer state, by flat buffer, with its segment tables."""
+    st = opt.shard_state()
+    assert st.master is not None and st.exp_avg is not None and st.exp_avg_sq is not None
     out = {
         "names": list(opt.param_names),
-        "groups": [{"segments": list(fg.layout.segments(fg.shard_rank)),
-                    "master": opt.master_shard(fg).clone(), "exp_avg": fg.exp_avg.clone(),
-                    "exp_avg_sq": fg.exp_avg_sq.clone()} for fg in opt.flat_groups],
+        "groups": [{"segments": list(info.segments()),
+                    "master": st.master[i].clone(), "exp_avg": st.exp_avg[i].clone(),
+                    "exp_avg_sq": st.exp_avg_sq[i].clone()}
+                   for i, info in enumerate(opt.shard_infos())],
         "step_count": opt.step_count.clone(),
         "lrs": [g["lr"] for g in opt.param_groups],
         "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
@@ -165,7 +168,7 @@ def w_reshard(rank: int, world: int, root: str, jobs: list[dict[str, Any]]) -> l
             continue
         res = local_state(opt, model)
         res["peak"] = got.peak_buffer_bytes
-        res["local_numel"] = [fg.layout.local_numel for fg in opt.flat_groups]
+        res["local_numel"] = [info.local_numel for info in opt.shard_infos()]
         if "save" in job:
             ck.save(opt, Path(root) / job["save"], step=K)
         out.append(res)
@@ -277,7 +280,7 @@ def load_here(cfg: str, src: Path, stage: int, bucket: int = BUCKET) -> tuple[di
     got = ck.load(opt, src, restore_rng=False)
     st = local_state(opt, model)
     st["peak"] = got.peak_buffer_bytes
-    st["local_numel"] = [fg.layout.local_numel for fg in opt.flat_groups]
+    st["local_numel"] = [info.local_numel for info in opt.shard_infos()]
     return st, opt
 
 
@@ -504,7 +507,7 @@ def test_failed_save_leaves_latest_on_the_previous_checkpoint(tmp_path: Path,
 
 def _killed_save_child(root: str, marker: str) -> None:
     opt = _small_ckpt(Path(root))
-    torch.save([opt.master_shard(fg).clone() for fg in opt.flat_groups],
+    torch.save([m.clone() for m in opt.shard_state().master or []],
                Path(root) / "expected.pt")
 
     def hang(path: Path, n: int) -> None:
@@ -539,8 +542,8 @@ def test_save_killed_part_way_leaves_previous_checkpoint_loadable(tmp_path: Path
     expected = torch.load(tmp_path / "expected.pt")
     full = assemble([local_state(opt)])
     _, opt1, _ = build({"stage": 1})
-    for fg, m in zip(opt1.flat_groups, expected):
-        for s in fg.layout.segments(0):
+    for info, m in zip(opt1.shard_infos(), expected):
+        for s in info.layout.segments(0):
             n = opt1.param_names[s.param]
             assert torch.equal(full[n]["master"][s.start:s.start + s.length],
                                m[s.local:s.local + s.length]), n

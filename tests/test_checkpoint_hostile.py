@@ -50,8 +50,10 @@ def train(model: GPT, opt: ZeroAdamW, steps: int, seed: int = 0) -> None:
 
 def snapshot(opt: ZeroAdamW) -> list[torch.Tensor]:
     out = [opt.step_count.clone()]
-    for fg in opt.flat_groups:
-        out += [opt.master_shard(fg).clone(), fg.exp_avg.clone(), fg.exp_avg_sq.clone()]
+    st = opt.shard_state()
+    assert st.master is not None and st.exp_avg is not None and st.exp_avg_sq is not None
+    for master, exp_avg, exp_avg_sq in zip(st.master, st.exp_avg, st.exp_avg_sq, strict=True):
+        out += [master.clone(), exp_avg.clone(), exp_avg_sq.clone()]
     return out
 
 
