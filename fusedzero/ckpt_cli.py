@@ -46,9 +46,9 @@ def add_ckpt_subparser(subparsers: Any) -> argparse.ArgumentParser:
     a.add_argument("--no-verify", action="store_true", help="skip the sha256 check")
     a.add_argument("--hf-config", default=None, metavar="CONFIG_JSON",
                    help="OUT is a folder for transformers' from_pretrained: model.safetensors "
-                        "(or shards + index) and this config.json (see fusedzero.hf)")
+                        "(or shards + index) and this config.json (see fusedzero.checkpoint.hf)")
     a = sub.add_parser("import-dcp", help="an FSDP2 + AdamW torch.distributed.checkpoint "
-                       "folder -> a fusedzero checkpoint (see fusedzero.dcp_import)")
+                       "folder -> a fusedzero checkpoint (see fusedzero.checkpoint.dcp)")
     a.add_argument("dcp_dir", help="DCP folder of {'model': ..., 'optim': ...} state dicts")
     a.add_argument("out", help="fusedzero checkpoint root to write (out/step-N, out/latest)")
     p.set_defaults(func=run_ckpt)
@@ -87,10 +87,10 @@ def run_ckpt(args: argparse.Namespace) -> int:
             print(f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest")
             return 0
         if args.ckpt_command == "import-dcp":
-            from fusedzero.dcp_import import run_import_dcp
+            from fusedzero.checkpoint.dcp import run_import_dcp
             return run_import_dcp(args)
         if args.ckpt_command == "export" and getattr(args, "hf_config", None):
-            from fusedzero import hf
+            from fusedzero.checkpoint import hf
             r = hf.export_hf(args.dir, args.out, hf_config=args.hf_config,
                              dtype=DTYPES[args.dtype], max_shard_bytes=args.max_shard_size,
                              verify=not args.no_verify)

@@ -1114,6 +1114,54 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._gather_params()
         self._wait_params()
 
+    # ---- BEGIN TEMPORARY SHIM (branch rckpt) -----------------------------------------------
+    # fusedzero/state.py's typed interface over today's flat groups, so that fusedzero.checkpoint
+    # needs no private attribute. rcore implements these four methods for real: the lead drops
+    # this block in favour of rcore's when merging.
+    def shard_infos(self) -> list[ShardInfo]:
+        from fusedzero.state import ShardInfo
+        return [ShardInfo(group_index=fg.group_index, dtype=fg.dtype, unit=fg.unit,
+                          layout=fg.layout, shard_rank=fg.shard_rank) for fg in self.flat_groups]
+
+    def param_infos(self) -> list[ParamInfo]:
+        from fusedzero.state import ParamInfo
+        out = {}
+        for fg in self.flat_groups:
+            for s in fg.layout.params:
+                out[s.index] = ParamInfo(index=s.index, name=s.name, shape=tuple(s.shape),
+                                         dtype=fg.dtype, group_index=fg.group_index)
+        return [out[i] for i in range(len(self.params))]
+
+    def shard_state(self) -> ShardState:
+        from fusedzero.state import ShardState
+        scaler = None
+        if self.scaler is not None:
+            sd = self.scaler.state_dict()
+            scaler = {"scale": float(sd["scale"].reshape(-1)[0]),
+                      "growth_tracker": float(sd["growth_tracker"].reshape(-1)[0])}
+        return ShardState(master=[self.master_shard(fg) for fg in self.flat_groups],
+                          exp_avg=[fg.exp_avg for fg in self.flat_groups],
+                          exp_avg_sq=[fg.exp_avg_sq for fg in self.flat_groups],
+                          step_count=float(self._step.reshape(-1)[0]), scaler=scaler)
+
+    def load_shard_state(self, st: ShardState) -> None:
+        with torch.no_grad():
+            for i, fg in enumerate(self.flat_groups):
+                if st.exp_avg is not None:
+                    fg.exp_avg.copy_(st.exp_avg[i])
+                if st.exp_avg_sq is not None:
+                    fg.exp_avg_sq.copy_(st.exp_avg_sq[i])
+                if st.master is not None:
+                    self.set_master_shard(fg, st.master[i])  # collective at stages 1-3
+            if st.step_count is not None:
+                self._step.fill_(st.step_count)
+            if st.scaler is not None and self.scaler is not None:
+                self.scaler.load_state_dict({
+                    "scale": torch.tensor([st.scaler["scale"]], dtype=torch.float32),
+                    "growth_tracker": torch.tensor([int(st.scaler["growth_tracker"])],
+                                                   dtype=torch.int32)})
+    # ---- END TEMPORARY SHIM (branch rckpt) -------------------------------------------------
+
 
 class _NoLocalGrad(torch.Tensor):
     """`p.grad` where this rank holds no full, reduced grad of p (see [Note: user grad

@@ -26,6 +26,7 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from fusedzero import checkpoint as ck
+from fusedzero.checkpoint import format as ckformat
 from fusedzero.ckpt_cli import main as cli_main
 from fusedzero.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
@@ -87,12 +88,15 @@ def train(model: GPT, opt: ZeroAdamW, sched: LambdaLR, rank: int, world: int,
 
 
 def local_state(opt: ZeroAdamW, model: GPT | None = None) -> dict[str, Any]:
-    """This rank's optimizer state, by flat group, with its segment tables."""
+    """This rank's optimizer state, by flat buffer, with its segment tables."""
+    st = opt.shard_state()
+    assert st.master is not None and st.exp_avg is not None and st.exp_avg_sq is not None
     out = {
         "names": list(opt.param_names),
-        "groups": [{"segments": list(fg.layout.segments(fg.shard_rank)),
-                    "master": opt.master_shard(fg).clone(), "exp_avg": fg.exp_avg.clone(),
-                    "exp_avg_sq": fg.exp_avg_sq.clone()} for fg in opt.flat_groups],
+        "groups": [{"segments": list(info.segments()),
+                    "master": st.master[i].clone(), "exp_avg": st.exp_avg[i].clone(),
+                    "exp_avg_sq": st.exp_avg_sq[i].clone()}
+                   for i, info in enumerate(opt.shard_infos())],
         "step_count": opt.step_count.clone(),
         "lrs": [g["lr"] for g in opt.param_groups],
         "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
@@ -164,7 +168,7 @@ def w_reshard(rank: int, world: int, root: str, jobs: list[dict[str, Any]]) -> l
             continue
         res = local_state(opt, model)
         res["peak"] = got.peak_buffer_bytes
-        res["local_numel"] = [fg.layout.local_numel for fg in opt.flat_groups]
+        res["local_numel"] = [info.local_numel for info in opt.shard_infos()]
         if "save" in job:
             ck.save(opt, Path(root) / job["save"], step=K)
         out.append(res)
@@ -276,7 +280,7 @@ def load_here(cfg: str, src: Path, stage: int, bucket: int = BUCKET) -> tuple[di
     got = ck.load(opt, src, restore_rng=False)
     st = local_state(opt, model)
     st["peak"] = got.peak_buffer_bytes
-    st["local_numel"] = [fg.layout.local_numel for fg in opt.flat_groups]
+    st["local_numel"] = [info.local_numel for info in opt.shard_infos()]
     return st, opt
 
 
@@ -485,13 +489,13 @@ def test_failed_save_leaves_latest_on_the_previous_checkpoint(tmp_path: Path,
         if n > 4096:
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ck, "_write_hook", disk_full)
+    monkeypatch.setattr(ckformat, "_write_hook", disk_full)
     with pytest.raises(OSError, match="No space left"):
         ck.save(opt, tmp_path, step=2)
     h = ck.save(opt, tmp_path, step=3, async_=True)
     with pytest.raises(ck.CheckpointError, match="No space left"):
         h.wait()
-    monkeypatch.setattr(ck, "_write_hook", None)
+    monkeypatch.setattr(ckformat, "_write_hook", None)
     with pytest.raises(ValueError, match="caller_state must be loadable"):
         ck.save(opt, tmp_path, step=4, caller_state={"gen": torch.Generator()})
     assert (tmp_path / "latest").read_text().strip() == ck.step_dir_name(1)
@@ -503,14 +507,14 @@ def test_failed_save_leaves_latest_on_the_previous_checkpoint(tmp_path: Path,
 
 def _killed_save_child(root: str, marker: str) -> None:
     opt = _small_ckpt(Path(root))
-    torch.save([opt.master_shard(fg).clone() for fg in opt.flat_groups],
+    torch.save([m.clone() for m in opt.shard_state().master or []],
                Path(root) / "expected.pt")
 
     def hang(path: Path, n: int) -> None:
         Path(marker).write_text(str(path))
         time.sleep(120)
 
-    ck._write_hook = hang
+    ckformat._write_hook = hang
     x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size + 1))
     opt.module(x[:, :-1], x[:, 1:])[1].backward()
     opt.step()
@@ -538,8 +542,8 @@ def test_save_killed_part_way_leaves_previous_checkpoint_loadable(tmp_path: Path
     expected = torch.load(tmp_path / "expected.pt")
     full = assemble([local_state(opt)])
     _, opt1, _ = build({"stage": 1})
-    for fg, m in zip(opt1.flat_groups, expected):
-        for s in fg.layout.segments(0):
+    for info, m in zip(opt1.shard_infos(), expected):
+        for s in info.layout.segments(0):
             n = opt1.param_names[s.param]
             assert torch.equal(full[n]["master"][s.start:s.start + s.length],
                                m[s.local:s.local + s.length]), n

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fusedzero import checkpoint as ck
+from fusedzero.checkpoint import format as ckformat
 from fusedzero.ckpt_cli import main as cli_main
 from fusedzero.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
@@ -49,8 +50,10 @@ def train(model: GPT, opt: ZeroAdamW, steps: int, seed: int = 0) -> None:
 
 def snapshot(opt: ZeroAdamW) -> list[torch.Tensor]:
     out = [opt.step_count.clone()]
-    for fg in opt.flat_groups:
-        out += [opt.master_shard(fg).clone(), fg.exp_avg.clone(), fg.exp_avg_sq.clone()]
+    st = opt.shard_state()
+    assert st.master is not None and st.exp_avg is not None and st.exp_avg_sq is not None
+    for master, exp_avg, exp_avg_sq in zip(st.master, st.exp_avg, st.exp_avg_sq, strict=True):
+        out += [master.clone(), exp_avg.clone(), exp_avg_sq.clone()]
     return out
 
 
@@ -297,7 +300,7 @@ def test_failed_save_removes_staging_and_names_the_path(good: Path, tmp_path: Pa
         if n > 4096:
             raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(ck, "_write_hook", disk_full)
+    monkeypatch.setattr(ckformat, "_write_hook", disk_full)
     with pytest.raises(OSError, match=r"No space left on device \(writing .*\.step-00000003"
                                       rf"\.tmp/{SHARD}\)") as e:
         ck.save(opt, root, step=3)
@@ -310,7 +313,7 @@ def test_failed_save_removes_staging_and_names_the_path(good: Path, tmp_path: Pa
     assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001",
                                                       "step-00000002"]
     # Saving into a checkpoint folder (not a root) is refused, not nested.
-    monkeypatch.setattr(ck, "_write_hook", None)
+    monkeypatch.setattr(ckformat, "_write_hook", None)
     with pytest.raises(ck.CheckpointError, match="is a checkpoint"):
         ck.save(opt, root / "step-00000002", step=5)
 
@@ -396,7 +399,7 @@ def w_cross_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     saved = snapshot(opt)
     train(model, opt, 1, seed=10 + rank)
     before = snapshot(opt)
-    real = ck._Readers.slice
+    real = ckformat.ShardReaders.slice
 
     def vanished(self: Any, fname: str, tensor: str, a: int, b: int) -> torch.Tensor:
         if tensor.endswith("exp_avg_sq"):
@@ -404,14 +407,14 @@ def w_cross_rank(rank: int, world: int, root: str) -> dict[str, Any]:
         return real(self, fname, tensor, a, b)
 
     if rank == 1:
-        ck._Readers.slice = vanished  # the file disappears between planning and reading
+        ckformat.ShardReaders.slice = vanished  # the file disappears between planning and reading
     try:
         ck.load(opt, Path(root) / "a")
         out["error"] = None
     except ck.CheckpointError as e:
         out["error"] = str(e)
     finally:
-        ck._Readers.slice = real
+        ckformat.ShardReaders.slice = real
     out["untouched"] = same(snapshot(opt), before)
     ck.load(opt, Path(root) / "a")
     out["reloaded"] = same(snapshot(opt), saved)

@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from fusedzero import checkpoint, hf
+from fusedzero import checkpoint
+from fusedzero.checkpoint import hf
 from fusedzero.cli import main as cli_main
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks

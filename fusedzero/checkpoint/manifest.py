@@ -8,8 +8,8 @@ The first problem found is raised as one `CheckpointError` naming the field (a J
 `files[1].groups[0].segments[3][2]`) and what was expected, so callers never see a KeyError,
 TypeError or RecursionError from a hostile manifest.
 
-No imports from `fusedzero.checkpoint` (it imports this module); `CheckpointError` lives here
-and is re-exported there.
+The bottom of the checkpoint package: it imports nothing from it, and `CheckpointError` lives
+here (re-exported by `fusedzero.checkpoint`).
 """
 from __future__ import annotations
 
@@ -19,13 +19,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+from fusedzero import dtypes
+
 FORMAT = "fusedzero-checkpoint"
 VERSION = 1
 STEP_DIR = re.compile(r"^step-(\d+)$")
 _SHARD = re.compile(r"^rank(\d{5})-of-(\d{5})\.safetensors$")
 _KEY = re.compile(r"^fg(\d+)$")
 _SHA = re.compile(r"^[0-9a-f]{64}$")
-_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_DTYPES = dtypes.READABLE_NAMES  # float64 too: read, never written
 # JSON nesting allowed in the free-form parts (hyper-parameters): deep enough for any real
 # value, shallow enough that nothing recurses near Python's limit.
 _MAX_DEPTH = 32

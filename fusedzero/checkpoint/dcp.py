@@ -31,7 +31,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusedzero import checkpoint
+from fusedzero.checkpoint.catalog import read_manifest
+from fusedzero.checkpoint.saving import save
+from fusedzero.state import ShardState
 
 # The AdamW hyper-parameters ZeroAdamW has; other keys of torch's param groups (foreach, fused,
 # capturable, differentiable, initial_lr) only choose torch's implementation.
@@ -112,30 +114,36 @@ def import_dcp(dcp_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
     if opt.world_size != 1:
         raise RuntimeError("import_dcp runs offline: call it with no process group initialised")
     index = {n: i for i, n in enumerate(names)}
+    full = ShardState(master=[], exp_avg=[], exp_avg_sq=[], step_count=step)
     with torch.no_grad():
-        for fg in opt.flat_groups:
-            master = torch.zeros(fg.layout.local_numel, dtype=torch.float32)
-            for s in fg.layout.segments(fg.shard_rank):
+        for info in opt.shard_infos():
+            # A param AdamW never stepped has no state: its moments stay zero, as torch's.
+            master, exp_avg, exp_avg_sq = (torch.zeros(info.local_numel, dtype=torch.float32)
+                                           for _ in range(3))
+            for s in info.segments():
                 n = names[s.param]
                 assert index[n] == s.param
                 ranges = [(master, model_sd[n])]
-                if n in state:  # a param AdamW never stepped has no state: zeros, as torch's
-                    ranges += [(fg.exp_avg, _full(state[n]["exp_avg"])),
-                               (fg.exp_avg_sq, _full(state[n]["exp_avg_sq"]))]
+                if n in state:
+                    ranges += [(exp_avg, _full(state[n]["exp_avg"])),
+                               (exp_avg_sq, _full(state[n]["exp_avg_sq"]))]
                 for dst, src in ranges:
                     if math.prod(src.shape) != math.prod(model_sd[n].shape):
                         raise ValueError(f"{dcp_dir}: {n} has {src.numel()} optimizer elements "
                                          f"for {model_sd[n].numel()} params")
                     dst[s.local:s.local + s.length].copy_(
                         src.detach().reshape(-1)[s.start:s.start + s.length].float())
-            opt.set_master_shard(fg, master)
-        opt.step_count.fill_(step)
-    return checkpoint.save(opt, out, step=int(step)).wait()
+            for bufs, t in zip((full.master, full.exp_avg, full.exp_avg_sq),
+                               (master, exp_avg, exp_avg_sq)):
+                assert bufs is not None
+                bufs.append(t)
+    opt.load_shard_state(full)
+    return save(opt, out, step=int(step)).wait()
 
 
 def run_import_dcp(args: argparse.Namespace) -> int:
     """`fusedzero ckpt import-dcp DCP_DIR OUT`."""
     d = import_dcp(args.dcp_dir, args.out)
-    print(f"wrote {d} (step {checkpoint.read_manifest(d)['step']}); resume with "
+    print(f"wrote {d} (step {read_manifest(d)['step']}); resume with "
           "fusedzero.checkpoint.load(opt, OUT) at any world size and stage")
     return 0

@@ -3,7 +3,8 @@
     fusedzero ckpt export CKPT OUT_DIR --hf-config config.json [--dtype bf16] [--max-shard-size 5GB]
     # then: transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)
 
-    from fusedzero import checkpoint, hf
+    from fusedzero import checkpoint
+    from fusedzero.checkpoint import hf
     hf.export_hf("ckpt", "out", hf_config="config.json")      # model.safetensors + config.json
     checkpoint.import_weights(opt, "some_hf_dir")              # model.safetensors or the index
 
@@ -25,12 +26,12 @@ from typing import Any
 
 import torch
 
-from fusedzero import checkpoint
-from fusedzero.checkpoint import Exported
+from fusedzero import dtypes
+from fusedzero.checkpoint.catalog import read_manifest, resolve
+from fusedzero.checkpoint.weights import Exported, export
 
 WEIGHTS_NAME = "model.safetensors"  # transformers' SAFE_WEIGHTS_NAME; shards add -0000k-of-n
 CONFIG_NAME = "config.json"
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -55,7 +56,7 @@ def check_against_config(src: str | os.PathLike[str], config: dict[str, Any]) ->
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     want = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    m = checkpoint.read_manifest(checkpoint.resolve(src))
+    m = read_manifest(resolve(src))
     have: dict[str, tuple[int, ...]] = {}
     for p in m["params"]:
         for name in [p["name"], *p.get("aliases", [])]:
@@ -106,15 +107,14 @@ def export_hf(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
         raise ValueError(f"{out} looks like a file: export_hf writes a folder (model.safetensors "
                          "and config.json inside it)")
     out.mkdir(parents=True, exist_ok=True)
-    r = checkpoint.export(src, out / WEIGHTS_NAME, dtype=dtype, max_shard_bytes=max_shard_bytes,
+    r = export(src, out / WEIGHTS_NAME, dtype=dtype, max_shard_bytes=max_shard_bytes,
                           verify=verify)
     if config is not None:
         # transformers 4.x reads `torch_dtype`, 5.x `dtype`: set the ones the config has.
         keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
         for k in keys:
-            config[k] = _DTYPE_NAMES[dtype]
+            config[k] = dtypes.name(dtype)
         tmp = out / f".{CONFIG_NAME}.tmp"
         tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, out / CONFIG_NAME)
     return r
-

@@ -1,0 +1,40 @@
+"""Sharded safetensors checkpoints: atomic, verified, reshardable, exportable (DESIGN.md, C).
+
+    h = checkpoint.save(opt, "ckpt", step=step, caller_state={"sched": sched.state_dict()},
+                        keep_last=3, async_=True)      # collective; h.wait() when you must know
+    got = checkpoint.load(opt, "ckpt")                 # collective; any world size or stage
+    sched.load_state_dict(got.caller_state["sched"])
+    checkpoint.export("ckpt", "model.safetensors", dtype=torch.bfloat16)   # offline
+    checkpoint.import_weights(opt, "model.safetensors")                    # collective
+
+The package, bottom up (each module imports only those above it):
+
+    manifest.py     the manifest's schema, validated before use; CheckpointError
+    format.py       the on-disk format (described there), file names, the safetensors writer,
+                    slice readers, exclusive temporaries, fsync, sha256
+    collectives.py  gather to the first rank; agree on success across ranks
+    rank_state.py   each rank's caller and RNG state, packed and safely unpacked
+    optview.py      the optimizer as a checkpoint sees it (fusedzero/state.py + public attributes)
+    catalog.py      find, read and verify checkpoints on disk
+    saving.py       save (sync and async), rotation
+    reshard.py      which saved slices fill which new local shard
+    loading.py      load: plan, read into staging, agree, commit
+    weights.py      export to one model's safetensors; import full weights
+    dcp.py, hf.py   converters: FSDP2 / torch.distributed.checkpoint in; Hugging Face out
+
+The optimizer is reached only through `opt.shard_infos()`, `opt.param_infos()`,
+`opt.shard_state()` and `opt.load_shard_state()` (fusedzero/state.py) and public attributes.
+"""
+from fusedzero.checkpoint.catalog import (Latest, find_latest, inspect, list_checkpoints,
+                                          problems, read_manifest, resolve, save_root, verify)
+from fusedzero.checkpoint.format import (KINDS, LATEST, MANIFEST, SafetensorsWriter,
+                                         shard_file_name, step_dir_name)
+from fusedzero.checkpoint.loading import Loaded, load
+from fusedzero.checkpoint.manifest import CheckpointError
+from fusedzero.checkpoint.saving import SaveHandle, save, wait_pending
+from fusedzero.checkpoint.weights import Exported, export, import_weights
+
+__all__ = ["KINDS", "LATEST", "MANIFEST", "CheckpointError", "Exported", "Latest", "Loaded",
+           "SafetensorsWriter", "SaveHandle", "export", "find_latest", "import_weights",
+           "inspect", "list_checkpoints", "load", "problems", "read_manifest", "resolve", "save",
+           "save_root", "shard_file_name", "step_dir_name", "verify", "wait_pending"]

@@ -1,0 +1,338 @@
+"""The on-disk format of a checkpoint, and the file primitives that write and read it.
+
+Everything that touches bytes lives here: names of files and folders, the streaming safetensors
+writer, exclusive temporaries, fsync, sha256, and the slice readers. The rest of the package
+decides *what* to write (`saving`), *how to map it back* (`reshard`, `loading`) and *whether it
+is intact* (`catalog`); none of it opens a file in another way.
+
+Format (version 1) -- a contract: readers of other versions must refuse, not guess
+=================================================================================
+
+A checkpoint *root* holds one directory per saved step and a pointer to the newest complete one::
+
+    root/
+      latest                      text: a complete checkpoint's name, e.g. "step-00000120"
+      step-00000100/              a complete checkpoint (it has manifest.json)
+      step-00000120/
+        manifest.json
+        rank00000-of-00004.safetensors
+        ...
+        rank00003-of-00004.safetensors
+      .step-00000140.tmp/         a save in progress, or one that was killed: never read
+
+Shard files. The rank whose local shard is written (every rank for stages 1-3; rank 0 alone for
+stage 0, where every rank holds the same state) writes `rank{r:05d}-of-{W:05d}.safetensors` with,
+for the i-th buffer of the optimizer (`opt.shard_infos()[i]`, see fusedzero/state.py), three
+1-D float32 tensors of `local_numel` elements each, indexed by `Segment.local`:
+
+    fg{i}.master      fp32 master values (fp32 params without a separate master: the params)
+    fg{i}.exp_avg     Adam first moment
+    fg{i}.exp_avg_sq  Adam second moment
+
+Elements no segment covers are padding and are zero. The safetensors `__metadata__` holds
+`format`, `version`, `rank`, `world_size`, `stage`, `step` and (since it was added, checked when
+present) `step_count` (strings), so a shard copied into the wrong directory, or a manifest whose
+step count was edited, is caught even without checksums.
+
+manifest.json (written last, after every shard is fsynced and renamed into place):
+
+    format, version          "fusedzero-checkpoint", 1
+    world_size, stage, step  the saving run; step is the caller's step, step_count the optimizer's
+    step_count               float: optimizer steps taken (skipped steps excluded)
+    bucket_numel, param_dtype
+    params                   [{index, name, shape, dtype, group, aliases}] in optimizer order;
+                             aliases: other names of the same Parameter (tied weights)
+    param_groups             [{hyper-parameters..., "param_names": [...]}] (JSON-able values only)
+    scaler                   null or {"scale": float, "growth_tracker": int}
+    files                    [{name, rank, bytes, sha256,
+                               groups: [{key, group_index, dtype, unit, local_numel,
+                                         segments: [[param, start, length, local], ...]}]}]
+    ranks                    [{rank[, replica], state}]: state is base64 of torch.save({"caller":
+                             caller_state, "rng": {torch, python[, cuda][, numpy]}}), read with
+                             weights_only=True; with a replicate_group one entry per (rank,
+                             replica), "replica" present (older readers take replica 0's)
+
+The manifest is untrusted input: `fusedzero.checkpoint.manifest.validate` checks all of it (types,
+ranges, finiteness, shard names `rank{r:05d}-of-{W:05d}.safetensors`, segments inside their
+tensors, every param element covered exactly once) before anything reads it.
+
+A segment `[param, start, length, local]` says: elements `[start, start+length)` of the flattened
+param `param` are elements `[local, local+length)` of that file's `fg{i}.*` tensors. Loading at any
+world size or stage intersects these with the new optimizer's segments and reads only the
+overlapping slices (`safe_open(...).get_slice`).
+
+Atomicity. Every file is written under a temporary name, fsynced and renamed. A save writes into
+`.step-N.tmp/`; rank 0 writes the manifest there last, renames the directory to `step-N`, and
+only then rewrites `latest` (temporary name + rename). So `latest` always names a directory with
+a manifest whose files were complete, and a save killed at any point leaves the previous
+checkpoint in place. An async save needs no collective off the main thread: each writer drops
+`<shard>.json` (size, sha256) or `<shard>.error` into the staging directory, and rank 0's writer
+thread waits for them before the manifest; they are deleted before the rename. (Re-saving an
+existing step swaps the old directory out just before the new one is renamed in; a crash between
+the two renames leaves `latest` naming a missing directory, which `load` reports as such.)
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import io
+import json
+import math
+import os
+import secrets
+import shutil
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from fusedzero import dtypes
+from fusedzero.checkpoint.manifest import CheckpointError
+
+SHARD_FORMAT = "fusedzero-shard"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+# Bytes per write()/hash update: big enough that syscalls cost nothing, small enough that the
+# hash never holds a second copy of a large tensor.
+_CHUNK = 16 << 20
+
+# The safetensors spelling of each dtype (its own codes, not the manifest's names in `dtypes`).
+_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+             torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+             torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+# Test hook: called as _write_hook(path, bytes_written) after every chunk written to a shard or
+# export file (lets a test kill a save part-way through a write).
+_write_hook: Callable[[Path, int], None] | None = None
+
+
+def shard_file_name(rank: int, world_size: int) -> str:
+    return f"rank{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def step_dir_name(step: int) -> str:
+    # 8 digits keep lexicographic order = step order up to 10**8 steps; rotation parses anyway.
+    return f"step-{step:08d}"
+
+
+def count_str(step_count: float) -> str:
+    """The step count as shard headers spell it (a whole number)."""
+    return str(int(step_count))
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming safetensors writer
+# ---------------------------------------------------------------------------------------------
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (keep `t` alive while in use)."""
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_ubyte * n).from_address(t.data_ptr())).cast("B")
+
+
+class SafetensorsWriter:
+    """Write a safetensors file one tensor at a time, in the order given up front.
+
+    The header (names, dtypes, shapes, offsets) is fixed at construction, so memory is bounded by
+    the tensor being written. The file is written under a fresh temporary name (`create_temp`:
+    never through a planted link), fsynced on `close()` and renamed to `path`; the sha256 of the
+    whole file is computed on the way.
+    """
+
+    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> None:
+        header: dict[str, Any] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        off = 0
+        self._specs = list(specs)
+        for name, dtype, shape in self._specs:
+            if dtype not in _ST_DTYPE:
+                raise ValueError(f"{name}: dtype {dtype} has no safetensors code")
+            n = math.prod(shape) * dtypes.itemsize(dtype)
+            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape),
+                            "data_offsets": [off, off + n]}
+            off += n
+        hb = json.dumps(header, separators=(",", ":")).encode()
+        hb += b" " * (-len(hb) % 8)  # safetensors aligns the data start to 8 bytes
+        self.path = Path(path)
+        self._tmp, self._f = create_temp(self.path)
+        self._sha = hashlib.sha256()
+        self._n = 0
+        self._next = 0
+        self._write(memoryview(struct.pack("<Q", len(hb)) + hb))
+
+    def _write(self, data: memoryview) -> None:
+        for i in range(0, len(data), _CHUNK):
+            chunk = data[i:i + _CHUNK]
+            self._f.write(chunk)
+            self._sha.update(chunk)
+            self._n += len(chunk)
+            if _write_hook is not None:
+                _write_hook(self.path, self._n)
+
+    def write(self, name: str, t: torch.Tensor) -> None:
+        """Write the next tensor; `name`, dtype and shape must match the next spec."""
+        if self._next >= len(self._specs):
+            raise ValueError(f"{self.path.name}: unexpected extra tensor {name}")
+        want = self._specs[self._next]
+        if (name, t.dtype, tuple(t.shape)) != (want[0], want[1], tuple(want[2])):
+            raise ValueError(f"{self.path.name}: got tensor {name} {t.dtype} {tuple(t.shape)}, "
+                             f"expected {want[0]} {want[1]} {tuple(want[2])}")
+        t = t.detach().contiguous().cpu()
+        self._write(_raw_bytes(t))
+        self._next += 1
+
+    def close(self) -> tuple[int, str]:
+        """Flush, fsync, rename into place; return (size in bytes, sha256 hex)."""
+        if self._next != len(self._specs):
+            self.abort()
+            raise ValueError(f"{self.path.name}: {len(self._specs) - self._next} tensors "
+                             "were never written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self._tmp, self.path)
+        fsync_dir(self.path.parent)
+        return self._n, self._sha.hexdigest()
+
+    def abort(self) -> None:
+        self._f.close()
+        with contextlib.suppress(FileNotFoundError):
+            self._tmp.unlink()
+
+
+def fsync_dir(d: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
+        fd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def create_temp(path: Path) -> tuple[Path, io.BufferedWriter]:
+    """A new file beside `path`, opened for writing, under a fresh random name.
+
+    O_CREAT|O_EXCL|O_NOFOLLOW: the name is created here and now or the open fails, so a file
+    or symlink planted in advance (say `latest.tmp` -> /etc/passwd) is never written through.
+    The final `os.replace` then swaps in the new file for `path` itself (a link at `path` is
+    replaced, its target untouched)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) \
+        | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(16):
+        tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:  # 2**-64 per try; loop rather than reason about it
+            continue
+        return tmp, os.fdopen(fd, "wb")
+    raise FileExistsError(f"{path.parent}: could not create a fresh temporary file")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp, f = create_temp(path)
+    try:
+        with f:
+            f.write(text.encode())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(e, OSError):
+            raise named(e, path) from e
+        raise
+    fsync_dir(path.parent)
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(4 << 20)  # one reused 4 MiB buffer: hashing a file allocates nothing more
+    view = memoryview(buf)
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+class Peak:
+    """Bytes of the staging buffers this module allocates (exact, from the tensors): the live
+    total and its peak. Mapped file pages (safetensors reads through mmap) are not counted."""
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self.largest = 0
+
+    def add(self, t: torch.Tensor) -> torch.Tensor:
+        n = t.numel() * t.element_size()
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        self.largest = max(self.largest, n)
+        return t
+
+    def sub(self, t: torch.Tensor) -> None:
+        self.live -= t.numel() * t.element_size()
+
+
+def named(e: OSError, path: Path) -> OSError:
+    """`e` with `path` in its message: os.write's "[Errno 28] No space left on device" names
+    no file, and the user must know which disk filled up."""
+    if e.filename is not None:
+        return e
+    return type(e)(e.errno, f"{e.strerror or e} (writing {path})", str(path))
+
+
+def remove(p: Path, quiet: bool = False) -> None:
+    """Delete a file, a folder tree or a symlink (the link only: never what it points to)."""
+    try:
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.exists():
+            shutil.rmtree(p)
+    except OSError:
+        if not quiet:
+            raise
+
+
+class ShardReaders:
+    """Open safetensors files and slice handles, opened on first use, closed together."""
+
+    def __init__(self, d: Path) -> None:
+        self.d = d
+        self._stack = contextlib.ExitStack()
+        self._files: dict[str, Any] = {}
+        self._slices: dict[tuple[str, str], Any] = {}
+
+    def __enter__(self) -> ShardReaders:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    def file(self, fname: str) -> Any:
+        f = self._files.get(fname)
+        if f is None:
+            try:
+                f = self._stack.enter_context(safe_open(self.d / fname, framework="pt"))
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"{self.d / fname}: cannot open ({e})") from None
+            self._files[fname] = f
+        return f
+
+    def slice(self, fname: str, tensor: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of a 1-D tensor: only those bytes are read."""
+        key = (fname, tensor)
+        s = self._slices.get(key)
+        if s is None:
+            s = self._slices[key] = self.file(fname).get_slice(tensor)
+        return s[a:b]

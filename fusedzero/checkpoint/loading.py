@@ -1,0 +1,193 @@
+"""Load: read a checkpoint into an optimizer at any world size or stage, transactionally.
+
+Plan (`reshard.plan`), read every slice into host staging buffers, agree across ranks, and only
+then write the optimizer through `opt.load_shard_state` (see [Note: transactional load]).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+
+from fusedzero.checkpoint.catalog import file_problems, read_manifest, resolve
+from fusedzero.checkpoint.collectives import agree
+from fusedzero.checkpoint.format import KINDS, MANIFEST, Peak, ShardReaders
+from fusedzero.checkpoint.manifest import CheckpointError
+from fusedzero.checkpoint.optview import group_names, param_table
+from fusedzero.checkpoint.rank_state import check_rng_state, set_rng_state, unpack
+from fusedzero.checkpoint.reshard import Read, match_params, plan
+from fusedzero.checkpoint.saving import wait_pending
+from fusedzero.state import ShardState
+
+if TYPE_CHECKING:
+    from fusedzero.optim import ZeroAdamW
+    from fusedzero.state import ShardInfo
+
+
+class Loaded(NamedTuple):
+    """What `load` restored besides the optimizer."""
+
+    path: Path  # the checkpoint directory read
+    step: int  # the caller's step passed to save
+    caller_state: Any  # this rank's caller_state (None when the saving run had no such rank)
+    rng_restored: bool  # this rank's RNG states were restored
+    peak_buffer_bytes: int  # peak bytes of staging buffers (see format.Peak), this rank
+
+
+def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
+         restore_rng: bool = True, load_hyperparams: bool = True) -> Loaded:
+    """Load a checkpoint into `opt` at any world size and stage. Collective and transactional.
+
+    `path` is a checkpoint directory or a root with `latest` (`find_latest` picks the newest
+    verified one). The manifest is validated against the format's schema first. The saved param
+    table must match the optimizer's (by name and shape) or ValueError lists the differences.
+    Each rank opens only the shard files that hold its new segments, verifies them (size and
+    header always; sha256 with `verify`), and reads only the overlapping slices.
+
+    [Note: transactional load] Every rank first reads all it needs (master, exp_avg,
+    exp_avg_sq, its caller and RNG state, the hyper-parameters) into staging buffers on the
+    host, then the ranks agree on success in one collective, and only then is the optimizer
+    written. So a read error on any rank (a corrupt slice, a file gone after planning) raises
+    the same error on every rank, nobody is left waiting in a later collective, and the
+    optimizer is untouched everywhere. The cost: this rank's three fp32 shard buffers are held
+    on the host at once (`peak_buffer_bytes` reports it).
+
+    Restores master (and the params), exp_avg, exp_avg_sq, the step count, the loss scaler, and
+    (with `load_hyperparams`, when the param groups hold the same params) the hyper-parameters;
+    with `restore_rng`, this rank's saved RNG states if the saving run had this rank (with a
+    `replicate_group`, this rank of this replica).
+    """
+    wait_pending(opt)
+    W, rank, group = opt.world_size, opt.rank, opt.process_group
+    err: BaseException | None = None
+    d = Path(path)
+    manifest: dict[str, Any] = {}
+    staged = ShardState()
+    infos = opt.shard_infos()
+    groups: list[dict[str, Any]] | None = None
+    state: dict[str, Any] | None = None
+    peak = Peak()
+    try:
+        d = resolve(path)
+        manifest = read_manifest(d)
+        table = param_table(opt)
+        reads = plan(infos, table, manifest, match_params(manifest, table, d))
+        needed = sorted({r.file for rs in reads for r in rs})
+        problems = file_problems(d, manifest, needed, checksums=verify)
+        if problems:
+            raise CheckpointError(f"checkpoint {d}:\n  " + "\n  ".join(problems))
+        staged = _read_staged(d, infos, reads, peak)
+        if load_hyperparams:
+            groups = _staged_groups(opt, manifest["param_groups"], d)
+        state = _staged_state(manifest, rank, opt.replica_rank, d, restore_rng)
+    except Exception as e:  # noqa: BLE001 - every rank must learn of it
+        err = e
+    # The collective that decides: commit or raise. With a replicate_group the replicas agree
+    # too, so no replica commits while another raises (they would no longer hold the same).
+    try:
+        agree(err, group, W, "load")
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = e
+    replicas = opt.replicas
+    if replicas > 1:
+        agree(err, opt.replicate_group, replicas, "load (across replicas)")
+    elif err is not None:
+        raise err
+
+    staged.step_count = manifest["step_count"]
+    staged.scaler = manifest.get("scaler")  # applied only when this optimizer has a scaler
+    opt.load_shard_state(staged)  # collective at stages 1-3 (it gathers the params)
+    if groups is not None:
+        for g, new in zip(opt.param_groups, groups):
+            for k, v in new.items():
+                if isinstance(g.get(k), torch.Tensor):
+                    g[k].fill_(v)
+                else:
+                    g[k] = v
+    caller, restored = None, False
+    if state is not None:
+        caller = state.get("caller")
+        if restore_rng and "rng" in state:
+            set_rng_state(state["rng"])
+            restored = True
+    return Loaded(d, manifest["step"], caller, restored, peak.peak)
+
+
+def _read_staged(d: Path, infos: list[ShardInfo], plan: list[list[Read]], peak: Peak
+                 ) -> ShardState:
+    """Every buffer's master, exp_avg, exp_avg_sq from the shard files, on the host."""
+    out: dict[str, list[torch.Tensor]] = {kind: [] for kind in KINDS}
+    with ShardReaders(d) as readers, torch.no_grad():
+        for info, reads in zip(infos, plan, strict=True):
+            for kind in KINDS:
+                dst = peak.add(torch.zeros(info.local_numel, dtype=torch.float32))
+                out[kind].append(dst)
+                for fname, key, src, dl, n in reads:
+                    try:
+                        piece = peak.add(readers.slice(fname, f"{key}.{kind}", src, src + n))
+                    except CheckpointError:
+                        raise
+                    except Exception as e:  # noqa: BLE001 - safetensors / OS errors
+                        raise CheckpointError(f"{d / fname}: cannot read {key}.{kind}"
+                                              f"[{src}:{src + n}] ({e})") from None
+                    if piece.numel() != n:
+                        raise CheckpointError(f"{d / fname}: {key}.{kind}[{src}:{src + n}] "
+                                              f"has {piece.numel()} elements, expected {n}")
+                    dst[dl:dl + n].copy_(piece)
+                    peak.sub(piece)
+    return ShardState(**out)
+
+
+def _staged_state(manifest: dict[str, Any], rank: int, replica: int, d: Path,
+                  check_rng: bool) -> dict[str, Any] | None:
+    """This rank's saved caller and RNG state (this replica's with a replicate_group), decoded
+    and checked; None when the saving run had no such rank."""
+    ranks = manifest["ranks"]
+    entry = next((e for e in ranks if e["rank"] == rank and e.get("replica", 0) == replica),
+                 None)
+    if entry is None:
+        return None
+    where = f"{d / MANIFEST}: ranks[{ranks.index(entry)}].state"
+    state = unpack(entry["state"], where)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where} is a {type(state).__name__}, expected a dict")
+    if check_rng and "rng" in state:
+        check_rng_state(state["rng"], where)
+    return state
+
+
+def _staged_groups(opt: ZeroAdamW, saved: list[dict[str, Any]], d: Path
+                   ) -> list[dict[str, Any]] | None:
+    """The saved hyper-parameters, typed like the optimizer's own, or None when the saved
+    groups hold other params. CheckpointError when a value does not fit (e.g. a string lr)."""
+    if [g.get("param_names") for g in saved] != group_names(opt):
+        return None
+    out = []
+    for i, (g, s) in enumerate(zip(opt.param_groups, saved)):
+        new: dict[str, Any] = {}
+        for k, v in s.items():
+            if k == "param_names" or k not in g:
+                continue
+            cur = g[k]
+            field = f"{d / MANIFEST}: param_groups[{i}].{k}"
+            if isinstance(cur, (torch.Tensor, float)) or (isinstance(cur, int)
+                                                          and not isinstance(cur, bool)):
+                if isinstance(v, bool) or not isinstance(v, (int, float)):
+                    raise CheckpointError(f"{field} is {v!r}, expected a number")
+                new[k] = v
+            elif isinstance(cur, bool):
+                if not isinstance(v, bool):
+                    raise CheckpointError(f"{field} is {v!r}, expected true or false")
+                new[k] = v
+            elif isinstance(cur, tuple):
+                if (not isinstance(v, list) or len(v) != len(cur) or any(
+                        isinstance(x, bool) or not isinstance(x, (int, float)) for x in v)):
+                    raise CheckpointError(f"{field} is {v!r}, expected {len(cur)} numbers")
+                new[k] = tuple(v)
+            else:
+                new[k] = v
+        out.append(new)
+    return out

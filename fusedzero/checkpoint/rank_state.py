@@ -1,0 +1,69 @@
+"""Per-rank state a checkpoint carries besides the optimizer: the caller's state and the RNG
+states, packed with torch.save and read back with weights_only=True (a manifest is data: it must
+never run code when read)."""
+from __future__ import annotations
+
+import base64
+import io
+import random
+import sys
+from typing import Any
+
+import torch
+
+from fusedzero.checkpoint.manifest import CheckpointError
+
+
+def rng_state() -> dict[str, Any]:
+    st: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        st["cuda"] = torch.cuda.get_rng_state_all()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        name, keys, pos, has_gauss, cached = np.random.get_state()
+        st["numpy"] = (name, keys.tolist(), int(pos), int(has_gauss), float(cached))
+    return st
+
+
+def set_rng_state(st: dict[str, Any]) -> None:
+    torch.set_rng_state(st["torch"])
+    py = st["python"]
+    random.setstate((py[0], tuple(py[1]), py[2]))
+    if "cuda" in st and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(st["cuda"])
+    np = sys.modules.get("numpy")
+    if "numpy" in st and np is not None:
+        name, keys, pos, has_gauss, cached = st["numpy"]
+        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def pack(obj: Any) -> str:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def unpack(s: str, what: str = "state") -> Any:
+    # weights_only: a manifest is data, it must not run code when read.
+    try:
+        return torch.load(io.BytesIO(base64.b64decode(s, validate=True)), weights_only=True)
+    except Exception as e:  # noqa: BLE001 - binascii, pickle and torch all raise their own
+        # Not torch's own text: it suggests weights_only=False, i.e. running the payload.
+        why = next((ln.strip() for ln in str(e).splitlines()
+                    if "GLOBAL" in ln or "Unsupported" in ln), type(e).__name__)
+        raise CheckpointError(
+            f"{what} is refused: only tensors, numbers, strings, lists, tuples and dicts are "
+            f"loaded from a checkpoint, never objects that would run code ({why[:200]})"
+        ) from None
+
+
+def check_rng_state(st: Any, where: str) -> None:
+    """Apply the saved RNG states to scratch generators: a malformed one fails here, before
+    anything was changed, not half-way through the commit."""
+    try:
+        torch.Generator().set_state(st["torch"])
+        py = st["python"]
+        random.Random().setstate((py[0], tuple(py[1]), py[2]))
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{where}: RNG state is malformed ({type(e).__name__}: {e})"
+                              ) from None

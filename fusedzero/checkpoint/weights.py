@@ -1,0 +1,257 @@
+"""Weights in and out: `export` a checkpoint as one model's safetensors (the model's own names,
+loadable by `model.load_state_dict`), and `import_weights` full weights into a sharded optimizer.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from fusedzero import dtypes
+from fusedzero.checkpoint import catalog
+from fusedzero.checkpoint.catalog import read_manifest
+from fusedzero.checkpoint.collectives import agree
+from fusedzero.checkpoint.format import (LATEST, MANIFEST, Peak, SafetensorsWriter, ShardReaders,
+                                         write_text_atomic)
+from fusedzero.checkpoint.manifest import STEP_DIR, CheckpointError
+from fusedzero.checkpoint.optview import aliases, param_table
+from fusedzero.state import ShardState
+
+if TYPE_CHECKING:
+    from fusedzero.optim import ZeroAdamW
+
+
+class Exported(NamedTuple):
+    files: list[Path]  # the safetensors file(s) written
+    index: Path | None  # model.safetensors.index.json when sharded
+    bytes: int  # tensor bytes written
+    peak_buffer_bytes: int  # peak bytes of staging buffers (one param at a time)
+
+
+def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
+           dtype: torch.dtype = torch.float32, max_shard_bytes: int | None = None,
+           verify: bool = True) -> Exported:
+    """Write the model's params from checkpoint `src` as safetensors with the model's own names.
+
+    Offline (no process group). Param by param: each param's pieces are read from the shard
+    files (slices only), assembled in one buffer, cast to `dtype` and streamed out, so memory is
+    bounded by the largest param, not the model. Tied weights are written under every name, so
+    `model.load_state_dict(safetensors.torch.load_file(out))` works. With `max_shard_bytes` and a
+    bigger model, writes HF-style `stem-0000k-of-0000n.safetensors` beside `out` plus
+    `out.index.json` (e.g. model.safetensors.index.json).
+    """
+    if dtype not in dtypes.FLOAT_DTYPES:
+        raise ValueError(f"export dtype {dtype} not in {dtypes.FLOAT_DTYPES}")
+    d = catalog.verify(src, checksums=verify)
+    m = read_manifest(d)
+    out = Path(out)
+    _refuse_inside_checkpoint(out, d)
+    pieces: dict[int, list[tuple[str, str, int, int, int]]] = {}
+    for e in m["files"]:
+        for g in e["groups"]:
+            for p, start, length, local in g["segments"]:
+                pieces.setdefault(p, []).append((e["name"], g["key"], local, start, length))
+    units = []  # (param entry, names, bytes per name)
+    for p in m["params"]:
+        numel = math.prod(p["shape"])
+        got = sum(x[4] for x in pieces.get(p["index"], ()))
+        if got != numel:
+            raise CheckpointError(f"{d}: the segment tables cover {got} of the {numel} elements "
+                                  f"of {p['name']}")
+        units.append((p, [p["name"], *p.get("aliases", [])], numel * dtypes.itemsize(dtype)))
+    shards: list[list[Any]] = [[]]
+    size = 0
+    for u in units:
+        ub = u[2] * len(u[1])
+        if max_shard_bytes is not None and shards[-1] and size + ub > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(u)
+        size += ub
+    n = len(shards)
+    if n == 1:
+        paths = [out]
+    else:
+        stem = out.name.removesuffix(".safetensors")
+        paths = [out.with_name(f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors") for k in range(n)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    peak = Peak()
+    total = 0
+    weight_map = {}
+    with ShardReaders(d) as readers, torch.no_grad():
+        for path, shard in zip(paths, shards):
+            specs = [(name, dtype, tuple(p["shape"])) for p, names, _ in shard for name in names]
+            w = SafetensorsWriter(path, specs, {"format": "pt"})
+            try:
+                for p, names, nbytes in shard:
+                    numel = math.prod(p["shape"])
+                    buf = peak.add(torch.empty(numel, dtype=torch.float32))
+                    for fname, key, local, start, length in pieces[p["index"]]:
+                        piece = peak.add(readers.slice(fname, f"{key}.master", local,
+                                                       local + length))
+                        buf[start:start + length].copy_(piece)
+                        peak.sub(piece)
+                    t = buf if dtype == torch.float32 else peak.add(buf.to(dtype))
+                    t = t.view(p["shape"])
+                    for name in names:
+                        w.write(name, t)
+                        weight_map[name] = path.name
+                        total += nbytes
+                    if dtype != torch.float32:
+                        peak.sub(t)
+                    peak.sub(buf)
+                    del buf, t
+            except BaseException:
+                w.abort()
+                raise
+            w.close()
+    index = None
+    if n > 1:
+        index = out.with_name(out.name + ".index.json")
+        write_text_atomic(index, json.dumps({"metadata": {"total_size": total},
+                                              "weight_map": weight_map}, indent=1))
+    return Exported(paths, index, total, peak.peak)
+
+
+def _refuse_inside_checkpoint(out: Path, d: Path) -> None:
+    """Export writes `out` and files beside it (shards, index): never inside a checkpoint (it
+    would replace shard files or the manifest it is reading), nor over a root's `latest` or
+    step folders. Links are resolved first. Beside the step folders, in the root, is fine."""
+    target = out.resolve()
+    for a in target.parents:
+        if a == d.resolve() or (a / MANIFEST).is_file() or STEP_DIR.match(a.name) \
+                or (a.name.startswith(".step-") and a.name.endswith(".tmp")):
+            raise CheckpointError(f"export output {out} lies inside the checkpoint {a}; "
+                                  "write it outside any checkpoint folder")
+    if (target.parent / LATEST).is_file() and (
+            target.name == LATEST or STEP_DIR.match(target.name)):
+        raise CheckpointError(f"export output {out} would replace a checkpoint root's "
+                              f"{target.name!r}; choose another name")
+
+
+class _WeightSource:
+    """Full (unsharded) tensors by name, from a dict or safetensors file(s); reads flat ranges."""
+
+    def __init__(self, source: str | os.PathLike[str] | Mapping[str, torch.Tensor]) -> None:
+        self._stack = contextlib.ExitStack()
+        self.tensors: Mapping[str, torch.Tensor] | None = None
+        self.where: dict[str, Any] = {}  # name -> open safe_open handle
+        if isinstance(source, Mapping):
+            self.tensors = source
+            self.shapes = {k: tuple(v.shape) for k, v in source.items()}
+            return
+        p = Path(source)
+        files = _weight_files(p)
+        self.shapes = {}
+        for f in files:
+            try:
+                h = self._stack.enter_context(safe_open(f, framework="pt"))
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+            for k in h.keys():
+                self.where[k] = h
+                self.shapes[k] = tuple(h.get_slice(k).get_shape())
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def read_flat(self, name: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of the flattened tensor; from files, only the rows covering them."""
+        if self.tensors is not None:
+            return self.tensors[name].detach().reshape(-1)[a:b]
+        shape = self.shapes[name]
+        h = self.where[name]
+        if len(shape) == 0:
+            return h.get_tensor(name).reshape(-1)[a:b]
+        row = math.prod(shape[1:])
+        r0, r1 = a // row, -(-b // row)
+        rows = h.get_slice(name)[r0:r1]
+        return rows.reshape(-1)[a - r0 * row:b - r0 * row]
+
+
+def _weight_files(p: Path) -> list[Path]:
+    if p.is_dir():
+        idx = sorted(p.glob("*.safetensors.index.json"))
+        if len(idx) == 1:
+            p = idx[0]
+        elif (p / "model.safetensors").is_file():
+            return [p / "model.safetensors"]
+        else:
+            raise CheckpointError(f"{p}: no model.safetensors or single *.safetensors.index.json")
+    if p.name.endswith(".index.json"):
+        try:
+            wm = json.loads(p.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as e:
+            raise CheckpointError(f"{p}: not a safetensors index ({e})") from None
+        return [p.parent / f for f in sorted(set(wm.values()))]
+    if not p.is_file():
+        raise CheckpointError(f"{p}: no such file")
+    return [p]
+
+
+def import_weights(opt: ZeroAdamW, source: str | os.PathLike[str] | Mapping[str, torch.Tensor], *,
+                   strict: bool = True) -> None:
+    """Set the params (fp32 master and model params) of a sharded optimizer from full weights.
+
+    Collective. `source` is a state dict, a safetensors file, an HF-style `*.index.json`, or a
+    directory holding `model.safetensors` or one index. Each rank reads only the slices of its
+    own segments. Names are the model's (a tied param may be found under any of its names).
+    With `strict`, tensors in the source that are no param of the model are an error. Optimizer
+    moments and the step count are left as they are (start of fine-tuning: zero).
+    """
+    W, group = opt.world_size, opt.process_group
+    err: BaseException | None = None
+    src: _WeightSource | None = None
+    found: dict[int, str] = {}
+    try:
+        src = _WeightSource(source)
+        found = _match_weights(opt, src, strict, str(source) if not isinstance(source, Mapping)
+                               else "state dict")
+    except Exception as e:  # noqa: BLE001
+        err = e
+    try:
+        agree(err, group, W, "import_weights")
+        assert src is not None
+        masters = []
+        with torch.no_grad():
+            for info in opt.shard_infos():
+                buf = torch.zeros(info.local_numel, dtype=torch.float32)
+                for s in info.segments():
+                    buf[s.local:s.local + s.length].copy_(
+                        src.read_flat(found[s.param], s.start, s.start + s.length))
+                masters.append(buf)
+        opt.load_shard_state(ShardState(master=masters))  # collective at stages 1-3
+    finally:
+        if src is not None:
+            src.close()
+
+
+def _match_weights(opt: ZeroAdamW, src: _WeightSource, strict: bool, what: str
+                   ) -> dict[int, str]:
+    other_names = aliases(opt)
+    table = param_table(opt)
+    found, diffs, used = {}, [], set()
+    for i, (name, shape) in sorted(table.items()):
+        names = [name] + [a for a in other_names.get(id(opt.params[i]), []) if a != name]
+        used.update(names)
+        hit = next((n for n in names if n in src.shapes), None)
+        if hit is None:
+            diffs.append(f"missing: {name}")
+        elif src.shapes[hit] != shape:
+            diffs.append(f"{hit}: shape {list(src.shapes[hit])} in {what}, {list(shape)} in the "
+                         "model")
+        else:
+            found[i] = hit
+    extra = [n for n in src.shapes if n not in used]
+    if extra and strict:
+        diffs.append(f"not params of the model: {extra}")
+    if diffs:
+        raise ValueError(f"{what} does not match this model's parameters:\n  " + "\n  ".join(diffs))
+    return found
