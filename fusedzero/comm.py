@@ -12,13 +12,25 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import enum
 import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+
+
+class CollectiveKind(str, enum.Enum):
+    """The collectives the optimizer issues per step. The values are the keys of
+    `CommCounter`'s dicts and of `--out-json`'s comm_bytes_per_step."""
+
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+
+
+KINDS: tuple[str, ...] = tuple(k.value for k in CollectiveKind)
 
 # How long a wait on other ranks may take before the run ends with an error naming the wait, when
 # the process group was created with torch's default timeout (gloo: 30 minutes, long enough for a
@@ -40,11 +52,13 @@ class CommCounter:
     numel: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     calls: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(KINDS, 0))
 
-    def add(self, kind: str, numel: int, element_size: int, world_size: int) -> None:
-        factor = 2 if kind == "all_reduce" else 1
-        self.bytes[kind] += factor * (world_size - 1) * numel * element_size // world_size
-        self.numel[kind] += numel
-        self.calls[kind] += 1
+    def add(self, kind: CollectiveKind, numel: int, element_size: int, world_size: int) -> None:
+        # Ring algorithms: an all-reduce is a reduce-scatter followed by an all-gather.
+        factor = 2 if kind is CollectiveKind.ALL_REDUCE else 1
+        key = kind.value
+        self.bytes[key] += factor * (world_size - 1) * numel * element_size // world_size
+        self.numel[key] += numel
+        self.calls[key] += 1
 
     def reset(self) -> None:
         for d in (self.bytes, self.numel, self.calls):
@@ -57,6 +71,25 @@ class CommCounter:
     @property
     def total_bytes(self) -> int:
         return sum(self.bytes.values())
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommContext:
+    """What whoever issues collectives needs: the group, its size and this rank's place in it,
+    the byte counter, and the optional event trace (tests read the order of collectives)."""
+
+    group: Any  # a ProcessGroup, or None for the default (world) group
+    world_size: int
+    rank: int
+    counter: CommCounter
+    trace: list[tuple[str, Any]] | None = None
+
+    def record(self, event: str, detail: Any) -> None:
+        if self.trace is not None:
+            self.trace.append((event, detail))
+
+    def wait(self, handle: Any, what: str) -> None:
+        wait(handle, what=what, group=self.group)
 
 
 def group_size(group: Any) -> int:
@@ -83,7 +116,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, world_size:
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return None
-    counter.add("reduce_scatter", inp.numel(), inp.element_size(), world_size)
+    counter.add(CollectiveKind.REDUCE_SCATTER, inp.numel(), inp.element_size(), world_size)
     return _reduce_scatter(out, inp, group=group, async_op=True)
 
 
@@ -94,7 +127,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, world_size: int
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return None
-    counter.add("all_gather", out.numel(), out.element_size(), world_size)
+    counter.add(CollectiveKind.ALL_GATHER, out.numel(), out.element_size(), world_size)
     return _all_gather(out, inp, group=group, async_op=True)
 
 
@@ -102,7 +135,7 @@ def all_reduce(t: torch.Tensor, group: Any, world_size: int, counter: CommCounte
     """Sum `t` over ranks in place."""
     if world_size == 1:
         return None
-    counter.add("all_reduce", t.numel(), t.element_size(), world_size)
+    counter.add(CollectiveKind.ALL_REDUCE, t.numel(), t.element_size(), world_size)
     return dist.all_reduce(t, group=group, async_op=True)
 
 

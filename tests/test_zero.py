@@ -102,12 +102,12 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
         "norms": norms, "skipped": skipped, "comm": comm, "memory": tuple(opt.memory()),
         "padded": [fg.layout.padded_numel for fg in opt.flat_groups],
         "trace": opt.trace, "masters": masters,
-        "max_gathered": opt._zero3.max_gathered if opt._zero3 else None,
-        "materialize_peak": opt._zero3.materialize_peak if opt._zero3 else None,
+        "max_gathered": opt.zero3.max_gathered if opt.zero3 else None,
+        "materialize_peak": opt.zero3.materialize_peak if opt.zero3 else None,
         "max_live_buckets": opt.max_live_buckets,
         "buckets": sum(fg.layout.num_buckets for fg in opt.flat_groups),
-        "unit_padded": ([sum(fg.layout.padded_numel for fg in opt._zero3.fgs[u])
-                         for u in range(len(opt._zero3.modules))] if opt._zero3 else None),
+        "unit_padded": ([sum(fg.layout.padded_numel for fg in opt.zero3.buffers[u])
+                         for u in range(len(opt.zero3.modules))] if opt.zero3 else None),
         "segments": [fg.layout.segments(fg.shard_rank) for fg in opt.flat_groups],
     }
 
