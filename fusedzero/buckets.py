@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
-from fusedzero.comm import CommContext
+from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
 from fusedzero.reduce import MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish, reduction_for
 from fusedzero.stage import Stage
@@ -56,7 +55,7 @@ class BucketSchedule:
         # Stages 2-3 keep no full grad buffer to accumulate in: they reduce every micro-batch.
         self._always_reduces = not stage.keeps_full_grads
         self.sync = True
-        self._handles: list[tuple[Any, Finish | None]] = []
+        self._handles: list[tuple[Handle, Finish | None]] = []
         self.max_live_buckets = 0  # most transient bucket buffers alive at once (stages 2-3)
         self._next = 0
         self.reset_pending()

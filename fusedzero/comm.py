@@ -14,10 +14,15 @@ import dataclasses
 import datetime
 import enum
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+# A process group, or None for the default (world) group.
+Group = Optional[dist.ProcessGroup]
+# What an async collective returns: a work handle, or None where nothing was sent (1 rank).
+Handle = Optional[dist.Work]
 
 
 
@@ -78,7 +83,7 @@ class CommContext:
     """What whoever issues collectives needs: the group, its size and this rank's place in it,
     the byte counter, and the optional event trace (tests read the order of collectives)."""
 
-    group: Any  # a ProcessGroup, or None for the default (world) group
+    group: Group
     world_size: int
     rank: int
     counter: CommCounter
@@ -88,17 +93,17 @@ class CommContext:
         if self.trace is not None:
             self.trace.append((event, detail))
 
-    def wait(self, handle: Any, what: str) -> None:
+    def wait(self, handle: Handle, what: str) -> None:
         wait(handle, what=what, group=self.group)
 
 
-def group_size(group: Any) -> int:
+def group_size(group: Group) -> int:
     if group is None and not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
 
 
-def group_rank(group: Any) -> int:
+def group_rank(group: Group) -> int:
     if group is None and not dist.is_initialized():
         return 0
     return dist.get_rank(group)
@@ -109,8 +114,8 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, world_size: int,
-                   counter: CommCounter) -> Any:
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int,
+                   counter: CommCounter) -> Handle:
     """Sum `inp` over ranks; this rank's 1/W slice lands in `out` (may alias that slice)."""
     if world_size == 1:
         if out.data_ptr() != inp.data_ptr():
@@ -120,8 +125,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, world_size:
     return _reduce_scatter(out, inp, group=group, async_op=True)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, world_size: int,
-               counter: CommCounter) -> Any:
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int,
+               counter: CommCounter) -> Handle:
     """Concatenate every rank's `inp` into `out` (`inp` may be this rank's slice of `out`)."""
     if world_size == 1:
         if out.data_ptr() != inp.data_ptr():
@@ -131,7 +136,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, world_size: int
     return _all_gather(out, inp, group=group, async_op=True)
 
 
-def all_reduce(t: torch.Tensor, group: Any, world_size: int, counter: CommCounter) -> Any:
+def all_reduce(t: torch.Tensor, group: Group, world_size: int, counter: CommCounter) -> Handle:
     """Sum `t` over ranks in place."""
     if world_size == 1:
         return None
@@ -139,7 +144,7 @@ def all_reduce(t: torch.Tensor, group: Any, world_size: int, counter: CommCounte
     return dist.all_reduce(t, group=group, async_op=True)
 
 
-def group_timeout(group: Any = None) -> float:
+def group_timeout(group: Group = None) -> float:
     """Seconds a wait on `group` may take: the group's timeout if it was set explicitly at
     `init_process_group`/`new_group`, else DEFAULT_TIMEOUT_S (never torch's 30-minute default)."""
     if not dist.is_initialized():
@@ -155,7 +160,7 @@ def group_timeout(group: Any = None) -> float:
     return DEFAULT_TIMEOUT_S
 
 
-def _host_blocking(group: Any) -> bool:
+def _host_blocking(group: Group) -> bool:
     """True where `Work.wait` blocks the host anyway (gloo). On NCCL a wait only orders streams;
     passing it a timeout would turn it into a host sync in `step()`, so NCCL is left to its
     watchdog, which aborts the communicator after the group's timeout."""
@@ -165,7 +170,7 @@ def _host_blocking(group: Any) -> bool:
         return True
 
 
-def wait(handle: Any, what: str = "a collective", group: Any = None,
+def wait(handle: Handle, what: str = "a collective", group: Group = None,
          timeout: float | None = None) -> None:
     """Wait for `handle`; past `timeout` seconds (default: `group_timeout(group)`) raise
     CollectiveTimeout naming this rank and `what` it waited for (e.g. "all-gather of unit 3
@@ -195,7 +200,7 @@ def wait(handle: Any, what: str = "a collective", group: Any = None,
         raise RuntimeError(f"rank {rank}: {what} failed: {msg}") from e
 
 
-def broadcast(t: torch.Tensor, group: Any, world_size: int) -> Any:
+def broadcast(t: torch.Tensor, group: Group, world_size: int) -> Handle:
     """Overwrite `t` with the value group rank 0 holds (async). Used once, at construction, to
     start replicas from one copy (as DDP); not per-step traffic, so not counted."""
     if world_size == 1:

@@ -20,12 +20,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from fusedzero.kernels import Strided
-from fusedzero.layout import FlatLayout, build_layout
+from fusedzero.layout import FlatLayout, ParamSlot, build_layout
 from fusedzero.stage import Stage
 
 # What the fused kernel reads or writes: a contiguous local-shard tensor, or this rank's pieces
@@ -220,7 +221,7 @@ class FlatBuffer:
                     dst.copy_(src)
 
     # -- grads as autograd sees them ----------------------------------------------------------
-    def _full_grad_view(self, slot: object) -> torch.Tensor | None:
+    def _full_grad_view(self, slot: ParamSlot) -> torch.Tensor | None:
         usable = self.grad_flat is not None and self.grad_flat.dtype == self.dtype
         if not usable:
             return None
@@ -280,3 +281,28 @@ def build_buffers(param_groups: list[dict], names: list[str], units: list[int], 
                        bucket_numel=bucket_numel, reduce_dtype=reduce_dtype, device=device,
                        unit=u)
             for u, gi, dt in keys for items in (by_key[(u, gi, dt)],)]
+
+
+class MemoryReport(NamedTuple):
+    """Resident bytes this rank owns, exactly, from the tensors themselves."""
+
+    params: int
+    grads: int
+    optimizer: int
+    padding_elements: int  # elements of params that are padding (alignment + bucket tail)
+    param_elements: int  # Psi: trainable elements
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def memory_report(buffers: Iterable[FlatBuffer]) -> MemoryReport:
+    params = grads = opt = pad = elems = 0
+    for buf in buffers:
+        a, b, c = buf.resident()
+        params, grads, opt = params + a, grads + b, opt + c
+        pad += buf.layout.padded_numel - buf.layout.param_numel
+        # From the layout: stage-3 params are empty tensors while their unit is freed.
+        elems += buf.layout.param_numel
+    return MemoryReport(params, grads, opt, pad, elems)

@@ -26,44 +26,28 @@ This class composes the parts and keeps the torch.optim contract; each part owns
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
 
 from fusedzero import comm, validate
 from fusedzero.buckets import BucketSchedule
-from fusedzero.comm import CommContext, CommCounter
-from fusedzero.flat import FlatBuffer, build_buffers
+from fusedzero.comm import CommContext, CommCounter, Group
+from fusedzero.flat import FlatBuffer, MemoryReport, build_buffers, memory_report
 from fusedzero.grads import GradHooks
 from fusedzero.kernels import adamw_step
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
 from fusedzero.reduce import reduce_replicas
 from fusedzero.scalars import LossScaler, StepScalars
+from fusedzero.shards import ShardAccess
 from fusedzero.stage import Stage
 from fusedzero.state import ParamInfo, ShardInfo, ShardState
 from fusedzero.zero3 import ParamInitFn, UnitPolicy, Zero3
 
-__all__ = ["FlatGroup", "MemoryReport", "Stage", "ZeroAdamW"]
-
-FlatGroup = FlatBuffer  # the old name, for code written before the split
-
-
-class MemoryReport(NamedTuple):
-    """Resident bytes this rank owns, exactly, from the tensors themselves."""
-
-    params: int
-    grads: int
-    optimizer: int
-    padding_elements: int  # elements of params that are padding (alignment + bucket tail)
-    param_elements: int  # Psi: trainable elements
-
-    @property
-    def total(self) -> int:
-        return self.params + self.grads + self.optimizer
+__all__ = ["MemoryReport", "Stage", "ZeroAdamW"]
 
 
 class ZeroAdamW(torch.optim.Optimizer):
@@ -112,8 +96,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         *,
         stage: int | Stage = 1,
         module: nn.Module | None = None,
-        process_group: Any = None,
-        replicate_group: Any = None,
+        process_group: Group = None,
+        replicate_group: Group = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
@@ -166,7 +150,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._replica_ctx = CommContext(group=replicate_group, world_size=self.replicas,
                                         rank=self.replica_rank, counter=self.comm,
                                         trace=self.trace)
-        start_from_rank0(self._owned(module), (self._ctx, self._replica_ctx))
+        start_from_rank0(validate.replicated(all_params, module), (self._ctx, self._replica_ctx))
 
         self.scaler = LossScaler(loss_scale, self.device) if loss_scale is not None else None
         self.scalars = StepScalars(self.device, max_grad_norm=max_grad_norm,
@@ -192,9 +176,9 @@ class ZeroAdamW(torch.optim.Optimizer):
                                on_backward_end=z.end_backward if z is not None else None)
         self.param_sync = ParamSync(
             self.flat_groups if stage.gathers_after_step else [], self._ctx, module)
+        self.shards = ShardAccess(self.flat_groups, self.scalars, self.param_sync)
         self.closed = False
-        for p in {id(p): p for p in self._owned(module)}.values():
-            setattr(p, validate.OWNER_ATTR, weakref.ref(self))
+        validate.claim(self, validate.replicated(all_params, module))
 
     # -- construction -----------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -204,14 +188,6 @@ class ZeroAdamW(torch.optim.Optimizer):
                 "ZeroAdamW cannot add param groups after construction (its flat buffers are "
                 "sharded at build time); pass every group to the constructor")
         super().add_param_group(param_group)
-
-    def _owned(self, module: nn.Module | None) -> list[torch.Tensor]:
-        """Every tensor replicas must agree on: the optimizer's params, and the module's params
-        (frozen ones too) and buffers."""
-        out = list(self.params)
-        if module is not None:
-            out += list(module.parameters()) + list(module.buffers())
-        return out
 
     def broadcast_from_rank0(self, t: torch.Tensor) -> None:
         """Overwrite `t` (contiguous) with rank 0's value over the shard and replicate groups."""
@@ -232,10 +208,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.param_sync.remove_hooks()
         if self.zero3 is not None:
             self.zero3.close(self.params)
-        for p in {id(p): p for p in self._owned(self.module)}.values():
-            ref = getattr(p, validate.OWNER_ATTR, None)
-            if ref is not None and ref() is self:
-                delattr(p, validate.OWNER_ATTR)
+        validate.release(self, validate.replicated(self.params, self.module))
         for p in self.params:
             p.grad = None
         self.closed = True
@@ -267,7 +240,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._check_open("step")
         if self.grads.in_backward:
             raise RuntimeError("step() called during backward")
-        self._check_frozen()
+        validate.check_not_frozen(self.params, self.param_names)
         self.param_sync.wait()  # the kernel rewrites this rank's pieces of the param buffer
         if self.zero3 is not None:
             # Likewise at stage 3: a unit still gathering (a no-grad or partial forward since
@@ -295,18 +268,6 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.param_sync.gather()
         self._consume_grads()
         return loss
-
-    def _check_frozen(self) -> None:
-        """A param frozen after construction still sits in a flat buffer the fused kernel
-        updates as a whole: momentum and weight decay would keep moving it. Refuse, naming it
-        (a Python attribute read per param: no host sync)."""
-        frozen = [n for n, p in zip(self.param_names, self.params) if not p.requires_grad]
-        if frozen:
-            raise RuntimeError(
-                f"params {frozen} were set requires_grad=False after ZeroAdamW was built; the "
-                "fused update would keep moving them (momentum, weight decay). Freeze params "
-                "before building the optimizer (frozen params are left out), or unfreeze them; "
-                "to change the set mid-run: checkpoint.save, close(), build a new ZeroAdamW")
 
     def _consume_grads(self) -> None:
         self.buckets.reset_step()
@@ -353,14 +314,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         return self.buckets.max_live_buckets
 
     def memory(self) -> MemoryReport:
-        params = grads = opt = pad = 0
-        for buf in self.flat_groups:
-            a, b, c = buf.resident()
-            params, grads, opt = params + a, grads + b, opt + c
-            pad += buf.layout.padded_numel - buf.layout.param_numel
-        # From the layout: stage-3 params are empty tensors while their unit is freed.
-        return MemoryReport(params, grads, opt, pad,
-                            sum(buf.layout.param_numel for buf in self.flat_groups))
+        """Resident bytes this rank owns now, from the tensors themselves."""
+        return memory_report(self.flat_groups)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Multiply the loss by the current loss scale (identity without loss scaling)."""
@@ -368,50 +323,12 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     # -- state dict (this rank's shard; `fusedzero.checkpoint` reshards) ----------------------
     def state_dict(self) -> dict[str, Any]:
-        groups = []
-        index = 0
-        for g in self.param_groups:
-            d = {k: v for k, v in g.items() if k != "params"}
-            d["params"] = list(range(index, index + len(g["params"])))
-            index += len(g["params"])
-            groups.append(d)
-        st = self.shard_state()
-        assert st.master is not None and st.exp_avg is not None and st.exp_avg_sq is not None
-        flat = [{"master": m.clone(), "exp_avg": a.clone(), "exp_avg_sq": v.clone()}
-                for m, a, v in zip(st.master, st.exp_avg, st.exp_avg_sq)]
-        state: dict[str, Any] = {"step": self.scalars.step.clone(), "flat": flat}
-        if self.scaler is not None:
-            state["scaler"] = self.scaler.state_dict()
-        return {"state": state, "param_groups": groups, "layout": self.layout_key()}
+        """This rank's shard, loadable into an optimizer of the same layout only
+        (`fusedzero.checkpoint` reshards across world sizes and stages)."""
+        return self.shards.state_dict(self.param_groups, self.layout_key())
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        key = state_dict.get("layout")
-        if key != self.layout_key():
-            raise ValueError(f"state dict was saved with layout {key}, this optimizer has "
-                             f"{self.layout_key()}; use fusedzero.checkpoint to load across "
-                             "world sizes or stages")
-        groups = state_dict["param_groups"]
-        if len(groups) != len(self.param_groups):
-            raise ValueError(f"state dict has {len(groups)} param groups, optimizer has "
-                             f"{len(self.param_groups)}")
-        for mine, saved in zip(self.param_groups, groups):
-            if len(saved["params"]) != len(mine["params"]):
-                raise ValueError("param group sizes differ between state dict and optimizer")
-            for k, v in saved.items():
-                if k != "params":
-                    mine[k] = v
-        st = state_dict["state"]
-        flat = st["flat"]
-        if len(flat) != len(self.flat_groups):
-            raise ValueError(f"state dict has {len(flat)} flat buffers, optimizer has "
-                             f"{len(self.flat_groups)}")
-        with torch.no_grad():
-            self.scalars.step.copy_(st["step"])
-            if self.scaler is not None and "scaler" in st:
-                self.scaler.load_state_dict(st["scaler"])
-        self.load_shard_state(ShardState(master=[d["master"] for d in flat],
-                                         exp_avg=[d["exp_avg"] for d in flat],
-                                         exp_avg_sq=[d["exp_avg_sq"] for d in flat]))
+        self.shards.load_state_dict(state_dict, self.param_groups, self.layout_key())
 
     def layout_key(self) -> dict[str, Any]:
         return {"world_size": self.world_size, "rank": self.rank, "stage": int(self.stage),
@@ -422,57 +339,21 @@ class ZeroAdamW(torch.optim.Optimizer):
     # -- the typed interface of fusedzero/state.py (checkpoints, importers, plan) -------------
     def shard_infos(self) -> list[ShardInfo]:
         """What this rank holds, one record per flat buffer (the order of `shard_state()`)."""
-        return [ShardInfo(group_index=b.group_index, dtype=b.dtype, unit=b.unit,
-                          layout=b.layout, shard_rank=b.shard_rank) for b in self.flat_groups]
+        return self.shards.shard_infos()
 
     def param_infos(self) -> list[ParamInfo]:
-        """The trainable params in optimizer order. Shapes come from the layout: a stage-3
-        param is an empty tensor while its unit is freed."""
-        slots = {s.index: (s, b) for b in self.flat_groups for s in b.layout.params}
-        out = []
-        for gi, g in enumerate(self.param_groups):
-            for _ in g["params"]:
-                s, b = slots[len(out)]
-                out.append(ParamInfo(index=s.index, name=s.name, shape=s.shape, dtype=b.dtype,
-                                     group_index=gi))
-        return out
+        """The trainable params in optimizer order."""
+        return self.shards.param_infos(self.param_groups)
 
     def shard_state(self) -> ShardState:
         """This rank's values: master as a local-shard tensor (a copy where the params are
         their own master), the moments as live views. `step_count` is a host sync."""
-        # fp32 params are their own master: let the param all-gather in flight land first.
-        self.param_sync.wait()
-        return ShardState(master=[b.read_master() for b in self.flat_groups],
-                          exp_avg=[b.exp_avg for b in self.flat_groups],
-                          exp_avg_sq=[b.exp_avg_sq for b in self.flat_groups],
-                          step_count=float(self.scalars.step.reshape(-1)[0]),
-                          scaler=None if self.scaler is None else self.scaler.values())
+        return self.shards.shard_state()
 
     def load_shard_state(self, st: ShardState) -> None:
         """Write `st` back; None fields are left as they are. Writing master rewrites the
         params derived from it and gathers them: a collective at stages 1-3."""
-        n = len(self.flat_groups)
-        for name in ("master", "exp_avg", "exp_avg_sq"):
-            values = getattr(st, name)
-            if values is not None and len(values) != n:
-                raise ValueError(f"shard state has {len(values)} {name} buffers, the "
-                                 f"optimizer has {n}")
-        with torch.no_grad():
-            for i, buf in enumerate(self.flat_groups):
-                if st.exp_avg is not None:
-                    buf.exp_avg.copy_(st.exp_avg[i])
-                if st.exp_avg_sq is not None:
-                    buf.exp_avg_sq.copy_(st.exp_avg_sq[i])
-            if st.master is not None:
-                self.param_sync.wait()  # the write must not race an all-gather in flight
-                for buf, values in zip(self.flat_groups, st.master):
-                    buf.write_master(values)
-                self.param_sync.gather()
-                self.param_sync.wait()
-            if st.step_count is not None:
-                self.scalars.step.fill_(st.step_count)
-            if st.scaler is not None and self.scaler is not None:
-                self.scaler.load_values(st.scaler)
+        self.shards.load_shard_state(st)
 
     # -- aliases for checkpoint code written before fusedzero/state.py (to be removed) ---------
     @property
@@ -481,12 +362,8 @@ class ZeroAdamW(torch.optim.Optimizer):
 
     def master_shard(self, fg: FlatBuffer) -> torch.Tensor:
         """This rank's fp32 master values of `fg`, as a contiguous local-shard tensor."""
-        self.param_sync.wait()
-        return fg.read_master()
+        return self.shards.master(fg)
 
     def set_master_shard(self, fg: FlatBuffer, values: torch.Tensor) -> None:
         """Write this rank's fp32 master (and the param copy derived from it), then gather."""
-        self.param_sync.wait()
-        fg.write_master(values)
-        self.param_sync.gather()
-        self.param_sync.wait()
+        self.shards.set_master(fg, values)

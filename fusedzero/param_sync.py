@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from fusedzero import comm
-from fusedzero.comm import CommContext
+from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
 
 # (id of a flat buffer, bucket index): one all-gather.
@@ -30,7 +30,7 @@ class ParamSync:
                  module: nn.Module | None) -> None:
         self.buffers = buffers
         self.ctx = ctx
-        self._handles: dict[BucketKey, Any] = {}
+        self._handles: dict[BucketKey, Handle] = {}
         self.hooks: list[Any] = []
         self._module_waits = module is not None and bool(buffers)
         if self._module_waits:

@@ -28,12 +28,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from fusedzero import comm
-from fusedzero.comm import CommContext
+from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
 from fusedzero.stage import Stage
 
@@ -83,7 +83,7 @@ class Reduction(Protocol):
     def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
         """Add the part of param `pos`'s flat grad that falls in bucket b."""
 
-    def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Any, Finish | None]:
+    def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         """Issue b's reduction; return its handle and what to run once it is complete."""
 
     def before_step(self, buckets: Iterable[Bucket]) -> None:
@@ -97,7 +97,7 @@ class AllReduceFull:
         a, e, p = b.buf.layout.overlap(pos, b.k)
         b.full_grad()[a:e].add_(grad[p:p + e - a])
 
-    def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Any, Finish | None]:
+    def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         buf = b.full_grad()
         if ctx.world_size > 1:
             buf.mul_(inv_world)
@@ -131,7 +131,7 @@ class ReduceScatterInPlace:
             self._clean(b)
             dst.add_(src, alpha=inv_world)
 
-    def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Any, Finish | None]:
+    def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         buf = b.full_grad()
         if b.status is not BucketStatus.EMPTY:
             self._clean(b)  # new grads were added pre-divided: divide nothing again
@@ -170,7 +170,7 @@ class ReduceIntoShard:
         else:
             torch.mul(src, inv_world, out=dst)
 
-    def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Any, Finish | None]:
+    def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         buf = self._transient(b)
         for pos in b.slots:
             if pos not in b.arrived:  # a param without a grad this backward contributes zeros

@@ -2,6 +2,7 @@
 Each error names the offending value and the fix."""
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
@@ -135,3 +136,38 @@ def param_names(module: nn.Module | None, params: list[nn.Parameter]) -> list[st
         if missing:
             raise ValueError(f"params at positions {missing} are not parameters of `module`")
     return out
+
+
+def check_not_frozen(params: list[nn.Parameter], names: list[str]) -> None:
+    """A param frozen after construction still sits in a flat buffer the fused kernel
+    updates as a whole: momentum and weight decay would keep moving it. Refuse, naming it
+    (a Python attribute read per param: no host sync)."""
+    frozen = [n for n, p in zip(names, params) if not p.requires_grad]
+    if frozen:
+        raise RuntimeError(
+            f"params {frozen} were set requires_grad=False after ZeroAdamW was built; the "
+            "fused update would keep moving them (momentum, weight decay). Freeze params "
+            "before building the optimizer (frozen params are left out), or unfreeze them; "
+            "to change the set mid-run: checkpoint.save, close(), build a new ZeroAdamW")
+
+
+def replicated(params: list[nn.Parameter], module: nn.Module | None) -> list[torch.Tensor]:
+    """Every tensor replicas must agree on, once each: the optimizer's params, and the module's
+    params (frozen ones too) and buffers."""
+    out = list(params)
+    if module is not None:
+        out += list(module.parameters()) + list(module.buffers())
+    return list({id(t): t for t in out}.values())
+
+
+def claim(owner: object, tensors: list[torch.Tensor]) -> None:
+    """Mark `tensors` as owned by the live optimizer `owner` (see `check_not_owned`)."""
+    for t in tensors:
+        setattr(t, OWNER_ATTR, weakref.ref(owner))
+
+
+def release(owner: object, tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        ref = getattr(t, OWNER_ATTR, None)
+        if ref is not None and ref() is owner:
+            delattr(t, OWNER_ATTR)

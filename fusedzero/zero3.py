@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fusedzero import comm
-from fusedzero.comm import CommContext
+from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
 
 # How units are chosen (see `select_units`): None (every child of an nn.ModuleList), a module
@@ -102,7 +102,7 @@ class Zero3:
         n = len(self.modules)
         self.buffers: list[list[FlatBuffer]] = [[] for _ in range(n)]
         self.state = [UnitState.FREE] * n
-        self.handles: list[list[Any]] = [[] for _ in range(n)]
+        self.handles: list[list[Handle]] = [[] for _ in range(n)]
         self.pending = [0] * n
         self.n_trainable = [0] * n
         self.gathered_now = 0
@@ -111,6 +111,7 @@ class Zero3:
         self.materialize_peak = 0  # most full-buffer elements alive during meta-device init
         self.hooks: list[Any] = []
         self.unit_of_param: dict[int, int] = {}
+        self._meta_init = False  # params came on the meta device: `setup` initialises them
 
     # -- construction -------------------------------------------------------------------------
     def assign(self, params: list[nn.Parameter]) -> list[int]:
@@ -124,6 +125,8 @@ class Zero3:
                 else:
                     owner.setdefault(id(p), u)
         units = [owner.get(id(p), 0) for p in params]
+        # Asked here, before the buffers are built: they move meta params onto real storage.
+        self._meta_init = any(p.is_meta for p in params)
         for p, u in zip(params, units):
             self.unit_of_param[id(p)] = u
             self.n_trainable[u] += 1
@@ -132,10 +135,9 @@ class Zero3:
     def setup(self, buffers: list[FlatBuffer], param_init_fn: ParamInitFn | None) -> None:
         """Take the units' buffers (built, params pointing at their released gathered
         buffer), initialise params on the meta device unit by unit, install the hooks."""
-        meta = any(p.is_meta for buf in buffers for p in buf.params)
         for buf in buffers:
             self.buffers[buf.unit].append(buf)
-        if meta:
+        if self._meta_init:
             self._materialize(param_init_fn)
         for u, m in enumerate(self.modules):
             if not self.buffers[u]:
@@ -159,8 +161,10 @@ class Zero3:
             h.remove()
         self.hooks.clear()
         with self.gathered(), torch.no_grad():
-            for p in params:
-                p.data = p.detach().clone()  # off the unit buffer, which is freed on exit
+            full = [p.detach().clone() for p in params]  # off the unit buffers
+        # After the free, which points the params at empty tensors: they keep their values.
+        for p, t in zip(params, full):
+            p.data = t
 
     def _materialize(self, init_fn: ParamInitFn | None) -> None:
         """Initialise meta-device params module by module, in `named_modules()` order (the order
