@@ -62,6 +62,8 @@ class FlatBuffer:
         self.param_shard: torch.Tensor | None = None
         self.full: torch.Tensor | None = None
         self.param_base: torch.Tensor | None = None
+        self.param_views: list[torch.Tensor] = []  # stage 3: each param's view of param_base
+        self.param_empty: torch.Tensor | None = None  # stage 3: what params hold while freed
         if stage.shards_params:
             self._build_param_shard()
         else:
@@ -104,7 +106,6 @@ class FlatBuffer:
         base = torch.empty(0, dtype=self.dtype, device=dev)
         base.set_(self.full.untyped_storage(), 0, (self.full.numel(),))
         self.param_base = base
-        self.param_views = []
         for p, slot in zip(self.params, L.params):
             view = base[slot.offset:slot.offset + slot.numel].view(slot.shape)
             self.param_views.append(view)
