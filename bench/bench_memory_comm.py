@@ -69,9 +69,9 @@ def formula_comm(stage: int, psi: int, world: int) -> dict[str, int]:
 def update_bytes_per_param(opt: ZeroAdamW) -> dict[str, Any]:
     """Bytes per parameter the update moves, from the streams of the first flat buffer."""
     fg = opt.flat_groups[0]
-    master = fg.master_stream()
-    grad = fg.grad_stream()
-    out = fg.out_stream()
+    master = fg.master_view()
+    grad = fg.grad_view()
+    out = fg.out_view()
 
     def size(s: Any) -> int:
         t = s if isinstance(s, torch.Tensor) else s.tensor

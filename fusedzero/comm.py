@@ -12,13 +12,30 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import enum
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-KINDS = ("all_reduce", "reduce_scatter", "all_gather")
+# A process group, or None for the default (world) group.
+Group = Optional[dist.ProcessGroup]
+# What an async collective returns: a work handle, or None where nothing was sent (1 rank).
+Handle = Optional[dist.Work]
+
+
+
+class CollectiveKind(str, enum.Enum):
+    """The collectives the optimizer issues per step. The values are the keys of
+    `CommCounter`'s dicts and of `--out-json`'s comm_bytes_per_step."""
+
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_GATHER = "all_gather"
+
+
+KINDS: tuple[str, ...] = tuple(k.value for k in CollectiveKind)
 
 # How long a wait on other ranks may take before the run ends with an error naming the wait, when
 # the process group was created with torch's default timeout (gloo: 30 minutes, long enough for a
@@ -40,11 +57,13 @@ class CommCounter:
     numel: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     calls: dict[str, int] = dataclasses.field(default_factory=lambda: dict.fromkeys(KINDS, 0))
 
-    def add(self, kind: str, numel: int, element_size: int, world_size: int) -> None:
-        factor = 2 if kind == "all_reduce" else 1
-        self.bytes[kind] += factor * (world_size - 1) * numel * element_size // world_size
-        self.numel[kind] += numel
-        self.calls[kind] += 1
+    def add(self, kind: CollectiveKind, numel: int, element_size: int, world_size: int) -> None:
+        # Ring algorithms: an all-reduce is a reduce-scatter followed by an all-gather.
+        factor = 2 if kind is CollectiveKind.ALL_REDUCE else 1
+        key = kind.value
+        self.bytes[key] += factor * (world_size - 1) * numel * element_size // world_size
+        self.numel[key] += numel
+        self.calls[key] += 1
 
     def reset(self) -> None:
         for d in (self.bytes, self.numel, self.calls):
@@ -59,13 +78,32 @@ class CommCounter:
         return sum(self.bytes.values())
 
 
-def group_size(group: Any) -> int:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CommContext:
+    """What whoever issues collectives needs: the group, its size and this rank's place in it,
+    the byte counter, and the optional event trace (tests read the order of collectives)."""
+
+    group: Group
+    world_size: int
+    rank: int
+    counter: CommCounter
+    trace: list[tuple[str, Any]] | None = None
+
+    def record(self, event: str, detail: Any) -> None:
+        if self.trace is not None:
+            self.trace.append((event, detail))
+
+    def wait(self, handle: Handle, what: str) -> None:
+        wait(handle, what=what, group=self.group)
+
+
+def group_size(group: Group) -> int:
     if group is None and not dist.is_initialized():
         return 1
     return dist.get_world_size(group)
 
 
-def group_rank(group: Any) -> int:
+def group_rank(group: Group) -> int:
     if group is None and not dist.is_initialized():
         return 0
     return dist.get_rank(group)
@@ -76,37 +114,37 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Any, world_size: int,
-                   counter: CommCounter) -> Any:
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int,
+                   counter: CommCounter) -> Handle:
     """Sum `inp` over ranks; this rank's 1/W slice lands in `out` (may alias that slice)."""
     if world_size == 1:
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return None
-    counter.add("reduce_scatter", inp.numel(), inp.element_size(), world_size)
+    counter.add(CollectiveKind.REDUCE_SCATTER, inp.numel(), inp.element_size(), world_size)
     return _reduce_scatter(out, inp, group=group, async_op=True)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, world_size: int,
-               counter: CommCounter) -> Any:
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int,
+               counter: CommCounter) -> Handle:
     """Concatenate every rank's `inp` into `out` (`inp` may be this rank's slice of `out`)."""
     if world_size == 1:
         if out.data_ptr() != inp.data_ptr():
             out.copy_(inp)
         return None
-    counter.add("all_gather", out.numel(), out.element_size(), world_size)
+    counter.add(CollectiveKind.ALL_GATHER, out.numel(), out.element_size(), world_size)
     return _all_gather(out, inp, group=group, async_op=True)
 
 
-def all_reduce(t: torch.Tensor, group: Any, world_size: int, counter: CommCounter) -> Any:
+def all_reduce(t: torch.Tensor, group: Group, world_size: int, counter: CommCounter) -> Handle:
     """Sum `t` over ranks in place."""
     if world_size == 1:
         return None
-    counter.add("all_reduce", t.numel(), t.element_size(), world_size)
+    counter.add(CollectiveKind.ALL_REDUCE, t.numel(), t.element_size(), world_size)
     return dist.all_reduce(t, group=group, async_op=True)
 
 
-def group_timeout(group: Any = None) -> float:
+def group_timeout(group: Group = None) -> float:
     """Seconds a wait on `group` may take: the group's timeout if it was set explicitly at
     `init_process_group`/`new_group`, else DEFAULT_TIMEOUT_S (never torch's 30-minute default)."""
     if not dist.is_initialized():
@@ -122,7 +160,7 @@ def group_timeout(group: Any = None) -> float:
     return DEFAULT_TIMEOUT_S
 
 
-def _host_blocking(group: Any) -> bool:
+def _host_blocking(group: Group) -> bool:
     """True where `Work.wait` blocks the host anyway (gloo). On NCCL a wait only orders streams;
     passing it a timeout would turn it into a host sync in `step()`, so NCCL is left to its
     watchdog, which aborts the communicator after the group's timeout."""
@@ -135,7 +173,7 @@ def _host_blocking(group: Any) -> bool:
 # Dynamo cannot trace a wait on other ranks (nor the process-group internals it reads): when a
 # compiled model's hook waits, the graph breaks here, once, with this function named.
 @torch.compiler.disable(reason="fusedzero.comm.wait blocks on other ranks")
-def wait(handle: Any, what: str = "a collective", group: Any = None,
+def wait(handle: Handle, what: str = "a collective", group: Group = None,
          timeout: float | None = None) -> None:
     """Wait for `handle`; past `timeout` seconds (default: `group_timeout(group)`) raise
     CollectiveTimeout naming this rank and `what` it waited for (e.g. "all-gather of unit 3
@@ -165,7 +203,7 @@ def wait(handle: Any, what: str = "a collective", group: Any = None,
         raise RuntimeError(f"rank {rank}: {what} failed: {msg}") from e
 
 
-def broadcast(t: torch.Tensor, group: Any, world_size: int) -> Any:
+def broadcast(t: torch.Tensor, group: Group, world_size: int) -> Handle:
     """Overwrite `t` with the value group rank 0 holds (async). Used once, at construction, to
     start replicas from one copy (as DDP); not per-step traffic, so not counted."""
     if world_size == 1:

@@ -96,6 +96,28 @@ class FlatLayout:
         last = (slot.offset + slot.numel - 1) // self.bucket_numel
         return range(first, last + 1)
 
+    def overlap(self, pos: int, k: int) -> tuple[int, int, int]:
+        """(start in bucket k, end in bucket k, start in the param) of params[pos] in bucket k."""
+        slot, B = self.params[pos], self.bucket_numel
+        a, b = max(slot.offset, k * B), min(slot.offset + slot.numel, (k + 1) * B)
+        return a - k * B, b - k * B, a - slot.offset
+
+    def slots_in(self, k: int) -> list[int]:
+        """Positions in `params` of the params overlapping bucket k."""
+        return [i for i, s in enumerate(self.params) if k in self.buckets_of(s)]
+
+    def holes(self, k: int) -> list[tuple[int, int]]:
+        """Ranges of bucket k that belong to no param (alignment gaps, tail padding)."""
+        spans = sorted(self.overlap(pos, k)[:2] for pos in self.slots_in(k))
+        out, cur = [], 0
+        for a, b in spans:
+            if a > cur:
+                out.append((cur, a))
+            cur = max(cur, b)
+        if cur < self.bucket_numel:
+            out.append((cur, self.bucket_numel))
+        return out
+
     def segments(self, rank: int) -> list[Segment]:
         """Every run of param elements that `rank` owns, in local-shard order."""
         if rank not in self._segments:

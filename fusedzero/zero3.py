@@ -5,17 +5,15 @@ each transformer block); params in no unit, and params shared by two units (tied
 to the root unit (the whole model). Each unit's params form their own flat buffers, so a unit is
 gathered by one all-gather per bucket.
 
-[Note: buffer lifetimes]
-- param_shard / master / exp_avg / exp_avg_sq / grad_shard: this rank's local shard, always alive.
-- full (per flat buffer): the gathered params. Its storage is allocated by `gather` and released
-  by `free` (`untyped_storage().resize_(0)`). Two tensor objects share that storage: `full` takes
-  the collective's in-place write, `param_base` carries the param views, so the write does not
-  bump the version counter of tensors that autograd saved in forward.
-- The model's params hold their view of `param_base` only while the unit is gathered; `free`
-  swaps in a zero-element tensor (`.data`, as FSDP1 does). A view of a zero-byte storage still
-  claims its full shape, so `print(p)`, `p.norm()` or `p.fill_()` outside a forward read or wrote
-  freed memory (a segfault); an empty param is safe and visibly not the value. Read full values
-  inside `opt.gathered_params()`, or through `model.state_dict()` (gathered on demand, copied).
+This module receives the flat buffers (`fusedzero.flat`, fully built) and a communication
+context; it never sees the optimizer. It decides *when* a unit's gathered buffer lives.
+
+[Note: unit lifetimes] (the buffers themselves: see fusedzero/flat.py)
+- A unit's gathered storage is allocated by `gather` and released by `free`; while it is freed
+  the params are empty tensors (`.data` swaps, as FSDP1 does): `print(p)`, `p.norm()` or
+  `p.fill_()` outside a forward would otherwise read or write freed memory (a segfault). Read
+  full values inside `opt.gathered_params()`, or through `model.state_dict()` (gathered on
+  demand, copied).
 - Forward: the pre-hook gathers unit u (waiting on its prefetch) and issues unit u+1's gather;
   the post-hook frees u (reshard_after_forward=True) unless it runs as a recomputation inside
   backward (activation checkpointing).
@@ -28,16 +26,22 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Union
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fusedzero import comm
+from fusedzero.comm import CommContext, Handle
+from fusedzero.flat import FlatBuffer
 
-if TYPE_CHECKING:
-    from fusedzero.optim import FlatGroup, ZeroAdamW
+# How units are chosen (see `select_units`): None (every child of an nn.ModuleList), a module
+# class or tuple of classes, a predicate on modules, or a minimum element count.
+UnitPolicy = Union[None, type, tuple[type, ...], Callable[[nn.Module], bool], int]
+# Overwrite a tensor with group rank 0's value (over every group replicas span).
+Broadcast = Callable[[torch.Tensor], None]
+ParamInitFn = Callable[[str, nn.Module], None]
 
 
 class UnitState(enum.Enum):
@@ -51,7 +55,7 @@ def default_policy(root: nn.Module) -> list[nn.Module]:
     return [m for mod in root.modules() if isinstance(mod, nn.ModuleList) for m in mod]
 
 
-def select_units(root: nn.Module, policy: Any) -> list[nn.Module]:
+def select_units(root: nn.Module, policy: UnitPolicy) -> list[nn.Module]:
     """Units in forward (registration) order, from a policy: None (default), a module class or
     tuple of classes, a callable(module) -> bool, or an int (modules with at least that many
     param elements of their own subtree, innermost first)."""
@@ -86,29 +90,33 @@ def select_units(root: nn.Module, policy: Any) -> list[nn.Module]:
 
 
 class Zero3:
-    """The per-unit gather/free machinery of one ZeroAdamW at stage 3."""
+    """The per-unit gather/free machinery of stage 3, over flat buffers it is given."""
 
-    def __init__(self, opt: ZeroAdamW, root: nn.Module, policy: Any,
-                 reshard_after_forward: bool) -> None:
-        self.opt = opt
+    def __init__(self, root: nn.Module, policy: UnitPolicy, reshard_after_forward: bool,
+                 ctx: CommContext, broadcast: Broadcast) -> None:
         self.root = root
         self.reshard_after_forward = reshard_after_forward
+        self.ctx = ctx
+        self._broadcast = broadcast
         self.modules: list[nn.Module] = [root] + select_units(root, policy)
         n = len(self.modules)
-        self.fgs: list[list[FlatGroup]] = [[] for _ in range(n)]
+        self.buffers: list[list[FlatBuffer]] = [[] for _ in range(n)]
         self.state = [UnitState.FREE] * n
-        self.handles: list[list[Any]] = [[] for _ in range(n)]
+        self.handles: list[list[Handle]] = [[] for _ in range(n)]
         self.pending = [0] * n
         self.n_trainable = [0] * n
         self.gathered_now = 0
         self.max_gathered = 0  # units gathered at once, the root excluded
         self.max_gathered_with_root = 0
         self.materialize_peak = 0  # most full-buffer elements alive during meta-device init
-        self._hooks: list[Any] = []
+        self.hooks: list[Any] = []
         self.unit_of_param: dict[int, int] = {}
+        self._meta_init = False  # params came on the meta device: `setup` initialises them
 
     # -- construction -------------------------------------------------------------------------
     def assign(self, params: list[nn.Parameter]) -> list[int]:
+        """The unit of each param: the unit module that holds it, or the root (0) for params
+        in no unit or shared by two (tied weights)."""
         owner: dict[int, int] = {}
         for u, m in enumerate(self.modules[1:], start=1):
             for p in m.parameters():
@@ -117,38 +125,48 @@ class Zero3:
                 else:
                     owner.setdefault(id(p), u)
         units = [owner.get(id(p), 0) for p in params]
+        # Asked here, before the buffers are built: they move meta params onto real storage.
+        self._meta_init = any(p.is_meta for p in params)
         for p, u in zip(params, units):
             self.unit_of_param[id(p)] = u
             self.n_trainable[u] += 1
         return units
 
-    def setup(self, fgs: list[FlatGroup], param_init_fn: Any) -> None:
-        """Fill the shards from the params' current values (or, for params on the meta device,
-        initialise them unit by unit), point params at the gathered buffer, release it, and
-        install the hooks."""
-        meta = any(p.is_meta for fg in fgs for p in fg.params)
-        for fg in fgs:
-            self.fgs[fg.unit].append(fg)
-            _init_flat_group(fg)
-        if meta:
+    def setup(self, buffers: list[FlatBuffer], param_init_fn: ParamInitFn | None) -> None:
+        """Take the units' buffers (built, params pointing at their released gathered
+        buffer), initialise params on the meta device unit by unit, install the hooks."""
+        for buf in buffers:
+            self.buffers[buf.unit].append(buf)
+        if self._meta_init:
             self._materialize(param_init_fn)
         for u, m in enumerate(self.modules):
-            if not self.fgs[u]:
+            if not self.buffers[u]:
                 continue
-            self._hooks.append(m.register_forward_pre_hook(self._make_pre_forward(u)))
-            self._hooks.append(m.register_forward_hook(self._make_post_forward(u)))
+            self.hooks.append(m.register_forward_pre_hook(self._make_pre_forward(u)))
+            self.hooks.append(m.register_forward_hook(self._make_post_forward(u)))
         # `model.state_dict()` gathers what is free, copies the full values, frees again (FSDP's
         # full state dict): a collective, so every rank calls it. Without this it held the
         # empty params, and torch.save wrote tensors that cannot be loaded back.
         self._sd_freed: list[list[int]] = []
         # (Plain functions: torch tags the hook with an attribute, which a bound method refuses.)
-        self._hooks.append(self.root.register_state_dict_pre_hook(
+        self.hooks.append(self.root.register_state_dict_pre_hook(
             lambda *a: self._state_dict_pre(*a)))
-        self._hooks.append(self.root.register_state_dict_post_hook(
+        self.hooks.append(self.root.register_state_dict_post_hook(
             lambda *a: self._state_dict_post(*a)))
         self.pending = list(self.n_trainable)
 
-    def _materialize(self, init_fn: Any) -> None:
+    def close(self, params: list[nn.Parameter]) -> None:
+        """Remove the hooks and leave `params` as plain tensors holding their full values."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        with self.gathered(), torch.no_grad():
+            full = [p.detach().clone() for p in params]  # off the unit buffers
+        # After the free, which points the params at empty tensors: they keep their values.
+        for p, t in zip(params, full):
+            p.data = t
+
+    def _materialize(self, init_fn: ParamInitFn | None) -> None:
         """Initialise meta-device params module by module, in `named_modules()` order (the order
         an eager build draws its random numbers in, so both give the same values). A unit's
         full buffer lives only while its modules are being initialised: the whole model never
@@ -167,45 +185,40 @@ class Zero3:
                 left[u] += 1
         for name, m, u in todo:
             if self.state[u] == UnitState.FREE:
-                for fg in self.fgs[u]:
-                    st = fg.full.untyped_storage()
-                    st.resize_(fg.layout.padded_numel * fg.full.element_size())
-                    fg.full.zero_()
-                    _point_params(fg, gathered=True)
+                for buf in self.buffers[u]:
+                    buf.allocate_full()
+                    buf.full.zero_()
                 self.state[u] = UnitState.GATHERED
                 self.materialize_peak = max(self.materialize_peak, sum(
-                    fg.layout.padded_numel for v in range(len(self.modules))
-                    if self.state[v] != UnitState.FREE for fg in self.fgs[v]))
+                    buf.layout.padded_numel for v in range(len(self.modules))
+                    if self.state[v] != UnitState.FREE for buf in self.buffers[v]))
             with torch.no_grad():
                 init_fn(name, m)
             left[u] -= 1
             if left[u] == 0:
-                for fg in self.fgs[u]:
+                for buf in self.buffers[u]:
                     # Every rank drew its own init: start every replica from rank 0's, as DDP.
-                    self.opt.broadcast_from_rank0(fg.full)
-                    _copy_own_shard(fg)
-                for fg in self.fgs[u]:
-                    fg.full.untyped_storage().resize_(0)
-                    _point_params(fg, gathered=False)
+                    self._broadcast(buf.full)
+                    buf.copy_own_shard()
+                for buf in self.buffers[u]:
+                    buf.release_full()
                 self.state[u] = UnitState.FREE
 
     # -- gather / free --------------------------------------------------------------------------
     def gather(self, u: int) -> None:
         """Issue unit u's all-gather (async); no-op if it is gathered or on its way."""
-        if self.state[u] != UnitState.FREE or not self.fgs[u]:
+        if self.state[u] != UnitState.FREE or not self.buffers[u]:
             return
-        opt = self.opt
-        if opt.trace is not None:
-            opt.trace.append(("gather", u))
-        for fg in self.fgs[u]:
-            L = fg.layout
-            fg.full.untyped_storage().resize_(L.padded_numel * fg.full.element_size())
-            _point_params(fg, gathered=True)  # values land when the handles are waited on
+        ctx = self.ctx
+        ctx.record("gather", u)
+        for buf in self.buffers[u]:
+            L = buf.layout
+            buf.allocate_full()  # values land when the handles are waited on
             for k in range(L.num_buckets):
                 lo, hi = L.bucket_range(k)
                 S = L.shard_numel
-                h = comm.all_gather(fg.full[lo:hi], fg.param_shard[k * S:(k + 1) * S],
-                                    opt.process_group, opt.world_size, opt.comm)
+                h = comm.all_gather(buf.full[lo:hi], buf.param_shard[k * S:(k + 1) * S],
+                                    ctx.group, ctx.world_size, ctx.counter)
                 self.handles[u].append(h)
         self.state[u] = UnitState.GATHERING
         if u != 0:
@@ -218,8 +231,7 @@ class Zero3:
         self.gather(u)
         if self.state[u] == UnitState.GATHERING:
             for h in self.handles[u]:
-                comm.wait(h, what=f"all-gather of unit {u} params (stage 3)",
-                          group=self.opt.process_group)
+                self.ctx.wait(h, what=f"all-gather of unit {u} params (stage 3)")
             self.handles[u].clear()
             self.state[u] = UnitState.GATHERED
 
@@ -227,17 +239,14 @@ class Zero3:
         if self.state[u] == UnitState.FREE:
             return
         for h in self.handles[u]:  # never release memory a collective is still writing
-            comm.wait(h, what=f"all-gather of unit {u} params (stage 3)",
-                      group=self.opt.process_group)
+            self.ctx.wait(h, what=f"all-gather of unit {u} params (stage 3)")
         self.handles[u].clear()
-        for fg in self.fgs[u]:
-            fg.full.untyped_storage().resize_(0)
-            _point_params(fg, gathered=False)
+        for buf in self.buffers[u]:
+            buf.release_full()
         self.state[u] = UnitState.FREE
         if u != 0:
             self.gathered_now -= 1
-        if self.opt.trace is not None:
-            self.opt.trace.append(("free", u))
+        self.ctx.record("free", u)
 
     def free_all(self) -> None:
         for u in range(len(self.modules)):
@@ -262,8 +271,9 @@ class Zero3:
 
     def _state_dict_post(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
                          local_metadata: dict[str, Any]) -> None:
-        storages = {fg.full.untyped_storage().data_ptr() for fgs in self.fgs for fg in fgs
-                    if fg.full is not None and fg.full.untyped_storage().nbytes()}
+        storages = {buf.full.untyped_storage().data_ptr() for bufs in self.buffers
+                    for buf in bufs
+                    if buf.full is not None and buf.full.untyped_storage().nbytes()}
         for k, v in state_dict.items():
             if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in storages:
                 # A copy: the gathered storage is freed below (and rewritten by every step).
@@ -286,8 +296,7 @@ class Zero3:
 
     def _make_post_forward(self, u: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            if self.opt.trace is not None:
-                self.opt.trace.append(("forward_end", u))
+            self.ctx.record("forward_end", u)
             tensors = [t for t in tree_flatten(output)[0]
                        if isinstance(t, torch.Tensor) and t.requires_grad]
             if torch.is_grad_enabled() and tensors:
@@ -309,7 +318,9 @@ class Zero3:
                 self.gather(prev)
         return hook
 
-    def grad_ready(self, u: int) -> None:
+    def grad_ready(self, buf: FlatBuffer) -> None:
+        """One more param of `buf`'s unit has its grad; the last one frees the unit."""
+        u = buf.unit
         self.pending[u] -= 1
         if self.pending[u] == 0:
             self.free(u)
@@ -321,84 +332,3 @@ class Zero3:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-def _init_flat_group(fg: FlatGroup) -> None:
-    """Shard state of a stage-3 flat buffer, filled from the params' current full values."""
-    L = fg.layout
-    n_local = L.local_numel
-    dev = fg.device
-    fg.param_shard = torch.zeros(n_local, dtype=fg.dtype, device=dev)
-    if fg.dtype != torch.float32:
-        fg.master = torch.zeros(n_local, dtype=torch.float32, device=dev)
-    fg.grad_shard = torch.zeros(n_local, dtype=fg.reduce_dtype, device=dev)
-    # Meta-device params are skipped here and filled by Zero3._materialize.
-    fg.copy_params_into(fg.param_shard)
-    if fg.master is not None:
-        fg.copy_params_into(fg.master)
-    fg.full = torch.empty(max(L.padded_numel, 1), dtype=fg.dtype, device=dev)
-    base = torch.empty(0, dtype=fg.dtype, device=dev)
-    base.set_(fg.full.untyped_storage(), 0, (fg.full.numel(),))
-    fg.param_base = base
-    fg.param_views = []
-    for p, slot in zip(fg.params, L.params):
-        view = base[slot.offset:slot.offset + slot.numel].view(slot.shape)
-        fg.param_views.append(view)
-        if p.is_meta:
-            # `.data =` cannot move a tensor off the meta device; swapping keeps the Python
-            # object (the module, the optimizer and tied modules all hold this one).
-            torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
-        else:
-            p.data = view
-    fg.param_empty = torch.empty(0, dtype=fg.dtype, device=dev)
-    fg.full.untyped_storage().resize_(0)
-    _point_params(fg, gathered=False)
-
-
-def _point_params(fg: FlatGroup, gathered: bool) -> None:
-    """The params as views of the gathered buffer, or empty while it is freed (see the note on
-    buffer lifetimes). `.data` swaps keep the Parameter objects and autograd's saved leaves; views
-    autograd saved in forward keep the storage itself, which `gather` refills."""
-    for p, view in zip(fg.params, fg.param_views):
-        p.data = view if gathered else fg.param_empty
-
-
-def _copy_own_shard(fg: FlatGroup) -> None:
-    """param_shard and master from this rank's pieces of the (materialised) full buffer."""
-    L = fg.layout
-    with torch.no_grad():
-        for k in range(L.num_buckets):
-            lo, hi = L.piece(k, fg.shard_rank)
-            S = L.shard_numel
-            fg.param_shard[k * S:(k + 1) * S].copy_(fg.full[lo:hi])
-            if fg.master is not None:
-                # From the full-precision init when the params are bf16: the values the
-                # eager build would cast from are gone, so the master starts at the cast.
-                fg.master[k * S:(k + 1) * S].copy_(fg.full[lo:hi])
-
-
-def build_zero3(opt: ZeroAdamW, module: nn.Module, policy: Any,
-                reshard_after_forward: bool, param_init_fn: Any = None) -> list[FlatGroup]:
-    from fusedzero.optim import FlatGroup
-
-    z = Zero3(opt, module, policy, reshard_after_forward)
-    opt._zero3 = z
-    units = z.assign(opt.params)
-    fgs: list[FlatGroup] = []
-    index = 0
-    by_key: dict[tuple[int, int, torch.dtype], list[int]] = {}
-    for gi, g in enumerate(opt.param_groups):
-        for _ in g["params"]:
-            p = opt.params[index]
-            dt = opt.param_dtype or p.dtype
-            by_key.setdefault((units[index], gi, dt), []).append(index)
-            index += 1
-    for (u, gi, dt), idx in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        fgs.append(FlatGroup(
-            group_index=gi, params=[opt.params[i] for i in idx],
-            names=[opt.param_names[i] for i in idx], indices=idx, dtype=dt,
-            stage=opt.stage, world_size=opt.world_size, rank=opt.rank,
-            bucket_numel=opt.bucket_numel, reduce_dtype=opt.reduce_dtype, device=opt.device,
-            unit=u))
-    z.setup(fgs, param_init_fn)
-    return fgs

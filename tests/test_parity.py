@@ -189,22 +189,28 @@ def train_fp16(rank: int, world: int, case: dict) -> dict:
     return {"w": w, "skipped": opt.skipped.item()}
 
 
-def run_cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    """Worker: every case; the `twice` ones again from scratch (determinism within a run)."""
-    out = []
+def case_key(case: dict) -> str:
+    """A case's name in the results: its settings, e.g. "accum=3,model=mlp,no_sync=True,..."."""
+    return ",".join(f"{k}={case[k]}" for k in sorted(case))
+
+
+def run_cases(rank: int, world: int, cases: list[dict]) -> dict[str, dict]:
+    """Worker: every case, by `case_key`; the `twice` ones again from scratch (determinism
+    within a run)."""
+    out = {}
     for c in cases:
         if c.get("item") == "fp16":
-            out.append(train_fp16(rank, world, c))
+            out[case_key(c)] = train_fp16(rank, world, c)
             continue
         r = train(rank, world, c)
         if c.get("twice"):
             r["again"] = train(rank, world, c)["params"]
-        out.append(r)
+        out[case_key(c)] = r
     return out
 
 
 @functools.cache
-def results(world: int) -> list[list[dict]]:
+def results(world: int) -> list[dict[str, dict]]:
     """Per rank, per case of parity_cases() + extra_cases(world): one spawn per world size."""
     return run_ranks(run_cases, world, parity_cases() + extra_cases(world))
 
@@ -224,31 +230,32 @@ def assert_matches(got: dict, want: dict, where: str) -> None:
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_parity_with_torch_adamw_every_stage_micro_batch_and_no_sync(world: int) -> None:
     outs = results(world)
-    for i, case in enumerate(parity_cases()):
+    for case in parity_cases():
+        key = case_key(case)
         ref = reference_params(case["model"])
         for r, o in enumerate(outs):
             where = f"{case} rank {r}/{world}"
-            got = o[i]["params"]
+            got = o[key]["params"]
             assert_matches(got, ref, where)
             for n in ref:
-                assert torch.equal(got[n], outs[0][i]["params"][n]), f"replicas differ: {where}"
+                assert torch.equal(got[n], outs[0][key]["params"][n]), f"replicas differ: {where}"
                 if case.get("twice"):
-                    assert torch.equal(got[n], o[i]["again"][n]), f"not deterministic: {where}"
+                    assert torch.equal(got[n], o[key]["again"][n]), f"not deterministic: {where}"
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_reductions_complete_when_backward_returns(world: int) -> None:
     """Issue 9 item 2: nothing in flight when backward() returns, at every stage, with and
     without no_sync (so reading a grad, or the next micro-batch, never races a collective)."""
-    for i, case in enumerate(parity_cases()):
+    for case in parity_cases():
         for o in results(world):
-            assert o[i]["in_flight"] and set(o[i]["in_flight"]) == {0}, (case, o[i]["in_flight"])
+            got = o[case_key(case)]["in_flight"]
+            assert got and set(got) == {0}, (case, got)
 
 
 def _extra(world: int, item: str) -> list[tuple[dict, list[dict]]]:
-    n = len(parity_cases())
-    return [(c, [o[n + j] for o in results(world)])
-            for j, c in enumerate(extra_cases(world)) if c["item"] == item]
+    return [(c, [o[case_key(c)] for o in results(world)])
+            for c in extra_cases(world) if c["item"] == item]
 
 
 def test_replicas_start_from_rank0_params_at_every_stage() -> None:

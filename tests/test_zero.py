@@ -38,9 +38,10 @@ def rank_slice(t: torch.Tensor, rank: int, world: int, micro: int = 0, accum: in
     return t[i * n:(i + 1) * n]
 
 
-def train_many(rank: int, world: int, configs: list[dict]) -> list[dict]:
-    """Worker: several configurations in one spawn (process start-up dominates test time)."""
-    return [train_zero(rank, world, c) for c in configs]
+def train_many(rank: int, world: int, configs: dict[str, dict]) -> dict[str, dict]:
+    """Worker: several named configurations in one spawn (process start-up dominates test
+    time); results by the same names."""
+    return {name: train_zero(rank, world, c) for name, c in configs.items()}
 
 
 def train_zero(rank: int, world: int, opts: dict) -> dict:
@@ -99,15 +100,15 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     return {
         "params": params,
-        "norms": norms, "skipped": skipped, "comm": comm, "memory": tuple(opt.memory()),
+        "norms": norms, "skipped": skipped, "comm": comm, "memory": opt.memory()._asdict(),
         "padded": [fg.layout.padded_numel for fg in opt.flat_groups],
         "trace": opt.trace, "masters": masters,
-        "max_gathered": opt._zero3.max_gathered if opt._zero3 else None,
-        "materialize_peak": opt._zero3.materialize_peak if opt._zero3 else None,
+        "max_gathered": opt.zero3.max_gathered if opt.zero3 else None,
+        "materialize_peak": opt.zero3.materialize_peak if opt.zero3 else None,
         "max_live_buckets": opt.max_live_buckets,
         "buckets": sum(fg.layout.num_buckets for fg in opt.flat_groups),
-        "unit_padded": ([sum(fg.layout.padded_numel for fg in opt._zero3.fgs[u])
-                         for u in range(len(opt._zero3.modules))] if opt._zero3 else None),
+        "unit_padded": ([sum(fg.layout.padded_numel for fg in opt.zero3.buffers[u])
+                         for u in range(len(opt.zero3.modules))] if opt.zero3 else None),
         "segments": [fg.layout.segments(fg.shard_rank) for fg in opt.flat_groups],
     }
 
@@ -160,34 +161,36 @@ RTOL, ATOL = 1e-6, 1e-6
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_stages_0_to_3_match_torch_adamw(world: int, tmp_path) -> None:
     ref, ref_norms = train_reference(clip=1.0)
-    outs = run_ranks(train_many, world, [{"stage": s, "clip": 1.0} for s in (0, 1, 2, 3)]
-                     + ([{"stage": 2, "clip": 1.0, "subgroups": True}]
-                        + [{"stage": s, "clip": 1.0, "hsdp": True,
-                            "save": str(tmp_path / f"mesh{s}")} for s in (1, 3)]
-                        if world == 4 else []))
+    configs = {f"stage{s}": {"stage": s, "clip": 1.0} for s in (0, 1, 2, 3)}
+    if world == 4:
+        configs["subgroups"] = {"stage": 2, "clip": 1.0, "subgroups": True}
+        configs.update({f"mesh{s}": {"stage": s, "clip": 1.0, "hsdp": True,
+                                     "save": str(tmp_path / f"mesh{s}")} for s in (1, 3)})
+    outs = run_ranks(train_many, world, configs)
     if world == 4:  # process_group=: two groups of 2 ranks train independently, each like W=2
         for r, o in enumerate(outs):
-            assert_params_close(o[4]["params"], ref, RTOL, ATOL, f"subgroup rank {r}")
-            assert o[4]["comm"][-1]["bytes"]["reduce_scatter"] == \
-                sum(o[4]["padded"]) * 4 // 2  # (W-1)/W with W = 2, fp32
+            sub = o["subgroups"]
+            assert_params_close(sub["params"], ref, RTOL, ATOL, f"subgroup rank {r}")
+            assert sub["comm"][-1]["bytes"]["reduce_scatter"] == \
+                sum(sub["padded"]) * 4 // 2  # (W-1)/W with W = 2, fp32
             # replicate_group=: shard over 2, replicate over 2, the batch split 4 ways; the
             # replicas all-reduce their grad shard (Psi/2 elements) once: 2(R-1)/R * Psi/2 * 4.
-            for h in o[5:7]:
+            for h in (o["mesh1"], o["mesh3"]):
                 assert_params_close(h["params"], ref, RTOL, ATOL, f"2-D mesh rank {r}")
                 psi = sum(h["padded"])
                 assert h["comm"][-1]["bytes"]["all_reduce"] == psi * 4 // 2 + 2 * 4 // 2
                 assert h["norms"] == pytest.approx(ref_norms, rel=1e-5)
         # The first replica's shard group wrote the checkpoint; it loads on one process.
-        for i, s in ((5, 1), (6, 3)):
+        for s in (1, 3):
             model = make_model(seed=1)
             opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, stage=s, module=model,
                             bucket_numel=BUCKET)
             ckpt.load(opt, tmp_path / f"mesh{s}")
             with opt.gathered_params():
                 for n, p in model.named_parameters():
-                    assert torch.equal(p, outs[0][i]["params"][n]), n
+                    assert torch.equal(p, outs[0][f"mesh{s}"]["params"][n]), n
     for stage in (0, 1, 2, 3):
-        out = [o[stage] for o in outs]
+        out = [o[f"stage{stage}"] for o in outs]
         for r, o in enumerate(out):
             assert_params_close(o["params"], ref, RTOL, ATOL, f"stage {stage} rank {r}/{world}")
             assert o["norms"] == pytest.approx(ref_norms, rel=1e-5)
@@ -199,10 +202,10 @@ def test_stages_0_to_3_match_torch_adamw(world: int, tmp_path) -> None:
 
 def test_grad_accumulation_equals_big_batch_on_2_ranks() -> None:
     ref, ref_norms = train_reference(steps=6, accum=2, clip=0.5)
-    outs = run_ranks(train_many, 2, [{"stage": s, "accum": 2, "steps": 6, "clip": 0.5}
-                                     for s in (0, 1, 2, 3)])
+    outs = run_ranks(train_many, 2, {f"stage{s}": {"stage": s, "accum": 2, "steps": 6,
+                                                   "clip": 0.5} for s in (0, 1, 2, 3)})
     for stage in (0, 1, 2, 3):
-        out = [o[stage] for o in outs]
+        out = [o[f"stage{stage}"] for o in outs]
         for r, o in enumerate(out):
             assert_params_close(o["params"], ref, RTOL, ATOL, f"accum stage {stage} rank {r}")
             assert o["norms"] == pytest.approx(ref_norms, rel=1e-5)
@@ -211,33 +214,34 @@ def test_grad_accumulation_equals_big_batch_on_2_ranks() -> None:
 def test_counters_and_memory_match_zero_formulas_on_4_ranks() -> None:
     W = 4
     cases = [(s, rd) for s in (0, 1, 2) for rd in (torch.float32, torch.bfloat16)]
-    outs = run_ranks(train_many, W, [{"stage": s, "steps": 2, "clip": 1.0,
-                                      "param_dtype": torch.bfloat16, "reduce_dtype": rd}
-                                     for s, rd in cases])
-    for i, (stage, reduce_dtype) in enumerate(cases):
-        out = [o[i] for o in outs]
-        if True:
-            g = torch.finfo(reduce_dtype).bits // 8
-            for o in out:
-                psi = sum(o["padded"])  # padded elements over all flat buffers
-                params, grads, optim, pad, elems = o["memory"]
-                assert pad == psi - elems and pad >= 0
-                assert params == 2 * psi  # bf16 params, full
-                if stage == 0:
-                    assert (grads, optim) == (g * psi, 12 * psi)
-                elif stage == 1:  # 2Psi + 2Psi + 12Psi/W with bf16 grads
-                    assert (grads, optim) == (g * psi, 12 * psi // W)
-                else:  # 2Psi + 2Psi/W + 12Psi/W with bf16 grads
-                    assert (grads, optim) == (g * psi // W, 12 * psi // W)
-                c = o["comm"][-1]["bytes"]
-                scalar = 2 * (W - 1) * 4 // W  # all-reduce of the fp32 grad-norm scalar
-                if stage == 0:
-                    assert c == {"all_reduce": 2 * (W - 1) * psi * g // W,
-                                 "reduce_scatter": 0, "all_gather": 0}
-                else:
-                    assert c == {"all_reduce": scalar,
-                                 "reduce_scatter": (W - 1) * psi * g // W,
-                                 "all_gather": (W - 1) * psi * 2 // W}
+    outs = run_ranks(train_many, W, {f"{s}-{rd}": {"stage": s, "steps": 2, "clip": 1.0,
+                                                   "param_dtype": torch.bfloat16,
+                                                   "reduce_dtype": rd} for s, rd in cases})
+    for stage, reduce_dtype in cases:
+        out = [o[f"{stage}-{reduce_dtype}"] for o in outs]
+        g = torch.finfo(reduce_dtype).bits // 8
+        for o in out:
+            psi = sum(o["padded"])  # padded elements over all flat buffers
+            mem = o["memory"]
+            params, grads, optim = mem["params"], mem["grads"], mem["optimizer"]
+            pad, elems = mem["padding_elements"], mem["param_elements"]
+            assert pad == psi - elems and pad >= 0
+            assert params == 2 * psi  # bf16 params, full
+            if stage == 0:
+                assert (grads, optim) == (g * psi, 12 * psi)
+            elif stage == 1:  # 2Psi + 2Psi + 12Psi/W with bf16 grads
+                assert (grads, optim) == (g * psi, 12 * psi // W)
+            else:  # 2Psi + 2Psi/W + 12Psi/W with bf16 grads
+                assert (grads, optim) == (g * psi // W, 12 * psi // W)
+            c = o["comm"][-1]["bytes"]
+            scalar = 2 * (W - 1) * 4 // W  # all-reduce of the fp32 grad-norm scalar
+            if stage == 0:
+                assert c == {"all_reduce": 2 * (W - 1) * psi * g // W,
+                             "reduce_scatter": 0, "all_gather": 0}
+            else:
+                assert c == {"all_reduce": scalar,
+                             "reduce_scatter": (W - 1) * psi * g // W,
+                             "all_gather": (W - 1) * psi * 2 // W}
 
 
 def test_bf16_params_master_matches_fp32_reference_fed_same_grads_on_2_ranks() -> None:
@@ -317,10 +321,10 @@ def test_frozen_layer_unused_param_and_nan_grad_on_2_ranks() -> None:
     """A frozen block is left out of the optimizer and stays put (stages 1 and 3); a NaN loss on
     one rank skips the step on every rank and leaves the params finite."""
     ref, _ = train_reference(steps=4, freeze=("blocks.0",))
-    outs = run_ranks(train_many, 2, [{"stage": s, "steps": 4, "freeze": ("blocks.0",)}
-                                     for s in (1, 3)])
+    outs = run_ranks(train_many, 2, {f"stage{s}": {"stage": s, "steps": 4,
+                                                   "freeze": ("blocks.0",)} for s in (1, 3)})
     init = make_model()
-    for o in (o for pair in outs for o in pair):
+    for o in (o for per_rank in outs for o in per_rank.values()):
         assert_params_close(o["params"], ref, RTOL, ATOL, "frozen")
         for n, p in init.named_parameters():
             if n.startswith("blocks.0."):
@@ -393,15 +397,15 @@ def test_padding_under_half_percent_for_gpt_default_layout() -> None:
 def test_zero3_memory_units_comm_overlap_and_checkpointing_on_2_ranks() -> None:
     W = 2
     ref, _ = train_reference(steps=3, clip=1.0)
-    cases = [{"stage": 3, "steps": 3, "clip": 1.0, "trace": True},
-             {"stage": 3, "steps": 3, "clip": 1.0, "reshard": False},
-             {"stage": 3, "steps": 3, "clip": 1.0, "checkpointing": True},
-             {"stage": 3, "steps": 2, "param_dtype": torch.bfloat16,
-              "reduce_dtype": torch.bfloat16},
-             {"stage": 3, "steps": 3, "clip": 1.0, "meta": True}]
+    cases = {"resharded": {"stage": 3, "steps": 3, "clip": 1.0, "trace": True},
+             "kept": {"stage": 3, "steps": 3, "clip": 1.0, "reshard": False},
+             "ckpt": {"stage": 3, "steps": 3, "clip": 1.0, "checkpointing": True},
+             "bf16": {"stage": 3, "steps": 2, "param_dtype": torch.bfloat16,
+                      "reduce_dtype": torch.bfloat16},
+             "meta": {"stage": 3, "steps": 3, "clip": 1.0, "meta": True}}
     outs = run_ranks(train_many, W, cases)
     for o in outs:
-        resharded, kept, ckpt, bf16, meta = o
+        resharded, kept, ckpt, bf16, meta = (o[k] for k in cases)
         # Built on the meta device and initialised unit by unit: same values as the eager
         # build, while at most the root and one block were ever materialised at once.
         assert 0 < meta["materialize_peak"] < sum(meta["padded"])
@@ -413,8 +417,9 @@ def test_zero3_memory_units_comm_overlap_and_checkpointing_on_2_ranks() -> None:
         psi = sum(resharded["padded"])
         assert psi == sum(resharded["unit_padded"])
         # Resident: bf16 params 2Psi/W, bf16 grads 2Psi/W, fp32 master + moments 12Psi/W.
-        params, grads, optim, pad, _ = bf16["memory"]
-        assert (params, grads, optim) == (2 * psi // W, 2 * psi // W, 12 * psi // W)
+        mem = bf16["memory"]
+        assert (mem["params"], mem["grads"], mem["optimizer"]) == \
+            (2 * psi // W, 2 * psi // W, 12 * psi // W)
         # Comm per step, fp32 params: forward all-gather + backward all-gather + reduce-scatter
         # with reshard_after_forward; one all-gather less without it.
         rs = (W - 1) * psi * 4 // W

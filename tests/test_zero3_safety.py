@@ -44,7 +44,7 @@ def test_stage3_step_frees_in_flight_gathers_before_the_kernel(monkeypatch) -> N
     # gather is left in flight (its forward never runs) while param_shard is its source.
     with torch.no_grad():
         model.blocks[0](x)
-    z = opt._zero3
+    z = opt.zero3
     assert any(s.name != "FREE" for s in z.state), "the setup must leave a unit gathered"
     real = optim_mod.adamw_step
 
@@ -100,7 +100,7 @@ def test_stage3_state_dict_gathers_full_values_and_round_trips(tmp_path: Path) -
         want = {n: p.detach().clone() for n, p in model.named_parameters()}
         inside = model.state_dict()  # nested: must not free what gathered_params holds
         assert all(p.numel() > 0 for p in model.parameters())
-    z = opt._zero3
+    z = opt.zero3
     assert all(s.name == "FREE" for s in z.state)
     sd = model.state_dict()
     assert all(s.name == "FREE" for s in z.state), "state_dict() left units gathered"

@@ -1,0 +1,163 @@
+"""Bucket scheduling: which bucket is reduced when, and how many reductions are in flight.
+
+Grads are counted into their buckets as backward produces them; a complete bucket is launched
+at once if every bucket before it in the launch order was (collectives must match across ranks,
+so the order is fixed), and everything left is launched at the end of backward. How a bucket is
+reduced is the stage's `Reduction` (`fusedzero.reduce`).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from fusedzero.comm import CommContext, Handle
+from fusedzero.flat import FlatBuffer
+from fusedzero.reduce import MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish, reduction_for
+from fusedzero.stage import Stage
+
+
+def launch_order(buffers: list[FlatBuffer], order: list[torch.Tensor], by_unit: bool
+                 ) -> list[Bucket]:
+    """Launch order, identical on every rank: the bucket expected to be complete first goes
+    first. Backward produces grads in about reverse forward order, and a bucket is complete when
+    its earliest-used param's grad arrives, so buckets go in descending order of their earliest
+    param's place in `order` (`module.parameters()`, or the optimizer's order). A bucket that
+    mixes early and late layers (a small no-decay group of biases and norms) thus waits at the
+    end instead of holding up every other bucket. Stage 3 (`by_unit`): units finish backward in
+    reverse forward order; the root (unit 0) finishes last."""
+    buckets = [Bucket(buf, k, buf.layout.slots_in(k), buf.layout.holes(k))
+               for buf in buffers for k in range(buf.layout.num_buckets)]
+    if by_unit:
+        buckets.sort(key=lambda b: (b.buf.unit == 0, -b.buf.unit, -b.k))
+        return buckets
+    place = {id(p): i for i, p in enumerate(order)}
+    first = {id(b): min((place.get(id(b.buf.params[i]), -1) for i in b.slots), default=-1)
+             for b in buckets}
+    buckets.sort(key=lambda b: (-first[id(b)], -b.k))
+    return buckets
+
+
+class BucketSchedule:
+    """The grad buckets of every flat buffer, their launch order and their reductions."""
+
+    def __init__(self, buffers: list[FlatBuffer], stage: Stage, ctx: CommContext,
+                 order: list[torch.Tensor]) -> None:
+        self.buffers = buffers
+        self.ctx = ctx
+        self.reduction = reduction_for(stage)
+        self.buckets = launch_order(buffers, order, by_unit=stage.shards_params)
+        self._bucket_of = {(id(b.buf), b.k): b for b in self.buckets}
+        # Grads are pre-divided before every reduction (see fusedzero.reduce): the reduced
+        # buffers hold the average.
+        self.inv_world = 1.0 / ctx.world_size
+        # Stages 2-3 keep no full grad buffer to accumulate in: they reduce every micro-batch.
+        self._always_reduces = not stage.keeps_full_grads
+        self.sync = True
+        self._handles: list[tuple[Handle, Finish | None]] = []
+        self.max_live_buckets = 0  # most transient bucket buffers alive at once (stages 2-3)
+        self._next = 0
+        self.reset_pending()
+
+    # -- backward -----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        prev, self.sync = self.sync, False
+        try:
+            yield
+        finally:
+            self.sync = prev
+
+    def reduces_now(self) -> bool:
+        return self.sync or self._always_reduces
+
+    def buckets_of(self, buf: FlatBuffer, pos: int) -> list[Bucket]:
+        return [self._bucket_of[(id(buf), k)]
+                for k in buf.layout.buckets_of(buf.layout.params[pos])]
+
+    def was_reduced(self, buf: FlatBuffer, pos: int) -> bool:
+        """A bucket holding param `pos` was reduced since the last step."""
+        return any(b.status is not BucketStatus.EMPTY for b in self.buckets_of(buf, pos))
+
+    def add_grad(self, buf: FlatBuffer, pos: int, grad: torch.Tensor | None) -> None:
+        """Param `pos` of `buf` has its grad for this backward: put it in its buckets (None:
+        autograd already accumulated it into the bucket view) and launch what is complete."""
+        flat = None if grad is None else grad.reshape(-1)
+        for b in self.buckets_of(buf, pos):
+            if flat is not None:
+                with torch.no_grad():
+                    self.reduction.accumulate(b, pos, flat, self.inv_world)
+            b.pending -= 1
+            b.arrived.add(pos)
+        self._launch_ready(force=False)
+
+    def _launch_ready(self, force: bool) -> None:
+        if not self.reduces_now():
+            return
+        while self._next < len(self.buckets):
+            b = self.buckets[self._next]
+            if b.pending > 0 and not force:
+                return
+            self.ctx.record("reduce", (b.buf.unit, b.buf.group_index, b.k))
+            with torch.no_grad():
+                h, finish = self.reduction.launch(b, self.ctx, self.inv_world)
+            self._handles.append((h, finish))
+            self._next += 1
+            if finish is not None:
+                self.max_live_buckets = max(self.max_live_buckets,
+                                            sum(x.grad is not None for x in self.buckets))
+                self._bound_inflight()
+
+    def _bound_inflight(self) -> None:
+        """Finish the oldest transient reductions beyond MAX_INFLIGHT_BUCKETS: their buffers
+        are freed as backward goes on. (On NCCL the wait orders streams; it does not block.)"""
+        live = [i for i, (_, f) in enumerate(self._handles) if f is not None]
+        for i in live[:max(0, len(live) - MAX_INFLIGHT_BUCKETS)]:
+            h, finish = self._handles[i]
+            self.ctx.wait(h, what="grad reduction of a backward bucket")
+            assert finish is not None
+            with torch.no_grad():
+                finish()
+            self._handles[i] = (None, None)
+
+    def end_backward(self, grads_arrived: bool) -> bool:
+        """Launch what is left and wait for every reduction: the grads are final when backward
+        returns (what the user does next may read them), the next micro-batch never writes into
+        a buffer a collective is reading, and stages 2-3 free their bucket buffers. On NCCL the
+        wait orders the streams. Returns whether this backward reduced."""
+        # A backward that reached the model's output but no param (torch.autograd.grad w.r.t.
+        # inputs) has nothing to reduce.
+        reduced = self.reduces_now() and grads_arrived
+        if reduced:
+            self._launch_ready(force=True)
+        self.wait_all()
+        self.reset_pending()
+        return reduced
+
+    def wait_all(self) -> None:
+        for h, finish in self._handles:
+            self.ctx.wait(h, what="grad reduction of a backward bucket")
+            if finish is not None:
+                with torch.no_grad():
+                    finish()
+        self._handles.clear()
+
+    def reset_pending(self) -> None:
+        for b in self.buckets:
+            b.pending = len(b.slots)
+            b.arrived.clear()
+        self._next = 0
+
+    # -- step ---------------------------------------------------------------------------------
+    def before_step(self) -> None:
+        self.reduction.before_step(self.buckets)
+
+    def reset_step(self) -> None:
+        """The grads are consumed: empty the full grad buffers; the next reduction of every
+        bucket is the first of its step."""
+        for buf in self.buffers:
+            if buf.grad_flat is not None:
+                buf.grad_flat.zero_()
+        for b in self.buckets:
+            b.status = BucketStatus.EMPTY

@@ -1,0 +1,309 @@
+"""Flat buffers: the params of one (param group, dtype[, stage-3 unit]) and their shard state.
+
+[Note: buffer lifetimes]
+- param_flat (stages 0-2): the full param buffer; model params are views into it, so the
+  all-gather after the update writes the model's weights in place.
+- param_shard / full / param_base (stage 3): this rank's shard of the params, always alive, and
+  the gathered buffer, whose storage only lives while the unit is gathered (`fusedzero.zero3`
+  decides when; `allocate_full` / `release_full` do it). Two tensor objects share that storage:
+  `full` takes the collective's in-place write, `param_base` carries the param views, so the
+  write does not bump the version counter of tensors autograd saved in forward. While freed,
+  the params hold an empty tensor (a view of a zero-byte storage would still claim its shape,
+  and reading it outside a forward read freed memory).
+- grad_flat (stages 0-1): the full grad buffer in the reduce dtype. Reduce-scatter is in place:
+  afterwards only this rank's pieces hold reduced sums, and the kernel reads them there.
+- grad_shard (stages 2-3): the reduced grads of this rank's shard; transient bucket buffers
+  (`fusedzero.reduce`) are reduced into it.
+- master / exp_avg / exp_avg_sq: this rank's local shard, contiguous, fp32. With fp32 params the
+  master *is* the param buffer's own pieces (stages 0-2) or the param shard (stage 3).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from fusedzero.kernels import Strided
+from fusedzero.layout import FlatLayout, ParamSlot, build_layout
+from fusedzero.stage import Stage
+
+# What the fused kernel reads or writes: a contiguous local-shard tensor, or this rank's pieces
+# of a full bucketed buffer read in place.
+ShardView = Strided | torch.Tensor
+
+
+class FlatBuffer:
+    """One flat buffer, fully built by its constructor at every stage."""
+
+    def __init__(self, *, group_index: int, params: list[nn.Parameter], names: list[str],
+                 indices: list[int], dtype: torch.dtype, stage: Stage, world_size: int,
+                 rank: int, bucket_numel: int, reduce_dtype: torch.dtype, device: torch.device,
+                 unit: int = 0) -> None:
+        self.group_index, self.dtype, self.stage, self.unit = group_index, dtype, stage, unit
+        self.params = params
+        self.world_size, self.rank = world_size, rank
+        # Stage 0 replicates everything: its layout is the world-size-1 layout.
+        self.shard_rank = rank if stage.shards_state else 0
+        self.layout: FlatLayout = build_layout(
+            [(i, n, tuple(p.shape)) for i, n, p in zip(indices, names, params)],
+            world_size if stage.shards_state else 1, bucket_numel)
+        self.device = device
+        self.reduce_dtype = reduce_dtype
+        n_local = self.layout.local_numel
+        f32 = dict(dtype=torch.float32, device=device)
+        self.exp_avg = torch.zeros(n_local, **f32)
+        self.exp_avg_sq = torch.zeros(n_local, **f32)
+        self.lr = torch.zeros(1, **f32)
+        self._lr_value: float | None = None
+        self.master: torch.Tensor | None = None
+        self.param_flat: torch.Tensor | None = None
+        self.param_shard: torch.Tensor | None = None
+        self.full: torch.Tensor | None = None
+        self.param_base: torch.Tensor | None = None
+        self.param_views: list[torch.Tensor] = []  # stage 3: each param's view of param_base
+        self.param_empty: torch.Tensor | None = None  # stage 3: what params hold while freed
+        if stage.shards_params:
+            self._build_param_shard()
+        else:
+            self._build_param_flat()
+        self.grad_flat: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        if stage.keeps_full_grads:
+            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=reduce_dtype,
+                                         device=device)
+        else:
+            self.grad_shard = torch.zeros(n_local, dtype=reduce_dtype, device=device)
+        self._grad_views = [self._full_grad_view(s) for s in self.layout.params]
+
+    # -- construction -------------------------------------------------------------------------
+    def _build_param_flat(self) -> None:
+        L = self.layout
+        self.param_flat = torch.zeros(L.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for p, slot in zip(self.params, L.params):
+                self.param_flat[slot.offset:slot.offset + slot.numel].copy_(
+                    p.detach().reshape(-1))
+        if self.dtype != torch.float32:
+            # From the original values, before the params become (possibly bf16) views.
+            self.master = torch.zeros(L.local_numel, dtype=torch.float32, device=self.device)
+            self.copy_params_into(self.master)
+        for p, slot in zip(self.params, L.params):
+            p.data = self.param_flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def _build_param_shard(self) -> None:
+        """Stage 3: the param shard (and master) from the params' current full values (params
+        on the meta device are skipped: `fusedzero.zero3` materialises them), and the gathered
+        buffer the params point into while their unit is gathered; released at once."""
+        L, dev = self.layout, self.device
+        self.param_shard = torch.zeros(L.local_numel, dtype=self.dtype, device=dev)
+        self.copy_params_into(self.param_shard)
+        if self.dtype != torch.float32:
+            self.master = torch.zeros(L.local_numel, dtype=torch.float32, device=dev)
+            self.copy_params_into(self.master)
+        self.full = torch.empty(max(L.padded_numel, 1), dtype=self.dtype, device=dev)
+        base = torch.empty(0, dtype=self.dtype, device=dev)
+        base.set_(self.full.untyped_storage(), 0, (self.full.numel(),))
+        self.param_base = base
+        for p, slot in zip(self.params, L.params):
+            view = base[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            self.param_views.append(view)
+            if p.is_meta:
+                # `.data =` cannot move a tensor off the meta device; swapping keeps the Python
+                # object (the module, the optimizer and tied modules all hold this one).
+                torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
+            else:
+                p.data = view
+        self.param_empty = torch.empty(0, dtype=self.dtype, device=dev)
+        self.release_full()
+
+    def copy_params_into(self, dst: torch.Tensor) -> None:
+        """This rank's pieces of the params' current full values into a local-shard tensor,
+        segment by segment (cast to dst's dtype). Params still on the meta device are skipped."""
+        pos = {s.index: i for i, s in enumerate(self.layout.params)}
+        with torch.no_grad():
+            for seg in self.layout.segments(self.shard_rank):
+                p = self.params[pos[seg.param]]
+                if not p.is_meta:
+                    dst[seg.local:seg.local + seg.length].copy_(
+                        p.detach().reshape(-1)[seg.start:seg.start + seg.length])
+
+    # -- stage 3: the gathered buffer ---------------------------------------------------------
+    def allocate_full(self) -> None:
+        """Give the gathered buffer its storage and point the params at it (values land when
+        the all-gather into `full` is waited on)."""
+        assert self.full is not None
+        self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+        self._point_params(gathered=True)
+
+    def release_full(self) -> None:
+        assert self.full is not None
+        self.full.untyped_storage().resize_(0)
+        self._point_params(gathered=False)
+
+    def _point_params(self, gathered: bool) -> None:
+        """`.data` swaps keep the Parameter objects and autograd's saved leaves; views autograd
+        saved in forward keep the storage itself, which the next gather refills."""
+        for p, view in zip(self.params, self.param_views):
+            p.data = view if gathered else self.param_empty
+
+    def copy_own_shard(self) -> None:
+        """param_shard and master from this rank's pieces of the (materialised) full buffer."""
+        assert self.full is not None and self.param_shard is not None
+        L = self.layout
+        with torch.no_grad():
+            for k in range(L.num_buckets):
+                lo, hi = L.piece(k, self.shard_rank)
+                S = L.shard_numel
+                self.param_shard[k * S:(k + 1) * S].copy_(self.full[lo:hi])
+                if self.master is not None:
+                    # From the full-precision init when the params are bf16: the values the
+                    # eager build would cast from are gone, so the master starts at the cast.
+                    self.master[k * S:(k + 1) * S].copy_(self.full[lo:hi])
+
+    # -- views the kernel and the collectives use ---------------------------------------------
+    def own(self, full: torch.Tensor) -> Strided:
+        """This rank's pieces of a full bucketed buffer."""
+        L = self.layout
+        return Strided(full, L.bucket_numel, self.shard_rank * L.shard_numel)
+
+    def master_view(self) -> ShardView:
+        """The fp32 master the kernel updates (the params themselves when they are fp32)."""
+        if self.master is not None:
+            return self.master
+        if self.param_shard is not None:
+            return self.param_shard
+        assert self.param_flat is not None
+        return self.own(self.param_flat)
+
+    def out_view(self) -> ShardView | None:
+        """Where the kernel writes the params' cast of master (None: the params are master)."""
+        if self.master is None:
+            return None
+        if self.param_shard is not None:
+            return self.param_shard
+        assert self.param_flat is not None
+        return self.own(self.param_flat)
+
+    def grad_view(self) -> ShardView:
+        """This rank's reduced grads, as the kernel reads them."""
+        if self.grad_shard is not None:
+            return self.grad_shard
+        assert self.grad_flat is not None
+        return self.own(self.grad_flat)
+
+    def pieces(self, view: ShardView) -> list[torch.Tensor]:
+        """A shard view as plain tensors in local-shard order: the whole tensor if it is
+        local, else its piece of every bucket."""
+        L = self.layout
+        if isinstance(view, torch.Tensor):
+            return [view[:L.local_numel]]
+        return [view.tensor[k * view.stride + view.base:k * view.stride + view.base
+                            + L.shard_numel] for k in range(L.num_buckets)]
+
+    def read_master(self) -> torch.Tensor:
+        """This rank's fp32 master as one local-shard tensor (a copy where it is not one)."""
+        m = self.master_view()
+        if isinstance(m, torch.Tensor):
+            return m if m.dtype == torch.float32 else m.float()
+        pieces = self.pieces(m)
+        return torch.cat(pieces) if pieces else m.tensor.new_zeros(0)
+
+    def write_master(self, values: torch.Tensor) -> None:
+        """Write this rank's fp32 master and the param copy derived from it (not gathered)."""
+        with torch.no_grad():
+            for view in (self.master_view(), self.out_view()):
+                if view is None:
+                    continue
+                pieces = self.pieces(view)
+                size = max(1, pieces[0].numel()) if pieces else 1
+                for dst, src in zip(pieces, values.split(size)):
+                    dst.copy_(src)
+
+    # -- grads as autograd sees them ----------------------------------------------------------
+    def _full_grad_view(self, slot: ParamSlot) -> torch.Tensor | None:
+        usable = self.grad_flat is not None and self.grad_flat.dtype == self.dtype
+        if not usable:
+            return None
+        assert self.grad_flat is not None
+        return self.grad_flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def param_grad_view(self, pos: int) -> torch.Tensor | None:
+        """The param's grad as a view of grad_flat, when autograd can accumulate into it
+        directly (stages 0-1 with grads reduced in the param dtype), else None. Built once:
+        the grad hook compares against it on every backward."""
+        return self._grad_views[pos]
+
+    def attach_grad_views(self) -> None:
+        """[Note: grads as bucket views] `p.grad` is a view of grad_flat, so autograd's
+        AccumulateGrad adds each new grad in place into the bucket: no per-step grad allocation
+        and no copy (DDP's gradient_as_bucket_view)."""
+        for pos, p in enumerate(self.params):
+            view = self._grad_views[pos]
+            if view is not None:
+                p.grad = view
+
+    # -- per step ------------------------------------------------------------------------------
+    def set_lr(self, lr: float | torch.Tensor) -> None:
+        if isinstance(lr, torch.Tensor):
+            self.lr.copy_(lr.reshape(1))
+            self._lr_value = None
+        elif lr != self._lr_value:
+            self.lr.fill_(lr)  # a host-to-device scalar write, not a sync
+            self._lr_value = lr
+
+    def resident(self) -> tuple[int, int, int]:
+        """Bytes of (params, grads, optimizer state) this buffer holds now."""
+        def b(t: torch.Tensor | None) -> int:
+            return 0 if t is None else t.numel() * t.element_size()
+        params = b(self.param_flat) + b(self.param_shard)
+        grads = b(self.grad_flat) + b(self.grad_shard)
+        opt = b(self.master) + b(self.exp_avg) + b(self.exp_avg_sq)
+        return params, grads, opt
+
+
+def build_buffers(param_groups: list[dict], names: list[str], units: list[int], *,
+                  param_dtype: torch.dtype | None, stage: Stage, world_size: int, rank: int,
+                  bucket_numel: int, reduce_dtype: torch.dtype,
+                  device: torch.device) -> list[FlatBuffer]:
+    """One FlatBuffer per (unit, param group, dtype), in that order (dtypes in order of first
+    appearance). `units[i]` is the stage-3 unit of the i-th param (all 0 below stage 3)."""
+    by_key: dict[tuple[int, int, torch.dtype], list[tuple[int, nn.Parameter]]] = {}
+    index = 0
+    for gi, g in enumerate(param_groups):
+        for p in g["params"]:
+            by_key.setdefault((units[index], gi, param_dtype or p.dtype), []).append((index, p))
+            index += 1
+    keys: Iterable[tuple[int, int, torch.dtype]] = sorted(by_key, key=lambda k: (k[0], k[1]))
+    return [FlatBuffer(group_index=gi, params=[p for _, p in items],
+                       names=[names[i] for i, _ in items], indices=[i for i, _ in items],
+                       dtype=dt, stage=stage, world_size=world_size, rank=rank,
+                       bucket_numel=bucket_numel, reduce_dtype=reduce_dtype, device=device,
+                       unit=u)
+            for u, gi, dt in keys for items in (by_key[(u, gi, dt)],)]
+
+
+class MemoryReport(NamedTuple):
+    """Resident bytes this rank owns, exactly, from the tensors themselves."""
+
+    params: int
+    grads: int
+    optimizer: int
+    padding_elements: int  # elements of params that are padding (alignment + bucket tail)
+    param_elements: int  # Psi: trainable elements
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def memory_report(buffers: Iterable[FlatBuffer]) -> MemoryReport:
+    params = grads = opt = pad = elems = 0
+    for buf in buffers:
+        a, b, c = buf.resident()
+        params, grads, opt = params + a, grads + b, opt + c
+        pad += buf.layout.padded_numel - buf.layout.param_numel
+        # From the layout: stage-3 params are empty tensors while their unit is freed.
+        elems += buf.layout.param_numel
+    return MemoryReport(params, grads, opt, pad, elems)

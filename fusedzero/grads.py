@@ -1,0 +1,180 @@
+"""The autograd side: hooks that catch each param's grad, find the end of backward, and decide
+what `p.grad` holds between backward passes. The buckets (`fusedzero.buckets`) do the rest."""
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from fusedzero.buckets import BucketSchedule
+from fusedzero.comm import CommContext
+from fusedzero.flat import FlatBuffer
+from fusedzero.stage import Stage
+
+
+class NoLocalGrad(torch.Tensor):
+    """`p.grad` where this rank holds no full, reduced grad of p (see [Note: user grad
+    clipping]): no storage; any op on it raises, saying what to use instead."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, like: torch.Tensor, stage: Stage, name: str) -> NoLocalGrad:
+        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype,
+                                                device=like.device)
+        t.why = (f"{name}.grad is not available: ZeroAdamW at stage {int(stage)} keeps grads in "
+                 "flat buffers reduced across ranks, and this rank holds only its shard (or a "
+                 "copy in the reduce dtype), so a norm or clip computed from .grad (e.g. "
+                 "torch.nn.utils.clip_grad_norm_) would be wrong. Clip with "
+                 "ZeroAdamW(max_grad_norm=...) and read the global norm from opt.grad_norm")
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        t = next(a for a in tree_flatten((args, kwargs or {}))[0] if isinstance(a, NoLocalGrad))
+        raise RuntimeError(f"{t.why} (op: {func})")
+
+    def __repr__(self) -> str:
+        return f"<no local grad: {self.why}>"
+
+
+class GradHooks:
+    """Owns the grad hooks and the backward life cycle (in backward or not, on which graph
+    task). `on_unit_grad(buf)` and `on_backward_end()` let stage 3 follow along."""
+
+    def __init__(self, schedule: BucketSchedule, stage: Stage, ctx: CommContext,
+                 module: nn.Module | None, params: list[nn.Parameter],
+                 on_unit_grad: Callable[[FlatBuffer], None] | None = None,
+                 on_backward_end: Callable[[], None] | None = None) -> None:
+        self.schedule = schedule
+        self.stage = stage
+        self.ctx = ctx
+        self.on_unit_grad = on_unit_grad
+        self.on_backward_end = on_backward_end
+        self.in_backward = False
+        self._task_id = -1  # autograd graph task the end-of-backward callback is queued on
+        self._grads_arrived = False  # a param grad came in the current backward
+        self._no_grad: dict[int, torch.Tensor] = {}  # per param: its NoLocalGrad, built once
+        self._where: dict[int, tuple[FlatBuffer, int]] = {
+            id(p): (buf, pos) for buf in schedule.buffers for pos, p in enumerate(buf.params)}
+        self._names = {id(p): buf.layout.params[pos].name
+                       for buf in schedule.buffers for pos, p in enumerate(buf.params)}
+        self.hooks: list[Any] = []
+        for p in params:
+            self.hooks.append(p.register_hook(functools.partial(self._before_accumulate, p)))
+            self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        for buf in schedule.buffers:
+            buf.attach_grad_views()
+        if module is not None:
+            self.hooks.append(module.register_forward_hook(self._on_model_output))
+
+    def remove(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+
+    def _on_model_output(self, module: nn.Module, args: Any, output: Any) -> None:
+        """[Note: end of backward] The end-of-backward callback must run on the outermost
+        autograd graph task. Queued from the first param grad, it lands on an inner task when
+        that grad comes from a reentrant checkpoint (`use_reentrant=True` runs a nested backward
+        for the checkpointed part) and would fire when that part is done. The grad of the
+        model's output arrives first, in the outer task: queue it from there. (A forward run as
+        a recomputation inside backward adds no hook: the outer backward is already running.)"""
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return
+        for t in tree_flatten(output)[0]:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(self._on_output_grad)
+
+    def _on_output_grad(self, grad: torch.Tensor) -> None:
+        if not self.in_backward:
+            self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        self.in_backward = True
+        self._grads_arrived = False
+        self._task_id = torch._C._current_graph_task_id()
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _before_accumulate(self, p: torch.Tensor, grad: torch.Tensor) -> None:
+        """Runs before autograd accumulates into `p.grad`: a placeholder `p.grad` is dropped, so
+        the new grad arrives as a fresh tensor for `_on_grad` to put where it belongs."""
+        if type(p.grad) is NoLocalGrad:
+            p.grad = None
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if p.grad is None:
+            return
+        if p.grad.is_sparse:
+            raise RuntimeError(f"param {self._names[id(p)]} got a sparse grad; "
+                               "sparse gradients are not supported")
+        task = torch._C._current_graph_task_id()
+        if task < self._task_id:
+            # Graph task ids grow: a grad from an older task than the one our callback is queued
+            # on means that one was a nested (reentrant) backward and the callback fired early.
+            raise RuntimeError(
+                "ZeroAdamW: a grad arrived from an outer autograd graph task after the end-of-"
+                "backward callback ran on a nested one (reentrant activation checkpointing, "
+                "torch.utils.checkpoint(..., use_reentrant=True)). Pass module=model to "
+                "ZeroAdamW (the callback is then queued from the model output's grad) or use "
+                "use_reentrant=False")
+        if not self.in_backward:
+            self._begin_backward()
+        self._grads_arrived = True
+        buf, pos = self._where[id(p)]
+        view = buf.param_grad_view(pos)
+        if view is None or p.grad.data_ptr() != view.data_ptr():
+            # Not (or no longer: reduced, or the user reset .grad) a view of our bucket: put it in.
+            self.schedule.add_grad(buf, pos, p.grad)
+            p.grad = self.idle_grad(buf, pos, p)
+        else:
+            self.schedule.add_grad(buf, pos, None)
+        if self.on_unit_grad is not None:
+            self.on_unit_grad(buf)
+
+    def idle_grad(self, buf: FlatBuffer, pos: int, p: torch.Tensor) -> torch.Tensor | None:
+        """What `p.grad` holds between backward passes. [Note: user grad clipping] A view of
+        grad_flat where that view is this param's true grad: stage 0 with grads in the param
+        dtype, where after backward it holds the grad averaged over ranks on every rank, so
+        `torch.nn.utils.clip_grad_norm_` computes the true global norm and clips it in place,
+        identically on every replica (as with DDP); and stage 1 until its bucket is reduced
+        (local grads, as DDP's inside `no_sync`). Elsewhere this rank holds only a shard of the
+        reduced grad (or a copy in another dtype), and a norm over `.grad` would be silently
+        wrong or, over None, silently zero: `.grad` is then a placeholder that raises, naming
+        `max_grad_norm` and `opt.grad_norm`, on any use."""
+        view = buf.param_grad_view(pos)
+        if view is not None and not self.schedule.was_reduced(buf, pos):
+            return view
+        ng = self._no_grad.get(id(p))
+        if ng is None:
+            ng = NoLocalGrad(p, self.stage, buf.layout.params[pos].name)
+            self._no_grad[id(p)] = ng
+        return ng
+
+    def _end_backward(self) -> None:
+        self.in_backward = False
+        reduced = self.schedule.end_backward(self._grads_arrived)
+        if reduced and self.stage.shards_state and self.stage.keeps_full_grads:
+            # Stage 1: only this rank's pieces hold reduced grads now: no param's .grad is a
+            # true view.
+            self.reset_idle_grads()
+        if self.on_backward_end is not None:
+            self.on_backward_end()
+        self.ctx.record("backward_end", 0)
+
+    def reset_idle_grads(self) -> None:
+        for buf in self.schedule.buffers:
+            for pos, p in enumerate(buf.params):
+                p.grad = self.idle_grad(buf, pos, p)
+
+    def drop_placeholders(self) -> None:
+        """The grads are consumed: placeholders go (stage 1: autograd accumulates into the
+        bucket views again)."""
+        for buf in self.schedule.buffers:
+            for pos, p in enumerate(buf.params):
+                if type(p.grad) is NoLocalGrad:
+                    p.grad = buf.param_grad_view(pos)

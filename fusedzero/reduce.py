@@ -1,0 +1,221 @@
+"""Grad buckets: where each grad lands, when each bucket is reduced, and how.
+
+A `Bucket` is bucket k of one flat buffer. Backward counts its grads in; when the last one
+arrives (or at the end of backward) it is launched in a fixed order, identical on every rank
+(collectives must match). The stage decides *how* a bucket is reduced, one strategy each:
+
+- stage 0 `AllReduceFull`: the full grad buffer is all-reduced (every rank holds the average);
+- stage 1 `ReduceScatterInPlace`: the full grad buffer is reduce-scattered in place (only this
+  rank's pieces hold reduced sums afterwards);
+- stages 2-3 `ReduceIntoShard`: a transient full-size bucket buffer takes the grads, is
+  reduce-scattered, and its piece is copied or added into the grad shard; then it is freed.
+
+[Note: accumulating across reductions] Every reduction sums grads pre-divided by the world size
+(as DDP and FSDP2: an fp16 sum of W ranks cannot overflow sooner than one rank's grad), so a
+reduced buffer holds the average. A backward outside `no_sync` reduces what was accumulated so
+far; a later micro-batch of the same step must add only its own new grads:
+- stage 0: the bucket holds the average A, identical on every rank; the next micro-batch adds
+  its local g; dividing by W and all-reducing gives A + mean(g) (linearity, as DDP).
+- stage 1: after an in-place reduce-scatter only this rank's piece holds A; the other pieces
+  hold local grads already contributed. Before new grads land in a reduced bucket those pieces
+  are zeroed, and the new grads are added pre-divided (`.grad` is no longer a bucket view, so
+  autograd cannot add them raw): the next reduce-scatter, which divides nothing, gives
+  A + mean(g) in this rank's piece.
+- stages 2-3: each backward reduces a fresh bucket and adds the result into grad_shard.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable, Iterable
+from typing import Protocol
+
+import torch
+
+from fusedzero import comm
+from fusedzero.comm import CommContext, Handle
+from fusedzero.flat import FlatBuffer
+from fusedzero.stage import Stage
+
+# Stages 2-3: reduce-scatters of transient bucket buffers allowed in flight at once. Two keep the
+# network busy (one bucket reducing while the next is sent) and bound the full-size grad memory
+# of a backward to a few buckets instead of the whole model.
+MAX_INFLIGHT_BUCKETS = 2
+
+
+class BucketStatus(enum.Enum):
+    """Where a bucket stands in the current step; `GradReducer.reset_step` makes it EMPTY."""
+
+    EMPTY = enum.auto()  # not reduced since the last step: grads accumulate as they come
+    REDUCED = enum.auto()  # reduced at least once this step
+    REDUCED_CLEAN = enum.auto()  # stage 1: reduced, and the pieces other ranks own zeroed since
+
+
+@dataclasses.dataclass(eq=False)
+class Bucket:
+    buf: FlatBuffer
+    k: int
+    slots: list[int]  # positions in buf.layout.params overlapping this bucket
+    holes: list[tuple[int, int]]  # ranges of the bucket that belong to no param
+    status: BucketStatus = BucketStatus.EMPTY
+    pending: int = 0  # grads still expected in this backward
+    arrived: set[int] = dataclasses.field(default_factory=set)  # slots whose grad came
+    grad: torch.Tensor | None = None  # stages 2-3: the transient full-size buffer
+
+    def full_grad(self) -> torch.Tensor:
+        assert self.buf.grad_flat is not None
+        lo, hi = self.buf.layout.bucket_range(self.k)
+        return self.buf.grad_flat[lo:hi]
+
+    def own_piece(self) -> tuple[int, int]:
+        """[lo, hi) of this rank's shard within the bucket."""
+        L = self.buf.layout
+        lo, hi = L.piece(self.k, self.buf.shard_rank)
+        return lo - self.k * L.bucket_numel, hi - self.k * L.bucket_numel
+
+
+Finish = Callable[[], None]
+
+
+class Reduction(Protocol):
+    """How one stage puts grads into a bucket and reduces it."""
+
+    def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
+        """Add the part of param `pos`'s flat grad that falls in bucket b."""
+
+    def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
+        """Issue b's reduction; return its handle and what to run once it is complete."""
+
+    def before_step(self, buckets: Iterable[Bucket]) -> None:
+        """Make every grad the kernel reads valid (buckets no reduction reached this step)."""
+
+
+class AllReduceFull:
+    """Stage 0: grads accumulate in the full buffer, which is all-reduced."""
+
+    def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
+        a, e, p = b.buf.layout.overlap(pos, b.k)
+        b.full_grad()[a:e].add_(grad[p:p + e - a])
+
+    def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
+        buf = b.full_grad()
+        if ctx.world_size > 1:
+            buf.mul_(inv_world)
+        return comm.all_reduce(buf, ctx.group, ctx.world_size, ctx.counter), None
+
+    def before_step(self, buckets: Iterable[Bucket]) -> None:
+        pass
+
+
+class ReduceScatterInPlace:
+    """Stage 1: the full buffer is reduce-scattered in place; see [Note: accumulating across
+    reductions] for grads that arrive after a bucket was reduced."""
+
+    @staticmethod
+    def _clean(b: Bucket) -> None:
+        """Zero the pieces other ranks own: their local grads were contributed already."""
+        if b.status is BucketStatus.REDUCED_CLEAN:
+            return
+        lo, hi = b.own_piece()
+        g = b.full_grad()
+        g[:lo].zero_()
+        g[hi:].zero_()
+        b.status = BucketStatus.REDUCED_CLEAN
+
+    def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
+        a, e, p = b.buf.layout.overlap(pos, b.k)
+        dst, src = b.full_grad()[a:e], grad[p:p + e - a]
+        if b.status is BucketStatus.EMPTY:
+            dst.add_(src)
+        else:
+            self._clean(b)
+            dst.add_(src, alpha=inv_world)
+
+    def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
+        buf = b.full_grad()
+        if b.status is not BucketStatus.EMPTY:
+            self._clean(b)  # new grads were added pre-divided: divide nothing again
+        elif ctx.world_size > 1:
+            buf.mul_(inv_world)
+        b.status = BucketStatus.REDUCED  # the other pieces are contributed again by this one
+        lo, hi = b.own_piece()
+        return comm.reduce_scatter(buf[lo:hi], buf, ctx.group, ctx.world_size, ctx.counter), None
+
+    def before_step(self, buckets: Iterable[Bucket]) -> None:
+        pass
+
+
+class ReduceIntoShard:
+    """Stages 2-3: a transient bucket buffer per backward, reduced into the grad shard."""
+
+    @staticmethod
+    def _transient(b: Bucket) -> torch.Tensor:
+        if b.grad is None:
+            # Every param range is written whole by `accumulate` (a copy) or `launch` (zeros
+            # for grads that never came): only the holes need zeros, not the whole bucket.
+            buf = torch.empty(b.buf.layout.bucket_numel, dtype=b.buf.reduce_dtype,
+                              device=b.buf.device)
+            for a, e in b.holes:
+                buf[a:e].zero_()
+            b.grad = buf
+        return b.grad
+
+    def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
+        # A copy pre-divided by the world size, fused into the copy (each param's grad
+        # arrives once per backward).
+        a, e, p = b.buf.layout.overlap(pos, b.k)
+        dst, src = self._transient(b)[a:e], grad[p:p + e - a]
+        if inv_world == 1.0:
+            dst.copy_(src)
+        else:
+            torch.mul(src, inv_world, out=dst)
+
+    def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
+        buf = self._transient(b)
+        for pos in b.slots:
+            if pos not in b.arrived:  # a param without a grad this backward contributes zeros
+                a, e, _ = b.buf.layout.overlap(pos, b.k)
+                buf[a:e].zero_()
+        lo, hi = b.own_piece()
+        h = comm.reduce_scatter(buf[lo:hi], buf, ctx.group, ctx.world_size, ctx.counter)
+
+        def finish() -> None:
+            S = b.buf.layout.shard_numel
+            assert b.buf.grad_shard is not None and b.grad is not None
+            dst, piece = b.buf.grad_shard[b.k * S:(b.k + 1) * S], b.grad[lo:hi]
+            if b.status is BucketStatus.EMPTY:
+                dst.copy_(piece)
+                b.status = BucketStatus.REDUCED
+            else:
+                dst.add_(piece)
+            b.grad = None
+        return h, finish
+
+    def before_step(self, buckets: Iterable[Bucket]) -> None:
+        """Shard pieces no reduction reached since the last step hold stale grads: zero them."""
+        for b in buckets:
+            if b.status is BucketStatus.EMPTY and b.buf.grad_shard is not None:
+                S = b.buf.layout.shard_numel
+                b.buf.grad_shard[b.k * S:(b.k + 1) * S].zero_()
+                b.status = BucketStatus.REDUCED
+
+
+def reduction_for(stage: Stage) -> Reduction:
+    if not stage.shards_state:
+        return AllReduceFull()
+    return ReduceScatterInPlace() if stage.keeps_full_grads else ReduceIntoShard()
+
+
+def reduce_replicas(buffers: Iterable[FlatBuffer], ctx: CommContext) -> None:
+    """2-D mesh: average this rank's grad shard over the replicas that hold the same shard
+    (`ctx` is the replicate group). Once per step, after accumulation: replicas then hold equal
+    grads and stay in step."""
+    if ctx.world_size == 1:
+        return
+    handles = []
+    for buf in buffers:
+        for piece in buf.pieces(buf.grad_view()):
+            piece.mul_(1.0 / ctx.world_size)  # pre-divided: the sum is the average
+            handles.append(comm.all_reduce(piece, ctx.group, ctx.world_size, ctx.counter))
+    for h in handles:
+        ctx.wait(h, what="grad all-reduce across replicas")

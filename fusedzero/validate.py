@@ -1,0 +1,173 @@
+"""Checks at the optimizer's boundary: hyper-parameters, params, and the model they belong to.
+Each error names the offending value and the fix."""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusedzero.dtypes import FLOAT_DTYPES
+
+# Attribute a param carries while a live ZeroAdamW owns it: a weak reference to that optimizer.
+OWNER_ATTR = "_fusedzero_owner"
+
+
+def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    """As torch.optim.AdamW, with its messages."""
+    lr_v = float(lr) if not isinstance(lr, torch.Tensor) else float(lr.reshape(-1)[0])
+    if not lr_v >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not eps >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if len(betas) != 2 or not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+
+
+def check_options(*, reduce_dtype: torch.dtype, param_dtype: torch.dtype | None,
+                  max_grad_norm: float | None, bucket_numel: int) -> None:
+    if reduce_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"reduce_dtype {reduce_dtype} not in {FLOAT_DTYPES}")
+    if param_dtype is not None and param_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"param_dtype {param_dtype} not in {FLOAT_DTYPES}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+    if bucket_numel < 1:
+        raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
+
+
+def trainable(params: Any) -> list[Any]:
+    """Params or param-group dicts with frozen params left out."""
+    params = list(params)
+    if not params:
+        raise ValueError("optimizer got an empty parameter list")
+    if isinstance(params[0], dict):
+        out = []
+        for g in params:
+            g = dict(g)
+            ps = g["params"]
+            g["params"] = [p for p in ([ps] if isinstance(ps, torch.Tensor) else ps)
+                           if p.requires_grad]
+            out.append(g)
+        return out
+    return [p for p in params if p.requires_grad]
+
+
+def check_groups(param_groups: list[dict[str, Any]]) -> list[nn.Parameter]:
+    """Every param once; returns them in optimizer order."""
+    for gi, g in enumerate(param_groups):
+        check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+    for gi, g in enumerate(param_groups):
+        if len({id(p) for p in g["params"]}) != len(g["params"]):
+            raise ValueError(f"param group {gi} lists a parameter twice; list each "
+                             "parameter once")
+    all_params = [p for g in param_groups for p in g["params"]]
+    if len({id(p) for p in all_params}) != len(all_params):
+        raise ValueError("a parameter appears in more than one param group")
+    return all_params
+
+
+def resolve_device(params: list[nn.Parameter], module: nn.Module | None, shards_params: bool,
+                   device: torch.device | str | None) -> torch.device:
+    """The one device of the params; for params on the meta device (stage 3 only), where they
+    are materialised."""
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"all params must be on one device, got {sorted(map(str, devices))}")
+    found = devices.pop() if devices else torch.device("cpu")
+    if found.type == "meta":
+        if not shards_params:
+            raise ValueError("params on the meta device need stage=3, which materialises "
+                             "them unit by unit; other stages hold the full model anyway")
+        if module is not None and any(p.is_meta for p in module.parameters()
+                                      if not p.requires_grad):
+            raise ValueError("frozen params on the meta device are not supported: "
+                             "materialise them before building the optimizer")
+        return torch.device(device if device is not None else
+                            ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device is not None and torch.device(device) != found:
+        raise ValueError(f"device={device} but the params are on {found}")
+    return found
+
+
+def check_params(module: nn.Module | None, params: list[nn.Parameter],
+                 names: list[str]) -> None:
+    for p, n in zip(params, names):
+        if p.is_sparse or p.layout != torch.strided:
+            raise ValueError(f"param {n} has layout {p.layout}; only dense params are "
+                             "supported")
+        if p.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"param {n} has dtype {p.dtype}; expected one of {FLOAT_DTYPES}")
+    if module is not None:
+        for n, m in module.named_modules():
+            if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
+                raise ValueError(f"module {n or type(m).__name__} has sparse=True: sparse "
+                                 "gradients are not supported; build it with sparse=False")
+
+
+def check_not_owned(module: nn.Module | None, params: list[nn.Parameter],
+                    names: list[str]) -> None:
+    """Two optimizers on one model would both hook every grad and both rewrite the params."""
+    tensors = list(zip(params, names))
+    if module is not None:
+        tensors += list(module.named_parameters())
+    for p, n in tensors:
+        ref = getattr(p, OWNER_ATTR, None)
+        owner = ref() if ref is not None else None
+        if owner is not None and not owner.closed:
+            raise ValueError(f"param {n} already belongs to a live ZeroAdamW (stage "
+                             f"{int(owner.stage)}); call close() on that optimizer before "
+                             "building another one on the same model")
+
+
+def param_names(module: nn.Module | None, params: list[nn.Parameter]) -> list[str]:
+    names: dict[int, str] = {}
+    if module is not None:
+        for n, p in module.named_parameters(remove_duplicate=True):
+            names.setdefault(id(p), n)
+    out = [names.get(id(p), f"param.{i}") for i, p in enumerate(params)]
+    if module is not None:
+        missing = [i for i, p in enumerate(params) if id(p) not in names]
+        if missing:
+            raise ValueError(f"params at positions {missing} are not parameters of `module`")
+    return out
+
+
+def check_not_frozen(params: list[nn.Parameter], names: list[str]) -> None:
+    """A param frozen after construction still sits in a flat buffer the fused kernel
+    updates as a whole: momentum and weight decay would keep moving it. Refuse, naming it
+    (a Python attribute read per param: no host sync)."""
+    frozen = [n for n, p in zip(names, params) if not p.requires_grad]
+    if frozen:
+        raise RuntimeError(
+            f"params {frozen} were set requires_grad=False after ZeroAdamW was built; the "
+            "fused update would keep moving them (momentum, weight decay). Freeze params "
+            "before building the optimizer (frozen params are left out), or unfreeze them; "
+            "to change the set mid-run: checkpoint.save, close(), build a new ZeroAdamW")
+
+
+def replicated(params: list[nn.Parameter], module: nn.Module | None) -> list[torch.Tensor]:
+    """Every tensor replicas must agree on, once each: the optimizer's params, and the module's
+    params (frozen ones too) and buffers."""
+    out = list(params)
+    if module is not None:
+        out += list(module.parameters()) + list(module.buffers())
+    return list({id(t): t for t in out}.values())
+
+
+def claim(owner: object, tensors: list[torch.Tensor]) -> None:
+    """Mark `tensors` as owned by the live optimizer `owner` (see `check_not_owned`)."""
+    for t in tensors:
+        setattr(t, OWNER_ATTR, weakref.ref(owner))
+
+
+def release(owner: object, tensors: list[torch.Tensor]) -> None:
+    for t in tensors:
+        ref = getattr(t, OWNER_ATTR, None)
+        if ref is not None and ref() is owner:
+            delattr(t, OWNER_ATTR)
