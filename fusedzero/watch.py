@@ -33,6 +33,26 @@ def _json_value(v: Any) -> Any:
     return v
 
 
+def _unwritable(flag: str, path: str | os.PathLike[str], e: OSError) -> ValueError:
+    return ValueError(f"{flag} {str(path)!r}: cannot write there ({e.strerror or e}); "
+                      f"pass a file path in a writable folder")
+
+
+def check_writable(path: str | os.PathLike[str], flag: str) -> None:
+    """Raise ValueError naming ``flag`` unless a file can be written at ``path``. Creates missing
+    parent folders and nothing else, so a launcher can call it before training: a bad
+    ``--log-jsonl`` or ``--plot`` path then fails in seconds, not after the run."""
+    p = Path(path)
+    try:
+        if p.is_dir():
+            raise IsADirectoryError(21, "Is a directory")
+        p.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=p.parent):  # can a file be created beside it?
+            pass
+    except OSError as e:
+        raise _unwritable(flag, path, e) from e
+
+
 class MetricsLog:
     """Append-only JSON-lines file of per-step metrics, one object per line (keys: FIELDS).
 
@@ -54,8 +74,7 @@ class MetricsLog:
             # buffering=0: a raw FileIO, so write() below is the write(2) system call itself.
             self._file = open(self.path, mode, buffering=0)  # noqa: SIM115 (closed in close())
         except OSError as e:
-            raise ValueError(f"--log-jsonl {str(path)!r}: cannot write there ({e.strerror or e}); "
-                             f"pass a file path in a writable folder") from e
+            raise _unwritable("--log-jsonl", path, e) from e
 
     def _keep_until(self, start_step: int) -> None:
         """Rewrite the log without records after ``start_step``, atomically (temp + rename)."""

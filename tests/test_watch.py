@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from fusedzero.model import GPT, GPTConfig
-from fusedzero.watch import FIELDS, MetricsLog, plot_losses, read_jsonl, sample_text
+from fusedzero.watch import (FIELDS, MetricsLog, check_writable, plot_losses, read_jsonl,
+                             sample_text)
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,6 +131,12 @@ def test_metrics_log_refuses_unwritable_path_and_bad_step(tmp_path: Path) -> Non
         with pytest.raises(ValueError, match=r"--log-jsonl .*cannot write there.*writable folder"):
             MetricsLog(bad)
         assert str(bad) in str(pytest.raises(ValueError, MetricsLog, bad).value)
+        for flag in ("--log-jsonl", "--plot"):  # the launcher's check, before training
+            with pytest.raises(ValueError, match=rf"{flag} .*cannot write there"):
+                check_writable(bad, flag)
+    good = tmp_path / "new" / "m.jsonl"
+    check_writable(good, "--log-jsonl")
+    assert good.parent.is_dir() and not list(good.parent.iterdir()), "the check left a file"
     with MetricsLog(tmp_path / "m.jsonl") as log:
         for step in (-1, 1.0, True):
             with pytest.raises(ValueError, match=r"step must be an int >= 0"):
