@@ -14,7 +14,10 @@ import json
 import math
 import os
 import tempfile
+import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 from typing import Any
 
 import torch
@@ -31,6 +34,19 @@ def _json_value(v: Any) -> Any:
     if isinstance(v, float) and not math.isfinite(v):
         return None
     return v
+
+
+def _replace_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Write ``path`` through a temporary beside it and a rename: a crash never leaves a torn
+    file under the name. Not mkstemp: its 0600 mode would make a plot or log private to us;
+    "x" (exclusive create) honours the umask and never writes through an existing file."""
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        with open(tmp, "xb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _unwritable(flag: str, path: str | os.PathLike[str], e: OSError) -> ValueError:
@@ -57,7 +73,8 @@ class MetricsLog:
     """Append-only JSON-lines file of per-step metrics, one object per line (keys: FIELDS).
 
     Opened once; each line goes to the OS in one unbuffered write, so a killed run (SIGKILL,
-    OOM killer) leaves only complete lines: the page cache outlives the process. ``start_step > 0``
+    OOM killer) leaves only complete lines: the page cache outlives the process. A record holds
+    a step's train metrics, its val loss, or both (null for the rest). ``start_step > 0``
     resumes a log: lines for steps after it (written past the checkpoint the run resumes from)
     and a torn last line (a machine crash) are dropped, so the file reads as one uninterrupted run.
     """
@@ -79,10 +96,7 @@ class MetricsLog:
     def _keep_until(self, start_step: int) -> None:
         """Rewrite the log without records after ``start_step``, atomically (temp + rename)."""
         keep = [r for r in read_jsonl(self.path) if r["step"] <= start_step]
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=f".{self.path.name}.")
-        with os.fdopen(fd, "wb") as f:
-            f.write(b"".join(self._line(r) for r in keep))
-        os.replace(tmp, self.path)
+        _replace_atomically(self.path, lambda f: f.write(b"".join(self._line(r) for r in keep)))
 
     @staticmethod
     def _line(record: dict[str, Any]) -> bytes:
@@ -175,11 +189,7 @@ def plot_losses(records: list[dict[str, Any]], out_png: str | os.PathLike[str],
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Through a temporary and a rename: a crash mid-write never leaves a torn PNG under the name.
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".png")
-    with os.fdopen(fd, "wb") as f:
-        fig.savefig(f, format="png")
-    os.replace(tmp, out)
+    _replace_atomically(out, lambda f: fig.savefig(f, format="png"))
 
 
 @torch.no_grad()

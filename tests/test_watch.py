@@ -171,6 +171,9 @@ def test_plot_losses_writes_a_png_with_both_curves(tmp_path: Path) -> None:
     assert _near(rgb, (0x1F, 0x77, 0xB4)) > 300, "no train curve (C0 blue) in the PNG"
     assert _near(rgb, (0xFF, 0x7F, 0x0E)) > 300, "no val curve (C1 orange) in the PNG"
     assert not list(out.parent.glob(".loss.png.*")), "temporary file left behind"
+    ref = tmp_path / "ref"
+    ref.write_bytes(b"")  # a file as open() creates it under this umask
+    assert out.stat().st_mode & 0o777 == ref.stat().st_mode & 0o777, "not the umask's mode"
 
     with pytest.raises(ValueError, match=r"no loss in the 1 records"):
         plot_losses([{"step": 1, "loss": None}], tmp_path / "x.png", "t")
