@@ -26,8 +26,8 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 from fusedzero import checkpoint as ck
-from fusedzero.ckpt_cli import main as cli_main
-from fusedzero.model import GPT, GPTConfig, gpt_param_groups
+from fusedzero.app.ckpt_cli import main as cli_main
+from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 
