@@ -308,8 +308,10 @@ def _cli_plan(args: argparse.Namespace) -> int:
     from fusedzero.app.config import UsageError
 
     try:
-        cfg = PlanConfig(world_size=args.world_size, param_dtype=dtypes.SHORT_NAMES[args.param_dtype],
-                         reduce_dtype=dtypes.SHORT_NAMES[args.reduce_dtype], bucket_numel=args.bucket_numel,
+        cfg = PlanConfig(world_size=args.world_size,
+                         param_dtype=dtypes.SHORT_NAMES[args.param_dtype],
+                         reduce_dtype=dtypes.SHORT_NAMES[args.reduce_dtype],
+                         bucket_numel=args.bucket_numel,
                          reshard_after_forward=args.reshard)
         if args.params is not None:
             if not (math.isfinite(args.params) and args.params == int(args.params)):

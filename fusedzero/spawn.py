@@ -15,6 +15,7 @@ import socket
 import sys
 import time
 from collections.abc import Callable, Collection
+from multiprocessing.queues import Queue
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn
 
@@ -65,7 +66,7 @@ def set_rank_env(rank: int, world_size: int, port: int) -> None:
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
 
 
-def leave(queue: Any, code: int) -> NoReturn:
+def leave(queue: Queue[Report], code: int) -> NoReturn:
     """End a spawned rank once its report is through the pipe. Skips interpreter teardown: it
     takes seconds with torch loaded, and after an error a gloo thread may still sit in a
     collective that never completes, which teardown would wait for."""

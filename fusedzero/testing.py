@@ -14,6 +14,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.queues import Queue
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from fusedzero.spawn import (REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRan
                              set_rank_env)
 
 
-def _entry(rank: int, world_size: int, port: int, queue: Any, fn: Callable[..., Any],
+def _entry(rank: int, world_size: int, port: int, queue: Queue[Report], fn: Callable[..., Any],
            args: tuple, env: dict[str, str], pg_timeout: float | None) -> None:
     os.environ.update(env)
     set_rank_env(rank, world_size, port)

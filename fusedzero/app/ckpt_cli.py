@@ -89,7 +89,8 @@ def run_ckpt(args: argparse.Namespace) -> int:
         if args.ckpt_command == "export" and getattr(args, "hf_config", None):
             from fusedzero import hf
             r = hf.export_hf(args.dir, args.out, hf_config=args.hf_config,
-                             dtype=dtypes.SHORT_NAMES[args.dtype], max_shard_bytes=args.max_shard_size,
+                             dtype=dtypes.SHORT_NAMES[args.dtype],
+                             max_shard_bytes=args.max_shard_size,
                              verify=not args.no_verify)
             print(f"wrote {hf.CONFIG_NAME} and {len(r.files)} weight file(s) in {args.out}")
             return 0

@@ -151,10 +151,11 @@ class TrainConfig:
              f"--keep-last must be >= 1, got {self.keep_last}")
         need(self.bucket_numel is None or self.bucket_numel >= 1,
              f"--bucket-numel must be >= 1, got {self.bucket_numel}")
-        need(self.reduce_dtype in dtypes.SHORT_NAMES,
-             f"--reduce-dtype must be one of {sorted(dtypes.SHORT_NAMES)}, got {self.reduce_dtype!r}")
-        need(self.param_dtype is None or self.param_dtype in dtypes.SHORT_NAMES,
-             f"--param-dtype must be one of {sorted(dtypes.SHORT_NAMES)}, got {self.param_dtype!r}")
+        names = sorted(dtypes.SHORT_NAMES)
+        need(self.reduce_dtype in names,
+             f"--reduce-dtype must be one of {names}, got {self.reduce_dtype!r}")
+        need(self.param_dtype is None or self.param_dtype in names,
+             f"--param-dtype must be one of {names}, got {self.param_dtype!r}")
         need(math.isfinite(self.timeout) and self.timeout > 0,
              f"--timeout must be > 0 seconds, got {self.timeout}")
         need(not (self.resume and self.overwrite),

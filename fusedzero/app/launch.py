@@ -16,6 +16,7 @@ import os
 import sys
 import time
 import traceback
+from multiprocessing.queues import Queue
 from typing import Any
 
 import torch
@@ -71,7 +72,8 @@ def run_config(cfg: TrainConfig) -> dict[str, Any]:
     if use_cuda and nproc > torch.cuda.device_count():
         raise UsageError(f"--nproc {nproc} exceeds the {torch.cuda.device_count()} visible GPUs")
     preflight.check_batch(cfg, nproc)
-    preflight.check_outputs_writable(cfg)  # before anything slow: a bad path fails now, not after the run
+    # Before anything slow: a bad path fails now, not after the run.
+    preflight.check_outputs_writable(cfg)
     # Loaded once here; the tensors reach the ranks through shared memory, not a pipe.
     data = preflight.load_data(cfg)
     with preflight.run_folder_lock(cfg):
@@ -125,8 +127,8 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool, data: Split) -> dict[st
     return summary
 
 
-def _spawn_entry(rank: int, world: int, port: int, q: Any, use_cuda: bool, cfg: TrainConfig,
-                 data: Split, parent_pid: int) -> None:
+def _spawn_entry(rank: int, world: int, port: int, q: Queue[Report], use_cuda: bool,
+                 cfg: TrainConfig, data: Split, parent_pid: int) -> None:
     die_with_parent(parent_pid)  # never train on as an orphan (see fusedzero.app.lifecycle)
     set_rank_env(rank, world, port)
     code = REPORTED_ERROR_EXIT

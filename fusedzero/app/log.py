@@ -41,8 +41,8 @@ class PendingStep(NamedTuple):
 class RunLog:
     """Per-step records. Device values wait in `pending` until `flush` (a host sync)."""
 
-    def __init__(self, rank: int, world: int, device: torch.device) -> None:
-        self.rank, self.world, self.device = rank, world, device
+    def __init__(self, world: int) -> None:
+        self.world = world  # the logged loss is the mean over ranks
         self.pending: list[PendingStep] = []
         self.steps: list[dict[str, Any]] = []
         self.val: list[dict[str, Any]] = []

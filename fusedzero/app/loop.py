@@ -68,7 +68,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_for(cfg))
     sampler = BatchSampler(train_data, cfg.block_size, cfg.batch_size, cfg.seed)
     val = eval_batches(val_data, cfg.block_size, cfg.eval_seqs, 1)[0]
-    log = RunLog(rank, world, device)
+    log = RunLog(world)
 
     start = 0
     if cfg.resume:
