@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from _common import SUMMARY, replay
-from fusedzero.model import GPT, GPTConfig, gpt_param_groups
+from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 

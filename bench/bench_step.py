@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from _common import SUMMARY, percentiles, replay
-from fusedzero.model import GPT, GPTConfig, gpt_param_groups
+from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 

@@ -5,7 +5,7 @@ Run with `pytest bench/ --benchmark-only`. The default `pytest` run never sees t
 
 Each subject file writes `bench/results/<file stem>.json` at the end of the session, in the shape
 of pytest-benchmark's own `--benchmark-json` (`{"machine_info", "benchmarks": [...]}`), so
-`python -m fusedzero.report bench/results -o bench/REPORT.md` reads either.
+`python bench/report.py bench/results -o bench/REPORT.md` reads either.
 """
 from __future__ import annotations
 
@@ -74,4 +74,4 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         for line in SUMMARY:
             terminalreporter.write_line(line)
         terminalreporter.write_line(f"results: {RESULTS}/*.json; report: "
-                                    "python -m fusedzero.report bench/results -o bench/REPORT.md")
+                                    "python bench/report.py bench/results -o bench/REPORT.md")

@@ -27,9 +27,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from fusedzero import dtypes
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL, FlatLayout, build_layout
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STAGES = (0, 1, 2, 3)
 # fp32 exp_avg + exp_avg_sq per param; an fp32 master adds 4 more unless the params are fp32
 # (then the param buffer is its own master).
@@ -40,7 +40,7 @@ SCALAR_BYTES = 4
 
 
 def _gpt_presets() -> dict[str, dict[str, int]]:
-    from fusedzero.train import (DEFAULT_BLOCK, DEFAULT_N_EMBD, DEFAULT_N_HEAD,
+    from fusedzero.app.config import (DEFAULT_BLOCK, DEFAULT_N_EMBD, DEFAULT_N_HEAD,
                                  DEFAULT_N_LAYER)
     gpt2 = dict(vocab_size=50257, block_size=1024)
     return {
@@ -49,7 +49,7 @@ def _gpt_presets() -> dict[str, dict[str, int]]:
                       block_size=DEFAULT_BLOCK),
         # GPTConfig's defaults: the model the tests train
         "tiny": {},
-        # GPT-2 shapes in fusedzero.model.GPT (tied head, no qkv bias: a few params fewer)
+        # GPT-2 shapes in fusedzero.app.model.GPT (tied head, no qkv bias: a few params fewer)
         "gpt2": dict(n_layer=12, n_head=12, n_embd=768, **gpt2),
         "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, **gpt2),
         "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, **gpt2),
@@ -96,8 +96,8 @@ class PlanConfig:
             raise ValueError(f"bucket_numel must be >= 1, got {self.bucket_numel}")
         for name in ("param_dtype", "reduce_dtype"):
             dt = getattr(self, name)
-            if dt is not None and dt not in DTYPES.values():
-                raise ValueError(f"{name}={dt} is not one of {list(DTYPES.values())}")
+            if dt is not None and dt not in dtypes.FLOAT_DTYPES:
+                raise ValueError(f"{name}={dt} is not one of {list(dtypes.FLOAT_DTYPES)}")
 
 
 @dataclass
@@ -115,10 +115,10 @@ class Plan:
     def table(self) -> str:
         """A text table: which buffer each column is, full or sharded, in decimal GB."""
         c, W = self.config, self.world_size
-        pdt = _name(c.param_dtype) if c.param_dtype is not None else "own dtype"
+        pdt = dtypes.short_name(c.param_dtype) if c.param_dtype is not None else "own dtype"
         k = MOMENT_BYTES + (0 if c.param_dtype == torch.float32 else MASTER_BYTES)
         lines = [f"{self.source}: {self.params:,} params (Psi), world size W={W}",
-                 f"params {pdt}, grads {_name(c.reduce_dtype)}, optimizer "
+                 f"params {pdt}, grads {dtypes.short_name(c.reduce_dtype)}, optimizer "
                  + ("fp32 exp_avg + exp_avg_sq (fp32 params are their own master)"
                     if k == MOMENT_BYTES else "fp32 master + exp_avg + exp_avg_sq")
                  + f": K={k} bytes/param", ""]
@@ -145,10 +145,6 @@ class Plan:
                   "Not counted: activations, stage 2-3 transient grad buckets (<= 2 in flight), "
                   "stage-3 gathered units (the current one and one prefetched)."]
         return "\n".join(lines)
-
-
-def _name(dt: torch.dtype) -> str:
-    return next(k for k, v in DTYPES.items() if v == dt)
 
 
 def _gb(n: int) -> str:
@@ -251,8 +247,8 @@ def plan_params(n: int, cfg: PlanConfig) -> Plan:
 
 # -- models on the meta device ----------------------------------------------------------------
 def preset_model(name: str) -> nn.Module:
-    """One of PRESETS as a fusedzero.model.GPT on the meta device (nothing allocated)."""
-    from fusedzero.model import GPT, GPTConfig
+    """One of PRESETS as a fusedzero.app.model.GPT on the meta device (nothing allocated)."""
+    from fusedzero.app.model import GPT, GPTConfig
 
     presets = _gpt_presets()
     if name not in presets:
@@ -288,13 +284,13 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--params", type=float, metavar="N",
                      help="parameter count, e.g. 7.5e9 (one flat buffer)")
-    src.add_argument("--preset", choices=PRESETS, help="a fusedzero.model.GPT shape")
+    src.add_argument("--preset", choices=PRESETS, help="a fusedzero.app.model.GPT shape")
     src.add_argument("--hf-config", metavar="PATH",
                      help="a Hugging Face config.json or its folder (needs transformers)")
     p.add_argument("--world-size", "-W", type=int, required=True, help="ranks sharding the state")
-    p.add_argument("--param-dtype", choices=sorted(DTYPES), default="bf16",
+    p.add_argument("--param-dtype", choices=sorted(dtypes.SHORT_NAMES), default="bf16",
                    help="model param dtype (default bf16; fp32: no separate master)")
-    p.add_argument("--reduce-dtype", choices=sorted(DTYPES), default="bf16",
+    p.add_argument("--reduce-dtype", choices=sorted(dtypes.SHORT_NAMES), default="bf16",
                    help="grad reduction dtype (default bf16, the ZeRO paper's; ZeroAdamW's "
                         "own default is fp32)")
     p.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
@@ -309,11 +305,13 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def _cli_plan(args: argparse.Namespace) -> int:
-    from fusedzero.train import UsageError
+    from fusedzero.app.config import UsageError
 
     try:
-        cfg = PlanConfig(world_size=args.world_size, param_dtype=DTYPES[args.param_dtype],
-                         reduce_dtype=DTYPES[args.reduce_dtype], bucket_numel=args.bucket_numel,
+        cfg = PlanConfig(world_size=args.world_size,
+                         param_dtype=dtypes.SHORT_NAMES[args.param_dtype],
+                         reduce_dtype=dtypes.SHORT_NAMES[args.reduce_dtype],
+                         bucket_numel=args.bucket_numel,
                          reshard_after_forward=args.reshard)
         if args.params is not None:
             if not (math.isfinite(args.params) and args.params == int(args.params)):

@@ -14,37 +14,28 @@ buffer (the model's param buffer, an in-place reduce-scattered grad buffer) is
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from fusedzero.kernels._dispatch import count_launch, device_guard, grid_1d, use_triton
+from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Strided, as_strided,
+                                       check_scalar, check_stream, count_launch, device_guard,
+                                       grid_1d, pieces, shard_numel_of, use_triton)
 
 # 1024 elements per program: with 4 warps each thread handles 8 fp32 values, i.e. two 128-bit
 # vector accesses per stream, enough bytes in flight to saturate HBM on A100/H100.
 BLOCK = 1024
 NUM_WARPS = 4
-GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# [Note: GPU vs interpreter numerics] Compiled with FMA contraction off (ENABLE_FP_FUSION, free
-# in a memory-bound kernel) and sqrt_rn/div_rn, every fp32 operation of the update is one IEEE
+# [Note: GPU vs interpreter numerics] Compiled with FMA contraction off (_launch.ENABLE_FP_FUSION,
+# free in a memory-bound kernel) and sqrt_rn/div_rn, every fp32 operation of the update is one IEEE
 # round-to-nearest op, as numpy does it in the interpreter: the two agree bitwise except through
 # the fp64 exp of the bias corrections (libdevice on the GPU, within 1 ulp of fp64, vs numpy's),
 # which changes bc1/bc2 only when it straddles an fp32 rounding boundary (~2**-29 of steps) and
 # then by 1 fp32 ulp: at most 2 ulps of the update. Not measured on a GPU here; the PTX is checked
 # for the exact forms (tests/test_compile.py). The torch path (torch._fused_adamw_) orders the
 # math differently: within 2 * 8 ulps of the interpreter (tests/test_kernels.py).
-ENABLE_FP_FUSION = False
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-class Strided(NamedTuple):
-    """A rank's shard viewed inside a bucketed buffer: piece k at `k*stride + base`."""
-
-    tensor: torch.Tensor
-    stride: int
-    base: int
 
 
 @triton.jit
@@ -71,7 +62,7 @@ def _adamw_kernel(
     # flags
     HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    # One grid axis over (bucket, block) pairs (`_dispatch.grid_1d`): CUDA caps axes 1-2 at
+    # One grid axis over (bucket, block) pairs (`_launch.grid_1d`): CUDA caps axes 1-2 at
     # 65535. int64 offsets: a flat shard may pass 2**31 elements.
     nblocks = tl.cdiv(shard_numel, BLOCK)
     prog = tl.program_id(0).to(tl.int64)
@@ -123,38 +114,6 @@ def _adamw_kernel(
         tl.store(out_ptr + o_offs, o, mask=mask)
 
 
-def _as_strided(x: torch.Tensor | Strided, shard_numel: int) -> Strided:
-    return x if isinstance(x, Strided) else Strided(x, shard_numel, 0)
-
-
-def _pieces(s: Strided, num_buckets: int, shard_numel: int,
-            split: int | None = None) -> list[torch.Tensor]:
-    """The shard's pieces as views: one view when contiguous (unless `split` asks per bucket)."""
-    if split != num_buckets and s.stride == shard_numel and s.base == 0:
-        return [s.tensor[: num_buckets * shard_numel]]
-    return [s.tensor[k * s.stride + s.base : k * s.stride + s.base + shard_numel]
-            for k in range(num_buckets)]
-
-
-def _check(name: str, s: Strided, dtypes: tuple[torch.dtype, ...], num_buckets: int,
-           shard_numel: int, device: torch.device) -> None:
-    t = s.tensor
-    if t.dtype not in dtypes:
-        raise TypeError(f"{name} has dtype {t.dtype}, expected one of {dtypes}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, expected {device} like master")
-    if t.dim() != 1 or not t.is_contiguous():
-        raise ValueError(f"{name} must be a flat contiguous 1-D buffer, got shape "
-                         f"{tuple(t.shape)} with strides {t.stride()}")
-    if s.stride < shard_numel or s.base < 0:
-        raise ValueError(f"{name}: stride {s.stride} must be >= shard_numel {shard_numel} "
-                         f"and base {s.base} >= 0")
-    need = (num_buckets - 1) * s.stride + s.base + shard_numel if num_buckets else 0
-    if t.numel() < need:
-        raise ValueError(f"{name} has {t.numel()} elements, but {num_buckets} buckets of "
-                         f"{shard_numel} at stride {s.stride} + base {s.base} need {need}")
-
-
 def adamw_step(
     master: torch.Tensor | Strided,
     grad: torch.Tensor | Strided,
@@ -181,23 +140,19 @@ def adamw_step(
     are one-element tensors on the same device. Every stream covers `num_buckets` pieces of
     `shard_numel` elements (see the module docstring); plain tensors are the local layout.
     """
-    if shard_numel is None:
-        if num_buckets != 1:
-            raise ValueError("shard_numel is required when num_buckets != 1")
-        shard_numel = exp_avg.numel()
-    ms, gs = _as_strided(master, shard_numel), _as_strided(grad, shard_numel)
-    os_ = None if out is None else _as_strided(out, shard_numel)
+    shard_numel = shard_numel_of(exp_avg, num_buckets, shard_numel)
+    ms, gs = as_strided(master, shard_numel), as_strided(grad, shard_numel)
+    os_ = None if out is None else as_strided(out, shard_numel)
     device = ms.tensor.device
-    _check("master", ms, (torch.float32,), num_buckets, shard_numel, device)
-    _check("grad", gs, GRAD_DTYPES, num_buckets, shard_numel, device)
+    check_stream("master", ms, (torch.float32,), num_buckets, shard_numel, device)
+    check_stream("grad", gs, GRAD_DTYPES, num_buckets, shard_numel, device)
     for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        _check(name, Strided(t, shard_numel, 0), (torch.float32,), num_buckets, shard_numel, device)
+        check_stream(name, Strided(t, shard_numel, 0), (torch.float32,), num_buckets, shard_numel,
+                     device)
     if os_ is not None:
-        _check("out", os_, OUT_DTYPES, num_buckets, shard_numel, device)
+        check_stream("out", os_, OUT_DTYPES, num_buckets, shard_numel, device)
     for name, t in (("lr", lr), ("step", step), ("grad_scale", grad_scale), ("skip", skip)):
-        if t.numel() != 1 or t.device != device:
-            raise ValueError(f"{name} must be a one-element tensor on {device}, got "
-                             f"{t.numel()} elements on {t.device}")
+        check_scalar(name, t, device)
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ValueError(f"betas must be in [0, 1), got ({beta1}, {beta2})")
     if num_buckets == 0 or shard_numel == 0:
@@ -244,7 +199,7 @@ def _adamw_torch(ms: Strided, gs: Strided, exp_avg: torch.Tensor, exp_avg_sq: to
     streams = [ms, gs, m_, v_] + ([os_] if os_ is not None else [])
     # One whole-buffer view per stream when every stream is the local layout, else per bucket.
     split = num_buckets if any(s.stride != shard_numel or s.base != 0 for s in streams) else 1
-    masters, grads, ms_, vs_ = (_pieces(s, num_buckets, shard_numel, split)
+    masters, grads, ms_, vs_ = (pieces(s, num_buckets, shard_numel, split)
                                 for s in (ms, gs, m_, v_))
     # torch's CPU kernel wants the grad in the param's dtype: one cast pass for bf16/fp16 grads,
     # into a reused workspace (a fresh fp32 buffer per step costs page faults on every step).
@@ -257,7 +212,7 @@ def _adamw_torch(ms: Strided, gs: Strided, exp_avg: torch.Tensor, exp_avg_sq: to
         amsgrad=False, maximize=maximize, grad_scale=grad_scale.reciprocal(), found_inf=None,
     )
     if os_ is not None:
-        for o, p in zip(_pieces(os_, num_buckets, shard_numel, split), masters):
+        for o, p in zip(pieces(os_, num_buckets, shard_numel, split), masters):
             o.copy_(p)
 
 

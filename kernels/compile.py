@@ -23,7 +23,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fusedzero.kernels import adamw as _adamw
-from fusedzero.kernels import reduce as _reduce
+from fusedzero.kernels import sum_of_squares as _sumsq
+from fusedzero.kernels._launch import ENABLE_FP_FUSION, GRAD_DTYPES
 
 KERNELS = ("adamw", "sumsq")
 
@@ -66,8 +67,8 @@ def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
     """
     if kernel_name not in KERNELS:
         raise ValueError(f"kernel_name={kernel_name!r}, expected one of {KERNELS}")
-    if grad_dtype not in _adamw.GRAD_DTYPES:
-        raise ValueError(f"grad_dtype {grad_dtype}, expected one of {_adamw.GRAD_DTYPES}")
+    if grad_dtype not in GRAD_DTYPES:
+        raise ValueError(f"grad_dtype {grad_dtype}, expected one of {GRAD_DTYPES}")
     g = _TRITON_DTYPE[grad_dtype]
     if kernel_name == "adamw":
         if out_dtype is not None and out_dtype not in _adamw.OUT_DTYPES:
@@ -86,11 +87,11 @@ def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
     else:
         if out_dtype is not None:
             raise ValueError("sumsq has no output dtype; pass out_dtype=None")
-        fn = _jit_fn(_reduce, "_sumsq_kernel")
+        fn = _jit_fn(_sumsq, "_sumsq_kernel")
         ptrs = {"x_ptr": f"*{g}", "partial_ptr": "*fp32"}
         ints = _SUMSQ_INTS
-        constexprs = {"BLOCK": _reduce.BLOCK}
-        num_warps = _reduce.NUM_WARPS
+        constexprs = {"BLOCK": _sumsq.BLOCK}
+        num_warps = _sumsq.NUM_WARPS
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -108,7 +109,7 @@ def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
     # The launchers' options, so the PTX here is what runs (no FMA contraction: see adamw.py).
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": num_warps,
-                                   "enable_fp_fusion": _adamw.ENABLE_FP_FUSION})
+                                   "enable_fp_fusion": ENABLE_FP_FUSION})
 
 
 def resource_usage(compiled: Any) -> dict[str, int]:
@@ -134,7 +135,7 @@ def memory_accesses(ptx: str) -> Counter[str]:
 def variants() -> list[tuple[str, torch.dtype, torch.dtype | None]]:
     """Every (kernel, grad dtype, out dtype) the launchers can produce."""
     out: list[tuple[str, torch.dtype, torch.dtype | None]] = []
-    for g in _adamw.GRAD_DTYPES:
+    for g in GRAD_DTYPES:
         out += [("adamw", g, o) for o in (None, *_adamw.OUT_DTYPES)]
         out.append(("sumsq", g, None))
     return out

@@ -27,8 +27,8 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from fusedzero import checkpoint as ck
 from fusedzero.checkpoint import format as ckformat
-from fusedzero.ckpt_cli import main as cli_main
-from fusedzero.model import GPT, GPTConfig, gpt_param_groups
+from fusedzero.app.ckpt_cli import main as cli_main
+from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 

@@ -21,11 +21,11 @@ import torch.distributed as dist
 
 from fusedzero import checkpoint as ck
 from fusedzero.checkpoint import format as ckformat
-from fusedzero.ckpt_cli import main as cli_main
-from fusedzero.model import GPT, GPTConfig, gpt_param_groups
+from fusedzero.app.ckpt_cli import main as cli_main
+from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
-from fusedzero.train import run as train_run
+from fusedzero.app.launch import run as train_run
 
 CFG = GPTConfig(vocab_size=31, block_size=8, n_layer=1, n_head=2, n_embd=16, dropout=0.1)
 SHARD = "rank00000-of-00001.safetensors"

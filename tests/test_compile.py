@@ -16,7 +16,7 @@ import pytest
 import torch
 import triton
 
-from fusedzero.kernels import adamw, reduce
+from fusedzero.kernels import adamw, sum_of_squares
 from fusedzero.kernels.compile import compile_for
 
 CAPABILITIES = (80, 90)
@@ -75,7 +75,8 @@ def test_adamw_ptx_streams_are_128bit_vectors(compiled, g, o, cap):
 @pytest.mark.parametrize("g", DTYPES, ids=str)
 def test_sumsq_ptx_loads_are_128bit_vectors(compiled, g, cap):
     row = _row(compiled, "sumsq", cap, g, None)
-    want = {"ld.global.v4.b32": _vectors_per_thread(reduce.BLOCK, reduce.NUM_WARPS, g.itemsize),
+    want = {"ld.global.v4.b32": _vectors_per_thread(sum_of_squares.BLOCK,
+                                                    sum_of_squares.NUM_WARPS, g.itemsize),
             "st.global.b32": 1}  # the block's partial sum
     assert _global(row) == want, f"sm_{cap} x={g}: global accesses {_global(row)}, want {want}"
 

@@ -11,7 +11,7 @@ import torch
 
 from fusedzero import checkpoint
 from fusedzero.cli import main as cli_main
-from fusedzero.model import GPT, GPTConfig
+from fusedzero.app.model import GPT, GPTConfig
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 

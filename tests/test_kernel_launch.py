@@ -12,10 +12,9 @@ import pytest
 import torch
 import triton.runtime.interpreter as interp
 
-from fusedzero.kernels import _dispatch, adamw_reference, adamw_step, sumsq
+from fusedzero.kernels import Strided, _launch, adamw_reference, adamw_step, sumsq
 from fusedzero.kernels import adamw as adamw_mod
-from fusedzero.kernels import reduce as reduce_mod
-from fusedzero.kernels.adamw import Strided
+from fusedzero.kernels import sum_of_squares as sumsq_mod
 
 CUDA_MAX_Y = 65535  # CUDA's limit on grid axes 1 and 2
 HP = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -29,15 +28,15 @@ def _scalars() -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------------------- grid
 
-@pytest.mark.parametrize("block", [adamw_mod.BLOCK, reduce_mod.BLOCK])
+@pytest.mark.parametrize("block", [adamw_mod.BLOCK, sumsq_mod.BLOCK])
 @pytest.mark.parametrize("shard", [128, 2**20 // 8, 3 * 4096 + 128])
 def test_grid_for_70k_buckets_is_1d_within_cuda_limits(block: int, shard: int) -> None:
     # bucket_numel=2**20 on a 70B-param decay group at W=8: ~67k buckets of 2**17-element shards.
     nb = 70_000
-    grid = _dispatch.grid_1d(nb, shard, block)
+    grid = _launch.grid_1d(nb, shard, block)
     nblocks = math.ceil(shard / block)
     assert grid == (nb * nblocks,), grid
-    assert grid[0] <= _dispatch.MAX_GRID_X
+    assert grid[0] <= _launch.MAX_GRID_X
     # The kernels' map program -> (bucket, block) covers every (bucket, block) pair once.
     prog = torch.arange(grid[0], dtype=torch.int64)
     bucket = prog // nblocks
@@ -48,7 +47,7 @@ def test_grid_for_70k_buckets_is_1d_within_cuda_limits(block: int, shard: int) -
 
 def test_grid_beyond_cuda_axis0_limit_is_refused_with_the_fix() -> None:
     with pytest.raises(ValueError, match="exceeds CUDA's grid limit .* use larger buckets"):
-        _dispatch.grid_1d(2**21, 2**20, 1024)
+        _launch.grid_1d(2**21, 2**20, 1024)
 
 
 def test_adamw_last_programs_of_a_70k_bucket_grid_triton_interpreter(monkeypatch) -> None:
@@ -61,7 +60,7 @@ def test_adamw_last_programs_of_a_70k_bucket_grid_triton_interpreter(monkeypatch
     monkeypatch.setenv("FUSEDZERO_BACKEND", "triton")
     nb, S = 70_000, 128
     progs = [0, CUDA_MAX_Y - 1, CUDA_MAX_Y, nb - 1]
-    full = _dispatch.grid_1d(nb, S, adamw_mod.BLOCK)
+    full = _launch.grid_1d(nb, S, adamw_mod.BLOCK)
     assert full == (nb,)
     monkeypatch.setattr(adamw_mod, "grid_1d", lambda *a: (len(progs),))
     builder = interp.interpreter_builder
@@ -123,10 +122,10 @@ class _RecordingDevice:
 def test_device_guard_enters_torch_cuda_device_for_cuda_tensors(monkeypatch) -> None:
     monkeypatch.setattr(_RecordingDevice, "entered", [])
     monkeypatch.setattr(torch.cuda, "device", _RecordingDevice)
-    with _dispatch.device_guard(torch.device("cuda", 1)):
+    with _launch.device_guard(torch.device("cuda", 1)):
         assert _RecordingDevice.active == [torch.device("cuda", 1)]
     assert _RecordingDevice.entered == [torch.device("cuda", 1)] and not _RecordingDevice.active
-    with _dispatch.device_guard(torch.device("cpu")):
+    with _launch.device_guard(torch.device("cpu")):
         pass
     assert _RecordingDevice.entered == [torch.device("cuda", 1)], "CPU needs no CUDA guard"
 
@@ -159,7 +158,7 @@ def test_every_triton_launch_runs_under_the_tensors_device_guard(monkeypatch, ke
             active.pop()
 
     fake = _FakeKernel(active)
-    mod = adamw_mod if kernel == "adamw" else reduce_mod
+    mod = adamw_mod if kernel == "adamw" else sumsq_mod
     monkeypatch.setattr(mod, "device_guard", guard)
     monkeypatch.setattr(mod, "_adamw_kernel" if kernel == "adamw" else "_sumsq_kernel", fake)
     x = torch.randn(3 * 256)

@@ -13,7 +13,7 @@ import torch
 
 from fusedzero.kernels import LAUNCHES, Strided, adamw_reference, adamw_step, sumsq
 from fusedzero.kernels import adamw as adamw_mod
-from fusedzero.kernels import reduce as reduce_mod
+from fusedzero.kernels import sum_of_squares as sumsq_mod
 
 BLOCK = adamw_mod.BLOCK
 GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -348,7 +348,7 @@ def test_adamw_rejects_bad_inputs_with_clear_errors(case, exc, match):
 
 # --------------------------------------------------------------------------------- sum of squares
 
-RBLOCK = reduce_mod.BLOCK
+RBLOCK = sumsq_mod.BLOCK
 
 
 def _sumsq_tolerance(n: int) -> float:

@@ -261,7 +261,7 @@ def test_async_save_with_a_dead_peer_ends(tmp_path: Path) -> None:
     """Before: rank 0's (non-daemon) save thread waited 1800 s for the dead rank's shard."""
     import multiprocessing
 
-    from fusedzero.testing import free_port
+    from fusedzero.spawn import free_port
 
     ctx = multiprocessing.get_context("spawn")
     port, result = free_port(), tmp_path / "rank0.txt"

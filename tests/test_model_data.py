@@ -1,4 +1,4 @@
-"""Tests for the GPT model (fusedzero.model) and the byte-level data pipeline (fusedzero.data)."""
+"""Tests for the GPT model (fusedzero.app.model) and the byte-level data pipeline (fusedzero.app.data)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedzero.data import (
+from fusedzero.app.data import (
     BatchSampler,
     default_corpus_files,
     eval_batches,
     load_corpus,
     split_corpus,
 )
-from fusedzero.model import GPT, GPTConfig, gpt_param_groups
+from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 
 # Small enough that every model test runs in milliseconds on a CPU.
 TINY = GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=32)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fusedzero.cli import main
-from fusedzero.model import GPT, GPTConfig, gpt_param_groups
+from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
 from fusedzero.plan import PlanConfig, plan_model, plan_params, preset_model
 

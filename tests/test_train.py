@@ -6,7 +6,6 @@ a module fixture and the model is tiny.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -19,12 +18,9 @@ from pathlib import Path
 import pytest
 
 from fusedzero import cli
-from fusedzero.train import MIN_LR_RATIO, UsageError, run
+from fusedzero.app.config import MIN_LR_RATIO, UsageError
+from fusedzero.app.launch import run
 
-HAS_ZERO3 = importlib.util.find_spec("fusedzero.zero3") is not None
-HAS_CKPT = importlib.util.find_spec("fusedzero.checkpoint") is not None
-needs_zero3 = pytest.mark.skipif(not HAS_ZERO3, reason="fusedzero.zero3 (ZeRO-3) not built yet")
-needs_ckpt = pytest.mark.skipif(not HAS_CKPT, reason="fusedzero.checkpoint not built yet")
 
 W = 2
 STEPS = 4
@@ -32,7 +28,7 @@ STEPS = 4
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
         "--batch-size", "8", "--steps", str(STEPS), "--warmup", "1", "--lr", "3e-3",
         "--eval-seqs", "8", "--nproc", str(W), "--no-progress"]
-STAGES = [0, 1, 2, pytest.param(3, marks=needs_zero3)]
+STAGES = [0, 1, 2, 3]
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +41,9 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def stage_runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
-    """One 4-step run per available stage, read back from --out-json."""
+    """One 4-step run per stage, read back from --out-json."""
     out = {}
     for stage in (0, 1, 2, 3):
-        if stage == 3 and not HAS_ZERO3:
-            continue
         path = tmp_path_factory.mktemp("runs") / f"stage{stage}.json"
         summary = run(TINY + ["--stage", str(stage), "--data", str(corpus),
                               "--out-json", str(path)])
@@ -147,7 +141,6 @@ def test_lr_follows_warmup_then_cosine(stage_runs: dict[int, dict]) -> None:
         assert x["lr"] == pytest.approx(want, rel=1e-12), i
 
 
-@needs_ckpt
 def test_resume_after_stop_is_bitwise_and_reshards(stage_runs: dict[int, dict], corpus: Path,
                                                    tmp_path: Path) -> None:
     """--stop-at 2 then --resume gives the uninterrupted run's losses bit for bit (same world
@@ -254,11 +247,11 @@ def test_locked_folder_is_refused_naming_the_holder_and_stale_lock_is_taken_over
         capsys: pytest.CaptureFixture[str], tmp_path: Path, corpus: Path) -> None:
     """A live process holding --ckpt-dir (another run) is named in the error; once it is killed
     (SIGKILL: no cleanup), its lock is stale and the next user takes it over."""
-    from fusedzero.runlock import RunLock
+    from fusedzero.app.runlock import RunLock
 
     ckpt = tmp_path / "ckpt"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from fusedzero.runlock import RunLock; "
+        [sys.executable, "-c", "import sys, time; from fusedzero.app.runlock import RunLock; "
          f"RunLock({str(ckpt)!r}).acquire(); print('locked', flush=True); time.sleep(600)"],
         stdout=subprocess.PIPE, text=True)
     try:
@@ -275,7 +268,6 @@ def test_locked_folder_is_refused_naming_the_holder_and_stale_lock_is_taken_over
     assert not (ckpt / ".fusedzero.lock").exists()  # released on exit
 
 
-@needs_ckpt
 @pytest.mark.timeout(900)  # includes the 4 runs of stage_runs on a busy machine
 def test_new_run_resume_flags_and_overwrite(capfd: pytest.CaptureFixture[str], tmp_path: Path,
                                             corpus: Path, stage_runs: dict[int, dict]) -> None:

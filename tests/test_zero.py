@@ -9,7 +9,7 @@ import torch
 
 from fusedzero import checkpoint as ckpt
 from fusedzero.layout import build_layout
-from fusedzero.model import GPT, GPTConfig, gpt_param_groups
+from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 from torch.utils.checkpoint import checkpoint

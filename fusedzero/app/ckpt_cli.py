@@ -9,7 +9,7 @@ DIR is a checkpoint directory or a root holding `latest`. Exit status: 0 ok; 1 `
 checkpoint there, a model mismatch, bad flags), reported as one line `fusedzero: error: ...`.
 
 The `fusedzero` CLI wires this in with `add_ckpt_subparser(subparsers)`; the parsed namespace
-carries `func=run_ckpt`. `python -m fusedzero.ckpt_cli ...` runs it alone.
+carries `func=run_ckpt`. `python -m fusedzero.app.ckpt_cli ...` runs it alone.
 """
 from __future__ import annotations
 
@@ -18,11 +18,8 @@ import re
 import sys
 from typing import Any
 
-import torch
+from fusedzero import checkpoint, dtypes
 
-from fusedzero import checkpoint
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30}
 
@@ -39,7 +36,7 @@ def add_ckpt_subparser(subparsers: Any) -> argparse.ArgumentParser:
     a = sub.add_parser("export", help="one safetensors file with the model's param names")
     a.add_argument("dir", help="checkpoint directory, or a root holding `latest`")
     a.add_argument("out", help="output .safetensors path")
-    a.add_argument("--dtype", choices=sorted(DTYPES), default="fp32",
+    a.add_argument("--dtype", choices=sorted(dtypes.SHORT_NAMES), default="fp32",
                    help="dtype of the exported params (default fp32, the master values)")
     a.add_argument("--max-shard-size", default=None, type=_parse_size,
                    help="split into HF-style shards + index above this size, e.g. 5GB")
@@ -92,12 +89,13 @@ def run_ckpt(args: argparse.Namespace) -> int:
         if args.ckpt_command == "export" and getattr(args, "hf_config", None):
             from fusedzero.checkpoint import hf
             r = hf.export_hf(args.dir, args.out, hf_config=args.hf_config,
-                             dtype=DTYPES[args.dtype], max_shard_bytes=args.max_shard_size,
+                             dtype=dtypes.SHORT_NAMES[args.dtype],
+                             max_shard_bytes=args.max_shard_size,
                              verify=not args.no_verify)
             print(f"wrote {hf.CONFIG_NAME} and {len(r.files)} weight file(s) in {args.out}")
             return 0
         if args.ckpt_command == "export":
-            r = checkpoint.export(args.dir, args.out, dtype=DTYPES[args.dtype],
+            r = checkpoint.export(args.dir, args.out, dtype=dtypes.SHORT_NAMES[args.dtype],
                                   max_shard_bytes=args.max_shard_size,
                                   verify=not args.no_verify)
             for f in r.files:

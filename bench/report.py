@@ -1,6 +1,6 @@
 """Turn benchmark JSON into a markdown report with PNG plots.
 
-    python -m fusedzero.report bench/results -o bench/REPORT.md
+    python bench/report.py bench/results -o bench/REPORT.md
 
 Reads every `*.json` in the folder (the per-subject files `bench/conftest.py` writes, or
 pytest-benchmark's own `--benchmark-json` output: both are `{"machine_info", "benchmarks"}`),
@@ -50,6 +50,14 @@ def _plt():
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def _figure(fig: Any, figdir: Path, name: str, alt: str) -> list[str]:
+    """Write `fig` as figdir/name and return the markdown lines that show it."""
+    fig.tight_layout()
+    fig.savefig(figdir / name, dpi=110)
+    _plt().close(fig)
+    return [f"![{alt}](report/{name})", ""]
 
 
 # -- update --------------------------------------------------------------------------------------
@@ -103,11 +111,7 @@ def update_section(rows: list[dict[str, Any]], figdir: Path) -> str:
         a2.set_ylabel("bytes per parameter per update")
         a2.set_title("bytes per param of the update")
         a2.legend(fontsize=8)
-        fig.tight_layout()
-        name = f"update_{device}.png"
-        fig.savefig(figdir / name, dpi=110)
-        plt.close(fig)
-        text += [f"![update {device}](report/{name})", ""]
+        text += _figure(fig, figdir, f"update_{device}.png", f"update {device}")
     return "\n".join(text)
 
 
@@ -171,10 +175,7 @@ def step_section(rows: list[dict[str, Any]], figdir: Path) -> str:
     a1.set_title(f"training step, W={e[0]['world']} gloo ranks")
     a2.set_ylabel("resident tensor MB per rank")
     a2.set_title("resident bytes between steps")
-    fig.tight_layout()
-    fig.savefig(figdir / "step.png", dpi=110)
-    plt.close(fig)
-    text += ["![step time and resident bytes](report/step.png)", ""]
+    text += _figure(fig, figdir, "step.png", "step time and resident bytes")
     return "\n".join(text)
 
 
@@ -229,10 +230,7 @@ def memory_section(rows: list[dict[str, Any]], figdir: Path) -> str:
     a1.set_title("2Psi+2Psi+12Psi, ..., (2+2+12)Psi/W")
     a2.set_ylabel("MB on the wire per rank per step")
     a2.set_title("communication per step")
-    fig.tight_layout()
-    fig.savefig(figdir / "memory_comm.png", dpi=110)
-    plt.close(fig)
-    text += ["![memory and comm](report/memory_comm.png)", ""]
+    text += _figure(fig, figdir, "memory_comm.png", "memory and comm")
     return "\n".join(text)
 
 
@@ -241,7 +239,7 @@ def render(folder: Path, out: Path) -> str:
     figdir = out.parent / "report"
     figdir.mkdir(parents=True, exist_ok=True)
     parts = ["# fusedzero benchmark report", "",
-             f"Generated from `{folder}` by `python -m fusedzero.report`. Machine: "
+             f"Generated from `{folder}` by `python bench/report.py`. Machine: "
              f"{info.get('cpu_count')} CPUs, torch {info.get('torch')} "
              f"({info.get('torch_threads')} threads), CUDA: {info.get('cuda') or 'none'}, "
              f"commit {info.get('commit') or '?'}, {info.get('datetime', '')}, load average at "

@@ -29,6 +29,9 @@ _BINARY_SNIFF_BYTES = 8192
 # realistic step count, so (seed, step) pairs do not collide.
 _SEED_STRIDE = 1_000_003
 
+Split = tuple[torch.Tensor, torch.Tensor]
+"""(train, val) uint8 byte tensors."""
+
 
 def default_corpus_files(max_bytes: int = DEFAULT_CORPUS_MAX_BYTES) -> list[Path]:
     """Return the standard library ``.py`` files that make up the default corpus.

@@ -10,14 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedzero.kernels._dispatch import count_launch, device_guard, grid_1d, use_triton
-from fusedzero.kernels.adamw import (ENABLE_FP_FUSION, GRAD_DTYPES, Strided, _as_strided, _check,
-                                     _pieces)
+from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Strided, as_strided,
+                                       check_stream, count_launch, device_guard, grid_1d, pieces,
+                                       shard_numel_of, use_triton)
 
 # 4096 elements per program keeps the partials buffer small (1/4096 of the shard) while every
 # thread still issues several 128-bit loads.
 BLOCK = 4096
 NUM_WARPS = 8
+# Elements squared at a time on the torch path: 16 MiB of fp32 scratch.
+_CHUNK = 1 << 22
 
 
 @triton.jit
@@ -41,13 +43,10 @@ def _sumsq_kernel(
 def sumsq(x: torch.Tensor | Strided, *, num_buckets: int = 1,
           shard_numel: int | None = None) -> torch.Tensor:
     """fp32 one-element tensor: sum of squares over the shard (inf/nan if any is non-finite)."""
-    if shard_numel is None:
-        if num_buckets != 1:
-            raise ValueError("shard_numel is required when num_buckets != 1")
-        shard_numel = (x.tensor if isinstance(x, Strided) else x).numel()
-    s = _as_strided(x, shard_numel)
-    _check("x", s, GRAD_DTYPES, num_buckets, shard_numel, s.tensor.device)
+    shard_numel = shard_numel_of(x, num_buckets, shard_numel)
+    s = as_strided(x, shard_numel)
     device = s.tensor.device
+    check_stream("x", s, GRAD_DTYPES, num_buckets, shard_numel, device)
     if num_buckets == 0 or shard_numel == 0:
         return torch.zeros(1, dtype=torch.float32, device=device)
     count_launch("sumsq")
@@ -64,13 +63,9 @@ def sumsq(x: torch.Tensor | Strided, *, num_buckets: int = 1,
     # with 2 threads), where torch's CPU sum is a cascade (tree) summation within ~log2(n) ulps
     # for any thread count, as the kernel's in-block tree then sum over partials. The squares go
     # through a bounded scratch chunk; chunk and piece sums are summed as a tree too.
-    sums = [_square(c).sum() for p in _pieces(s, num_buckets, shard_numel)
+    sums = [_square(c).sum() for p in pieces(s, num_buckets, shard_numel)
             for c in p.split(_CHUNK)]
     return torch.stack(sums).sum().reshape(1)
-
-
-# Elements squared at a time on the torch path: 16 MiB of fp32 scratch.
-_CHUNK = 1 << 22
 
 
 def _square(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,204 @@
+"""The training loop of one rank: the model, ZeroAdamW, the lr schedule, logging and evals.
+
+Reproducibility: the model is initialised from `--seed` on every rank; the global batch of step s
+is drawn from (seed, s) alone (`fusedzero.app.data.BatchSampler`), so the same seed and global
+batch train on the same data at any world size and grad accumulation.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from fusedzero import dtypes
+from fusedzero.app import resume as resume_mod
+from fusedzero.app.config import MIN_LR_RATIO, TrainConfig
+from fusedzero.app.data import BatchSampler, Split, eval_batches
+from fusedzero.app.log import PendingStep, RunLog, waiting_for
+from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
+from fusedzero.app.summary import format_table, summarize
+from fusedzero.optim import ZeroAdamW
+
+
+def lr_lambda_for(cfg: TrainConfig) -> Callable[[int], float]:
+    """The schedule as a plain closure: LambdaLR.state_dict() then stores nothing for it (the
+    position is `last_epoch`), so its state is JSON-able and independent of the world size."""
+    steps, warmup = cfg.steps, cfg.warmup_steps
+
+    def lr_lambda(i: int) -> float:
+        """Multiplier of --lr for update i (0-based): linear warmup, then cosine to 10%."""
+        if i < warmup:
+            return (i + 1) / warmup
+        progress = min(1.0, (i - warmup) / max(1, steps - warmup))
+        return MIN_LR_RATIO + (1 - MIN_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return lr_lambda
+
+
+def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str, Any]:
+    """The training loop of one rank in an initialised process group. Returns the summary
+    (identical on every rank); rank 0 also prints the closing table and writes --out-json."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    train_data, val_data = data
+    param_dtype = dtypes.SHORT_NAMES[cfg.param_dtype] if cfg.param_dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    reduce_dtype = dtypes.SHORT_NAMES[cfg.reduce_dtype]
+
+    # Initialised on the CPU and moved: the same weights on every device (the CPU generator),
+    # and .to() keeps the tied weight tied.
+    torch.manual_seed(cfg.seed)
+    model = GPT(GPTConfig(**cfg.model_config())).to(device)
+    extra: dict[str, Any] = {}
+    if cfg.bucket_numel is not None:
+        extra["bucket_numel"] = cfg.bucket_numel
+    opt = ZeroAdamW(gpt_param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                    betas=(cfg.beta1, cfg.beta2), stage=cfg.stage, module=model,
+                    param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                    max_grad_norm=cfg.clip or None, **extra)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_for(cfg))
+    sampler = BatchSampler(train_data, cfg.block_size, cfg.batch_size, cfg.seed)
+    val = eval_batches(val_data, cfg.block_size, cfg.eval_seqs, 1)[0]
+    log = RunLog(world)
+
+    start = 0
+    if cfg.resume:
+        start = resume_mod.resume(cfg, opt, sched, log)
+    replace_old = cfg.overwrite  # until the first save of this run
+    stop = cfg.stop_at if cfg.stop_at is not None else cfg.steps
+    A = cfg.grad_accum
+    tokens_per_step = cfg.batch_size * cfg.block_size
+
+    bar = None
+    if rank == 0 and cfg.progress:
+        from tqdm.auto import tqdm  # imported here: only rank 0 draws a bar
+
+        # tqdm's default lock includes a multiprocessing semaphore, which a spawned rank's
+        # os._exit would leave behind (resource_tracker warns): one process, one thread lock.
+        tqdm.set_lock(threading.RLock())
+        # Redrawn at most every 0.2 s on a terminal, every 10 s into a log file.
+        bar = tqdm(total=cfg.steps, initial=start, desc=f"ZeRO-{cfg.stage} x{world}",
+                   unit="step", dynamic_ncols=True, file=sys.stderr,
+                   mininterval=0.2 if sys.stderr.isatty() else 10.0)
+
+    def say(msg: str) -> None:
+        if rank == 0:
+            (bar.write if bar is not None else print)(msg)
+
+    if start == 0 or not log.val:
+        log.val.append({"step": start, "val_loss": evaluate(model, val, rank, world)})
+        say(f"step {start:5d}: val loss {log.val[-1]['val_loss']:.4f}")
+
+    comm_total = dict.fromkeys(opt.comm.bytes, 0)
+    train_time, timed_steps = 0.0, 0
+    seg_start, seg_steps = time.perf_counter(), 0
+
+    def close_segment() -> None:
+        """Add the steps since the last boundary to the throughput clock (after a host sync)."""
+        nonlocal train_time, timed_steps, seg_start, seg_steps
+        if seg_steps:
+            train_time += time.perf_counter() - seg_start
+            timed_steps += seg_steps
+        seg_start, seg_steps = time.perf_counter(), 0
+
+    for step in range(start + 1, stop + 1):
+        before = dict(opt.comm.bytes)
+        loss_sum = torch.zeros((), dtype=torch.float32, device=device)
+        for m in range(A):
+            x, y = sampler.batch(step - 1, rank, world, m, A)
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with opt.no_sync() if m < A - 1 else contextlib.nullcontext():
+                _, loss = model(x, y)
+                (loss / A).backward()
+            loss_sum += loss.detach().float()
+        opt.step()
+        lr = opt.param_groups[0]["lr"]
+        sched.step()
+        opt.zero_grad()
+        for k, v in opt.comm.bytes.items():
+            comm_total[k] += v - before[k]
+        log.pending.append(PendingStep(step, loss_sum / A,
+                                       opt.grad_norm.detach().clone().reshape(()), lr))
+        seg_steps += 1
+
+        is_eval = cfg.eval_every > 0 and step % cfg.eval_every == 0 and step != stop
+        is_save = cfg.ckpt_dir is not None and (
+            step == stop or (cfg.save_every > 0 and step % cfg.save_every == 0))
+        if step % cfg.log_every == 0 or step == stop or step == start + 1 or is_eval or is_save:
+            log.flush()  # host sync: all-reduce of the pending losses
+            if step == start + 1 and stop > start + 1:
+                seg_start, seg_steps = time.perf_counter(), 0  # first step: warm-up, untimed
+            else:
+                close_segment()
+            if bar is not None:
+                s = log.steps[-1]
+                post = {"loss": f"{s['loss']:.3f}", "gnorm": f"{s['grad_norm']:.2f}",
+                        "lr": f"{s['lr']:.2e}"}
+                if timed_steps:
+                    post["tok/s"] = f"{tokens_per_step * timed_steps / train_time:,.0f}"
+                bar.set_postfix(post, refresh=False)
+        if bar is not None:
+            bar.update(1)
+        if is_eval:
+            log.val.append({"step": step, "val_loss": evaluate(model, val, rank, world)})
+            say(f"step {step:5d}: val loss {log.val[-1]['val_loss']:.4f}  "
+                f"train loss {log.steps[-1]['loss']:.4f}")
+            seg_start = time.perf_counter()
+        if is_save:
+            resume_mod.save(cfg, opt, sched, log, step, replace_old=replace_old)
+            replace_old = False
+            say(f"step {step:5d}: checkpoint saved in {cfg.ckpt_dir}")
+            seg_start = time.perf_counter()
+    close_segment()
+    if bar is not None:
+        bar.close()
+
+    final_step = max(stop, start)
+    if not log.val or log.val[-1]["step"] != final_step:
+        log.val.append({"step": final_step, "val_loss": evaluate(model, val, rank, world)})
+    run_steps = max(0, stop - start)
+    summary = summarize(cfg, opt, world, device, param_dtype, reduce_dtype, log,
+                       {k: v / run_steps if run_steps else 0.0 for k, v in comm_total.items()},
+                       tokens_per_step * timed_steps / train_time if train_time > 0 else 0.0)
+    if rank == 0:
+        print(format_table(summary, stopped=cfg.stop_at is not None and stop < cfg.steps))
+        if cfg.out_json:
+            Path(cfg.out_json).parent.mkdir(parents=True, exist_ok=True)
+            Path(cfg.out_json).write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, val: Split, rank: int,
+             world: int) -> float:
+    """Mean next-byte cross-entropy over the fixed validation windows, split over ranks.
+
+    Every rank runs the same number of forwards (ZeRO-3 gathers params collectively), possibly on
+    an empty slice.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(iter(model.parameters())).device
+    x, y = val[0][rank::world], val[1][rank::world]
+    totals = torch.zeros(2, dtype=torch.float64, device=device)
+    if x.shape[0]:
+        logits, _ = model(x.to(device))
+        totals[0] += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
+                                     y.to(device).reshape(-1), reduction="sum").double()
+        totals[1] += y.numel()
+    else:
+        model(val[0][:1].to(device))  # keep collective forwards in step across ranks
+    with waiting_for("the all-reduce of the validation loss"):
+        dist.all_reduce(totals)
+    model.train(was_training)
+    return float(totals[0] / totals[1])  # host sync

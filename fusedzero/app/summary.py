@@ -1,0 +1,85 @@
+"""The run's summary (what `--out-json` writes and `run()` returns) and the closing table.
+
+Resident and communicated bytes sit next to what plain DDP would hold and send, from the
+formulas of DESIGN.md, so the table shows what sharding saves.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fusedzero import dtypes
+from fusedzero.app.config import TrainConfig
+from fusedzero.app.log import RunLog
+from fusedzero.optim import ZeroAdamW
+
+
+def summarize(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device,
+             param_dtype: torch.dtype, reduce_dtype: torch.dtype, log: RunLog,
+             comm_per_step: dict[str, float], tokens_per_s: float) -> dict[str, Any]:
+    mem = opt.memory()
+    # Max over ranks: shards can differ by padding. Logging, so dist directly.
+    res = torch.tensor([mem.params, mem.grads, mem.optimizer], dtype=torch.int64, device=device)
+    dist.all_reduce(res, op=dist.ReduceOp.MAX)
+    params_b, grads_b, opt_b = res.tolist()
+    psi = int(mem.param_elements)
+    pb, gb = param_dtype.itemsize, reduce_dtype.itemsize
+    master = 4 if param_dtype != torch.float32 else 0
+    ddp = {"params": psi * pb, "grads": psi * gb, "optimizer": psi * (8 + master)}
+    ddp_comm = 2 * (world - 1) * psi * gb // world
+    return {
+        "stage": cfg.stage,
+        "world_size": world,
+        "params": psi,
+        "padded_params": sum(fg.layout.padded_numel for fg in opt.flat_groups),
+        "steps": list(log.steps),
+        "train_loss": log.steps[-1]["loss"] if log.steps else None,
+        "val_loss": log.val[-1]["val_loss"] if log.val else None,
+        "val": list(log.val),
+        "tokens_per_s": tokens_per_s,
+        "resident_bytes": {"params": params_b, "grads": grads_b, "optimizer": opt_b},
+        "ddp_resident_bytes": ddp,
+        "comm_bytes_per_step": comm_per_step,
+        "ddp_comm_bytes_per_step": {"all_reduce": ddp_comm},
+        "dtypes": {"param": dtypes.name(param_dtype), "master": "float32",
+                   "grad_reduce": dtypes.name(reduce_dtype)},
+        "device": device.type,
+        "config": dataclasses.asdict(cfg),
+    }
+
+
+def format_table(s: dict[str, Any], stopped: bool = False) -> str:
+    MB = 1e6
+    r, d = s["resident_bytes"], s["ddp_resident_bytes"]
+    c = s["comm_bytes_per_step"]
+    first_val = s["val"][0]["val_loss"] if s["val"] else float("nan")
+    last = s["steps"][-1]["step"] if s["steps"] else 0
+    def fmt(v):
+        return "-" if v is None else f"{v:.4f}"
+    rows = [
+        ("stage", f"ZeRO-{s['stage']}"),
+        ("world size", f"{s['world_size']} ({s['device']})"),
+        ("params", f"{s['params']:,} ({s['padded_params']:,} padded)"),
+        ("dtypes", (f"params {s['dtypes']['param']}, master {s['dtypes']['master']}, "
+                   f"grad reduce {s['dtypes']['grad_reduce']}")),
+        ("steps", f"{last}" + ("  (stopped early: resume with --resume)" if stopped else "")),
+        ("train loss", fmt(s["train_loss"])),
+        ("val loss", f"{fmt(s['val_loss'])}  (at start {first_val:.4f})"),
+        ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
+    ]
+    w = max(len(k) for k, _ in rows)
+    out = ["", "fusedzero train: done"] + [f"  {k:<{w}}  {v}" for k, v in rows]
+    out.append("")
+    out.append(f"  {'MB per rank':<22}{'ZeRO-' + str(s['stage']):>12}{'plain DDP':>12}")
+    for k in ("params", "grads", "optimizer"):
+        out.append(f"  {k:<22}{r[k] / MB:>12.3f}{d[k] / MB:>12.3f}")
+    out.append(f"  {'total':<22}{sum(r.values()) / MB:>12.3f}{sum(d.values()) / MB:>12.3f}")
+    out.append("  comm MB per step per rank")
+    out.append(f"  {'  all_reduce':<22}{c['all_reduce'] / MB:>12.3f}"
+               f"{s['ddp_comm_bytes_per_step']['all_reduce'] / MB:>12.3f}")
+    for k in ("reduce_scatter", "all_gather"):
+        out.append(f"  {'  ' + k:<22}{c[k] / MB:>12.3f}{0.0:>12.3f}")
+    return "\n".join(out)

@@ -1,0 +1,146 @@
+"""Spawn W local ranks and collect their reports: the one process harness behind
+`fusedzero.testing.run_ranks` (tests, benchmarks) and `fusedzero train`.
+
+A rank sends one `Report` through a queue. The parent polls it, so a rank that dies without
+reporting (segfault, abort, an OOM kill) fails the run within POLL_S, naming the rank and its
+exit, instead of after the whole timeout; ranks still alive when the parent leaves are killed.
+"""
+from __future__ import annotations
+
+import enum
+import os
+import queue as queue_mod
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Collection
+from multiprocessing.queues import Queue
+from types import TracebackType
+from typing import Any, NamedTuple, NoReturn
+
+import torch.multiprocessing as mp
+
+# How often the parent looks for ranks that died without a report while it waits: a dead rank
+# is noticed within this, not after the whole timeout.
+POLL_S = 0.2
+# A rank's last report may still be in the pipe when its exit is seen: give it this long.
+LAST_WORDS_S = 1.0
+# A rank that reported an error leaves with this code (`leave`): it is no silent death.
+REPORTED_ERROR_EXIT = 1
+
+
+class ReportKind(enum.Enum):
+    OK = "ok"
+    ERROR = "error"  # the value is the rank's traceback
+    USAGE = "usage"  # `fusedzero train`: a bad flag, path or checkpoint found on a rank
+    STALLED = "stalled"  # `fusedzero train`: a wait on the others passed --timeout
+
+
+class Report(NamedTuple):
+    rank: int
+    kind: ReportKind
+    value: Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exit_description(code: int | None) -> str:
+    """'exit code 3' / 'killed by signal SIGSEGV (exit code -11)' for a Process.exitcode."""
+    if code is not None and code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name} (exit code {code})"
+    return f"exit code {code}"
+
+
+def set_rank_env(rank: int, world_size: int, port: int) -> None:
+    """In a spawned rank: the env:// rendezvous `init_process_group` reads, as torchrun sets it."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+
+
+def leave(queue: Queue[Report], code: int) -> NoReturn:
+    """End a spawned rank once its report is through the pipe. Skips interpreter teardown: it
+    takes seconds with torch loaded, and after an error a gloo thread may still sit in a
+    collective that never completes, which teardown would wait for."""
+    queue.close()
+    queue.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class SpawnedRanks:
+    """`world_size` processes running `target(rank, world_size, port, queue, *args)`.
+
+    Use as a context manager: leaving the block normally gives the ranks `exit_grace_s` to end
+    on their own (they tear down their process group after reporting); leaving it by an
+    exception kills them at once, since the others may be stuck in a collective.
+    """
+
+    def __init__(self, target: Callable[..., None], world_size: int, args: tuple = (), *,
+                 daemon: bool = True, exit_grace_s: float = 10.0) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.queue = ctx.Queue()
+        self.exit_grace_s = exit_grace_s
+        port = free_port()
+        self.procs = [ctx.Process(target=target, args=(r, world_size, port, self.queue, *args),
+                                  daemon=daemon) for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def __enter__(self) -> SpawnedRanks:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        for p in self.procs:
+            p.join(timeout=self.exit_grace_s if exc_type is None else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        # Release the queue's semaphores now: left to interpreter exit, the resource tracker
+        # warns about them as leaked.
+        self.queue.close()
+        self.queue.join_thread()
+
+    def next_report(self, waiting_on: Collection[int], deadline: float = float("inf"),
+                    timeout: float | None = None) -> Report | None:
+        """The next report, or None after POLL_S without one (the caller may check its own
+        deadlines). Raises RuntimeError when a rank in `waiting_on` died without reporting, and
+        TimeoutError (naming `timeout`, the caller's limit) once `time.monotonic()` passes
+        `deadline`."""
+        try:
+            return self.queue.get(timeout=POLL_S)
+        except queue_mod.Empty:
+            pass
+        dead = [r for r in waiting_on if not self.procs[r].is_alive()]
+        if dead:
+            try:  # its report may still be on the way through the pipe
+                return self.queue.get(timeout=LAST_WORDS_S)
+            except queue_mod.Empty:
+                raise RuntimeError(f"rank {dead[0]} died without reporting: "
+                                   f"{exit_description(self.procs[dead[0]].exitcode)}") from None
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{self.world_size} ranks did not finish within {timeout}s; still "
+                               f"running: {sorted(waiting_on)}")
+        return None
+
+    def failure(self, report: Report, reported: Collection[int]) -> RuntimeError:
+        """The error for a rank's ERROR report. A peer's death often surfaces first as this
+        rank's connection error: the ranks that died silently are named too, as the likely
+        cause."""
+        time.sleep(LAST_WORDS_S)
+        dead = [f"rank {r} died without reporting: {exit_description(p.exitcode)}\n"
+                for r, p in enumerate(self.procs)
+                if r != report.rank and r not in reported and not p.is_alive()
+                and p.exitcode != REPORTED_ERROR_EXIT]
+        return RuntimeError("".join(dead) + f"rank {report.rank} failed:\n{report.value}")
