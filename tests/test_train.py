@@ -308,3 +308,22 @@ def test_new_run_resume_flags_and_overwrite(capfd: pytest.CaptureFixture[str], t
     run(base + ["--ckpt-dir", str(ckpt), "--overwrite", "--stop-at", "1"])
     assert _checkpoint_names(ckpt) == ["step-00000001"]
     assert (ckpt / "latest").read_text().strip() == "step-00000001"
+
+
+def test_watch_flags_write_jsonl_plot_and_print_a_sample(
+        capfd: pytest.CaptureFixture[str], corpus: Path, tmp_path: Path) -> None:
+    """--log-jsonl gets one line per step (plus val lines), --plot a PNG, and the run ends with
+    a text sample; at stage 3, where every rank must run the sample's forwards."""
+    jsonl, png = tmp_path / "m" / "metrics.jsonl", tmp_path / "loss.png"
+    summary = run(TINY + ["--stage", "3", "--data", str(corpus), "--eval-every", "2",
+                          "--log-jsonl", str(jsonl), "--plot", str(png), "--sample-tokens", "16"])
+    lines = [json.loads(x) for x in jsonl.read_text().splitlines()]
+    train = [x for x in lines if x["loss"] is not None]
+    assert [x["step"] for x in train] == list(range(1, STEPS + 1))
+    assert [x["loss"] for x in train] == pytest.approx(losses(summary), rel=1e-6)
+    assert all(x["skipped"] is False and x["lr"] > 0 for x in train)
+    assert train[0]["step_ms"] is None  # the first step is warm-up, untimed
+    assert all(x["step_ms"] > 0 and x["tokens_per_s"] > 0 for x in train[1:])
+    assert [x["step"] for x in lines if x["val_loss"] is not None] == [2, STEPS]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "sample (greedy, after a newline):" in capfd.readouterr().out

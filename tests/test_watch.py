@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedzero.model import GPT, GPTConfig
-from fusedzero.watch import (FIELDS, MetricsLog, check_writable, plot_losses, read_jsonl,
+from fusedzero.app.model import GPT, GPTConfig
+from fusedzero.app.watch import (FIELDS, MetricsLog, check_writable, plot_losses, read_jsonl,
                              sample_text)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,7 +81,7 @@ def test_metrics_log_killed_run_leaves_complete_lines(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     code = textwrap.dedent(f"""
         import os, signal
-        from fusedzero.watch import MetricsLog
+        from fusedzero.app.watch import MetricsLog
         log = MetricsLog({str(path)!r})
         for s in range(1, 51):
             log.write(s, loss=1.0 / s, grad_norm=0.5, lr=1e-3, tokens_per_s=1e4,
@@ -183,7 +183,7 @@ def test_plot_losses_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
     code = textwrap.dedent(f"""
         import sys
         sys.modules["matplotlib"] = None  # as if not installed: `import matplotlib` raises
-        from fusedzero.watch import plot_losses
+        from fusedzero.app.watch import plot_losses
         try:
             plot_losses([{{"step": 1, "loss": 2.0}}], {str(tmp_path / "x.png")!r}, "t")
         except ImportError as e:

@@ -36,6 +36,7 @@ class PendingStep(NamedTuple):
     loss: torch.Tensor
     grad_norm: torch.Tensor
     lr: float
+    skipped: torch.Tensor
 
 
 class RunLog:
@@ -46,16 +47,20 @@ class RunLog:
         self.pending: list[PendingStep] = []
         self.steps: list[dict[str, Any]] = []
         self.val: list[dict[str, Any]] = []
+        self.skipped: dict[int, bool] = {}  # step -> the optimizer skipped it (non-finite grads)
 
     def flush(self) -> None:
         if not self.pending:
             return
         losses = torch.stack([p.loss for p in self.pending])
         norms = torch.stack([p.grad_norm for p in self.pending]).float()
+        skipped = torch.stack([p.skipped for p in self.pending]).bool()
         # The global mean loss: logging only, so through dist directly, not counted in opt.comm.
         with waiting_for("the all-reduce of logged losses"):
             dist.all_reduce(losses)
         losses = (losses / self.world).tolist()  # host sync
-        for p, loss, norm in zip(self.pending, losses, norms.tolist(), strict=True):
+        for p, loss, norm, skip in zip(self.pending, losses, norms.tolist(), skipped.tolist(),
+                                       strict=True):
             self.steps.append({"step": p.step, "loss": loss, "grad_norm": norm, "lr": p.lr})
+            self.skipped[p.step] = skip  # --log-jsonl only: the --out-json schema stays as is
         self.pending.clear()

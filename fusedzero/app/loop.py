@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from fusedzero import dtypes
 from fusedzero.app import resume as resume_mod
+from fusedzero.app import watch
 from fusedzero.app.config import MIN_LR_RATIO, TrainConfig
 from fusedzero.app.data import BatchSampler, Split, eval_batches
 from fusedzero.app.log import PendingStep, RunLog, waiting_for
@@ -102,13 +103,32 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
     train_time, timed_steps = 0.0, 0
     seg_start, seg_steps = time.perf_counter(), 0
 
-    def close_segment() -> None:
-        """Add the steps since the last boundary to the throughput clock (after a host sync)."""
+    metrics = watch.MetricsLog(cfg.log_jsonl, start_step=start) if (
+        rank == 0 and cfg.log_jsonl) else None
+    written = len(log.steps)  # log.steps already in the metrics file (resume: the saved ones)
+
+    def close_segment() -> float | None:
+        """Add the steps since the last boundary to the throughput clock (after a host sync);
+        return the segment's seconds per step (None: no timed step in it)."""
         nonlocal train_time, timed_steps, seg_start, seg_steps
+        per_step = None
         if seg_steps:
-            train_time += time.perf_counter() - seg_start
+            dt = time.perf_counter() - seg_start
+            train_time += dt
             timed_steps += seg_steps
+            per_step = dt / seg_steps
         seg_start, seg_steps = time.perf_counter(), 0
+        return per_step
+
+    def write_metrics(per_step: float | None) -> None:
+        nonlocal written
+        if metrics is not None:
+            for s in log.steps[written:]:
+                metrics.write(s["step"], loss=s["loss"], grad_norm=s["grad_norm"], lr=s["lr"],
+                              skipped=log.skipped.get(s["step"]),
+                              tokens_per_s=tokens_per_step / per_step if per_step else None,
+                              step_ms=per_step * 1e3 if per_step else None)
+        written = len(log.steps)
 
     for step in range(start + 1, stop + 1):
         before = dict(opt.comm.bytes)
@@ -127,7 +147,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
         for k, v in opt.comm.bytes.items():
             comm_total[k] += v - before[k]
         log.pending.append(PendingStep(step, loss_sum / A,
-                                       opt.grad_norm.detach().clone().reshape(()), lr))
+                                       opt.grad_norm.detach().clone().reshape(()), lr,
+                                       opt.skipped.detach().clone().reshape(())))
         seg_steps += 1
 
         is_eval = cfg.eval_every > 0 and step % cfg.eval_every == 0 and step != stop
@@ -137,8 +158,9 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
             log.flush()  # host sync: all-reduce of the pending losses
             if step == start + 1 and stop > start + 1:
                 seg_start, seg_steps = time.perf_counter(), 0  # first step: warm-up, untimed
+                write_metrics(None)
             else:
-                close_segment()
+                write_metrics(close_segment())
             if bar is not None:
                 s = log.steps[-1]
                 post = {"loss": f"{s['loss']:.3f}", "gnorm": f"{s['grad_norm']:.2f}",
@@ -150,6 +172,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
             bar.update(1)
         if is_eval:
             log.val.append({"step": step, "val_loss": evaluate(model, val, rank, world)})
+            if metrics is not None:
+                metrics.write(step, val_loss=log.val[-1]["val_loss"])
             say(f"step {step:5d}: val loss {log.val[-1]['val_loss']:.4f}  "
                 f"train loss {log.steps[-1]['loss']:.4f}")
             seg_start = time.perf_counter()
@@ -165,6 +189,11 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
     final_step = max(stop, start)
     if not log.val or log.val[-1]["step"] != final_step:
         log.val.append({"step": final_step, "val_loss": evaluate(model, val, rank, world)})
+        if metrics is not None:
+            metrics.write(final_step, val_loss=log.val[-1]["val_loss"])
+    if metrics is not None:
+        metrics.close()
+    finish_watch(cfg, model, log, rank, world, say)
     run_steps = max(0, stop - start)
     summary = summarize(cfg, opt, world, device, param_dtype, reduce_dtype, log,
                        {k: v / run_steps if run_steps else 0.0 for k, v in comm_total.items()},
@@ -176,6 +205,22 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
             Path(cfg.out_json).write_text(json.dumps(summary, indent=1) + "\n")
     return summary
 
+
+
+def finish_watch(cfg: TrainConfig, model: torch.nn.Module, log: RunLog, rank: int, world: int,
+                 say: Callable[[str], None]) -> None:
+    """The end of a run a person looks at: the loss-curve PNG (--plot) and a text sample."""
+    if cfg.plot and rank == 0:
+        records = [{"step": s["step"], "loss": s["loss"]} for s in log.steps]
+        records += [{"step": v["step"], "val_loss": v["val_loss"]} for v in log.val]
+        watch.plot_losses(records, cfg.plot, f"fusedzero stage {cfg.stage}, W={world}")
+        say(f"loss curves: {cfg.plot}")
+    if cfg.sample_tokens > 0:
+        # Every rank generates (at stage 3 each forward gathers params collectively); greedy,
+        # so all ranks get the same text.
+        with torch.no_grad():
+            text = watch.sample_text(model, b"\n", cfg.sample_tokens)
+        say("sample (greedy, after a newline):\n" + text.strip("\n"))
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from fusedzero import checkpoint
 from fusedzero.app.config import VAL_FRACTION, TrainConfig, UsageError
 from fusedzero.app.data import Split, load_corpus, split_corpus
+from fusedzero.app import watch
 from fusedzero.app.runlock import RunFolderError, RunLock, check_ckpt_dir, check_writable
 
 
@@ -53,6 +54,14 @@ def check_outputs_writable(cfg: TrainConfig) -> None:
     try:
         check_writable(cfg.ckpt_dir, cfg.out_json)
     except RunFolderError as e:
+        raise UsageError(str(e)) from None
+    try:
+        for flag, path in (("--log-jsonl", cfg.log_jsonl), ("--plot", cfg.plot)):
+            if path is not None:
+                watch.check_writable(path, flag)
+        if cfg.plot is not None:
+            watch.require_matplotlib()
+    except (ValueError, ImportError) as e:
         raise UsageError(str(e)) from None
 
 
