@@ -81,20 +81,33 @@ class CommCounter:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CommContext:
     """What whoever issues collectives needs: the group, its size and this rank's place in it,
-    the byte counter, and the optional event trace (tests read the order of collectives)."""
+    the byte counter, the optional event trace (tests read the order of collectives), and how
+    waits on the group behave. Build it with `CommContext.of(group, counter, trace)`."""
 
     group: Group
     world_size: int
     rank: int
     counter: CommCounter
     trace: list[tuple[str, Any]] | None = None
+    # Read from the process group once, here: a wait inside a forward hook runs under
+    # torch.compile, whose tracer refuses the process group's private attributes.
+    timeout: float = DEFAULT_TIMEOUT_S
+    host_blocking: bool = True
+
+    @classmethod
+    def of(cls, group: Group, counter: CommCounter,
+           trace: list[tuple[str, Any]] | None = None) -> CommContext:
+        return cls(group=group, world_size=group_size(group), rank=group_rank(group),
+                   counter=counter, trace=trace, timeout=group_timeout(group),
+                   host_blocking=_host_blocking(group))
 
     def record(self, event: str, detail: Any) -> None:
         if self.trace is not None:
             self.trace.append((event, detail))
 
     def wait(self, handle: Handle, what: str) -> None:
-        wait(handle, what=what, group=self.group)
+        wait(handle, what=what, group=self.group, timeout=self.timeout,
+             host_blocking=self.host_blocking)
 
 
 def group_size(group: Group) -> int:
@@ -174,13 +187,14 @@ def _host_blocking(group: Group) -> bool:
 # compiled model's hook waits, the graph breaks here, once, with this function named.
 @torch.compiler.disable(reason="fusedzero.comm.wait blocks on other ranks")
 def wait(handle: Handle, what: str = "a collective", group: Group = None,
-         timeout: float | None = None) -> None:
+         timeout: float | None = None, host_blocking: bool | None = None) -> None:
     """Wait for `handle`; past `timeout` seconds (default: `group_timeout(group)`) raise
     CollectiveTimeout naming this rank and `what` it waited for (e.g. "all-gather of unit 3
-    params"), so a stalled or diverged rank ends the run instead of hanging it."""
+    params"), so a stalled or diverged rank ends the run instead of hanging it.
+    `host_blocking` (default: asked of the group) says whether the wait blocks the host."""
     if handle is None:
         return
-    if not _host_blocking(group):
+    if not (_host_blocking(group) if host_blocking is None else host_blocking):
         handle.wait()
         return
     limit = group_timeout(group) if timeout is None else timeout

@@ -145,11 +145,12 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.param_names = names
         self.params = all_params
         validate.check_not_owned(module, all_params, names)
-        self._ctx = CommContext(group=process_group, world_size=self.world_size, rank=self.rank,
-                                counter=self.comm, trace=self.trace)
-        self._replica_ctx = CommContext(group=replicate_group, world_size=self.replicas,
-                                        rank=self.replica_rank, counter=self.comm,
-                                        trace=self.trace)
+        self._ctx = CommContext.of(process_group, self.comm, self.trace)
+        # No replicate group: a group of one (None would mean the world here).
+        self._replica_ctx = (CommContext.of(replicate_group, self.comm, self.trace)
+                             if replicate_group is not None else
+                             CommContext(group=None, world_size=1, rank=0, counter=self.comm,
+                                         trace=self.trace))
         start_from_rank0(validate.replicated(all_params, module), (self._ctx, self._replica_ctx))
 
         self.scaler = LossScaler(loss_scale, self.device) if loss_scale is not None else None
