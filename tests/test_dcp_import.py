@@ -54,13 +54,18 @@ def fsdp2_run(rank: int, world: int, dcp_dir: str) -> list[float]:
         if step == BEFORE:
             model_sd, optim_sd = get_state_dict(model, opt)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=dcp_dir)
-        x, y = local_batch(step, rank)
-        _, loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+        losses.append(train_step(model, opt, step, rank))
     return losses[BEFORE:]
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int, rank: int) -> float:
+    """One step on this rank's slice of global batch `step`; the same for both systems."""
+    x, y = local_batch(step, rank)
+    _, loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
 
 
 def zero_resume(rank: int, world: int, ckpt: str) -> dict[int, list[float]]:
@@ -72,15 +77,7 @@ def zero_resume(rank: int, world: int, ckpt: str) -> dict[int, list[float]]:
         checkpoint.load(opt, ckpt)
         assert opt.step_count.item() == BEFORE
         assert opt.param_groups[1]["weight_decay"] == 0.0
-        losses = []
-        for step in range(BEFORE, BEFORE + AFTER):
-            x, y = local_batch(step, rank)
-            _, loss = model(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-        out[stage] = losses
+        out[stage] = [train_step(model, opt, step, rank) for step in range(BEFORE, BEFORE + AFTER)]
     return out
 
 
