@@ -87,7 +87,8 @@ def broadcast_from_rank0(t: torch.Tensor, ctxs: Iterable[CommContext]) -> None:
     """Overwrite `t` (contiguous) with rank 0's value over each group in turn (the shard group,
     then the replicate group: rank 0 of both reaches every rank of a 2-D mesh)."""
     for ctx in ctxs:
-        comm.wait(comm.broadcast(t, ctx.group, ctx.world_size))
+        ctx.wait(comm.broadcast(t, ctx.group, ctx.world_size),
+                 what="broadcast of rank 0's values (construction)")
 
 
 def start_from_rank0(tensors: Iterable[torch.Tensor], ctxs: Iterable[CommContext]) -> None:
@@ -105,6 +106,6 @@ def start_from_rank0(tensors: Iterable[torch.Tensor], ctxs: Iterable[CommContext
             work.append((t, buf, comm.broadcast(buf, ctx.group, ctx.world_size)))
         with torch.no_grad():
             for t, buf, h in work:
-                comm.wait(h)
+                ctx.wait(h, what="broadcast of rank 0's params and buffers (construction)")
                 if buf.data_ptr() != t.data_ptr():
                     t.copy_(buf)
