@@ -3,6 +3,7 @@
     fusedzero train --stage 2 --steps 300
     fusedzero ckpt inspect|verify|export|import-dcp ...
     fusedzero plan --params 7.5e9 --world-size 64
+    fusedzero doctor [--json]
 
 Errors in flags, paths or checkpoints print one line, `fusedzero: error: ...`, and exit with 2.
 A run that stalls past --timeout prints one such line naming each rank's wait and exits with 1;
@@ -14,13 +15,15 @@ import sys
 
 from fusedzero.app.ckpt_cli import add_ckpt_subparser
 from fusedzero.app.config import ArgParser, StalledError, UsageError
+from fusedzero.app.doctor import add_doctor_subparser
 from fusedzero.app.launch import add_train_subparser
 from fusedzero.app.lifecycle import Terminated
 from fusedzero.plan import add_plan_subparser
 
 # Each adds its subparser to the `subparsers` action and calls `set_defaults(func=...)` with a
 # function of the parsed args that returns the exit code.
-SUBCOMMANDS = (add_train_subparser, add_ckpt_subparser, add_plan_subparser)
+SUBCOMMANDS = (add_train_subparser, add_ckpt_subparser, add_plan_subparser,
+               add_doctor_subparser)
 
 
 def build_parser() -> ArgParser:

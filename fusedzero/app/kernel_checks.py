@@ -1,0 +1,224 @@
+"""Every kernel variant on one device against the float64 reference, for `fusedzero doctor`.
+
+In the doctor's process the variants run where a user's step would run them: the torch path on
+CPU tensors, the compiled Triton kernels on a GPU. On CPU the doctor also runs this module in a
+child process with the Triton interpreter, which must be switched on before triton is imported
+(`triton.jit` reads it at decoration time), so it cannot be done in-process:
+
+    TRITON_INTERPRET=1 FUSEDZERO_BACKEND=triton python -m fusedzero.app.kernel_checks
+
+prints one JSON list of `VariantResult`s. `compile_sm90` compiles every variant offline for
+sm_90 in another child (no GPU needed, only Triton's bundled ptxas) and checks for spills.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from fusedzero import kernels
+
+# Several blocks of both kernels (AdamW blocks of 512-1024 elements, sum of squares 4096) and a
+# ragged last block, so the masks are exercised; small enough for the interpreter in a second.
+NUMEL = 5 * 4096 + 123
+GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+OUT_DTYPES = (None, torch.bfloat16, torch.float16)
+# No term vanishes: weight decay on, step > 1, a non-power-of-two grad scale. lr and scale as the
+# fp32 values the kernels read, so the reference sees the same numbers.
+HP = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+LR, STEP, SCALE = float(torch.tensor(3e-3)), 7, float(torch.tensor(0.37))
+U32 = 2.0**-24  # unit roundoff of fp32
+# AdamW: ~10 fp32 operations per element, each within 1/2 ulp of its result; the paths measure at
+# most ~4 ulps of the magnitudes involved (see `_magnitudes`): 8 is 2x that (tests/test_kernels.py
+# uses the same bound), while a wrong bias correction, eps inside the sqrt or a lost weight decay
+# or grad scale is off by orders of magnitude more.
+ADAMW_ULPS = 8.0
+
+
+def sumsq_ulps(n: int) -> float:
+    """Bound on the relative error of the sum of squares, in fp32 ulps: n positive terms summed
+    as a tree (in-block tree, then a tree over the partials; torch's CPU sum is a cascade) stay
+    within ceil(log2 n) + 1 rounding errors (+1: the squaring). 2x that; a lost or doubled block
+    is off by >= 1/6 of the sum here."""
+    return 2.0 * (math.ceil(math.log2(max(n, 2))) + 1)
+
+
+@dataclasses.dataclass
+class VariantResult:
+    kernel: str  # "adamw" or "sumsq"
+    grad_dtype: str
+    out_dtype: str  # "none" where there is no output
+    maximize: bool
+    ok: bool
+    worst_ulps: float  # worst error in units of the bound's ulps
+    bound_ulps: float
+    error: str = ""
+
+    @property
+    def name(self) -> str:
+        out = f" out={self.out_dtype}" if self.kernel == "adamw" else ""
+        return f"{self.kernel} grad={self.grad_dtype}{out}{' maximize' if self.maximize else ''}"
+
+
+def _short(dtype: torch.dtype | None) -> str:
+    return "none" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _ulps(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor) -> float:
+    err = (actual.double().cpu() - expected).abs() / (U32 * magnitude)
+    return math.inf if err.isnan().any() else float(err.max())
+
+
+def check_adamw(device: torch.device, grad_dtype: torch.dtype, out_dtype: torch.dtype | None,
+                maximize: bool, seed: int = 0) -> VariantResult:
+    """One update of NUMEL random elements on `device` vs `adamw_reference` in float64."""
+    gen = torch.Generator().manual_seed(seed)
+    s0 = dict(master=torch.randn(NUMEL, generator=gen),
+              grad=(torch.randn(NUMEL, generator=gen) * 2).to(grad_dtype),
+              exp_avg=torch.randn(NUMEL, generator=gen) * 0.1,
+              exp_avg_sq=torch.rand(NUMEL, generator=gen) * 0.02 + 1e-4)
+    s = {k: v.to(device, copy=True) for k, v in s0.items()}
+    out = None if out_dtype is None else torch.full((NUMEL,), math.nan, dtype=out_dtype,
+                                                     device=device)
+    f32 = dict(dtype=torch.float32, device=device)
+    kernels.adamw_step(s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], out,
+                       lr=torch.tensor([LR], **f32), step=torch.tensor([float(STEP)], **f32),
+                       grad_scale=torch.tensor([SCALE], **f32),
+                       skip=torch.zeros(1, dtype=torch.int32, device=device),
+                       maximize=maximize, **HP)
+    p_ref, m_ref, v_ref = kernels.adamw_reference(
+        s0["master"], s0["grad"], s0["exp_avg"], s0["exp_avg_sq"], lr=LR, step=STEP,
+        grad_scale=SCALE, maximize=maximize, **HP)
+    # exp_avg = lerp(m, g) can cancel: its error is relative to |m| + |g|, and the update,
+    # proportional to exp_avg, inherits that.
+    m_mag = s0["exp_avg"].double().abs() + s0["grad"].double().abs() * SCALE
+    denom = v_ref.sqrt() / math.sqrt(1 - HP["beta2"] ** STEP) + HP["eps"]
+    p_mag = (s0["master"].double().abs() * (1 - LR * HP["weight_decay"])
+             + LR / (1 - HP["beta1"] ** STEP) * m_mag / denom)
+    worst = max(_ulps(s["master"], p_ref, p_mag), _ulps(s["exp_avg"], m_ref, m_mag),
+                _ulps(s["exp_avg_sq"], v_ref, v_ref.abs()))
+    error = "" if worst <= ADAMW_ULPS else f"off by {worst:.3g} ulps > {ADAMW_ULPS:g}"
+    if out is not None:
+        # The low-precision copy is this step's fp32 master rounded to nearest-even: bitwise.
+        bits = torch.int16
+        bad = int((out.view(bits) != s["master"].to(out_dtype).view(bits)).sum())
+        if bad:
+            error += f"{'; ' if error else ''}{bad} out elements != master.to({_short(out_dtype)})"
+    return VariantResult("adamw", _short(grad_dtype), _short(out_dtype), maximize, not error,
+                         worst, ADAMW_ULPS, error)
+
+
+def check_sumsq(device: torch.device, dtype: torch.dtype, seed: int = 0) -> VariantResult:
+    """Sum of squares of NUMEL random elements vs float64; one inf must make it non-finite."""
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(NUMEL, generator=gen) * 3).to(dtype)
+    got = float(kernels.sumsq(x.to(device)).item())
+    ref = float(x.double().square().sum())
+    worst = abs(got - ref) / (U32 * ref)
+    bound = sumsq_ulps(NUMEL)
+    error = "" if worst <= bound else f"off by {worst:.3g} ulps > {bound:g}"
+    x[NUMEL - 1] = math.inf  # in the ragged last block
+    if math.isfinite(float(kernels.sumsq(x.to(device)).item())):
+        error += f"{'; ' if error else ''}an inf element gave a finite sum"
+    return VariantResult("sumsq", _short(dtype), "none", False, not error, worst, bound, error)
+
+
+def _guarded(fn, *args) -> VariantResult:  # type: ignore[no-untyped-def]
+    try:
+        return fn(*args)
+    except Exception as e:  # noqa: BLE001 - a crash is this variant's failure, the rest still run
+        kernel = "adamw" if fn is check_adamw else "sumsq"
+        out = _short(args[2]) if kernel == "adamw" else "none"
+        maximize = bool(args[3]) if kernel == "adamw" else False
+        return VariantResult(kernel, _short(args[1]), out, maximize, False, math.inf, 0.0,
+                             f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+
+
+def run_all(device: torch.device) -> list[VariantResult]:
+    """adamw: grad dtype x out (none/bf16/fp16) x maximize; sumsq: per dtype."""
+    results = [_guarded(check_adamw, device, g, o, mx, i)
+               for i, (g, o, mx) in enumerate((g, o, mx) for g in GRAD_DTYPES
+                                              for o in OUT_DTYPES for mx in (False, True))]
+    results += [_guarded(check_sumsq, device, g, i) for i, g in enumerate(GRAD_DTYPES)]
+    return results
+
+
+# -- children ------------------------------------------------------------------------------------
+
+def _child(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, *args], env={**os.environ, **env},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def start_interpreter() -> subprocess.Popen[str]:
+    """The variants on CPU through the Triton interpreter, in a child (see the module doc)."""
+    return _child(["-m", "fusedzero.app.kernel_checks"],
+                  {"TRITON_INTERPRET": "1", "FUSEDZERO_BACKEND": "triton"})
+
+
+def interpreter_results(proc: subprocess.Popen[str], timeout: float) -> list[VariantResult]:
+    out, err = proc.communicate(timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"interpreter child exited {proc.returncode}: {err.strip()[-800:]}")
+    return [VariantResult(**r) for r in json.loads(out)]
+
+
+def ptxas_missing() -> str:
+    """Why an offline compile cannot run here ('' when it can)."""
+    import triton
+
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+    if not (bundled / "ptxas").exists() and not shutil.which("ptxas"):
+        return "no ptxas (neither Triton's bundled one nor on PATH)"
+    if not (bundled / "cuobjdump").exists():
+        return "no cuobjdump in Triton's bundle (needed to read registers and spills)"
+    return ""
+
+
+@dataclasses.dataclass
+class CompileJob:
+    proc: subprocess.Popen[str]
+    json_path: Path
+    tmp: tempfile.TemporaryDirectory[str]
+
+
+def start_compile(capability: int = 90) -> CompileJob:
+    """`python -m fusedzero.kernels.compile` in a child: it needs triton imported without the
+    interpreter, whatever this process has."""
+    tmp = tempfile.TemporaryDirectory(prefix="fusedzero-doctor-")
+    path = Path(tmp.name) / "variants.json"
+    proc = _child(["-m", "fusedzero.kernels.compile", "--capability", str(capability),
+                   "--json", str(path)], {"TRITON_INTERPRET": "0"})
+    return CompileJob(proc, path, tmp)
+
+
+def compile_results(job: CompileJob, timeout: float) -> list[dict[str, object]]:
+    """Per variant: kernel, dtypes, registers, spill bytes (STACK + LOCAL), shared bytes."""
+    try:
+        _, err = job.proc.communicate(timeout=timeout)
+        if job.proc.returncode != 0:
+            raise RuntimeError(f"offline compile exited {job.proc.returncode}: "
+                               f"{err.strip()[-800:]}")
+        rows = json.loads(job.json_path.read_text())
+    finally:
+        job.tmp.cleanup()
+    return [{"kernel": r["kernel"], "grad_dtype": r["grad_dtype"], "out_dtype": r["out_dtype"],
+             "regs": r["usage"]["REG"], "spill_bytes": r["usage"]["STACK"] + r["usage"]["LOCAL"],
+             "shared_bytes": r["shared_bytes"]} for r in rows]
+
+
+def main() -> None:
+    results = run_all(torch.device("cpu"))
+    print(json.dumps([dataclasses.asdict(r) for r in results]))
+
+
+if __name__ == "__main__":
+    main()
