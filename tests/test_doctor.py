@@ -1,0 +1,81 @@
+"""`fusedzero doctor`: green on this machine, and non-zero as soon as one check fails."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from fusedzero import kernels
+from fusedzero.app import kernel_checks
+from fusedzero.app.cli import main
+from fusedzero.app.doctor import Status, format_table, Row
+
+
+def _doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
+    rc = main(["doctor", "--json", *args])
+    return rc, json.loads(capsys.readouterr().out)
+
+
+def test_doctor_is_green_here(capsys):
+    # The whole command, as a user runs it (conftest's TRITON_INTERPRET=1 only reaches the
+    # in-process kernels, which take the torch path on CPU; the children set their own).
+    rc, report = _doctor(capsys)
+    by_check = {r["check"]: r for r in report["rows"]}
+    bad = {c: r["detail"] for c, r in by_check.items() if r["status"] == "FAIL"}
+    assert rc == 0 and report["ok"] and not bad, bad
+    want = ["versions", "device", "kernels on cpu (torch path)", "kernels, Triton interpreter",
+            "offline compile sm_90", "update bandwidth", "process group", "ZeroAdamW step",
+            "checkpoint"]
+    assert list(by_check) == want
+    for check in ("kernels on cpu (torch path)", "kernels, Triton interpreter"):
+        variants = by_check[check]["data"]["variants"]
+        # grad fp32/bf16/fp16 x out none/bf16/fp16 x maximize, and sumsq per dtype
+        assert len(variants) == 3 * 3 * 2 + 3 and all(v["ok"] for v in variants), check
+    if by_check["offline compile sm_90"]["status"] == "ok":  # skipped (with why) without ptxas
+        assert all(v["spill_bytes"] == 0 for v in by_check["offline compile sm_90"]["data"]
+                   ["variants"])
+    bw = by_check["update bandwidth"]["data"]
+    assert bw["bytes_per_param"] == 28 and bw["update_gbps"] > 0 and bw["copy_gbps"] > 0
+
+
+def test_doctor_fails_when_a_kernel_disagrees_with_the_reference(capsys, monkeypatch):
+    real = kernels.adamw_reference
+
+    def off_by_a_bit(*args, **kwargs):  # 1e-5 relative: ~170 fp32 ulps, past the 8-ulp bound
+        p, m, v = real(*args, **kwargs)
+        return p * (1 + 1e-5), m, v
+
+    monkeypatch.setattr(kernels, "adamw_reference", off_by_a_bit)
+    rc, report = _doctor(capsys, "--checks", "kernels")
+    (row,) = report["rows"]
+    assert rc == 1 and not report["ok"]
+    assert row["status"] == "FAIL" and "18/21 variants wrong" in row["detail"], row["detail"]
+
+
+def test_doctor_fails_on_a_bad_backend_knob(capsys, monkeypatch):
+    monkeypatch.setenv("FUSEDZERO_BACKEND", "cuda-please")
+    rc, report = _doctor(capsys, "--checks", "device", "versions")
+    status = {r["check"]: r["status"] for r in report["rows"]}
+    assert rc == 1 and status == {"device": "FAIL", "versions": "ok"}
+    assert "FUSEDZERO_BACKEND='cuda-please'" in report["rows"][1]["detail"]
+
+
+def test_sumsq_check_catches_a_lost_block(monkeypatch):
+    # The tolerance is tight enough to see the smallest block (the ragged last one) missing.
+    real = kernels.sumsq
+    monkeypatch.setattr(kernels, "sumsq", lambda x: real(x[: 2 * 4096]))
+    r = kernel_checks.check_sumsq(torch.device("cpu"), torch.float32)
+    assert not r.ok and r.worst_ulps > r.bound_ulps and "inf" in r.error
+
+
+def test_table_says_fail():
+    rows = [Row("a", Status.OK, "fine"), Row("b", Status.FAIL, "broken"),
+            Row("c", Status.SKIPPED, "no ptxas")]
+    text = format_table(rows)
+    assert text.splitlines()[-1].startswith("FAIL: 2/3") and "broken" in text
+
+
+def test_sumsq_bound_is_ulps_of_a_tree_sum():
+    assert kernel_checks.sumsq_ulps(kernel_checks.NUMEL) == 2 * (math.ceil(math.log2(8315)) + 1)
