@@ -61,6 +61,12 @@ def _figure(fig: Any, figdir: Path, name: str, alt: str) -> list[str]:
 
 
 # -- update --------------------------------------------------------------------------------------
+def _pct_of_copy(x: dict[str, Any]) -> str:
+    if "pct_of_copy" not in x:  # results from before the copy was measured
+        return "-"
+    return f"{x['pct_of_copy']:.0f}% ({x['copy_gbps']:.1f})"
+
+
 def update_section(rows: list[dict[str, Any]], figdir: Path) -> str:
     plt = _plt()
     e = [r["extra_info"] for r in rows]
@@ -68,14 +74,20 @@ def update_section(rows: list[dict[str, Any]], figdir: Path) -> str:
     lines = [[x["device"], f"{x['numel'] / 2**20:g}M", x["provider"], _ms(x["time_median"]),
               f"{_ms(x['time_p20'])} - {_ms(x['time_p80'])}", x["bytes_per_param_min"],
               x["bytes_per_param_impl"], f"{x['gbps_min']:.2f}", f"{x['gbps_impl']:.2f}",
-              f"{x['ratio_vs_torch_fused']:.3f}"] for x in e]
+              _pct_of_copy(x), f"{x['ratio_vs_torch_fused']:.3f}"] for x in e]
+    timings = sorted({f"{x['device']}: {x['timing']}" for x in e if "timing" in x})
     text = ["## Update over a flat shard (`bench_update.py`)", "",
             "One AdamW update of N elements. GB/s(min) = bytes the math must touch (28 B/param: "
             "fp32 read p,g,m,v + write p,m,v; bf16 grad/out: read 4+2+4+4, write 4+4+4+2) / "
             "median time; GB/s(impl) = bytes the implementation's passes move / median time. "
-            "Providers are timed round-robin per size.", "",
+            "% of copy = GB/s(min) / the GB/s of a plain device copy of the same bytes "
+            "(`dst.copy_(src)`, read + write of 28 B/param), timed in the same rounds: the "
+            "fraction of the bandwidth this device delivers that the update achieves. "
+            "Providers and the copy are timed round-robin per size"
+            + (f" ({'; '.join(timings)})." if timings else "."), "",
             _table(["device", "N", "provider", "median ms", "p20 - p80 ms", "B/param min",
-                    "B/param impl", "GB/s min", "GB/s impl", "time / torch fused"], lines), ""]
+                    "B/param impl", "GB/s min", "GB/s impl", "% of copy (copy GB/s)",
+                    "time / torch fused"], lines), ""]
     ratios = [x for x in e if x["provider"] == "fusedzero"]
     for x in ratios:
         r = x["ratio_vs_torch_fused"]
@@ -95,6 +107,10 @@ def update_section(rows: list[dict[str, Any]], figdir: Path) -> str:
             pts = sorted((x["numel"], x["gbps_min"], x["time_median"]) for x in sub
                          if x["provider"] == p)
             a1.plot([s / 2**20 for s, _, _ in pts], [g for _, g, _ in pts], "o-", label=p)
+        copies = sorted({(x["numel"], x["copy_gbps"]) for x in sub if "copy_gbps" in x})
+        if copies:  # one copy per size, timed beside the providers
+            a1.plot([s / 2**20 for s, _ in copies], [g for _, g in copies], "k--",
+                    label="device copy, same bytes")
         a1.set_xscale("log", base=2)
         a1.set_xlabel("elements (M)")
         a1.set_ylabel("effective GB/s (28 B/param)")
