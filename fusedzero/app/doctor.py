@@ -141,6 +141,17 @@ def _summary(results: list[kernel_checks.VariantResult]) -> tuple[str, dict[str,
     return (f"{', '.join(parts)}; {kernel_checks.NUMEL} elements vs float64", data)
 
 
+def _kernel_path(device: torch.device) -> str:
+    from fusedzero.kernels import _launch
+
+    try:
+        if not _launch.use_triton(device):
+            return "torch path"
+    except (ValueError, RuntimeError):  # a bad FUSEDZERO_BACKEND: the device row says which
+        return "path unknown"
+    return "Triton interpreter" if _launch.interpreting() else "compiled"
+
+
 def kernels_here(device: torch.device) -> tuple[str, dict[str, Any]]:
     return _summary(kernel_checks.run_all(device))
 
@@ -329,7 +340,7 @@ def run(checks: tuple[str, ...] = CHECKS) -> list[Row]:
         ("interpreter", lambda: kernels_interpreter(interp)),
         ("compile", lambda: kernels_compiled(job, why_not)),
         ("bandwidth", lambda: update_bandwidth(device))]
-    labels = {"kernels": f"kernels on {device} ({'torch path' if on_cpu else 'compiled'})",
+    labels = {"kernels": f"kernels on {device} ({_kernel_path(device)})",
               "interpreter": "kernels, Triton interpreter", "compile": "offline compile sm_90",
               "bandwidth": "update bandwidth"}
     try:
