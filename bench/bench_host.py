@@ -1,7 +1,7 @@
 """Host time of one `step()` at stage 3 on CPU: fusedzero vs torch.optim.AdamW(fused=True).
 
-The model is a GPT of 32 blocks at a small width (n_embd 32), so every update is tiny and the step
-is host-bound: what is timed is the Python and launch overhead around the update (per flat buffer
+The model is a GPT of 32 blocks at a small width (n_embd 8, 58k params), so every update is tiny
+and the step is host-bound: what is timed is the Python and launch overhead around the update (per flat buffer
 at stage 3 there are 2 param groups x 32 units + embeddings), not the update's arithmetic.
 
 Providers (the same params, the same two groups: decay / no decay):
@@ -10,7 +10,9 @@ Providers (the same params, the same two groups: decay / no decay):
 Each round: grads are written outside the timed region (a backward for fusedzero; random `.grad`
 for torch), then `step()` alone is timed. Providers are timed round-robin, as in bench_update.py.
 
-Env: FUSEDZERO_BENCH_HOST_LAYERS (default 32), FUSEDZERO_BENCH_HOST_ROUNDS (default 200).
+Env: FUSEDZERO_BENCH_HOST_LAYERS (default 32), FUSEDZERO_BENCH_HOST_ROUNDS (default 200),
+FUSEDZERO_BENCH_HOST_THREADS (torch threads, default 1: on a shared 2-core machine two OpenMP
+threads spin-wait on each other when one is descheduled, which swamps a host-time measurement).
 """
 from __future__ import annotations
 
@@ -29,12 +31,13 @@ from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 
 LAYERS = int(os.environ.get("FUSEDZERO_BENCH_HOST_LAYERS", "32"))
 ROUNDS = int(os.environ.get("FUSEDZERO_BENCH_HOST_ROUNDS", "200"))
+THREADS = int(os.environ.get("FUSEDZERO_BENCH_HOST_THREADS", "1"))
 PROVIDERS = ["fusedzero_stage3", "torch_fused"]
 
 
 def _model() -> GPT:
     torch.manual_seed(0)
-    return GPT(GPTConfig(n_layer=LAYERS, n_embd=32, n_head=2, block_size=16, vocab_size=64))
+    return GPT(GPTConfig(n_layer=LAYERS, n_embd=8, n_head=2, block_size=16, vocab_size=64))
 
 
 def _make(provider: str) -> tuple[Callable[[], None], Callable[[], None]]:
@@ -59,6 +62,15 @@ def _make(provider: str) -> tuple[Callable[[], None], Callable[[], None]]:
 def _measure() -> dict[str, list[float]]:
     if _TIMES:
         return _TIMES
+    threads = torch.get_num_threads()
+    torch.set_num_threads(THREADS)
+    try:
+        return _rounds()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _rounds() -> dict[str, list[float]]:
     fns = {p: _make(p) for p in PROVIDERS}
     for prepare, step in fns.values():
         for _ in range(3):
@@ -89,7 +101,7 @@ def test_step_host_time(benchmark, provider: str) -> None:
     ours, ref = statistics.median(times["fusedzero_stage3"]), statistics.median(times["torch_fused"])
     benchmark.extra_info.update({
         "subject": "host", "device": "cpu", "provider": provider, "layers": LAYERS,
-        "threads": torch.get_num_threads(), "loadavg_1min": load,
+        "threads": THREADS, "loadavg_1min": load,
         "ratio_vs_torch_fused": statistics.median(times[provider]) / ref,
     })
     if provider == "fusedzero_stage3":
