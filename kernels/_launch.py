@@ -98,6 +98,14 @@ def shard_numel_of(x: torch.Tensor | Strided, num_buckets: int, shard_numel: int
     return (x.tensor if isinstance(x, Strided) else x).numel()
 
 
+class Hyper(NamedTuple):
+    """Per-row hyper-parameters for one step: `lr`, a (rows,) fp32 device tensor; `consts`, per
+    row (beta1, beta2, eps, weight_decay, maximize) as host values (they change rarely)."""
+
+    lr: torch.Tensor
+    consts: tuple[tuple[float, float, float, float, bool], ...]
+
+
 def check_stream(name: str, s: Strided, allowed: tuple[torch.dtype, ...], num_buckets: int,
                  shard_numel: int, device: torch.device) -> None:
     """dtype, device, a flat contiguous buffer, and room for every piece, with the numbers."""

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from fusedzero.kernels import adamw_torch
-from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Strided, as_strided,
-                                       check_scalar, check_stream, count_launch, device_guard,
+from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Hyper, Strided,
+                                       as_strided, check_scalar, check_stream, count_launch, device_guard,
                                        shard_numel_of, use_triton)
 from fusedzero.kernels.table import Buffer, Table, build_table, pieces_of
 
@@ -169,14 +169,6 @@ class AdamWBuffer(NamedTuple):
     num_buckets: int
     shard_numel: int
     row: int
-
-
-class Hyper(NamedTuple):
-    """Per-row hyper-parameters for one step: `lr`, a (rows,) fp32 device tensor; `consts`, per
-    row (beta1, beta2, eps, weight_decay, maximize) as host values (they change rarely)."""
-
-    lr: torch.Tensor
-    consts: tuple[tuple[float, float, float, float, bool], ...]
 
 
 def _check_consts(consts: tuple[tuple[float, float, float, float, bool], ...]) -> None:

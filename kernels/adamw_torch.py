@@ -7,14 +7,10 @@ params into the low-precision output, each a single foreach op over all pieces.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from fusedzero.kernels._launch import Hyper
 from fusedzero.kernels.table import Piece
-
-if TYPE_CHECKING:
-    from fusedzero.kernels.adamw import Hyper
 
 
 class Combo:
