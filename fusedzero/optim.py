@@ -51,7 +51,7 @@ __all__ = ["MemoryReport", "Stage", "ZeroAdamW"]
 
 
 class ZeroAdamW(torch.optim.Optimizer):
-    """AdamW with ZeRO sharding over a process group and one fused kernel per flat buffer.
+    """AdamW with ZeRO sharding over a process group; one fused update launch per dtype combination.
 
     Args:
         params: parameters or param-group dicts, as for `torch.optim.AdamW`. Params with

@@ -2,8 +2,9 @@
 
 Knows nothing of torch.distributed. One file per kernel (`adamw.py`, `sum_of_squares.py`), each
 a `@triton.jit` kernel over a piece table (`table.py`: every buffer of a rank in one launch),
-its torch path for CPU tensors (`adamw_torch.py` for AdamW) and a grouped launcher; what the launchers share
-(argument checks, the backend choice `_launch.use_triton`, grid, device guard) is `_launch.py`.
+its torch path for CPU tensors (`adamw_torch.py` for AdamW) and a grouped launcher; what the
+launchers share (argument checks, the backend choice `_launch.use_triton`, device guard) is
+`_launch.py`.
 """
 from fusedzero.kernels._launch import LAUNCHES, Strided, backend, use_triton
 from fusedzero.kernels.adamw import (AdamWBuffer, GroupedAdamW, Hyper, adamw_reference,

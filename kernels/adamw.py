@@ -28,8 +28,8 @@ import triton.language as tl
 
 from fusedzero.kernels import adamw_torch
 from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Hyper, Strided,
-                                       as_strided, check_scalar, check_stream, count_launch, device_guard,
-                                       shard_numel_of, use_triton)
+                                       as_strided, check_scalar, check_stream, count_launch,
+                                       device_guard, shard_numel_of, use_triton)
 from fusedzero.kernels.table import Buffer, Table, build_table, pieces_of
 
 # 1024 elements per program with 8 warps: 4 elements per thread, one 128-bit access per fp32

@@ -134,7 +134,7 @@ def test_fp32_math_is_ieee_round_to_nearest_as_in_the_interpreter(compiled, kern
 
 
 def test_compile_for_in_process_compiles_or_refuses_interpreted_kernels():
-    if isinstance(adamw._grouped_adamw_kernel, triton.runtime.JITFunction):  # TRITON_INTERPRET=0 run
+    if isinstance(adamw._grouped_adamw_kernel, triton.runtime.JITFunction):  # not interpreting
         assert "st.global.v4.b32" in compile_for("adamw", 90, torch.bfloat16).asm["ptx"]
         return
     # conftest.py imported triton with TRITON_INTERPRET=1: the error must say what to do.
