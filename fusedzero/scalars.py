@@ -12,6 +12,7 @@ import torch
 from fusedzero import comm
 from fusedzero.comm import CommContext
 from fusedzero.kernels import Hyper
+from fusedzero.kernels._launch import copy_from_host
 
 
 class LossScaler:
@@ -141,9 +142,7 @@ class GroupLr:
             beta1, beta2 = g["betas"]
             consts.append((beta1, beta2, g["eps"], g["weight_decay"], g["maximize"]))
         if changed:
-            host = torch.tensor([x if x is not None else 0.0 for x in self._sent],
-                                dtype=torch.float32, pin_memory=self.lr.is_cuda)
-            self.lr.copy_(host, non_blocking=self.lr.is_cuda)
+            copy_from_host(self.lr, [x if x is not None else 0.0 for x in self._sent])
         for i, lr in tensors:
             self._entries[i].copy_(lr.reshape(()))
         return Hyper(self.lr, tuple(consts))

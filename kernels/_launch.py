@@ -106,6 +106,14 @@ class Hyper(NamedTuple):
     consts: tuple[tuple[float, float, float, float, bool], ...]
 
 
+def copy_from_host(dst: torch.Tensor, values: list) -> None:
+    """Write host `values` into `dst` without a host sync: on CUDA from a freshly allocated pinned
+    tensor, copied asynchronously (the caching host allocator keeps the pinned block alive until
+    the copy has run; a pageable source would make the host wait for the copy)."""
+    host = torch.tensor(values, dtype=dst.dtype, pin_memory=dst.is_cuda)
+    dst.copy_(host, non_blocking=dst.is_cuda)
+
+
 def check_stream(name: str, s: Strided, allowed: tuple[torch.dtype, ...], num_buckets: int,
                  shard_numel: int, device: torch.device) -> None:
     """dtype, device, a flat contiguous buffer, and room for every piece, with the numbers."""

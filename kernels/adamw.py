@@ -28,8 +28,8 @@ import triton.language as tl
 
 from fusedzero.kernels import adamw_torch
 from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Hyper, Strided,
-                                       as_strided, check_scalar, check_stream, count_launch,
-                                       device_guard, shard_numel_of, use_triton)
+                                       as_strided, check_scalar, check_stream, copy_from_host,
+                                       count_launch, device_guard, shard_numel_of, use_triton)
 from fusedzero.kernels.table import Buffer, Table, build_table, pieces_of
 
 # 1024 elements per program with 8 warps: 4 elements per thread, one 128-bit access per fp32
@@ -193,11 +193,10 @@ class _Rows:
     def update(self, hyper: Hyper, step: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tensor:
         if hyper.consts != self.consts:
             _check_consts(hyper.consts)
-            fixed = [[b1, 1 - b1, b2, 1 - b2, eps] for b1, b2, eps, _, _ in hyper.consts]
-            self.rows[:, 3:8].copy_(torch.tensor(fixed, dtype=torch.float64))
-            self.c64.copy_(torch.tensor([[wd, -1.0 if mx else 1.0, _log(b1), _log(b2)]
-                                         for b1, b2, _, wd, mx in hyper.consts],
-                                        dtype=torch.float64))
+            copy_from_host(self.rows[:, 3:8], [[b1, 1 - b1, b2, 1 - b2, eps]
+                                               for b1, b2, eps, _, _ in hyper.consts])
+            copy_from_host(self.c64, [[wd, -1.0 if mx else 1.0, _log(b1), _log(b2)]
+                                      for b1, b2, _, wd, mx in hyper.consts])
             self.consts = hyper.consts
         adamw_rows(hyper.lr, self.c64, step, grad_scale, self.rows)
         return self.rows

@@ -181,3 +181,24 @@ def test_load_state_dict_then_step_updates_the_loaded_memory(stage: int) -> None
     with opt_a.gathered_params(), opt_b.gathered_params():
         for (n, pa), pb in zip(a.named_parameters(), b.parameters()):
             assert torch.equal(pa, pb), f"{n} differs after load + step"
+
+
+def test_group_lr_follows_float_and_tensor_lrs_and_sends_floats_only_when_changed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from fusedzero import scalars
+    sent: list[list] = []
+    real = scalars.copy_from_host
+    monkeypatch.setattr(scalars, "copy_from_host", lambda dst, v: (sent.append(v), real(dst, v)))
+    lr_t = torch.tensor(2e-3)
+    groups = [dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, maximize=False),
+              dict(lr=lr_t, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.0, maximize=True)]
+    g = scalars.GroupLr(2, torch.device("cpu"))
+    h = g.update(groups)
+    assert h.lr.tolist() == [float(torch.tensor(1e-3)), float(lr_t)] and len(sent) == 1
+    assert h.consts == ((0.9, 0.99, 1e-8, 0.1, False), (0.8, 0.9, 1e-6, 0.0, True))
+    lr_t.fill_(5e-4)  # a tensor lr is read on the device every step, no host send
+    assert g.update(groups).lr[1].item() == float(torch.tensor(5e-4)) and len(sent) == 1
+    groups[0]["lr"] = 3e-4  # what a scheduler writes: sent once
+    assert g.update(groups).lr[0].item() == float(torch.tensor(3e-4)) and len(sent) == 2
+    g.update(groups)
+    assert len(sent) == 2, "an unchanged float lr is not sent again"
