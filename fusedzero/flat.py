@@ -55,8 +55,6 @@ class FlatBuffer:
         f32 = dict(dtype=torch.float32, device=device)
         self.exp_avg = torch.zeros(n_local, **f32)
         self.exp_avg_sq = torch.zeros(n_local, **f32)
-        self.lr = torch.zeros(1, **f32)
-        self._lr_value: float | None = None
         self.master: torch.Tensor | None = None
         self.param_flat: torch.Tensor | None = None
         self.param_shard: torch.Tensor | None = None
@@ -245,14 +243,6 @@ class FlatBuffer:
                 p.grad = view
 
     # -- per step ------------------------------------------------------------------------------
-    def set_lr(self, lr: float | torch.Tensor) -> None:
-        if isinstance(lr, torch.Tensor):
-            self.lr.copy_(lr.reshape(1))
-            self._lr_value = None
-        elif lr != self._lr_value:
-            self.lr.fill_(lr)  # a host-to-device scalar write, not a sync
-            self._lr_value = lr
-
     def resident(self) -> tuple[int, int, int]:
         """Bytes of (params, grads, optimizer state) this buffer holds now."""
         def b(t: torch.Tensor | None) -> int:

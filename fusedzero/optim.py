@@ -37,11 +37,11 @@ from fusedzero.buckets import BucketSchedule
 from fusedzero.comm import CommContext, CommCounter, Group
 from fusedzero.flat import FlatBuffer, MemoryReport, build_buffers, memory_report
 from fusedzero.grads import GradHooks
-from fusedzero.kernels import adamw_step
+from fusedzero.kernels import AdamWBuffer, GroupedAdamW, GroupedSumsq, SumsqView
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
 from fusedzero.reduce import reduce_replicas
-from fusedzero.scalars import LossScaler, StepScalars
+from fusedzero.scalars import GroupLr, LossScaler, StepScalars
 from fusedzero.shards import ShardAccess
 from fusedzero.stage import Stage
 from fusedzero.state import ParamInfo, ShardInfo, ShardState
@@ -51,7 +51,7 @@ __all__ = ["MemoryReport", "Stage", "ZeroAdamW"]
 
 
 class ZeroAdamW(torch.optim.Optimizer):
-    """AdamW with ZeRO sharding over a process group and one fused kernel per flat buffer.
+    """AdamW with ZeRO sharding over a process group; one fused update launch per dtype combination.
 
     Args:
         params: parameters or param-group dicts, as for `torch.optim.AdamW`. Params with
@@ -178,6 +178,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.param_sync = ParamSync(
             self.flat_groups if stage.gathers_after_step else [], self._ctx, module)
         self.shards = ShardAccess(self.flat_groups, self.scalars, self.param_sync)
+        self._build_update()
         self.closed = False
         validate.claim(self, validate.replicated(all_params, module))
 
@@ -189,6 +190,21 @@ class ZeroAdamW(torch.optim.Optimizer):
                 "ZeroAdamW cannot add param groups after construction (its flat buffers are "
                 "sharded at build time); pass every group to the constructor")
         super().add_param_group(param_group)
+
+    def _build_update(self) -> None:
+        """The grouped launches over every flat buffer, built once: one AdamW launch per (grad
+        dtype, out dtype) and one sum-of-squares launch per grad dtype per step. Their tables
+        hold the buffers' addresses: the buffers are never replaced, only written in place
+        (checkpoint loads, load_state_dict, zero3 all `copy_`)."""
+        self.group_lr = GroupLr(len(self.param_groups), self.device)
+        self._update = GroupedAdamW(
+            [AdamWBuffer(b.master_view(), b.grad_view(), b.exp_avg, b.exp_avg_sq, b.out_view(),
+                         b.layout.num_buckets, b.layout.shard_numel, b.group_index)
+             for b in self.flat_groups],
+            self.device, len(self.param_groups), require_aligned=True)
+        self._sumsq = GroupedSumsq(
+            [SumsqView(b.grad_view(), b.layout.num_buckets, b.layout.shard_numel)
+             for b in self.flat_groups], self.device, require_aligned=True)
 
     def broadcast_from_rank0(self, t: torch.Tensor) -> None:
         """Overwrite `t` (contiguous) with rank 0's value over the shard and replicate groups."""
@@ -253,18 +269,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         reduce_replicas(self.flat_groups, self._replica_ctx)
         # Stage 0 grads are replicated: the local sum of squares is already global.
         s = self.scalars
-        s.prepare(((b.grad_view(), b.layout) for b in self.flat_groups),
-                  self._ctx if self.stage.shards_state else None)
+        s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None)
         s.advance()
-        for buf in self.flat_groups:
-            g = self.param_groups[buf.group_index]
-            buf.set_lr(g["lr"])
-            beta1, beta2 = g["betas"]
-            adamw_step(buf.master_view(), buf.grad_view(), buf.exp_avg, buf.exp_avg_sq,
-                       buf.out_view(), lr=buf.lr, step=s.step, grad_scale=s.grad_scale,
-                       skip=s.skip, beta1=beta1, beta2=beta2, eps=g["eps"],
-                       weight_decay=g["weight_decay"], maximize=g["maximize"],
-                       num_buckets=buf.layout.num_buckets, shard_numel=buf.layout.shard_numel)
+        self._update.step(self.group_lr.update(self.param_groups), s.step, s.grad_scale, s.skip)
         s.finish()
         self.param_sync.gather()
         self._consume_grads()

@@ -4,14 +4,15 @@ host sync and a CUDA graph can capture it (nothing host-cached that a replay wou
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from fusedzero import comm
 from fusedzero.comm import CommContext
-from fusedzero.kernels import Strided, sumsq
-from fusedzero.layout import FlatLayout
+from fusedzero.kernels import Hyper
+from fusedzero.kernels._launch import copy_from_host
 
 
 class LossScaler:
@@ -74,20 +75,18 @@ class StepScalars:
         self.skip_nonfinite = skip_nonfinite
         self.scaler = scaler
 
-    def prepare(self, grads: Iterable[tuple[Strided | torch.Tensor, FlatLayout]],
-                ctx: CommContext | None) -> None:
+    def prepare(self, sumsq: Callable[[], torch.Tensor], ctx: CommContext | None) -> None:
         """Norm, clip coefficient, skip flag and grad scale from this rank's reduced grad
-        shards. `ctx` is the group whose ranks hold the other shards (None: the local grads are
-        already global, stage 0). One all-reduce of one scalar; no host sync."""
+        shards; `sumsq()` is their sum of squares (the grouped launch over all of them). `ctx`
+        is the group whose ranks hold the other shards (None: the local grads are already
+        global, stage 0). One all-reduce of one scalar; no host sync."""
         need_norm = self.max_grad_norm is not None or self.skip_nonfinite or self.scaler
         inv = self._one if self.scaler is None else self._one / self.scaler.scale
         if not need_norm:
             self.grad_scale.copy_(inv)
             self.skip.zero_()
             return
-        total = torch.zeros(1, dtype=torch.float32, device=self.device)
-        for grad, layout in grads:
-            total += sumsq(grad, num_buckets=layout.num_buckets, shard_numel=layout.shard_numel)
+        total = sumsq()
         if ctx is not None:
             ctx.wait(comm.all_reduce(total, ctx.group, ctx.world_size, ctx.counter),
                      what="grad-norm all-reduce")
@@ -111,3 +110,39 @@ class StepScalars:
     def finish(self) -> None:
         if self.scaler is not None:
             self.scaler.update(self.skip)
+
+
+class GroupLr:
+    """Per param group hyper-parameters as the grouped AdamW launch reads them; owns the lr
+    vector on the device (one entry per param group).
+
+    A tensor lr is copied in with a device op every step. A float lr (what schedulers write) is
+    compared on the host with the value last sent, and only when some group's float lr changed
+    is the vector sent again: one small host-to-device copy, from a freshly allocated pinned
+    tensor on CUDA (the caching host allocator keeps it alive until the copy has run), with no
+    host sync and nothing a CUDA graph replay would bake in (no `fill_` of a host value).
+    """
+
+    def __init__(self, num_groups: int, device: torch.device) -> None:
+        self.lr = torch.zeros(num_groups, dtype=torch.float32, device=device)
+        self._entries = list(self.lr.unbind())  # views: a tensor lr is copied into its entry
+        self._sent: list[float | None] = [None] * num_groups
+
+    def update(self, param_groups: list[dict[str, Any]]) -> Hyper:
+        """This step's hyper-parameters from the groups as they are now."""
+        changed, tensors, consts = False, [], []
+        for i, g in enumerate(param_groups):
+            lr = g["lr"]
+            if isinstance(lr, torch.Tensor):
+                tensors.append((i, lr))
+                self._sent[i] = None
+            elif lr != self._sent[i]:
+                changed = True
+                self._sent[i] = float(lr)
+            beta1, beta2 = g["betas"]
+            consts.append((beta1, beta2, g["eps"], g["weight_decay"], g["maximize"]))
+        if changed:
+            copy_from_host(self.lr, [x if x is not None else 0.0 for x in self._sent])
+        for i, lr in tensors:
+            self._entries[i].copy_(lr.reshape(()))
+        return Hyper(self.lr, tuple(consts))

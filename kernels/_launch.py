@@ -34,8 +34,8 @@ GRAD_DTYPES: tuple[torch.dtype, ...] = dtypes.FLOAT_DTYPES
 ENABLE_FP_FUSION = False
 
 # CUDA's grid limits: axis 0 up to 2**31 - 1 blocks, axes 1 and 2 only 65535. Our kernels use a
-# 1-D grid over (bucket, block) pairs: a bucket axis of its own would cap a flat buffer at 65535
-# buckets (bucket_numel=2**20 on a 70B-param group is ~67k).
+# 1-D grid over every (piece, block) pair of a launch (kernels/table.py): a piece axis of its own
+# would cap a launch at 65535 pieces (bucket_numel=2**20 on a 70B-param group is ~67k).
 MAX_GRID_X = 2**31 - 1
 
 
@@ -68,17 +68,6 @@ def count_launch(name: str) -> None:
     LAUNCHES[name] += 1
 
 
-def grid_1d(num_buckets: int, shard_numel: int, block: int) -> tuple[int]:
-    """The launch grid of a kernel that covers `num_buckets` pieces of `shard_numel` elements
-    with `block` elements per program: program id = bucket * blocks_per_piece + block."""
-    blocks = -(-shard_numel // block)
-    n = num_buckets * blocks
-    if n > MAX_GRID_X:
-        raise ValueError(f"{num_buckets} buckets x {blocks} blocks of {block} = {n} programs "
-                         f"exceeds CUDA's grid limit {MAX_GRID_X}; use larger buckets")
-    return (n,)
-
-
 def device_guard(device: torch.device) -> contextlib.AbstractContextManager[object]:
     """Context for a Triton launch on `device`: Triton launches on the *current* CUDA device, so
     a tensor on cuda:1 while cuda:0 is current would be an illegal address without it."""
@@ -109,13 +98,20 @@ def shard_numel_of(x: torch.Tensor | Strided, num_buckets: int, shard_numel: int
     return (x.tensor if isinstance(x, Strided) else x).numel()
 
 
-def pieces(s: Strided, num_buckets: int, shard_numel: int,
-           split: int | None = None) -> list[torch.Tensor]:
-    """The shard's pieces as views: one view when contiguous (unless `split` asks per bucket)."""
-    if split != num_buckets and s.stride == shard_numel and s.base == 0:
-        return [s.tensor[: num_buckets * shard_numel]]
-    return [s.tensor[k * s.stride + s.base : k * s.stride + s.base + shard_numel]
-            for k in range(num_buckets)]
+class Hyper(NamedTuple):
+    """Per-row hyper-parameters for one step: `lr`, a (rows,) fp32 device tensor; `consts`, per
+    row (beta1, beta2, eps, weight_decay, maximize) as host values (they change rarely)."""
+
+    lr: torch.Tensor
+    consts: tuple[tuple[float, float, float, float, bool], ...]
+
+
+def copy_from_host(dst: torch.Tensor, values: list) -> None:
+    """Write host `values` into `dst` without a host sync: on CUDA from a freshly allocated pinned
+    tensor, copied asynchronously (the caching host allocator keeps the pinned block alive until
+    the copy has run; a pageable source would make the host wait for the copy)."""
+    host = torch.tensor(values, dtype=dst.dtype, pin_memory=dst.is_cuda)
+    dst.copy_(host, non_blocking=dst.is_cuda)
 
 
 def check_stream(name: str, s: Strided, allowed: tuple[torch.dtype, ...], num_buckets: int,

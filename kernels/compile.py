@@ -31,15 +31,11 @@ KERNELS = ("adamw", "sumsq")
 _TRITON_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
                  torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
 
-# Int arguments the launcher passes as sizes, strides and bases. The runtime marks an int divisible
-# by 16 ("tt.divisibility") when it is; fusedzero/layout.py makes every bucket a multiple of
-# world_size * 128 elements, so shards, strides and bases always are. Without it the compiler
-# cannot prove `ptr + bucket * stride + base + offs` 16-byte aligned and falls back to scalar
-# accesses (without these attrs the 128-bit checks in tests/test_compile.py fail).
-_ADAMW_INTS = ("shard_numel", "master_stride", "master_base", "grad_stride", "grad_base",
-               "out_stride", "out_base")
-_SUMSQ_INTS = ("shard_numel", "stride", "base")
-
+# The grouped kernels take only pointers (sizes and offsets come from the piece table). The
+# runtime marks a pointer argument divisible by 16 ("tt.divisibility") when its address is:
+# every base is a tensor's start (CUDA caching-allocator blocks are 512-byte aligned). The table's
+# offsets and lengths are declared multiples of 16 elements in the kernel (ALIGNED, checked by
+# the launcher); without both the compiler falls back to scalar accesses (tests/test_compile.py).
 
 def _jit_fn(module: Any, name: str) -> triton.runtime.JITFunction:
     fn = getattr(module, name)
@@ -53,17 +49,15 @@ def _jit_fn(module: Any, name: str) -> triton.runtime.JITFunction:
 
 
 def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
-                out_dtype: torch.dtype | None = None, *, maximize: bool = False,
-                int_dtype: str = "i32", step_dtype: torch.dtype = torch.float32,
-                skip_dtype: torch.dtype = torch.int32) -> Any:
-    """Compile `kernel_name` ("adamw" or "sumsq") for `sm_{capability}`; returns Triton's
-    CompiledKernel (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata`).
+                out_dtype: torch.dtype | None = None, *,
+                skip_dtype: torch.dtype = torch.float32) -> Any:
+    """Compile `kernel_name` ("adamw" or "sumsq", the grouped kernels) for `sm_{capability}`;
+    returns Triton's CompiledKernel (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata`).
 
-    `grad_dtype` is the grad (adamw) or input (sumsq) dtype; `out_dtype` the adamw low-precision
-    output, None for none. Every pointer and every size/stride/base is declared divisible by 16,
-    as the runtime specialises them for our 16-aligned buffers. `int_dtype` is "i32" for shards
-    under 2**31 elements (what the runtime picks), "i64" above. lr and grad_scale are fp32 tensors;
-    `step_dtype`/`skip_dtype` only change the scalar prologue, not the streams.
+    `grad_dtype` is the grad (adamw) or input (sumsq) dtype; `out_dtype` the adamw output, None
+    for none. Every pointer is declared 16-byte aligned, as the runtime specialises it for our
+    buffers, and the table ALIGNED, as the optimizer's launches are. The rows are fp32; the skip
+    flag is fp32 as `fusedzero.scalars` keeps it (`skip_dtype` changes only one scalar load).
     """
     if kernel_name not in KERNELS:
         raise ValueError(f"kernel_name={kernel_name!r}, expected one of {KERNELS}")
@@ -73,38 +67,28 @@ def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
     if kernel_name == "adamw":
         if out_dtype is not None and out_dtype not in _adamw.OUT_DTYPES:
             raise ValueError(f"out_dtype {out_dtype}, expected None or one of {_adamw.OUT_DTYPES}")
-        fn = _jit_fn(_adamw, "_adamw_kernel")
+        fn = _jit_fn(_adamw, "_grouped_adamw_kernel")
         ptrs = {"master_ptr": "*fp32", "grad_ptr": f"*{g}", "exp_avg_ptr": "*fp32",
                 "exp_avg_sq_ptr": "*fp32",
                 # Without an output the launcher passes master as a never-written dummy.
                 "out_ptr": f"*{_TRITON_DTYPE[out_dtype]}" if out_dtype is not None else "*fp32",
-                "lr_ptr": "*fp32", "step_ptr": f"*{_TRITON_DTYPE[step_dtype]}",
-                "scale_ptr": "*fp32", "skip_ptr": f"*{_TRITON_DTYPE[skip_dtype]}"}
-        ints = _ADAMW_INTS
+                "piece_ptr": "*i64", "prog_piece_ptr": "*i32", "row_ptr": "*fp32",
+                "skip_ptr": f"*{_TRITON_DTYPE[skip_dtype]}"}
         constexprs = {"HAS_OUT": out_dtype is not None, "OUT_BF16": out_dtype == torch.bfloat16,
-                      "MAXIMIZE": maximize, "BLOCK": _adamw.BLOCK}
+                      "ALIGNED": True, "BLOCK": _adamw.BLOCK}
         num_warps = _adamw.NUM_WARPS
     else:
         if out_dtype is not None:
             raise ValueError("sumsq has no output dtype; pass out_dtype=None")
-        fn = _jit_fn(_sumsq, "_sumsq_kernel")
-        ptrs = {"x_ptr": f"*{g}", "partial_ptr": "*fp32"}
-        ints = _SUMSQ_INTS
-        constexprs = {"BLOCK": _sumsq.BLOCK}
+        fn = _jit_fn(_sumsq, "_grouped_sumsq_kernel")
+        ptrs = {"x_ptr": f"*{g}", "piece_ptr": "*i64", "prog_piece_ptr": "*i32",
+                "partial_ptr": "*fp32"}
+        constexprs = {"ALIGNED": True, "BLOCK": _sumsq.BLOCK}
         num_warps = _sumsq.NUM_WARPS
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in ptrs:
-            signature[name] = ptrs[name]
-        elif name in ints:
-            signature[name] = int_dtype
-        else:  # Python float scalars arrive as fp32
-            signature[name] = "fp32"
-    aligned = set(ptrs) | set(ints)
+    signature = {name: "constexpr" if name in constexprs else ptrs[name]
+                 for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name in aligned}
+             if name in ptrs}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     # The launchers' options, so the PTX here is what runs (no FMA contraction: see adamw.py).
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
@@ -143,7 +127,8 @@ def variants() -> list[tuple[str, torch.dtype, torch.dtype | None]]:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m fusedzero.kernels.compile [--capability 80 90] [--json PATH]`: compile every
-    variant offline and print registers, spills and global access widths (JSON with PTX to PATH)."""
+    variant offline and print registers, spills, shared-memory accesses, fp64 instructions and
+    global access widths (JSON with PTX to PATH)."""
     ap = argparse.ArgumentParser(description=main.__doc__)
     ap.add_argument("--capability", type=int, nargs="+", default=[80, 90])
     ap.add_argument("--json", type=Path, help="write every variant's facts and PTX here")
@@ -153,14 +138,16 @@ def main(argv: list[str] | None = None) -> None:
         for kernel, g, o in variants():
             k = compile_for(kernel, cap, g, o)
             ptx = k.asm["ptx"]
+            f64 = len(re.findall(r"\.f64\b", ptx))
             rows.append({"kernel": kernel, "capability": cap, "grad_dtype": str(g),
                          "out_dtype": str(o), "usage": resource_usage(k),
-                         "shared_bytes": k.metadata.shared,
+                         "shared_bytes": k.metadata.shared, "f64_instructions": f64,
                          "accesses": dict(memory_accesses(ptx)), "ptx": ptx})
             acc = {a: n for a, n in memory_accesses(ptx).items() if ".global" in a}
+            shared = sum(n for a, n in memory_accesses(ptx).items() if ".shared" in a)
             print(f"sm_{cap} {kernel:5s} grad={g} out={o}: regs={rows[-1]['usage']['REG']} "
-                  f"local={rows[-1]['usage']['LOCAL']}B shared={k.metadata.shared}B {acc}",
-                  file=sys.stderr)
+                  f"spill={rows[-1]['usage']['LOCAL']}B shared accesses={shared} f64={f64} "
+                  f"{acc}", file=sys.stderr)
     if args.json is not None:
         args.json.write_text(json.dumps(rows))
 

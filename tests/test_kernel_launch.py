@@ -12,7 +12,7 @@ import pytest
 import torch
 import triton.runtime.interpreter as interp
 
-from fusedzero.kernels import Strided, _launch, adamw_reference, adamw_step, sumsq
+from fusedzero.kernels import Strided, _launch, adamw_reference, adamw_step, sumsq, table
 from fusedzero.kernels import adamw as adamw_mod
 from fusedzero.kernels import sum_of_squares as sumsq_mod
 
@@ -30,24 +30,26 @@ def _scalars() -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("block", [adamw_mod.BLOCK, sumsq_mod.BLOCK])
 @pytest.mark.parametrize("shard", [128, 2**20 // 8, 3 * 4096 + 128])
-def test_grid_for_70k_buckets_is_1d_within_cuda_limits(block: int, shard: int) -> None:
+def test_table_for_70k_buckets_is_1d_and_maps_every_program_once(block: int, shard: int) -> None:
     # bucket_numel=2**20 on a 70B-param decay group at W=8: ~67k buckets of 2**17-element shards.
     nb = 70_000
-    grid = _launch.grid_1d(nb, shard, block)
+    full = torch.empty(2, dtype=torch.float32)  # addresses only: nothing is launched
+    pieces = [table.Piece((full,), (0,), shard, 0)] * nb
+    t = table.build_table(pieces, block, torch.device("cpu"))
     nblocks = math.ceil(shard / block)
-    assert grid == (nb * nblocks,), grid
-    assert grid[0] <= _launch.MAX_GRID_X
-    # The kernels' map program -> (bucket, block) covers every (bucket, block) pair once.
-    prog = torch.arange(grid[0], dtype=torch.int64)
-    bucket = prog // nblocks
-    blk = prog - bucket * nblocks
-    assert int(bucket.max()) == nb - 1 and int(blk.max()) == nblocks - 1
-    assert torch.equal(torch.unique(bucket * nblocks + blk), prog)
+    assert t.programs == nb * nblocks <= _launch.MAX_GRID_X
+    # prog_piece maps program -> piece, `first` maps back: every (piece, block) pair once.
+    prog = torch.arange(t.programs, dtype=torch.int64)
+    piece = t.prog_piece.long()
+    blk = prog - t.pieces[piece, -2]
+    assert int(piece.max()) == nb - 1 and int(blk.min()) == 0 and int(blk.max()) == nblocks - 1
+    assert torch.equal(torch.unique(piece * nblocks + blk), prog)
 
 
 def test_grid_beyond_cuda_axis0_limit_is_refused_with_the_fix() -> None:
-    with pytest.raises(ValueError, match="exceeds CUDA's grid limit .* use larger buckets"):
-        _launch.grid_1d(2**21, 2**20, 1024)
+    full = torch.empty(2, dtype=torch.float32)
+    with pytest.raises(ValueError, match="exceed CUDA's grid limit .* use larger buckets"):
+        table.build_table([table.Piece((full,), (0,), 2**30, 0)] * 3, 1, torch.device("cpu"))
 
 
 def test_adamw_last_programs_of_a_70k_bucket_grid_triton_interpreter(monkeypatch) -> None:
@@ -60,12 +62,19 @@ def test_adamw_last_programs_of_a_70k_bucket_grid_triton_interpreter(monkeypatch
     monkeypatch.setenv("FUSEDZERO_BACKEND", "triton")
     nb, S = 70_000, 128
     progs = [0, CUDA_MAX_Y - 1, CUDA_MAX_Y, nb - 1]
-    full = _launch.grid_1d(nb, S, adamw_mod.BLOCK)
-    assert full == (nb,)
-    monkeypatch.setattr(adamw_mod, "grid_1d", lambda *a: (len(progs),))
+    kernel = adamw_mod._grouped_adamw_kernel
+    full: list[int] = []
+
+    class _Narrowed:
+        def __getitem__(self, grid: tuple[int]):
+            full[:] = grid
+            return kernel[(len(progs),)]
+
+    monkeypatch.setattr(adamw_mod, "_grouped_adamw_kernel", _Narrowed())
     builder = interp.interpreter_builder
 
     def set_grid_idx(x: int, y: int, z: int) -> None:
+        assert full == [nb], full
         builder.grid_dim = (full[0], 1, 1)
         builder.grid_idx = (progs[x], y, z)
 
@@ -160,7 +169,8 @@ def test_every_triton_launch_runs_under_the_tensors_device_guard(monkeypatch, ke
     fake = _FakeKernel(active)
     mod = adamw_mod if kernel == "adamw" else sumsq_mod
     monkeypatch.setattr(mod, "device_guard", guard)
-    monkeypatch.setattr(mod, "_adamw_kernel" if kernel == "adamw" else "_sumsq_kernel", fake)
+    monkeypatch.setattr(mod, "_grouped_adamw_kernel" if kernel == "adamw"
+                        else "_grouped_sumsq_kernel", fake)
     x = torch.randn(3 * 256)
     if kernel == "adamw":
         adamw_step(x, x.clone(), x.clone(), x.clone().abs(), **_scalars(), **HP,

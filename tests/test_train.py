@@ -70,6 +70,8 @@ def test_json_has_every_field(stage_runs: dict[int, dict], stage: int) -> None:
     assert s["dtypes"] == {"param": "float32", "master": "float32", "grad_reduce": "float32"}
     assert s["params"] <= s["padded_params"]
     assert s["tokens_per_s"] > 0
+    # Counted over a step: fp32 params (their own master) and fp32 grads are one combination.
+    assert s["kernel_launches_per_step"] == {"adamw": 1, "sumsq": 1}
     # Learning: 4 steps at lr 3e-3 move the loss well below the first step's.
     assert s["val_loss"] < s["val"][0]["val_loss"] - 0.1
     assert s["steps"][-1]["loss"] < s["steps"][0]["loss"] - 0.1

@@ -28,6 +28,7 @@ from fusedzero.app.data import BatchSampler, Split, eval_batches
 from fusedzero.app.log import PendingStep, RunLog, waiting_for
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.app.summary import format_table, summarize
+from fusedzero.kernels import LAUNCHES
 from fusedzero.optim import ZeroAdamW
 
 
@@ -130,6 +131,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
                               step_ms=per_step * 1e3 if per_step else None)
         written = len(log.steps)
 
+    launches: dict[str, int] | None = None
     for step in range(start + 1, stop + 1):
         before = dict(opt.comm.bytes)
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
@@ -140,7 +142,10 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
                 _, loss = model(x, y)
                 (loss / A).backward()
             loss_sum += loss.detach().float()
+        launched = dict(LAUNCHES)
         opt.step()
+        # Counted over a real step (the last one is what the summary reports), not computed.
+        launches = {k: LAUNCHES[k] - launched.get(k, 0) for k in ("adamw", "sumsq")}
         lr = opt.param_groups[0]["lr"]
         sched.step()
         opt.zero_grad()
@@ -197,7 +202,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
     run_steps = max(0, stop - start)
     summary = summarize(cfg, opt, world, device, param_dtype, reduce_dtype, log,
                        {k: v / run_steps if run_steps else 0.0 for k, v in comm_total.items()},
-                       tokens_per_step * timed_steps / train_time if train_time > 0 else 0.0)
+                       tokens_per_step * timed_steps / train_time if train_time > 0 else 0.0,
+                       launches)
     if rank == 0:
         print(format_table(summary, stopped=cfg.stop_at is not None and stop < cfg.steps))
         if cfg.out_json:

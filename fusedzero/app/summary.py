@@ -19,7 +19,8 @@ from fusedzero.optim import ZeroAdamW
 
 def summarize(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device,
              param_dtype: torch.dtype, reduce_dtype: torch.dtype, log: RunLog,
-             comm_per_step: dict[str, float], tokens_per_s: float) -> dict[str, Any]:
+             comm_per_step: dict[str, float], tokens_per_s: float,
+             launches_per_step: dict[str, int] | None = None) -> dict[str, Any]:
     mem = opt.memory()
     # Max over ranks: shards can differ by padding. Logging, so dist directly.
     res = torch.tensor([mem.params, mem.grads, mem.optimizer], dtype=torch.int64, device=device)
@@ -43,6 +44,8 @@ def summarize(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device
         "resident_bytes": {"params": params_b, "grads": grads_b, "optimizer": opt_b},
         "ddp_resident_bytes": ddp,
         "comm_bytes_per_step": comm_per_step,
+        # Fused-kernel launches counted over the run's last step (None: no step was run).
+        "kernel_launches_per_step": launches_per_step,
         "ddp_comm_bytes_per_step": {"all_reduce": ddp_comm},
         "dtypes": {"param": dtypes.name(param_dtype), "master": "float32",
                    "grad_reduce": dtypes.name(reduce_dtype)},

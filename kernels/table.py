@@ -1,0 +1,103 @@
+"""Piece tables: many buffers of one rank as one kernel launch, built once.
+
+A *piece* is a run of elements every stream of a buffer holds contiguously: one bucket's piece of
+a bucketed buffer, or a whole buffer when every stream is the rank's contiguous local shard. A
+grouped launch covers every piece of every buffer it was given; each program handles `BLOCK`
+elements of one piece and finds it with one load (`prog_piece[program id]`).
+
+Addresses. Each stream kind (master, grad, ...) of a launch has one *base tensor* passed as a
+kernel argument, the one of that kind at the lowest address, and the table holds each piece's
+int64 element offset from it. Every tensor of one kind has the same dtype, so an offset is exact
+(the address difference is a multiple of the element size). The runtime specialises a base
+pointer as 16-byte aligned (CUDA caching-allocator blocks are 512-byte aligned); the optimizer's
+layout (fusedzero/layout.py) makes every shard, stride and base a multiple of 128 elements, so
+every offset and piece length is a multiple of 16 elements and the launcher compiles with
+`ALIGNED` (the kernel then declares them `tl.multiple_of(_, 16)`, which keeps 128-bit accesses).
+A table that is not aligned (a user's odd views through `adamw_step`) runs the same kernel
+without the hints. A plan that needs it (`require_aligned`) refuses an unaligned table.
+
+The tables hold addresses: a tensor a plan was built over must never be replaced (only written
+in place) while the plan lives; the optimizer's buffers are built once and loaded with `copy_`.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from fusedzero.kernels._launch import MAX_GRID_X, Strided
+
+ALIGN = 16  # elements: what `tl.multiple_of` may claim for every offset and piece length
+
+
+class Buffer(NamedTuple):
+    """One buffer's streams (each covering `num_buckets` pieces of `shard_numel`) and its row."""
+
+    streams: tuple[Strided, ...]
+    num_buckets: int
+    shard_numel: int
+    row: int
+
+
+class Piece(NamedTuple):
+    """A run of `numel` elements at `starts[j]` of stream j's tensor, for hyper-parameter `row`."""
+
+    tensors: tuple[torch.Tensor, ...]
+    starts: tuple[int, ...]
+    numel: int
+    row: int
+
+
+def pieces_of(buf: Buffer) -> list[Piece]:
+    """The buffer's pieces: one when every stream is local and contiguous, else one per bucket."""
+    nb, S = buf.num_buckets, buf.shard_numel
+    if nb == 0 or S == 0:
+        return []
+    tensors = tuple(s.tensor for s in buf.streams)
+    if all(s.stride == S and s.base == 0 for s in buf.streams):
+        return [Piece(tensors, (0,) * len(tensors), nb * S, buf.row)]
+    return [Piece(tensors, tuple(k * s.stride + s.base for s in buf.streams), S, buf.row)
+            for k in range(nb)]
+
+
+class Table(NamedTuple):
+    """A launch's device-side table. `pieces` rows: one offset per stream, then numel, first
+    program, row (int64); `prog_piece`: the piece of each program (int32)."""
+
+    bases: tuple[torch.Tensor, ...]
+    pieces: torch.Tensor
+    prog_piece: torch.Tensor
+    programs: int
+    aligned: bool
+
+
+def build_table(pieces: list[Piece], block: int, device: torch.device,
+                streams: int | None = None) -> Table:
+    """The table of `pieces` (non-empty, all with the same number of streams), with `streams`
+    offset columns (missing streams' offsets are 0: a kernel with a fixed row shape)."""
+    k = len(pieces[0].tensors)
+    bases = tuple(min((p.tensors[j] for p in pieces), key=lambda t: t.data_ptr())
+                  for j in range(k))
+    rows, counts, first, aligned = [], [], 0, True
+    for p in pieces:
+        offs = []
+        for j, (t, start) in enumerate(zip(p.tensors, p.starts)):
+            diff = t.data_ptr() - bases[j].data_ptr()
+            size = t.element_size()
+            if diff % size or t.dtype != bases[j].dtype:
+                raise ValueError(f"stream {j}: tensors of one launch must share a dtype "
+                                 f"({t.dtype} vs {bases[j].dtype}) and element grid")
+            offs.append(diff // size + start)
+        nprog = -(-p.numel // block)
+        aligned = aligned and p.numel % ALIGN == 0 and all(o % ALIGN == 0 for o in offs)
+        rows.append(offs + [0] * ((streams or k) - k) + [p.numel, first, p.row])
+        counts.append(nprog)
+        first += nprog
+    if first > MAX_GRID_X:
+        raise ValueError(f"{first} programs of {block} elements exceed CUDA's grid limit "
+                         f"{MAX_GRID_X}; use larger buckets")
+    aligned = aligned and all(b.data_ptr() % 16 == 0 for b in bases)
+    table = torch.tensor(rows, dtype=torch.int64)
+    prog_piece = torch.repeat_interleave(torch.arange(len(pieces), dtype=torch.int32),
+                                         torch.tensor(counts))
+    return Table(bases, table.to(device), prog_piece.to(device), first, aligned)
