@@ -292,7 +292,7 @@ class Zero3:
             nxt = self._next_unit(u, +1) if u else self._next_unit(0, +1)
             if nxt is not None and not _in_backward():
                 self.gather(nxt)  # prefetch: overlaps this unit's compute
-        return hook
+        return _eager(hook)
 
     def _make_post_forward(self, u: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
@@ -306,7 +306,7 @@ class Zero3:
             if self.reshard_after_forward and not _in_backward():
                 self.free(u)
             return None
-        return hook
+        return _eager(hook)
 
     def _make_pre_backward(self, u: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -332,3 +332,17 @@ class Zero3:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """[Note: stage 3 under torch.compile] A unit's forward hooks run outside any graph: under a
+    whole-model `torch.compile` each is one graph break, and the unit's compute between them is
+    one graph. They issue and wait on collectives, resize storage and re-point the params with
+    `.data =`, none of which belongs in a graph. The last one is wrong there: Dynamo turns
+    `p.data = t` into a traced `p.set_(t)`, which AOTAutograd replays on the graph input after
+    the graph and which bumps the param's version counter, shared with the views of it that
+    autograd saved in forward (the tied lm-head weight's transpose), so backward refused them
+    ("modified by an inplace operation"). Run eagerly, `.data =` leaves the counter alone, as
+    in an uncompiled forward, and the graphs see what the eager forward sees."""
+    return torch.compiler.disable(
+        hook, reason="fusedzero stage 3: a unit's gather/free hook runs eagerly")
