@@ -14,7 +14,7 @@ context; it never sees the optimizer. It decides *when* a unit's gathered buffer
   `p.fill_()` outside a forward would otherwise read or write freed memory (a segfault). Read
   full values inside `opt.gathered_params()`, or through `model.state_dict()` (gathered on
   demand, copied); `model.load_state_dict()` writes every rank's shard (fusedzero/
-  unit_state_dict.py).
+  model_state_dict.py).
 - Forward: the pre-hook gathers unit u (waiting on its prefetch) and issues unit u+1's gather;
   the post-hook frees u (reshard_after_forward=True) unless it runs as a recomputation inside
   backward (activation checkpointing).
@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 from fusedzero import comm
 from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
-from fusedzero.unit_state_dict import UnitStateDict
+from fusedzero.model_state_dict import UnitStateDict
 
 # How units are chosen (see `select_units`): None (every child of an nn.ModuleList), a module
 # class or tuple of classes, a predicate on modules, or a minimum element count.

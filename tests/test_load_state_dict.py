@@ -1,6 +1,7 @@
-"""`model.load_state_dict()` under ZeroAdamW at stage 3, where a freed unit's params are empty
-tensors: it loads the full values into every rank's shard (a collective, as `state_dict()`),
-and gives what the supported path, `fusedzero.checkpoint.import_weights`, gives."""
+"""`model.load_state_dict()` under ZeroAdamW: at stage 3, where a freed unit's params are empty
+tensors, it loads the full values into every rank's shard (a collective, as `state_dict()`);
+at every stage it gives what `fusedzero.checkpoint.import_weights` gives, the fp32 master from
+the given values included (with bf16 params the next step used to write the old master back)."""
 from __future__ import annotations
 
 from typing import Any
@@ -54,31 +55,37 @@ def test_load_state_dict_at_stage_3_sets_the_full_values_one_rank() -> None:
     assert all(s.name == "FREE" for s in z.state), "a refused load left units gathered"
 
 
-def _ranks(rank: int, world: int) -> dict[str, Any]:
+def _ranks(rank: int, world: int) -> dict[int, dict[str, Any]]:
     sd = _gpt(1).state_dict()  # fp32 values; the models below hold bf16 params
-    out: dict[str, Any] = {}
-    for how in ("load_state_dict", "import_weights"):
-        model = _gpt(0)
-        opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-2, stage=3, module=model,
-                        param_dtype=torch.bfloat16)
-        if how == "load_state_dict":
-            model.load_state_dict(sd)
-        else:
-            import_weights(opt, sd)
-        out[how] = {"master": opt.shard_state().master,
-                    "params": {k: v.clone() for k, v in model.state_dict().items()}}
-    out["sd"] = sd
-    return out
+    x = _batch()
+    res: dict[int, dict[str, Any]] = {}
+    for stage in (0, 1, 2, 3):
+        out: dict[str, Any] = {}
+        for how in ("load_state_dict", "import_weights"):
+            model = _gpt(0)
+            opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-2, stage=stage, module=model,
+                            param_dtype=torch.bfloat16)
+            model(x[:, :-1], x[:, 1:])[1].backward()
+            opt.step()  # at stages 1-2 the param all-gather is left in flight
+            if how == "load_state_dict":
+                model.load_state_dict(sd)
+            else:
+                import_weights(opt, sd)
+            out[how] = {"master": opt.shard_state().master,
+                        "params": {k: v.clone() for k, v in model.state_dict().items()}}
+        res[stage] = out
+    return res
 
 
 @pytest.mark.timeout(300)
-def test_load_state_dict_at_stage_3_matches_import_weights_on_2_ranks_bf16() -> None:
-    for rank, out in enumerate(run_ranks(_ranks, 2, timeout=300)):
-        a, b = out["load_state_dict"], out["import_weights"]
-        # The fp32 master comes from the given values, not from their bf16 cast.
-        for i, (ma, mb) in enumerate(zip(a["master"], b["master"], strict=True)):
-            assert torch.equal(ma, mb), (rank, i)
-        for k, v in out["sd"].items():
-            assert torch.equal(a["params"][k], b["params"][k]), (rank, k)
-            assert torch.equal(a["params"][k], v.to(torch.bfloat16)), (rank, k)
-
+def test_load_state_dict_matches_import_weights_at_stages_0_to_3_on_2_ranks_bf16() -> None:
+    sd = _gpt(1).state_dict()
+    for rank, res in enumerate(run_ranks(_ranks, 2, timeout=300)):
+        for stage, out in res.items():
+            a, b = out["load_state_dict"], out["import_weights"]
+            # The fp32 master comes from the given values, not from their bf16 cast.
+            for i, (ma, mb) in enumerate(zip(a["master"], b["master"], strict=True)):
+                assert torch.equal(ma, mb), (stage, rank, i)
+            for k, v in sd.items():
+                assert torch.equal(a["params"][k], b["params"][k]), (stage, rank, k)
+                assert torch.equal(a["params"][k], v.to(torch.bfloat16)), (stage, rank, k)
