@@ -1,11 +1,13 @@
-"""torch.compile under ZeroAdamW, stages 0-3 on 2 gloo ranks: the compiled model gives the eager
-losses, and the only graph breaks are the documented ones, at our hooks' waits and collectives.
+"""torch.compile under ZeroAdamW, stages 0-3 on 2 gloo ranks: a whole-model compile gives the
+eager losses, and the only graph breaks are the documented ones, at our hooks' waits (stages
+1-2) and stage 3's unit hooks. Stage 3 failed in backward before ("modified by an inplace
+operation": the traced `.data` re-pointing bumped saved tensors' version counters).
 
 Backend: "aot_eager" runs all of torch.compile that our hooks meet (Dynamo traces the forward
-and the module hooks, AOTAutograd builds the joint forward/backward graph) and executes the
-captured graphs with eager kernels; Inductor would only add CPU C++ codegen of those graphs
-(about 100 s of compiler time on 2 cores). Inductor itself was checked by hand at one rank
-(losses within 2e-7 relative); the README says so.
+and the module hooks, AOTAutograd builds the joint forward/backward graph, where the version
+counter bug lived) and executes the captured graphs with eager kernels; Inductor would only add
+CPU C++ codegen of those graphs (about 100 s of compiler time on 2 cores). Inductor itself was
+checked by hand at one rank; the README says so.
 """
 from __future__ import annotations
 
