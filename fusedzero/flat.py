@@ -140,6 +140,9 @@ class FlatBuffer:
         self.full.untyped_storage().resize_(0)
         self._point_params(gathered=False)
 
+    # Never traced: Dynamo would turn `.data =` into a `set_` that bumps the version counter
+    # of the views autograd saved in forward ([Note: stage 3 under torch.compile], zero3.py).
+    @torch.compiler.disable(reason="fusedzero stage 3: params are re-pointed eagerly")
     def _point_params(self, gathered: bool) -> None:
         """`.data` swaps keep the Parameter objects and autograd's saved leaves; views autograd
         saved in forward keep the storage itself, which the next gather refills."""

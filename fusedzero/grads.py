@@ -83,8 +83,15 @@ class GradHooks:
         that grad comes from a reentrant checkpoint (`use_reentrant=True` runs a nested backward
         for the checkpointed part) and would fire when that part is done. The grad of the
         model's output arrives first, in the outer task: queue it from there. (A forward run as
-        a recomputation inside backward adds no hook: the outer backward is already running.)"""
-        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+        a recomputation inside backward adds no hook: the outer backward is already running.)
+
+        Under torch.compile the graph-task query is skipped (Dynamo cannot trace it: it would
+        break the graph at the end of every forward). Only a recomputation of the whole model
+        inside backward could tell the difference, and there the hook fires in the nested task
+        that the first param grad would have queued the callback on anyway."""
+        if not torch.is_grad_enabled():
+            return
+        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
             return
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:

@@ -39,6 +39,7 @@ from fusedzero.flat import FlatBuffer, MemoryReport, build_buffers, memory_repor
 from fusedzero.grads import GradHooks
 from fusedzero.kernels import AdamWBuffer, GroupedAdamW, GroupedSumsq, SumsqView
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL
+from fusedzero.model_state_dict import FullParamsLoad
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
 from fusedzero.reduce import reduce_replicas
 from fusedzero.scalars import GroupLr, LossScaler, StepScalars
@@ -179,6 +180,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             self.flat_groups if stage.gathers_after_step else [], self._ctx, module)
         self.shards = ShardAccess(self.flat_groups, self.scalars, self.param_sync)
         self._build_update()
+        # model.load_state_dict() at stages 0-2 (at stage 3 the unit hooks do it).
+        self._load_hooks = ([] if module is None or self.zero3 is not None else
+                            FullParamsLoad(self.flat_groups, self.param_sync.wait).install(module))
         self.closed = False
         validate.claim(self, validate.replicated(all_params, module))
 
@@ -223,6 +227,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.param_sync.wait()
         self.grads.remove()
         self.param_sync.remove_hooks()
+        for h in self._load_hooks:
+            h.remove()
         if self.zero3 is not None:
             self.zero3.close(self.params)
         validate.release(self, validate.replicated(self.params, self.module))

@@ -13,7 +13,8 @@ context; it never sees the optimizer. It decides *when* a unit's gathered buffer
   the params are empty tensors (`.data` swaps, as FSDP1 does): `print(p)`, `p.norm()` or
   `p.fill_()` outside a forward would otherwise read or write freed memory (a segfault). Read
   full values inside `opt.gathered_params()`, or through `model.state_dict()` (gathered on
-  demand, copied).
+  demand, copied); `model.load_state_dict()` writes every rank's shard (fusedzero/
+  model_state_dict.py).
 - Forward: the pre-hook gathers unit u (waiting on its prefetch) and issues unit u+1's gather;
   the post-hook frees u (reshard_after_forward=True) unless it runs as a recomputation inside
   backward (activation checkpointing).
@@ -35,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 from fusedzero import comm
 from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
+from fusedzero.model_state_dict import UnitStateDict
 
 # How units are chosen (see `select_units`): None (every child of an nn.ModuleList), a module
 # class or tuple of classes, a predicate on modules, or a minimum element count.
@@ -144,15 +146,8 @@ class Zero3:
                 continue
             self.hooks.append(m.register_forward_pre_hook(self._make_pre_forward(u)))
             self.hooks.append(m.register_forward_hook(self._make_post_forward(u)))
-        # `model.state_dict()` gathers what is free, copies the full values, frees again (FSDP's
-        # full state dict): a collective, so every rank calls it. Without this it held the
-        # empty params, and torch.save wrote tensors that cannot be loaded back.
-        self._sd_freed: list[list[int]] = []
-        # (Plain functions: torch tags the hook with an attribute, which a bound method refuses.)
-        self.hooks.append(self.root.register_state_dict_pre_hook(
-            lambda *a: self._state_dict_pre(*a)))
-        self.hooks.append(self.root.register_state_dict_post_hook(
-            lambda *a: self._state_dict_post(*a)))
+        # model.state_dict() / load_state_dict(): full values, as collectives (see there).
+        self.hooks.extend(UnitStateDict(self).install(self.root))
         self.pending = list(self.n_trainable)
 
     def close(self, params: list[nn.Parameter]) -> None:
@@ -248,6 +243,9 @@ class Zero3:
             self.gathered_now -= 1
         self.ctx.record("free", u)
 
+    def free_units(self) -> list[int]:
+        return [u for u in range(len(self.modules)) if self.state[u] == UnitState.FREE]
+
     def free_all(self) -> None:
         for u in range(len(self.modules)):
             self.free(u)
@@ -262,25 +260,6 @@ class Zero3:
         finally:
             self.free_all()
 
-    # -- state dict -------------------------------------------------------------------------------
-    def _state_dict_pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        free = [u for u in range(len(self.modules)) if self.state[u] == UnitState.FREE]
-        self._sd_freed.append(free)
-        for u in range(len(self.modules)):
-            self.wait(u)
-
-    def _state_dict_post(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                         local_metadata: dict[str, Any]) -> None:
-        storages = {buf.full.untyped_storage().data_ptr() for bufs in self.buffers
-                    for buf in bufs
-                    if buf.full is not None and buf.full.untyped_storage().nbytes()}
-        for k, v in state_dict.items():
-            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in storages:
-                # A copy: the gathered storage is freed below (and rewritten by every step).
-                state_dict[k] = v.detach().clone()
-        for u in self._sd_freed.pop():
-            self.free(u)
-
     # -- hooks ------------------------------------------------------------------------------------
     def _next_unit(self, u: int, step: int) -> int | None:
         v = u + step
@@ -292,7 +271,7 @@ class Zero3:
             nxt = self._next_unit(u, +1) if u else self._next_unit(0, +1)
             if nxt is not None and not _in_backward():
                 self.gather(nxt)  # prefetch: overlaps this unit's compute
-        return hook
+        return _eager(hook)
 
     def _make_post_forward(self, u: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
@@ -306,7 +285,7 @@ class Zero3:
             if self.reshard_after_forward and not _in_backward():
                 self.free(u)
             return None
-        return hook
+        return _eager(hook)
 
     def _make_pre_backward(self, u: int) -> Callable[[torch.Tensor], None]:
         def hook(grad: torch.Tensor) -> None:
@@ -332,3 +311,17 @@ class Zero3:
 
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """[Note: stage 3 under torch.compile] A unit's forward hooks run outside any graph: under a
+    whole-model `torch.compile` each is one graph break, and the unit's compute between them is
+    one graph. They issue and wait on collectives, resize storage and re-point the params with
+    `.data =`, none of which belongs in a graph. The last one is wrong there: Dynamo turns
+    `p.data = t` into a traced `p.set_(t)`, which AOTAutograd replays on the graph input after
+    the graph and which bumps the param's version counter, shared with the views of it that
+    autograd saved in forward (the tied lm-head weight's transpose), so backward refused them
+    ("modified by an inplace operation"). Run eagerly, `.data =` leaves the counter alone, as
+    in an uncompiled forward, and the graphs see what the eager forward sees."""
+    return torch.compiler.disable(
+        hook, reason="fusedzero stage 3: a unit's gather/free hook runs eagerly")
