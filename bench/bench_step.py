@@ -17,7 +17,9 @@ Every system trains the same GPT (same seed) on the same global batch, split ove
 Forward and backward are the same work in every system; what a sharded optimizer owns is the
 rest. `bare` (and `bare-bf16`) is the plain model of the same precision on the same per-rank
 batch in the same ranks: forward, backward, grads dropped; no optimizer, hook or wrapper. In
-every round each system's step is paired with that round's bare step: overhead = step - bare.
+every round bare runs again before every FUSEDZERO_BENCH_BARE_EVERY (3) systems, and each
+system's step is paired with the bare step just before it (same load): overhead = step - bare
+(each the slower rank's).
 Median and p20-p80 of the per-round overheads are reported; two systems tie where their p20-p80
 ranges overlap.
 
@@ -49,6 +51,7 @@ Env (defaults keep the whole run under ~10 minutes on 2 cores):
   FUSEDZERO_BENCH_BUCKET  bucket elements for every system that has buckets (1048576)
   FUSEDZERO_BENCH_CLIP    global-norm clip for every system (1.0; 0 = off)
   FUSEDZERO_BENCH_SYSTEMS comma-separated names to run (default: all; bare always runs)
+  FUSEDZERO_BENCH_BARE_EVERY  bare runs before every N systems of a round (3)
 """
 from __future__ import annotations
 
@@ -76,6 +79,8 @@ _ONLY = [s for s in os.environ.get("FUSEDZERO_BENCH_SYSTEMS", "").split(",") if 
 # a step (a grad set to None, a transient bucket) pay page faults a caching allocator never
 # pays, and that would be billed as overhead to whoever frees between steps.
 RANK_ENV = {"DS_ACCELERATOR": "cpu"}
+# Bare forward+backward runs again before every BARE_EVERY systems of a round (see [Note: overhead]).
+BARE_EVERY = int(os.environ.get("FUSEDZERO_BENCH_BARE_EVERY", "3"))
 
 
 def bare_of(name: str) -> str:
@@ -123,28 +128,31 @@ def worker(rank: int, world: int, names: list[str]) -> dict[str, Any]:
         out[name] = {"times": [], "losses": [], "rss_growth": _measure.rss() - rss0,
                      "build_s": time.perf_counter() - t0, "info": s.info}
         dist.barrier()
-    order = list(systems)
+    bare = next((nm for nm in systems if SYSTEMS[nm].family == "bare"), None)
+    order = [nm for nm in systems if nm != bare]
     for i in range(WARMUP + STEPS):
         x, y = batch(i + 1)
         xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
-        k = i % len(order)
+        k = i % max(1, len(order))
         _measure.COUNTING[0] = i < WARMUP
-        for name in order[k:] + order[:k]:
-            s = systems[name]
-            _measure.reset_counts()
-            if s.reset_comm is not None:
-                s.reset_comm()
-            dist.barrier()
-            t = time.perf_counter()
-            loss = s.step(xs, ys)
-            dt = time.perf_counter() - t
-            r = out[name]
-            if i >= WARMUP:
-                r["times"].append(dt)
-            r["losses"].append(float(loss))
-            if i < WARMUP:
-                r["comm"] = dict(s.own_comm()) if s.own_comm else _measure.counted()
-                r["comm_dtypes"] = _measure.dtypes_seen()
+        last_bare = float("nan")
+        for j, name in enumerate(order[k:] + order[:k]):
+            # [Note: overhead] bare runs again before every BARE_EVERY systems; a system's step
+            # is paired with the bare step just before it, so both see the same load.
+            runs = [bare, name] if bare is not None and j % BARE_EVERY == 0 else [name]
+            for nm in runs:
+                dt, loss = _timed(systems[nm], xs, ys)
+                r = out[nm]
+                if nm == bare:
+                    last_bare = dt
+                if i >= WARMUP:
+                    r["times"].append(dt)
+                    r.setdefault("paired_bare", []).append(last_bare)
+                r["losses"].append(float(loss))
+                if i < WARMUP:
+                    own = systems[nm].own_comm
+                    r["comm"] = dict(own()) if own is not None else _measure.counted()
+                    r["comm_dtypes"] = _measure.dtypes_seen()
     for name, s in systems.items():
         r = out[name]
         gc.collect()
@@ -160,6 +168,17 @@ def worker(rank: int, world: int, names: list[str]) -> dict[str, Any]:
             r["comm"]["all_reduce (DDP reducer, formula)"] = 2 * (world - 1) * grad_bytes // world
         r["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
+
+
+def _timed(s: System, xs: torch.Tensor, ys: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """One step of `s`, timed from a barrier (so every rank starts together) to its end."""
+    _measure.reset_counts()
+    if s.reset_comm is not None:
+        s.reset_comm()
+    dist.barrier()
+    t = time.perf_counter()
+    loss = s.step(xs, ys)
+    return time.perf_counter() - t, loss
 
 
 # -- pytest ------------------------------------------------------------------------------------
@@ -196,7 +215,7 @@ def test_step(benchmark, name: str) -> None:
     if "error" in per_rank[0]:
         pytest.skip(f"{name} failed in the ranks: {per_rank[0]['error'][-1500:]}")
     times = step_times(ranks, name)
-    bare = step_times(ranks, bare_of(name))
+    bare = [max(bs) for bs in zip(*(r[name]["paired_bare"] for r in ranks))]
     overhead = [t - b for t, b in zip(times, bare)]
     benchmark.group = f"step {spec.precision} (W={WORLD})"
     replay(benchmark, times)
