@@ -79,7 +79,8 @@ _ONLY = [s for s in os.environ.get("FUSEDZERO_BENCH_SYSTEMS", "").split(",") if 
 # a step (a grad set to None, a transient bucket) pay page faults a caching allocator never
 # pays, and that would be billed as overhead to whoever frees between steps.
 RANK_ENV = {"DS_ACCELERATOR": "cpu"}
-# Bare forward+backward runs again before every BARE_EVERY systems of a round (see [Note: overhead]).
+# Bare forward+backward runs again before every BARE_EVERY systems of a round
+# (see [Note: overhead]).
 BARE_EVERY = int(os.environ.get("FUSEDZERO_BENCH_BARE_EVERY", "3"))
 
 

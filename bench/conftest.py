@@ -41,8 +41,9 @@ def machine_info() -> dict[str, Any]:
                                 text=True, cwd=here, check=False).stdout.strip()
         # Tracked files changed since that commit: the numbers are not that commit's alone.
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
-                                ".", ":!results", "../fusedzero", "../kernels"], capture_output=True,
-                               text=True, cwd=here, check=False).stdout.strip()
+                                ".", ":!results", "../fusedzero", "../kernels"],
+                               capture_output=True, text=True, cwd=here,
+                               check=False).stdout.strip()
         commit += " (+ uncommitted changes)" if dirty else ""
     except OSError:
         commit = ""

@@ -153,12 +153,14 @@ def headline(e: list[dict[str, Any]]) -> str:
             lines.append([x["precision"], x["stages"][0], x["reduce"], x["system"],
                           _span(x, "overhead"), "(no peer reduces in this dtype here)", "", "", ""])
             continue
-        verdict = ("tie (p20-p80 overlap)" if _overlap(x, best) else
+        tie = _overlap(x, best)
+        verdict = ("tie (p20-p80 overlap): no ratio can be claimed" if tie else
                    "faster" if x["overhead_median"] < best["overhead_median"] else "slower")
         if best["overhead_median"] > 0 and x["overhead_median"] > 0:
             r = x["overhead_median"] / best["overhead_median"]
             ratio = f"{r:.2f}"
-            verdict += f"; target <= 0.5: {'met' if r <= 0.5 else 'not met'}"
+            if not tie:
+                verdict += f"; target <= 0.5: {'met' if r <= 0.5 else 'not met'}"
         else:  # an overhead at or below zero is noise larger than the overhead itself
             ratio = "n/a (overhead <= 0: below the noise)"
         lines.append([x["precision"], x["stages"][0], x["reduce"], x["system"],
