@@ -36,8 +36,15 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Mod
 
 def machine_info() -> dict[str, Any]:
     try:
+        here = Path(__file__).parent
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=Path(__file__).parent, check=False).stdout.strip()
+                                text=True, cwd=here, check=False).stdout.strip()
+        # Tracked files changed since that commit: the numbers are not that commit's alone.
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
+                                ".", ":!results", "../fusedzero", "../kernels"],
+                               capture_output=True, text=True, cwd=here,
+                               check=False).stdout.strip()
+        commit += " (+ uncommitted changes)" if dirty else ""
     except OSError:
         commit = ""
     return {"node": platform.node(), "machine": platform.machine(),

@@ -48,7 +48,11 @@ class BucketSchedule:
         self.ctx = ctx
         self.reduction = reduction_for(stage)
         self.buckets = launch_order(buffers, order, by_unit=stage.shards_params)
-        self._bucket_of = {(id(b.buf), b.k): b for b in self.buckets}
+        bucket_of = {(id(b.buf), b.k): b for b in self.buckets}
+        # Per param, its buckets: looked up once here, not on every grad of every backward.
+        self._buckets_at: dict[tuple[int, int], tuple[Bucket, ...]] = {
+            (id(buf), pos): tuple(bucket_of[(id(buf), k)] for k in buf.layout.buckets_of(slot))
+            for buf in buffers for pos, slot in enumerate(buf.layout.params)}
         # Grads are pre-divided before every reduction (see fusedzero.reduce): the reduced
         # buffers hold the average.
         self.inv_world = 1.0 / ctx.world_size
@@ -72,9 +76,8 @@ class BucketSchedule:
     def reduces_now(self) -> bool:
         return self.sync or self._always_reduces
 
-    def buckets_of(self, buf: FlatBuffer, pos: int) -> list[Bucket]:
-        return [self._bucket_of[(id(buf), k)]
-                for k in buf.layout.buckets_of(buf.layout.params[pos])]
+    def buckets_of(self, buf: FlatBuffer, pos: int) -> tuple[Bucket, ...]:
+        return self._buckets_at[(id(buf), pos)]
 
     def was_reduced(self, buf: FlatBuffer, pos: int) -> bool:
         """A bucket holding param `pos` was reduced since the last step."""

@@ -1,0 +1,46 @@
+"""bench/REPORT.md is a function of the committed raw results, and README quotes it verbatim.
+
+The numbers are measured (bench/, never asserted here); what is asserted is provenance: the
+committed report regenerates identically from the committed JSON by the one command the report
+names, and README's headline table is the report's, character for character."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _report_module():
+    pytest.importorskip("matplotlib")
+    spec = importlib.util.spec_from_file_location("bench_report", ROOT / "bench" / "report.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_report"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_report_regenerates_from_committed_results(tmp_path: Path) -> None:
+    report = _report_module()
+    results = ROOT / "bench" / "results"
+    assert sorted(p.name for p in results.glob("*.json")), "no committed results in bench/results"
+    text = report.render(Path("bench/results"), tmp_path / "REPORT.md", plots=False,
+                         root=ROOT)
+    committed = (ROOT / "bench" / "REPORT.md").read_text()
+    assert text == committed, (
+        f"bench/REPORT.md differs from what `{report.COMMAND}` makes of bench/results: "
+        "run that command and commit the result")
+
+
+def test_readme_quotes_the_report_headline() -> None:
+    report = _report_module()
+    committed = (ROOT / "bench" / "REPORT.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    ours = report.headline_block(committed).split("\n", 1)[1]  # the table, after the marker
+    quoted = report.headline_block(readme)
+    assert quoted.endswith(ours), (
+        f"README.md's headline table is not bench/REPORT.md's: run `{report.COMMAND}`")
