@@ -39,6 +39,7 @@ from fusedzero.flat import FlatBuffer, MemoryReport, build_buffers, memory_repor
 from fusedzero.grads import GradHooks
 from fusedzero.kernels import adamw_step
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL
+from fusedzero.modes import Modes
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
 from fusedzero.reduce import reduce_replicas
 from fusedzero.scalars import LossScaler, StepScalars
@@ -78,6 +79,14 @@ class ZeroAdamW(torch.optim.Optimizer):
             backward (3 Psi of traffic per step); False keeps it until backward (2 Psi).
         param_init_fn: stage 3 with params on the meta device: `fn(name, module)` initialises the
             params a module owns directly (default: `module.reset_parameters()`).
+        master: how the master weights are held (`fusedzero.modes`): "fp32" (an fp32 master;
+            fp32 params are their own), or, with bf16 params only, no fp32 master at all:
+            "bf16-kahan" (the bf16 param plus a bf16 Kahan compensation), "bf16-sr" (updates
+            stochastically rounded onto the param) or "bf16" (round to nearest).
+        states: exp_avg / exp_avg_sq as "fp32", "bf16" or "int8" (blockwise quantized, one
+            fp32 scale per 128 elements and state).
+        seed: the random stream of master="bf16-sr" (bits from (seed, step, element)): the same
+            seed makes a run and its resume bit-exact.
         device: where meta-device params are materialised (default: cuda if present, else cpu).
         trace: record the order of collectives and unit events in `self.trace` (tests).
 
@@ -107,10 +116,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         unit_policy: UnitPolicy = None,
         reshard_after_forward: bool = True,
         param_init_fn: ParamInitFn | None = None,
+        master: str = "fp32",
+        states: str = "fp32",
+        seed: int = 0,
         device: torch.device | str | None = None,
         trace: bool = False,
     ) -> None:
         validate.check_hyper(lr, betas, eps, weight_decay)
+        self.modes = Modes(master, states)
         try:
             stage = Stage(stage)
         except ValueError:
@@ -142,6 +155,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.device = validate.resolve_device(all_params, module, stage.shards_params, device)
         names = validate.param_names(module, all_params)
         validate.check_params(module, all_params, names)
+        validate.check_modes(self.modes, all_params, names, param_dtype)
         self.param_names = names
         self.params = all_params
         validate.check_not_owned(module, all_params, names)
@@ -166,7 +180,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.flat_groups: list[FlatBuffer] = build_buffers(
             self.param_groups, names, units, param_dtype=param_dtype, stage=stage,
             world_size=self.world_size, rank=self.rank, bucket_numel=bucket_numel,
-            reduce_dtype=reduce_dtype, device=self.device)
+            reduce_dtype=reduce_dtype, device=self.device, modes=self.modes)
+        # bf16-sr's seed, read by the kernel from the device (nothing host-cached for a graph).
+        self.seed = seed
+        self._seed = torch.tensor([seed], dtype=torch.int64, device=self.device)
         if self.zero3 is not None:
             self.zero3.setup(self.flat_groups, param_init_fn)
         order = list(module.parameters()) if module is not None else all_params
@@ -264,7 +281,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                        buf.out_view(), lr=buf.lr, step=s.step, grad_scale=s.grad_scale,
                        skip=s.skip, beta1=beta1, beta2=beta2, eps=g["eps"],
                        weight_decay=g["weight_decay"], maximize=g["maximize"],
-                       num_buckets=buf.layout.num_buckets, shard_numel=buf.layout.shard_numel)
+                       num_buckets=buf.layout.num_buckets, shard_numel=buf.layout.shard_numel,
+                       seed=self._seed, **buf.kernel_modes())
         s.finish()
         self.param_sync.gather()
         self._consume_grads()
