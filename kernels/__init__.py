@@ -6,7 +6,11 @@ a `@triton.jit` kernel, its torch path for CPU tensors and a launcher; what the 
 """
 from fusedzero.kernels._launch import LAUNCHES, Strided, backend, use_triton
 from fusedzero.kernels.adamw import adamw_reference, adamw_step
+from fusedzero.kernels.modes import (MASTER_MODES, QBLOCK, STATE_MODES, bytes_per_param,
+                                     dequantize_blockwise, quantize_blockwise)
+from fusedzero.kernels.modes_reference import adamw_reference_mode
 from fusedzero.kernels.sum_of_squares import sumsq
 
-__all__ = ["LAUNCHES", "Strided", "adamw_reference", "adamw_step", "backend", "sumsq",
-           "use_triton"]
+__all__ = ["LAUNCHES", "MASTER_MODES", "QBLOCK", "STATE_MODES", "Strided", "adamw_reference",
+           "adamw_reference_mode", "adamw_step", "backend", "bytes_per_param",
+           "dequantize_blockwise", "quantize_blockwise", "sumsq", "use_triton"]

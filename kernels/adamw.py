@@ -22,6 +22,11 @@ import triton.language as tl
 from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Strided, as_strided,
                                        check_scalar, check_stream, count_launch, device_guard,
                                        grid_1d, pieces, shard_numel_of, use_triton)
+from fusedzero.kernels.modes import (MASTER_CODE, STATE_CODE, STATE_DTYPES, check_mode_buffers,
+                                     check_modes, load_master, load_state, qblocks, store_master,
+                                     store_state)
+from fusedzero.kernels.modes import round_to_bf16 as _round_to_bf16
+from fusedzero.kernels.modes_torch import adamw_torch_mode
 
 # 1024 elements per program: with 4 warps each thread handles 8 fp32 values, i.e. two 128-bit
 # vector accesses per stream, enough bytes in flight to saturate HBM on A100/H100.
@@ -39,28 +44,20 @@ OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @triton.jit
-def _round_to_bf16(x):
-    # Round-to-nearest-even fp32 -> bf16 in integer ops. The GPU's cvt.rn does the same, but the
-    # Triton interpreter truncates; spelling it out gives the same rounding on both (integer ops
-    # are exact, so the bf16 copy is bitwise the rounded master on both).
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-    # A NaN stays a (quiet) NaN: the carry could otherwise wrap its payload to +-0 or inf.
-    bits = tl.where(x != x, bits | 0x400000, rounded)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-@triton.jit
 def _adamw_kernel(
     # pointers
     master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr,
     lr_ptr, step_ptr, scale_ptr, skip_ptr,
+    # memory modes (kernels/modes.py): Kahan compensation, SR seed, int8 scales of each state
+    comp_ptr, seed_ptr, exp_avg_scale_ptr, exp_avg_sq_scale_ptr,
     # sizes and strides (elements)
     shard_numel, master_stride, master_base, grad_stride, grad_base, out_stride, out_base,
+    sr_offset,
     # scalars
     beta1, beta2, one_minus_beta1, one_minus_beta2, log_beta1, log_beta2, eps, weight_decay,
     # flags
     HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, MAXIMIZE: tl.constexpr, BLOCK: tl.constexpr,
+    MASTER_MODE: tl.constexpr = 0, STATE_MODE: tl.constexpr = 0,
 ):
     # One grid axis over (bucket, block) pairs (`_launch.grid_1d`): CUDA caps axes 1-2 at
     # 65535. int64 offsets: a flat shard may pass 2**31 elements.
@@ -88,10 +85,14 @@ def _adamw_kernel(
     local = bucket * shard_numel + offs
     m_offs = bucket * master_stride + master_base + offs
     g_offs = bucket * grad_stride + grad_base + offs
-    p = tl.load(master_ptr + m_offs, mask=mask).to(tl.float32)
+    # The int8 states' scales: one per QBLOCK elements (dead code in the other modes).
+    qidx, qmask = qblocks(bucket, pid, shard_numel, limit, BLOCK)
+    p = load_master(master_ptr, m_offs, comp_ptr, local, mask, MASTER_MODE)
     g = tl.load(grad_ptr + g_offs, mask=mask).to(tl.float32) * scale
-    m = tl.load(exp_avg_ptr + local, mask=mask)
-    v = tl.load(exp_avg_sq_ptr + local, mask=mask)
+    m = load_state(exp_avg_ptr, exp_avg_scale_ptr, local, mask, qidx, qmask, STATE_MODE, True,
+                   BLOCK)
+    v = load_state(exp_avg_sq_ptr, exp_avg_sq_scale_ptr, local, mask, qidx, qmask, STATE_MODE,
+                   False, BLOCK)
     if MAXIMIZE:
         g = -g
 
@@ -102,10 +103,14 @@ def _adamw_kernel(
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
 
-    tl.store(master_ptr + m_offs, p, mask=mask)
-    tl.store(exp_avg_ptr + local, m, mask=mask)
-    tl.store(exp_avg_sq_ptr + local, v, mask=mask)
-    if HAS_OUT:
+    # The update used this step's fresh fp32 m and v; only what is stored is rounded/quantized.
+    store_master(master_ptr, m_offs, comp_ptr, local, mask, p, seed_ptr, step_ptr, sr_offset,
+                 MASTER_MODE)
+    store_state(exp_avg_ptr, exp_avg_scale_ptr, local, mask, qidx, qmask, m, STATE_MODE, True,
+                BLOCK)
+    store_state(exp_avg_sq_ptr, exp_avg_sq_scale_ptr, local, mask, qidx, qmask, v, STATE_MODE,
+                False, BLOCK)
+    if HAS_OUT:  # fp32 master only
         o_offs = bucket * out_stride + out_base + offs
         if OUT_BF16:
             o = _round_to_bf16(p)
@@ -132,6 +137,13 @@ def adamw_step(
     maximize: bool = False,
     num_buckets: int = 1,
     shard_numel: int | None = None,
+    master_mode: str = "fp32",
+    states: str = "fp32",
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
+    kahan: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
+    sr_offset: int = 0,
 ) -> None:
     """One AdamW update of a shard, in place.
 
@@ -139,16 +151,27 @@ def adamw_step(
     grad: 1/(world*accum*loss_scale) * clip_coef) and `skip` (non-zero: leave everything untouched)
     are one-element tensors on the same device. Every stream covers `num_buckets` pieces of
     `shard_numel` elements (see the module docstring); plain tensors are the local layout.
+
+    Memory modes (kernels/modes.py): with `master_mode` "bf16-kahan", "bf16-sr" or "bf16",
+    `master` is the bf16 param (no fp32 master) and `out` must be None; `kahan` is the bf16
+    compensation buffer (local layout, bf16-kahan only); `seed` a one-element int32/int64 tensor
+    and `sr_offset` this buffer's offset in the random stream (bf16-sr). `states` "bf16" stores
+    exp_avg/exp_avg_sq as bf16, "int8" as int8/uint8 codes with fp32 `exp_avg_scale` /
+    `exp_avg_sq_scale` of one per QBLOCK elements (shard_numel a multiple of QBLOCK).
     """
+    check_modes(master_mode, states)
     shard_numel = shard_numel_of(exp_avg, num_buckets, shard_numel)
     ms, gs = as_strided(master, shard_numel), as_strided(grad, shard_numel)
     os_ = None if out is None else as_strided(out, shard_numel)
     device = ms.tensor.device
-    check_stream("master", ms, (torch.float32,), num_buckets, shard_numel, device)
+    m_dtype = torch.float32 if master_mode == "fp32" else torch.bfloat16
+    check_stream("master", ms, (m_dtype,), num_buckets, shard_numel, device)
     check_stream("grad", gs, GRAD_DTYPES, num_buckets, shard_numel, device)
-    for name, t in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        check_stream(name, Strided(t, shard_numel, 0), (torch.float32,), num_buckets, shard_numel,
-                     device)
+    for name, t, dt in zip(("exp_avg", "exp_avg_sq"), (exp_avg, exp_avg_sq), STATE_DTYPES[states]):
+        check_stream(name, Strided(t, shard_numel, 0), (dt,), num_buckets, shard_numel, device)
+    check_mode_buffers(master_mode, states, out=out, exp_avg_scale=exp_avg_scale,
+                       exp_avg_sq_scale=exp_avg_sq_scale, kahan=kahan, seed=seed,
+                       num_buckets=num_buckets, shard_numel=shard_numel, device=device)
     if os_ is not None:
         check_stream("out", os_, OUT_DTYPES, num_buckets, shard_numel, device)
     for name, t in (("lr", lr), ("step", step), ("grad_scale", grad_scale), ("skip", skip)):
@@ -162,20 +185,33 @@ def adamw_step(
     if use_triton(device):
         grid = grid_1d(num_buckets, shard_numel, BLOCK)
         o = os_ if os_ is not None else ms  # never written when HAS_OUT is False
+        # Buffers a mode does not use are never touched: any pointer stands in for them.
         with device_guard(device):
             _adamw_kernel[grid](
                 ms.tensor, gs.tensor, exp_avg, exp_avg_sq, o.tensor,
                 lr, step, grad_scale, skip,
-                shard_numel, ms.stride, ms.base, gs.stride, gs.base, o.stride, o.base,
+                exp_avg if kahan is None else kahan, skip if seed is None else seed,
+                exp_avg if exp_avg_scale is None else exp_avg_scale,
+                exp_avg if exp_avg_sq_scale is None else exp_avg_sq_scale,
+                shard_numel, ms.stride, ms.base, gs.stride, gs.base, o.stride, o.base, sr_offset,
                 beta1, beta2, 1.0 - beta1, 1.0 - beta2,
                 math.log(beta1) if beta1 > 0 else -math.inf,
                 math.log(beta2) if beta2 > 0 else -math.inf,
                 eps, weight_decay,
                 HAS_OUT=os_ is not None,
                 OUT_BF16=os_ is not None and os_.tensor.dtype == torch.bfloat16,
-                MAXIMIZE=maximize, BLOCK=BLOCK, num_warps=NUM_WARPS,
+                MAXIMIZE=maximize, BLOCK=BLOCK, MASTER_MODE=MASTER_CODE[master_mode],
+                STATE_MODE=STATE_CODE[states], num_warps=NUM_WARPS,
                 enable_fp_fusion=ENABLE_FP_FUSION,
             )
+        return
+    if master_mode != "fp32" or states != "fp32":
+        adamw_torch_mode(ms, gs, exp_avg, exp_avg_sq, os_, lr=lr, step=step,
+                         grad_scale=grad_scale, skip=skip, beta1=beta1, beta2=beta2, eps=eps,
+                         weight_decay=weight_decay, maximize=maximize, num_buckets=num_buckets,
+                         shard_numel=shard_numel, master_mode=master_mode, states=states,
+                         exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale,
+                         kahan=kahan, seed=seed, sr_offset=sr_offset)
         return
     _adamw_torch(ms, gs, exp_avg, exp_avg_sq, os_, lr=lr, step=step, grad_scale=grad_scale,
                  skip=skip, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
