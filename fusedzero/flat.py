@@ -45,7 +45,8 @@ class FlatBuffer:
     def __init__(self, *, group_index: int, params: list[nn.Parameter], names: list[str],
                  indices: list[int], dtype: torch.dtype, stage: Stage, world_size: int,
                  rank: int, bucket_numel: int, reduce_dtype: torch.dtype, device: torch.device,
-                 unit: int = 0, modes: Modes = Modes(), sr_offset: int = 0) -> None:
+                 unit: int = 0, modes: Modes = Modes(), sr_offset: int = 0,
+                 seed: torch.Tensor | None = None) -> None:
         self.group_index, self.dtype, self.stage, self.unit = group_index, dtype, stage, unit
         self.modes = modes
         self.params = params
@@ -73,6 +74,9 @@ class FlatBuffer:
         # (buffer, rank): the caller passes the padded elements of the buffers before this one,
         # and rank r's local shard takes [r * n_local, (r + 1) * n_local) of this buffer's range.
         self.sr_offset = sr_offset + self.shard_rank * n_local
+        # bf16-sr: the run's seed, one device tensor shared by the buffers; the kernel reads it
+        # on the device (nothing host-cached that a CUDA graph would bake in).
+        self.seed = seed if modes.master == "bf16-sr" else None
         self.lr = torch.zeros(1, **f32)
         self._lr_value: float | None = None
         self.master: torch.Tensor | None = None
@@ -256,7 +260,7 @@ class FlatBuffer:
         """The mode arguments of `adamw_step` for this buffer (besides the optimizer's seed)."""
         return dict(master_mode=self.modes.master, states=self.modes.states,
                     exp_avg_scale=self.exp_avg_scale, exp_avg_sq_scale=self.exp_avg_sq_scale,
-                    kahan=self.comp, sr_offset=self.sr_offset)
+                    kahan=self.comp, seed=self.seed, sr_offset=self.sr_offset)
 
     # -- grads as autograd sees them ----------------------------------------------------------
     def _full_grad_view(self, slot: ParamSlot) -> torch.Tensor | None:
@@ -304,9 +308,11 @@ class FlatBuffer:
 def build_buffers(param_groups: list[dict], names: list[str], units: list[int], *,
                   param_dtype: torch.dtype | None, stage: Stage, world_size: int, rank: int,
                   bucket_numel: int, reduce_dtype: torch.dtype, device: torch.device,
-                  modes: Modes = Modes()) -> list[FlatBuffer]:
+                  modes: Modes = Modes(), seed: int = 0) -> list[FlatBuffer]:
     """One FlatBuffer per (unit, param group, dtype), in that order (dtypes in order of first
-    appearance). `units[i]` is the stage-3 unit of the i-th param (all 0 below stage 3)."""
+    appearance). `units[i]` is the stage-3 unit of the i-th param (all 0 below stage 3).
+    `seed`: bf16-sr's random stream, one device tensor for all buffers."""
+    seed_t = torch.tensor([seed], dtype=torch.int64, device=device)
     by_key: dict[tuple[int, int, torch.dtype], list[tuple[int, nn.Parameter]]] = {}
     index = 0
     for gi, g in enumerate(param_groups):
@@ -321,7 +327,7 @@ def build_buffers(param_groups: list[dict], names: list[str], units: list[int], 
             group_index=gi, params=[p for _, p in items], names=[names[i] for i, _ in items],
             indices=[i for i, _ in items], dtype=dt, stage=stage, world_size=world_size,
             rank=rank, bucket_numel=bucket_numel, reduce_dtype=reduce_dtype, device=device,
-            unit=u, modes=modes,
+            unit=u, modes=modes, seed=seed_t,
             sr_offset=sum(b.layout.padded_numel for b in out)))
     return out
 

@@ -180,10 +180,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.flat_groups: list[FlatBuffer] = build_buffers(
             self.param_groups, names, units, param_dtype=param_dtype, stage=stage,
             world_size=self.world_size, rank=self.rank, bucket_numel=bucket_numel,
-            reduce_dtype=reduce_dtype, device=self.device, modes=self.modes)
-        # bf16-sr's seed, read by the kernel from the device (nothing host-cached for a graph).
+            reduce_dtype=reduce_dtype, device=self.device, modes=self.modes, seed=seed)
         self.seed = seed
-        self._seed = torch.tensor([seed], dtype=torch.int64, device=self.device)
         if self.zero3 is not None:
             self.zero3.setup(self.flat_groups, param_init_fn)
         order = list(module.parameters()) if module is not None else all_params
@@ -282,7 +280,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                        skip=s.skip, beta1=beta1, beta2=beta2, eps=g["eps"],
                        weight_decay=g["weight_decay"], maximize=g["maximize"],
                        num_buckets=buf.layout.num_buckets, shard_numel=buf.layout.shard_numel,
-                       seed=self._seed, **buf.kernel_modes())
+                       **buf.kernel_modes())
         s.finish()
         self.param_sync.gather()
         self._consume_grads()
