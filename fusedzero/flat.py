@@ -14,8 +14,12 @@
   afterwards only this rank's pieces hold reduced sums, and the kernel reads them there.
 - grad_shard (stages 2-3): the reduced grads of this rank's shard; transient bucket buffers
   (`fusedzero.reduce`) are reduced into it.
-- master / exp_avg / exp_avg_sq: this rank's local shard, contiguous, fp32. With fp32 params the
-  master *is* the param buffer's own pieces (stages 0-2) or the param shard (stage 3).
+- master / exp_avg / exp_avg_sq: this rank's local shard, contiguous. With fp32 params the
+  master *is* the param buffer's own pieces (stages 0-2) or the param shard (stage 3); so it is
+  in the bf16 master modes (`fusedzero.modes`), where the bf16 params are the master. The modes
+  decide the rest: `comp` (bf16-kahan: the bf16 compensation, local shard), the moments' dtype
+  (fp32, bf16, int8/uint8) and, for int8, one fp32 scale per QBLOCK elements of each moment.
+  `kernel_modes()` is the record the fused kernel reads.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ from torch import nn
 
 from fusedzero.kernels import Strided
 from fusedzero.layout import FlatLayout, ParamSlot, build_layout
+from fusedzero.modes import QBLOCK, Modes
 from fusedzero.stage import Stage
 
 # What the fused kernel reads or writes: a contiguous local-shard tensor, or this rank's pieces
@@ -40,8 +45,10 @@ class FlatBuffer:
     def __init__(self, *, group_index: int, params: list[nn.Parameter], names: list[str],
                  indices: list[int], dtype: torch.dtype, stage: Stage, world_size: int,
                  rank: int, bucket_numel: int, reduce_dtype: torch.dtype, device: torch.device,
-                 unit: int = 0) -> None:
+                 unit: int = 0, modes: Modes = Modes(), sr_offset: int = 0,
+                 seed: torch.Tensor | None = None) -> None:
         self.group_index, self.dtype, self.stage, self.unit = group_index, dtype, stage, unit
+        self.modes = modes
         self.params = params
         self.world_size, self.rank = world_size, rank
         # Stage 0 replicates everything: its layout is the world-size-1 layout.
@@ -53,8 +60,23 @@ class FlatBuffer:
         self.reduce_dtype = reduce_dtype
         n_local = self.layout.local_numel
         f32 = dict(dtype=torch.float32, device=device)
-        self.exp_avg = torch.zeros(n_local, **f32)
-        self.exp_avg_sq = torch.zeros(n_local, **f32)
+        m_dt, v_dt = modes.state_dtypes
+        self.exp_avg = torch.zeros(n_local, dtype=m_dt, device=device)
+        self.exp_avg_sq = torch.zeros(n_local, dtype=v_dt, device=device)
+        # int8 states: one fp32 scale per QBLOCK elements; n_local is a multiple of QBLOCK (every
+        # shard piece is a multiple of the layout's ALIGN), so no block straddles two pieces.
+        n_blocks = n_local // QBLOCK if modes.quantized else 0
+        self.exp_avg_scale = torch.zeros(n_blocks, **f32) if modes.quantized else None
+        self.exp_avg_sq_scale = torch.zeros(n_blocks, **f32) if modes.quantized else None
+        self.comp = (torch.zeros(n_local, dtype=torch.bfloat16, device=device)
+                     if modes.kahan else None)
+        # bf16-sr: where this buffer's elements start in the random stream. Disjoint for every
+        # (buffer, rank): the caller passes the padded elements of the buffers before this one,
+        # and rank r's local shard takes [r * n_local, (r + 1) * n_local) of this buffer's range.
+        self.sr_offset = sr_offset + self.shard_rank * n_local
+        # bf16-sr: the run's seed, one device tensor shared by the buffers; the kernel reads it
+        # on the device (nothing host-cached that a CUDA graph would bake in).
+        self.seed = seed if modes.master == "bf16-sr" else None
         self.master: torch.Tensor | None = None
         self.param_flat: torch.Tensor | None = None
         self.param_shard: torch.Tensor | None = None
@@ -83,12 +105,17 @@ class FlatBuffer:
             for p, slot in zip(self.params, L.params):
                 self.param_flat[slot.offset:slot.offset + slot.numel].copy_(
                     p.detach().reshape(-1))
-        if self.dtype != torch.float32:
+        if self._separate_master:
             # From the original values, before the params become (possibly bf16) views.
             self.master = torch.zeros(L.local_numel, dtype=torch.float32, device=self.device)
             self.copy_params_into(self.master)
         for p, slot in zip(self.params, L.params):
             p.data = self.param_flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    @property
+    def _separate_master(self) -> bool:
+        """An fp32 master apart from the params: bf16/fp16 params with master="fp32"."""
+        return self.dtype != torch.float32 and self.modes.fp32_master
 
     def _build_param_shard(self) -> None:
         """Stage 3: the param shard (and master) from the params' current full values (params
@@ -97,7 +124,7 @@ class FlatBuffer:
         L, dev = self.layout, self.device
         self.param_shard = torch.zeros(L.local_numel, dtype=self.dtype, device=dev)
         self.copy_params_into(self.param_shard)
-        if self.dtype != torch.float32:
+        if self._separate_master:
             self.master = torch.zeros(L.local_numel, dtype=torch.float32, device=dev)
             self.copy_params_into(self.master)
         self.full = torch.empty(max(L.padded_numel, 1), dtype=self.dtype, device=dev)
@@ -170,7 +197,8 @@ class FlatBuffer:
         return Strided(full, L.bucket_numel, self.shard_rank * L.shard_numel)
 
     def master_view(self) -> ShardView:
-        """The fp32 master the kernel updates (the params themselves when they are fp32)."""
+        """The master the kernel updates: the fp32 master, or the params themselves (fp32
+        params, or bf16 params in a bf16 master mode)."""
         if self.master is not None:
             return self.master
         if self.param_shard is not None:
@@ -204,15 +232,17 @@ class FlatBuffer:
                             + L.shard_numel] for k in range(L.num_buckets)]
 
     def read_master(self) -> torch.Tensor:
-        """This rank's fp32 master as one local-shard tensor (a copy where it is not one)."""
+        """This rank's master as one local-shard tensor in its own dtype (fp32; bf16 in the
+        bf16 master modes), a copy where it is not one."""
         m = self.master_view()
         if isinstance(m, torch.Tensor):
-            return m if m.dtype == torch.float32 else m.float()
+            return m
         pieces = self.pieces(m)
         return torch.cat(pieces) if pieces else m.tensor.new_zeros(0)
 
-    def write_master(self, values: torch.Tensor) -> None:
-        """Write this rank's fp32 master and the param copy derived from it (not gathered)."""
+    def write_master(self, values: torch.Tensor, comp: torch.Tensor | None = None) -> None:
+        """Write this rank's master (cast to its dtype) and the param copy derived from it (not
+        gathered); bf16-kahan: the compensation too (None: zero, `values` is the master)."""
         with torch.no_grad():
             for view in (self.master_view(), self.out_view()):
                 if view is None:
@@ -221,6 +251,17 @@ class FlatBuffer:
                 size = max(1, pieces[0].numel()) if pieces else 1
                 for dst, src in zip(pieces, values.split(size)):
                     dst.copy_(src)
+            if self.comp is not None:
+                if comp is None:
+                    self.comp.zero_()
+                else:
+                    self.comp.copy_(comp)
+
+    def kernel_modes(self) -> dict[str, object]:
+        """The mode arguments of `adamw_step` for this buffer (besides the optimizer's seed)."""
+        return dict(master_mode=self.modes.master, states=self.modes.states,
+                    exp_avg_scale=self.exp_avg_scale, exp_avg_sq_scale=self.exp_avg_sq_scale,
+                    kahan=self.comp, seed=self.seed, sr_offset=self.sr_offset)
 
     # -- grads as autograd sees them ----------------------------------------------------------
     def _full_grad_view(self, slot: ParamSlot) -> torch.Tensor | None:
@@ -252,16 +293,19 @@ class FlatBuffer:
             return 0 if t is None else t.numel() * t.element_size()
         params = b(self.param_flat) + b(self.param_shard)
         grads = b(self.grad_flat) + b(self.grad_shard)
-        opt = b(self.master) + b(self.exp_avg) + b(self.exp_avg_sq)
+        opt = sum(b(t) for t in (self.master, self.comp, self.exp_avg, self.exp_avg_sq,
+                                 self.exp_avg_scale, self.exp_avg_sq_scale))
         return params, grads, opt
 
 
 def build_buffers(param_groups: list[dict], names: list[str], units: list[int], *,
                   param_dtype: torch.dtype | None, stage: Stage, world_size: int, rank: int,
-                  bucket_numel: int, reduce_dtype: torch.dtype,
-                  device: torch.device) -> list[FlatBuffer]:
+                  bucket_numel: int, reduce_dtype: torch.dtype, device: torch.device,
+                  modes: Modes = Modes(), seed: int = 0) -> list[FlatBuffer]:
     """One FlatBuffer per (unit, param group, dtype), in that order (dtypes in order of first
-    appearance). `units[i]` is the stage-3 unit of the i-th param (all 0 below stage 3)."""
+    appearance). `units[i]` is the stage-3 unit of the i-th param (all 0 below stage 3).
+    `seed`: bf16-sr's random stream, one device tensor for all buffers."""
+    seed_t = torch.tensor([seed], dtype=torch.int64, device=device)
     by_key: dict[tuple[int, int, torch.dtype], list[tuple[int, nn.Parameter]]] = {}
     index = 0
     for gi, g in enumerate(param_groups):
@@ -269,12 +313,16 @@ def build_buffers(param_groups: list[dict], names: list[str], units: list[int], 
             by_key.setdefault((units[index], gi, param_dtype or p.dtype), []).append((index, p))
             index += 1
     keys: Iterable[tuple[int, int, torch.dtype]] = sorted(by_key, key=lambda k: (k[0], k[1]))
-    return [FlatBuffer(group_index=gi, params=[p for _, p in items],
-                       names=[names[i] for i, _ in items], indices=[i for i, _ in items],
-                       dtype=dt, stage=stage, world_size=world_size, rank=rank,
-                       bucket_numel=bucket_numel, reduce_dtype=reduce_dtype, device=device,
-                       unit=u)
-            for u, gi, dt in keys for items in (by_key[(u, gi, dt)],)]
+    out: list[FlatBuffer] = []
+    for u, gi, dt in keys:
+        items = by_key[(u, gi, dt)]
+        out.append(FlatBuffer(
+            group_index=gi, params=[p for _, p in items], names=[names[i] for i, _ in items],
+            indices=[i for i, _ in items], dtype=dt, stage=stage, world_size=world_size,
+            rank=rank, bucket_numel=bucket_numel, reduce_dtype=reduce_dtype, device=device,
+            unit=u, modes=modes, seed=seed_t,
+            sr_offset=sum(b.layout.padded_numel for b in out)))
+    return out
 
 
 class MemoryReport(NamedTuple):

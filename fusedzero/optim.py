@@ -40,6 +40,7 @@ from fusedzero.grads import GradHooks
 from fusedzero.kernels import AdamWBuffer, GroupedAdamW, GroupedSumsq, SumsqView
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL
 from fusedzero.model_state_dict import FullParamsLoad
+from fusedzero.modes import Modes, step_per_buffer
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
 from fusedzero.reduce import reduce_replicas
 from fusedzero.scalars import GroupLr, LossScaler, StepScalars
@@ -79,6 +80,14 @@ class ZeroAdamW(torch.optim.Optimizer):
             backward (3 Psi of traffic per step); False keeps it until backward (2 Psi).
         param_init_fn: stage 3 with params on the meta device: `fn(name, module)` initialises the
             params a module owns directly (default: `module.reset_parameters()`).
+        master: how the master weights are held (`fusedzero.modes`): "fp32" (an fp32 master;
+            fp32 params are their own), or, with bf16 params only, no fp32 master at all:
+            "bf16-kahan" (the bf16 param plus a bf16 Kahan compensation), "bf16-sr" (updates
+            stochastically rounded onto the param) or "bf16" (round to nearest).
+        states: exp_avg / exp_avg_sq as "fp32", "bf16" or "int8" (blockwise quantized, one
+            fp32 scale per 128 elements and state).
+        seed: the random stream of master="bf16-sr" (bits from (seed, step, element)): the same
+            seed makes a run and its resume bit-exact.
         device: where meta-device params are materialised (default: cuda if present, else cpu).
         trace: record the order of collectives and unit events in `self.trace` (tests).
 
@@ -108,10 +117,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         unit_policy: UnitPolicy = None,
         reshard_after_forward: bool = True,
         param_init_fn: ParamInitFn | None = None,
+        master: str = "fp32",
+        states: str = "fp32",
+        seed: int = 0,
         device: torch.device | str | None = None,
         trace: bool = False,
     ) -> None:
         validate.check_hyper(lr, betas, eps, weight_decay)
+        self.modes = Modes(master, states)
         try:
             stage = Stage(stage)
         except ValueError:
@@ -143,6 +156,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.device = validate.resolve_device(all_params, module, stage.shards_params, device)
         names = validate.param_names(module, all_params)
         validate.check_params(module, all_params, names)
+        validate.check_modes(self.modes, all_params, names, param_dtype)
         self.param_names = names
         self.params = all_params
         validate.check_not_owned(module, all_params, names)
@@ -167,7 +181,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.flat_groups: list[FlatBuffer] = build_buffers(
             self.param_groups, names, units, param_dtype=param_dtype, stage=stage,
             world_size=self.world_size, rank=self.rank, bucket_numel=bucket_numel,
-            reduce_dtype=reduce_dtype, device=self.device)
+            reduce_dtype=reduce_dtype, device=self.device, modes=self.modes, seed=seed)
+        self.seed = seed
         if self.zero3 is not None:
             self.zero3.setup(self.flat_groups, param_init_fn)
         order = list(module.parameters()) if module is not None else all_params
@@ -201,12 +216,19 @@ class ZeroAdamW(torch.optim.Optimizer):
         hold the buffers' addresses: the buffers are never replaced, only written in place
         (checkpoint loads, load_state_dict, zero3 all `copy_`)."""
         self.group_lr = GroupLr(len(self.param_groups), self.device)
+        self._update: GroupedAdamW | None = None
+        if self.modes != Modes():  # [Note: memory modes are not grouped yet] (adamw_modes.py)
+            self._sumsq = self._grouped_sumsq()
+            return
         self._update = GroupedAdamW(
             [AdamWBuffer(b.master_view(), b.grad_view(), b.exp_avg, b.exp_avg_sq, b.out_view(),
                          b.layout.num_buckets, b.layout.shard_numel, b.group_index)
              for b in self.flat_groups],
             self.device, len(self.param_groups), require_aligned=True)
-        self._sumsq = GroupedSumsq(
+        self._sumsq = self._grouped_sumsq()
+
+    def _grouped_sumsq(self) -> GroupedSumsq:
+        return GroupedSumsq(
             [SumsqView(b.grad_view(), b.layout.num_buckets, b.layout.shard_numel)
              for b in self.flat_groups], self.device, require_aligned=True)
 
@@ -277,7 +299,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         s = self.scalars
         s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None)
         s.advance()
-        self._update.step(self.group_lr.update(self.param_groups), s.step, s.grad_scale, s.skip)
+        lrs = self.group_lr.update(self.param_groups)
+        if self._update is not None:
+            self._update.step(lrs, s.step, s.grad_scale, s.skip)
+        else:
+            step_per_buffer(self.flat_groups, self.param_groups, lrs.lr, self.scalars)
         s.finish()
         self.param_sync.gather()
         self._consume_grads()

@@ -29,12 +29,9 @@ from torch import nn
 
 from fusedzero import dtypes
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL, FlatLayout, build_layout
+from fusedzero.modes import MASTER_MODES, STATE_MODES, Modes, check_param_dtype
 
 STAGES = (0, 1, 2, 3)
-# fp32 exp_avg + exp_avg_sq per param; an fp32 master adds 4 more unless the params are fp32
-# (then the param buffer is its own master).
-MOMENT_BYTES = 8
-MASTER_BYTES = 4
 # The global grad norm (clipping, non-finite skip) is one fp32 scalar all-reduced per step.
 SCALAR_BYTES = 4
 
@@ -88,8 +85,14 @@ class PlanConfig:
     """The step all-reduces the grad norm (max_grad_norm, skip_nonfinite=True: the default)."""
     unit_policy: Any = None
     """Stage 3 units, as ZeroAdamW's unit_policy (only used when planning from a model)."""
+    modes: Modes = Modes()
+    """How master and moments are held (ZeroAdamW's master= and states=)."""
 
     def __post_init__(self) -> None:
+        if self.param_dtype is not None:
+            check_param_dtype(self.modes, self.param_dtype, "param_dtype")
+        elif not self.modes.fp32_master:
+            raise ValueError(f"master={self.modes.master!r} needs param_dtype=bf16")
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.bucket_numel < 1:
@@ -116,12 +119,17 @@ class Plan:
         """A text table: which buffer each column is, full or sharded, in decimal GB."""
         c, W = self.config, self.world_size
         pdt = dtypes.short_name(c.param_dtype) if c.param_dtype is not None else "own dtype"
-        k = MOMENT_BYTES + (0 if c.param_dtype == torch.float32 else MASTER_BYTES)
+        # K per element of a shard, scales included (exact per 128 elements: QBLOCK divides it).
+        k = c.modes.state_bytes(128, c.param_dtype or torch.float32) / 128
+        if c.modes != Modes():
+            what = f"master={c.modes.master}, states={c.modes.states}"
+        elif c.param_dtype == torch.float32:
+            what = "fp32 exp_avg + exp_avg_sq (fp32 params are their own master)"
+        else:
+            what = "fp32 master + exp_avg + exp_avg_sq"
         lines = [f"{self.source}: {self.params:,} params (Psi), world size W={W}",
                  f"params {pdt}, grads {dtypes.short_name(c.reduce_dtype)}, optimizer "
-                 + ("fp32 exp_avg + exp_avg_sq (fp32 params are their own master)"
-                    if k == MOMENT_BYTES else "fp32 master + exp_avg + exp_avg_sq")
-                 + f": K={k} bytes/param", ""]
+                 f"{what}: K={k:g} bytes/param", ""]
         where = {0: ("full", "full", "full"), 1: ("full", "full", "1/W"),
                  2: ("full", "1/W", "1/W"), 3: ("1/W", "1/W", "1/W")}
         head = ("stage", "params", "grads", "optimizer", "total/rank", "comm/step")
@@ -198,7 +206,7 @@ def _stage_plan(buffers: list[tuple[torch.dtype, list[Item]]], stage: int,
         p = dt.itemsize
         params += p * (L.local_numel if stage == 3 else L.padded_numel)
         grads += g * (L.local_numel if stage >= 2 else L.padded_numel)
-        opt += L.local_numel * (MOMENT_BYTES + (0 if dt == torch.float32 else MASTER_BYTES))
+        opt += cfg.modes.state_bytes(L.local_numel, dt)
         # One collective per bucket, counted as comm.CommCounter.add does (ring formulas,
         # integer division per call).
         B, nb = L.bucket_numel, L.num_buckets
@@ -293,6 +301,10 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--reduce-dtype", choices=sorted(dtypes.SHORT_NAMES), default="bf16",
                    help="grad reduction dtype (default bf16, the ZeRO paper's; ZeroAdamW's "
                         "own default is fp32)")
+    p.add_argument("--master", choices=MASTER_MODES, default="fp32",
+                   help="master weights (ZeroAdamW's master=; bf16 modes need bf16 params)")
+    p.add_argument("--states", choices=STATE_MODES, default="fp32",
+                   help="exp_avg / exp_avg_sq storage (ZeroAdamW's states=)")
     p.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
                    help="elements per bucket (default %(default)s)")
     p.add_argument("--no-reshard-after-forward", dest="reshard", action="store_false",
@@ -312,7 +324,8 @@ def _cli_plan(args: argparse.Namespace) -> int:
                          param_dtype=dtypes.SHORT_NAMES[args.param_dtype],
                          reduce_dtype=dtypes.SHORT_NAMES[args.reduce_dtype],
                          bucket_numel=args.bucket_numel,
-                         reshard_after_forward=args.reshard)
+                         reshard_after_forward=args.reshard,
+                         modes=Modes(args.master, args.states))
         if args.params is not None:
             if not (math.isfinite(args.params) and args.params == int(args.params)):
                 raise ValueError(f"--params must be a whole number, got {args.params}")

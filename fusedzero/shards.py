@@ -10,9 +10,10 @@ from typing import Any
 import torch
 
 from fusedzero.flat import FlatBuffer
+from fusedzero.modes import Modes
 from fusedzero.param_sync import ParamSync
 from fusedzero.scalars import StepScalars
-from fusedzero.state import ParamInfo, ShardInfo, ShardState
+from fusedzero.state import TENSOR_FIELDS, ParamInfo, ShardInfo, ShardState, convert, fields_of
 
 
 class ShardAccess:
@@ -24,7 +25,8 @@ class ShardAccess:
 
     def shard_infos(self) -> list[ShardInfo]:
         return [ShardInfo(group_index=b.group_index, dtype=b.dtype, unit=b.unit,
-                          layout=b.layout, shard_rank=b.shard_rank) for b in self.buffers]
+                          layout=b.layout, shard_rank=b.shard_rank, modes=b.modes)
+                for b in self.buffers]
 
     def param_infos(self, param_groups: list[dict[str, Any]]) -> list[ParamInfo]:
         # Shapes from the layout: a stage-3 param is an empty tensor while its unit is freed.
@@ -50,30 +52,42 @@ class ShardAccess:
         self.param_sync.wait()
 
     def shard_state(self) -> ShardState:
+        """Every buffer's state as it is stored (all buffers share the optimizer's modes)."""
         scaler = self.scalars.scaler
-        return ShardState(master=[self.master(b) for b in self.buffers],
-                          exp_avg=[b.exp_avg for b in self.buffers],
-                          exp_avg_sq=[b.exp_avg_sq for b in self.buffers],
+        modes = self.buffers[0].modes if self.buffers else ShardState().modes
+        fields = fields_of(modes)
+        lists: dict[str, list[torch.Tensor] | None] = {
+            f: ([self.master(b) for b in self.buffers] if f == "master" else
+                [getattr(b, f) for b in self.buffers]) if f in fields else None
+            for f in TENSOR_FIELDS}
+        return ShardState(**lists, modes=modes,
                           step_count=float(self.scalars.step.reshape(-1)[0]),  # a host sync
                           scaler=None if scaler is None else scaler.values())
 
     def load_shard_state(self, st: ShardState) -> None:
+        """Write `st` (converted from its modes into each buffer's, `fusedzero.state.convert`).
+        Everything is converted and checked before the first buffer is written."""
         n = len(self.buffers)
-        for name in ("master", "exp_avg", "exp_avg_sq"):
+        for name in TENSOR_FIELDS:
             values = getattr(st, name)
             if values is not None and len(values) != n:
                 raise ValueError(f"shard state has {len(values)} {name} buffers, the "
                                  f"optimizer has {n}")
         with torch.no_grad():
-            for i, buf in enumerate(self.buffers):
-                if st.exp_avg is not None:
-                    buf.exp_avg.copy_(st.exp_avg[i])
-                if st.exp_avg_sq is not None:
-                    buf.exp_avg_sq.copy_(st.exp_avg_sq[i])
+            new = [convert(st.tensors(i), st.modes, buf.modes)
+                   for i, buf in enumerate(self.buffers)]
+            for t, buf in zip(new, self.buffers):
+                for name in ("exp_avg", "exp_avg_sq"):
+                    if name in t and buf.modes.quantized and f"{name}_scale" not in t:
+                        raise ValueError(f"shard state gives int8 {name} without its scales")
+            for t, buf in zip(new, self.buffers):
+                for name in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+                    if name in t:
+                        getattr(buf, name).copy_(t[name])
             if st.master is not None:
                 self.param_sync.wait()
-                for buf, values in zip(self.buffers, st.master):
-                    buf.write_master(values)
+                for t, buf in zip(new, self.buffers):
+                    buf.write_master(t["master"], t.get("comp"))
                 self.param_sync.gather()
                 self.param_sync.wait()
             if st.step_count is not None:
@@ -85,10 +99,10 @@ class ShardAccess:
     # -- torch.optim-style state dicts (this rank's shard, same layout only) -------------------
     def flat_state(self) -> dict[str, Any]:
         st = self.shard_state()
-        assert st.master is not None and st.exp_avg is not None and st.exp_avg_sq is not None
-        flat = [{"master": m.clone(), "exp_avg": a.clone(), "exp_avg_sq": v.clone()}
-                for m, a, v in zip(st.master, st.exp_avg, st.exp_avg_sq)]
-        state: dict[str, Any] = {"step": self.scalars.step.clone(), "flat": flat}
+        flat = [{k: t.clone() for k, t in st.tensors(i).items()}
+                for i in range(len(self.buffers))]
+        state: dict[str, Any] = {"step": self.scalars.step.clone(), "flat": flat,
+                                 "modes": st.modes.to_json()}
         if self.scalars.scaler is not None:
             state["scaler"] = self.scalars.scaler.state_dict()
         return state
@@ -102,9 +116,9 @@ class ShardAccess:
             self.scalars.step.copy_(state["step"])
             if self.scalars.scaler is not None and "scaler" in state:
                 self.scalars.scaler.load_state_dict(state["scaler"])
-        self.load_shard_state(ShardState(master=[d["master"] for d in flat],
-                                         exp_avg=[d["exp_avg"] for d in flat],
-                                         exp_avg_sq=[d["exp_avg_sq"] for d in flat]))
+        modes = Modes(**state.get("modes", {}))
+        self.load_shard_state(ShardState(
+            **{f: [d[f] for d in flat] for f in fields_of(modes)}, modes=modes))
 
     def state_dict(self, param_groups: list[dict[str, Any]],
                    layout_key: dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from fusedzero.dtypes import FLOAT_DTYPES
+from fusedzero.modes import Modes, check_param_dtype
 
 # Attribute a param carries while a live ZeroAdamW owns it: a weak reference to that optimizer.
 OWNER_ATTR = "_fusedzero_owner"
@@ -108,6 +109,16 @@ def check_params(module: nn.Module | None, params: list[nn.Parameter],
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
                 raise ValueError(f"module {n or type(m).__name__} has sparse=True: sparse "
                                  "gradients are not supported; build it with sparse=False")
+
+
+def check_modes(modes: Modes, params: list[nn.Parameter], names: list[str],
+                param_dtype: torch.dtype | None) -> None:
+    """bf16 master modes need bf16 params: with `param_dtype` given, that; else every param."""
+    if param_dtype is not None:
+        check_param_dtype(modes, param_dtype, "param_dtype")
+        return
+    for p, n in zip(params, names):
+        check_param_dtype(modes, p.dtype, f"param {n}'s dtype")
 
 
 def check_not_owned(module: nn.Module | None, params: list[nn.Parameter],

@@ -4,12 +4,18 @@ Knows nothing of torch.distributed. One file per kernel (`adamw.py`, `sum_of_squ
 a `@triton.jit` kernel over a piece table (`table.py`: every buffer of a rank in one launch),
 its torch path for CPU tensors (`adamw_torch.py` for AdamW) and a grouped launcher; what the
 launchers share (argument checks, the backend choice `_launch.use_triton`, device guard) is
-`_launch.py`.
+`_launch.py`. The memory modes (`modes.py`: bf16 masters, bf16/int8 states) run the per-buffer
+kernel of `adamw_modes.py` for now.
 """
 from fusedzero.kernels._launch import LAUNCHES, Strided, backend, use_triton
 from fusedzero.kernels.adamw import (AdamWBuffer, GroupedAdamW, Hyper, adamw_reference,
                                     adamw_step)
+from fusedzero.kernels.modes import (MASTER_MODES, QBLOCK, STATE_MODES, bytes_per_param,
+                                     dequantize_blockwise, quantize_blockwise)
+from fusedzero.kernels.modes_reference import adamw_reference_mode
 from fusedzero.kernels.sum_of_squares import GroupedSumsq, SumsqView, sumsq
 
-__all__ = ["LAUNCHES", "AdamWBuffer", "GroupedAdamW", "GroupedSumsq", "Hyper", "Strided",
-           "SumsqView", "adamw_reference", "adamw_step", "backend", "sumsq", "use_triton"]
+__all__ = ["LAUNCHES", "MASTER_MODES", "QBLOCK", "STATE_MODES", "AdamWBuffer", "GroupedAdamW",
+           "GroupedSumsq", "Hyper", "Strided", "SumsqView", "adamw_reference",
+           "adamw_reference_mode", "adamw_step", "backend", "bytes_per_param",
+           "dequantize_blockwise", "quantize_blockwise", "sumsq", "use_triton"]

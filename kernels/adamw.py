@@ -30,6 +30,7 @@ from fusedzero.kernels import adamw_torch
 from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Hyper, Strided,
                                        as_strided, check_scalar, check_stream, copy_from_host,
                                        count_launch, device_guard, shard_numel_of, use_triton)
+from fusedzero.kernels.adamw_modes import adamw_step_modes
 from fusedzero.kernels.table import Buffer, Table, build_table, pieces_of
 
 # 1024 elements per program with 8 warps: 4 elements per thread, one 128-bit access per fp32
@@ -310,6 +311,13 @@ def adamw_step(
     maximize: bool = False,
     num_buckets: int = 1,
     shard_numel: int | None = None,
+    master_mode: str = "fp32",
+    states: str = "fp32",
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
+    kahan: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
+    sr_offset: int = 0,
 ) -> None:
     """One AdamW update of a single shard, in place, through the grouped launch.
 
@@ -317,7 +325,18 @@ def adamw_step(
     grad: 1/(world*accum*loss_scale) * clip_coef) and `skip` (non-zero: leave everything untouched)
     are one-element tensors on the same device. Every stream covers `num_buckets` pieces of
     `shard_numel` elements (see the module docstring); plain tensors are the local layout.
+
+    A memory mode (`master_mode`, `states` and their buffers: see `adamw_modes.adamw_step_modes`)
+    runs the per-buffer kernel of adamw_modes.py ([Note: memory modes are not grouped yet]).
     """
+    if master_mode != "fp32" or states != "fp32":
+        adamw_step_modes(master, grad, exp_avg, exp_avg_sq, out, lr=lr, step=step,
+                         grad_scale=grad_scale, skip=skip, beta1=beta1, beta2=beta2, eps=eps,
+                         weight_decay=weight_decay, maximize=maximize, num_buckets=num_buckets,
+                         shard_numel=shard_numel, master_mode=master_mode, states=states,
+                         exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale,
+                         kahan=kahan, seed=seed, sr_offset=sr_offset)
+        return
     shard_numel = shard_numel_of(exp_avg, num_buckets, shard_numel)
     device = as_strided(master, shard_numel).tensor.device
     for name, t in (("lr", lr), ("step", step), ("grad_scale", grad_scale), ("skip", skip)):

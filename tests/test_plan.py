@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from fusedzero.cli import main
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
+from fusedzero.modes import Modes
 from fusedzero.optim import ZeroAdamW
 from fusedzero.plan import PlanConfig, plan_model, plan_params, preset_model
 
@@ -115,6 +116,44 @@ def test_plan_equals_memory_and_comm_of_a_real_optimizer(W, rank, pdt, rdt, buck
                     want.total_bytes), what
                 assert opt.comm.total_bytes == want.comm_bytes_per_step, (
                     what, opt.comm.snapshot())
+
+
+MODE_CASES = [("bf16-kahan", "int8"), ("bf16-sr", "bf16"), ("bf16", "fp32"), ("fp32", "int8")]
+
+
+@pytest.mark.parametrize("master,states", MODE_CASES, ids=str)
+def test_plan_equals_memory_in_every_memory_mode(master: str, states: str) -> None:
+    """`plan --master --states` agrees with `opt.memory()` to the byte (W=3: padding per rank;
+    several buckets per buffer; stage 3 with several units)."""
+    W, rank, bucket = 3, 1, 5000
+    with torch.device("meta"):
+        meta = GPT(GPTConfig(**CFG))
+    cfg = PlanConfig(world_size=W, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                     bucket_numel=bucket, modes=Modes(master, states))
+    plan = plan_model(meta, cfg)
+    for stage in (0, 1, 3):
+        with fake_group(rank, W):
+            model = GPT(GPTConfig(**CFG))
+            opt = ZeroAdamW(gpt_param_groups(model, 0.1), stage=stage, module=model,
+                            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                            bucket_numel=bucket, master=master, states=states)
+            mem, want = opt.memory(), plan.stages[stage]
+            assert (mem.params, mem.grads, mem.optimizer) == (
+                want.params_bytes, want.grads_bytes, want.optimizer_bytes), (master, states, stage)
+
+
+def test_plan_cli_modes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--params", "1e6", "-W", "4", "--master", "bf16-kahan", "--states",
+                 "int8", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    # The rank's shard (padding included) from the default plan's 12 bytes per element; kahan +
+    # int8 holds comp 2 + exp_avg 1 + exp_avg_sq 1 bytes per element and two fp32 scales per 128.
+    opt_bytes = d["stages"]["1"]["optimizer_bytes"]
+    local = plan_params(1_000_000, PlanConfig(world_size=4)).stages[1].optimizer_bytes // 12
+    assert opt_bytes == local * 4 + 2 * 4 * local // 128
+    assert main(["plan", "--params", "1e6", "-W", "4", "--master", "bf16-sr",
+                 "--param-dtype", "fp32"]) == 2
+    assert "keeps no fp32 master" in capsys.readouterr().err
 
 
 def test_presets_build_on_meta_and_count_params() -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from fusedzero import dtypes
 from fusedzero.comm import DEFAULT_TIMEOUT_S
+from fusedzero.modes import MASTER_MODES, STATE_MODES
 
 # Defaults for the 2-rank CPU run: measured 77 s wall on an idle 2-core machine including
 # start-up (~30k tokens/s; 104 s with other jobs on the cores), validation loss 5.33 -> 1.90.
@@ -120,6 +121,11 @@ class TrainConfig:
     """fp32 / bf16 / fp16: dtype grads are reduced and accumulated in."""
     param_dtype: str | None = None
     """fp32 / bf16 / fp16 (None: bf16 on CUDA, fp32 on CPU)."""
+    master: str = "fp32"
+    """Master weights (ZeroAdamW's master=): fp32, or with --param-dtype bf16 no fp32 master:
+    bf16-kahan, bf16-sr or bf16 (fusedzero/modes.py)."""
+    states: str = "fp32"
+    """exp_avg / exp_avg_sq storage (ZeroAdamW's states=): fp32, bf16 or int8."""
     device: str = "auto"
     """auto (CUDA if available), cpu or cuda."""
     progress: bool = True
@@ -163,6 +169,13 @@ class TrainConfig:
              f"--reduce-dtype must be one of {names}, got {self.reduce_dtype!r}")
         need(self.param_dtype is None or self.param_dtype in names,
              f"--param-dtype must be one of {names}, got {self.param_dtype!r}")
+        need(self.master in MASTER_MODES,
+             f"--master must be one of {list(MASTER_MODES)}, got {self.master!r}")
+        need(self.states in STATE_MODES,
+             f"--states must be one of {list(STATE_MODES)}, got {self.states!r}")
+        need(self.master == "fp32" or self.param_dtype == "bf16",
+             f"--master {self.master} keeps no fp32 master (the bf16 params are the master): "
+             f"it needs --param-dtype bf16, got {self.param_dtype or 'the device default'}")
         need(self.sample_tokens >= 0,
              f"--sample-tokens must be >= 0 (0 disables), got {self.sample_tokens}")
         need(math.isfinite(self.timeout) and self.timeout > 0,
@@ -242,6 +255,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="dtype grads are reduced in (default %(default)s)")
     a("--param-dtype", choices=sorted(dtypes.SHORT_NAMES), default=None,
       help="model param dtype (default bf16 on CUDA, fp32 on CPU)")
+    a("--master", choices=MASTER_MODES, default=d.master,
+      help="master weights: fp32, or (with --param-dtype bf16) bf16-kahan, bf16-sr, bf16")
+    a("--states", choices=STATE_MODES, default=d.states,
+      help="Adam moments stored as fp32, bf16 or int8 (blockwise, one scale per 128)")
     a("--device", choices=("auto", "cpu", "cuda"), default="auto",
       help="auto: CUDA with NCCL when a GPU is visible, else CPU with gloo")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")

@@ -66,7 +66,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
     opt = ZeroAdamW(gpt_param_groups(model, cfg.weight_decay), lr=cfg.lr,
                     betas=(cfg.beta1, cfg.beta2), stage=cfg.stage, module=model,
                     param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                    max_grad_norm=cfg.clip or None, **extra)
+                    max_grad_norm=cfg.clip or None, master=cfg.master, states=cfg.states,
+                    seed=cfg.seed, **extra)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_for(cfg))
     sampler = BatchSampler(train_data, cfg.block_size, cfg.batch_size, cfg.seed)
     val = eval_batches(val_data, cfg.block_size, cfg.eval_seqs, 1)[0]

@@ -31,7 +31,8 @@ def caller_state(cfg: TrainConfig, sched: LambdaLR, log: RunLog, step: int) -> d
     """Everything besides the optimizer a resume needs, identical on every rank, JSON-able."""
     return {"step": step, "scheduler": sched.state_dict(), "steps": list(log.steps),
             "val": list(log.val), "model": cfg.model_config(), "seed": cfg.seed,
-            "batch_size": cfg.batch_size, "total_steps": cfg.steps, "hparams": _hparams(cfg)}
+            "batch_size": cfg.batch_size, "total_steps": cfg.steps, "hparams": _hparams(cfg),
+            "modes": {"master": cfg.master, "states": cfg.states}}
 
 
 def save(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog, step: int,
@@ -100,6 +101,10 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
     sched.base_lrs = base_lrs
     changed = [f"--{k.replace('_', '-')} {v} (checkpoint: {saved[k]})"
                for k, v in _hparams(cfg).items() if k in saved and saved[k] != v]
+    # Other memory modes resume too: the checkpoint's states are converted (fusedzero/modes.py).
+    modes = state.get("modes", {"master": "fp32", "states": "fp32"})
+    changed += [f"--{k} {getattr(cfg, k)} (checkpoint: {v}, converted)" for k, v in modes.items()
+                if getattr(cfg, k) != v]
     if changed and dist.get_rank() == 0:
         print(f"fusedzero: resume: flags override the checkpoint: {', '.join(changed)}",
               flush=True)

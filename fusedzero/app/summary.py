@@ -47,8 +47,10 @@ def summarize(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device
         # Fused-kernel launches counted over the run's last step (None: no step was run).
         "kernel_launches_per_step": launches_per_step,
         "ddp_comm_bytes_per_step": {"all_reduce": ddp_comm},
-        "dtypes": {"param": dtypes.name(param_dtype), "master": "float32",
-                   "grad_reduce": dtypes.name(reduce_dtype)},
+        "dtypes": {"param": dtypes.name(param_dtype),
+                   "master": "float32" if opt.modes.fp32_master else opt.modes.master,
+                   "states": opt.modes.states, "grad_reduce": dtypes.name(reduce_dtype)},
+        "modes": opt.modes.to_json(),
         "device": device.type,
         "config": dataclasses.asdict(cfg),
     }
@@ -67,6 +69,7 @@ def format_table(s: dict[str, Any], stopped: bool = False) -> str:
         ("world size", f"{s['world_size']} ({s['device']})"),
         ("params", f"{s['params']:,} ({s['padded_params']:,} padded)"),
         ("dtypes", (f"params {s['dtypes']['param']}, master {s['dtypes']['master']}, "
+                   f"states {s['dtypes'].get('states', 'fp32')}, "
                    f"grad reduce {s['dtypes']['grad_reduce']}")),
         ("steps", f"{last}" + ("  (stopped early: resume with --resume)" if stopped else "")),
         ("train loss", fmt(s["train_loss"])),

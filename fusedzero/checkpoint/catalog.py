@@ -14,9 +14,11 @@ from typing import Any, NamedTuple
 
 from safetensors import safe_open
 
-from fusedzero.checkpoint.format import (KINDS, LATEST, MANIFEST, SHARD_FORMAT, count_str,
+from fusedzero.checkpoint.format import (LATEST, MANIFEST, SHARD_FORMAT, count_str,
                                          sha256_file)
-from fusedzero.checkpoint.manifest import STEP_DIR, CheckpointError, parse, plain_name
+from fusedzero.checkpoint.manifest import (STEP_DIR, CheckpointError, manifest_modes, parse,
+                                          plain_name)
+from fusedzero.state import fields_of
 
 
 def resolve(path: str | os.PathLike[str]) -> Path:
@@ -180,7 +182,8 @@ def file_problems(d: Path, manifest: dict[str, Any], names: list[str] | None,
             out.append(f"{p}: header metadata does not match the manifest "
                        f"(got, expected): {bad}")
             continue
-        want_keys = {f"{g['key']}.{k}" for g in entry["groups"] for k in KINDS}
+        kinds = fields_of(manifest_modes(manifest))
+        want_keys = {f"{g['key']}.{k}" for g in entry["groups"] for k in kinds}
         if keys != want_keys:
             out.append(f"{p}: tensors {sorted(keys ^ want_keys)} differ from the manifest")
             continue

@@ -5,8 +5,8 @@ writer, exclusive temporaries, fsync, sha256, and the slice readers. The rest of
 decides *what* to write (`saving`), *how to map it back* (`reshard`, `loading`) and *whether it
 is intact* (`catalog`); none of it opens a file in another way.
 
-Format (version 1) -- a contract: readers of other versions must refuse, not guess
-=================================================================================
+Format (version 2; version 1 still read) -- a contract: readers of other versions must refuse
+==============================================================================================
 
 A checkpoint *root* holds one directory per saved step and a pointer to the newest complete one::
 
@@ -22,21 +22,32 @@ A checkpoint *root* holds one directory per saved step and a pointer to the newe
 
 Shard files. The rank whose local shard is written (every rank for stages 1-3; rank 0 alone for
 stage 0, where every rank holds the same state) writes `rank{r:05d}-of-{W:05d}.safetensors` with,
-for the i-th buffer of the optimizer (`opt.shard_infos()[i]`, see fusedzero/state.py), three
-1-D float32 tensors of `local_numel` elements each, indexed by `Segment.local`:
+for the i-th buffer of the optimizer (`opt.shard_infos()[i]`, see fusedzero/state.py), 1-D
+tensors of `local_numel` elements each, indexed by `Segment.local`, each in the dtype the
+manifest's `modes` stores it in (fusedzero/modes.py; version 1 and the default modes: all fp32):
 
-    fg{i}.master      fp32 master values (fp32 params without a separate master: the params)
-    fg{i}.exp_avg     Adam first moment
-    fg{i}.exp_avg_sq  Adam second moment
+    fg{i}.master            master values: fp32 (fp32 params without a separate master: the
+                            params); bf16 in the bf16 master modes (the params themselves)
+    fg{i}.comp              bf16-kahan only: the bf16 compensation (effective master: master+comp)
+    fg{i}.exp_avg           Adam first moment: fp32, bf16 or int8 codes
+    fg{i}.exp_avg_sq        Adam second moment: fp32, bf16 or uint8 codes
+    fg{i}.exp_avg_scale     int8 states only: fp32, one per QBLOCK (128) elements
+    fg{i}.exp_avg_sq_scale  (scale k belongs to elements [128 k, 128 k + 128))
 
-Elements no segment covers are padding and are zero. The safetensors `__metadata__` holds
+Elements no segment covers are padding and are zero. Every segment starts at a multiple of 128
+local elements and of 128 elements of its param (the layout aligns params and shard pieces), so a
+quantization block never holds two params and keeps its scale at any world size. The safetensors `__metadata__` holds
 `format`, `version`, `rank`, `world_size`, `stage`, `step` and (since it was added, checked when
 present) `step_count` (strings), so a shard copied into the wrong directory, or a manifest whose
 step count was edited, is caught even without checksums.
 
 manifest.json (written last, after every shard is fsynced and renamed into place):
 
-    format, version          "fusedzero-checkpoint", 1
+    format, version          "fusedzero-checkpoint", 2 (1: no modes, states fp32)
+    modes                    {"master": "fp32"|"bf16-kahan"|"bf16-sr"|"bf16",
+                              "states": "fp32"|"bf16"|"int8"} (version 2)
+    seed                     the saving optimizer's bf16-sr seed (version 2; informative: the
+                             loading optimizer keeps its own)
     world_size, stage, step  the saving run; step is the caller's step, step_count the optimizer's
     step_count               float: optimizer steps taken (skipped steps excluded)
     bucket_numel, param_dtype

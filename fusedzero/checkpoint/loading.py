@@ -13,13 +13,14 @@ import torch
 
 from fusedzero.checkpoint.catalog import file_problems, read_manifest, resolve
 from fusedzero.checkpoint.collectives import agree
-from fusedzero.checkpoint.format import KINDS, MANIFEST, Peak, ShardReaders
-from fusedzero.checkpoint.manifest import CheckpointError
+from fusedzero.checkpoint.format import MANIFEST, Peak, ShardReaders
+from fusedzero.checkpoint.manifest import CheckpointError, manifest_modes
 from fusedzero.checkpoint.optview import group_names, param_table
 from fusedzero.checkpoint.rank_state import check_rng_state, set_rng_state, unpack
 from fusedzero.checkpoint.reshard import Read, match_params, plan
 from fusedzero.checkpoint.saving import wait_pending
-from fusedzero.state import ShardState
+from fusedzero.modes import QBLOCK, Modes
+from fusedzero.state import ShardState, fields_of
 
 if TYPE_CHECKING:
     from fusedzero.optim import ZeroAdamW
@@ -51,8 +52,13 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     host, then the ranks agree on success in one collective, and only then is the optimizer
     written. So a read error on any rank (a corrupt slice, a file gone after planning) raises
     the same error on every rank, nobody is left waiting in a later collective, and the
-    optimizer is untouched everywhere. The cost: this rank's three fp32 shard buffers are held
+    optimizer is untouched everywhere. The cost: this rank's shard buffers, as saved, are held
     on the host at once (`peak_buffer_bytes` reports it).
+
+    Memory modes: the states are read in the modes they were saved in and converted into this
+    optimizer's (`ZeroAdamW(master=, states=)`; see [Note: converting masters] in
+    fusedzero/modes.py): the same modes load bit-exactly, others through fp32 (fp32 master into
+    bf16-kahan: param = rne(master), comp = rne(master - param); back: master = param + comp).
 
     Restores master (and the params), exp_avg, exp_avg_sq, the step count, the loss scaler, and
     (with `load_hyperparams`, when the param groups hold the same params) the hyper-parameters;
@@ -78,7 +84,7 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
         problems = file_problems(d, manifest, needed, checksums=verify)
         if problems:
             raise CheckpointError(f"checkpoint {d}:\n  " + "\n  ".join(problems))
-        staged = _read_staged(d, infos, reads, peak)
+        staged = _read_staged(d, infos, reads, peak, manifest_modes(manifest))
         if load_hyperparams:
             groups = _staged_groups(opt, manifest["param_groups"], d)
         state = _staged_state(manifest, rank, opt.replica_rank, d, restore_rng)
@@ -116,16 +122,29 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     return Loaded(d, manifest["step"], caller, restored, peak.peak)
 
 
-def _read_staged(d: Path, infos: list[ShardInfo], plan: list[list[Read]], peak: Peak
-                 ) -> ShardState:
-    """Every buffer's master, exp_avg, exp_avg_sq from the shard files, on the host."""
-    out: dict[str, list[torch.Tensor]] = {kind: [] for kind in KINDS}
+def _read_staged(d: Path, infos: list[ShardInfo], plan: list[list[Read]], peak: Peak,
+                 saved: Modes) -> ShardState:
+    """Every buffer's state from the shard files, on the host, as it was saved (modes `saved`:
+    `load_shard_state` converts it into the optimizer's). int8 scales are read block by block:
+    a quantization block is QBLOCK elements of one param from a multiple of QBLOCK of it at any
+    world size (params and shard pieces start at multiples of the layout's ALIGN = QBLOCK), so
+    every read starts on a block and its scales are those of blocks [src, src + n) / QBLOCK."""
+    kinds = fields_of(saved)
+    out: dict[str, list[torch.Tensor]] = {kind: [] for kind in kinds}
     with ShardReaders(d) as readers, torch.no_grad():
         for info, reads in zip(infos, plan, strict=True):
-            for kind in KINDS:
-                dst = peak.add(torch.zeros(info.local_numel, dtype=torch.float32))
+            for kind in kinds:
+                scale = kind.endswith("_scale")
+                numel = info.local_numel // QBLOCK if scale else info.local_numel
+                dst = peak.add(torch.zeros(numel, dtype=_saved_dtype(kind, saved)))
                 out[kind].append(dst)
                 for fname, key, src, dl, n in reads:
+                    if scale:
+                        if src % QBLOCK or dl % QBLOCK:
+                            raise CheckpointError(
+                                f"{d / fname}: {key} segment at local {src} is not on a "
+                                f"{QBLOCK}-element block, so its int8 scales cannot be resharded")
+                        src, dl, n = src // QBLOCK, dl // QBLOCK, -(-n // QBLOCK)
                     try:
                         piece = peak.add(readers.slice(fname, f"{key}.{kind}", src, src + n))
                     except CheckpointError:
@@ -138,7 +157,17 @@ def _read_staged(d: Path, infos: list[ShardInfo], plan: list[list[Read]], peak: 
                                               f"has {piece.numel()} elements, expected {n}")
                     dst[dl:dl + n].copy_(piece)
                     peak.sub(piece)
-    return ShardState(**out)
+    return ShardState(**out, modes=saved)
+
+
+def _saved_dtype(kind: str, saved: Modes) -> torch.dtype:
+    if kind.endswith("_scale"):
+        return torch.float32
+    if kind == "comp" or (kind == "master" and not saved.fp32_master):
+        return torch.bfloat16
+    if kind == "master":
+        return torch.float32
+    return saved.state_dtypes[0 if kind == "exp_avg" else 1]
 
 
 def _staged_state(manifest: dict[str, Any], rank: int, replica: int, d: Path,

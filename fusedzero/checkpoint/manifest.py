@@ -20,9 +20,13 @@ from pathlib import Path
 from typing import Any
 
 from fusedzero import dtypes
+from fusedzero.modes import MASTER_MODES, STATE_MODES, Modes
 
 FORMAT = "fusedzero-checkpoint"
-VERSION = 1
+# 2: `modes` (memory modes: each state stored in its own dtype, with its scales); a version-1
+# manifest has none and its states are fp32 (`manifest_modes`).
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 _SHARD = re.compile(r"^rank(\d{5})-of-(\d{5})\.safetensors$")
 _KEY = re.compile(r"^fg(\d+)$")
@@ -50,6 +54,11 @@ def parse(text: str, where: Path) -> dict[str, Any]:
         raise CheckpointError(f"{where}: unreadable manifest ({e})") from None
     validate(m, where)
     return m
+
+
+def manifest_modes(m: dict[str, Any]) -> Modes:
+    """The memory modes the states of a validated manifest were saved in."""
+    return Modes(**m["modes"]) if "modes" in m else Modes()
 
 
 def _no_constant(name: str) -> Any:
@@ -131,9 +140,15 @@ def validate(m: Any, where: Path) -> None:
         raise CheckpointError(f"{where}: not a JSON object")
     if m.get("format") != FORMAT:
         raise CheckpointError(f"{where}: not a {FORMAT} manifest (format={_short(m.get('format'))})")
-    if m.get("version") != VERSION or isinstance(m.get("version"), bool):
+    if m.get("version") not in READABLE_VERSIONS or isinstance(m.get("version"), bool):
         raise CheckpointError(f"{where}: format version {m.get('version')!r}, this fusedzero "
-                              f"reads version {VERSION}")
+                              f"reads versions {list(READABLE_VERSIONS)}")
+    if "modes" in m:
+        modes = c.dict_(m["modes"], "modes")
+        for key, allowed in (("master", MASTER_MODES), ("states", STATE_MODES)):
+            if c.get(modes, key, "modes") not in allowed:
+                raise c.fail(f"modes.{key}", f"is {_short(modes[key])}, expected one of "
+                             f"{list(allowed)}")
     W = c.int_(c.get(m, "world_size", ""), "world_size", 1, 1 << 20)
     c.int_(c.get(m, "stage", ""), "stage", 0, 4)
     c.int_(c.get(m, "step", ""), "step")
@@ -145,6 +160,8 @@ def validate(m: Any, where: Path) -> None:
     if m.get("param_dtype") is not None and m["param_dtype"] not in _DTYPES:
         raise c.fail("param_dtype", f"is {_short(m['param_dtype'])}, expected null or one of "
                      f"{list(_DTYPES)}")
+    if "seed" in m:
+        c.int_(m["seed"], "seed", -(1 << 63), 1 << 63)
     if "created" in m:
         c.number(m["created"], "created")
 

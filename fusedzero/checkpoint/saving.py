@@ -20,7 +20,7 @@ import torch
 
 from fusedzero import dtypes
 from fusedzero.checkpoint.collectives import agree, gather_to_first
-from fusedzero.checkpoint.format import (KINDS, LATEST, MANIFEST, SHARD_FORMAT, SafetensorsWriter,
+from fusedzero.checkpoint.format import (LATEST, MANIFEST, SHARD_FORMAT, SafetensorsWriter,
                                          count_str, fsync_dir, named, remove, shard_file_name,
                                          step_dir_name, write_text_atomic)
 from fusedzero.checkpoint.manifest import FORMAT, STEP_DIR, VERSION, CheckpointError
@@ -125,9 +125,9 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
     tensors: dict[str, torch.Tensor] = {}
     groups_meta: list[dict[str, Any]] = []
     if st is not None:
-        assert st.master is not None and st.exp_avg is not None and st.exp_avg_sq is not None
         for i, info in enumerate(infos):
-            for kind, t in zip(KINDS, (st.master[i], st.exp_avg[i], st.exp_avg_sq[i])):
+            # Each state in its own dtype (fusedzero/modes.py), int8 codes with their scales.
+            for kind, t in st.tensors(i).items():
                 t = t.detach()
                 # Async: a private copy, so training may go on updating the live buffers.
                 t = t.to("cpu", copy=True) if async_ else t.cpu()
@@ -287,6 +287,7 @@ def _manifest_base(opt: ZeroAdamW, step: int, step_count: float,
         "step_count": step_count,
         "bucket_numel": opt.bucket_numel,
         "param_dtype": dtypes.name(opt.param_dtype) if opt.param_dtype is not None else None,
+        "modes": st.modes.to_json(), "seed": opt.seed,
         "params": params, "param_groups": hyperparams(opt), "scaler": scaler,
         # One entry per rank; with a replicate_group one per (rank, replica), "replica" added.
         "ranks": [{"rank": e["rank"], "state": packed} if len(e["states"]) == 1 else
