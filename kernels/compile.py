@@ -23,13 +23,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fusedzero.kernels import adamw as _adamw
+from fusedzero.kernels import modes as _modes
 from fusedzero.kernels import sum_of_squares as _sumsq
 from fusedzero.kernels._launch import ENABLE_FP_FUSION, GRAD_DTYPES
 
 KERNELS = ("adamw", "sumsq")
 
 _TRITON_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-                 torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+                 torch.int32: "i32", torch.int64: "i64", torch.bool: "i1", torch.int8: "i8",
+                 torch.uint8: "u8"}
 
 # Int arguments the launcher passes as sizes, strides and bases. The runtime marks an int divisible
 # by 16 ("tt.divisibility") when it is; fusedzero/layout.py makes every bucket a multiple of
@@ -37,7 +39,7 @@ _TRITON_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "
 # cannot prove `ptr + bucket * stride + base + offs` 16-byte aligned and falls back to scalar
 # accesses (without these attrs the 128-bit checks in tests/test_compile.py fail).
 _ADAMW_INTS = ("shard_numel", "master_stride", "master_base", "grad_stride", "grad_base",
-               "out_stride", "out_base")
+               "out_stride", "out_base", "sr_offset")
 _SUMSQ_INTS = ("shard_numel", "stride", "base")
 
 
@@ -55,7 +57,8 @@ def _jit_fn(module: Any, name: str) -> triton.runtime.JITFunction:
 def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
                 out_dtype: torch.dtype | None = None, *, maximize: bool = False,
                 int_dtype: str = "i32", step_dtype: torch.dtype = torch.float32,
-                skip_dtype: torch.dtype = torch.int32) -> Any:
+                skip_dtype: torch.dtype = torch.int32, master_mode: str = "fp32",
+                states: str = "fp32") -> Any:
     """Compile `kernel_name` ("adamw" or "sumsq") for `sm_{capability}`; returns Triton's
     CompiledKernel (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata`).
 
@@ -63,7 +66,8 @@ def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
     output, None for none. Every pointer and every size/stride/base is declared divisible by 16,
     as the runtime specialises them for our 16-aligned buffers. `int_dtype` is "i32" for shards
     under 2**31 elements (what the runtime picks), "i64" above. lr and grad_scale are fp32 tensors;
-    `step_dtype`/`skip_dtype` only change the scalar prologue, not the streams.
+    `step_dtype`/`skip_dtype` only change the scalar prologue, not the streams. `master_mode` and
+    `states` pick the memory-mode variant (kernels/modes.py); the SR seed is int64.
     """
     if kernel_name not in KERNELS:
         raise ValueError(f"kernel_name={kernel_name!r}, expected one of {KERNELS}")
@@ -73,16 +77,25 @@ def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
     if kernel_name == "adamw":
         if out_dtype is not None and out_dtype not in _adamw.OUT_DTYPES:
             raise ValueError(f"out_dtype {out_dtype}, expected None or one of {_adamw.OUT_DTYPES}")
+        _modes.check_modes(master_mode, states)
+        if out_dtype is not None and master_mode != "fp32":
+            raise ValueError(f"master_mode={master_mode!r} has no out; pass out_dtype=None")
         fn = _jit_fn(_adamw, "_adamw_kernel")
-        ptrs = {"master_ptr": "*fp32", "grad_ptr": f"*{g}", "exp_avg_ptr": "*fp32",
-                "exp_avg_sq_ptr": "*fp32",
+        m_dt, v_dt = (_TRITON_DTYPE[d] for d in _modes.STATE_DTYPES[states])
+        ptrs = {"master_ptr": "*fp32" if master_mode == "fp32" else "*bf16", "grad_ptr": f"*{g}",
+                "exp_avg_ptr": f"*{m_dt}", "exp_avg_sq_ptr": f"*{v_dt}",
+                # Buffers a mode does not use get a dummy pointer, as the launcher passes them.
+                "comp_ptr": "*bf16", "seed_ptr": "*i64", "exp_avg_scale_ptr": "*fp32",
+                "exp_avg_sq_scale_ptr": "*fp32",
                 # Without an output the launcher passes master as a never-written dummy.
                 "out_ptr": f"*{_TRITON_DTYPE[out_dtype]}" if out_dtype is not None else "*fp32",
                 "lr_ptr": "*fp32", "step_ptr": f"*{_TRITON_DTYPE[step_dtype]}",
                 "scale_ptr": "*fp32", "skip_ptr": f"*{_TRITON_DTYPE[skip_dtype]}"}
         ints = _ADAMW_INTS
         constexprs = {"HAS_OUT": out_dtype is not None, "OUT_BF16": out_dtype == torch.bfloat16,
-                      "MAXIMIZE": maximize, "BLOCK": _adamw.BLOCK}
+                      "MAXIMIZE": maximize, "BLOCK": _adamw.BLOCK,
+                      "MASTER_MODE": _modes.MASTER_CODE[master_mode],
+                      "STATE_MODE": _modes.STATE_CODE[states]}
         num_warps = _adamw.NUM_WARPS
     else:
         if out_dtype is not None:
@@ -132,12 +145,22 @@ def memory_accesses(ptx: str) -> Counter[str]:
     return Counter(m.group(1) for m in re.finditer(pattern, ptx))
 
 
-def variants() -> list[tuple[str, torch.dtype, torch.dtype | None]]:
-    """Every (kernel, grad dtype, out dtype) the launchers can produce."""
-    out: list[tuple[str, torch.dtype, torch.dtype | None]] = []
+Variant = tuple[str, torch.dtype, "torch.dtype | None", str, str]
+
+
+def variants() -> list[Variant]:
+    """(kernel, grad dtype, out dtype, master mode, states): every grad/out combination of the
+    default mode, and every memory mode (kernels/modes.py) with bf16 grads (the grad load is
+    the same code in every mode) and, for the fp32 master, a bf16 out."""
+    out: list[Variant] = []
     for g in GRAD_DTYPES:
-        out += [("adamw", g, o) for o in (None, *_adamw.OUT_DTYPES)]
-        out.append(("sumsq", g, None))
+        out += [("adamw", g, o, "fp32", "fp32") for o in (None, *_adamw.OUT_DTYPES)]
+        out.append(("sumsq", g, None, "fp32", "fp32"))
+    for m in _modes.MASTER_MODES:
+        for st in _modes.STATE_MODES:
+            if (m, st) != ("fp32", "fp32"):
+                o = torch.bfloat16 if m == "fp32" else None
+                out.append(("adamw", torch.bfloat16, o, m, st))
     return out
 
 
@@ -150,15 +173,16 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     rows = []
     for cap in args.capability:
-        for kernel, g, o in variants():
-            k = compile_for(kernel, cap, g, o)
+        for kernel, g, o, mm, st in variants():
+            k = compile_for(kernel, cap, g, o, master_mode=mm, states=st)
             ptx = k.asm["ptx"]
             rows.append({"kernel": kernel, "capability": cap, "grad_dtype": str(g),
-                         "out_dtype": str(o), "usage": resource_usage(k),
+                         "out_dtype": str(o), "master_mode": mm, "states": st,
+                         "usage": resource_usage(k),
                          "shared_bytes": k.metadata.shared,
                          "accesses": dict(memory_accesses(ptx)), "ptx": ptx})
             acc = {a: n for a, n in memory_accesses(ptx).items() if ".global" in a}
-            print(f"sm_{cap} {kernel:5s} grad={g} out={o}: regs={rows[-1]['usage']['REG']} "
+            print(f"sm_{cap} {kernel:5s} grad={g} out={o} master={mm} states={st}: regs={rows[-1]['usage']['REG']} "
                   f"local={rows[-1]['usage']['LOCAL']}B shared={k.metadata.shared}B {acc}",
                   file=sys.stderr)
     if args.json is not None:
