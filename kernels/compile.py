@@ -23,13 +23,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fusedzero.kernels import adamw as _adamw
+from fusedzero.kernels import adamw_modes as _adamw_modes
 from fusedzero.kernels import sum_of_squares as _sumsq
 from fusedzero.kernels._launch import ENABLE_FP_FUSION, GRAD_DTYPES
+from fusedzero.kernels.compile_modes import mode_spec, mode_variants
 
 KERNELS = ("adamw", "sumsq")
 
 _TRITON_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-                 torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+                 torch.int32: "i32", torch.int64: "i64", torch.bool: "i1", torch.int8: "i8",
+                 torch.uint8: "u8"}
 
 # The grouped kernels take only pointers (sizes and offsets come from the piece table). The
 # runtime marks a pointer argument divisible by 16 ("tt.divisibility") when its address is:
@@ -50,7 +53,8 @@ def _jit_fn(module: Any, name: str) -> triton.runtime.JITFunction:
 
 def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
                 out_dtype: torch.dtype | None = None, *,
-                skip_dtype: torch.dtype = torch.float32) -> Any:
+                skip_dtype: torch.dtype = torch.float32, master_mode: str = "fp32",
+                states: str = "fp32", maximize: bool = False, int_dtype: str = "i32") -> Any:
     """Compile `kernel_name` ("adamw" or "sumsq", the grouped kernels) for `sm_{capability}`;
     returns Triton's CompiledKernel (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata`).
 
@@ -58,13 +62,20 @@ def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
     for none. Every pointer is declared 16-byte aligned, as the runtime specialises it for our
     buffers, and the table ALIGNED, as the optimizer's launches are. The rows are fp32; the skip
     flag is fp32 as `fusedzero.scalars` keeps it (`skip_dtype` changes only one scalar load).
+    A memory mode (`master_mode`, `states`; `maximize`, `int_dtype` of its sizes) compiles the
+    per-buffer kernel of adamw_modes.py ([Note: memory modes are not grouped yet]).
     """
     if kernel_name not in KERNELS:
         raise ValueError(f"kernel_name={kernel_name!r}, expected one of {KERNELS}")
     if grad_dtype not in GRAD_DTYPES:
         raise ValueError(f"grad_dtype {grad_dtype}, expected one of {GRAD_DTYPES}")
     g = _TRITON_DTYPE[grad_dtype]
-    if kernel_name == "adamw":
+    ints: tuple[str, ...] = ()
+    if kernel_name == "adamw" and (master_mode, states) != ("fp32", "fp32"):
+        fn, ptrs, ints, constexprs, num_warps = mode_spec(g, out_dtype, master_mode, states,
+                                                         _TRITON_DTYPE, skip_dtype, maximize)
+        fn = _jit_fn(_adamw_modes, "_adamw_kernel")
+    elif kernel_name == "adamw":
         if out_dtype is not None and out_dtype not in _adamw.OUT_DTYPES:
             raise ValueError(f"out_dtype {out_dtype}, expected None or one of {_adamw.OUT_DTYPES}")
         fn = _jit_fn(_adamw, "_grouped_adamw_kernel")
@@ -85,10 +96,11 @@ def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
                 "partial_ptr": "*fp32"}
         constexprs = {"ALIGNED": True, "BLOCK": _sumsq.BLOCK}
         num_warps = _sumsq.NUM_WARPS
-    signature = {name: "constexpr" if name in constexprs else ptrs[name]
+    signature = {name: "constexpr" if name in constexprs else ptrs[name] if name in ptrs else
+                 int_dtype if name in ints else "fp32"  # Python float scalars arrive as fp32
                  for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name in ptrs}
+             if name in ptrs or name in ints}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     # The launchers' options, so the PTX here is what runs (no FMA contraction: see adamw.py).
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
@@ -116,13 +128,17 @@ def memory_accesses(ptx: str) -> Counter[str]:
     return Counter(m.group(1) for m in re.finditer(pattern, ptx))
 
 
-def variants() -> list[tuple[str, torch.dtype, torch.dtype | None]]:
-    """Every (kernel, grad dtype, out dtype) the launchers can produce."""
-    out: list[tuple[str, torch.dtype, torch.dtype | None]] = []
+Variant = tuple[str, torch.dtype, "torch.dtype | None", str, str]
+
+
+def variants() -> list[Variant]:
+    """(kernel, grad dtype, out dtype, master mode, states): every grouped variant the launchers
+    can produce (default mode), then the memory modes' per-buffer variants."""
+    out: list[Variant] = []
     for g in GRAD_DTYPES:
-        out += [("adamw", g, o) for o in (None, *_adamw.OUT_DTYPES)]
-        out.append(("sumsq", g, None))
-    return out
+        out += [("adamw", g, o, "fp32", "fp32") for o in (None, *_adamw.OUT_DTYPES)]
+        out.append(("sumsq", g, None, "fp32", "fp32"))
+    return out + mode_variants()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -135,17 +151,18 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     rows = []
     for cap in args.capability:
-        for kernel, g, o in variants():
-            k = compile_for(kernel, cap, g, o)
+        for kernel, g, o, mm, st in variants():
+            k = compile_for(kernel, cap, g, o, master_mode=mm, states=st)
             ptx = k.asm["ptx"]
             f64 = len(re.findall(r"\.f64\b", ptx))
             rows.append({"kernel": kernel, "capability": cap, "grad_dtype": str(g),
-                         "out_dtype": str(o), "usage": resource_usage(k),
+                         "out_dtype": str(o), "master_mode": mm, "states": st,
+                         "usage": resource_usage(k),
                          "shared_bytes": k.metadata.shared, "f64_instructions": f64,
                          "accesses": dict(memory_accesses(ptx)), "ptx": ptx})
             acc = {a: n for a, n in memory_accesses(ptx).items() if ".global" in a}
             shared = sum(n for a, n in memory_accesses(ptx).items() if ".shared" in a)
-            print(f"sm_{cap} {kernel:5s} grad={g} out={o}: regs={rows[-1]['usage']['REG']} "
+            print(f"sm_{cap} {kernel:5s} grad={g} out={o} {mm}/{st}: regs={rows[-1]['usage']['REG']} "
                   f"spill={rows[-1]['usage']['LOCAL']}B shared accesses={shared} f64={f64} "
                   f"{acc}", file=sys.stderr)
     if args.json is not None:

@@ -12,8 +12,8 @@ import math
 import torch
 
 from fusedzero.kernels._launch import Strided, pieces
-from fusedzero.kernels.modes import (QBLOCK, dequantize_blockwise, quantize_blockwise, sr_bits,
-                                     stochastic_round_bf16_torch)
+from fusedzero.kernels.modes import (QBLOCK, dequantize_blockwise, quantize_blockwise, sqrt_rn,
+                                     sr_bits, stochastic_round_bf16_torch)
 
 
 def _f32(x: float) -> torch.Tensor:
@@ -44,7 +44,7 @@ def adamw_torch_mode(ms: Strided, gs: Strided, exp_avg: torch.Tensor, exp_avg_sq
     stepd = step.reshape(()).double()
     bc1 = (1.0 - torch.exp(stepd * _log_beta(beta1))).float()
     bc2 = (1.0 - torch.exp(stepd * _log_beta(beta2))).float()
-    hp = dict(step_size=lr32 / bc1, bc2_sqrt=bc2.sqrt(), decay=1.0 - lr32 * _f32(weight_decay),
+    hp = dict(step_size=lr32 / bc1, bc2_sqrt=sqrt_rn(bc2), decay=1.0 - lr32 * _f32(weight_decay),
               scale=scale32, omb1=_f32(1.0 - beta1), beta2=_f32(beta2), omb2=_f32(1.0 - beta2),
               eps=_f32(eps))
     outs = pieces(os_, num_buckets, shard_numel, split) if os_ is not None else [None] * split
@@ -85,7 +85,7 @@ def _update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, 
     p = p * decay
     m = m + omb1 * (g - m)
     v = v * beta2 + omb2 * g * g
-    denom = v.sqrt() / bc2_sqrt + eps
+    denom = sqrt_rn(v) / bc2_sqrt + eps
     return p - step_size * (m / denom), m, v
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 import triton
 
-from fusedzero.kernels import adamw, sum_of_squares
+from fusedzero.kernels import adamw, adamw_modes, modes, sum_of_squares
 from fusedzero.kernels.compile import compile_for
 
 CAPABILITIES = (80, 90)
@@ -25,6 +25,12 @@ OUTS = (None, torch.bfloat16, torch.float16, torch.float32)
 # 64 registers per thread still fit 1024 threads per SM (64K registers: 4 blocks of 8 warps);
 # the kernels sit at 20-42 today. Crossing it halves the resident warps that keep loads in flight.
 MAX_REGS = 64
+# The memory modes (kernels/modes.py) measure 54-80: the int8 variants quantize 8 blocks per
+# program and SR hashes per element. 80 registers still fit 6 blocks (24 warps) per SM; the bound
+# catches a variant that starts to spill or halves occupancy again.
+MAX_REGS_MODES = 80
+MODE_VARIANTS = [(m, st) for m in modes.MASTER_MODES for st in modes.STATE_MODES
+                 if (m, st) != ("fp32", "fp32")]
 
 
 @pytest.fixture(scope="module")
@@ -36,11 +42,18 @@ def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict]:
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, f"offline compile failed:\n{proc.stderr[-4000:]}"
     rows = json.loads(path.read_text())
-    return {(r["kernel"], r["capability"], r["grad_dtype"], r["out_dtype"]): r for r in rows}
+    return {(r["kernel"], r["capability"], r["grad_dtype"], r["out_dtype"], r["master_mode"],
+             r["states"]): r for r in rows}
 
 
-def _row(compiled: dict, kernel: str, cap: int, g: torch.dtype, o: torch.dtype | None) -> dict:
-    return compiled[(kernel, cap, str(g), str(o))]
+def _row(compiled: dict, kernel: str, cap: int, g: torch.dtype, o: torch.dtype | None,
+         master_mode: str = "fp32", states: str = "fp32") -> dict:
+    return compiled[(kernel, cap, str(g), str(o), master_mode, states)]
+
+
+def _mode_row(compiled: dict, cap: int, master_mode: str, states: str) -> dict:
+    o = torch.bfloat16 if master_mode == "fp32" else None  # the variants compile.py builds
+    return _row(compiled, "adamw", cap, torch.bfloat16, o, master_mode, states)
 
 
 def _vectors_per_thread(numel: int, num_warps: int, elem_bytes: int) -> int:
@@ -149,3 +162,53 @@ def test_compile_for_rejects_bad_arguments():
         compile_for("adamw", 90, torch.float64)
     with pytest.raises(ValueError, match="out_dtype"):
         compile_for("sumsq", 90, torch.float32, torch.bfloat16)
+
+
+def _mode_accesses(master_mode: str, states: str) -> dict[str, int]:
+    """The global accesses one thread makes in a mode variant (bf16 grads; bf16 out with the fp32
+    master): 128-bit vectors for every 32- and 16-bit stream, 64-bit for the int8 codes (8
+    elements of 1 byte per thread), one 32-bit scale per state and thread, the 64-bit seed."""
+    v = lambda dt: _vectors_per_thread(adamw_modes.BLOCK, adamw_modes.NUM_WARPS, dt.itemsize)  # noqa: E731
+    f32, bf16 = torch.float32, torch.bfloat16
+    master = v(f32) if master_mode == "fp32" else v(bf16)
+    comp = v(bf16) if master_mode == "bf16-kahan" else 0
+    state = {"fp32": 2 * v(f32), "bf16": 2 * v(bf16), "int8": 0}[states]
+    out = v(bf16) if master_mode == "fp32" else 0
+    want = {"ld.global.v4.b32": master + v(bf16) + comp + state,
+            "st.global.v4.b32": master + comp + state + out,
+            "ld.global.b32": 4 + (2 if states == "int8" else 0)}  # lr, step, scale, skip
+    if states == "int8":
+        want.update({"ld.global.v2.b32": 2, "st.global.v2.b32": 2, "st.global.b32": 2})
+    if master_mode == "bf16-sr":
+        want["ld.global.b64"] = 1  # the int64 seed
+    return {k: n for k, n in want.items() if n}
+
+
+@pytest.mark.parametrize("cap", CAPABILITIES)
+@pytest.mark.parametrize("master_mode,states", MODE_VARIANTS, ids=str)
+def test_mode_variants_access_widths_and_no_spills(compiled, master_mode, states, cap):
+    row = _mode_row(compiled, cap, master_mode, states)
+    want = _mode_accesses(master_mode, states)
+    assert _global(row) == want, (f"sm_{cap} {master_mode}/{states}: global accesses "
+                                  f"{_global(row)}, expected {want}")
+    usage = row["usage"]
+    assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and ".local" not in row["ptx"], usage
+    assert usage["REG"] <= MAX_REGS_MODES, f"sm_{cap} {master_mode}/{states}: {usage}"
+    for form in ("sqrt.approx", "div.full", "div.approx", "rsqrt", "fma.rn.f32"):
+        assert form not in row["ptx"], f"sm_{cap} {master_mode}/{states}: PTX contains {form}"
+
+
+@pytest.mark.parametrize("cap", CAPABILITIES)
+def test_mode_variants_move_the_bytes_bytes_per_param_counts(compiled, cap):
+    # Bytes per thread of a program's BLOCK elements from the PTX accesses, against
+    # bytes_per_param (scales are per block of QBLOCK: 8 per program, stored once each).
+    width = {"v4.b32": 16, "v2.b32": 8, "b32": 4, "b64": 8}
+    threads = adamw_modes.NUM_WARPS * 32
+    for master_mode, states in MODE_VARIANTS:
+        acc = _global(_mode_row(compiled, cap, master_mode, states))
+        streams = sum(n * width[a.split(".", 2)[2]] for a, n in acc.items()
+                      if a.split(".", 2)[2] in ("v4.b32", "v2.b32"))
+        o = torch.bfloat16 if master_mode == "fp32" else None
+        want = modes.bytes_per_param(master_mode, states, torch.bfloat16, o)
+        scales = modes.stream_bytes(master_mode, states, torch.bfloat16, o).get("scales", 0.0)
+        assert streams * threads / adamw_modes.BLOCK == want - scales, (master_mode, states, acc)
