@@ -22,17 +22,11 @@ same mode copies the stored tensors as they are (bit-exact resume).
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fusedzero.kernels.adamw import adamw_step
 from fusedzero.kernels.modes import (MASTER_MODES, QBLOCK, STATE_DTYPES, STATE_MODES,
                                      dequantize_blockwise, quantize_blockwise)
-
-if TYPE_CHECKING:
-    from fusedzero.flat import FlatBuffer
-    from fusedzero.scalars import StepScalars
 
 __all__ = ["MASTER_MODES", "QBLOCK", "STATE_MODES", "Modes", "decode_master", "decode_state",
            "encode_master", "encode_state"]
@@ -128,19 +122,3 @@ def encode_state(x: torch.Tensor, modes: Modes, *, signed: bool
     if modes.quantized:
         return quantize_blockwise(x.float().contiguous(), signed=signed)
     return x.to(modes.state_dtypes[0 if signed else 1]), None
-
-
-def step_per_buffer(buffers: list[FlatBuffer], param_groups: list[dict[str, Any]],
-                    lrs: torch.Tensor, scalars: StepScalars) -> None:
-    """A memory mode's update: one per-buffer launch each (kernels/adamw_modes.py, [Note: memory
-    modes are not grouped yet]). `lrs` is the (groups,) device lr vector of `GroupLr`."""
-    s = scalars
-    for buf in buffers:
-        g = param_groups[buf.group_index]
-        beta1, beta2 = g["betas"]
-        adamw_step(buf.master_view(), buf.grad_view(), buf.exp_avg, buf.exp_avg_sq,
-                   buf.out_view(), lr=lrs[buf.group_index:buf.group_index + 1],
-                   step=s.step, grad_scale=s.grad_scale, skip=s.skip, beta1=beta1,
-                   beta2=beta2, eps=g["eps"], weight_decay=g["weight_decay"],
-                   maximize=g["maximize"], num_buckets=buf.layout.num_buckets,
-                   shard_numel=buf.layout.shard_numel, **buf.kernel_modes())

@@ -40,7 +40,8 @@ from fusedzero.grads import GradHooks
 from fusedzero.kernels import AdamWBuffer, GroupedAdamW, GroupedSumsq, SumsqView
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL
 from fusedzero.model_state_dict import FullParamsLoad
-from fusedzero.modes import Modes, step_per_buffer
+from fusedzero.mode_update import step_per_buffer
+from fusedzero.modes import Modes
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
 from fusedzero.reduce import reduce_replicas
 from fusedzero.scalars import GroupLr, LossScaler, StepScalars
