@@ -40,7 +40,6 @@ from fusedzero.grads import GradHooks
 from fusedzero.kernels import AdamWBuffer, GroupedAdamW, GroupedSumsq, SumsqView
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL
 from fusedzero.model_state_dict import FullParamsLoad
-from fusedzero.mode_update import step_per_buffer
 from fusedzero.modes import Modes
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
 from fusedzero.reduce import reduce_replicas
@@ -217,15 +216,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         hold the buffers' addresses: the buffers are never replaced, only written in place
         (checkpoint loads, load_state_dict, zero3 all `copy_`)."""
         self.group_lr = GroupLr(len(self.param_groups), self.device)
-        self._update: GroupedAdamW | None = None
-        if self.modes != Modes():  # [Note: memory modes are not grouped yet] (adamw_modes.py)
-            self._sumsq = self._grouped_sumsq()
-            return
+        m = self.modes
         self._update = GroupedAdamW(
             [AdamWBuffer(b.master_view(), b.grad_view(), b.exp_avg, b.exp_avg_sq, b.out_view(),
-                         b.layout.num_buckets, b.layout.shard_numel, b.group_index)
+                         b.layout.num_buckets, b.layout.shard_numel, b.group_index, b.comp,
+                         b.exp_avg_scale, b.exp_avg_sq_scale, b.sr_offset)
              for b in self.flat_groups],
-            self.device, len(self.param_groups), require_aligned=True)
+            self.device, len(self.param_groups), require_aligned=True, master_mode=m.master,
+            states=m.states, seed=self.flat_groups[0].seed if self.flat_groups else None)
         self._sumsq = self._grouped_sumsq()
 
     def _grouped_sumsq(self) -> GroupedSumsq:
@@ -301,10 +299,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None)
         s.advance()
         lrs = self.group_lr.update(self.param_groups)
-        if self._update is not None:
-            self._update.step(lrs, s.step, s.grad_scale, s.skip)
-        else:
-            step_per_buffer(self.flat_groups, self.param_groups, lrs.lr, self.scalars)
+        self._update.step(lrs, s.step, s.grad_scale, s.skip)
         s.finish()
         self.param_sync.gather()
         self._consume_grads()

@@ -4,12 +4,13 @@ Knows nothing of torch.distributed. One file per kernel (`adamw.py`, `sum_of_squ
 a `@triton.jit` kernel over a piece table (`table.py`: every buffer of a rank in one launch),
 its torch path for CPU tensors (`adamw_torch.py` for AdamW) and a grouped launcher; what the
 launchers share (argument checks, the backend choice `_launch.use_triton`, device guard) is
-`_launch.py`. The memory modes (`modes.py`: bf16 masters, bf16/int8 states) run the per-buffer
-kernel of `adamw_modes.py` for now.
+`_launch.py`. The memory modes (`modes.py`: bf16 masters, bf16/int8 states) are constexpr
+variants of the same grouped AdamW kernel (torch path: `modes_torch.py`); `adamw_single.py`
+updates one buffer through it.
 """
 from fusedzero.kernels._launch import LAUNCHES, Strided, backend, use_triton
-from fusedzero.kernels.adamw import (AdamWBuffer, GroupedAdamW, Hyper, adamw_reference,
-                                    adamw_step)
+from fusedzero.kernels.adamw import AdamWBuffer, GroupedAdamW, Hyper
+from fusedzero.kernels.adamw_single import adamw_reference, adamw_step
 from fusedzero.kernels.modes import (MASTER_MODES, QBLOCK, STATE_MODES, bytes_per_param,
                                      dequantize_blockwise, quantize_blockwise)
 from fusedzero.kernels.modes_reference import adamw_reference_mode

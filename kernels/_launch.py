@@ -139,23 +139,3 @@ def check_scalar(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.numel() != 1 or t.device != device:
         raise ValueError(f"{name} must be a one-element tensor on {device}, got "
                          f"{t.numel()} elements on {t.device}")
-
-
-def grid_1d(num_buckets: int, shard_numel: int, block: int) -> tuple[int]:
-    """The grid of a per-buffer launch (adamw_modes.py) over `num_buckets` pieces of
-    `shard_numel` elements, `block` per program: program id = bucket * blocks_per_piece + block."""
-    blocks = -(-shard_numel // block)
-    n = num_buckets * blocks
-    if n > MAX_GRID_X:
-        raise ValueError(f"{num_buckets} buckets x {blocks} blocks of {block} = {n} programs "
-                         f"exceeds CUDA's grid limit {MAX_GRID_X}; use larger buckets")
-    return (n,)
-
-
-def pieces(s: Strided, num_buckets: int, shard_numel: int,
-           split: int | None = None) -> list[torch.Tensor]:
-    """The shard's pieces as views: one view when contiguous (unless `split` asks per bucket)."""
-    if split != num_buckets and s.stride == shard_numel and s.base == 0:
-        return [s.tensor[: num_buckets * shard_numel]]
-    return [s.tensor[k * s.stride + s.base : k * s.stride + s.base + shard_numel]
-            for k in range(num_buckets)]

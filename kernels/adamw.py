@@ -8,8 +8,14 @@ all stage-3 units, all buckets) and updates them all with one launch per (grad d
 dtype): a piece table (kernels/table.py) tells each program which piece it updates and which
 hyper-parameter row it reads. The rows (one per param group, `ROW` below) are computed once per
 step on the device from the lr vector, the step count and the grad scale by a few vectorised
-torch ops (`adamw_rows`, in fp64 there), so the kernel itself has no fp64 instruction. Nothing is
-read back to the host: a step has no host sync and can be captured in a CUDA graph.
+torch ops (`rows.adamw_rows`, in fp64 there), so the kernel itself has no fp64 instruction.
+Nothing is read back to the host: a step has no host sync and can be captured in a CUDA graph.
+
+Memory modes (kernels/modes.py: bf16 masters with Kahan comp or stochastic rounding, bf16 or
+blockwise-int8 states) are constexpr variants (MASTER_MODE, STATE_MODE) of the same kernel and
+the same launch: the mode is the optimizer's, so a step is still one launch per (grad dtype, out
+dtype). Their extra streams (comp, the int8 scales) and bf16-sr's index offset are extra columns
+of the piece table (`MODE_WIDTH`); the default variant's table and code are unchanged.
 
 Layout. A buffer's streams each cover `num_buckets` pieces of `shard_numel` elements described by
 `Strided(tensor, stride, base)`: piece k at `tensor[k * stride + base:][:shard_numel]`. The local
@@ -19,7 +25,6 @@ base=rank*shard_numel`. exp_avg and exp_avg_sq are always local.
 """
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
@@ -28,10 +33,15 @@ import triton.language as tl
 
 from fusedzero.kernels import adamw_torch
 from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Hyper, Strided,
-                                       as_strided, check_scalar, check_stream, copy_from_host,
-                                       count_launch, device_guard, shard_numel_of, use_triton)
-from fusedzero.kernels.adamw_modes import adamw_step_modes
-from fusedzero.kernels.table import Buffer, Table, build_table, pieces_of
+                                       as_strided, check_stream, count_launch, device_guard,
+                                       use_triton)
+from fusedzero.kernels.modes import (MASTER_CODE, QBLOCK, STATE_CODE, STATE_DTYPES,
+                                     check_mode_buffers, check_modes, load_master, load_state,
+                                     store_master, store_state)
+from fusedzero.kernels.modes import round_to_bf16 as _round_to_bf16
+from fusedzero.kernels.modes_torch import ModeCombo
+from fusedzero.kernels.rows import Rows, check_consts
+from fusedzero.kernels.table import Buffer, Piece, Table, build_table, pieces_of
 
 # 1024 elements per program with 8 warps: 4 elements per thread, one 128-bit access per fp32
 # stream. With 4 warps (8 per thread) Triton gives 16-bit streams an 8-element layout and fp32
@@ -48,48 +58,18 @@ NUM_WARPS = 8
 # (tests/test_compile.py). The torch path (torch._fused_adamw_) orders the math differently:
 # within 2 * 8 ulps of the interpreter (tests/test_kernels.py).
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-# The per-step row of a param group, as the kernel reads it (fp32).
-ROW = ("step_size", "bc2_sqrt", "decay", "beta1", "one_minus_beta1", "beta2",
-       "one_minus_beta2", "eps", "grad_mult")
-NCOLS = len(ROW)
 _STREAMS = ("master", "grad", "exp_avg", "exp_avg_sq", "out")
+# A memory mode's table row: the default's 8 columns, then comp, exp_avg's and exp_avg_sq's
+# scale offsets (local offset / QBLOCK) and bf16-sr's index offset. BLOCK is whole QBLOCKs.
+MODE_WIDTH = 12
+_MODE_WIDTH = tl.constexpr(MODE_WIDTH)
+_QBLOCK = tl.constexpr(QBLOCK)
+assert BLOCK % QBLOCK == 0
 
 
-@triton.jit
-def _round_to_bf16(x):
-    # Round-to-nearest-even fp32 -> bf16 in integer ops. The GPU's cvt.rn does the same, but the
-    # Triton interpreter truncates; spelling it out gives the same rounding on both (integer ops
-    # are exact, so the bf16 copy is bitwise the rounded master on both).
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = bits + 0x7FFF + ((bits >> 16) & 1)
-    # A NaN stays a (quiet) NaN: the carry could otherwise wrap its payload to +-0 or inf.
-    bits = tl.where(x != x, bits | 0x400000, rounded)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
-# Loads and stores of master and the moments live in these helpers: a memory mode (a bf16 master,
-# blockwise-quantised moments) is a constexpr variant of them, local to them.
-@triton.jit
-def _load_master(ptr, idx, mask):
-    return tl.load(ptr + idx, mask=mask).to(tl.float32)
-
-
-@triton.jit
-def _store_master(ptr, idx, p, mask):
-    tl.store(ptr + idx, p, mask=mask)
-
-
-@triton.jit
-def _load_moments(m_ptr, v_ptr, idx, mask):
-    return tl.load(m_ptr + idx, mask=mask), tl.load(v_ptr + idx, mask=mask)
-
-
-@triton.jit
-def _store_moments(m_ptr, v_ptr, idx, m, v, mask):
-    tl.store(m_ptr + idx, m, mask=mask)
-    tl.store(v_ptr + idx, v, mask=mask)
-
-
+# Loads and stores of master and the moments are the memory modes' helpers (kernels/modes.py):
+# a mode (a bf16 master, bf16 or blockwise-int8 moments) is a constexpr variant of them, local to
+# them. In the default mode (0, 0) they are one plain load/store per stream.
 @triton.jit
 def _store_out(ptr, idx, p, mask, OUT_BF16: tl.constexpr):
     if OUT_BF16:
@@ -112,17 +92,24 @@ def _grouped_adamw_kernel(
     # pointers: one base per stream kind, the piece table, the rows, the skip flag
     master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr,
     piece_ptr, prog_piece_ptr, row_ptr, skip_ptr,
+    # memory modes: Kahan comp and int8 scale bases, the SR seed and step (unused in mode 0, 0)
+    comp_ptr, exp_avg_scale_ptr, exp_avg_sq_scale_ptr, seed_ptr, step_ptr,
     # flags
     HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, ALIGNED: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, MASTER_MODE: tl.constexpr = 0, STATE_MODE: tl.constexpr = 0,
 ):
     # One grid axis over every program of every piece (CUDA caps axes 1-2 at 65535); int64
     # element offsets: a stream may pass 2**31 elements.
     prog = tl.program_id(0).to(tl.int64)
     piece = tl.load(prog_piece_ptr + prog).to(tl.int64)
-    entry = piece_ptr + piece * 8  # master, grad, exp_avg, exp_avg_sq, out, numel, first, row
+    # master, grad, exp_avg, exp_avg_sq, out, numel, first, row [, comp, the two scales, sr]
+    if MASTER_MODE == 0 and STATE_MODE == 0:
+        entry = piece_ptr + piece * 8
+    else:
+        entry = piece_ptr + piece * _MODE_WIDTH
     numel = _offset(entry, 5, ALIGNED)
-    idx = (prog - tl.load(entry + 6)) * BLOCK + tl.arange(0, BLOCK)
+    blk = prog - tl.load(entry + 6)
+    idx = blk * BLOCK + tl.arange(0, BLOCK)
     mask = idx < numel
     m_base = master_ptr + _offset(entry, 0, ALIGNED)
     g_base = grad_ptr + _offset(entry, 1, ALIGNED)
@@ -138,10 +125,28 @@ def _grouped_adamw_kernel(
     one_minus_beta2 = tl.load(hp + 6)
     eps = tl.load(hp + 7)
     grad_mult = tl.load(hp + 8)  # grad scale, negated to maximize
+    # A skipped step (non-finite grads) masks the stores only: the loads need not wait for it.
+    limit = tl.where(tl.load(skip_ptr) == 0, numel, 0)
+    keep = idx < limit
+    # Mode streams: the comp at the local offset, each state's scales at local offset / QBLOCK
+    # (a program's BLOCK is whole quantization blocks), bf16-sr's index offset.
+    c_base = comp_ptr
+    sr_base = 0
+    if MASTER_MODE == 1:
+        c_base = comp_ptr + _offset(entry, 8, ALIGNED)
+    if MASTER_MODE == 2:
+        sr_base = tl.load(entry + 11)
+    qa = exp_avg_scale_ptr
+    qs = exp_avg_sq_scale_ptr
+    if STATE_MODE == 2:
+        qa = exp_avg_scale_ptr + tl.load(entry + 9)
+        qs = exp_avg_sq_scale_ptr + tl.load(entry + 10)
+    qidx, qload, qkeep = _qblocks(blk, numel, limit, BLOCK)
 
-    p = _load_master(m_base, idx, mask)
+    p = load_master(m_base, idx, c_base, idx, mask, MASTER_MODE)
     g = tl.load(g_base + idx, mask=mask).to(tl.float32) * grad_mult
-    m, v = _load_moments(a_base, s_base, idx, mask)
+    m = load_state(a_base, qa, idx, mask, qidx, qload, STATE_MODE, True, BLOCK)
+    v = load_state(s_base, qs, idx, mask, qidx, qload, STATE_MODE, False, BLOCK)
 
     # The order of operations follows torch.optim.AdamW's single-tensor path. sqrt_rn / div_rn:
     # IEEE round-to-nearest, where tl.sqrt compiles to sqrt.approx.ftz and `/` to div.full.
@@ -151,16 +156,27 @@ def _grouped_adamw_kernel(
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
 
-    # A skipped step (non-finite grads) masks the stores only: the loads need not wait for it.
-    keep = idx < tl.where(tl.load(skip_ptr) == 0, numel, 0)
-    _store_master(m_base, idx, p, keep)
-    _store_moments(a_base, s_base, idx, m, v, keep)
-    if HAS_OUT:
+    # The update used this step's fresh fp32 m and v; only what is stored is rounded/quantized.
+    store_master(m_base, idx, c_base, idx, keep, p, seed_ptr, step_ptr, sr_base, MASTER_MODE)
+    store_state(a_base, qa, idx, keep, qidx, qkeep, m, STATE_MODE, True, BLOCK)
+    store_state(s_base, qs, idx, keep, qidx, qkeep, v, STATE_MODE, False, BLOCK)
+    if HAS_OUT:  # fp32 master only
         _store_out(out_ptr + _offset(entry, 4, ALIGNED), idx, p, keep, OUT_BF16)
 
 
+@triton.jit
+def _qblocks(blk, numel, limit, BLOCK: tl.constexpr):
+    """This program's quantization blocks: their scale indices from the piece's scale base, and
+    which are loaded / stored (a piece is whole blocks, so a block is wholly in or out)."""
+    j = tl.arange(0, BLOCK // _QBLOCK)
+    first = blk * BLOCK + j * _QBLOCK
+    return blk * (BLOCK // _QBLOCK) + j, first < numel, first < limit
+
+
 class AdamWBuffer(NamedTuple):
-    """One buffer for `GroupedAdamW`: its streams, layout and hyper-parameter row (param group)."""
+    """One buffer for `GroupedAdamW`: its streams, layout and hyper-parameter row (param group),
+    and a memory mode's own buffers (kernels/modes.py): the Kahan comp (local layout), the int8
+    scales (one fp32 per QBLOCK local elements) and the buffer's offset in bf16-sr's stream."""
 
     master: torch.Tensor | Strided
     grad: torch.Tensor | Strided
@@ -170,92 +186,76 @@ class AdamWBuffer(NamedTuple):
     num_buckets: int
     shard_numel: int
     row: int
+    comp: torch.Tensor | None = None
+    exp_avg_scale: torch.Tensor | None = None
+    exp_avg_sq_scale: torch.Tensor | None = None
+    sr_offset: int = 0
 
 
-def _check_consts(consts: tuple[tuple[float, float, float, float, bool], ...]) -> None:
-    for beta1, beta2, *_ in consts:
-        if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
-            raise ValueError(f"betas must be in [0, 1), got ({beta1}, {beta2})")
-
-
-def _log(b: float) -> float:
-    return math.log(b) if b > 0 else -math.inf
-
-
-class _Rows:
-    """The device rows of `ROW`, with the constant columns rewritten only when they change."""
-
-    def __init__(self, n: int, device: torch.device) -> None:
-        self.rows = torch.zeros(n, NCOLS, dtype=torch.float32, device=device)
-        # fp64 columns read per step: weight decay, sign, log beta1, log beta2.
-        self.c64 = torch.zeros(n, 4, dtype=torch.float64, device=device)
-        self.consts: tuple | None = None
-
-    def update(self, hyper: Hyper, step: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tensor:
-        if hyper.consts != self.consts:
-            _check_consts(hyper.consts)
-            copy_from_host(self.rows[:, 3:8], [[b1, 1 - b1, b2, 1 - b2, eps]
-                                               for b1, b2, eps, _, _ in hyper.consts])
-            copy_from_host(self.c64, [[wd, -1.0 if mx else 1.0, _log(b1), _log(b2)]
-                                      for b1, b2, _, wd, mx in hyper.consts])
-            self.consts = hyper.consts
-        adamw_rows(hyper.lr, self.c64, step, grad_scale, self.rows)
-        return self.rows
-
-
-def adamw_rows(lr: torch.Tensor, c64: torch.Tensor, step: torch.Tensor,
-               grad_scale: torch.Tensor, rows: torch.Tensor) -> None:
-    """The per-step columns of `rows` on the device, in fp64 rounded once to fp32: step_size =
-    lr / (1 - beta1**step), bc2_sqrt = sqrt(1 - beta2**step), decay = 1 - lr * weight_decay,
-    grad_mult = +-grad_scale. Bias corrections as -expm1(step * log(beta)): in fp32,
-    1 - 0.999**1 would lose 4-5 digits to cancellation."""
-    lr64 = lr.double()
-    bc = torch.expm1(step.double() * c64[:, 2:4]).neg_()
-    rows[:, 0].copy_(lr64 / bc[:, 0])
-    rows[:, 1].copy_(bc[:, 1].sqrt_())
-    rows[:, 2].copy_(1.0 - lr64 * c64[:, 0])
-    rows[:, 8].copy_(c64[:, 1] * grad_scale.double())
+def _pieces(b: AdamWBuffer, ms: Strided, gs: Strided, os_: Strided | None,
+            default: bool) -> list[Piece]:
+    """The buffer's pieces; with a memory mode every piece has the full mode row: out, comp, the
+    two scales (None when absent), then the SR offset of its first local element."""
+    S = b.shard_numel
+    local = [Strided(t, S, 0) for t in (b.exp_avg, b.exp_avg_sq)]
+    streams = (ms, gs, *local) + ((os_,) if os_ is not None else ())
+    if default:
+        return pieces_of(Buffer(streams, b.num_buckets, S, b.row))
+    out = []
+    for p in pieces_of(Buffer(streams, b.num_buckets, S, b.row)):
+        lo = p.starts[2]  # exp_avg is local: the piece's first local element
+        q = lo // QBLOCK
+        extra = ((p.tensors[4] if os_ is not None else None, b.comp, b.exp_avg_scale,
+                  b.exp_avg_sq_scale),
+                 (p.starts[4] if os_ is not None else 0, lo, q, q))
+        out.append(Piece(p.tensors[:4] + extra[0], p.starts[:4] + extra[1], p.numel, p.row,
+                         (b.sr_offset + lo,)))
+    return out
 
 
 class GroupedAdamW:
     """Every buffer of a rank updated by one launch per (grad dtype, out dtype), tables built once.
 
     A "launch" is one `_grouped_adamw_kernel` launch on CUDA (and in the interpreter); on the
-    torch path (CPU) it is one grouped call that runs one `torch._fused_adamw_` per row with
-    tensor lists over all its buffers and pieces. `LAUNCHES["adamw"]` counts them. Every check of
-    the streams is done here, once; `require_aligned` refuses tables the kernel could not access
-    with 128-bit vectors (what the optimizer's layout guarantees).
+    torch path (CPU) it is one grouped call: in the default mode one `torch._fused_adamw_` per
+    row with tensor lists over all its buffers and pieces, in a memory mode one vectorised pass
+    per row over all its pieces (modes_torch.py). `LAUNCHES["adamw"]` counts them. The memory
+    mode (`master_mode`, `states`, bf16-sr's `seed`) is the optimizer's: one for every buffer.
+    Every check of the streams is done here, once; `require_aligned` refuses tables the kernel
+    could not access with 128-bit vectors (what the optimizer's layout guarantees).
     """
 
     def __init__(self, buffers: list[AdamWBuffer], device: torch.device, num_rows: int, *,
-                 require_aligned: bool = False) -> None:
+                 require_aligned: bool = False, master_mode: str = "fp32",
+                 states: str = "fp32", seed: torch.Tensor | None = None) -> None:
+        check_modes(master_mode, states)
         self.device = device
         self.triton = use_triton(device)
-        by_combo: dict[tuple[torch.dtype, torch.dtype | None], list[Buffer]] = {}
+        self.modes = (MASTER_CODE[master_mode], STATE_CODE[states])
+        default = self.modes == (0, 0)
+        self.seed = seed
+        by_combo: dict[tuple[torch.dtype, torch.dtype | None], list[Piece]] = {}
         for b in buffers:
-            _check(b, device, num_rows)
+            _check(b, device, num_rows, master_mode, states, seed)
             ms, gs = as_strided(b.master, b.shard_numel), as_strided(b.grad, b.shard_numel)
-            m_ = Strided(b.exp_avg, b.shard_numel, 0)
-            v_ = Strided(b.exp_avg_sq, b.shard_numel, 0)
             os_ = None if b.out is None else as_strided(b.out, b.shard_numel)
-            streams = (ms, gs, m_, v_) + ((os_,) if os_ is not None else ())
             key = (gs.tensor.dtype, None if os_ is None else os_.tensor.dtype)
-            by_combo.setdefault(key, []).append(Buffer(streams, b.num_buckets, b.shard_numel,
-                                                       b.row))
-        self.launches: list[tuple[tuple, Table | adamw_torch.Combo]] = []
-        for key, bufs in by_combo.items():
-            pieces = [p for b in bufs for p in pieces_of(b)]
+            by_combo.setdefault(key, []).extend(_pieces(b, ms, gs, os_, default))
+        self.launches: list[tuple[tuple, Table | adamw_torch.Combo | ModeCombo]] = []
+        for key, pieces in by_combo.items():
             if not pieces:
                 continue
             if self.triton:
-                t = build_table(pieces, BLOCK, device, streams=len(_STREAMS))
+                t = build_table(pieces, BLOCK, device, streams=len(_STREAMS), loose=(6, 7))
                 if require_aligned and not t.aligned:
                     raise ValueError("a piece offset or length is not a multiple of 16 elements: "
                                      "the layout must keep shards, strides and bases aligned")
                 self.launches.append((key, t))
-            else:
+            elif default:
                 self.launches.append((key, adamw_torch.Combo(pieces, num_rows)))
-        self.rows = _Rows(num_rows, device) if self.triton else None
+            else:
+                self.launches.append((key, ModeCombo(pieces, master_mode, states, seed)))
+        self.rows = Rows(num_rows, device) if self.triton or not default else None
 
     def step(self, hyper: Hyper, step: torch.Tensor, grad_scale: torch.Tensor,
              skip: torch.Tensor) -> None:
@@ -264,102 +264,46 @@ class GroupedAdamW:
         if not self.launches:
             return
         if self.rows is None:
-            _check_consts(hyper.consts)
+            check_consts(hyper.consts)
             for _, combo in self.launches:
                 count_launch("adamw")
                 combo.run(hyper, step, grad_scale, skip)
             return
         rows = self.rows.update(hyper, step, grad_scale)
+        if not self.triton:
+            for _, combo in self.launches:
+                count_launch("adamw")
+                combo.run(rows, step, skip)
+            return
+        mm, sm = self.modes
         with device_guard(self.device):
             for (_, out_dtype), t in self.launches:
                 count_launch("adamw")
                 has_out = out_dtype is not None
-                bases = t.bases if has_out else t.bases + (t.bases[0],)  # out never written
+                # Streams a launch does not have get a never-accessed stand-in pointer.
+                b = [x if x is not None else t.bases[0] for x in t.bases]
+                b += [t.bases[0]] * (8 - len(b))
                 _grouped_adamw_kernel[(t.programs,)](
-                    *bases, t.pieces, t.prog_piece, rows, skip,
+                    *b[:5], t.pieces, t.prog_piece, rows, skip, *b[5:8],
+                    skip if self.seed is None else self.seed, step,
                     HAS_OUT=has_out, OUT_BF16=out_dtype == torch.bfloat16, ALIGNED=t.aligned,
-                    BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=ENABLE_FP_FUSION)
+                    BLOCK=BLOCK, MASTER_MODE=mm, STATE_MODE=sm, num_warps=NUM_WARPS,
+                    enable_fp_fusion=ENABLE_FP_FUSION)
 
 
-def _check(b: AdamWBuffer, device: torch.device, num_rows: int) -> None:
+def _check(b: AdamWBuffer, device: torch.device, num_rows: int, master_mode: str, states: str,
+           seed: torch.Tensor | None) -> None:
     nb, S = b.num_buckets, b.shard_numel
-    check_stream("master", as_strided(b.master, S), (torch.float32,), nb, S, device)
+    m_dtype = torch.float32 if master_mode == "fp32" else torch.bfloat16
+    check_stream("master", as_strided(b.master, S), (m_dtype,), nb, S, device)
     check_stream("grad", as_strided(b.grad, S), GRAD_DTYPES, nb, S, device)
-    for name, t in (("exp_avg", b.exp_avg), ("exp_avg_sq", b.exp_avg_sq)):
-        check_stream(name, Strided(t, S, 0), (torch.float32,), nb, S, device)
+    for name, t, dt in zip(("exp_avg", "exp_avg_sq"), (b.exp_avg, b.exp_avg_sq),
+                           STATE_DTYPES[states]):
+        check_stream(name, Strided(t, S, 0), (dt,), nb, S, device)
+    check_mode_buffers(master_mode, states, out=b.out, exp_avg_scale=b.exp_avg_scale,
+                       exp_avg_sq_scale=b.exp_avg_sq_scale, kahan=b.comp, seed=seed,
+                       num_buckets=nb, shard_numel=S, device=device)
     if b.out is not None:
         check_stream("out", as_strided(b.out, S), OUT_DTYPES, nb, S, device)
     if not 0 <= b.row < num_rows:
         raise ValueError(f"row {b.row} out of range for {num_rows} hyper-parameter rows")
-
-
-def adamw_step(
-    master: torch.Tensor | Strided,
-    grad: torch.Tensor | Strided,
-    exp_avg: torch.Tensor,
-    exp_avg_sq: torch.Tensor,
-    out: torch.Tensor | Strided | None = None,
-    *,
-    lr: torch.Tensor,
-    step: torch.Tensor,
-    grad_scale: torch.Tensor,
-    skip: torch.Tensor,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-    maximize: bool = False,
-    num_buckets: int = 1,
-    shard_numel: int | None = None,
-    master_mode: str = "fp32",
-    states: str = "fp32",
-    exp_avg_scale: torch.Tensor | None = None,
-    exp_avg_sq_scale: torch.Tensor | None = None,
-    kahan: torch.Tensor | None = None,
-    seed: torch.Tensor | None = None,
-    sr_offset: int = 0,
-) -> None:
-    """One AdamW update of a single shard, in place, through the grouped launch.
-
-    `lr`, `step` (the step number of this update, already counted), `grad_scale` (multiplies the
-    grad: 1/(world*accum*loss_scale) * clip_coef) and `skip` (non-zero: leave everything untouched)
-    are one-element tensors on the same device. Every stream covers `num_buckets` pieces of
-    `shard_numel` elements (see the module docstring); plain tensors are the local layout.
-
-    A memory mode (`master_mode`, `states` and their buffers: see `adamw_modes.adamw_step_modes`)
-    runs the per-buffer kernel of adamw_modes.py ([Note: memory modes are not grouped yet]).
-    """
-    if master_mode != "fp32" or states != "fp32":
-        adamw_step_modes(master, grad, exp_avg, exp_avg_sq, out, lr=lr, step=step,
-                         grad_scale=grad_scale, skip=skip, beta1=beta1, beta2=beta2, eps=eps,
-                         weight_decay=weight_decay, maximize=maximize, num_buckets=num_buckets,
-                         shard_numel=shard_numel, master_mode=master_mode, states=states,
-                         exp_avg_scale=exp_avg_scale, exp_avg_sq_scale=exp_avg_sq_scale,
-                         kahan=kahan, seed=seed, sr_offset=sr_offset)
-        return
-    shard_numel = shard_numel_of(exp_avg, num_buckets, shard_numel)
-    device = as_strided(master, shard_numel).tensor.device
-    for name, t in (("lr", lr), ("step", step), ("grad_scale", grad_scale), ("skip", skip)):
-        check_scalar(name, t, device)
-    plan = GroupedAdamW([AdamWBuffer(master, grad, exp_avg, exp_avg_sq, out, num_buckets,
-                                     shard_numel, 0)], device, 1)
-    hyper = Hyper(lr.reshape(1).float(), ((beta1, beta2, eps, weight_decay, maximize),))
-    _check_consts(hyper.consts)
-    plan.step(hyper, step, grad_scale, skip)
-
-
-def adamw_reference(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                    exp_avg_sq: torch.Tensor, *, lr: float, step: int, grad_scale: float,
-                    beta1: float, beta2: float, eps: float, weight_decay: float,
-                    maximize: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Float64 reference of one update on local (contiguous) tensors; returns new (p, m, v)."""
-    p, g = master.double(), grad.double() * grad_scale
-    m, v = exp_avg.double(), exp_avg_sq.double()
-    if maximize:
-        g = -g
-    p = p * (1 - lr * weight_decay)
-    m = m + (1 - beta1) * (g - m)
-    v = v * beta2 + (1 - beta2) * g * g
-    denom = v.sqrt() / math.sqrt(1 - beta2**step) + eps
-    p = p - lr / (1 - beta1**step) * m / denom
-    return p, m, v

@@ -23,10 +23,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fusedzero.kernels import adamw as _adamw
-from fusedzero.kernels import adamw_modes as _adamw_modes
 from fusedzero.kernels import sum_of_squares as _sumsq
 from fusedzero.kernels._launch import ENABLE_FP_FUSION, GRAD_DTYPES
-from fusedzero.kernels.compile_modes import mode_spec, mode_variants
+from fusedzero.kernels.compile_modes import adamw_ptrs, mode_variants
+from fusedzero.kernels.modes import MASTER_CODE, STATE_CODE
 
 KERNELS = ("adamw", "sumsq")
 
@@ -54,7 +54,7 @@ def _jit_fn(module: Any, name: str) -> triton.runtime.JITFunction:
 def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
                 out_dtype: torch.dtype | None = None, *,
                 skip_dtype: torch.dtype = torch.float32, master_mode: str = "fp32",
-                states: str = "fp32", maximize: bool = False, int_dtype: str = "i32") -> Any:
+                states: str = "fp32") -> Any:
     """Compile `kernel_name` ("adamw" or "sumsq", the grouped kernels) for `sm_{capability}`;
     returns Triton's CompiledKernel (`.asm["ptx"]`, `.asm["cubin"]`, `.metadata`).
 
@@ -62,31 +62,21 @@ def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
     for none. Every pointer is declared 16-byte aligned, as the runtime specialises it for our
     buffers, and the table ALIGNED, as the optimizer's launches are. The rows are fp32; the skip
     flag is fp32 as `fusedzero.scalars` keeps it (`skip_dtype` changes only one scalar load).
-    A memory mode (`master_mode`, `states`; `maximize`, `int_dtype` of its sizes) compiles the
-    per-buffer kernel of adamw_modes.py ([Note: memory modes are not grouped yet]).
+    A memory mode (`master_mode`, `states`) compiles the same grouped kernel's variant.
     """
     if kernel_name not in KERNELS:
         raise ValueError(f"kernel_name={kernel_name!r}, expected one of {KERNELS}")
     if grad_dtype not in GRAD_DTYPES:
         raise ValueError(f"grad_dtype {grad_dtype}, expected one of {GRAD_DTYPES}")
     g = _TRITON_DTYPE[grad_dtype]
-    ints: tuple[str, ...] = ()
-    if kernel_name == "adamw" and (master_mode, states) != ("fp32", "fp32"):
-        fn, ptrs, ints, constexprs, num_warps = mode_spec(g, out_dtype, master_mode, states,
-                                                         _TRITON_DTYPE, skip_dtype, maximize)
-        fn = _jit_fn(_adamw_modes, "_adamw_kernel")
-    elif kernel_name == "adamw":
+    if kernel_name == "adamw":
         if out_dtype is not None and out_dtype not in _adamw.OUT_DTYPES:
             raise ValueError(f"out_dtype {out_dtype}, expected None or one of {_adamw.OUT_DTYPES}")
         fn = _jit_fn(_adamw, "_grouped_adamw_kernel")
-        ptrs = {"master_ptr": "*fp32", "grad_ptr": f"*{g}", "exp_avg_ptr": "*fp32",
-                "exp_avg_sq_ptr": "*fp32",
-                # Without an output the launcher passes master as a never-written dummy.
-                "out_ptr": f"*{_TRITON_DTYPE[out_dtype]}" if out_dtype is not None else "*fp32",
-                "piece_ptr": "*i64", "prog_piece_ptr": "*i32", "row_ptr": "*fp32",
-                "skip_ptr": f"*{_TRITON_DTYPE[skip_dtype]}"}
+        ptrs = adamw_ptrs(g, out_dtype, master_mode, states, _TRITON_DTYPE, skip_dtype)
         constexprs = {"HAS_OUT": out_dtype is not None, "OUT_BF16": out_dtype == torch.bfloat16,
-                      "ALIGNED": True, "BLOCK": _adamw.BLOCK}
+                      "ALIGNED": True, "BLOCK": _adamw.BLOCK,
+                      "MASTER_MODE": MASTER_CODE[master_mode], "STATE_MODE": STATE_CODE[states]}
         num_warps = _adamw.NUM_WARPS
     else:
         if out_dtype is not None:
@@ -96,11 +86,10 @@ def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
                 "partial_ptr": "*fp32"}
         constexprs = {"ALIGNED": True, "BLOCK": _sumsq.BLOCK}
         num_warps = _sumsq.NUM_WARPS
-    signature = {name: "constexpr" if name in constexprs else ptrs[name] if name in ptrs else
-                 int_dtype if name in ints else "fp32"  # Python float scalars arrive as fp32
+    signature = {name: "constexpr" if name in constexprs else ptrs[name]
                  for name in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name in ptrs or name in ints}
+             if name in ptrs}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     # The launchers' options, so the PTX here is what runs (no FMA contraction: see adamw.py).
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
@@ -133,7 +122,7 @@ Variant = tuple[str, torch.dtype, "torch.dtype | None", str, str]
 
 def variants() -> list[Variant]:
     """(kernel, grad dtype, out dtype, master mode, states): every grouped variant the launchers
-    can produce (default mode), then the memory modes' per-buffer variants."""
+    can produce (default mode), then the memory modes' variants of the grouped AdamW kernel."""
     out: list[Variant] = []
     for g in GRAD_DTYPES:
         out += [("adamw", g, o, "fp32", "fp32") for o in (None, *_adamw.OUT_DTYPES)]

@@ -40,12 +40,15 @@ class Buffer(NamedTuple):
 
 
 class Piece(NamedTuple):
-    """A run of `numel` elements at `starts[j]` of stream j's tensor, for hyper-parameter `row`."""
+    """A run of `numel` elements at `starts[j]` of stream j's tensor, for hyper-parameter `row`.
+    A None tensor is a stream this launch does not have (offset column 0, no base); `ints` are
+    extra integer columns written after every offset (e.g. bf16-sr's random-stream offset)."""
 
-    tensors: tuple[torch.Tensor, ...]
+    tensors: tuple[torch.Tensor | None, ...]
     starts: tuple[int, ...]
     numel: int
     row: int
+    ints: tuple[int, ...] = ()
 
 
 def pieces_of(buf: Buffer) -> list[Piece]:
@@ -61,42 +64,61 @@ def pieces_of(buf: Buffer) -> list[Piece]:
 
 
 class Table(NamedTuple):
-    """A launch's device-side table. `pieces` rows: one offset per stream, then numel, first
-    program, row (int64); `prog_piece`: the piece of each program (int32)."""
+    """A launch's device-side table. `pieces` rows: one offset per head stream, then numel,
+    first program, row, then the tail streams' offsets and the ints (int64); `prog_piece`: the
+    piece of each program (int32). `bases[j]` is None for a stream the launch does not have."""
 
-    bases: tuple[torch.Tensor, ...]
+    bases: tuple[torch.Tensor | None, ...]
     pieces: torch.Tensor
     prog_piece: torch.Tensor
     programs: int
     aligned: bool
 
 
+def _base(pieces: list[Piece], j: int) -> torch.Tensor | None:
+    ts = [p.tensors[j] for p in pieces]
+    if all(t is None for t in ts):
+        return None
+    if any(t is None for t in ts):
+        raise ValueError(f"stream {j}: present in some pieces of a launch and absent in others")
+    return min(ts, key=lambda t: t.data_ptr())
+
+
 def build_table(pieces: list[Piece], block: int, device: torch.device,
-                streams: int | None = None) -> Table:
-    """The table of `pieces` (non-empty, all with the same number of streams), with `streams`
-    offset columns (missing streams' offsets are 0: a kernel with a fixed row shape)."""
+                streams: int | None = None, loose: tuple[int, ...] = ()) -> Table:
+    """The table of `pieces` (non-empty, all with the same number of streams). The first
+    `streams` tensors are the head columns (missing ones padded with 0: a kernel with a fixed row
+    shape), the rest the tail columns after (numel, first, row). Streams in `loose` (indices)
+    need not be 16-element aligned (e.g. int8 scales, one per 128 elements)."""
     k = len(pieces[0].tensors)
-    bases = tuple(min((p.tensors[j] for p in pieces), key=lambda t: t.data_ptr())
-                  for j in range(k))
+    head = min(k, streams if streams is not None else k)
+    bases = tuple(_base(pieces, j) for j in range(k))
     rows, counts, first, aligned = [], [], 0, True
     for p in pieces:
         offs = []
         for j, (t, start) in enumerate(zip(p.tensors, p.starts)):
-            diff = t.data_ptr() - bases[j].data_ptr()
+            b = bases[j]
+            if t is None or b is None:
+                offs.append(0)
+                continue
+            diff = t.data_ptr() - b.data_ptr()
             size = t.element_size()
-            if diff % size or t.dtype != bases[j].dtype:
+            if diff % size or t.dtype != b.dtype:
                 raise ValueError(f"stream {j}: tensors of one launch must share a dtype "
-                                 f"({t.dtype} vs {bases[j].dtype}) and element grid")
+                                 f"({t.dtype} vs {b.dtype}) and element grid")
             offs.append(diff // size + start)
+            aligned = aligned and (j in loose or offs[-1] % ALIGN == 0)
         nprog = -(-p.numel // block)
-        aligned = aligned and p.numel % ALIGN == 0 and all(o % ALIGN == 0 for o in offs)
-        rows.append(offs + [0] * ((streams or k) - k) + [p.numel, first, p.row])
+        aligned = aligned and p.numel % ALIGN == 0
+        pad = [0] * ((streams or k) - head)
+        rows.append(offs[:head] + pad + [p.numel, first, p.row] + offs[head:] + list(p.ints))
         counts.append(nprog)
         first += nprog
     if first > MAX_GRID_X:
         raise ValueError(f"{first} programs of {block} elements exceed CUDA's grid limit "
                          f"{MAX_GRID_X}; use larger buckets")
-    aligned = aligned and all(b.data_ptr() % 16 == 0 for b in bases)
+    aligned = aligned and all(b.data_ptr() % 16 == 0 for j, b in enumerate(bases)
+                              if b is not None and j not in loose)
     table = torch.tensor(rows, dtype=torch.int64)
     prog_piece = torch.repeat_interleave(torch.arange(len(pieces), dtype=torch.int32),
                                          torch.tensor(counts))
