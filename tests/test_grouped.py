@@ -202,18 +202,3 @@ def test_group_lr_follows_float_and_tensor_lrs_and_sends_floats_only_when_change
     assert g.update(groups).lr[0].item() == float(torch.tensor(3e-4)) and len(sent) == 2
     g.update(groups)
     assert len(sent) == 2, "an unchanged float lr is not sent again"
-
-
-def test_memory_mode_launches_per_buffer_until_grouped() -> None:
-    """[Note: memory modes are not grouped yet]: a memory mode's AdamW runs once per flat buffer
-    (kernels/adamw_modes.py), its sum of squares still once. Flip this when the modes are ported
-    onto the grouped kernel."""
-    model = _gpt()
-    opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-3, stage=3, module=model,
-                    param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, max_grad_norm=1.0,
-                    master="bf16-kahan", states="int8")
-    _backward(model, 0)
-    before = dict(LAUNCHES)
-    opt.step()
-    got = {k: LAUNCHES[k] - before.get(k, 0) for k in ("adamw", "sumsq")}
-    assert got == {"adamw": len(opt.flat_groups), "sumsq": 1}, got
