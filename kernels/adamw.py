@@ -125,9 +125,6 @@ def _grouped_adamw_kernel(
     one_minus_beta2 = tl.load(hp + 6)
     eps = tl.load(hp + 7)
     grad_mult = tl.load(hp + 8)  # grad scale, negated to maximize
-    # A skipped step (non-finite grads) masks the stores only: the loads need not wait for it.
-    limit = tl.where(tl.load(skip_ptr) == 0, numel, 0)
-    keep = idx < limit
     # Mode streams: the comp at the local offset, each state's scales at local offset / QBLOCK
     # (a program's BLOCK is whole quantization blocks), bf16-sr's index offset.
     c_base = comp_ptr
@@ -141,12 +138,12 @@ def _grouped_adamw_kernel(
     if STATE_MODE == 2:
         qa = exp_avg_scale_ptr + tl.load(entry + 9)
         qs = exp_avg_sq_scale_ptr + tl.load(entry + 10)
-    qidx, qload, qkeep = _qblocks(blk, numel, limit, BLOCK)
+    qidx, qfirst = _qblocks(blk, BLOCK)
 
     p = load_master(m_base, idx, c_base, idx, mask, MASTER_MODE)
     g = tl.load(g_base + idx, mask=mask).to(tl.float32) * grad_mult
-    m = load_state(a_base, qa, idx, mask, qidx, qload, STATE_MODE, True, BLOCK)
-    v = load_state(s_base, qs, idx, mask, qidx, qload, STATE_MODE, False, BLOCK)
+    m = load_state(a_base, qa, idx, mask, qidx, qfirst < numel, STATE_MODE, True, BLOCK)
+    v = load_state(s_base, qs, idx, mask, qidx, qfirst < numel, STATE_MODE, False, BLOCK)
 
     # The order of operations follows torch.optim.AdamW's single-tensor path. sqrt_rn / div_rn:
     # IEEE round-to-nearest, where tl.sqrt compiles to sqrt.approx.ftz and `/` to div.full.
@@ -156,6 +153,10 @@ def _grouped_adamw_kernel(
     denom = tl.div_rn(tl.sqrt_rn(v), bc2_sqrt) + eps
     p = p - step_size * tl.div_rn(m, denom)
 
+    # A skipped step (non-finite grads) masks the stores only: the loads need not wait for it.
+    limit = tl.where(tl.load(skip_ptr) == 0, numel, 0)
+    keep = idx < limit
+    qkeep = qfirst < limit
     # The update used this step's fresh fp32 m and v; only what is stored is rounded/quantized.
     store_master(m_base, idx, c_base, idx, keep, p, seed_ptr, step_ptr, sr_base, MASTER_MODE)
     store_state(a_base, qa, idx, keep, qidx, qkeep, m, STATE_MODE, True, BLOCK)
@@ -165,12 +166,11 @@ def _grouped_adamw_kernel(
 
 
 @triton.jit
-def _qblocks(blk, numel, limit, BLOCK: tl.constexpr):
-    """This program's quantization blocks: their scale indices from the piece's scale base, and
-    which are loaded / stored (a piece is whole blocks, so a block is wholly in or out)."""
+def _qblocks(blk, BLOCK: tl.constexpr):
+    """This program's quantization blocks: their scale indices from the piece's scale base and
+    their first elements (a piece is whole blocks, so a block is wholly in or out)."""
     j = tl.arange(0, BLOCK // _QBLOCK)
-    first = blk * BLOCK + j * _QBLOCK
-    return blk * (BLOCK // _QBLOCK) + j, first < numel, first < limit
+    return blk * (BLOCK // _QBLOCK) + j, blk * BLOCK + j * _QBLOCK
 
 
 class AdamWBuffer(NamedTuple):

@@ -16,7 +16,7 @@ import pytest
 import torch
 import triton
 
-from fusedzero.kernels import adamw, adamw_modes, modes, sum_of_squares
+from fusedzero.kernels import adamw, modes, sum_of_squares
 from fusedzero.kernels.compile import compile_for
 
 CAPABILITIES = (80, 90)
@@ -165,23 +165,32 @@ def test_compile_for_rejects_bad_arguments():
 
 
 def _mode_accesses(master_mode: str, states: str) -> dict[str, int]:
-    """The global accesses one thread makes in a mode variant (bf16 grads; bf16 out with the fp32
-    master): 128-bit vectors for every 32- and 16-bit stream, 64-bit for the int8 codes (8
-    elements of 1 byte per thread), one 32-bit scale per state and thread, the 64-bit seed."""
-    v = lambda dt: _vectors_per_thread(adamw_modes.BLOCK, adamw_modes.NUM_WARPS, dt.itemsize)  # noqa: E731
+    """The global accesses one thread makes in a mode variant of the grouped kernel (bf16 grads;
+    bf16 out with the fp32 master), 4 elements per thread: one 128-bit vector per fp32 stream,
+    64-bit per bf16 stream, 32-bit per int8 code stream; plus the scalars: the program's piece,
+    8 row values and the skip flag (32-bit), the table entry (64-bit: 4 stream offsets, numel,
+    first, row; out, comp, the two scale offsets, the SR offset when the mode has them), one
+    32-bit scale load and store per int8 state, the SR seed (64-bit) and step (32-bit)."""
+    vec = lambda dt: _vector(dt, adamw.NUM_WARPS, adamw.BLOCK)  # noqa: E731
     f32, bf16 = torch.float32, torch.bfloat16
-    master = v(f32) if master_mode == "fp32" else v(bf16)
-    comp = v(bf16) if master_mode == "bf16-kahan" else 0
-    state = {"fp32": 2 * v(f32), "bf16": 2 * v(bf16), "int8": 0}[states]
-    out = v(bf16) if master_mode == "fp32" else 0
-    want = {"ld.global.v4.b32": master + v(bf16) + comp + state,
-            "st.global.v4.b32": master + comp + state + out,
-            "ld.global.b32": 4 + (2 if states == "int8" else 0)}  # lr, step, scale, skip
-    if states == "int8":
-        want.update({"ld.global.v2.b32": 2, "st.global.v2.b32": 2, "st.global.b32": 2})
-    if master_mode == "bf16-sr":
-        want["ld.global.b64"] = 1  # the int64 seed
-    return {k: n for k, n in want.items() if n}
+    form = {torch.float32: vec(f32), torch.bfloat16: vec(bf16), torch.int8: "b32",
+            torch.uint8: "b32"}
+    master = f32 if master_mode == "fp32" else bf16
+    kahan, int8, sr = master_mode == "bf16-kahan", states == "int8", master_mode == "bf16-sr"
+    out = master_mode == "fp32"
+    state_dts = modes.STATE_DTYPES[states]
+    loads = [master, bf16, *state_dts] + [bf16] * kahan
+    stores = [master, *state_dts] + [bf16] * kahan + [bf16] * out
+    want: dict[str, int] = {}
+    for kind, dts in (("ld", loads), ("st", stores)):
+        for dt in dts:
+            key = f"{kind}.global.{form[dt]}"
+            want[key] = want.get(key, 0) + 1
+    want["ld.global.b32"] = want.get("ld.global.b32", 0) + 1 + 8 + 1 + 2 * int8 + sr
+    want["ld.global.b64"] = 7 + out + kahan + 2 * int8 + 2 * sr
+    if int8:
+        want["st.global.b32"] = want.get("st.global.b32", 0) + 2
+    return want
 
 
 @pytest.mark.parametrize("cap", CAPABILITIES)
@@ -200,15 +209,17 @@ def test_mode_variants_access_widths_and_no_spills(compiled, master_mode, states
 
 @pytest.mark.parametrize("cap", CAPABILITIES)
 def test_mode_variants_move_the_bytes_bytes_per_param_counts(compiled, cap):
-    # Bytes per thread of a program's BLOCK elements from the PTX accesses, against
-    # bytes_per_param (scales are per block of QBLOCK: 8 per program, stored once each).
-    width = {"v4.b32": 16, "v2.b32": 8, "b32": 4, "b64": 8}
-    threads = adamw_modes.NUM_WARPS * 32
+    # Bytes per thread of a program's BLOCK elements from the PTX's stream accesses (the access
+    # map itself is asserted above), against bytes_per_param less the scales (per QBLOCK).
+    width = {"v4.b32": 16, "v2.b32": 8}
+    threads = adamw.NUM_WARPS * 32
     for master_mode, states in MODE_VARIANTS:
         acc = _global(_mode_row(compiled, cap, master_mode, states))
         streams = sum(n * width[a.split(".", 2)[2]] for a, n in acc.items()
-                      if a.split(".", 2)[2] in ("v4.b32", "v2.b32"))
+                      if a.split(".", 2)[2] in width)
+        if states == "int8":  # 2 code loads and 2 code stores of 4 bytes (b32 beside scalars)
+            streams += 4 * 4
         o = torch.bfloat16 if master_mode == "fp32" else None
         want = modes.bytes_per_param(master_mode, states, torch.bfloat16, o)
         scales = modes.stream_bytes(master_mode, states, torch.bfloat16, o).get("scales", 0.0)
-        assert streams * threads / adamw_modes.BLOCK == want - scales, (master_mode, states, acc)
+        assert streams * threads / adamw.BLOCK == want - scales, (master_mode, states, acc)
