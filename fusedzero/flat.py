@@ -19,7 +19,7 @@
   in the bf16 master modes (`fusedzero.modes`), where the bf16 params are the master. The modes
   decide the rest: `comp` (bf16-kahan: the bf16 compensation, local shard), the moments' dtype
   (fp32, bf16, int8/uint8) and, for int8, one fp32 scale per QBLOCK elements of each moment.
-  `kernel_modes()` is the record the fused kernel reads.
+  The optimizer hands these, with bf16-sr's `seed` and `sr_offset`, to the grouped launch.
 """
 from __future__ import annotations
 
@@ -256,12 +256,6 @@ class FlatBuffer:
                     self.comp.zero_()
                 else:
                     self.comp.copy_(comp)
-
-    def kernel_modes(self) -> dict[str, object]:
-        """The mode arguments of `adamw_step` for this buffer (besides the optimizer's seed)."""
-        return dict(master_mode=self.modes.master, states=self.modes.states,
-                    exp_avg_scale=self.exp_avg_scale, exp_avg_sq_scale=self.exp_avg_sq_scale,
-                    kahan=self.comp, seed=self.seed, sr_offset=self.sr_offset)
 
     # -- grads as autograd sees them ----------------------------------------------------------
     def _full_grad_view(self, slot: ParamSlot) -> torch.Tensor | None:

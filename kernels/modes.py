@@ -1,8 +1,8 @@
 """Memory modes of the fused AdamW update: bf16 masters and 16/8-bit optimizer states.
 
-Every mode is a constexpr variant of the one fused kernel (`adamw._adamw_kernel`): the loads and
-stores of master and states are the `@triton.jit` helpers below, so the update math stays one
-piece of code and each variant is still one pass over the shard.
+Every mode is a constexpr variant of the grouped kernel (`adamw._grouped_adamw_kernel`): the
+loads and stores of master and states are the `@triton.jit` helpers below, so the update math
+stays one piece of code and each variant is still one pass over the shard.
 
 Masters (`MASTER_MODES`). "fp32": today's fp32 master (+ optional low-precision copy). The bf16
 modes keep no fp32 master; `master` is the bf16 param itself and the update is computed in fp32:

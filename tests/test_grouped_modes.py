@@ -8,7 +8,8 @@ import torch
 
 from fusedzero import ZeroAdamW
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.kernels import LAUNCHES, QBLOCK, AdamWBuffer, GroupedAdamW, Hyper, Strided, adamw_step
+from fusedzero.kernels import (LAUNCHES, QBLOCK, AdamWBuffer, GroupedAdamW, Hyper, Strided,
+                               adamw_step)
 from fusedzero.kernels.modes import STATE_DTYPES
 
 ROWS = [(3e-3, 0.9, 0.95, 1e-8, 0.1, False), (1e-2, 0.8, 0.999, 1e-6, 0.0, True)]
