@@ -247,6 +247,7 @@ class GroupedAdamW:
                 continue
             if self.triton:
                 t = build_table(pieces, BLOCK, device, streams=len(_STREAMS), loose=(6, 7))
+                assert t.pieces.shape[1] == (8 if default else MODE_WIDTH), t.pieces.shape
                 if require_aligned and not t.aligned:
                     raise ValueError("a piece offset or length is not a multiple of 16 elements: "
                                      "the layout must keep shards, strides and bases aligned")
