@@ -44,3 +44,24 @@ def test_readme_quotes_the_report_headline() -> None:
     quoted = report.headline_block(readme)
     assert quoted.endswith(ours), (
         f"README.md's headline table is not bench/REPORT.md's: run `{report.COMMAND}`")
+
+
+def test_quality_table_regenerates_from_committed_runs_and_is_in_the_report(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/quality/quality.md (the memory modes' val losses) is what bench/quality_modes.py
+    makes of the committed run summaries, and bench/REPORT.md carries it."""
+    spec = importlib.util.spec_from_file_location("quality_modes",
+                                                  ROOT / "bench" / "quality_modes.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(ROOT / "bench" / "quality" / "raw", tmp_path)
+    capsys.readouterr()
+    committed = ROOT / "bench" / "quality"
+    for name in ("quality.md", "quality.json"):
+        assert (tmp_path / name).read_text() == (committed / name).read_text(), (
+            f"bench/quality/{name} differs from `python bench/quality_modes.py "
+            "bench/quality/raw`: run it and commit the result")
+    table = (committed / "quality.md").read_text()
+    assert "bf16-kahan | int8" in table
+    assert table.rstrip("\n") in (ROOT / "bench" / "REPORT.md").read_text()
