@@ -65,3 +65,24 @@ def test_quality_table_regenerates_from_committed_runs_and_is_in_the_report(
     table = (committed / "quality.md").read_text()
     assert "bf16-kahan | int8" in table
     assert table.rstrip("\n") in (ROOT / "bench" / "REPORT.md").read_text()
+
+
+def test_stage3_is_compared_at_equal_regather_policy() -> None:
+    """Issue 15: our stage 3 that re-gathers in backward is compared with peers that reshard,
+    the one that keeps params gathered with peers that keep (DeepSpeed's default keeps)."""
+    report = _report_module()
+
+    def row(system: str, family: str, regather: str, overhead: float, stages=(3,)) -> dict:
+        return {"system": system, "family": family, "precision": "fp32", "stages": list(stages),
+                "reduce": "fp32", "regather": regather, "overhead_median": overhead}
+    e = [row("fusedzero-3", "fusedzero", "reshard", 100.0),
+         row("fusedzero-3-keep", "fusedzero", "keep", 60.0),
+         row("fsdp2-keep", "torch", "keep", 90.0, stages=(2, 3)),
+         row("fsdp2-reshard", "torch", "reshard", 140.0),
+         row("deepspeed-3", "deepspeed", "default", 80.0),
+         row("deepspeed-3-reshard", "deepspeed", "reshard", 160.0)]
+    assert {p["system"] for p in report._peers_of(e[0], e)} == {"fsdp2-reshard",
+                                                                 "deepspeed-3-reshard"}
+    assert {p["system"] for p in report._peers_of(e[1], e)} == {"fsdp2-keep", "deepspeed-3"}
+    stage2 = row("fusedzero-2", "fusedzero", "", 50.0, stages=(2,))
+    assert [p["system"] for p in report._peers_of(stage2, e + [stage2])] == ["fsdp2-keep"]
