@@ -62,6 +62,7 @@ class BucketSchedule:
         self._handles: list[tuple[Handle, Finish | None]] = []
         self.max_live_buckets = 0  # most transient bucket buffers alive at once (stages 2-3)
         self._next = 0
+        self._zeroed_at: dict[int, int] = {}  # id(buf) -> grad_flat._version after its zero_
         self.reset_pending()
 
     # -- backward -----------------------------------------------------------------------------
@@ -158,9 +159,19 @@ class BucketSchedule:
 
     def reset_step(self) -> None:
         """The grads are consumed: empty the full grad buffers; the next reduction of every
-        bucket is the first of its step."""
+        bucket is the first of its step.
+
+        [Note: zeroing once] `step()` then `zero_grad()`, the usual loop, would zero each full
+        grad buffer twice. A buffer is skipped when its version counter (shared by every view:
+        `.grad`, bucket slices) has not moved since it was last zeroed here. Every write that
+        puts grads in (autograd's accumulation into `.grad` views, `add_`/`mul_`/`copy_` by the
+        reductions, a user's in-place op on `.grad`) bumps it; a collective writing in place
+        does not, but one never runs on a buffer no op touched since it was zeroed (grads
+        arrive, or `mul_` pre-divides, before any launch)."""
         for buf in self.buffers:
-            if buf.grad_flat is not None:
-                buf.grad_flat.zero_()
+            g = buf.grad_flat
+            if g is not None and self._zeroed_at.get(id(buf)) != g._version:
+                g.zero_()
+                self._zeroed_at[id(buf)] = g._version
         for b in self.buckets:
             b.status = BucketStatus.EMPTY

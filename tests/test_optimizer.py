@@ -196,6 +196,27 @@ def test_step_without_backward_sees_zero_grads(stage: int) -> None:
         assert_close(m, ref_m)
 
 
+@pytest.mark.parametrize("stage", [0, 1])
+def test_zero_grad_after_step_zeroes_once_and_still_clears_user_writes(stage: int) -> None:
+    """[Note: zeroing once] `step()` consumes (zeroes) the full grad buffers; the usual
+    `zero_grad()` right after must not make a second pass over them, yet a write into `.grad`
+    in between is still cleared."""
+    m = make()
+    opt = ZeroAdamW(m.parameters(), lr=1e-3, stage=stage, module=m, bucket_numel=200)
+    flats = [b.grad_flat for b in opt.flat_groups]
+    m(batch(0)).square().mean().backward()
+    assert any(bool(g.ne(0).any()) for g in flats)
+    opt.step()
+    assert all(bool(g.eq(0).all()) for g in flats)
+    versions = [g._version for g in flats]
+    opt.zero_grad()
+    assert [g._version for g in flats] == versions, "zero_grad() zeroed consumed buffers again"
+    p = next(m.parameters())
+    p.grad.add_(1.0)  # a view of the grad buffer: the write must not survive zero_grad()
+    opt.zero_grad()
+    assert all(bool(g.eq(0).all()) for g in flats)
+
+
 def test_dynamic_loss_scale_skips_inf_step_and_backs_off() -> None:
     m = make()
     opt = ZeroAdamW(m.parameters(), lr=1e-3, loss_scale="dynamic")
