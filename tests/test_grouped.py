@@ -135,6 +135,21 @@ def test_grouped_sumsq_one_launch_per_dtype_matches_float64(backend: str) -> Non
     assert got.shape == (1,) and abs(float(got) - want) <= 1e-6 * want
 
 
+def test_sumsq_torch_path_splits_and_joins_pieces_across_chunks(monkeypatch) -> None:
+    """The CPU path squares the pieces chunk by chunk through one small scratch: pieces that
+    span, end on or fall inside a chunk boundary are all counted once (float64 reference)."""
+    from fusedzero.kernels import sum_of_squares
+    monkeypatch.setattr(sum_of_squares, "_CHUNK", 1000)
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = [torch.randn(n, generator=g).to(dtype) for n in (1, 17, 999, 1001, 2503, 1000)]
+        plan = GroupedSumsq([SumsqView(x) for x in xs], torch.device("cpu"))
+        assert len(plan.chunks) == -(-sum(x.numel() for x in xs) // 1000)
+        want = sum(float(x.double().square().sum()) for x in xs)
+        got = float(plan())
+        assert abs(got - want) <= 1e-6 * want, (dtype, got, want)
+
+
 # --------------------------------------------------------------------------- the optimizer
 
 def _gpt(seed: int = 0, n_layer: int = 8) -> GPT:
