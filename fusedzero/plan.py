@@ -17,11 +17,7 @@ fp32 grad reduction: pass `--reduce-dtype fp32` to plan for that.
 """
 from __future__ import annotations
 
-import argparse
-import json
-import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -29,32 +25,11 @@ from torch import nn
 
 from fusedzero import dtypes
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL, FlatLayout, build_layout
-from fusedzero.modes import MASTER_MODES, STATE_MODES, Modes, check_param_dtype
+from fusedzero.modes import Modes, check_param_dtype
 
 STAGES = (0, 1, 2, 3)
 # The global grad norm (clipping, non-finite skip) is one fp32 scalar all-reduced per step.
 SCALAR_BYTES = 4
-
-
-def _gpt_presets() -> dict[str, dict[str, int]]:
-    from fusedzero.app.config import (DEFAULT_BLOCK, DEFAULT_N_EMBD, DEFAULT_N_HEAD,
-                                 DEFAULT_N_LAYER)
-    gpt2 = dict(vocab_size=50257, block_size=1024)
-    return {
-        # `fusedzero train`'s default model (byte-level, runs on a laptop CPU)
-        "train": dict(n_layer=DEFAULT_N_LAYER, n_head=DEFAULT_N_HEAD, n_embd=DEFAULT_N_EMBD,
-                      block_size=DEFAULT_BLOCK),
-        # GPTConfig's defaults: the model the tests train
-        "tiny": {},
-        # GPT-2 shapes in fusedzero.app.model.GPT (tied head, no qkv bias: a few params fewer)
-        "gpt2": dict(n_layer=12, n_head=12, n_embd=768, **gpt2),
-        "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, **gpt2),
-        "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, **gpt2),
-        "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, **gpt2),
-    }
-
-
-PRESETS = ("train", "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 
 class StagePlan(NamedTuple):
@@ -251,92 +226,3 @@ def plan_params(n: int, cfg: PlanConfig) -> Plan:
         raise ValueError(f"--params must be >= 1, got {n}")
     p = nn.Parameter(torch.empty(n, device="meta"))
     return plan_groups([[("params", p)]], cfg, source="--params")
-
-
-# -- models on the meta device ----------------------------------------------------------------
-def preset_model(name: str) -> nn.Module:
-    """One of PRESETS as a fusedzero.app.model.GPT on the meta device (nothing allocated)."""
-    from fusedzero.app.model import GPT, GPTConfig
-
-    presets = _gpt_presets()
-    if name not in presets:
-        raise ValueError(f"unknown preset {name!r}; choose one of {PRESETS}")
-    with torch.device("meta"):
-        return GPT(GPTConfig(**presets[name]))
-
-
-def hf_model_from_config(path: str | Path) -> nn.Module:
-    """A transformers causal LM built from a config.json (or a folder holding one) on the meta
-    device: shapes only, nothing downloaded, no weights allocated."""
-    try:
-        import transformers
-    except ImportError:
-        raise ImportError("--hf-config needs the transformers package: "
-                          "pip install 'fusedzero[hf]'") from None
-    p = Path(path)
-    f = p / "config.json" if p.is_dir() else p
-    if not f.is_file():
-        raise FileNotFoundError(f"{path}: no config.json there")
-    d = json.loads(f.read_text())
-    if "model_type" not in d:
-        raise ValueError(f"{f}: no 'model_type' key; is it a Hugging Face config.json?")
-    config = transformers.AutoConfig.for_model(**d)
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(config)
-
-
-# -- CLI ----------------------------------------------------------------------------------------
-def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="memory and communication per rank, every stage",
-                              description=__doc__.split("\n\n")[0])
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", type=float, metavar="N",
-                     help="parameter count, e.g. 7.5e9 (one flat buffer)")
-    src.add_argument("--preset", choices=PRESETS, help="a fusedzero.app.model.GPT shape")
-    src.add_argument("--hf-config", metavar="PATH",
-                     help="a Hugging Face config.json or its folder (needs transformers)")
-    p.add_argument("--world-size", "-W", type=int, required=True, help="ranks sharding the state")
-    p.add_argument("--param-dtype", choices=sorted(dtypes.SHORT_NAMES), default="bf16",
-                   help="model param dtype (default bf16; fp32: no separate master)")
-    p.add_argument("--reduce-dtype", choices=sorted(dtypes.SHORT_NAMES), default="bf16",
-                   help="grad reduction dtype (default bf16, the ZeRO paper's; ZeroAdamW's "
-                        "own default is fp32)")
-    p.add_argument("--master", choices=MASTER_MODES, default="fp32",
-                   help="master weights (ZeroAdamW's master=; bf16 modes need bf16 params)")
-    p.add_argument("--states", choices=STATE_MODES, default="fp32",
-                   help="exp_avg / exp_avg_sq storage (ZeroAdamW's states=)")
-    p.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
-                   help="elements per bucket (default %(default)s)")
-    p.add_argument("--no-reshard-after-forward", dest="reshard", action="store_false",
-                   help="stage 3 keeps units gathered from forward to backward (2 Psi comm)")
-    p.add_argument("--one-group", action="store_true",
-                   help="one param group (default: decay / no-decay groups, as `train`)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
-    p.set_defaults(func=_cli_plan)
-    return p
-
-
-def _cli_plan(args: argparse.Namespace) -> int:
-    from fusedzero.app.config import UsageError
-
-    try:
-        cfg = PlanConfig(world_size=args.world_size,
-                         param_dtype=dtypes.SHORT_NAMES[args.param_dtype],
-                         reduce_dtype=dtypes.SHORT_NAMES[args.reduce_dtype],
-                         bucket_numel=args.bucket_numel,
-                         reshard_after_forward=args.reshard,
-                         modes=Modes(args.master, args.states))
-        if args.params is not None:
-            if not (math.isfinite(args.params) and args.params == int(args.params)):
-                raise ValueError(f"--params must be a whole number, got {args.params}")
-            plan = plan_params(int(args.params), cfg)
-        elif args.preset is not None:
-            plan = plan_model(preset_model(args.preset), cfg, decay_split=not args.one_group,
-                              source=f"preset {args.preset}")
-        else:
-            plan = plan_model(hf_model_from_config(args.hf_config), cfg,
-                              decay_split=not args.one_group, source=str(args.hf_config))
-    except (ValueError, ImportError, OSError) as e:
-        raise UsageError(str(e)) from None
-    print(json.dumps(plan.to_json(), indent=1) if args.json else plan.table())
-    return 0

@@ -21,7 +21,8 @@ from fusedzero.cli import main
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.modes import Modes
 from fusedzero.optim import ZeroAdamW
-from fusedzero.plan import PlanConfig, plan_model, plan_params, preset_model
+from fusedzero.app.plan_cli import preset_model
+from fusedzero.plan import PlanConfig, plan_model, plan_params
 
 CFG = dict(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=64)
 

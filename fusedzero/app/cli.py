@@ -18,7 +18,7 @@ from fusedzero.app.config import ArgParser, StalledError, UsageError
 from fusedzero.app.doctor import add_doctor_subparser
 from fusedzero.app.launch import add_train_subparser
 from fusedzero.app.lifecycle import Terminated
-from fusedzero.plan import add_plan_subparser
+from fusedzero.app.plan_cli import add_plan_subparser
 
 # Each adds its subparser to the `subparsers` action and calls `set_defaults(func=...)` with a
 # function of the parsed args that returns the exit code.
