@@ -108,7 +108,7 @@ class BucketSchedule:
                 h, finish = self.reduction.launch(b, self.ctx, self.inv_world)
             self._handles.append((h, finish))
             self._next += 1
-            if finish is not None:
+            if self.reduction.transient:
                 self.max_live_buckets = max(self.max_live_buckets,
                                             sum(x.grad is not None for x in self.buckets))
                 self._bound_inflight()

@@ -22,11 +22,21 @@ far; a later micro-batch of the same step must add only its own new grads:
   autograd cannot add them raw): the next reduce-scatter, which divides nothing, gives
   A + mean(g) in this rank's piece.
 - stages 2-3: each backward reduces a fresh bucket and adds the result into grad_shard.
+
+[Note: dividing after the reduction] Where W is a power of two, dividing by W is exact in
+binary floating point (bar subnormals), so sum(g / W) == sum(g) / W bit for bit: the first
+reduction of a bucket in a step then sums the raw grads and divides only this rank's piece
+afterwards (1/W of the elements, fused into the copy into grad_shard at stages 2-3), instead of a
+pass over the whole bucket before (stage 1's `mul_`, stages 2-3's scaling copy, which on CPU is
+slower than a plain copy for bf16). fp16 keeps the division before: its sum of W raw grads could
+overflow where the average does not. Other W keep it too (there the two orders round
+differently, and the results stay those of DDP's order).
 """
 from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Callable, Iterable
 from typing import Protocol
 
@@ -41,6 +51,13 @@ from fusedzero.stage import Stage
 # network busy (one bucket reducing while the next is sent) and bound the full-size grad memory
 # of a backward to a few buckets instead of the whole model.
 MAX_INFLIGHT_BUCKETS = 2
+
+
+def divides_after(b: Bucket, inv_world: float) -> bool:
+    """[Note: dividing after the reduction]: exact here (1/W a power of two below 1, not fp16),
+    so the first reduction of a step sums raw grads and divides this rank's piece afterwards."""
+    return (inv_world < 1.0 and math.frexp(inv_world)[0] == 0.5
+            and b.buf.reduce_dtype != torch.float16)
 
 
 class BucketStatus(enum.Enum):
@@ -78,7 +95,10 @@ Finish = Callable[[], None]
 
 
 class Reduction(Protocol):
-    """How one stage puts grads into a bucket and reduces it."""
+    """How one stage puts grads into a bucket and reduces it. `transient`: it holds a full-size
+    bucket buffer per reduction in flight (their number is bounded by the schedule)."""
+
+    transient: bool
 
     def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
         """Add the part of param `pos`'s flat grad that falls in bucket b."""
@@ -91,7 +111,10 @@ class Reduction(Protocol):
 
 
 class AllReduceFull:
-    """Stage 0: grads accumulate in the full buffer, which is all-reduced."""
+    """Stage 0: grads accumulate in the full buffer, which is all-reduced (every rank divides
+    the whole bucket either way, so before: DDP's order)."""
+
+    transient = False
 
     def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
         a, e, p = b.buf.layout.overlap(pos, b.k)
@@ -110,6 +133,8 @@ class AllReduceFull:
 class ReduceScatterInPlace:
     """Stage 1: the full buffer is reduce-scattered in place; see [Note: accumulating across
     reductions] for grads that arrive after a bucket was reduced."""
+
+    transient = False
 
     @staticmethod
     def _clean(b: Bucket) -> None:
@@ -133,13 +158,19 @@ class ReduceScatterInPlace:
 
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         buf = b.full_grad()
+        lo, hi = b.own_piece()
+        after = False
         if b.status is not BucketStatus.EMPTY:
             self._clean(b)  # new grads were added pre-divided: divide nothing again
+        elif divides_after(b, inv_world):
+            after = True
         elif ctx.world_size > 1:
             buf.mul_(inv_world)
         b.status = BucketStatus.REDUCED  # the other pieces are contributed again by this one
-        lo, hi = b.own_piece()
-        return comm.reduce_scatter(buf[lo:hi], buf, ctx.group, ctx.world_size, ctx.counter), None
+        h = comm.reduce_scatter(buf[lo:hi], buf, ctx.group, ctx.world_size, ctx.counter)
+        if not after:
+            return h, None
+        return h, lambda: buf[lo:hi].mul_(inv_world)
 
     def before_step(self, buckets: Iterable[Bucket]) -> None:
         pass
@@ -147,6 +178,8 @@ class ReduceScatterInPlace:
 
 class ReduceIntoShard:
     """Stages 2-3: a transient bucket buffer per backward, reduced into the grad shard."""
+
+    transient = True
 
     @staticmethod
     def _transient(b: Bucket) -> torch.Tensor:
@@ -161,11 +194,11 @@ class ReduceIntoShard:
         return b.grad
 
     def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
-        # A copy pre-divided by the world size, fused into the copy (each param's grad
-        # arrives once per backward).
+        # A copy (each param's grad arrives once per backward), pre-divided by the world size
+        # in the same pass unless the division comes after the reduction (see the Note).
         a, e, p = b.buf.layout.overlap(pos, b.k)
         dst, src = self._transient(b)[a:e], grad[p:p + e - a]
-        if inv_world == 1.0:
+        if inv_world == 1.0 or divides_after(b, inv_world):
             dst.copy_(src)
         else:
             torch.mul(src, inv_world, out=dst)
@@ -179,15 +212,20 @@ class ReduceIntoShard:
         lo, hi = b.own_piece()
         h = comm.reduce_scatter(buf[lo:hi], buf, ctx.group, ctx.world_size, ctx.counter)
 
+        scale = inv_world if divides_after(b, inv_world) else 1.0
+
         def finish() -> None:
             S = b.buf.layout.shard_numel
             assert b.buf.grad_shard is not None and b.grad is not None
             dst, piece = b.buf.grad_shard[b.k * S:(b.k + 1) * S], b.grad[lo:hi]
             if b.status is BucketStatus.EMPTY:
-                dst.copy_(piece)
+                if scale == 1.0:
+                    dst.copy_(piece)
+                else:
+                    torch.mul(piece, scale, out=dst)
                 b.status = BucketStatus.REDUCED
             else:
-                dst.add_(piece)
+                dst.add_(piece, alpha=scale)
             b.grad = None
         return h, finish
 
