@@ -128,6 +128,10 @@ def make_model() -> GPT:
 
 
 def _train_step(model: Any, opt: Any, clip_params: Any = None) -> Callable:
+    # A list, not the iterable given: `model.parameters()` is a generator, empty after the first
+    # step, and clip_grad_norm_ then clips nothing (only warns) from the second step on.
+    clip_params = None if clip_params is None else list(clip_params)
+
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         _, loss = model(x, y)
         loss.backward()

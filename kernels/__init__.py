@@ -6,17 +6,17 @@ its torch path for CPU tensors (`adamw_torch.py` for AdamW) and a grouped launch
 launchers share (argument checks, the backend choice `_launch.use_triton`, device guard) is
 `_launch.py`. The memory modes (`modes.py`: bf16 masters, bf16/int8 states) are constexpr
 variants of the same grouped AdamW kernel (torch path: `modes_torch.py`); `adamw_single.py`
-updates one buffer through it.
+updates one buffer through it (`AdamWPlan`: planned once, launched per call).
 """
 from fusedzero.kernels._launch import LAUNCHES, Strided, backend, use_triton
 from fusedzero.kernels.adamw import AdamWBuffer, GroupedAdamW, Hyper
-from fusedzero.kernels.adamw_single import adamw_reference, adamw_step
+from fusedzero.kernels.adamw_single import AdamWPlan, adamw_reference, adamw_step
 from fusedzero.kernels.modes import (MASTER_MODES, QBLOCK, STATE_MODES, bytes_per_param,
                                      dequantize_blockwise, quantize_blockwise)
 from fusedzero.kernels.modes_reference import adamw_reference_mode
 from fusedzero.kernels.sum_of_squares import GroupedSumsq, SumsqView, sumsq
 
-__all__ = ["LAUNCHES", "MASTER_MODES", "QBLOCK", "STATE_MODES", "AdamWBuffer", "GroupedAdamW",
+__all__ = ["LAUNCHES", "MASTER_MODES", "QBLOCK", "STATE_MODES", "AdamWBuffer", "AdamWPlan", "GroupedAdamW",
            "GroupedSumsq", "Hyper", "Strided", "SumsqView", "adamw_reference",
            "adamw_reference_mode", "adamw_step", "backend", "bytes_per_param",
            "dequantize_blockwise", "quantize_blockwise", "sumsq", "use_triton"]

@@ -83,3 +83,25 @@ def test_bench_update_cuda_rows_only_with_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *a: (80 << 30, 80 << 30))
     assert bench_update.cuda_skip_reason(64 << 20) == ""
     assert "lower FUSEDZERO_BENCH_UPDATE_CUDA_SIZES" in bench_update.cuda_skip_reason(1 << 30)
+
+
+@pytest.mark.parametrize("provider", ["fusedzero", "fusedzero_bf16"])
+def test_bench_update_times_a_plan_built_once(monkeypatch, provider):
+    """The timed call is the launch, as in the optimizer: a plan (its piece table copied to the
+    device) built per call put a blocking host-to-device copy and the table build into every
+    timed rep on a GPU (measured on an H100: 1.14 ms per 64M-element update with it, 0.67 ms
+    without; torch fused AdamW 0.73 ms)."""
+    from fusedzero.kernels import adamw_single
+
+    built: list[int] = []
+    real = adamw_single.GroupedAdamW
+
+    def counting(*a, **kw):  # type: ignore[no-untyped-def]
+        built.append(1)
+        return real(*a, **kw)
+
+    monkeypatch.setattr(adamw_single, "GroupedAdamW", counting)
+    run = bench_update._make(provider, 4096, "cpu")
+    for _ in range(3):
+        run()
+    assert len(built) == 1

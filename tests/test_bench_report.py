@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,3 +87,25 @@ def test_stage3_is_compared_at_equal_regather_policy() -> None:
     assert {p["system"] for p in report._peers_of(e[1], e)} == {"fsdp2-keep", "deepspeed-3"}
     stage2 = row("fusedzero-2", "fusedzero", "", 50.0, stages=(2,))
     assert [p["system"] for p in report._peers_of(stage2, e + [stage2])] == ["fsdp2-keep"]
+
+
+def test_peer_clipping_runs_every_step_from_a_parameters_generator(monkeypatch) -> None:
+    """FSDP2's bench step clips `model.parameters()`: a generator, which once held as is was
+    empty from the second step on, so the peer skipped the clip its overhead should include."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import _systems
+
+    model = torch.nn.Linear(3, 2)
+    seen: list[int] = []
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda params, max_norm: seen.append(len(list(params))))
+
+    class Opt:
+        def step(self) -> None: ...
+        def zero_grad(self) -> None: ...
+
+    model_step = _systems._train_step(lambda x, y: (None, model(x).sum()), Opt(),
+                                      model.parameters())
+    for _ in range(3):
+        model_step(torch.randn(4, 3), None)
+    assert seen == [2, 2, 2]

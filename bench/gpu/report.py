@@ -1,0 +1,167 @@
+"""bench/gpu/REPORT.md from the raw results `bench/gpu/run.sh` writes (bench/gpu/results/).
+
+    python bench/gpu/report.py bench/gpu/results -o bench/gpu/REPORT.md
+
+A function of the committed JSON only (no torch, no GPU needed to regenerate it).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parents[1]
+
+
+def _bench_report() -> Any:
+    """bench/report.py, for its peer matching (same precision, stage, reduce dtype, policy)."""
+    spec = importlib.util.spec_from_file_location("bench_report_cpu", BENCH / "report.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _table(head: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    lines += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _read(folder: Path, name: str) -> dict[str, Any] | None:
+    path = folder / name
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def doctor_section(d: dict[str, Any]) -> str:
+    rows = [[r["check"], r["status"], r["detail"].replace("|", "/")] for r in d["rows"]]
+    return "## `fusedzero doctor`\n\n" + _table(["check", "status", "detail"], rows)
+
+
+def update_section(d: dict[str, Any]) -> str:
+    rows = []
+    for b in sorted(d["benchmarks"], key=lambda b: (b["extra_info"]["numel"],
+                                                     b["extra_info"]["provider"])):
+        e = b["extra_info"]
+        rows.append([f"{e['numel'] >> 20}M", e["provider"], f"{e['time_median'] * 1e3:.3f}",
+                     e["bytes_per_param_impl"], f"{e['gbps_min']:.0f}",
+                     f"{e['pct_of_copy']:.0f}%", f"{e['ratio_vs_torch_fused']:.2f}"])
+    return ("## The update, one flat shard (`bench/bench_update.py`, CUDA rows)\n\n"
+            "Median of interleaved rounds of `triton.testing.do_bench` (CUDA events, L2 flushed "
+            "between reps); fusedzero through `AdamWPlan` (planned once, as the optimizer "
+            "does). GB/s counts the bytes the update must touch.\n\n"
+            + _table(["elements", "provider", "median ms", "B/param moved", "GB/s",
+                      "of a device copy", "time vs torch fused"], rows))
+
+
+def modes_section(d: dict[str, Any]) -> str:
+    rows = [[r["mode"], f"{r['block']}x{r['warps']}" + (" (shipped)" if r["shipped"] else ""),
+             f"{r['seconds'] * 1e3:.3f}", f"{r['bytes_per_param']:g}", f"{r['gbps']:.0f}",
+             f"{100 * r['gbps'] / d['copy_gbps']:.0f}%"] for r in d["rows"]]
+    return (f"## The grouped kernel per memory mode ({d['numel'] >> 20}M elements, "
+            "`bench/gpu/update_modes.py`)\n\n"
+            f"Device copy: {d['copy_gbps']:.0f} GB/s; torch.optim.AdamW(fused=True), fp32: "
+            f"{d['torch_fused_fp32_seconds'] * 1e3:.3f} ms ({d['torch_fused_gbps']:.0f} GB/s "
+            "at 28 B/param). Launch shapes other than the shipped one are a sweep.\n\n"
+            + _table(["mode", "BLOCK x warps", "ms", "B/param", "GB/s", "of copy"], rows))
+
+
+def probe_section(d: dict[str, Any]) -> str:
+    par = [[r["stage"], f"{r['worst_rel_diff']:.1e}"] for r in d["rows"]
+           if r["check"] == "parity"]
+    errors = [r for r in d["rows"] if "error" in r]
+    facts = []
+    for r in (r for r in d["rows"] if r["check"] == "step"):
+        k = r["kernels"]
+        adamw = sum(n for name, n in k.items() if "grouped_adamw" in name)
+        sumsq = sum(n for name, n in k.items() if "grouped_sumsq" in name)
+        facts.append([r["stage"], f"{r['master']} / {r['states']}", adamw, sumsq,
+                      sum(k.values()) - adamw - sumsq,
+                      "none" if not r["host_sync_in_step"] else "SYNC",
+                      r["memory_report_total"], r["allocator_added"] + r["params_before"]])
+    out = ["## ZeroAdamW on the GPU (`bench/gpu/probe.py`, NCCL, world of one)", "",
+           "Parity: 5 steps x 2 micro-batches with clipping, fp32, small GPT, against "
+           "torch.optim.AdamW + clip_grad_norm_; worst |ours - torch| / max(|torch|, 1e-3) "
+           "over all params.", "", _table(["stage", "worst relative difference"], par), "",
+           "One `step()` per stage and memory mode (bf16 params, bf16 reduce, clipping on): "
+           "CUDA kernels it ran (torch profiler), host syncs (set_sync_debug_mode('error') "
+           "around it), and `opt.memory().total` beside what the caching allocator holds for "
+           "params + optimizer after 3 steps (bytes added since the model was built, plus the "
+           "model's own params, which the flat buffers replace).", "",
+           _table(["stage", "master / states", "AdamW launches", "sum-of-squares launches",
+                   "other kernels (torch: scalars, norm, casts)", "host sync in step()",
+                   "opt.memory() bytes", "allocator bytes"], facts)]
+    if errors:
+        out += ["", "Errors:", ""] + [f"- {e['check']} {e.get('args')}: "
+                                      f"{e['error'].splitlines()[-1]}" for e in errors]
+    return "\n".join(out)
+
+
+def step_section(runs: list[dict[str, Any]]) -> str:
+    peers_of = _bench_report()._peers_of
+    out = ["## Step overhead on one GPU (`bench/gpu/step_overhead.py`)", ""]
+    for d in runs:
+        m = d["model"]
+        rows = [dict(r, overhead_median=None) for r in d["rows"]]
+        bare = {r["precision"]: r["median_s"] for r in rows if r["family"] == "bare"}
+        for r in rows:
+            r["overhead_median"] = r["median_s"] - bare.get(r["precision"], float("nan"))
+        out += [f"GPT {m['n_layer']} layers x {m['n_embd']} wide, {m['block_size']} tokens x "
+                f"{d['batch']} sequences per step, clip {d['clip']}, bucket {d['bucket_numel']} "
+                f"elements; {d['rounds']} interleaved rounds of {d['steps_per_round']} steps, "
+                f"world of one (NCCL); {d['device']}, torch {d['torch']}. Overhead: median step "
+                "minus the median bare forward+backward of the same precision.", ""]
+        table = []
+        for r in rows:
+            ours = r["family"] == "fusedzero"
+            peers = peers_of(r, rows) if ours else []
+            best = min(peers, key=lambda p: p["overhead_median"]) if peers else None
+            vs = (f"{r['overhead_median'] / best['overhead_median']:.2f} of {best['system']}"
+                  if best and best["overhead_median"] > 0 else "")
+            table.append([r["system"], r["precision"], ",".join(map(str, r["stages"])) or "-",
+                          r["reduce"] or "-", r["regather"] or "-",
+                          f"{r['median_s'] * 1e3:.2f}",
+                          f"{r['min_s'] * 1e3:.2f}-{r['max_s'] * 1e3:.2f}",
+                          f"{r['overhead_median'] * 1e3:.2f}", vs])
+        out += [_table(["system", "precision", "stages", "reduce", "stage-3 policy",
+                        "median ms", "rounds' range", "overhead ms", "ours vs best peer"],
+                       table), ""]
+        if d.get("errors"):
+            out += [f"Not run: {k}: {v}" for k, v in d["errors"].items()] + [""]
+    return "\n".join(out)
+
+
+def render(folder: Path) -> str:
+    meta = _read(folder, "meta.json") or {}
+    parts = ["# GPU results", "",
+             "Generated by `python bench/gpu/report.py bench/gpu/results -o bench/gpu/REPORT.md` "
+             "from the JSON that `bash bench/gpu/run.sh` wrote "
+             f"(commit {meta.get('commit', '?')}, {meta.get('date', '?')}, "
+             f"{meta.get('machine', '?')})."]
+    for name, fn in (("doctor.json", doctor_section), ("update.json", update_section),
+                     ("update_modes.json", modes_section), ("probe.json", probe_section)):
+        d = _read(folder, name)
+        if d is not None:
+            parts += ["", fn(d)]
+    steps = [d for n in ("step_fp32.json", "step_bf16.json") if (d := _read(folder, n))]
+    if steps:
+        parts += ["", step_section(steps)]
+    return "\n".join(parts).rstrip("\n") + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder", type=Path)
+    ap.add_argument("-o", "--out", type=Path, default=None)
+    args = ap.parse_args()
+    text = render(args.folder)
+    if args.out is None:
+        print(text, end="")
+    else:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
