@@ -109,3 +109,23 @@ def test_peer_clipping_runs_every_step_from_a_parameters_generator(monkeypatch) 
     for _ in range(3):
         model_step(torch.randn(4, 3), None)
     assert seen == [2, 2, 2]
+
+
+def _gpu_report_module():
+    spec = importlib.util.spec_from_file_location("bench_gpu_report",
+                                                  ROOT / "bench" / "gpu" / "report.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_gpu_report_regenerates_from_committed_results_and_readme_quotes_it() -> None:
+    """bench/gpu/REPORT.md (measured on a lent H100) is a function of bench/gpu/results, and
+    README's GPU table is its headline, character for character."""
+    gpu = _gpu_report_module()
+    folder = ROOT / "bench" / "gpu" / "results"
+    assert gpu.render(folder) == (ROOT / "bench" / "gpu" / "REPORT.md").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert gpu.headline(folder) in readme
+    assert gpu.headline(folder) in gpu.render(folder)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -99,32 +100,41 @@ def probe_section(d: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
-def step_section(runs: list[dict[str, Any]]) -> str:
+def _compared(d: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    """Each system's row with its overhead, and for ours the best peer's row (bench/report.py's
+    matching: same precision, stage, reduce dtype and stage-3 policy)."""
     peers_of = _bench_report()._peers_of
+    rows = [dict(r) for r in d["rows"]]
+    bare = {r["precision"]: r["median_s"] for r in rows if r["family"] == "bare"}
+    for r in rows:
+        r["overhead_median"] = r["median_s"] - bare.get(r["precision"], float("nan"))
+    out = []
+    for r in rows:
+        peers = peers_of(r, rows) if r["family"] == "fusedzero" else []
+        out.append((r, min(peers, key=lambda p: p["overhead_median"]) if peers else None))
+    return out
+
+
+def _vs(r: dict[str, Any], best: dict[str, Any] | None) -> str:
+    if best is None or best["overhead_median"] <= 0:
+        return ""
+    return f"{r['overhead_median'] / best['overhead_median']:.2f} of {best['system']}"
+
+
+def step_section(runs: list[dict[str, Any]]) -> str:
     out = ["## Step overhead on one GPU (`bench/gpu/step_overhead.py`)", ""]
     for d in runs:
         m = d["model"]
-        rows = [dict(r, overhead_median=None) for r in d["rows"]]
-        bare = {r["precision"]: r["median_s"] for r in rows if r["family"] == "bare"}
-        for r in rows:
-            r["overhead_median"] = r["median_s"] - bare.get(r["precision"], float("nan"))
         out += [f"GPT {m['n_layer']} layers x {m['n_embd']} wide, {m['block_size']} tokens x "
                 f"{d['batch']} sequences per step, clip {d['clip']}, bucket {d['bucket_numel']} "
                 f"elements; {d['rounds']} interleaved rounds of {d['steps_per_round']} steps, "
                 f"world of one (NCCL); {d['device']}, torch {d['torch']}. Overhead: median step "
                 "minus the median bare forward+backward of the same precision.", ""]
-        table = []
-        for r in rows:
-            ours = r["family"] == "fusedzero"
-            peers = peers_of(r, rows) if ours else []
-            best = min(peers, key=lambda p: p["overhead_median"]) if peers else None
-            vs = (f"{r['overhead_median'] / best['overhead_median']:.2f} of {best['system']}"
-                  if best and best["overhead_median"] > 0 else "")
-            table.append([r["system"], r["precision"], ",".join(map(str, r["stages"])) or "-",
-                          r["reduce"] or "-", r["regather"] or "-",
-                          f"{r['median_s'] * 1e3:.2f}",
-                          f"{r['min_s'] * 1e3:.2f}-{r['max_s'] * 1e3:.2f}",
-                          f"{r['overhead_median'] * 1e3:.2f}", vs])
+        table = [[r["system"], r["precision"], ",".join(map(str, r["stages"])) or "-",
+                  r["reduce"] or "-", r["regather"] or "-", f"{r['median_s'] * 1e3:.2f}",
+                  f"{r['min_s'] * 1e3:.2f}-{r['max_s'] * 1e3:.2f}",
+                  f"{r['overhead_median'] * 1e3:.2f}", _vs(r, best)]
+                 for r, best in _compared(d)]
         out += [_table(["system", "precision", "stages", "reduce", "stage-3 policy",
                         "median ms", "rounds' range", "overhead ms", "ours vs best peer"],
                        table), ""]
@@ -133,13 +143,48 @@ def step_section(runs: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+HEADLINE = re.compile(r"<!-- gpu-headline:begin -->\n.*?<!-- gpu-headline:end -->", re.S)
+
+
+def headline(folder: Path) -> str:
+    """The README's GPU table: the update against torch's fused AdamW, and each of our step
+    overheads against the best peer's (both from the committed results)."""
+    meta = _read(folder, "meta.json") or {}
+    rows = []
+    upd = _read(folder, "update.json")
+    if upd is not None:
+        e = {(b["extra_info"]["provider"], b["extra_info"]["numel"]): b["extra_info"]
+             for b in upd["benchmarks"]}
+        n = min(k[1] for k in e)
+        ours, ref = e[("fusedzero_bf16", n)], e[("torch_fused", n)]
+        rows.append([f"AdamW update, {n >> 20}M params (bf16 grad + bf16 copy out)",
+                     f"{ours['time_median'] * 1e3:.3f} ms ({ours['pct_of_copy']:.0f}% of copy)",
+                     f"{ref['time_median'] * 1e3:.3f} ms torch fused (fp32)",
+                     f"{ours['time_median'] / ref['time_median']:.2f}"])
+    for name in ("step_fp32.json", "step_bf16.json"):
+        d = _read(folder, name)
+        for r, best in _compared(d) if d else []:
+            if best is not None and best["overhead_median"] > 0:
+                rows.append([f"step overhead, {r['system']}",
+                             f"{r['overhead_median'] * 1e3:.2f} ms",
+                             f"{best['overhead_median'] * 1e3:.2f} ms {best['system']}",
+                             f"{r['overhead_median'] / best['overhead_median']:.2f}"])
+    return "\n".join([
+        "<!-- gpu-headline:begin -->",
+        f"{meta.get('machine', '?')}, commit {meta.get('commit', '?')}, {meta.get('date', '?')}; "
+        "`bash bench/gpu/run.sh`, then `python bench/gpu/report.py bench/gpu/results "
+        "-o bench/gpu/REPORT.md --readme README.md` (details: bench/gpu/REPORT.md)", "",
+        _table(["measured", "fusedzero", "best peer", "ratio"], rows),
+        "<!-- gpu-headline:end -->"])
+
+
 def render(folder: Path) -> str:
     meta = _read(folder, "meta.json") or {}
     parts = ["# GPU results", "",
              "Generated by `python bench/gpu/report.py bench/gpu/results -o bench/gpu/REPORT.md` "
              "from the JSON that `bash bench/gpu/run.sh` wrote "
              f"(commit {meta.get('commit', '?')}, {meta.get('date', '?')}, "
-             f"{meta.get('machine', '?')})."]
+             f"{meta.get('machine', '?')}).", "", headline(folder)]
     for name, fn in (("doctor.json", doctor_section), ("update.json", update_section),
                      ("update_modes.json", modes_section), ("probe.json", probe_section)):
         d = _read(folder, name)
@@ -155,8 +200,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path)
     ap.add_argument("-o", "--out", type=Path, default=None)
+    ap.add_argument("--readme", type=Path, help="also quote the headline table into this file")
     args = ap.parse_args()
     text = render(args.folder)
+    if args.readme is not None:
+        readme = args.readme.read_text()
+        if not HEADLINE.search(readme):
+            raise SystemExit(f"{args.readme} has no <!-- gpu-headline:begin --> ... end block")
+        args.readme.write_text(HEADLINE.sub(lambda _: headline(args.folder), readme, count=1))
     if args.out is None:
         print(text, end="")
     else:
