@@ -1,40 +1,87 @@
 """The grouped AdamW update on CPU tensors, through torch's own fused AdamW (vectorised C++).
 
 One `Combo` is every piece of one (grad dtype, out dtype) combination, as tensor lists built
-once; a step is one `torch._fused_adamw_` per hyper-parameter row (param group) over all its
-pieces, plus one cast of bf16/fp16 grads into a reused fp32 workspace and one copy of the new
-params into the low-precision output, each a single foreach op over all pieces.
+once. fp32 grads without an output: one `torch._fused_adamw_` per hyper-parameter row (param
+group) over all its pieces, one pass. bf16/fp16 grads or a low-precision output: the pieces are
+cut into cache-sized chunks, and each chunk is cast into a small fp32 workspace, updated and
+copied into the output while it is still in cache (see [Note: cache-blocked update]).
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from fusedzero.kernels._launch import Hyper
 from fusedzero.kernels.table import Piece
 
+# [Note: cache-blocked update] A chunk touches 20 bytes per element with bf16 grads and a bf16
+# output (master, workspace, exp_avg, exp_avg_sq in fp32; grad and output in bf16): 2**15
+# elements are 640 KiB, well inside a core's L2 (2 MiB on the machine this was measured on;
+# 1-2 MiB on current x86 server cores). Whole-buffer passes instead write the fp32 workspace to
+# memory, read it back, and read the master a second time for the output copy (bench/README.md,
+# "Where the overhead goes"). Each chunk costs three small foreach calls on the host: at
+# 2**15 elements that is a few microseconds per 100 KiB of grads.
+CHUNK = 1 << 15
+
+
+@dataclasses.dataclass
+class _Chunk:
+    """At most CHUNK elements of one row's pieces: the lists of one `_fused_adamw_` call."""
+
+    row: int
+    masters: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    grads: list[torch.Tensor] = dataclasses.field(default_factory=list)  # fp32: what adamw reads
+    exp_avgs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    exp_avg_sqs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    grad_src: list[torch.Tensor] = dataclasses.field(default_factory=list)  # cast into `grads`
+    outs: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    numel: int = 0
+
 
 class Combo:
     """The torch path's lists for one combination's pieces (see the module docstring)."""
 
-    def __init__(self, pieces: list[Piece], num_rows: int) -> None:
+    def __init__(self, pieces: list[Piece], num_rows: int, chunk: int | None = None) -> None:
+        chunk = CHUNK if chunk is None else chunk
         views = [[t[s:s + p.numel] for t, s in zip(p.tensors, p.starts)] for p in pieces]
-        self.grad_src = [v[1] for v in views]
-        self.cast = self.grad_src[0].dtype != torch.float32
+        self.cast = views[0][1].dtype != torch.float32
+        self.has_out = len(views[0]) > 4
         self.total = sum(p.numel for p in pieces)
-        self._ws: torch.Tensor | None = None
-        grads = self.grad_src
+        blocked = self.cast or self.has_out
+        # One workspace for every chunk: it stays in cache.
+        self._ws = (torch.empty(min(chunk, self.total), dtype=torch.float32,
+                                device=views[0][1].device) if self.cast else None)
+        self.chunks: list[_Chunk] = []
+        for row in sorted({p.row for p in pieces}):
+            cur = _Chunk(row)
+            for p, v in zip(pieces, views):
+                if p.row != row:
+                    continue
+                lo = 0
+                while lo < p.numel:
+                    if blocked and cur.numel == chunk:
+                        self.chunks.append(cur)
+                        cur = _Chunk(row)
+                    n = p.numel - lo if not blocked else min(p.numel - lo, chunk - cur.numel)
+                    self._add(cur, [t[lo:lo + n] for t in v], n)
+                    lo += n
+            if cur.numel:
+                self.chunks.append(cur)
+
+    def _add(self, c: _Chunk, v: list[torch.Tensor], n: int) -> None:
+        c.masters.append(v[0])
         if self.cast:
-            self._ws = torch.empty(self.total, dtype=torch.float32,
-                                   device=self.grad_src[0].device)
-            grads = list(self._ws.split([p.numel for p in pieces]))
-        self.ws_views = grads if self.cast else []
-        self.rows: dict[int, tuple[list[torch.Tensor], ...]] = {}
-        for p, v, g in zip(pieces, views, grads):
-            lists = self.rows.setdefault(p.row, ([], [], [], []))
-            for lst, t in zip(lists, (v[0], g, v[2], v[3])):
-                lst.append(t)
-        self.outs = [v[4] for v in views if len(v) > 4]
-        self.out_src = [v[0] for v in views if len(v) > 4]
+            assert self._ws is not None
+            c.grad_src.append(v[1])
+            c.grads.append(self._ws[c.numel:c.numel + n])
+        else:
+            c.grads.append(v[1])
+        c.exp_avgs.append(v[2])
+        c.exp_avg_sqs.append(v[3])
+        if self.has_out:
+            c.outs.append(v[4])
+        c.numel += n
 
     def run(self, hyper: Hyper, step: torch.Tensor, grad_scale: torch.Tensor,
             skip: torch.Tensor) -> None:
@@ -42,14 +89,15 @@ class Combo:
         the grad by `grad_scale` in place: the grads are consumed by the step."""
         if skip.item() != 0:
             return
-        if self.cast:
-            torch._foreach_copy_(self.ws_views, self.grad_src)
         inv = grad_scale.reciprocal()
-        for row, (masters, grads, ms, vs) in self.rows.items():
-            beta1, beta2, eps, wd, maximize = hyper.consts[row]
-            torch._fused_adamw_(masters, grads, ms, vs, [], [step] * len(masters),
-                                lr=hyper.lr[row:row + 1], beta1=beta1, beta2=beta2,
-                                weight_decay=wd, eps=eps, amsgrad=False, maximize=maximize,
-                                grad_scale=inv, found_inf=None)
-        if self.outs:
-            torch._foreach_copy_(self.outs, self.out_src)
+        for c in self.chunks:
+            beta1, beta2, eps, wd, maximize = hyper.consts[c.row]
+            if c.grad_src:
+                torch._foreach_copy_(c.grads, c.grad_src)
+            torch._fused_adamw_(c.masters, c.grads, c.exp_avgs, c.exp_avg_sqs, [],
+                                [step] * len(c.masters), lr=hyper.lr[c.row:c.row + 1],
+                                beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
+                                amsgrad=False, maximize=maximize, grad_scale=inv,
+                                found_inf=None)
+            if c.outs:
+                torch._foreach_copy_(c.outs, c.masters)
