@@ -13,16 +13,21 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import os
 import time
-from typing import Any, Optional
+import weakref
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
 
+from fusedzero import direct
+from fusedzero.direct import DirectWork
+
 # A process group, or None for the default (world) group.
 Group = Optional[dist.ProcessGroup]
 # What an async collective returns: a work handle, or None where nothing was sent (1 rank).
-Handle = Optional[dist.Work]
+Handle = Optional[Union[dist.Work, DirectWork]]
 
 
 
@@ -127,6 +132,30 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+# [Note: gloo has no reduce-scatter] (fusedzero/direct.py): CPU tensors on gloo reduce-scatter
+# and all-gather by direct sends, which move exactly the counted bytes. FUSEDZERO_GLOO_COLLECTIVES
+# =torch (read once per group) uses torch's gloo collectives instead, for comparison: they send an
+# all-reduce's bytes to reduce-scatter.
+_direct_rank: weakref.WeakKeyDictionary[dist.ProcessGroup, int | None] = (
+    weakref.WeakKeyDictionary())
+
+
+def _direct_rank_of(group: Group, t: torch.Tensor) -> int | None:
+    """This rank's place in `group` if `t`'s collectives there go direct (CPU on gloo), else None.
+    Looked up once per group."""
+    if t.device.type != "cpu":
+        return None
+    pg = group if group is not None else dist.group.WORLD
+    if pg not in _direct_rank:
+        try:
+            gloo = "gloo" in str(dist.get_backend(group))
+        except (RuntimeError, ValueError):
+            gloo = False
+        wanted = os.environ.get("FUSEDZERO_GLOO_COLLECTIVES", "direct") != "torch"
+        _direct_rank[pg] = dist.get_rank(group) if gloo and wanted else None
+    return _direct_rank[pg]
+
+
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int,
                    counter: CommCounter) -> Handle:
     """Sum `inp` over ranks; this rank's 1/W slice lands in `out` (may alias that slice)."""
@@ -135,6 +164,9 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, world_siz
             out.copy_(inp)
         return None
     counter.add(CollectiveKind.REDUCE_SCATTER, inp.numel(), inp.element_size(), world_size)
+    rank = _direct_rank_of(group, inp)
+    if rank is not None:
+        return direct.reduce_scatter(out, inp, group, world_size, rank)
     return _reduce_scatter(out, inp, group=group, async_op=True)
 
 
@@ -146,6 +178,9 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: i
             out.copy_(inp)
         return None
     counter.add(CollectiveKind.ALL_GATHER, out.numel(), out.element_size(), world_size)
+    rank = _direct_rank_of(group, out)
+    if rank is not None:
+        return direct.all_gather(out, inp, group, world_size, rank)
     return _all_gather(out, inp, group=group, async_op=True)
 
 
