@@ -13,6 +13,7 @@ import argparse
 import importlib.util
 import json
 import re
+import sys
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,11 @@ MB = 1e6
 
 
 def _sibling(name: str) -> Any:
-    """bench/<name>.py as a module (bench/ is a folder of scripts, not a package)."""
+    """bench/<name>.py as a module (bench/ is a folder of scripts, not a package; its files
+    import each other by name, as pytest's rootdir-relative collection lets them)."""
+    here = str(Path(__file__).parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
     spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
@@ -354,6 +359,8 @@ def render(folder: Path, out: Path, plots: bool = True, root: Path = Path(".")) 
     for subject, fn in sections.items():
         if rows.get(subject):
             parts.append(fn(rows[subject], figdir))
+    if rows.get("collectives"):
+        parts.append(_sibling("bench_collectives").report_section(rows["collectives"]))
     quality = _sibling("quality_modes")
     if (root / quality.TABLE).is_file():
         parts.append(quality.report_section((root / quality.TABLE).read_text()))

@@ -19,9 +19,11 @@ Costs and lifetimes:
   it free at once). Every caller already waits before touching a reduced or gathered buffer.
 - Sums run in a fixed order per rank (own slice, then peers from rank+1 on), so a run repeats bit
   for bit; W = 2 is a single add, identical to any order.
-- Messages carry a tag drawn from a per-group sequence in a reserved range, identical on every
-  rank because every rank issues the same collectives in the same order (as any collective
-  needs); the user's own sends on the same group (tag 0 by default) never match ours.
+- Messages carry a tag in a reserved range made from the collective's place in a per-group
+  sequence and what it is (kind and size), identical on every rank because every rank issues the
+  same collectives in the same order (as any collective needs); the user's own sends on the same
+  group (tag 0 by default) never match ours, and ranks that diverged (rank-dependent control
+  flow) wait on different tags and time out naming their own wait.
 
 NCCL keeps its native collectives (`fusedzero.comm` only routes CPU tensors on gloo here).
 """
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import datetime
 import itertools
+import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -44,12 +47,17 @@ _tag_seqs: weakref.WeakKeyDictionary[dist.ProcessGroup, Iterator[int]] = (
     weakref.WeakKeyDictionary())
 
 
-def _next_tag(group: dist.ProcessGroup | None) -> int:
+def _next_tag(group: dist.ProcessGroup | None, kind: int, t: torch.Tensor) -> int:
+    """The tag of the group's next direct collective: its place in the group's sequence mixed
+    with what it is (kind, elements, element size). Ranks whose control flow diverged (one
+    skipped a unit) then post different tags, match nothing, and each times out naming its own
+    wait, instead of pairing up unrelated messages."""
     pg = group if group is not None else dist.group.WORLD
     seq = _tag_seqs.get(pg)
     if seq is None:
         seq = _tag_seqs[pg] = itertools.count()
-    return TAG_BASE + next(seq) % TAG_SPAN
+    what = (kind * 1_000_003 + t.numel()) * 31 + t.element_size()
+    return TAG_BASE + (next(seq) * 2_654_435_761 + what) % TAG_SPAN
 
 
 class DirectWork:
@@ -79,6 +87,23 @@ class DirectWork:
     def is_completed(self) -> bool:
         return self._then is None and not self._works
 
+    def __del__(self) -> None:
+        # Dropped before its wait (an optimizer discarded with its params' all-gather in flight,
+        # an exception mid-backward): a gloo send or receive destroyed while pending leaves its
+        # pair waiting for it, which stalls every later message between the two ranks. A daemon
+        # thread waits for them instead, as gloo's own queue would for a collective.
+        if self._works:
+            threading.Thread(target=_drain, args=(self._works,), daemon=True,
+                             name="fusedzero-direct-drain").start()
+
+
+def _drain(works: list[dist.Work]) -> None:
+    for w in works:
+        try:
+            w.wait()
+        except RuntimeError:
+            return  # the group is gone or timed out: nothing is waiting on it any more
+
 
 def _peers(rank: int, world_size: int) -> list[int]:
     """Every other group rank, starting after this one: ranks do not all send to rank 0 first."""
@@ -90,7 +115,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGrou
     """Sum `inp` (1-D, W equal slices) over the group; slice `rank` of the sum lands in `out`
     (which may alias that slice of `inp`) when the returned handle is waited."""
     S = out.numel()
-    tag = _next_tag(group)
+    tag = _next_tag(group, 1, inp)
     peers = _peers(rank, world_size)
     recv = torch.empty((world_size - 1, S), dtype=inp.dtype, device=inp.device)
     works = [dist.irecv(recv[i], group=group, group_src=p, tag=tag) for i, p in enumerate(peers)]
@@ -107,7 +132,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: dist.ProcessGroup | 
                world_size: int, rank: int) -> DirectWork:
     """Every rank's `inp` into its slice of `out` (1-D); `inp` may be this rank's slice."""
     S = inp.numel()
-    tag = _next_tag(group)
+    tag = _next_tag(group, 2, out)
     peers = _peers(rank, world_size)
     works = [dist.irecv(out[p * S:(p + 1) * S], group=group, group_src=p, tag=tag)
              for p in peers]

@@ -188,3 +188,21 @@ def _torch_gloo_worker(rank: int, world: int) -> bool:
 def test_torch_gloo_collectives_on_request() -> None:
     assert all(run_ranks(_torch_gloo_worker, 2, timeout=120,
                          env={"FUSEDZERO_GLOO_COLLECTIVES": "torch"}))
+
+
+def _dropped_worker(rank: int, world: int) -> bool:
+    """A direct all-gather dropped without its wait (an optimizer discarded with its params'
+    gather in flight) must not stall the next collective between the same ranks."""
+    import gc
+    S = 1 << 16
+    full = torch.zeros(S * world)
+    h = comm.all_gather(full, torch.randn(S), None, world, CommCounter())
+    del h
+    gc.collect()
+    t = torch.ones(1)
+    comm.wait(dist.all_reduce(t, async_op=True), "all-reduce after a dropped all-gather")
+    return float(t) == world
+
+
+def test_a_dropped_direct_collective_does_not_stall_the_next() -> None:
+    assert all(run_ranks(_dropped_worker, 2, timeout=120, pg_timeout=20))
