@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fusedzero import comm
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
 
@@ -42,6 +43,7 @@ class Spec:
     stages: tuple[int, ...] = ()  # the ZeRO stages it is compared at (FSDP2 keep: 2 and 3)
     reduce: str = "fp32"  # dtype grads are reduced in (what the system does by default or is told)
     regather: str = ""  # stage 3: "reshard" (free after forward, gather again) or "keep"
+    gloo: str = "direct"  # fusedzero on gloo: its direct collectives or torch's (for comparison)
     note: str = ""
 
 
@@ -55,6 +57,11 @@ SYSTEMS: dict[str, Spec] = {
     "bare": Spec(family="bare", precision="fp32", reduce=""),
     "fusedzero-0": _fz(0), "fusedzero-1": _fz(1), "fusedzero-2": _fz(2),
     "fusedzero-3": _fz(3, regather="reshard"), "fusedzero-3-keep": _fz(3, regather="keep"),
+    # The same with torch's gloo collectives instead of fusedzero/direct.py: what they cost here.
+    **{f"fusedzero-{s}-torchgloo": dataclasses.replace(
+        _fz(s, regather="reshard" if s == 3 else ""), gloo="torch",
+        note="torch's gloo reduce_scatter_single / all_gather_single (clone + all-reduce; "
+             "temporary + copy) instead of fusedzero's direct sends") for s in (1, 2, 3)},
     "ddp+adamw_fused": Spec(family="torch", precision="fp32", stages=(0,)),
     "torch_zero1": Spec(family="torch", precision="fp32", stages=(1,)),
     "fsdp2-keep": Spec(family="torch", precision="fp32", stages=(2, 3), regather="keep",
@@ -159,8 +166,12 @@ def build(name: str, world: int) -> System:
         return System(name, bare, [model], params)
     if spec.family == "fusedzero":
         bf16 = spec.precision == "bf16"
+        pg = None
+        if spec.gloo == "torch":
+            pg = dist.new_group(list(range(world)), backend="gloo")
+            comm.set_gloo_collectives(pg, "torch")
         opt = ZeroAdamW(gpt_param_groups(model, WD), lr=LR, stage=spec.stages[0], module=model,
-                        bucket_numel=BUCKET, max_grad_norm=CLIP or None,
+                        process_group=pg, bucket_numel=BUCKET, max_grad_norm=CLIP or None,
                         skip_nonfinite=bool(CLIP), param_dtype=BF16 if bf16 else None,
                         reduce_dtype=BF16 if spec.reduce == "bf16" else F32,
                         reshard_after_forward=spec.regather != "keep")

@@ -156,6 +156,15 @@ def _direct_rank_of(group: Group, t: torch.Tensor) -> int | None:
     return _direct_rank[pg]
 
 
+def set_gloo_collectives(group: Group, kind: str) -> None:
+    """Choose, for one gloo group, "direct" (fusedzero/direct.py, the default) or "torch" (torch's
+    own gloo collectives: the bench compares the two in one run)."""
+    if kind not in ("direct", "torch"):
+        raise ValueError(f"kind must be 'direct' or 'torch', got {kind!r}")
+    pg = group if group is not None else dist.group.WORLD
+    _direct_rank[pg] = dist.get_rank(group) if kind == "direct" else None
+
+
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int,
                    counter: CommCounter) -> Handle:
     """Sum `inp` over ranks; this rank's 1/W slice lands in `out` (may alias that slice)."""
