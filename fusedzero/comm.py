@@ -161,6 +161,8 @@ def set_gloo_collectives(group: Group, kind: str) -> None:
     own gloo collectives: the bench compares the two in one run)."""
     if kind not in ("direct", "torch"):
         raise ValueError(f"kind must be 'direct' or 'torch', got {kind!r}")
+    if kind == "direct" and "gloo" not in str(dist.get_backend(group)):
+        raise ValueError(f"direct collectives need a gloo group, got {dist.get_backend(group)}")
     pg = group if group is not None else dist.group.WORLD
     _direct_rank[pg] = dist.get_rank(group) if kind == "direct" else None
 
