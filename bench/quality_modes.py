@@ -6,10 +6,20 @@ master and states), with torchao's AdamW8bit runs (bench/quality_torchao.py, JSO
     python bench/quality_torchao.py >> /tmp/fz_quality/torchao.jsonl
     python bench/quality_torchao.py --bf16 >> /tmp/fz_quality/torchao.jsonl
     python bench/quality_modes.py /tmp/fz_quality
+
+The first table is seed 0 (`<master>-<states>.json`, torchao lines without a seed or with seed
+0). Runs at other seeds (`SEEDS="1 2" sh bench/quality_modes.sh` writes
+`<master>-<states>-seed<N>.json`; `quality_torchao.py --seed N` records its seed) add a second
+table: per mode, the val loss at each seed, the mean, the spread (max - min) and the mean against
+the baseline's mean; quality.json gets the same under "seeds".
+
+    OUT=/tmp/fz_quality SEEDS="1 2" COMBOS="fp32:fp32 bf16-kahan:int8" sh bench/quality_modes.sh
+    python bench/quality_torchao.py --seed 1 >> /tmp/fz_quality/torchao.jsonl
 """
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -33,19 +43,25 @@ def main(src: Path, dst: Path) -> None:
     base = runs.get("fp32+fp32", {}).get("val_loss")
     for r in runs.values():
         r["vs_baseline"] = None if base is None else r["val_loss"] / base - 1
-    peers = []
+    peers, other_seeds = [], []
     tao = src / "torchao.jsonl"
     if tao.is_file():
         for line in tao.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
+                if r.get("seed", 0) != 0:  # lines from before --seed are seed 0
+                    other_seeds.append(r)
+                    continue
                 r["vs_baseline"] = None if base is None else r["val_loss"] / base - 1
                 r["optimizer_bytes_per_param"] = r["optimizer_state_bytes"] / r["param_elements"]
                 peers.append(r)
+    seeds = _seed_rows(src, runs, peers, other_seeds)
+    out = {"config": "fusedzero train, default config, 500 steps, seed 0, --param-dtype bf16",
+           "runs": runs, "peers": peers}
+    if seeds:
+        out["seeds"] = seeds
     dst.mkdir(parents=True, exist_ok=True)
-    (dst / "quality.json").write_text(json.dumps(
-        {"config": "fusedzero train, default config, 500 steps, seed 0, --param-dtype bf16",
-         "runs": runs, "peers": peers}, indent=1) + "\n")
+    (dst / "quality.json").write_text(json.dumps(out, indent=1) + "\n")
     # Every ZeroAdamW run here has bf16 params (2 B/param); torchao's params are fp32 or bf16.
     lines = ["| optimizer | master / params | states | final val loss | vs baseline | "
              "optimizer bytes/param | params + optimizer bytes/param |",
@@ -64,8 +80,79 @@ def main(src: Path, dst: Path) -> None:
                      f"block 256) | {r['val_loss']:.4f} | {vs} | "
                      f"{r['optimizer_bytes_per_param']:.3f} | "
                      f"{(2 if r['params'] == 'bf16' else 4) + r['optimizer_bytes_per_param']:.3f} |")
+    if seeds:
+        lines += [""] + _seed_table(seeds)
     (dst / "quality.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _tao_mode(r: dict) -> tuple[str, str]:
+    return (("bf16 params, stochastic rounding" if r["bf16_stochastic_round"] else "fp32 params"),
+            "int8 (dynamic tree, block 256)")
+
+
+def _seed_rows(src: Path, runs: dict, peers: list, other_seeds: list) -> list:
+    """Per mode with a run at a seed other than 0: its val loss at every seed, in the first
+    table's row order. Same seed = same init and global batches, so per-seed differences from
+    the baseline are paired; the mean and spread are over the seeds that mode has."""
+    at_seed: dict[tuple, dict[int, float]] = {}
+    for r in runs.values():
+        at_seed[("ZeroAdamW", r["master"], r["states"])] = {0: r["val_loss"]}
+    for r in peers:
+        at_seed[("torchao AdamW8bit", *_tao_mode(r))] = {0: r["val_loss"]}
+    seeded = set()
+    for master, states in COMBOS:
+        for f in src.glob(f"{master}-{states}-seed*.json"):
+            m = re.fullmatch(re.escape(f"{master}-{states}-seed") + r"(\d+)\.json", f.name)
+            if m is None:
+                continue
+            key = ("ZeroAdamW", master, states)
+            at_seed.setdefault(key, {})[int(m.group(1))] = json.loads(f.read_text())["val_loss"]
+            seeded.add(key)
+    for r in other_seeds:
+        key = ("torchao AdamW8bit", *_tao_mode(r))
+        at_seed.setdefault(key, {})[r["seed"]] = r["val_loss"]
+        seeded.add(key)
+    if not seeded:
+        return []
+    base = at_seed.get(("ZeroAdamW", "fp32", "fp32"), {})
+    base_mean = sum(base.values()) / len(base) if base else None
+    rows = []
+    for key, losses in at_seed.items():
+        if key not in seeded:
+            continue
+        vals = [losses[k] for k in sorted(losses)]
+        mean = sum(vals) / len(vals)
+        rows.append({
+            "optimizer": key[0], "master": key[1], "states": key[2],
+            "val_loss": {str(k): losses[k] for k in sorted(losses)}, "mean": mean,
+            "spread": max(vals) - min(vals),
+            "mean_vs_baseline_mean": None if base_mean is None else mean / base_mean - 1,
+            "vs_baseline_same_seed": {str(k): losses[k] / base[k] - 1
+                                      for k in sorted(losses) if k in base}})
+    return rows
+
+
+def _seed_table(rows: list) -> list[str]:
+    seeds = sorted({int(k) for r in rows for k in r["val_loss"]})
+    cols = " | ".join(f"seed {k}" for k in seeds)
+    lines = [f"Seed-to-seed: final val loss per `--seed` (model init and data order), modes rerun "
+             f"at seeds {', '.join(map(str, seeds))}. Spread = max - min over the seeds; the last "
+             "column is each seed's val loss against the baseline's at the same seed.", "",
+             f"| optimizer | master / params | states | {cols} | mean | spread (max - min) | "
+             "mean vs baseline mean | vs baseline, same seed |",
+             "| --- | --- | --- | " + " | ".join("---" for _ in seeds) + " | --- | --- | --- | --- |"]
+    for r in rows:
+        per = " | ".join(f"{r['val_loss'][str(k)]:.4f}" if str(k) in r["val_loss"] else "-"
+                         for k in seeds)
+        vs = ("-" if r["mean_vs_baseline_mean"] is None
+              else f"{100 * r['mean_vs_baseline_mean']:+.2f}%")
+        same = " / ".join(f"{100 * v:+.2f}%" for v in r["vs_baseline_same_seed"].values()) or "-"
+        opt = ("ZeroAdamW (W=2)" if r["optimizer"] == "ZeroAdamW" else
+               "torchao AdamW8bit (1 process)")
+        lines.append(f"| {opt} | {r['master']} | {r['states']} | {per} | {r['mean']:.4f} | "
+                     f"{r['spread']:.4f} ({100 * r['spread'] / r['mean']:.2f}%) | {vs} | {same} |")
+    return lines
 
 
 TABLE = Path("bench/quality/quality.md")  # relative to the repo root

@@ -1,9 +1,9 @@
 """torchao's AdamW8bit beside our memory modes, on the run `fusedzero train` makes (default config,
-500 steps, seed 0): the same GPT, init, global batches, lr schedule, clipping and validation set, in
-one process (the global batch of the 2 ranks, whose mean loss is the same). torchao has no ZeRO, so
-this is the quality and the per-param optimizer bytes, not a sharded run.
+500 steps, seed 0 or --seed N): the same GPT, init, global batches, lr schedule, clipping and
+validation set, in one process (the global batch of the 2 ranks, whose mean loss is the same).
+torchao has no ZeRO, so this is the quality and the per-param optimizer bytes, not a sharded run.
 
-    pip install torchao && python bench/quality_torchao.py [--bf16] > out.json
+    pip install torchao && python bench/quality_torchao.py [--bf16] [--seed N] > out.json
 """
 from __future__ import annotations
 
@@ -39,10 +39,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--bf16", action="store_true",
                     help="bf16 params with torchao's bf16_stochastic_round (no fp32 master)")
+    ap.add_argument("--seed", type=int, default=TrainConfig().seed,
+                    help="model init and data order, as `fusedzero train --seed`")
     args = ap.parse_args()
     from torchao.optim import AdamW8bit
 
-    cfg = TrainConfig()
+    cfg = TrainConfig(seed=args.seed)
     train, val = load_data(cfg)
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(**cfg.model_config()))
@@ -70,8 +72,8 @@ def main() -> None:
                                    vy.reshape(-1)).item()
     n = sum(p.numel() for p in model.parameters())
     print(json.dumps({"optimizer": "torchao.optim.AdamW8bit", "params": "bf16" if args.bf16 else
-                      "fp32", "bf16_stochastic_round": args.bf16, "val_loss": val_loss,
-                      "train_loss": loss.item(), "steps": cfg.steps,
+                      "fp32", "bf16_stochastic_round": args.bf16, "seed": cfg.seed,
+                      "val_loss": val_loss, "train_loss": loss.item(), "steps": cfg.steps,
                       "optimizer_state_bytes": state_bytes(opt), "param_elements": n,
                       "seconds": time.perf_counter() - t0}))
 
