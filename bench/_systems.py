@@ -222,6 +222,13 @@ def _deepspeed(name: str, spec: Spec, model: GPT, world: int) -> System:
     zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": BUCKET,
                             "allgather_bucket_size": BUCKET,
                             "stage3_prefetch_bucket_size": BUCKET}
+    if stage == 3:
+        # DeepSpeed's default replaces torch.nn.functional.linear process-wide with its own
+        # autograd Function (deepspeed/runtime/zero/linear.py) and never puts it back: every
+        # system built after it in the same ranks, `bare` included, would then run its linears
+        # through DeepSpeed's Python Function (seen with py-spy; in bf16 it made the run several
+        # times slower). Off, each system runs torch's own linear.
+        zero["memory_efficient_linear"] = False
     if spec.regather == "reshard":
         # Partition every param (the default threshold, 1e5 elements, keeps this model's
         # 65k-element matrices replicated) and re-gather in backward (the default
