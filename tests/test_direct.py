@@ -4,6 +4,9 @@ each rank sends (exactly the ring formula, where torch's gloo emulation sends an
 no gloo collective used, and isolation from the user's own sends on the same group."""
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,12 +48,20 @@ class SendCounter:
         monkeypatch.setattr(comm, "_all_gather", refuse)
 
 
-def _rs_worker(rank: int, world: int, dtype: torch.dtype) -> dict:
+@contextlib.contextmanager
+def counting_sends() -> Iterator[SendCounter]:
+    """Inside a spawned rank (no pytest fixture there): a SendCounter, undone on exit."""
     mp = pytest.MonkeyPatch()
-    sent = SendCounter(mp)
+    try:
+        yield SendCounter(mp)
+    finally:
+        mp.undo()
+
+
+def _rs_worker(rank: int, world: int, dtype: torch.dtype) -> dict:
     counter = CommCounter()
     out = {}
-    try:
+    with counting_sends() as sent:
         for S in SLICES:
             n = S * world
             inp = rank_input(rank, n, dtype)
@@ -70,8 +81,6 @@ def _rs_worker(rank: int, world: int, dtype: torch.dtype) -> dict:
                       "ref": ref[rank * S:(rank + 1) * S],
                       "mag": mag[rank * S:(rank + 1) * S], "sent": sent.bytes - before,
                       "untouched": torch.equal(aliased[:rank * S], inp[:rank * S])}
-    finally:
-        mp.undo()
     out["counted"] = counter.bytes[CollectiveKind.REDUCE_SCATTER.value]
     return out
 
@@ -120,11 +129,9 @@ def test_reduce_scatter_direct(collectives: tuple[int, list[dict]], dtype: torch
 
 
 def _ag_worker(rank: int, world: int, dtype: torch.dtype) -> dict:
-    mp = pytest.MonkeyPatch()
-    sent = SendCounter(mp)
     counter = CommCounter()
     out = {}
-    try:
+    with counting_sends() as sent:
         for S in SLICES:
             full = torch.full((S * world,), float("nan"), dtype=dtype)
             mine = rank_input(rank, S, dtype)
@@ -136,8 +143,6 @@ def _ag_worker(rank: int, world: int, dtype: torch.dtype) -> dict:
             comm.wait(h1, "ag in place")
             comm.wait(h2, "ag")
             out[S] = {"in_place": full, "other": other, "sent": sent.bytes - before}
-    finally:
-        mp.undo()
     return out
 
 
