@@ -34,6 +34,38 @@ CLIP = float(os.environ.get("FUSEDZERO_BENCH_CLIP", "1.0"))
 BF16, F32 = torch.bfloat16, torch.float32
 
 
+def _bf16_matmul_mode() -> str:
+    """[Note: bf16 matmuls on CPUs without bf16 units] A CPU without AVX-512 (this machine: AVX2)
+    has no bf16 GEMM: torch runs bf16 linears 7-100x slower than fp32 ones (bare bf16 forward +
+    backward 3.5 s vs 0.19 s here), which buries any optimizer's overhead in fwd/bwd noise and
+    ran the bf16 session past its time limit. "fp32" computes every linear of the bench model
+    from its bf16 operands in fp32 and rounds the result to bf16: bf16 x bf16 products are exact
+    in fp32, so this is a bf16 GEMM with fp32 accumulation, what native bf16 GEMMs do, up to the
+    order of the sum. Params, grads and everything the optimizers see stay bf16. Every system
+    gets the same model, so the comparison is unchanged. FUSEDZERO_BENCH_BF16_MATMUL=native|fp32
+    overrides the choice (default: native only where torch reports AVX-512)."""
+    mode = os.environ.get("FUSEDZERO_BENCH_BF16_MATMUL", "auto")
+    if mode == "auto":
+        mode = "native" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "fp32"
+    if mode not in ("native", "fp32"):
+        raise ValueError(f"FUSEDZERO_BENCH_BF16_MATMUL must be auto, native or fp32, got {mode!r}")
+    return mode
+
+
+BF16_MATMUL = _bf16_matmul_mode()
+
+
+class Fp32AccumLinear(torch.nn.Linear):
+    """nn.Linear whose bf16/fp16 inputs are multiplied in fp32 and rounded back
+    ([Note: bf16 matmuls on CPUs without bf16 units]); fp32 inputs take nn.Linear's path."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == F32:
+            return super().forward(x)
+        b = None if self.bias is None else self.bias.float()
+        return torch.nn.functional.linear(x.float(), self.weight.float(), b).to(x.dtype)
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Spec:
     """One system of the bench."""
@@ -131,7 +163,12 @@ class System:
 
 def make_model() -> GPT:
     torch.manual_seed(0)
-    return GPT(CFG)
+    model = GPT(CFG)
+    if BF16_MATMUL == "fp32":
+        for m in model.modules():
+            if type(m) is torch.nn.Linear:
+                m.__class__ = Fp32AccumLinear  # same params and state dict, other forward
+    return model
 
 
 def _train_step(model: Any, opt: Any, clip_params: Any = None) -> Callable:

@@ -70,7 +70,7 @@ import torch.distributed as dist
 
 import _measure
 from _common import SUMMARY, percentiles, replay
-from _systems import BATCH, BUCKET, CFG, CLIP, SYSTEMS, System, build, make_model, unavailable
+from _systems import BATCH, BF16_MATMUL, BUCKET, CFG, CLIP, SYSTEMS, System, build, make_model, unavailable
 from fusedzero.testing import run_ranks
 
 STEPS = int(os.environ.get("FUSEDZERO_BENCH_STEPS", "12"))
@@ -234,7 +234,7 @@ def test_step(benchmark, name: str) -> None:
                   "block_size": CFG.block_size, "vocab_size": CFG.vocab_size,
                   "params": make_model().num_params()},
         "global_batch": BATCH, "steps": STEPS, "warmup": WARMUP, "bucket_numel": BUCKET,
-        "clip": CLIP, "systems_in_run": run["names"],
+        "clip": CLIP, "systems_in_run": run["names"], "bf16_matmul": BF16_MATMUL,
         "round_times": times, "round_overheads": overhead,
         "comm_bytes": r0["comm"], "comm_bytes_total": sum(r0["comm"].values()),
         "comm_dtypes": r0.get("comm_dtypes", {}),

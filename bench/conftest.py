@@ -49,6 +49,7 @@ def machine_info() -> dict[str, Any]:
         commit = ""
     return {"node": platform.node(), "machine": platform.machine(),
             "processor": platform.processor(), "cpu_count": os.cpu_count(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
             "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
             "python": platform.python_version(), "commit": commit,

@@ -211,6 +211,14 @@ def headline(e: list[dict[str, Any]]) -> str:
                    "ours / best", "verdict"], lines)
 
 
+def _matmul_note(x: dict[str, Any]) -> str:
+    if x.get("bf16_matmul") != "fp32":
+        return ""
+    return (" bf16 linears computed in fp32 from their bf16 operands and rounded to bf16 (this "
+            "CPU has no bf16 GEMM; see [Note: bf16 matmuls on CPUs without bf16 units] in "
+            "`bench/_systems.py`): the same model for every system.")
+
+
 def step_section(rows: list[dict[str, Any]], figdir: Path | None) -> str:
     plt = _plt()
     order = {"bare": 0, "fusedzero": 1, "torch": 2, "deepspeed": 3}
@@ -229,7 +237,7 @@ def step_section(rows: list[dict[str, Any]], figdir: Path | None) -> str:
             f"the same precision: forward, backward, grads dropped; no optimizer, hook or "
             f"wrapper): median and p20 - p80 over the rounds. Two systems tie where their "
             f"p20 - p80 ranges overlap. Timed on a shared machine (see the header): compare "
-            f"within a precision, not across runs.", "",
+            f"within a precision, not across runs.{_matmul_note(x0)}", "",
             "### Overhead: fusedzero vs the best peer", "",
             "<!-- headline:begin -->", headline(e), "<!-- headline:end -->", "",
             "### Every system", ""]
@@ -339,7 +347,7 @@ COMMAND = "python bench/report.py bench/results -o bench/REPORT.md --readme READ
 def _machine(name: str, i: dict[str, Any]) -> str:
     load = ", ".join(f"{x:.2f}" for x in i.get("loadavg_at_end") or [])
     return (f"- `{name}`: commit {i.get('commit') or '?'}, {i.get('datetime', '?')}; "
-            f"{i.get('cpu_count')} CPUs, torch {i.get('torch')} ({i.get('torch_threads')} "
+            f"{i.get('cpu_count')} CPUs ({i.get('cpu_capability', '?')}), torch {i.get('torch')} ({i.get('torch_threads')} "
             f"threads), CUDA: {i.get('cuda') or 'none'}; load average at end {load}")
 
 
