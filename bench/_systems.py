@@ -75,7 +75,7 @@ class Spec:
     stages: tuple[int, ...] = ()  # the ZeRO stages it is compared at (FSDP2 keep: 2 and 3)
     reduce: str = "fp32"  # dtype grads are reduced in (what the system does by default or is told)
     regather: str = ""  # stage 3: "reshard" (free after forward, gather again) or "keep"
-    gloo: str = "direct"  # fusedzero on gloo: its direct collectives or torch's (for comparison)
+    gloo: str = "shm"  # fusedzero on gloo: its own collectives (comm.GLOO_COLLECTIVES) or torch's
     note: str = ""
 
 
@@ -84,16 +84,19 @@ def _fz(stage: int, precision: str = "fp32", reduce: str = "fp32", regather: str
                 regather=regather)
 
 
+_TORCHGLOO = ("torch's gloo all_reduce / reduce_scatter_single (clone + all-reduce) / "
+              "all_gather_single, as the peers, instead of fusedzero's shared memory")
+
 # name -> spec; order is the report's order within a precision.
 SYSTEMS: dict[str, Spec] = {
     "bare": Spec(family="bare", precision="fp32", reduce=""),
     "fusedzero-0": _fz(0), "fusedzero-1": _fz(1), "fusedzero-2": _fz(2),
     "fusedzero-3": _fz(3, regather="reshard"), "fusedzero-3-keep": _fz(3, regather="keep"),
-    # The same with torch's gloo collectives instead of fusedzero/direct.py: what they cost here.
+    # The same on the peers' transport, torch's gloo collectives, instead of fusedzero's shared
+    # memory ([Note: shared-memory collectives]): what the transport changes, like for like.
     **{f"fusedzero-{s}-torchgloo": dataclasses.replace(
-        _fz(s, regather="reshard" if s == 3 else ""), gloo="torch",
-        note="torch's gloo reduce_scatter_single / all_gather_single (clone + all-reduce; "
-             "temporary + copy) instead of fusedzero's direct sends") for s in (1, 2, 3)},
+        _fz(s, regather="reshard" if s == 3 else ""), gloo="torch", note=_TORCHGLOO)
+       for s in range(4)},
     "ddp+adamw_fused": Spec(family="torch", precision="fp32", stages=(0,)),
     "torch_zero1": Spec(family="torch", precision="fp32", stages=(1,)),
     "fsdp2-keep": Spec(family="torch", precision="fp32", stages=(2, 3), regather="keep",
@@ -113,6 +116,9 @@ SYSTEMS: dict[str, Spec] = {
                                        "reshard" if s == 3 else "")
        for s in range(4) for r in ("32", "16")},
     "fusedzero-3-keep-bf16-r16": _fz(3, "bf16", "bf16", "keep"),
+    **{f"fusedzero-{s}-bf16-r16-torchgloo": dataclasses.replace(
+        _fz(s, "bf16", "bf16", "reshard" if s == 3 else ""), gloo="torch", note=_TORCHGLOO)
+       for s in range(4)},
     "fsdp2-keep-bf16-r16": Spec(family="torch", precision="bf16", stages=(2, 3), reduce="bf16",
                                 regather="keep", note="MixedPrecisionPolicy(param_dtype=bf16), "
                                 "reduce_dtype default (= param_dtype)"),

@@ -1,4 +1,4 @@
-"""The ZeRO collectives on gloo: torch's emulation vs fusedzero's direct sends (CPU ranks).
+"""The ZeRO collectives on gloo: torch's, fusedzero's direct sends, its shared memory (CPU ranks).
 
 [Note: gloo has no reduce-scatter] in fusedzero/direct.py says why: torch's gloo
 `reduce_scatter_tensor` clones its input and all-reduces all of it (2(W-1)/W of the buffer on the
@@ -6,10 +6,14 @@ wire, twice a reduce-scatter's), and `all_gather_into_tensor` gathers into a tem
 out. fusedzero sends each peer its slice directly.
 
 Providers, each a reduce-scatter (in place: the output is this rank's slice of the input, as at
-stage 1) and an all-gather (in place: the input is this rank's slice of the output) of one
-bucket of N elements, fp32 and bf16:
-  torch_gloo  torch.distributed's reduce_scatter_single / all_gather_single (what FSDP2 calls)
-  direct      fusedzero.direct.reduce_scatter / all_gather (what ZeroAdamW runs on gloo)
+stage 1), an all-gather (in place: the input is this rank's slice of the output) and an
+all-reduce (stage 0) of one bucket of N elements, fp32 and bf16:
+  torch_gloo  torch.distributed's reduce_scatter_single / all_gather_single / all_reduce (what
+              FSDP2, DDP and DeepSpeed call)
+  direct      fusedzero.direct.reduce_scatter / all_gather (ZeroAdamW on gloo where ranks cannot
+              share memory; no all-reduce of its own)
+  shm         fusedzero.shm ([Note: shared-memory collectives]: ZeroAdamW's default for gloo
+              ranks on one host)
 Timed inside W spawned gloo ranks from a barrier to the end of the wait (the slower rank's time
 per round), providers interleaved round-robin; bytes sent per rank are the ring formula for
 direct and twice it for torch's reduce-scatter (its all-reduce).
@@ -35,29 +39,42 @@ NUMEL = int(os.environ.get("FUSEDZERO_BENCH_COLL_NUMEL", str(1 << 20)))
 ROUNDS = int(os.environ.get("FUSEDZERO_BENCH_COLL_ROUNDS", "30"))
 WORLD = int(os.environ.get("FUSEDZERO_BENCH_WORLD", "2"))
 WARMUP = 3
-PROVIDERS = ("torch_gloo", "direct")
-COLLECTIVES = ("reduce_scatter", "all_gather")
+PROVIDERS = ("torch_gloo", "direct", "shm")
+COLLECTIVES = ("reduce_scatter", "all_gather", "all_reduce")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def _one(provider: str, kind: str, buf: torch.Tensor, rank: int, world: int) -> None:
     S = buf.numel() // world
     mine = buf[rank * S:(rank + 1) * S]
-    if provider == "direct":
-        fn = direct.reduce_scatter if kind == "reduce_scatter" else direct.all_gather
-        h = fn(mine, buf, None, world, rank) if kind == "reduce_scatter" else \
-            fn(buf, mine, None, world, rank)
+    if provider == "shm":
+        ch = comm._route_of(None, buf).channel
+        h = (ch.reduce_scatter(mine, buf) if kind == "reduce_scatter" else
+             ch.all_gather(buf, mine) if kind == "all_gather" else ch.all_reduce(buf))
+    elif provider == "direct":
+        h = (direct.reduce_scatter(mine, buf, None, world, rank) if kind == "reduce_scatter"
+             else direct.all_gather(buf, mine, None, world, rank))
     elif kind == "reduce_scatter":
         h = comm._reduce_scatter(mine, buf, async_op=True)
-    else:
+    elif kind == "all_gather":
         h = comm._all_gather(buf, mine, async_op=True)
+    else:
+        h = dist.all_reduce(buf, async_op=True)
     h.wait()
+
+
+def _available(provider: str, kind: str) -> bool:
+    return not (provider == "direct" and kind == "all_reduce")
 
 
 def _worker(rank: int, world: int) -> dict[str, list[float]]:
     bufs = {dt: torch.randn(NUMEL, generator=torch.Generator().manual_seed(rank)).to(d)
             for dt, d in DTYPES.items()}
-    keys = [(p, k, dt) for dt in DTYPES for k in COLLECTIVES for p in PROVIDERS]
+    comm.set_gloo_collectives(None, "shm")
+    if comm.gloo_collectives() != "shm":
+        raise RuntimeError("this machine's ranks cannot share memory: no shm provider")
+    keys = [(p, k, dt) for dt in DTYPES for k in COLLECTIVES for p in PROVIDERS
+            if _available(p, k)]
     times: dict[str, list[float]] = {"/".join(key): [] for key in keys}
     for i in range(WARMUP + ROUNDS):
         for j in range(len(keys)):
@@ -85,11 +102,13 @@ def _results() -> dict[str, list[float]]:
 @pytest.mark.parametrize("collective", COLLECTIVES)
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_gloo_collective(benchmark: Any, provider: str, collective: str, dtype: str) -> None:
+    if not _available(provider, collective):
+        pytest.skip(f"{provider} has no {collective}")
     times = _results()[f"{provider}/{collective}/{dtype}"]
     replay(benchmark, times)
     add_stats(benchmark)
     esize = torch.tensor([], dtype=DTYPES[dtype]).element_size()
-    formula = (WORLD - 1) * NUMEL * esize // WORLD
+    formula = (2 if collective == "all_reduce" else 1) * (WORLD - 1) * NUMEL * esize // WORLD
     emulated = provider == "torch_gloo" and collective == "reduce_scatter"
     benchmark.extra_info.update(
         subject="collectives", provider=provider, collective=collective, dtype=dtype,
@@ -105,14 +124,16 @@ def report_section(rows: list[dict[str, Any]]) -> str:
              "One bucket per call, in place, W gloo ranks on this machine; the slower rank's time "
              "from a barrier to the end of the wait, providers interleaved. `torch_gloo` is "
              "torch's `reduce_scatter_single` / `all_gather_single` on gloo (a clone and an "
-             "all-reduce of the whole bucket; a temporary and a copy), `direct` is "
-             "`fusedzero/direct.py`, what ZeroAdamW runs on gloo.", "",
+             "all-reduce of the whole bucket; a temporary and a copy) and `all_reduce`, `direct` is "
+             "`fusedzero/direct.py` (point-to-point sends; ZeroAdamW on gloo ranks that cannot "
+             "share memory), `shm` is `fusedzero/shm.py` (ZeroAdamW's default for gloo ranks on "
+             "one host; bytes sent = bytes its peers read out of its memory).", "",
              "| collective | dtype | elements | W | provider | bytes sent per rank | "
-             "median ms (p20 - p80) | direct / torch_gloo |", "|---|---|---|---|---|---|---|---|"]
+             "median ms (p20 - p80) | / torch_gloo |", "|---|---|---|---|---|---|---|---|"]
     for (p, k, dt), x in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
         ref = by.get(("torch_gloo", k, dt))
         ratio = (f"{x['time_median'] / ref['time_median']:.2f}"
-                 if p == "direct" and ref else "")
+                 if p != "torch_gloo" and ref else "")
         lines.append(f"| {k} | {dt} | {x['numel']} | {x['world']} | {p} | {x['bytes_sent']} | "
                      f"{1e3 * x['time_median']:.2f} ({1e3 * x['time_p20']:.2f} - "
                      f"{1e3 * x['time_p80']:.2f}) | {ratio} |")

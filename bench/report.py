@@ -344,10 +344,14 @@ HEADLINE = re.compile(r"<!-- headline:begin -->\n.*?<!-- headline:end -->", re.S
 COMMAND = "python bench/report.py bench/results -o bench/REPORT.md --readme README.md"
 
 
+def _capability(i: dict[str, Any]) -> str:
+    return f" ({i['cpu_capability']})" if i.get("cpu_capability") else ""
+
+
 def _machine(name: str, i: dict[str, Any]) -> str:
     load = ", ".join(f"{x:.2f}" for x in i.get("loadavg_at_end") or [])
     return (f"- `{name}`: commit {i.get('commit') or '?'}, {i.get('datetime', '?')}; "
-            f"{i.get('cpu_count')} CPUs ({i.get('cpu_capability', '?')}), torch {i.get('torch')} ({i.get('torch_threads')} "
+            f"{i.get('cpu_count')} CPUs{_capability(i)}, torch {i.get('torch')} ({i.get('torch_threads')} "
             f"threads), CUDA: {i.get('cuda') or 'none'}; load average at end {load}")
 
 

@@ -21,13 +21,14 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from fusedzero import direct
+from fusedzero import direct, shm, shm_setup
 from fusedzero.direct import DirectWork
+from fusedzero.shm import ShmWork
 
 # A process group, or None for the default (world) group.
 Group = Optional[dist.ProcessGroup]
 # What an async collective returns: a work handle, or None where nothing was sent (1 rank).
-Handle = Optional[Union[dist.Work, DirectWork]]
+Handle = Optional[Union[dist.Work, DirectWork, ShmWork]]
 
 
 
@@ -100,8 +101,11 @@ class CommContext:
     host_blocking: bool = True
 
     @classmethod
-    def of(cls, group: Group, counter: CommCounter,
-           trace: list[tuple[str, Any]] | None = None) -> CommContext:
+    def of(cls, group: Group, counter: CommCounter, trace: list[tuple[str, Any]] | None = None,
+           device: torch.device | None = None) -> CommContext:
+        """With `device`, the transport for its tensors on `group` is set up now (`prepare`)."""
+        if device is not None:
+            prepare(group, device)
         return cls(group=group, world_size=group_size(group), rank=group_rank(group),
                    counter=counter, trace=trace, timeout=group_timeout(group),
                    host_blocking=_host_blocking(group))
@@ -132,39 +136,90 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-# [Note: gloo has no reduce-scatter] (fusedzero/direct.py): CPU tensors on gloo reduce-scatter
-# and all-gather by direct sends, which move exactly the counted bytes. FUSEDZERO_GLOO_COLLECTIVES
-# =torch (read once per group) uses torch's gloo collectives instead, for comparison: they send an
-# all-reduce's bytes to reduce-scatter.
-_direct_rank: weakref.WeakKeyDictionary[dist.ProcessGroup, int | None] = (
+# How CPU tensors on a gloo group are reduced and gathered, chosen once per group:
+#   "shm"    fusedzero/shm.py [Note: shared-memory collectives]: ranks on one host through
+#            mapped memory (the default; "direct" where the ranks cannot map each other's files);
+#   "direct" fusedzero/direct.py [Note: gloo has no reduce-scatter]: point-to-point sends that
+#            move exactly the counted bytes; the all-reduce stays gloo's own;
+#   "torch"  torch's gloo collectives (its reduce-scatter sends an all-reduce's bytes).
+# FUSEDZERO_GLOO_COLLECTIVES picks the default; `set_gloo_collectives` one group's (the bench
+# compares them in one run).
+GLOO_COLLECTIVES = ("shm", "direct", "torch")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    kind: str
+    rank: int
+    channel: shm.Channel | None = None
+
+
+_routes: weakref.WeakKeyDictionary[dist.ProcessGroup, _Route | None] = (
     weakref.WeakKeyDictionary())
 
 
-def _direct_rank_of(group: Group, t: torch.Tensor) -> int | None:
-    """This rank's place in `group` if `t`'s collectives there go direct (CPU on gloo), else None.
-    Looked up once per group."""
+def _route_of(group: Group, t: torch.Tensor) -> _Route | None:
+    """How `t`'s collectives on `group` run, if not by torch's own call: CPU tensors on gloo.
+    Decided at the group's first collective (a collective itself where it sets up "shm")."""
     if t.device.type != "cpu":
         return None
     pg = group if group is not None else dist.group.WORLD
-    if pg not in _direct_rank:
+    if pg not in _routes:
         try:
             gloo = "gloo" in str(dist.get_backend(group))
         except (RuntimeError, ValueError):
             gloo = False
-        wanted = os.environ.get("FUSEDZERO_GLOO_COLLECTIVES", "direct") != "torch"
-        _direct_rank[pg] = dist.get_rank(group) if gloo and wanted else None
-    return _direct_rank[pg]
+        kind = os.environ.get("FUSEDZERO_GLOO_COLLECTIVES", "shm")
+        if kind not in GLOO_COLLECTIVES:
+            raise ValueError(f"FUSEDZERO_GLOO_COLLECTIVES must be one of {GLOO_COLLECTIVES}, "
+                             f"got {kind!r}")
+        _routes[pg] = _open_route(group, pg, kind) if gloo else None
+    return _routes[pg]
+
+
+@torch.compiler.disable(reason="sets up a process group's transport (a collective)")
+def _open_route(group: Group, pg: dist.ProcessGroup, kind: str) -> _Route | None:
+    rank = dist.get_rank(group)
+    if kind == "torch":
+        return None
+    if kind == "shm":
+        channel = shm_setup.open_channel(group, rank, dist.get_world_size(group),
+                                   lambda work, what: wait(work, what=what, group=group))
+        if channel is not None:
+            weakref.finalize(pg, channel.close)
+            return _Route("shm", rank, channel)
+    return _Route("direct", rank)
+
+
+def prepare(group: Group, device: torch.device) -> None:
+    """Set up how collectives of `device` tensors run on `group` now (a collective on every rank
+    of it, where the transport needs a handshake) rather than at the group's first collective,
+    in the middle of a backward. Nothing to do for one rank."""
+    if group_size(group) > 1:
+        _route_of(group, torch.empty(0, device=device))
 
 
 def set_gloo_collectives(group: Group, kind: str) -> None:
-    """Choose, for one gloo group, "direct" (fusedzero/direct.py, the default) or "torch" (torch's
-    own gloo collectives: the bench compares the two in one run)."""
-    if kind not in ("direct", "torch"):
-        raise ValueError(f"kind must be 'direct' or 'torch', got {kind!r}")
-    if kind == "direct" and "gloo" not in str(dist.get_backend(group)):
-        raise ValueError(f"direct collectives need a gloo group, got {dist.get_backend(group)}")
+    """Choose, for one gloo group, how its CPU collectives run: "shm", "direct" or "torch" (see
+    GLOO_COLLECTIVES above). A collective on `group` for "shm"."""
+    if kind not in GLOO_COLLECTIVES:
+        raise ValueError(f"kind must be one of {GLOO_COLLECTIVES}, got {kind!r}")
+    if kind != "torch" and "gloo" not in str(dist.get_backend(group)):
+        raise ValueError(f"{kind} collectives need a gloo group, got {dist.get_backend(group)}")
     pg = group if group is not None else dist.group.WORLD
-    _direct_rank[pg] = dist.get_rank(group) if kind == "direct" else None
+    old = _routes.get(pg)
+    if old is not None and old.channel is not None:
+        old.channel.close()
+    _routes[pg] = _open_route(group, pg, kind)
+
+
+def gloo_collectives(group: Group = None) -> str | None:
+    """Which of GLOO_COLLECTIVES `group`'s CPU collectives use (None before its first one)."""
+    pg = group if group is not None else dist.group.WORLD
+    if pg not in _routes:
+        return None
+    route = _routes[pg]
+    return "torch" if route is None else route.kind
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int,
@@ -175,10 +230,13 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, world_siz
             out.copy_(inp)
         return None
     counter.add(CollectiveKind.REDUCE_SCATTER, inp.numel(), inp.element_size(), world_size)
-    rank = _direct_rank_of(group, inp)
-    if rank is not None:
-        return direct.reduce_scatter(out, inp, group, world_size, rank)
-    return _reduce_scatter(out, inp, group=group, async_op=True)
+    route = _route_of(group, inp)
+    if route is None:
+        return _reduce_scatter(out, inp, group=group, async_op=True)
+    ch = route.channel
+    if ch is not None and ch.fits((world_size - 1) * out.numel() * out.element_size()):
+        return ch.reduce_scatter(out, inp)
+    return direct.reduce_scatter(out, inp, group, world_size, route.rank)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int,
@@ -189,10 +247,13 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: i
             out.copy_(inp)
         return None
     counter.add(CollectiveKind.ALL_GATHER, out.numel(), out.element_size(), world_size)
-    rank = _direct_rank_of(group, out)
-    if rank is not None:
-        return direct.all_gather(out, inp, group, world_size, rank)
-    return _all_gather(out, inp, group=group, async_op=True)
+    route = _route_of(group, out)
+    if route is None:
+        return _all_gather(out, inp, group=group, async_op=True)
+    ch = route.channel
+    if ch is not None and ch.fits(inp.numel() * inp.element_size()):
+        return ch.all_gather(out, inp)
+    return direct.all_gather(out, inp, group, world_size, route.rank)
 
 
 def all_reduce(t: torch.Tensor, group: Group, world_size: int, counter: CommCounter) -> Handle:
@@ -200,6 +261,10 @@ def all_reduce(t: torch.Tensor, group: Group, world_size: int, counter: CommCoun
     if world_size == 1:
         return None
     counter.add(CollectiveKind.ALL_REDUCE, t.numel(), t.element_size(), world_size)
+    route = _route_of(group, t)
+    ch = None if route is None else route.channel
+    if ch is not None and t.is_contiguous() and ch.fits(t.numel() * t.element_size()):
+        return ch.all_reduce(t)
     return dist.all_reduce(t, group=group, async_op=True)
 
 

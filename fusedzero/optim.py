@@ -160,9 +160,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.param_names = names
         self.params = all_params
         validate.check_not_owned(module, all_params, names)
-        self._ctx = CommContext.of(process_group, self.comm, self.trace)
+        self._ctx = CommContext.of(process_group, self.comm, self.trace, self.device)
         # No replicate group: a group of one (None would mean the world here).
-        self._replica_ctx = (CommContext.of(replicate_group, self.comm, self.trace)
+        self._replica_ctx = (CommContext.of(replicate_group, self.comm, self.trace, self.device)
                              if replicate_group is not None else
                              CommContext(group=None, world_size=1, rank=0, counter=self.comm,
                                          trace=self.trace))

@@ -16,6 +16,8 @@ from fusedzero.comm import CollectiveKind, CommCounter
 from fusedzero.direct import DirectWork
 from fusedzero.testing import run_ranks
 
+# The default on one host is the shared-memory transport (tests/test_shm.py): ask for these.
+DIRECT = {"FUSEDZERO_GLOO_COLLECTIVES": "direct"}
 # Per-rank slice lengths: 1 element, a prime, and one past a power of two.
 SLICES = (1, 1009, 4097)
 
@@ -96,7 +98,7 @@ def _worker(rank: int, world: int) -> dict:
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda w: f"W{w}")
 def collectives(request: pytest.FixtureRequest) -> tuple[int, list[dict]]:
     """Both collectives in both dtypes on W ranks: one spawn per world size."""
-    return request.param, run_ranks(_worker, request.param, timeout=180)
+    return request.param, run_ranks(_worker, request.param, timeout=180, env=DIRECT)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -176,7 +178,7 @@ def _user_p2p_worker(rank: int, world: int) -> dict:
 
 
 def test_user_sends_on_the_same_group_do_not_mix_with_direct_collectives() -> None:
-    ranks = run_ranks(_user_p2p_worker, 2, timeout=120)
+    ranks = run_ranks(_user_p2p_worker, 2, timeout=120, env=DIRECT)
     for rank, res in enumerate(ranks):
         assert torch.equal(res["theirs"], torch.full((64,), float(2 - rank)))
         assert res["rs_ok"]
@@ -210,4 +212,4 @@ def _dropped_worker(rank: int, world: int) -> bool:
 
 
 def test_a_dropped_direct_collective_does_not_stall_the_next() -> None:
-    assert all(run_ranks(_dropped_worker, 2, timeout=120, pg_timeout=20))
+    assert all(run_ranks(_dropped_worker, 2, timeout=120, pg_timeout=20, env=DIRECT))

@@ -69,13 +69,20 @@ def _diverge(rank: int, world: int) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_stage3_divergent_ranks_time_out_naming_the_wait() -> None:
-    msgs = run_ranks(_diverge, 2, timeout=240, pg_timeout=STALL_TIMEOUT_S)
+@pytest.mark.parametrize("transport", ["shm", "direct"])
+def test_stage3_divergent_ranks_fail_naming_the_wait(transport: str) -> None:
+    msgs = run_ranks(_diverge, 2, timeout=240, pg_timeout=STALL_TIMEOUT_S,
+                     env={"FUSEDZERO_GLOO_COLLECTIVES": transport})
     for rank, msg in enumerate(msgs):
         assert msg.startswith(f"rank {rank}: "), msg
         assert "all-gather of unit" in msg or "reduction" in msg, msg
-    # At least the rank that waited longest says it timed out (the other may see its peer go).
-    assert any("timed out" in m and "waiting for" in m for m in msgs), msgs
+    if transport == "shm":
+        # Each op's kind and size travel with it: the mismatch is seen at once, on both ranks.
+        assert all("ranks issued different collectives" in m for m in msgs), msgs
+    else:
+        # At least the rank that waited longest says it timed out (the other may see its
+        # peer go).
+        assert any("timed out" in m and "waiting for" in m for m in msgs), msgs
 
 
 def _die(rank: int, world: int, victim: int, how: str) -> None:
