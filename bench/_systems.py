@@ -220,7 +220,8 @@ def build(name: str, world: int) -> System:
                         reshard_after_forward=spec.regather != "keep")
         return System(name, _train_step(model, opt), [model, opt], params,
                       own_comm=lambda: dict(opt.comm.bytes),
-                      memory=lambda: opt.memory()._asdict(), reset_comm=opt.comm.reset)
+                      memory=lambda: opt.memory()._asdict(), reset_comm=opt.comm.reset,
+                      info={"gloo_collectives": comm.gloo_collectives(pg)})
     if name in ("ddp+adamw_fused", "torch_zero1"):
         from torch.nn.parallel import DistributedDataParallel as DDP
         ddp = DDP(model, bucket_cap_mb=BUCKET * 4 / 2**20, gradient_as_bucket_view=True)

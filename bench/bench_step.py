@@ -19,9 +19,10 @@ Every system trains the same GPT (same seed) on the same global batch, split ove
 Forward and backward are the same work in every system; what a sharded optimizer owns is the
 rest. `bare` (and `bare-bf16`) is the plain model of the same precision on the same per-rank
 batch in the same ranks: forward, backward, grads dropped; no optimizer, hook or wrapper. In
-every round bare runs again before every FUSEDZERO_BENCH_BARE_EVERY (3) systems, and each
+every round bare runs again before every FUSEDZERO_BENCH_BARE_EVERY (1) systems, and each
 system's step is paired with the bare step just before it (same load): overhead = step - bare
-(each the slower rank's).
+(each the slower rank's). Bare before every system halves the drift between the two steps of a
+pair (bare's own step time moves by 5-10% from one step to the next here).
 Median and p20-p80 of the per-round overheads are reported; two systems tie where their p20-p80
 ranges overlap.
 
@@ -47,13 +48,13 @@ Collectives are counted in the warm-up steps only (see `_measure.py`).
   (allocator-dependent: glibc's default keeps freed blocks for reuse). A cross-check only.
 
 Env (defaults keep the whole run under ~10 minutes on 2 cores):
-  FUSEDZERO_BENCH_STEPS   timed rounds (12)               FUSEDZERO_BENCH_WARMUP  warm-up (3)
+  FUSEDZERO_BENCH_STEPS   timed rounds (16)               FUSEDZERO_BENCH_WARMUP  warm-up (3)
   FUSEDZERO_BENCH_WORLD   ranks (2)                       FUSEDZERO_BENCH_BATCH   global batch (8)
   FUSEDZERO_BENCH_MODEL   n_layer,n_embd,n_head,block_size (4,256,4,128: 3.3M params)
   FUSEDZERO_BENCH_BUCKET  bucket elements for every system that has buckets (1048576)
   FUSEDZERO_BENCH_CLIP    global-norm clip for every system (1.0; 0 = off)
   FUSEDZERO_BENCH_SYSTEMS comma-separated names to run (default: all; bare always runs)
-  FUSEDZERO_BENCH_BARE_EVERY  bare runs before every N systems of a round (3)
+  FUSEDZERO_BENCH_BARE_EVERY  bare runs before every N systems of a round (1)
 """
 from __future__ import annotations
 
@@ -71,9 +72,10 @@ import torch.distributed as dist
 import _measure
 from _common import SUMMARY, percentiles, replay
 from _systems import BATCH, BF16_MATMUL, BUCKET, CFG, CLIP, SYSTEMS, System, build, make_model, unavailable
+from fusedzero import comm
 from fusedzero.testing import run_ranks
 
-STEPS = int(os.environ.get("FUSEDZERO_BENCH_STEPS", "12"))
+STEPS = int(os.environ.get("FUSEDZERO_BENCH_STEPS", "16"))
 WARMUP = int(os.environ.get("FUSEDZERO_BENCH_WARMUP", "3"))
 WORLD = int(os.environ.get("FUSEDZERO_BENCH_WORLD", "2"))
 _ONLY = [s for s in os.environ.get("FUSEDZERO_BENCH_SYSTEMS", "").split(",") if s]
@@ -83,7 +85,7 @@ _ONLY = [s for s in os.environ.get("FUSEDZERO_BENCH_SYSTEMS", "").split(",") if 
 RANK_ENV = {"DS_ACCELERATOR": "cpu"}
 # Bare forward+backward runs again before every BARE_EVERY systems of a round
 # (see [Note: overhead]).
-BARE_EVERY = int(os.environ.get("FUSEDZERO_BENCH_BARE_EVERY", "3"))
+BARE_EVERY = int(os.environ.get("FUSEDZERO_BENCH_BARE_EVERY", "1"))
 
 
 def bare_of(name: str) -> str:
@@ -170,6 +172,9 @@ def worker(rank: int, world: int, names: list[str]) -> dict[str, Any]:
             grad_bytes = sum(p.numel() * p.element_size() for p in params)
             r["comm"]["all_reduce (DDP reducer, formula)"] = 2 * (world - 1) * grad_bytes // world
         r["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if s.info.get("gloo_collectives") == "shm":
+            # Shared by every system on the world group: the most any of them had in flight.
+            r["transport_bytes"] = comm.transport_bytes()
     return out
 
 
@@ -239,6 +244,7 @@ def test_step(benchmark, name: str) -> None:
         "comm_bytes": r0["comm"], "comm_bytes_total": sum(r0["comm"].values()),
         "comm_dtypes": r0.get("comm_dtypes", {}),
         "tensor_bytes": [r["tensor_bytes"] for r in per_rank],
+        "transport_bytes": [r.get("transport_bytes", 0) for r in per_rank],
         "own_memory": [r.get("own_memory") for r in per_rank],
         "rss_growth": [r["rss_growth"] for r in per_rank],
         "build_s": r0["build_s"],

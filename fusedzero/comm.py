@@ -213,6 +213,14 @@ def set_gloo_collectives(group: Group, kind: str) -> None:
     _routes[pg] = _open_route(group, pg, kind)
 
 
+def transport_bytes(group: Group = None) -> int:
+    """Bytes of memory `group`'s transport holds on this rank: the shared-memory arena's backed
+    part (the most bytes that were in flight at once), 0 for the others (gloo's own buffers are
+    not visible from here)."""
+    route = _routes.get(group if group is not None else dist.group.WORLD)
+    return route.channel.resident_bytes() if route is not None and route.channel else 0
+
+
 def gloo_collectives(group: Group = None) -> str | None:
     """Which of GLOO_COLLECTIVES `group`'s CPU collectives use (None before its first one)."""
     pg = group if group is not None else dist.group.WORLD
@@ -234,7 +242,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, world_siz
     if route is None:
         return _reduce_scatter(out, inp, group=group, async_op=True)
     ch = route.channel
-    if ch is not None and ch.fits((world_size - 1) * out.numel() * out.element_size()):
+    if (ch is not None and inp.is_contiguous()
+            and ch.fits((world_size - 1) * out.numel() * out.element_size())):
         return ch.reduce_scatter(out, inp)
     return direct.reduce_scatter(out, inp, group, world_size, route.rank)
 
@@ -251,7 +260,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: i
     if route is None:
         return _all_gather(out, inp, group=group, async_op=True)
     ch = route.channel
-    if ch is not None and ch.fits(inp.numel() * inp.element_size()):
+    if ch is not None and out.is_contiguous() and ch.fits(inp.numel() * inp.element_size()):
         return ch.all_gather(out, inp)
     return direct.all_gather(out, inp, group, world_size, route.rank)
 
