@@ -1,8 +1,10 @@
 """Collectives as free functions, each counted in bytes on the wire.
 
 Every call is `async_op=True` and returns a handle (or None when the group has one rank: world
-size 1 is the degenerate case of the same code, with nothing to send). gloo (CPU) and NCCL (GPU)
-run the same calls; on NCCL the work handle orders the streams.
+size 1 is the degenerate case of the same code, with nothing to send). On NCCL (GPU) they are
+torch.distributed's collectives and the work handle orders the streams. CPU tensors on gloo go
+through fusedzero's own transports (shared memory between the ranks of one host, else direct
+sends; see GLOO_COLLECTIVES below): same calls, same handles' `wait`, same bytes counted.
 
 Bytes are counted per rank by the ring formulas, with n the full (unsharded) element count of the
 collective and b its element size: all-reduce 2(W-1)/W*n*b, reduce-scatter and all-gather
@@ -195,8 +197,8 @@ def prepare(group: Group, device: torch.device) -> None:
     """Set up how collectives of `device` tensors run on `group` now (a collective on every rank
     of it, where the transport needs a handshake) rather than at the group's first collective,
     in the middle of a backward. Nothing to do for one rank."""
-    if group_size(group) > 1:
-        _route_of(group, torch.empty(0, device=device))
+    if torch.device(device).type == "cpu" and group_size(group) > 1:
+        _route_of(group, torch.empty(0))
 
 
 def set_gloo_collectives(group: Group, kind: str) -> None:
