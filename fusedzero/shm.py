@@ -148,6 +148,11 @@ class Channel:
                 raise RuntimeError(f"shared-memory channel failed while waiting for {what}")
             _futex(self._events_addr[peer], _FUTEX_WAIT, ev, 0.05)
 
+    def _await_done(self, seq: int, what: str) -> None:
+        """Until every rank has completed op `seq`: each rank's own word wakes its own wait."""
+        for r in range(self.world):
+            self._await(r, lambda r=r: self._hdr[r][_DONE] >= seq, f"{what} (rank {r}, op {seq})")
+
     def min_done(self) -> int:
         return min(h[_DONE] for h in self._hdr)
 
@@ -163,10 +168,7 @@ class Channel:
             lo = self._fit(need)
             if lo is not None:
                 break
-            oldest = self._live[0][0]
-            waiter = min(range(self.world), key=lambda r: self._hdr[r][_DONE])
-            self._await(waiter, lambda: self.min_done() >= oldest,
-                        f"room in the shared-memory arena (op {oldest})")
+            self._await_done(self._live[0][0], "room in the shared-memory arena")
         if lo + need > self._reserved:
             try:
                 os.posix_fallocate(self._fd, HEADER + self._reserved, lo + need - self._reserved)
@@ -196,8 +198,7 @@ class Channel:
             return ShmWork(self, -1)
         seq = next(self._seq)
         if seq >= N_SLOTS:  # the slot's previous op must be complete on every rank
-            self._await(min(range(self.world), key=lambda r: self._hdr[r][_DONE]),
-                        lambda: self.min_done() >= seq - N_SLOTS, "a free collective slot")
+            self._await_done(seq - N_SLOTS, "a free collective slot")
         lo = self._alloc(seq, nbytes)
         fill(self._arena[self.rank][lo:lo + nbytes])
         hdr = self._hdr[self.rank]
