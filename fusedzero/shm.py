@@ -3,7 +3,7 @@
 [Note: shared-memory collectives] Ranks on one host share its memory, but gloo moves every byte
 through a loopback TCP socket: a copy into the kernel on one side, a copy out on the other, a
 system call per chunk, and (fusedzero/direct.py) a send/receive pair to post per peer. Here each
-rank owns a file in /dev/shm that every rank of the group maps (NCCL's intra-node transport on
+rank owns an anonymous memory file (memfd) that every rank of the group maps (NCCL's intra-node transport on
 GPUs works the same way). A collective is one memory pass on each side:
 
 - post (the caller's thread): copy what the peers need (reduce-scatter and all-reduce: their
@@ -174,7 +174,7 @@ class Channel:
                 os.posix_fallocate(self._fd, HEADER + self._reserved, lo + need - self._reserved)
             except OSError as e:
                 raise RuntimeError(
-                    f"rank {self.rank}: /dev/shm has no room for {lo + need} B of collective "
+                    f"rank {self.rank}: no memory for {lo + need} B of shared collective "
                     f"buffers ({e}); set FUSEDZERO_SHM_MB lower or "
                     "FUSEDZERO_GLOO_COLLECTIVES=direct") from e
             self._reserved = lo + need

@@ -2,7 +2,8 @@
 collectives]): values against float64 references built from every rank's input, all-reduce
 results bit-identical on every rank, bytes read out of peers = the ring formulas, no gloo
 collective or send used, ops that overflow the arena or its slots, ranks that diverge, a rank
-that never posts, a rank that cannot map, and /dev/shm left clean."""
+that never posts, a rank that cannot map, and arenas that are memfds (nothing in /dev/shm to
+outlive a killed rank)."""
 from __future__ import annotations
 
 import contextlib
@@ -61,7 +62,8 @@ def _worker(rank: int, world: int) -> dict:
     counter = CommCounter()
     comm.all_reduce(torch.zeros(1), None, world, counter).wait()  # sets the channel up
     ch = _channel()
-    out: dict = {"route": comm.gloo_collectives(), "files": _our_files()}
+    out: dict = {"route": comm.gloo_collectives(), "arena": os.readlink(f"/proc/self/fd/{ch._fd}"),
+                 "files": _our_files()}
     with no_gloo_data_path():
         for dtype in DTYPES:
             for S in SLICES:
@@ -150,11 +152,14 @@ def test_values_against_float64(collectives: tuple[int, list[dict]], dtype: torc
 def test_route_and_no_file_left(collectives: tuple[int, list[dict]]) -> None:
     _, ranks = collectives
     assert all(r["route"] == "shm" for r in ranks)
-    assert all(r["files"] == [] for r in ranks), "the arenas' files are unlinked once mapped"
+    assert all(r["arena"].startswith("/memfd:fusedzero-") for r in ranks), ranks[0]["arena"]
+    assert all(r["files"] == [] for r in ranks), "no file of ours in /dev/shm"
 
 
 def _our_files() -> list[str]:
-    return [f for f in os.listdir("/dev/shm") if f.startswith(f"fusedzero-{os.getpid()}-")]
+    return [f for f in os.listdir("/dev/shm") if f.startswith("fusedzero")
+            and os.stat(os.path.join("/dev/shm", f)).st_uid == os.getuid()
+            and str(os.getpid()) in f]
 
 
 def _full_arena_worker(rank: int, world: int) -> dict:
@@ -263,7 +268,7 @@ def test_a_dropped_handle_does_not_stall_the_next() -> None:
 
 
 def _unmappable_worker(rank: int, world: int) -> tuple[str | None, bool]:
-    if rank == 1:  # as if this rank were on another host: it cannot open the others' arenas
+    if rank == 1:  # as if on another host (or pid namespace): it cannot open the others' arenas
         shm_setup._map_peer = lambda *a: None
     t = torch.ones(5)
     h = comm.all_reduce(t, None, world, CommCounter())
