@@ -186,8 +186,10 @@ def _full_arena_worker(rank: int, world: int) -> dict:
             "big": big_out, "resident": _channel().resident_bytes()}
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_a_full_arena_and_slot_ring_are_waited_out_not_overrun(world: int) -> None:
+def test_a_full_arena_and_slot_ring_are_waited_out_not_overrun() -> None:
+    # W = 2 only: W = 4 passed too (float64 bound below) but costs 10 s of a suite kept under
+    # 10 minutes; test_values_against_float64 runs every collective at W = 4.
+    world = 2
     ranks = run_ranks(_full_arena_worker, world, timeout=180, env={"FUSEDZERO_SHM_MB": "0.25"})
 
     def check(got: torch.Tensor, base: int, n: int, rank: int) -> None:
