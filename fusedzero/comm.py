@@ -151,13 +151,23 @@ GLOO_COLLECTIVES = ("shm", "direct", "torch")
 
 @dataclasses.dataclass(frozen=True)
 class _Route:
-    kind: str
+    """A gloo group's own transport: shared memory where `channel` is set, else direct sends."""
+
     rank: int
     channel: shm.Channel | None = None
+
+    @property
+    def kind(self) -> str:
+        return "direct" if self.channel is None else "shm"
 
 
 _routes: weakref.WeakKeyDictionary[dist.ProcessGroup, _Route | None] = (
     weakref.WeakKeyDictionary())
+
+
+def _pg(group: Group) -> dist.ProcessGroup:
+    """The process group `group` names (None: the world): the key of per-group state."""
+    return group if group is not None else dist.group.WORLD
 
 
 def _route_of(group: Group, t: torch.Tensor) -> _Route | None:
@@ -165,7 +175,7 @@ def _route_of(group: Group, t: torch.Tensor) -> _Route | None:
     Decided at the group's first collective (a collective itself where it sets up "shm")."""
     if t.device.type != "cpu":
         return None
-    pg = group if group is not None else dist.group.WORLD
+    pg = _pg(group)
     if pg not in _routes:
         try:
             gloo = "gloo" in str(dist.get_backend(group))
@@ -186,11 +196,11 @@ def _open_route(group: Group, pg: dist.ProcessGroup, kind: str) -> _Route | None
         return None
     if kind == "shm":
         channel = shm_setup.open_channel(group, rank, dist.get_world_size(group),
-                                   lambda work, what: wait(work, what=what, group=group))
+                                         lambda work, what: wait(work, what=what, group=group))
         if channel is not None:
             weakref.finalize(pg, channel.close)
-            return _Route("shm", rank, channel)
-    return _Route("direct", rank)
+            return _Route(rank, channel)
+    return _Route(rank)
 
 
 def prepare(group: Group, device: torch.device) -> None:
@@ -208,7 +218,7 @@ def set_gloo_collectives(group: Group, kind: str) -> None:
         raise ValueError(f"kind must be one of {GLOO_COLLECTIVES}, got {kind!r}")
     if kind != "torch" and "gloo" not in str(dist.get_backend(group)):
         raise ValueError(f"{kind} collectives need a gloo group, got {dist.get_backend(group)}")
-    pg = group if group is not None else dist.group.WORLD
+    pg = _pg(group)
     old = _routes.get(pg)
     if old is not None and old.channel is not None:
         old.channel.close()
@@ -219,13 +229,13 @@ def transport_bytes(group: Group = None) -> int:
     """Bytes of memory `group`'s transport holds on this rank: the shared-memory arena's backed
     part (the most bytes that were in flight at once), 0 for the others (gloo's own buffers are
     not visible from here)."""
-    route = _routes.get(group if group is not None else dist.group.WORLD)
+    route = _routes.get(_pg(group))
     return route.channel.resident_bytes() if route is not None and route.channel else 0
 
 
 def gloo_collectives(group: Group = None) -> str | None:
     """Which of GLOO_COLLECTIVES `group`'s CPU collectives use (None before its first one)."""
-    pg = group if group is not None else dist.group.WORLD
+    pg = _pg(group)
     if pg not in _routes:
         return None
     route = _routes[pg]
@@ -284,7 +294,7 @@ def group_timeout(group: Group = None) -> float:
     `init_process_group`/`new_group`, else DEFAULT_TIMEOUT_S (never torch's 30-minute default)."""
     if not dist.is_initialized():
         return DEFAULT_TIMEOUT_S
-    pg = group if group is not None else dist.group.WORLD
+    pg = _pg(group)
     for dev in getattr(pg, "_device_types", ()):
         try:
             t = pg._get_backend(dev).options._timeout
