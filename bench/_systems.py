@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fusedzero import comm
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
 
@@ -75,7 +74,6 @@ class Spec:
     stages: tuple[int, ...] = ()  # the ZeRO stages it is compared at (FSDP2 keep: 2 and 3)
     reduce: str = "fp32"  # dtype grads are reduced in (what the system does by default or is told)
     regather: str = ""  # stage 3: "reshard" (free after forward, gather again) or "keep"
-    gloo: str = "shm"  # fusedzero on gloo: its own collectives (comm.GLOO_COLLECTIVES) or torch's
     note: str = ""
 
 
@@ -84,19 +82,11 @@ def _fz(stage: int, precision: str = "fp32", reduce: str = "fp32", regather: str
                 regather=regather)
 
 
-_TORCHGLOO = ("torch's gloo all_reduce / reduce_scatter_single (clone + all-reduce) / "
-              "all_gather_single, as the peers, instead of fusedzero's shared memory")
-
 # name -> spec; order is the report's order within a precision.
 SYSTEMS: dict[str, Spec] = {
     "bare": Spec(family="bare", precision="fp32", reduce=""),
     "fusedzero-0": _fz(0), "fusedzero-1": _fz(1), "fusedzero-2": _fz(2),
     "fusedzero-3": _fz(3, regather="reshard"), "fusedzero-3-keep": _fz(3, regather="keep"),
-    # The same on the peers' transport, torch's gloo collectives, instead of fusedzero's shared
-    # memory ([Note: shared-memory collectives]): what the transport changes, like for like.
-    **{f"fusedzero-{s}-torchgloo": dataclasses.replace(
-        _fz(s, regather="reshard" if s == 3 else ""), gloo="torch", note=_TORCHGLOO)
-       for s in range(4)},
     "ddp+adamw_fused": Spec(family="torch", precision="fp32", stages=(0,)),
     "torch_zero1": Spec(family="torch", precision="fp32", stages=(1,)),
     "fsdp2-keep": Spec(family="torch", precision="fp32", stages=(2, 3), regather="keep",
@@ -116,9 +106,6 @@ SYSTEMS: dict[str, Spec] = {
                                        "reshard" if s == 3 else "")
        for s in range(4) for r in ("32", "16")},
     "fusedzero-3-keep-bf16-r16": _fz(3, "bf16", "bf16", "keep"),
-    **{f"fusedzero-{s}-bf16-r16-torchgloo": dataclasses.replace(
-        _fz(s, "bf16", "bf16", "reshard" if s == 3 else ""), gloo="torch", note=_TORCHGLOO)
-       for s in range(4)},
     "fsdp2-keep-bf16-r16": Spec(family="torch", precision="bf16", stages=(2, 3), reduce="bf16",
                                 regather="keep", note="MixedPrecisionPolicy(param_dtype=bf16), "
                                 "reduce_dtype default (= param_dtype)"),
@@ -210,9 +197,6 @@ def build(name: str, world: int) -> System:
     if spec.family == "fusedzero":
         bf16 = spec.precision == "bf16"
         pg = None
-        if spec.gloo == "torch":
-            pg = dist.new_group(list(range(world)), backend="gloo")
-            comm.set_gloo_collectives(pg, "torch")
         opt = ZeroAdamW(gpt_param_groups(model, WD), lr=LR, stage=spec.stages[0], module=model,
                         process_group=pg, bucket_numel=BUCKET, max_grad_norm=CLIP or None,
                         skip_nonfinite=bool(CLIP), param_dtype=BF16 if bf16 else None,
@@ -220,8 +204,7 @@ def build(name: str, world: int) -> System:
                         reshard_after_forward=spec.regather != "keep")
         return System(name, _train_step(model, opt), [model, opt], params,
                       own_comm=lambda: dict(opt.comm.bytes),
-                      memory=lambda: opt.memory()._asdict(), reset_comm=opt.comm.reset,
-                      info={"gloo_collectives": comm.gloo_collectives(pg)})
+                      memory=lambda: opt.memory()._asdict(), reset_comm=opt.comm.reset)
     if name in ("ddp+adamw_fused", "torch_zero1"):
         from torch.nn.parallel import DistributedDataParallel as DDP
         ddp = DDP(model, bucket_cap_mb=BUCKET * 4 / 2**20, gradient_as_bucket_view=True)

@@ -9,8 +9,6 @@ Every system trains the same GPT (same seed) on the same global batch, split ove
          stage 2  fusedzero-2 | FSDP2 reshard_after_forward=False | DeepSpeed ZeRO-2
          stage 3  fusedzero-3 (reshard after forward) and -3-keep | FSDP2 both ways |
                   DeepSpeed ZeRO-3 with its defaults and with re-gather forced (-reshard)
-         stages 1-3 also fusedzero-N-torchgloo: the same optimizer on torch's gloo
-                  collectives instead of its direct sends ([Note: gloo has no reduce-scatter])
   bf16   (bf16 params, fp32 master) fusedzero with grads reduced in fp32 (-r32) and in bf16
          (-r16) | FSDP2 MixedPrecisionPolicy(param_dtype=bf16), reduce_dtype bf16 (its
          default) and fp32 | DeepSpeed bf16 (reduces in bf16 by default)
@@ -72,7 +70,6 @@ import torch.distributed as dist
 import _measure
 from _common import SUMMARY, percentiles, replay
 from _systems import BATCH, BF16_MATMUL, BUCKET, CFG, CLIP, SYSTEMS, System, build, make_model, unavailable
-from fusedzero import comm
 from fusedzero.testing import run_ranks
 
 STEPS = int(os.environ.get("FUSEDZERO_BENCH_STEPS", "16"))
@@ -172,9 +169,6 @@ def worker(rank: int, world: int, names: list[str]) -> dict[str, Any]:
             grad_bytes = sum(p.numel() * p.element_size() for p in params)
             r["comm"]["all_reduce (DDP reducer, formula)"] = 2 * (world - 1) * grad_bytes // world
         r["max_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        if s.info.get("gloo_collectives") == "shm":
-            # Shared by every system on the world group: the most any of them had in flight.
-            r["transport_bytes"] = comm.transport_bytes()
     return out
 
 
@@ -244,7 +238,6 @@ def test_step(benchmark, name: str) -> None:
         "comm_bytes": r0["comm"], "comm_bytes_total": sum(r0["comm"].values()),
         "comm_dtypes": r0.get("comm_dtypes", {}),
         "tensor_bytes": [r["tensor_bytes"] for r in per_rank],
-        "transport_bytes": [r.get("transport_bytes", 0) for r in per_rank],
         "own_memory": [r.get("own_memory") for r in per_rank],
         "rss_growth": [r["rss_growth"] for r in per_rank],
         "build_s": r0["build_s"],

@@ -1,9 +1,9 @@
 """The README's table of memory modes: optimizer-state bytes per param and bytes the update moves
 per param, for every (master, states), from the same formulas the library uses
-(`fusedzero.modes.Modes.state_bytes`, `fusedzero.kernels.modes.bytes_per_param`).
+(`fusedzero.memory_modes.MemoryModes.state_bytes`, `fusedzero.kernels.memory_modes.bytes_per_param`).
 
     python bench/modes_table.py            # prints the markdown table
-tests/test_modes_plumbing.py checks that README.md holds exactly this output.
+tests/zero/test_memory_modes_plumbing.py checks that README.md holds exactly this output.
 """
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import itertools
 
 import torch
 
-from fusedzero.kernels.modes import bytes_per_param
-from fusedzero.modes import MASTER_MODES, QBLOCK, STATE_MODES, Modes
+from fusedzero.kernels.memory_modes import bytes_per_param
+from fusedzero.memory_modes import MASTER_MODES, QBLOCK, STATE_MODES, MemoryModes
 
 
 def table() -> str:
     rows = ["| master | states | optimizer state, bytes/param | update moves, bytes/param |",
             "| --- | --- | --- | --- |"]
     for master, states in itertools.product(MASTER_MODES, STATE_MODES):
-        state = Modes(master, states).state_bytes(QBLOCK, torch.bfloat16) / QBLOCK
+        state = MemoryModes(master, states).state_bytes(QBLOCK, torch.bfloat16) / QBLOCK
         # bf16 grads; fp32 master writes the bf16 param copy, the bf16 modes the param itself.
         out = torch.bfloat16 if master == "fp32" else None
         moved = bytes_per_param(master, states, torch.bfloat16, out)

@@ -160,7 +160,7 @@ TABLE = Path("bench/quality/quality.md")  # relative to the repo root
 
 def report_section(table: str) -> str:
     """The memory modes' training quality: the table `bench/quality_modes.py` generates from the
-    committed run summaries in bench/quality/raw (tests/test_bench_report.py regenerates it)."""
+    committed run summaries in bench/quality/raw (tests/app/test_bench_report.py regenerates it)."""
     return "\n".join([
         "## Memory modes: training quality (`bench/quality_modes.py`)", "",
         "`fusedzero train`, default config (GPT 2 x 128, 500 steps, seed 0, stage 2, W=2 gloo "

@@ -269,18 +269,6 @@ def step_section(rows: list[dict[str, Any]], figdir: Path | None) -> str:
             ds = (f"DeepSpeed {i['deepspeed']}, optimizer {i['optimizer']}, backend "
                   f"{i['comm_backend']}. " if "deepspeed" in i else "")
             text.append(f"- `{x['system']}`: {ds}{note}")
-    routes: dict[str, list[str]] = {}
-    for x in e:
-        r = (x.get("info") or {}).get("gloo_collectives")
-        if r:
-            routes.setdefault(r, []).append(f"`{x['system']}`")
-    if routes:
-        arena = max((max(x.get("transport_bytes") or [0]) for x in e), default=0)
-        text += ["", "fusedzero's collectives on gloo ran on: " + "; ".join(
-            f"{r} ({_TRANSPORT.get(r, r)}): {', '.join(v)}" for r, v in routes.items()) + "."
-            + (f" The shared-memory arena held {arena / MB:.2f} MB per rank at the end (the most "
-               "bytes in flight at once, over every system on that group; not in the resident "
-               "column, as no peer's transport buffers are)." if arena else "")]
     text += ["", "fusedzero's own collectives are counted by its own counter (`opt.comm`), not by "
              "the wrapper, so their dtype shows in the bytes (a bf16 reduce-scatter of the grads "
              "moves half the fp32 bytes), not in the dtypes column, which shows only its "

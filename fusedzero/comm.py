@@ -2,9 +2,8 @@
 
 Every call is `async_op=True` and returns a handle (or None when the group has one rank: world
 size 1 is the degenerate case of the same code, with nothing to send). On NCCL (GPU) they are
-torch.distributed's collectives and the work handle orders the streams. CPU tensors on gloo go
-through fusedzero's own transports (shared memory between the ranks of one host, else direct
-sends; see GLOO_COLLECTIVES below): same calls, same handles' `wait`, same bytes counted.
+torch.distributed's collectives and the work handle orders the streams; on gloo (CPU) the wait
+blocks the host. torch.distributed is the only transport, as in every peer we compare with.
 
 Bytes are counted per rank by the ring formulas, with n the full (unsharded) element count of the
 collective and b its element size: all-reduce 2(W-1)/W*n*b, reduce-scatter and all-gather
@@ -15,22 +14,16 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
-import os
 import time
-import weakref
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from fusedzero import direct, shm, shm_setup
-from fusedzero.direct import DirectWork
-from fusedzero.shm import ShmWork
-
 # A process group, or None for the default (world) group.
 Group = Optional[dist.ProcessGroup]
 # What an async collective returns: a work handle, or None where nothing was sent (1 rank).
-Handle = Optional[Union[dist.Work, DirectWork, ShmWork]]
+Handle = Optional[dist.Work]
 
 
 
@@ -105,9 +98,8 @@ class CommContext:
     @classmethod
     def of(cls, group: Group, counter: CommCounter, trace: list[tuple[str, Any]] | None = None,
            device: torch.device | None = None) -> CommContext:
-        """With `device`, the transport for its tensors on `group` is set up now (`prepare`)."""
-        if device is not None:
-            prepare(group, device)
+        """`device` is accepted for symmetry with the callers; nothing is set up per device."""
+        del device
         return cls(group=group, world_size=group_size(group), rank=group_rank(group),
                    counter=counter, trace=trace, timeout=group_timeout(group),
                    host_blocking=_host_blocking(group))
@@ -138,110 +130,6 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-# How CPU tensors on a gloo group are reduced and gathered, chosen once per group:
-#   "shm"    fusedzero/shm.py [Note: shared-memory collectives]: ranks on one host through
-#            mapped memory (the default; "direct" where the ranks cannot map each other's files);
-#   "direct" fusedzero/direct.py [Note: gloo has no reduce-scatter]: point-to-point sends that
-#            move exactly the counted bytes; the all-reduce stays gloo's own;
-#   "torch"  torch's gloo collectives (its reduce-scatter sends an all-reduce's bytes).
-# FUSEDZERO_GLOO_COLLECTIVES picks the default; `set_gloo_collectives` one group's (the bench
-# compares them in one run).
-GLOO_COLLECTIVES = ("shm", "direct", "torch")
-
-
-@dataclasses.dataclass(frozen=True)
-class _Route:
-    """A gloo group's own transport: shared memory where `channel` is set, else direct sends."""
-
-    rank: int
-    channel: shm.Channel | None = None
-
-    @property
-    def kind(self) -> str:
-        return "direct" if self.channel is None else "shm"
-
-
-_routes: weakref.WeakKeyDictionary[dist.ProcessGroup, _Route | None] = (
-    weakref.WeakKeyDictionary())
-
-
-def _pg(group: Group) -> dist.ProcessGroup:
-    """The process group `group` names (None: the world): the key of per-group state."""
-    return group if group is not None else dist.group.WORLD
-
-
-def _route_of(group: Group, t: torch.Tensor) -> _Route | None:
-    """How `t`'s collectives on `group` run, if not by torch's own call: CPU tensors on gloo.
-    Decided at the group's first collective (a collective itself where it sets up "shm")."""
-    if t.device.type != "cpu":
-        return None
-    pg = _pg(group)
-    if pg not in _routes:
-        try:
-            gloo = "gloo" in str(dist.get_backend(group))
-        except (RuntimeError, ValueError):
-            gloo = False
-        kind = os.environ.get("FUSEDZERO_GLOO_COLLECTIVES", "shm")
-        if kind not in GLOO_COLLECTIVES:
-            raise ValueError(f"FUSEDZERO_GLOO_COLLECTIVES must be one of {GLOO_COLLECTIVES}, "
-                             f"got {kind!r}")
-        _routes[pg] = _open_route(group, pg, kind) if gloo else None
-    return _routes[pg]
-
-
-@torch.compiler.disable(reason="sets up a process group's transport (a collective)")
-def _open_route(group: Group, pg: dist.ProcessGroup, kind: str) -> _Route | None:
-    rank = dist.get_rank(group)
-    if kind == "torch":
-        return None
-    if kind == "shm":
-        channel = shm_setup.open_channel(group, rank, dist.get_world_size(group),
-                                         lambda work, what: wait(work, what=what, group=group))
-        if channel is not None:
-            weakref.finalize(pg, channel.close)
-            return _Route(rank, channel)
-    return _Route(rank)
-
-
-def prepare(group: Group, device: torch.device) -> None:
-    """Set up how collectives of `device` tensors run on `group` now (a collective on every rank
-    of it, where the transport needs a handshake) rather than at the group's first collective,
-    in the middle of a backward. Nothing to do for one rank."""
-    if torch.device(device).type == "cpu" and group_size(group) > 1:
-        _route_of(group, torch.empty(0))
-
-
-def set_gloo_collectives(group: Group, kind: str) -> None:
-    """Choose, for one gloo group, how its CPU collectives run: "shm", "direct" or "torch" (see
-    GLOO_COLLECTIVES above). A collective on `group` for "shm"."""
-    if kind not in GLOO_COLLECTIVES:
-        raise ValueError(f"kind must be one of {GLOO_COLLECTIVES}, got {kind!r}")
-    if kind != "torch" and "gloo" not in str(dist.get_backend(group)):
-        raise ValueError(f"{kind} collectives need a gloo group, got {dist.get_backend(group)}")
-    pg = _pg(group)
-    old = _routes.get(pg)
-    if old is not None and old.channel is not None:
-        old.channel.close()
-    _routes[pg] = _open_route(group, pg, kind)
-
-
-def transport_bytes(group: Group = None) -> int:
-    """Bytes of memory `group`'s transport holds on this rank: the shared-memory arena's backed
-    part (the most bytes that were in flight at once), 0 for the others (gloo's own buffers are
-    not visible from here)."""
-    route = _routes.get(_pg(group))
-    return route.channel.resident_bytes() if route is not None and route.channel else 0
-
-
-def gloo_collectives(group: Group = None) -> str | None:
-    """Which of GLOO_COLLECTIVES `group`'s CPU collectives use (None before its first one)."""
-    pg = _pg(group)
-    if pg not in _routes:
-        return None
-    route = _routes[pg]
-    return "torch" if route is None else route.kind
-
-
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int,
                    counter: CommCounter) -> Handle:
     """Sum `inp` over ranks; this rank's 1/W slice lands in `out` (may alias that slice)."""
@@ -250,14 +138,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, world_siz
             out.copy_(inp)
         return None
     counter.add(CollectiveKind.REDUCE_SCATTER, inp.numel(), inp.element_size(), world_size)
-    route = _route_of(group, inp)
-    if route is None:
-        return _reduce_scatter(out, inp, group=group, async_op=True)
-    ch = route.channel
-    if (ch is not None and inp.is_contiguous()
-            and ch.fits((world_size - 1) * out.numel() * out.element_size())):
-        return ch.reduce_scatter(out, inp)
-    return direct.reduce_scatter(out, inp, group, world_size, route.rank)
+    return _reduce_scatter(out, inp, group=group, async_op=True)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int,
@@ -268,13 +149,7 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: i
             out.copy_(inp)
         return None
     counter.add(CollectiveKind.ALL_GATHER, out.numel(), out.element_size(), world_size)
-    route = _route_of(group, out)
-    if route is None:
-        return _all_gather(out, inp, group=group, async_op=True)
-    ch = route.channel
-    if ch is not None and out.is_contiguous() and ch.fits(inp.numel() * inp.element_size()):
-        return ch.all_gather(out, inp)
-    return direct.all_gather(out, inp, group, world_size, route.rank)
+    return _all_gather(out, inp, group=group, async_op=True)
 
 
 def all_reduce(t: torch.Tensor, group: Group, world_size: int, counter: CommCounter) -> Handle:
@@ -282,10 +157,6 @@ def all_reduce(t: torch.Tensor, group: Group, world_size: int, counter: CommCoun
     if world_size == 1:
         return None
     counter.add(CollectiveKind.ALL_REDUCE, t.numel(), t.element_size(), world_size)
-    route = _route_of(group, t)
-    ch = None if route is None else route.channel
-    if ch is not None and t.is_contiguous() and ch.fits(t.numel() * t.element_size()):
-        return ch.all_reduce(t)
     return dist.all_reduce(t, group=group, async_op=True)
 
 
@@ -294,7 +165,7 @@ def group_timeout(group: Group = None) -> float:
     `init_process_group`/`new_group`, else DEFAULT_TIMEOUT_S (never torch's 30-minute default)."""
     if not dist.is_initialized():
         return DEFAULT_TIMEOUT_S
-    pg = _pg(group)
+    pg = group if group is not None else dist.group.WORLD
     for dev in getattr(pg, "_device_types", ()):
         try:
             t = pg._get_backend(dev).options._timeout

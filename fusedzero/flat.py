@@ -16,7 +16,7 @@
   (`fusedzero.reduce`) are reduced into it.
 - master / exp_avg / exp_avg_sq: this rank's local shard, contiguous. With fp32 params the
   master *is* the param buffer's own pieces (stages 0-2) or the param shard (stage 3); so it is
-  in the bf16 master modes (`fusedzero.modes`), where the bf16 params are the master. The modes
+  in the bf16 master modes (`fusedzero.memory_modes`), where the bf16 params are the master. The modes
   decide the rest: `comp` (bf16-kahan: the bf16 compensation, local shard), the moments' dtype
   (fp32, bf16, int8/uint8) and, for int8, one fp32 scale per QBLOCK elements of each moment.
   The optimizer hands these, with bf16-sr's `seed` and `sr_offset`, to the grouped launch.
@@ -31,7 +31,7 @@ from torch import nn
 
 from fusedzero.kernels import Strided
 from fusedzero.layout import FlatLayout, ParamSlot, build_layout
-from fusedzero.modes import QBLOCK, Modes
+from fusedzero.memory_modes import QBLOCK, MemoryModes
 from fusedzero.stage import Stage
 
 # What the fused kernel reads or writes: a contiguous local-shard tensor, or this rank's pieces
@@ -45,7 +45,7 @@ class FlatBuffer:
     def __init__(self, *, group_index: int, params: list[nn.Parameter], names: list[str],
                  indices: list[int], dtype: torch.dtype, stage: Stage, world_size: int,
                  rank: int, bucket_numel: int, reduce_dtype: torch.dtype, device: torch.device,
-                 unit: int = 0, modes: Modes = Modes(), sr_offset: int = 0,
+                 unit: int = 0, modes: MemoryModes = MemoryModes(), sr_offset: int = 0,
                  seed: torch.Tensor | None = None) -> None:
         self.group_index, self.dtype, self.stage, self.unit = group_index, dtype, stage, unit
         self.modes = modes
@@ -295,7 +295,7 @@ class FlatBuffer:
 def build_buffers(param_groups: list[dict], names: list[str], units: list[int], *,
                   param_dtype: torch.dtype | None, stage: Stage, world_size: int, rank: int,
                   bucket_numel: int, reduce_dtype: torch.dtype, device: torch.device,
-                  modes: Modes = Modes(), seed: int = 0) -> list[FlatBuffer]:
+                  modes: MemoryModes = MemoryModes(), seed: int = 0) -> list[FlatBuffer]:
     """One FlatBuffer per (unit, param group, dtype), in that order (dtypes in order of first
     appearance). `units[i]` is the stage-3 unit of the i-th param (all 0 below stage 3).
     `seed`: bf16-sr's random stream, one device tensor for all buffers."""

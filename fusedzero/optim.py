@@ -40,7 +40,7 @@ from fusedzero.grads import GradHooks
 from fusedzero.kernels import AdamWBuffer, GroupedAdamW, GroupedSumsq, SumsqView
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL
 from fusedzero.model_state_dict import FullParamsLoad
-from fusedzero.modes import Modes
+from fusedzero.memory_modes import MemoryModes
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
 from fusedzero.reduce import reduce_replicas
 from fusedzero.scalars import GroupLr, LossScaler, StepScalars
@@ -80,7 +80,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             backward (3 Psi of traffic per step); False keeps it until backward (2 Psi).
         param_init_fn: stage 3 with params on the meta device: `fn(name, module)` initialises the
             params a module owns directly (default: `module.reset_parameters()`).
-        master: how the master weights are held (`fusedzero.modes`): "fp32" (an fp32 master;
+        master: how the master weights are held (`fusedzero.memory_modes`): "fp32" (an fp32 master;
             fp32 params are their own), or, with bf16 params only, no fp32 master at all:
             "bf16-kahan" (the bf16 param plus a bf16 Kahan compensation), "bf16-sr" (updates
             stochastically rounded onto the param) or "bf16" (round to nearest).
@@ -124,7 +124,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         trace: bool = False,
     ) -> None:
         validate.check_hyper(lr, betas, eps, weight_decay)
-        self.modes = Modes(master, states)
+        self.modes = MemoryModes(master, states)
         try:
             stage = Stage(stage)
         except ValueError:
@@ -390,16 +390,3 @@ class ZeroAdamW(torch.optim.Optimizer):
         """Write `st` back; None fields are left as they are. Writing master rewrites the
         params derived from it and gathers them: a collective at stages 1-3."""
         self.shards.load_shard_state(st)
-
-    # -- aliases for checkpoint code written before fusedzero/state.py (to be removed) ---------
-    @property
-    def _step(self) -> torch.Tensor:
-        return self.scalars.step
-
-    def master_shard(self, fg: FlatBuffer) -> torch.Tensor:
-        """This rank's fp32 master values of `fg`, as a contiguous local-shard tensor."""
-        return self.shards.master(fg)
-
-    def set_master_shard(self, fg: FlatBuffer, values: torch.Tensor) -> None:
-        """Write this rank's fp32 master (and the param copy derived from it), then gather."""
-        self.shards.set_master(fg, values)

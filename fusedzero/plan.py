@@ -25,7 +25,7 @@ from torch import nn
 
 from fusedzero import dtypes
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL, FlatLayout, build_layout
-from fusedzero.modes import Modes, check_param_dtype
+from fusedzero.memory_modes import MemoryModes, check_param_dtype
 
 STAGES = (0, 1, 2, 3)
 # The global grad norm (clipping, non-finite skip) is one fp32 scalar all-reduced per step.
@@ -60,7 +60,7 @@ class PlanConfig:
     """The step all-reduces the grad norm (max_grad_norm, skip_nonfinite=True: the default)."""
     unit_policy: Any = None
     """Stage 3 units, as ZeroAdamW's unit_policy (only used when planning from a model)."""
-    modes: Modes = Modes()
+    modes: MemoryModes = MemoryModes()
     """How master and moments are held (ZeroAdamW's master= and states=)."""
 
     def __post_init__(self) -> None:
@@ -96,7 +96,7 @@ class Plan:
         pdt = dtypes.short_name(c.param_dtype) if c.param_dtype is not None else "own dtype"
         # K per element of a shard, scales included (exact per 128 elements: QBLOCK divides it).
         k = c.modes.state_bytes(128, c.param_dtype or torch.float32) / 128
-        if c.modes != Modes():
+        if c.modes != MemoryModes():
             what = f"master={c.modes.master}, states={c.modes.states}"
         elif c.param_dtype == torch.float32:
             what = "fp32 exp_avg + exp_avg_sq (fp32 params are their own master)"

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from fusedzero.flat import FlatBuffer
-from fusedzero.modes import Modes
+from fusedzero.memory_modes import MemoryModes
 from fusedzero.param_sync import ParamSync
 from fusedzero.scalars import StepScalars
 from fusedzero.state import TENSOR_FIELDS, ParamInfo, ShardInfo, ShardState, convert, fields_of
@@ -116,7 +116,7 @@ class ShardAccess:
             self.scalars.step.copy_(state["step"])
             if self.scalars.scaler is not None and "scaler" in state:
                 self.scalars.scaler.load_state_dict(state["scaler"])
-        modes = Modes(**state.get("modes", {}))
+        modes = MemoryModes(**state.get("modes", {}))
         self.load_shard_state(ShardState(
             **{f: [d[f] for d in flat] for f in fields_of(modes)}, modes=modes))
 

@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from fusedzero.layout import FlatLayout, Segment
-from fusedzero.modes import Modes, decode_master, decode_state, encode_master, encode_state
+from fusedzero.memory_modes import MemoryModes, decode_master, decode_state, encode_master, encode_state
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,7 +32,7 @@ class ShardInfo:
     unit: int  # stage-3 unit (0: the root; always 0 below stage 3)
     layout: FlatLayout
     shard_rank: int  # whose piece of every bucket this rank holds (0 at stage 0: replicated)
-    modes: Modes = Modes()  # how master and moments are held (fusedzero/modes.py)
+    modes: MemoryModes = MemoryModes()  # how master and moments are held (fusedzero/memory_modes.py)
 
     @property
     def local_numel(self) -> int:
@@ -58,7 +58,7 @@ class ShardState:
     """This rank's optimizer state, one entry per buffer of `shard_infos()` (same order).
 
     Tensors are 1-D of `local_numel` elements in local-shard order, stored as `modes` says
-    (fusedzero/modes.py): master fp32 (bf16 in the bf16 master modes: the params), `comp` the
+    (fusedzero/memory_modes.py): master fp32 (bf16 in the bf16 master modes: the params), `comp` the
     bf16 Kahan compensation, exp_avg / exp_avg_sq fp32, bf16 or int8/uint8 codes with their
     fp32 block scales (`local_numel / QBLOCK` each). The default modes are fp32 throughout.
     `load_shard_state()` converts from `modes` into the optimizer's own (see [Note: converting
@@ -73,7 +73,7 @@ class ShardState:
     comp: list[torch.Tensor] | None = None  # bf16-kahan only
     exp_avg_scale: list[torch.Tensor] | None = None  # int8 states only
     exp_avg_sq_scale: list[torch.Tensor] | None = None  # int8 states only
-    modes: Modes = Modes()
+    modes: MemoryModes = MemoryModes()
     step_count: float | None = None  # optimizer steps taken (skipped steps excluded)
     scaler: dict[str, float] | None = None  # {"scale": ..., "growth_tracker": ...} or None
 
@@ -91,13 +91,13 @@ class ShardState:
 TENSOR_FIELDS = ("master", "comp", "exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale")
 
 
-def fields_of(modes: Modes) -> tuple[str, ...]:
+def fields_of(modes: MemoryModes) -> tuple[str, ...]:
     """The tensor fields a buffer held in `modes` has."""
     return tuple(f for f in TENSOR_FIELDS
                  if (f != "comp" or modes.kahan) and (not f.endswith("_scale") or modes.quantized))
 
 
-def convert(t: dict[str, torch.Tensor], src: Modes, dst: Modes) -> dict[str, torch.Tensor]:
+def convert(t: dict[str, torch.Tensor], src: MemoryModes, dst: MemoryModes) -> dict[str, torch.Tensor]:
     """One buffer's tensors held in `src` modes, as `dst` holds them (only the fields present:
     a master without its comp is taken as the effective master; states are converted only
     when both the values and, for int8, their scales are given)."""

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from fusedzero.dtypes import FLOAT_DTYPES
-from fusedzero.modes import Modes, check_param_dtype
+from fusedzero.memory_modes import MemoryModes, check_param_dtype
 
 # Attribute a param carries while a live ZeroAdamW owns it: a weak reference to that optimizer.
 OWNER_ATTR = "_fusedzero_owner"
@@ -111,7 +111,7 @@ def check_params(module: nn.Module | None, params: list[nn.Parameter],
                                  "gradients are not supported; build it with sparse=False")
 
 
-def check_modes(modes: Modes, params: list[nn.Parameter], names: list[str],
+def check_modes(modes: MemoryModes, params: list[nn.Parameter], names: list[str],
                 param_dtype: torch.dtype | None) -> None:
     """bf16 master modes need bf16 params: with `param_dtype` given, that; else every param."""
     if param_dtype is not None:

@@ -11,9 +11,9 @@ updates one buffer through it (`AdamWPlan`: planned once, launched per call).
 from fusedzero.kernels._launch import LAUNCHES, Strided, backend, use_triton
 from fusedzero.kernels.adamw import AdamWBuffer, GroupedAdamW, Hyper
 from fusedzero.kernels.adamw_single import AdamWPlan, adamw_reference, adamw_step
-from fusedzero.kernels.modes import (MASTER_MODES, QBLOCK, STATE_MODES, bytes_per_param,
+from fusedzero.kernels.memory_modes import (MASTER_MODES, QBLOCK, STATE_MODES, bytes_per_param,
                                      dequantize_blockwise, quantize_blockwise)
-from fusedzero.kernels.modes_reference import adamw_reference_mode
+from fusedzero.kernels.memory_modes_reference import adamw_reference_mode
 from fusedzero.kernels.sum_of_squares import GroupedSumsq, SumsqView, sumsq
 
 __all__ = ["LAUNCHES", "MASTER_MODES", "QBLOCK", "STATE_MODES", "AdamWBuffer", "AdamWPlan", "GroupedAdamW",

@@ -11,7 +11,7 @@ step on the device from the lr vector, the step count and the grad scale by a fe
 torch ops (`rows.adamw_rows`, in fp64 there), so the kernel itself has no fp64 instruction.
 Nothing is read back to the host: a step has no host sync and can be captured in a CUDA graph.
 
-Memory modes (kernels/modes.py: bf16 masters with Kahan comp or stochastic rounding, bf16 or
+Memory modes (kernels/memory_modes.py: bf16 masters with Kahan comp or stochastic rounding, bf16 or
 blockwise-int8 states) are constexpr variants (MASTER_MODE, STATE_MODE) of the same kernel and
 the same launch: the mode is the optimizer's, so a step is still one launch per (grad dtype, out
 dtype). Their extra streams (comp, the int8 scales) and bf16-sr's index offset are extra columns
@@ -35,11 +35,11 @@ from fusedzero.kernels import adamw_torch
 from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Hyper, Strided,
                                        as_strided, check_stream, count_launch, device_guard,
                                        use_triton)
-from fusedzero.kernels.modes import (MASTER_CODE, QBLOCK, STATE_CODE, STATE_DTYPES,
+from fusedzero.kernels.memory_modes import (MASTER_CODE, QBLOCK, STATE_CODE, STATE_DTYPES,
                                      check_mode_buffers, check_modes, load_master, load_state,
                                      store_master, store_state)
-from fusedzero.kernels.modes import round_to_bf16 as _round_to_bf16
-from fusedzero.kernels.modes_torch import ModeCombo
+from fusedzero.kernels.memory_modes import round_to_bf16 as _round_to_bf16
+from fusedzero.kernels.memory_modes_torch import ModeCombo
 from fusedzero.kernels.rows import Rows, check_consts
 from fusedzero.kernels.table import Buffer, Piece, Table, build_table, pieces_of
 
@@ -47,7 +47,7 @@ from fusedzero.kernels.table import Buffer, Piece, Table, build_table, pieces_of
 # stream. With 4 warps (8 per thread) Triton gives 16-bit streams an 8-element layout and fp32
 # ones a 4-element layout, and converts between them through shared memory; at 4 per thread
 # every stream has the same layout (16-bit accesses are 64-bit) and no conversion is needed
-# (tests/test_compile.py checks the PTX for st.shared).
+# (tests/kernels/test_compile.py checks the PTX for st.shared).
 BLOCK = 1024
 NUM_WARPS = 8
 # [Note: GPU vs interpreter numerics] Compiled with FMA contraction off (_launch.ENABLE_FP_FUSION,
@@ -55,8 +55,8 @@ NUM_WARPS = 8
 # round-to-nearest op, as numpy does it in the interpreter: the two agree bitwise. The per-step
 # row (step size, bias correction) is computed by torch ops in fp64 and rounded once to fp32, the
 # same on every path. Not measured on a GPU here; the PTX is checked for the exact forms
-# (tests/test_compile.py). The torch path (torch._fused_adamw_) orders the math differently:
-# within 2 * 8 ulps of the interpreter (tests/test_kernels.py).
+# (tests/kernels/test_compile.py). The torch path (torch._fused_adamw_) orders the math differently:
+# within 2 * 8 ulps of the interpreter (tests/kernels/test_kernels.py).
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _STREAMS = ("master", "grad", "exp_avg", "exp_avg_sq", "out")
 # A memory mode's table row: the default's 8 columns, then comp, exp_avg's and exp_avg_sq's
@@ -67,7 +67,7 @@ _QBLOCK = tl.constexpr(QBLOCK)
 assert BLOCK % QBLOCK == 0
 
 
-# Loads and stores of master and the moments are the memory modes' helpers (kernels/modes.py):
+# Loads and stores of master and the moments are the memory modes' helpers (kernels/memory_modes.py):
 # a mode (a bf16 master, bf16 or blockwise-int8 moments) is a constexpr variant of them, local to
 # them. In the default mode (0, 0) they are one plain load/store per stream.
 @triton.jit
@@ -175,7 +175,7 @@ def _qblocks(blk, BLOCK: tl.constexpr):
 
 class AdamWBuffer(NamedTuple):
     """One buffer for `GroupedAdamW`: its streams, layout and hyper-parameter row (param group),
-    and a memory mode's own buffers (kernels/modes.py): the Kahan comp (local layout), the int8
+    and a memory mode's own buffers (kernels/memory_modes.py): the Kahan comp (local layout), the int8
     scales (one fp32 per QBLOCK local elements) and the buffer's offset in bf16-sr's stream."""
 
     master: torch.Tensor | Strided

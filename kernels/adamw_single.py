@@ -86,7 +86,7 @@ def adamw_step(
     weight_decay (required), maximize, and the layout and memory mode below.
 
     Every stream covers `num_buckets` pieces of `shard_numel` elements (see kernels/adamw.py);
-    plain tensors are the local layout. Memory modes (kernels/modes.py): with `master_mode`
+    plain tensors are the local layout. Memory modes (kernels/memory_modes.py): with `master_mode`
     "bf16-kahan", "bf16-sr" or "bf16", `master` is the bf16 param (no fp32 master) and `out` must
     be None; `kahan` is the bf16 compensation buffer (local layout, bf16-kahan only); `seed` a
     one-element int32/int64 tensor and `sr_offset` this buffer's offset in the random stream

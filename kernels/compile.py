@@ -25,8 +25,8 @@ from triton.compiler import ASTSource
 from fusedzero.kernels import adamw as _adamw
 from fusedzero.kernels import sum_of_squares as _sumsq
 from fusedzero.kernels._launch import ENABLE_FP_FUSION, GRAD_DTYPES
-from fusedzero.kernels.compile_modes import adamw_ptrs, mode_variants
-from fusedzero.kernels.modes import MASTER_CODE, STATE_CODE
+from fusedzero.kernels.compile_memory_modes import adamw_ptrs, mode_variants
+from fusedzero.kernels.memory_modes import MASTER_CODE, STATE_CODE
 
 KERNELS = ("adamw", "sumsq")
 
@@ -38,7 +38,7 @@ _TRITON_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "
 # runtime marks a pointer argument divisible by 16 ("tt.divisibility") when its address is:
 # every base is a tensor's start (CUDA caching-allocator blocks are 512-byte aligned). The table's
 # offsets and lengths are declared multiples of 16 elements in the kernel (ALIGNED, checked by
-# the launcher); without both the compiler falls back to scalar accesses (tests/test_compile.py).
+# the launcher); without both the compiler falls back to scalar accesses (tests/kernels/test_compile.py).
 
 def _jit_fn(module: Any, name: str) -> triton.runtime.JITFunction:
     fn = getattr(module, name)

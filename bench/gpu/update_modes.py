@@ -4,7 +4,7 @@
 
 64M elements per update (past any L2), planned once (`AdamWPlan`), timed with
 triton.testing.do_bench (CUDA events, L2 flushed between reps), beside a device copy of 28 bytes
-per element and torch.optim.AdamW(fused=True) on fp32. Modes: the ZeRO mixed default (fp32
+per element and torch.optim.AdamW(fused=True) on fp32. MemoryModes: the ZeRO mixed default (fp32
 master, bf16 grad, bf16 out), fp32 throughout, and bf16-kahan master + int8 states with bf16
 grads. Launch shapes other than the shipped one (kernels/adamw.py BLOCK, NUM_WARPS) are set by
 patching those module constants before the plan is built: a sweep, not a product setting.

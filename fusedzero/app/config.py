@@ -12,7 +12,7 @@ from typing import Any
 
 from fusedzero import dtypes
 from fusedzero.comm import DEFAULT_TIMEOUT_S
-from fusedzero.modes import MASTER_MODES, STATE_MODES
+from fusedzero.memory_modes import MASTER_MODES, STATE_MODES
 
 # Defaults for the 2-rank CPU run: measured 77 s wall on an idle 2-core machine including
 # start-up (~30k tokens/s; 104 s with other jobs on the cores), validation loss 5.33 -> 1.90.
@@ -123,7 +123,7 @@ class TrainConfig:
     """fp32 / bf16 / fp16 (None: bf16 on CUDA, fp32 on CPU)."""
     master: str = "fp32"
     """Master weights (ZeroAdamW's master=): fp32, or with --param-dtype bf16 no fp32 master:
-    bf16-kahan, bf16-sr or bf16 (fusedzero/modes.py)."""
+    bf16-kahan, bf16-sr or bf16 (fusedzero/memory_modes.py)."""
     states: str = "fp32"
     """exp_avg / exp_avg_sq storage (ZeroAdamW's states=): fp32, bf16 or int8."""
     device: str = "auto"

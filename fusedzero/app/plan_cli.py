@@ -17,7 +17,7 @@ from fusedzero.app.config import (DEFAULT_BLOCK, DEFAULT_N_EMBD, DEFAULT_N_HEAD,
                                   UsageError)
 from fusedzero.app.model import GPT, GPTConfig
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL
-from fusedzero.modes import MASTER_MODES, STATE_MODES, Modes
+from fusedzero.memory_modes import MASTER_MODES, STATE_MODES, MemoryModes
 from fusedzero.plan import PlanConfig, plan_model, plan_params
 
 
@@ -108,7 +108,7 @@ def _cli_plan(args: argparse.Namespace) -> int:
                          reduce_dtype=dtypes.SHORT_NAMES[args.reduce_dtype],
                          bucket_numel=args.bucket_numel,
                          reshard_after_forward=args.reshard,
-                         modes=Modes(args.master, args.states))
+                         modes=MemoryModes(args.master, args.states))
         if args.params is not None:
             if not (math.isfinite(args.params) and args.params == int(args.params)):
                 raise ValueError(f"--params must be a whole number, got {args.params}")

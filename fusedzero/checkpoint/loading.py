@@ -19,7 +19,7 @@ from fusedzero.checkpoint.optview import group_names, param_table
 from fusedzero.checkpoint.rank_state import check_rng_state, set_rng_state, unpack
 from fusedzero.checkpoint.reshard import Read, match_params, plan
 from fusedzero.checkpoint.saving import wait_pending
-from fusedzero.modes import QBLOCK, Modes
+from fusedzero.memory_modes import QBLOCK, MemoryModes
 from fusedzero.state import ShardState, fields_of
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
 
     Memory modes: the states are read in the modes they were saved in and converted into this
     optimizer's (`ZeroAdamW(master=, states=)`; see [Note: converting masters] in
-    fusedzero/modes.py): the same modes load bit-exactly, others through fp32 (fp32 master into
+    fusedzero/memory_modes.py): the same modes load bit-exactly, others through fp32 (fp32 master into
     bf16-kahan: param = rne(master), comp = rne(master - param); back: master = param + comp).
 
     Restores master (and the params), exp_avg, exp_avg_sq, the step count, the loss scaler, and
@@ -123,7 +123,7 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
 
 
 def _read_staged(d: Path, infos: list[ShardInfo], plan: list[list[Read]], peak: Peak,
-                 saved: Modes) -> ShardState:
+                 saved: MemoryModes) -> ShardState:
     """Every buffer's state from the shard files, on the host, as it was saved (modes `saved`:
     `load_shard_state` converts it into the optimizer's). int8 scales are read block by block:
     a quantization block is QBLOCK elements of one param from a multiple of QBLOCK of it at any
@@ -160,7 +160,7 @@ def _read_staged(d: Path, infos: list[ShardInfo], plan: list[list[Read]], peak: 
     return ShardState(**out, modes=saved)
 
 
-def _saved_dtype(kind: str, saved: Modes) -> torch.dtype:
+def _saved_dtype(kind: str, saved: MemoryModes) -> torch.dtype:
     if kind.endswith("_scale"):
         return torch.float32
     if kind == "comp" or (kind == "master" and not saved.fp32_master):

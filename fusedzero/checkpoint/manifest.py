@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fusedzero import dtypes
-from fusedzero.modes import MASTER_MODES, STATE_MODES, Modes
+from fusedzero.memory_modes import MASTER_MODES, STATE_MODES, MemoryModes
 
 FORMAT = "fusedzero-checkpoint"
 # 2: `modes` (memory modes: each state stored in its own dtype, with its scales); a version-1
@@ -56,9 +56,9 @@ def parse(text: str, where: Path) -> dict[str, Any]:
     return m
 
 
-def manifest_modes(m: dict[str, Any]) -> Modes:
+def manifest_modes(m: dict[str, Any]) -> MemoryModes:
     """The memory modes the states of a validated manifest were saved in."""
-    return Modes(**m["modes"]) if "modes" in m else Modes()
+    return MemoryModes(**m["modes"]) if "modes" in m else MemoryModes()
 
 
 def _no_constant(name: str) -> Any:

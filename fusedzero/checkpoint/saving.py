@@ -126,7 +126,7 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
     groups_meta: list[dict[str, Any]] = []
     if st is not None:
         for i, info in enumerate(infos):
-            # Each state in its own dtype (fusedzero/modes.py), int8 codes with their scales.
+            # Each state in its own dtype (fusedzero/memory_modes.py), int8 codes with their scales.
             for kind, t in st.tensors(i).items():
                 t = t.detach()
                 # Async: a private copy, so training may go on updating the live buffers.
