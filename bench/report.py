@@ -211,9 +211,19 @@ def headline(e: list[dict[str, Any]]) -> str:
                    "ours / best", "verdict"], lines)
 
 
-_TRANSPORT = {"shm": "shared memory between the ranks, fusedzero/shm.py",
-              "direct": "point-to-point gloo sends, fusedzero/direct.py",
-              "torch": "torch's gloo collectives, as the peers"}
+def _stale_note(e: list[dict[str, Any]]) -> list[str]:
+    """Results measured while fusedzero's CPU ranks had their own transport (`info`
+    `gloo_collectives` other than "torch"): a warning naming the rows the current code, whose
+    only transport is torch.distributed, would not reproduce."""
+    old = [x["system"] for x in e if (x.get("info") or {}).get("gloo_collectives", "torch")
+           != "torch"]
+    if not old:
+        return []
+    return [f"**Stale until rerun:** {', '.join(f'`{s}`' for s in old)} ran fusedzero's "
+            "collectives on a shared-memory transport of its own, since removed (torch.distributed "
+            "is the only transport: gloo on CPU). Rows suffixed `-torchgloo` are fusedzero on "
+            "torch's gloo collectives, what every fusedzero row runs on now. Rerun "
+            "`pytest bench/bench_step.py --benchmark-only` and this report to restate them.", ""]
 
 
 def _matmul_note(x: dict[str, Any]) -> str:
@@ -243,6 +253,7 @@ def step_section(rows: list[dict[str, Any]], figdir: Path | None) -> str:
             f"wrapper): median and p20 - p80 over the rounds. Two systems tie where their "
             f"p20 - p80 ranges overlap. Timed on a shared machine (see the header): compare "
             f"within a precision, not across runs.{_matmul_note(x0)}", "",
+            *_stale_note(e),
             "### Overhead: fusedzero vs the best peer", "",
             "<!-- headline:begin -->", headline(e), "<!-- headline:end -->", "",
             "### Every system", ""]
@@ -376,8 +387,6 @@ def render(folder: Path, out: Path, plots: bool = True, root: Path = Path(".")) 
     for subject, fn in sections.items():
         if rows.get(subject):
             parts.append(fn(rows[subject], figdir))
-    if rows.get("collectives"):
-        parts.append(_sibling("bench_collectives").report_section(rows["collectives"]))
     quality = _sibling("quality_modes")
     if (root / quality.TABLE).is_file():
         parts.append(quality.report_section((root / quality.TABLE).read_text()))

@@ -1,4 +1,5 @@
-"""Run a function on W local gloo ranks and collect what each returns (tests, benchmarks).
+"""Run a function on W local gloo ranks and collect what each returns (tests, benchmarks);
+`fake_group` stands in for W ranks in this one process where nothing is communicated.
 
 The processes are `fusedzero.spawn`'s, as `fusedzero train`'s.
 
@@ -8,12 +9,13 @@ and its exit code.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import io
 import os
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.queues import Queue
 from typing import Any
 
@@ -73,3 +75,17 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 raise ranks.failure(report, results)
             results[report.rank] = torch.load(io.BytesIO(report.value), weights_only=False)
     return [results[r] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def fake_group(rank: int, world_size: int) -> Iterator[None]:
+    """This process as `rank` of `world_size` in torch's "fake" process group: collectives
+    return at once and move nothing, so layouts, plans and byte counts of a W-rank run can be
+    built and checked in one process."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

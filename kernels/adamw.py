@@ -6,7 +6,7 @@ and optionally a bf16/fp16/fp32 copy of the new params.
 Grouped launch. `GroupedAdamW` is built once over every flat buffer of a rank (all param groups,
 all stage-3 units, all buckets) and updates them all with one launch per (grad dtype, output
 dtype): a piece table (kernels/table.py) tells each program which piece it updates and which
-hyper-parameter row it reads. The rows (one per param group, `ROW` below) are computed once per
+hyper-parameter row it reads. The rows (one per param group, `rows.RowCol`) are computed once per
 step on the device from the lr vector, the step count and the grad scale by a few vectorised
 torch ops (`rows.adamw_rows`, in fp64 there), so the kernel itself has no fp64 instruction.
 Nothing is read back to the host: a step has no host sync and can be captured in a CUDA graph.
@@ -15,7 +15,7 @@ Memory modes (kernels/memory_modes.py: bf16 masters with Kahan comp or stochasti
 blockwise-int8 states) are constexpr variants (MASTER_MODE, STATE_MODE) of the same kernel and
 the same launch: the mode is the optimizer's, so a step is still one launch per (grad dtype, out
 dtype). Their extra streams (comp, the int8 scales) and bf16-sr's index offset are extra columns
-of the piece table (`MODE_WIDTH`); the default variant's table and code are unchanged.
+of the piece table (`table.AdamWCol`); the default variant's table and code are unchanged.
 
 Layout. A buffer's streams each cover `num_buckets` pieces of `shard_numel` elements described by
 `Strided(tensor, stride, base)`: piece k at `tensor[k * stride + base:][:shard_numel]`. The local
@@ -40,8 +40,11 @@ from fusedzero.kernels.memory_modes import (MASTER_CODE, QBLOCK, STATE_CODE, STA
                                      store_master, store_state)
 from fusedzero.kernels.memory_modes import round_to_bf16 as _round_to_bf16
 from fusedzero.kernels.memory_modes_torch import ModeCombo
+from fusedzero.kernels import rows as hp_rows
+from fusedzero.kernels import table
 from fusedzero.kernels.rows import Rows, check_consts
-from fusedzero.kernels.table import Buffer, Piece, Table, build_table, pieces_of
+from fusedzero.kernels.table import (ADAMW_MODE_WIDTH, ADAMW_WIDTH, AdamWCol, Buffer, Piece,
+                                     Table, build_table, pieces_of)
 
 # 1024 elements per program with 8 warps: 4 elements per thread, one 128-bit access per fp32
 # stream. With 4 warps (8 per thread) Triton gives 16-bit streams an 8-element layout and fp32
@@ -58,13 +61,16 @@ NUM_WARPS = 8
 # (tests/kernels/test_compile.py). The torch path (torch._fused_adamw_) orders the math differently:
 # within 2 * 8 ulps of the interpreter (tests/kernels/test_kernels.py).
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_STREAMS = ("master", "grad", "exp_avg", "exp_avg_sq", "out")
-# A memory mode's table row: the default's 8 columns, then comp, exp_avg's and exp_avg_sq's
-# scale offsets (local offset / QBLOCK) and bf16-sr's index offset. BLOCK is whole QBLOCKs.
-MODE_WIDTH = 12
-_MODE_WIDTH = tl.constexpr(MODE_WIDTH)
+# The default mode's streams (a launch without an output has OUT's column, at 0) and a memory
+# mode's; the int8 scales (one per QBLOCK elements) need not be 16-element aligned.
+_DEFAULT_STREAMS = AdamWCol.OUT.stream + 1
+_MODE_STREAMS = tuple(c for c in AdamWCol if AdamWCol.MASTER <= c < AdamWCol.SR_OFFSET)
+_LOOSE = (AdamWCol.EXP_AVG_SCALE.stream, AdamWCol.EXP_AVG_SQ_SCALE.stream)
+_WIDTH = tl.constexpr(ADAMW_WIDTH)
+_MODE_WIDTH = tl.constexpr(ADAMW_MODE_WIDTH)
+_NCOLS = tl.constexpr(hp_rows.NCOLS)
 _QBLOCK = tl.constexpr(QBLOCK)
-assert BLOCK % QBLOCK == 0
+assert BLOCK % QBLOCK == 0  # a program's scales are whole quantization blocks
 
 
 # Loads and stores of master and the moments are the memory modes' helpers (kernels/memory_modes.py):
@@ -80,8 +86,8 @@ def _store_out(ptr, idx, p, mask, OUT_BF16: tl.constexpr):
 
 
 @triton.jit
-def _offset(row_ptr, col, ALIGNED: tl.constexpr):
-    off = tl.load(row_ptr + col)
+def _offset(col_ptr, ALIGNED: tl.constexpr):
+    off = tl.load(col_ptr)
     if ALIGNED:
         off = tl.multiple_of(off, 16)
     return off
@@ -102,42 +108,43 @@ def _grouped_adamw_kernel(
     # element offsets: a stream may pass 2**31 elements.
     prog = tl.program_id(0).to(tl.int64)
     piece = tl.load(prog_piece_ptr + prog).to(tl.int64)
-    # master, grad, exp_avg, exp_avg_sq, out, numel, first, row [, comp, the two scales, sr]
+    # The piece's table row (kernels/table.py `AdamWCol`): the default mode's or a memory mode's.
     if MASTER_MODE == 0 and STATE_MODE == 0:
-        entry = piece_ptr + piece * 8
+        entry = piece_ptr + piece * _WIDTH
     else:
         entry = piece_ptr + piece * _MODE_WIDTH
-    numel = _offset(entry, 5, ALIGNED)
-    blk = prog - tl.load(entry + 6)
+    numel = _offset(entry + table.AdamWCol.NUMEL, ALIGNED)
+    blk = prog - tl.load(entry + table.AdamWCol.FIRST)
     idx = blk * BLOCK + tl.arange(0, BLOCK)
     mask = idx < numel
-    m_base = master_ptr + _offset(entry, 0, ALIGNED)
-    g_base = grad_ptr + _offset(entry, 1, ALIGNED)
-    a_base = exp_avg_ptr + _offset(entry, 2, ALIGNED)
-    s_base = exp_avg_sq_ptr + _offset(entry, 3, ALIGNED)
-    hp = row_ptr + tl.load(entry + 7) * 9  # the ROW of this piece's param group
-    step_size = tl.load(hp + 0)
-    bc2_sqrt = tl.load(hp + 1)
-    decay = tl.load(hp + 2)
-    beta1 = tl.load(hp + 3)
-    one_minus_beta1 = tl.load(hp + 4)
-    beta2 = tl.load(hp + 5)
-    one_minus_beta2 = tl.load(hp + 6)
-    eps = tl.load(hp + 7)
-    grad_mult = tl.load(hp + 8)  # grad scale, negated to maximize
+    m_base = master_ptr + _offset(entry + table.AdamWCol.MASTER, ALIGNED)
+    g_base = grad_ptr + _offset(entry + table.AdamWCol.GRAD, ALIGNED)
+    a_base = exp_avg_ptr + _offset(entry + table.AdamWCol.EXP_AVG, ALIGNED)
+    s_base = exp_avg_sq_ptr + _offset(entry + table.AdamWCol.EXP_AVG_SQ, ALIGNED)
+    # This piece's param group's row of per-step hyper-parameters (kernels/rows.py `RowCol`).
+    hp = row_ptr + tl.load(entry + table.AdamWCol.ROW) * _NCOLS
+    step_size = tl.load(hp + hp_rows.RowCol.STEP_SIZE)
+    bc2_sqrt = tl.load(hp + hp_rows.RowCol.BC2_SQRT)
+    decay = tl.load(hp + hp_rows.RowCol.DECAY)
+    # (BETA1 is not read: m moves by (1 - beta1) * (g - m), as torch's lerp.)
+    one_minus_beta1 = tl.load(hp + hp_rows.RowCol.ONE_MINUS_BETA1)
+    beta2 = tl.load(hp + hp_rows.RowCol.BETA2)
+    one_minus_beta2 = tl.load(hp + hp_rows.RowCol.ONE_MINUS_BETA2)
+    eps = tl.load(hp + hp_rows.RowCol.EPS)
+    grad_mult = tl.load(hp + hp_rows.RowCol.GRAD_MULT)  # grad scale, negated to maximize
     # Mode streams: the comp at the local offset, each state's scales at local offset / QBLOCK
     # (a program's BLOCK is whole quantization blocks), bf16-sr's index offset.
     c_base = comp_ptr
     sr_base = 0
     if MASTER_MODE == 1:
-        c_base = comp_ptr + _offset(entry, 8, ALIGNED)
+        c_base = comp_ptr + _offset(entry + table.AdamWCol.COMP, ALIGNED)
     if MASTER_MODE == 2:
-        sr_base = tl.load(entry + 11)
+        sr_base = tl.load(entry + table.AdamWCol.SR_OFFSET)
     qa = exp_avg_scale_ptr
     qs = exp_avg_sq_scale_ptr
     if STATE_MODE == 2:
-        qa = exp_avg_scale_ptr + tl.load(entry + 9)
-        qs = exp_avg_sq_scale_ptr + tl.load(entry + 10)
+        qa = exp_avg_scale_ptr + tl.load(entry + table.AdamWCol.EXP_AVG_SCALE)
+        qs = exp_avg_sq_scale_ptr + tl.load(entry + table.AdamWCol.EXP_AVG_SQ_SCALE)
     qidx, qfirst = _qblocks(blk, BLOCK)
 
     p = load_master(m_base, idx, c_base, idx, mask, MASTER_MODE)
@@ -162,7 +169,8 @@ def _grouped_adamw_kernel(
     store_state(a_base, qa, idx, keep, qidx, qkeep, m, STATE_MODE, True, BLOCK)
     store_state(s_base, qs, idx, keep, qidx, qkeep, v, STATE_MODE, False, BLOCK)
     if HAS_OUT:  # fp32 master only
-        _store_out(out_ptr + _offset(entry, 4, ALIGNED), idx, p, keep, OUT_BF16)
+        _store_out(out_ptr + _offset(entry + table.AdamWCol.OUT, ALIGNED), idx, p, keep,
+                   OUT_BF16)
 
 
 @triton.jit
@@ -194,8 +202,10 @@ class AdamWBuffer(NamedTuple):
 
 def _pieces(b: AdamWBuffer, ms: Strided, gs: Strided, os_: Strided | None,
             default: bool) -> list[Piece]:
-    """The buffer's pieces; with a memory mode every piece has the full mode row: out, comp, the
-    two scales (None when absent), then the SR offset of its first local element."""
+    """The buffer's pieces, their streams in `AdamWCol` order (master, grad, exp_avg, exp_avg_sq
+    and out if any); with a memory mode every piece has every stream (None when absent: the
+    comp and the two scales, at the local offset and local offset / QBLOCK), then the SR offset
+    of its first local element."""
     S = b.shard_numel
     local = [Strided(t, S, 0) for t in (b.exp_avg, b.exp_avg_sq)]
     streams = (ms, gs, *local) + ((os_,) if os_ is not None else ())
@@ -203,13 +213,15 @@ def _pieces(b: AdamWBuffer, ms: Strided, gs: Strided, os_: Strided | None,
         return pieces_of(Buffer(streams, b.num_buckets, S, b.row))
     out = []
     for p in pieces_of(Buffer(streams, b.num_buckets, S, b.row)):
-        lo = p.starts[2]  # exp_avg is local: the piece's first local element
+        lo = p.starts[AdamWCol.EXP_AVG.stream]  # exp_avg is local: the piece's first element
         q = lo // QBLOCK
-        extra = ((p.tensors[4] if os_ is not None else None, b.comp, b.exp_avg_scale,
-                  b.exp_avg_sq_scale),
-                 (p.starts[4] if os_ is not None else 0, lo, q, q))
-        out.append(Piece(p.tensors[:4] + extra[0], p.starts[:4] + extra[1], p.numel, p.row,
-                         (b.sr_offset + lo,)))
+        mode = {AdamWCol.COMP: (b.comp, lo), AdamWCol.EXP_AVG_SCALE: (b.exp_avg_scale, q),
+                AdamWCol.EXP_AVG_SQ_SCALE: (b.exp_avg_sq_scale, q)}
+        cols = [mode.get(c) or ((p.tensors[c.stream], p.starts[c.stream])
+                                if c.stream < len(p.tensors) else (None, 0))
+                for c in _MODE_STREAMS]
+        out.append(Piece(tuple(t for t, _ in cols), tuple(st for _, st in cols), p.numel,
+                         p.row, (b.sr_offset + lo,)))
     return out
 
 
@@ -246,8 +258,8 @@ class GroupedAdamW:
             if not pieces:
                 continue
             if self.triton:
-                t = build_table(pieces, BLOCK, device, streams=len(_STREAMS), loose=(6, 7))
-                assert t.pieces.shape[1] == (8 if default else MODE_WIDTH), t.pieces.shape
+                t = build_table(pieces, BLOCK, device, streams=_DEFAULT_STREAMS, loose=_LOOSE)
+                assert t.pieces.shape[1] == (ADAMW_WIDTH if default else ADAMW_MODE_WIDTH)
                 if require_aligned and not t.aligned:
                     raise ValueError("a piece offset or length is not a multiple of 16 elements: "
                                      "the layout must keep shards, strides and bases aligned")
@@ -283,9 +295,10 @@ class GroupedAdamW:
                 has_out = out_dtype is not None
                 # Streams a launch does not have get a never-accessed stand-in pointer.
                 b = [x if x is not None else t.bases[0] for x in t.bases]
-                b += [t.bases[0]] * (8 - len(b))
+                b += [t.bases[0]] * (len(_MODE_STREAMS) - len(b))
                 _grouped_adamw_kernel[(t.programs,)](
-                    *b[:5], t.pieces, t.prog_piece, rows, skip, *b[5:8],
+                    *b[:_DEFAULT_STREAMS], t.pieces, t.prog_piece, rows, skip,
+                    *b[_DEFAULT_STREAMS:],
                     skip if self.seed is None else self.seed, step,
                     HAS_OUT=has_out, OUT_BF16=out_dtype == torch.bfloat16, ALIGNED=t.aligned,
                     BLOCK=BLOCK, MASTER_MODE=mm, STATE_MODE=sm, num_warps=NUM_WARPS,

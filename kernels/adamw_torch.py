@@ -13,7 +13,7 @@ import dataclasses
 import torch
 
 from fusedzero.kernels._launch import Hyper
-from fusedzero.kernels.table import Piece
+from fusedzero.kernels.table import AdamWCol, Piece
 
 # [Note: cache-blocked update] A chunk touches 20 bytes per element with bf16 grads and a bf16
 # output (master, workspace, exp_avg, exp_avg_sq in fp32; grad and output in bf16): 2**15
@@ -45,13 +45,13 @@ class Combo:
     def __init__(self, pieces: list[Piece], num_rows: int, chunk: int | None = None) -> None:
         chunk = CHUNK if chunk is None else chunk
         views = [[t[s:s + p.numel] for t, s in zip(p.tensors, p.starts)] for p in pieces]
-        self.cast = views[0][1].dtype != torch.float32
-        self.has_out = len(views[0]) > 4
+        self.cast = views[0][AdamWCol.GRAD.stream].dtype != torch.float32
+        self.has_out = len(views[0]) > AdamWCol.OUT.stream
         self.total = sum(p.numel for p in pieces)
         blocked = self.cast or self.has_out
         # One workspace for every chunk: it stays in cache.
         self._ws = (torch.empty(min(chunk, self.total), dtype=torch.float32,
-                                device=views[0][1].device) if self.cast else None)
+                                device=views[0][0].device) if self.cast else None)
         self.chunks: list[_Chunk] = []
         for row in sorted({p.row for p in pieces}):
             cur = _Chunk(row)
@@ -70,17 +70,18 @@ class Combo:
                 self.chunks.append(cur)
 
     def _add(self, c: _Chunk, v: list[torch.Tensor], n: int) -> None:
-        c.masters.append(v[0])
+        c.masters.append(v[AdamWCol.MASTER.stream])
+        grad = v[AdamWCol.GRAD.stream]
         if self.cast:
             assert self._ws is not None
-            c.grad_src.append(v[1])
+            c.grad_src.append(grad)
             c.grads.append(self._ws[c.numel:c.numel + n])
         else:
-            c.grads.append(v[1])
-        c.exp_avgs.append(v[2])
-        c.exp_avg_sqs.append(v[3])
+            c.grads.append(grad)
+        c.exp_avgs.append(v[AdamWCol.EXP_AVG.stream])
+        c.exp_avg_sqs.append(v[AdamWCol.EXP_AVG_SQ.stream])
         if self.has_out:
-            c.outs.append(v[4])
+            c.outs.append(v[AdamWCol.OUT.stream])
         c.numel += n
 
     def run(self, hyper: Hyper, step: torch.Tensor, grad_scale: torch.Tensor,

@@ -5,9 +5,9 @@ from the per-step rows of kernels/rows.py, the same integer rounding and hash), 
 the interpreter agree bit for bit. fp32 master with fp32 states never comes here: it stays
 torch's own fused AdamW (adamw_torch.py).
 
-`ModeCombo` is one grouped launch's pieces (kernels/table.py, in the memory modes' row layout:
-master, grad, exp_avg, exp_avg_sq, out, comp, exp_avg's scales, exp_avg_sq's scales; ints: the
-bf16-sr index offset). A step is one vectorised pass per hyper-parameter row over all its pieces,
+`ModeCombo` is one grouped launch's pieces (kernels/table.py, in the memory modes' row layout
+`AdamWCol`: master, grad, exp_avg, exp_avg_sq, out, comp, exp_avg's scales, exp_avg_sq's scales;
+ints: the bf16-sr index offset). A step is one vectorised pass per hyper-parameter row over all its pieces,
 concatenated (every piece is whole quantization blocks, so the int8 blocks stay the kernel's).
 """
 from __future__ import annotations
@@ -16,9 +16,14 @@ import torch
 
 from fusedzero.kernels.memory_modes import (QBLOCK, dequantize_blockwise, quantize_blockwise, sqrt_rn,
                                      sr_bits, stochastic_round_bf16_torch)
-from fusedzero.kernels.table import Piece
+from fusedzero.kernels.rows import RowCol
+from fusedzero.kernels.table import AdamWCol, Piece
 
-_MASTER, _GRAD, _M, _V, _OUT, _COMP, _MS, _VS = range(8)
+# Stream indices of a piece's tensors.
+_MASTER, _GRAD, _M, _V, _OUT, _COMP, _MS, _VS = (
+    c.stream for c in (AdamWCol.MASTER, AdamWCol.GRAD, AdamWCol.EXP_AVG, AdamWCol.EXP_AVG_SQ,
+                       AdamWCol.OUT, AdamWCol.COMP, AdamWCol.EXP_AVG_SCALE,
+                       AdamWCol.EXP_AVG_SQ_SCALE))
 
 
 def _views(p: Piece, j: int) -> torch.Tensor | None:
@@ -45,7 +50,7 @@ class ModeCombo:
         self.by_row: dict[int, list[list[torch.Tensor | None]]] = {}
         self.sr_starts: dict[int, list[tuple[int, int]]] = {}
         for p in pieces:
-            self.by_row.setdefault(p.row, []).append([_views(p, j) for j in range(8)])
+            self.by_row.setdefault(p.row, []).append([_views(p, j) for j in range(_VS + 1)])
             self.sr_starts.setdefault(p.row, []).append((p.ints[0] if p.ints else 0, p.numel))
 
     def run(self, rows: torch.Tensor, step: torch.Tensor, skip: torch.Tensor) -> None:
@@ -85,8 +90,10 @@ class ModeCombo:
 def _update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
             hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The kernel's order of operations (torch.optim.AdamW's single-tensor path), all fp32, with
-    # the row's columns (kernels/rows.py ROW): the bias corrections are in step_size, bc2_sqrt.
-    step_size, bc2_sqrt, decay, _, omb1, beta2, omb2, eps, grad_mult = hp.unbind()
+    # the row's columns (kernels/rows.py RowCol): the bias corrections are in step_size, bc2_sqrt.
+    step_size, bc2_sqrt, decay = hp[RowCol.STEP_SIZE], hp[RowCol.BC2_SQRT], hp[RowCol.DECAY]
+    omb1, beta2, omb2 = hp[RowCol.ONE_MINUS_BETA1], hp[RowCol.BETA2], hp[RowCol.ONE_MINUS_BETA2]
+    eps, grad_mult = hp[RowCol.EPS], hp[RowCol.GRAD_MULT]
     g = g * grad_mult
     p = p * decay
     m = m + omb1 * (g - m)

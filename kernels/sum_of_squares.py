@@ -15,12 +15,14 @@ import triton.language as tl
 from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Strided, as_strided,
                                        check_stream, count_launch, device_guard, shard_numel_of,
                                        use_triton)
-from fusedzero.kernels.table import Buffer, Piece, Table, build_table, pieces_of
+from fusedzero.kernels import table
+from fusedzero.kernels.table import SUMSQ_WIDTH, Buffer, Piece, Table, build_table, pieces_of
 
 # 4096 elements per program keeps the partials buffer small (1/4096 of the shard) while every
 # thread still issues several 128-bit loads.
 BLOCK = 4096
 NUM_WARPS = 8
+_WIDTH = tl.constexpr(SUMSQ_WIDTH)
 # Elements squared at a time on the torch path: 1 MiB of fp32 scratch, within a core's L2 on
 # server CPUs, so the cast-in, the square and the sum touch memory once (the grads) instead of
 # writing and re-reading a scratch as large as the shard.
@@ -35,13 +37,14 @@ def _grouped_sumsq_kernel(
     # Program `prog` squares BLOCK elements of its piece and writes partial `prog`; one grid
     # axis (CUDA caps axes 1-2 at 65535), int64 offsets.
     prog = tl.program_id(0).to(tl.int64)
-    entry = piece_ptr + tl.load(prog_piece_ptr + prog).to(tl.int64) * 4  # offset, numel, first, row
-    off = tl.load(entry)
-    numel = tl.load(entry + 1)
+    # The piece's table row (kernels/table.py `SumsqCol`).
+    entry = piece_ptr + tl.load(prog_piece_ptr + prog).to(tl.int64) * _WIDTH
+    off = tl.load(entry + table.SumsqCol.X)
+    numel = tl.load(entry + table.SumsqCol.NUMEL)
     if ALIGNED:
         off = tl.multiple_of(off, 16)
         numel = tl.multiple_of(numel, 16)
-    idx = (prog - tl.load(entry + 2)) * BLOCK + tl.arange(0, BLOCK)
+    idx = (prog - tl.load(entry + table.SumsqCol.FIRST)) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + off + idx, mask=idx < numel, other=0.0).to(tl.float32)
     tl.store(partial_ptr + prog, tl.sum(x * x, axis=0))
 
@@ -79,6 +82,7 @@ class GroupedSumsq:
                 continue
             if self.triton:
                 t = build_table(pieces, BLOCK, device)
+                assert t.pieces.shape[1] == SUMSQ_WIDTH
                 if require_aligned and not t.aligned:
                     raise ValueError("a grad piece is not 16-element aligned")
                 self.tables.append(t)

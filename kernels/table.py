@@ -5,6 +5,12 @@ a bucketed buffer, or a whole buffer when every stream is the rank's contiguous 
 grouped launch covers every piece of every buffer it was given; each program handles `BLOCK`
 elements of one piece and finds it with one load (`prog_piece[program id]`).
 
+Columns. A table row (int64) is the piece's `Col` (numel, first program, hyper-parameter row),
+then one element offset per stream, then the piece's ints. The kernels' layouts are named here,
+in one place (`AdamWCol`, `SumsqCol`), and read by name by the builders, the torch paths and the
+`@triton.jit` kernels (`table.AdamWCol.NUMEL`: Triton resolves a module's attributes while it
+compiles, so the names cost nothing at run time).
+
 Addresses. Each stream kind (master, grad, ...) of a launch has one *base tensor* passed as a
 kernel argument, the one of that kind at the lowest address, and the table holds each piece's
 int64 element offset from it. Every tensor of one kind has the same dtype, so an offset is exact
@@ -21,6 +27,7 @@ in place) while the plan lives; the optimizer's buffers are built once and loade
 """
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import NamedTuple
 
 import torch
@@ -28,6 +35,58 @@ import torch
 from fusedzero.kernels._launch import MAX_GRID_X, Strided
 
 ALIGN = 16  # elements: what `tl.multiple_of` may claim for every offset and piece length
+
+
+class Col(IntEnum):
+    """The columns every table row starts with; stream j's offset is column `STREAMS + j`."""
+
+    NUMEL = 0  # elements in the piece
+    FIRST = 1  # its first program: program p does block p - FIRST of piece prog_piece[p]
+    ROW = 2  # its hyper-parameter row (the param group)
+    STREAMS = 3
+
+
+class AdamWCol(IntEnum):
+    """A row of a grouped AdamW launch's table: `Col`, then the streams in the order of a
+    Piece's tensors, then bf16-sr's index offset (the piece's one int). The default mode's rows
+    end after OUT (`ADAMW_WIDTH`; OUT is 0 without an output); a memory mode's have every column
+    (`ADAMW_MODE_WIDTH`): the Kahan comp at the local offset, each int8 state's scales at
+    local offset / QBLOCK, and the offset of the piece's first element in bf16-sr's stream."""
+
+    NUMEL = Col.NUMEL
+    FIRST = Col.FIRST
+    ROW = Col.ROW
+    MASTER = 3
+    GRAD = 4
+    EXP_AVG = 5
+    EXP_AVG_SQ = 6
+    OUT = 7
+    COMP = 8
+    EXP_AVG_SCALE = 9
+    EXP_AVG_SQ_SCALE = 10
+    SR_OFFSET = 11
+
+    @property
+    def stream(self) -> int:
+        """This column's index in a Piece's tensors and starts."""
+        return self - Col.STREAMS
+
+
+ADAMW_WIDTH = AdamWCol.OUT + 1
+ADAMW_MODE_WIDTH = len(AdamWCol)
+
+
+class SumsqCol(IntEnum):
+    """A row of a sum-of-squares launch's table: `Col`, then the grad stream."""
+
+    NUMEL = Col.NUMEL
+    FIRST = Col.FIRST
+    ROW = Col.ROW
+    X = 3
+
+
+SUMSQ_WIDTH = len(SumsqCol)
+assert AdamWCol.MASTER == SumsqCol.X == Col.STREAMS
 
 
 class Buffer(NamedTuple):
@@ -41,8 +100,8 @@ class Buffer(NamedTuple):
 
 class Piece(NamedTuple):
     """A run of `numel` elements at `starts[j]` of stream j's tensor, for hyper-parameter `row`.
-    A None tensor is a stream this launch does not have (offset column 0, no base); `ints` are
-    extra integer columns written after every offset (e.g. bf16-sr's random-stream offset)."""
+    A None tensor is a stream this launch does not have (offset 0, no base); `ints` are extra
+    integer columns written after every offset (e.g. bf16-sr's random-stream offset)."""
 
     tensors: tuple[torch.Tensor | None, ...]
     starts: tuple[int, ...]
@@ -64,9 +123,9 @@ def pieces_of(buf: Buffer) -> list[Piece]:
 
 
 class Table(NamedTuple):
-    """A launch's device-side table. `pieces` rows: one offset per head stream, then numel,
-    first program, row, then the tail streams' offsets and the ints (int64); `prog_piece`: the
-    piece of each program (int32). `bases[j]` is None for a stream the launch does not have."""
+    """A launch's device-side table. `pieces` rows (int64): `Col`, one offset per stream, the
+    ints; `prog_piece`: the piece of each program (int32). `bases[j]` is None for a stream the
+    launch does not have."""
 
     bases: tuple[torch.Tensor | None, ...]
     pieces: torch.Tensor
@@ -86,12 +145,11 @@ def _base(pieces: list[Piece], j: int) -> torch.Tensor | None:
 
 def build_table(pieces: list[Piece], block: int, device: torch.device,
                 streams: int | None = None, loose: tuple[int, ...] = ()) -> Table:
-    """The table of `pieces` (non-empty, all with the same number of streams). The first
-    `streams` tensors are the head columns (missing ones padded with 0: a kernel with a fixed row
-    shape), the rest the tail columns after (numel, first, row). Streams in `loose` (indices)
-    need not be 16-element aligned (e.g. int8 scales, one per 128 elements)."""
+    """The table of `pieces` (non-empty, all with the same number of streams). Rows have at
+    least `streams` stream columns (missing ones padded with 0 before the ints: a kernel with a
+    fixed row shape). Streams in `loose` (indices) need not be 16-element aligned (e.g. int8
+    scales, one per 128 elements)."""
     k = len(pieces[0].tensors)
-    head = min(k, streams if streams is not None else k)
     bases = tuple(_base(pieces, j) for j in range(k))
     rows, counts, first, aligned = [], [], 0, True
     for p in pieces:
@@ -110,8 +168,10 @@ def build_table(pieces: list[Piece], block: int, device: torch.device,
             aligned = aligned and (j in loose or offs[-1] % ALIGN == 0)
         nprog = -(-p.numel // block)
         aligned = aligned and p.numel % ALIGN == 0
-        pad = [0] * ((streams or k) - head)
-        rows.append(offs[:head] + pad + [p.numel, first, p.row] + offs[head:] + list(p.ints))
+        pad = [0] * max(0, (streams or k) - k)
+        row = [0] * Col.STREAMS
+        row[Col.NUMEL], row[Col.FIRST], row[Col.ROW] = p.numel, first, p.row
+        rows.append(row + offs + pad + list(p.ints))
         counts.append(nprog)
         first += nprog
     if first > MAX_GRID_X:

@@ -18,6 +18,7 @@ def _doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
     return rc, json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_doctor_is_green_here(capsys):
     # The whole command, as a user runs it (conftest's TRITON_INTERPRET=1 only reaches the
     # in-process kernels, which take the torch path on CPU; the children set their own).

@@ -8,14 +8,11 @@ spawned ranks. tests/zero/test_zero.py checks the same counters on real gloo ran
 """
 from __future__ import annotations
 
-import contextlib
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from fusedzero.cli import main
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
@@ -23,19 +20,9 @@ from fusedzero.memory_modes import MemoryModes
 from fusedzero.optim import ZeroAdamW
 from fusedzero.app.plan_cli import preset_model
 from fusedzero.plan import PlanConfig, plan_model, plan_params
+from fusedzero.testing import fake_group
 
 CFG = dict(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=64)
-
-
-@contextlib.contextmanager
-def fake_group(rank: int, world_size: int) -> Iterator[None]:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def test_reproduces_the_zero_paper_table_for_7_5b_params_at_64_ranks() -> None:

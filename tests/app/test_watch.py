@@ -76,6 +76,7 @@ def test_metrics_log_non_finite_values_are_strict_json_null(tmp_path: Path) -> N
     assert obj["skipped"] is True
 
 
+@pytest.mark.slow
 def test_metrics_log_killed_run_leaves_complete_lines(tmp_path: Path) -> None:
     """SIGKILL right after the writes (no close, no atexit): every line is there and whole."""
     path = tmp_path / "m.jsonl"
@@ -179,6 +180,7 @@ def test_plot_losses_writes_a_png_with_both_curves(tmp_path: Path) -> None:
         plot_losses([{"step": 1, "loss": None}], tmp_path / "x.png", "t")
 
 
+@pytest.mark.slow
 def test_plot_losses_without_matplotlib_names_the_extra(tmp_path: Path) -> None:
     code = textwrap.dedent(f"""
         import sys

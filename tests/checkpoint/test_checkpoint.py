@@ -32,6 +32,8 @@ from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 
+from _helpers import gpt_batch, make_gpt
+
 pytestmark = pytest.mark.slow  # spawns ranks or the CLI
 
 # Dropout on: resuming is bit-exact only if every rank's RNG state is restored too.
@@ -53,14 +55,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # ---------------------------------------------------------------------------------------------
 
 def make_model(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(CFG)
+    return make_gpt(CFG, seed)
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, CFG.block_size + 1), generator=g)
-    return x[:, :-1], x[:, 1:]
+    return gpt_batch(CFG, GLOBAL_BATCH, step)
 
 
 def build(cfg: dict[str, Any], stage: int | None = None, seed: int = 0, bucket: int = BUCKET

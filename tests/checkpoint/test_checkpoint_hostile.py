@@ -358,6 +358,7 @@ def test_find_latest_falls_back_to_the_newest_verified_checkpoint(good: Path,
         ck.find_latest(root)
 
 
+@pytest.mark.slow
 def test_train_resumes_from_the_newest_verified_checkpoint(
         tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     """`fusedzero train --resume`: newest corrupt and `latest` gone -> the previous one, with a
@@ -435,6 +436,7 @@ def w_cross_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     return out
 
 
+@pytest.mark.slow
 def test_load_is_transactional_and_hsdp_state_is_per_replica(tmp_path: Path) -> None:
     res = run_ranks(w_cross_rank, 2, str(tmp_path), timeout=120)
     errors = [r["error"] for r in res]

@@ -31,6 +31,7 @@ MAX_REGS = 64
 MAX_REGS_MODES = 80
 MODE_VARIANTS = [(m, st) for m in modes.MASTER_MODES for st in modes.STATE_MODES
                  if (m, st) != ("fp32", "fp32")]
+ADAMW_VARIANTS = [(g, o, cap) for g in DTYPES for o in OUTS for cap in CAPABILITIES]
 
 
 @pytest.fixture(scope="module")
@@ -73,9 +74,8 @@ def _vector(dt: torch.dtype, num_warps: int, block: int) -> str:
     return {128: "v4.b32", 64: "v2.b32"}[bits]
 
 
-@pytest.mark.parametrize("cap", CAPABILITIES)
-@pytest.mark.parametrize("o", OUTS, ids=str)
-@pytest.mark.parametrize("g", DTYPES, ids=str)
+@pytest.mark.slow
+@pytest.mark.parametrize("g,o,cap", ADAMW_VARIANTS, ids=str)
 def test_adamw_ptx_streams_are_vectors_128bit_for_fp32(compiled, g, o, cap):
     row = _row(compiled, "adamw", cap, g, o)
     f32 = torch.float32
@@ -96,9 +96,8 @@ def test_adamw_ptx_streams_are_vectors_128bit_for_fp32(compiled, g, o, cap):
         "(every stream in one vector access per thread, fp32 ones 128-bit)")
 
 
-@pytest.mark.parametrize("cap", CAPABILITIES)
-@pytest.mark.parametrize("o", OUTS, ids=str)
-@pytest.mark.parametrize("g", DTYPES, ids=str)
+@pytest.mark.slow
+@pytest.mark.parametrize("g,o,cap", ADAMW_VARIANTS, ids=str)
 def test_adamw_has_no_shared_memory_and_no_fp64(compiled, g, o, cap):
     # 4 elements per thread for every stream (BLOCK 1024, 8 warps): 16-bit streams get the fp32
     # streams' layout, so no conversion through shared memory; the per-step scalars are computed
@@ -108,6 +107,7 @@ def test_adamw_has_no_shared_memory_and_no_fp64(compiled, g, o, cap):
     assert row["shared_bytes"] == 0 and row["f64_instructions"] == 0, row
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", CAPABILITIES)
 @pytest.mark.parametrize("g", DTYPES, ids=str)
 def test_sumsq_ptx_loads_are_128bit_vectors(compiled, g, cap):
@@ -120,6 +120,7 @@ def test_sumsq_ptx_loads_are_128bit_vectors(compiled, g, cap):
     assert _global(row) == want, f"sm_{cap} x={g}: global accesses {_global(row)}, want {want}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", CAPABILITIES)
 @pytest.mark.parametrize("kernel,g,o", [("adamw", g, o) for g in DTYPES for o in OUTS]
                          + [("sumsq", g, None) for g in DTYPES], ids=str)
@@ -132,6 +133,7 @@ def test_no_spills_and_register_budget(compiled, kernel, g, o, cap):
     assert usage["REG"] <= MAX_REGS, f"sm_{cap} {kernel} {g}/{o} uses {usage['REG']} registers"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", CAPABILITIES)
 @pytest.mark.parametrize("kernel,g,o", [("adamw", g, o) for g in DTYPES for o in OUTS]
                          + [("sumsq", g, None) for g in DTYPES], ids=str)
@@ -193,6 +195,7 @@ def _mode_accesses(master_mode: str, states: str) -> dict[str, int]:
     return want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", CAPABILITIES)
 @pytest.mark.parametrize("master_mode,states", MODE_VARIANTS, ids=str)
 def test_mode_variants_access_widths_and_no_spills(compiled, master_mode, states, cap):
@@ -207,6 +210,7 @@ def test_mode_variants_access_widths_and_no_spills(compiled, master_mode, states
         assert form not in row["ptx"], f"sm_{cap} {master_mode}/{states}: PTX contains {form}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("cap", CAPABILITIES)
 def test_mode_variants_move_the_bytes_bytes_per_param_counts(compiled, cap):
     # Bytes per thread of a program's BLOCK elements from the PTX's stream accesses (the access

@@ -28,6 +28,7 @@ def _scalars() -> dict[str, torch.Tensor]:
 
 # ------------------------------------------------------------------------------------------- grid
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [adamw_mod.BLOCK, sumsq_mod.BLOCK])
 @pytest.mark.parametrize("shard", [128, 2**20 // 8, 3 * 4096 + 128])
 def test_table_for_70k_buckets_is_1d_and_maps_every_program_once(block: int, shard: int) -> None:
@@ -41,7 +42,7 @@ def test_table_for_70k_buckets_is_1d_and_maps_every_program_once(block: int, sha
     # prog_piece maps program -> piece, `first` maps back: every (piece, block) pair once.
     prog = torch.arange(t.programs, dtype=torch.int64)
     piece = t.prog_piece.long()
-    blk = prog - t.pieces[piece, -2]
+    blk = prog - t.pieces[piece, table.Col.FIRST]
     assert int(piece.max()) == nb - 1 and int(blk.min()) == 0 and int(blk.max()) == nblocks - 1
     assert torch.equal(torch.unique(piece * nblocks + blk), prog)
 
@@ -52,6 +53,7 @@ def test_grid_beyond_cuda_axis0_limit_is_refused_with_the_fix() -> None:
         table.build_table([table.Piece((full,), (0,), 2**30, 0)] * 3, 1, torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_adamw_last_programs_of_a_70k_bucket_grid_triton_interpreter(monkeypatch) -> None:
     """The AdamW kernel at bucket ids past 65535, in the interpreter, on 128-element shards.
 

@@ -133,6 +133,7 @@ def test_adamw_triton_interpreter_matches_float64_reference(triton_interpreter, 
     _check_against_reference(s0, s, out, maximize)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_adamw_triton_interpreter_matches_float64_reference_large_prime(triton_interpreter,
                                                                         grad_dtype):

@@ -5,20 +5,17 @@ tests/kernels/test_kernels.py's (and the modes helper's); here the plumbing arou
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fusedzero import checkpoint as ck
 from fusedzero.kernels.memory_modes import dequantize_blockwise, quantize_blockwise
 from fusedzero.optim import ZeroAdamW
-from fusedzero.testing import run_ranks
+from fusedzero.testing import fake_group, run_ranks
 
 MASTERS = ("fp32", "bf16-kahan", "bf16-sr", "bf16")
 STATES = ("fp32", "bf16", "int8")
@@ -26,17 +23,6 @@ STATES = ("fp32", "bf16", "int8")
 # params; an fp32 master only in master="fp32"; Kahan adds a bf16 comp.
 MASTER_BYTES = {"fp32": 4, "bf16-kahan": 2, "bf16-sr": 0, "bf16": 0}
 STATE_BYTES = {"fp32": 4 + 4, "bf16": 2 + 2, "int8": 1 + 1}
-
-
-@contextlib.contextmanager
-def fake_group(rank: int, world_size: int) -> Iterator[None]:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _model(seed: int = 0) -> nn.Module:
@@ -139,6 +125,7 @@ def w_train(rank: int, world: int, master: str, states: str, stage: int) -> list
         return [p.detach().clone() for p in m.parameters()]
 
 
+@pytest.mark.slow
 def test_two_ranks_match_one_rank_in_kahan_int8() -> None:
     """2 gloo ranks at stage 2 vs one process on the same global batch, bf16-kahan + int8.
     Only the grads' summation order differs (the ranks' halves summed by the reduction vs in
@@ -194,23 +181,31 @@ def test_same_mode_resume_is_bit_exact(tmp_path: Path, master: str, states: str)
     assert manifest["modes"] == {"master": master, "states": states}
 
 
-def test_load_converts_states_fp32_to_int8_and_back(tmp_path: Path) -> None:
+def _fp32_checkpoint(path: Path) -> list[dict[str, torch.Tensor]]:
+    """An fp32-master, fp32-states optimizer trained 3 steps and saved to `path`: its state."""
     m = _model()
     opt = _opt(m, "fp32", "fp32")
     _train(m, opt, 3)
-    ck.save(opt, tmp_path / "f32", step=3)
-    src = _state(opt)
-    m8 = _model(seed=5)
-    opt8 = _opt(m8, "fp32", "int8")
-    ck.load(opt8, tmp_path / "f32")
+    ck.save(opt, path, step=3)
+    return _state(opt)
+
+
+def _loaded(path: Path, master: str, states: str, seed: int) -> ZeroAdamW:
+    opt = _opt(_model(seed=seed), master, states)
+    ck.load(opt, path)
+    return opt
+
+
+def test_load_converts_states_fp32_to_int8_and_back(tmp_path: Path) -> None:
+    src = _fp32_checkpoint(tmp_path / "f32")
+    opt8 = _loaded(tmp_path / "f32", "fp32", "int8", seed=5)
     for s, d in zip(src, _state(opt8)):
         assert torch.equal(d["master"], s["master"])
         for name, signed in (("exp_avg", True), ("exp_avg_sq", False)):
             q, scale = quantize_blockwise(s[name], signed=signed)
             assert torch.equal(d[name], q) and torch.equal(d[f"{name}_scale"], scale)
     ck.save(opt8, tmp_path / "i8", step=3)
-    back = _opt(_model(seed=6), "fp32", "fp32")
-    ck.load(back, tmp_path / "i8")
+    back = _loaded(tmp_path / "i8", "fp32", "fp32", seed=6)
     for q8, d in zip(_state(opt8), _state(back)):
         assert torch.equal(d["exp_avg"], dequantize_blockwise(q8["exp_avg"], q8["exp_avg_scale"],
                                                               signed=True))
@@ -221,14 +216,8 @@ def test_load_converts_states_fp32_to_int8_and_back(tmp_path: Path) -> None:
 def test_load_converts_fp32_master_to_kahan_and_back(tmp_path: Path) -> None:
     """fp32 -> bf16-kahan: param = rne(master), comp = rne(master - param); back: master =
     param + comp (fusedzero/memory_modes.py, [Note: converting masters])."""
-    m = _model()
-    opt = _opt(m, "fp32", "fp32")
-    _train(m, opt, 3)
-    ck.save(opt, tmp_path / "f32", step=3)
-    src = _state(opt)
-    mk = _model(seed=5)
-    optk = _opt(mk, "bf16-kahan", "fp32")
-    ck.load(optk, tmp_path / "f32")
+    src = _fp32_checkpoint(tmp_path / "f32")
+    optk = _loaded(tmp_path / "f32", "bf16-kahan", "fp32", seed=5)
     kah = _state(optk)
     for s, d in zip(src, kah):
         p = s["master"].to(torch.bfloat16)
@@ -239,8 +228,7 @@ def test_load_converts_fp32_master_to_kahan_and_back(tmp_path: Path) -> None:
         assert (err <= s["master"].abs() * 2.0**-15).all()
         assert torch.equal(d["exp_avg"], s["exp_avg"])
     ck.save(optk, tmp_path / "k", step=3)
-    back = _opt(_model(seed=6), "fp32", "fp32")
-    ck.load(back, tmp_path / "k")
+    back = _loaded(tmp_path / "k", "fp32", "fp32", seed=6)
     for k, d in zip(kah, _state(back)):
         assert torch.equal(d["master"], k["master"].float() + k["comp"].float())
     # The model's weights are the params the optimizer wrote: the bf16 cast of that master.
@@ -278,6 +266,7 @@ def _by_param(opt: ZeroAdamW, states: list[dict[str, torch.Tensor]], shard_infos
     return out
 
 
+@pytest.mark.slow
 def test_int8_kahan_checkpoint_reshards_from_two_ranks_to_one_bitwise(tmp_path: Path) -> None:
     """Saved by 2 ranks at stage 2 (bucket_numel 600: several buckets, params cut at shard
     edges), loaded at 1 rank, stage 1: every code, scale and comp of every param equal."""

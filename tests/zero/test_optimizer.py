@@ -9,17 +9,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fusedzero.kernels import LAUNCHES
 from fusedzero.optim import ZeroAdamW
 
+from _helpers import TwoLinear
 
-class Net(nn.Module):
+
+class Net(TwoLinear):
     """Uneven shapes: 17x33 (561), 33, 5x33 (165), 5 elements."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(17, 33)
-        self.b = nn.Linear(33, 5)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
+        super().__init__(17, 33, 5)
 
 
 def groups(m: Net, lr2: float = 3e-3) -> list[dict]:
@@ -70,7 +67,7 @@ def test_bf16_params_equal_cast_of_master_after_every_step() -> None:
     for step in range(5):
         m(batch(step).bfloat16()).float().square().mean().backward()
         opt.step()
-        master = opt.master_shard(fg)
+        master = opt.shards.master(fg)
         for seg in fg.layout.segments(0):
             p = opt.params[seg.param].detach().reshape(-1)[seg.start:seg.start + seg.length]
             ref = master[seg.local:seg.local + seg.length].to(torch.bfloat16)
@@ -103,7 +100,7 @@ def test_triton_interpreter_step_matches_torch_path_interpreter_only(monkeypatch
         for step in range(3):
             m(batch(step).bfloat16()).float().square().mean().backward()
             opt.step()
-        results.append([opt.master_shard(fg).clone() for fg in opt.flat_groups])
+        results.append([opt.shards.master(fg).clone() for fg in opt.flat_groups])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-8)
 

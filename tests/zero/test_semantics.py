@@ -11,17 +11,14 @@ from torch.utils.checkpoint import checkpoint
 
 from fusedzero.optim import ZeroAdamW
 
+from _helpers import TwoLinear
+
 LR = 1e-3
 
 
-class Net(nn.Module):
+class Net(TwoLinear):
     def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(6, 13)
-        self.b = nn.Linear(13, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(torch.tanh(self.a(x)))
+        super().__init__(6, 13, 4)
 
 
 def make() -> Net:

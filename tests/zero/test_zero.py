@@ -12,6 +12,8 @@ from fusedzero.layout import build_layout
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
+
+from _helpers import gpt_batch, make_gpt
 from torch.utils.checkpoint import checkpoint
 
 pytestmark = pytest.mark.slow  # spawns ranks or the CLI
@@ -24,14 +26,11 @@ BUCKET = 1500
 
 
 def make_model(seed: int = 0) -> GPT:
-    torch.manual_seed(seed)
-    return GPT(CFG)
+    return make_gpt(CFG, seed)
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randint(0, CFG.vocab_size, (GLOBAL_BATCH, CFG.block_size + 1), generator=g)
-    return x[:, :-1], x[:, 1:]
+    return gpt_batch(CFG, GLOBAL_BATCH, step)
 
 
 def rank_slice(t: torch.Tensor, rank: int, world: int, micro: int = 0, accum: int = 1):

@@ -78,6 +78,7 @@ print("survived", tuple(p.shape))
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("action", ["print(p)", "print(p.norm())", "p.data.fill_(1.0)",
                                     "print(p.sum() + 1)"])
 def test_stage3_param_touched_outside_forward_does_not_crash(action: str) -> None:

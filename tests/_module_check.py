@@ -1,0 +1,88 @@
+"""`pytest --check-modules`: the run fails unless it touched every module of the package.
+
+A module is touched when code of one of its functions ran in this process during the tests
+(module-level code does not count: importing `fusedzero.optim` alone imports most of the
+package, and a test that only imports a module tests nothing in it); a module with no function
+at all (re-exports, constants) is touched when it was imported. Ranks and CLIs a test spawns are
+other processes and do not count. CI runs it with the fast tier, which must touch everything:
+
+    python -m pytest -q -m "not slow" --check-modules
+
+The trace is a global `sys.settrace` function that records each new frame's file and returns
+None (no line events), installed for the test loop only; off without the flag.
+"""
+from __future__ import annotations
+
+import ast
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("fusedzero", "kernels")  # kernels/ installs as fusedzero.kernels
+
+_ran: set[str] = set()
+
+
+def _trace(frame: FrameType, event: str, arg: Any) -> None:
+    _ran.add(frame.f_code.co_filename)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--check-modules", action="store_true",
+                     help="fail unless the run's tests ran code of every module under "
+                          f"{', '.join(PACKAGES)}/ (tests/_module_check.py)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtestloop(session: pytest.Session) -> Iterator[None]:
+    on = session.config.getoption("check_modules")
+    if on:
+        threading.settrace(_trace)
+        sys.settrace(_trace)
+    try:
+        yield
+    finally:
+        if on:
+            sys.settrace(None)
+            threading.settrace(None)  # type: ignore[arg-type]
+
+
+def _has_function(path: Path) -> bool:
+    tree = ast.parse(path.read_text(), str(path))
+    return any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) for n in ast.walk(tree))
+
+
+def untouched() -> list[str]:
+    """The package's modules (repo-relative paths) that this run did not touch."""
+    ran = {str(Path(f).resolve()) for f in _ran if not f.startswith("<")}
+    imported = {str(Path(m.__file__).resolve()) for m in list(sys.modules.values())
+                if getattr(m, "__file__", None)}
+    missing = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            f = str(path.resolve())
+            if f in ran or (f in imported and not _has_function(path)):
+                continue
+            missing.append(str(path.relative_to(ROOT)))
+    return missing
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not session.config.getoption("check_modules"):
+        return
+    missing = untouched()
+    if missing:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        msg = (f"--check-modules: {len(missing)} module(s) ran no code in this run's tests: "
+               f"{', '.join(missing)}; add a test of the tier that exercises them")
+        if reporter is not None:
+            reporter.write_line(msg, red=True)
+        else:
+            print(msg, file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
