@@ -5,6 +5,10 @@ Library-side helpers (ranks on gloo, a fake process group) are `fusedzero.testin
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import pytest
 import torch
 from torch import nn
 
@@ -35,3 +39,12 @@ def gpt_batch(cfg: GPTConfig, batch: int, step: int) -> tuple[torch.Tensor, torc
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size + 1), generator=g)
     return x[:, :-1], x[:, 1:]
+
+
+def fast_only(cases: Iterable[Any], fast: Callable[[Any], bool]) -> list[Any]:
+    """`cases` for `pytest.mark.parametrize`, those `fast` rejects marked slow: the fast tier
+    runs a few that together still reach every branch, the slow tier the rest. A tuple case is
+    the values of several argnames."""
+    return [c if fast(c) else pytest.param(*(c if isinstance(c, tuple) else (c,)),
+                                           marks=pytest.mark.slow)
+            for c in cases]

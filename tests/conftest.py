@@ -18,4 +18,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # under load, 3 ms with one). Tests that need several threads set them themselves.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from _module_check import pytest_addoption, pytest_runtestloop, pytest_sessionfinish  # noqa: E402,F401
+import _module_check  # noqa: E402 (tests/ is on sys.path: this file's folder)
+
+pytest_addoption = _module_check.pytest_addoption
+pytest_runtestloop = _module_check.pytest_runtestloop
+pytest_sessionfinish = _module_check.pytest_sessionfinish

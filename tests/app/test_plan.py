@@ -159,6 +159,7 @@ def _tiny_gpt2_config(tmp_path: Path) -> Path:
     return tmp_path / "config.json"
 
 
+@pytest.mark.slow
 def test_hf_config_plan_equals_real_hf_model(tmp_path: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra")

@@ -21,7 +21,7 @@ from fusedzero import cli
 from fusedzero.app.config import MIN_LR_RATIO, UsageError
 from fusedzero.app.launch import run
 
-pytestmark = pytest.mark.slow  # spawns ranks or the CLI
+# Tests that spawn ranks or the CLI are marked slow one by one; flag and path errors are fast.
 
 
 W = 2
@@ -58,6 +58,7 @@ def losses(summary: dict) -> list[float]:
     return [s["loss"] for s in summary["steps"]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stage", STAGES)
 def test_json_has_every_field(stage_runs: dict[int, dict], stage: int) -> None:
     s = stage_runs[stage]
@@ -80,6 +81,7 @@ def test_json_has_every_field(stage_runs: dict[int, dict], stage: int) -> None:
     assert s["steps"][-1]["loss"] < s["steps"][0]["loss"] - 0.1
 
 
+@pytest.mark.slow
 def test_stages_give_the_same_losses(stage_runs: dict[int, dict]) -> None:
     """Same seed and global batch, so the same data; stages differ only in where sums happen.
 
@@ -99,6 +101,7 @@ def test_stages_give_the_same_losses(stage_runs: dict[int, dict]) -> None:
         assert norms == pytest.approx([x["grad_norm"] for x in stage_runs[0]["steps"]], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_resident_bytes_follow_zero_formulas(stage_runs: dict[int, dict]) -> None:
     """fp32 params (their own master) and fp32 grads: Psi_pad = padded elements of the stage's
     layout. Stage 0: 4+4+8 bytes/elem; 1: optimizer /W; 2: grads /W too; 3: params /W too."""
@@ -116,6 +119,7 @@ def test_resident_bytes_follow_zero_formulas(stage_runs: dict[int, dict]) -> Non
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == len(totals)
 
 
+@pytest.mark.slow
 def test_comm_bytes_match_ring_formulas(stage_runs: dict[int, dict]) -> None:
     """Per rank and step (ring): all-reduce 2(W-1)/W n b, reduce-scatter and all-gather
     (W-1)/W n b, with n = Psi_pad. Stages 1+ also all-reduce the fp32 grad-norm scalar; stage 0
@@ -135,6 +139,7 @@ def test_comm_bytes_match_ring_formulas(stage_runs: dict[int, dict]) -> None:
         assert c == want, f"stage {stage} with Psi_pad={psi}"
 
 
+@pytest.mark.slow
 def test_lr_follows_warmup_then_cosine(stage_runs: dict[int, dict]) -> None:
     lr, warmup = 3e-3, 1
     for i, x in enumerate(stage_runs[0]["steps"]):
@@ -146,6 +151,7 @@ def test_lr_follows_warmup_then_cosine(stage_runs: dict[int, dict]) -> None:
         assert x["lr"] == pytest.approx(want, rel=1e-12), i
 
 
+@pytest.mark.slow
 def test_resume_after_stop_is_bitwise_and_reshards(stage_runs: dict[int, dict], corpus: Path,
                                                    tmp_path: Path) -> None:
     """--stop-at 2 then --resume gives the uninterrupted run's losses bit for bit (same world
@@ -212,6 +218,7 @@ def test_bad_data_paths_give_one_line(capsys: pytest.CaptureFixture[str], tmp_pa
         run(["--ckpt-dir", str(tmp_path / "empty"), "--resume", "--nproc", "1"])
 
 
+@pytest.mark.slow
 def test_console_script_error_is_one_line_without_traceback(tmp_path: Path) -> None:
     """The real entry point in a fresh interpreter: exit code 2, one line on stderr."""
     for argv in (["train", "--stage", "9"], ["train", "--data", str(tmp_path / "nope")]):
@@ -247,6 +254,7 @@ def _checkpoint_names(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.name.startswith("step-"))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_locked_folder_is_refused_naming_the_holder_and_stale_lock_is_taken_over(
         capsys: pytest.CaptureFixture[str], tmp_path: Path, corpus: Path) -> None:
@@ -273,6 +281,7 @@ def test_locked_folder_is_refused_naming_the_holder_and_stale_lock_is_taken_over
     assert not (ckpt / ".fusedzero.lock").exists()  # released on exit
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(900)  # includes the 4 runs of stage_runs on a busy machine
 def test_new_run_resume_flags_and_overwrite(capfd: pytest.CaptureFixture[str], tmp_path: Path,
                                             corpus: Path, stage_runs: dict[int, dict]) -> None:
@@ -315,6 +324,7 @@ def test_new_run_resume_flags_and_overwrite(capfd: pytest.CaptureFixture[str], t
     assert (ckpt / "latest").read_text().strip() == "step-00000001"
 
 
+@pytest.mark.slow
 def test_watch_flags_write_jsonl_plot_and_print_a_sample(
         capfd: pytest.CaptureFixture[str], corpus: Path, tmp_path: Path) -> None:
     """--log-jsonl gets one line per step (plus val lines), --plot a PNG, and the run ends with

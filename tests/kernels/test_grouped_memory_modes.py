@@ -12,6 +12,8 @@ from fusedzero.kernels import (LAUNCHES, QBLOCK, AdamWBuffer, GroupedAdamW, Hype
                                adamw_step)
 from fusedzero.kernels.memory_modes import STATE_DTYPES
 
+from _helpers import fast_only
+
 ROWS = [(3e-3, 0.9, 0.95, 1e-8, 0.1, False), (1e-2, 0.8, 0.999, 1e-6, 0.0, True)]
 
 
@@ -21,6 +23,9 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
     return request.param
 
 
+# A whole stage-3 model: in the interpreter only in the slow tier.
+@pytest.mark.parametrize("backend", fast_only(["triton", "torch"], lambda b: b == "torch"),
+                         indirect=True)
 def test_bf16_kahan_int8_stage3_one_adamw_and_one_sumsq_launch_per_step(backend) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_embd=16, n_head=2, block_size=8, vocab_size=32))
@@ -67,8 +72,9 @@ def _args(b: dict) -> dict:
                 grad=Strided(b["grad"], b["stride"], b["base"]))
 
 
-@pytest.mark.parametrize("master_mode,states", [("bf16-kahan", "int8"), ("bf16-sr", "int8"),
-                                                ("fp32", "bf16")])
+@pytest.mark.parametrize("master_mode,states", fast_only(
+    [("bf16-kahan", "int8"), ("bf16-sr", "int8"), ("fp32", "bf16")],
+    lambda c: c == ("bf16-kahan", "int8")))
 def test_grouped_modes_bitwise_each_buffer_alone(backend, master_mode, states) -> None:
     gen = torch.Generator().manual_seed(3)
     grouped = _buffers(master_mode, states, gen)

@@ -23,6 +23,8 @@ from fusedzero.kernels import (MASTER_MODES, QBLOCK, STATE_MODES, Strided, adamw
 from fusedzero.kernels.adamw import BLOCK
 from fusedzero.kernels.memory_modes import sr_bits, stochastic_round_bf16_torch, stream_bytes
 
+from _helpers import fast_only
+
 BACKENDS = ("triton", "torch")
 HP = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 LR, SCALE = float(torch.tensor(3e-3)), float(torch.tensor(0.37))
@@ -32,6 +34,8 @@ MAX_OFF = 0.01  # fraction of stored values allowed 1 bf16 ulp / 1 code off (mod
 # Two full programs and a third with 2 of its 8 quantization blocks: ragged, masked whole blocks.
 N = 2 * BLOCK + 2 * QBLOCK
 COMBOS = list(itertools.product(MASTER_MODES, STATE_MODES))
+# The fast tier's combos: every master mode and every state mode at least once.
+FAST_COMBOS = {("fp32", "int8"), ("bf16-kahan", "bf16"), ("bf16-sr", "int8"), ("bf16", "fp32")}
 
 
 @pytest.fixture(params=BACKENDS)
@@ -140,7 +144,8 @@ def s0_m_mag(s0: dict, states: str) -> torch.Tensor:
     return m.double().abs() + s0["grad"].double().abs() * SCALE
 
 
-@pytest.mark.parametrize("master_mode,states", COMBOS, ids=lambda x: x)
+@pytest.mark.parametrize("master_mode,states", fast_only(COMBOS, FAST_COMBOS.__contains__),
+                         ids=lambda x: x)
 def test_mode_matches_float64_reference_over_steps(backend, master_mode, states):
     s = make_state(N, master_mode, states, seed=len(master_mode) * 7 + len(states))
     gen = torch.Generator().manual_seed(99)
@@ -153,7 +158,8 @@ def test_mode_matches_float64_reference_over_steps(backend, master_mode, states)
 
 
 # fp32/fp32 is torch._fused_adamw_ on CPU, within ulps of the interpreter (tests/kernels/test_kernels.py).
-@pytest.mark.parametrize("master_mode,states", [c for c in COMBOS if c != ("fp32", "fp32")],
+@pytest.mark.parametrize("master_mode,states", fast_only(
+    [c for c in COMBOS if c != ("fp32", "fp32")], FAST_COMBOS.__contains__),
                          ids=lambda x: x)
 def test_torch_path_is_bitwise_the_interpreter(monkeypatch, master_mode, states):
     results = {}
