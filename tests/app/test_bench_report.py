@@ -25,6 +25,7 @@ def _report_module():
     return mod
 
 
+@pytest.mark.slow
 def test_report_regenerates_from_committed_results(tmp_path: Path) -> None:
     report = _report_module()
     results = ROOT / "bench" / "results"

@@ -72,6 +72,10 @@ def _args(b: dict) -> dict:
                 grad=Strided(b["grad"], b["stride"], b["base"]))
 
 
+# The fast tier: the torch path of the mode with every extra stream; the interpreter (the same
+# launch code with the kernel's table) in the slow tier, and in tests/zero/test_memory_modes.py.
+@pytest.mark.parametrize("backend", fast_only(["triton", "torch"], lambda b: b == "torch"),
+                         indirect=True)
 @pytest.mark.parametrize("master_mode,states", fast_only(
     [("bf16-kahan", "int8"), ("bf16-sr", "int8"), ("fp32", "bf16")],
     lambda c: c == ("bf16-kahan", "int8")))
