@@ -68,7 +68,7 @@ class AdamWCol(IntEnum):
 
     @property
     def stream(self) -> int:
-        """This column's index in a Piece's tensors and starts."""
+        """A stream column's index in a Piece's tensors and starts."""
         return self - Col.STREAMS
 
 

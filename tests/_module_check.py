@@ -9,7 +9,8 @@ other processes and do not count. CI runs it with the fast tier, which must touc
     python -m pytest -q -m "not slow" --check-modules
 
 The trace is a global `sys.settrace` function that records each new frame's file and returns
-None (no line events), installed for the test loop only; off without the flag.
+None (no line events), installed for the test loop only and removed as soon as every module it
+waits for has run; off without the flag.
 """
 from __future__ import annotations
 
@@ -46,10 +47,21 @@ SLOW_ONLY = {
 }
 
 _ran: set[str] = set()
+_pending: set[str] = set()  # files of the modules not yet run, as code objects name them
 
 
 def _trace(frame: FrameType, event: str, arg: Any) -> None:
-    _ran.add(frame.f_code.co_filename)
+    f = frame.f_code.co_filename
+    _ran.add(f)
+    if f in _pending:
+        _pending.discard(f)
+        if not _pending:  # every module has run: stop paying for the trace
+            sys.settrace(None)
+            threading.settrace(None)  # type: ignore[arg-type]
+
+
+def _modules() -> list[Path]:
+    return [p for pkg in PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -62,6 +74,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_runtestloop(session: pytest.Session) -> Iterator[None]:
     on = session.config.getoption("check_modules")
     if on:
+        _pending.update(str(p) for p in _modules() if _has_function(p)
+                        and p.relative_to(ROOT).as_posix() not in SLOW_ONLY)
         threading.settrace(_trace)
         sys.settrace(_trace)
     try:
@@ -84,12 +98,11 @@ def untouched() -> list[str]:
     imported = {str(Path(m.__file__).resolve()) for m in list(sys.modules.values())
                 if getattr(m, "__file__", None)}
     missing = []
-    for pkg in PACKAGES:
-        for path in sorted((ROOT / pkg).rglob("*.py")):
-            f, name = str(path.resolve()), path.relative_to(ROOT).as_posix()
-            if f in ran or (f in imported and not _has_function(path)) or name in SLOW_ONLY:
-                continue
-            missing.append(name)
+    for path in _modules():
+        f, name = str(path.resolve()), path.relative_to(ROOT).as_posix()
+        if f in ran or (f in imported and not _has_function(path)) or name in SLOW_ONLY:
+            continue
+        missing.append(name)
     return missing
 
 
