@@ -173,7 +173,7 @@ def _regather(x: dict[str, Any]) -> str:
 
 def _peers_of(x: dict[str, Any], e: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Peers of fusedzero row x: same precision, compared at x's stage, same reduce dtype and,
-    at stage 3, the same re-gather policy (issue 15: compare reshard with reshard)."""
+    at stage 3, the same re-gather policy (compare reshard with reshard)."""
     stage = x["stages"][0]
     return [p for p in e if p["family"] not in ("fusedzero", "bare")
             and p["precision"] == x["precision"] and stage in p["stages"]

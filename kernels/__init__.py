@@ -4,8 +4,8 @@ Knows nothing of torch.distributed. One file per kernel (`adamw.py`, `sum_of_squ
 a `@triton.jit` kernel over a piece table (`table.py`: every buffer of a rank in one launch),
 its torch path for CPU tensors (`adamw_torch.py` for AdamW) and a grouped launcher; what the
 launchers share (argument checks, the backend choice `_launch.use_triton`, device guard) is
-`_launch.py`. The memory modes (`modes.py`: bf16 masters, bf16/int8 states) are constexpr
-variants of the same grouped AdamW kernel (torch path: `modes_torch.py`); `adamw_single.py`
+`_launch.py`. The memory modes (`memory_modes.py`: bf16 masters, bf16/int8 states) are constexpr
+variants of the same grouped AdamW kernel (torch path: `memory_modes_torch.py`); `adamw_single.py`
 updates one buffer through it (`AdamWPlan`: planned once, launched per call).
 """
 from fusedzero.kernels._launch import LAUNCHES, Strided, backend, use_triton

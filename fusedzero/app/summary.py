@@ -1,7 +1,7 @@
 """The run's summary (what `--out-json` writes and `run()` returns) and the closing table.
 
 Resident and communicated bytes sit next to what plain DDP would hold and send, from the
-formulas of DESIGN.md, so the table shows what sharding saves.
+formulas of docs/design.md, so the table shows what sharding saves.
 """
 from __future__ import annotations
 

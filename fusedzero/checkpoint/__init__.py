@@ -1,4 +1,4 @@
-"""Sharded safetensors checkpoints: atomic, verified, reshardable, exportable (DESIGN.md, C).
+"""Sharded safetensors checkpoints: atomic, verified, reshardable, exportable (docs/checkpoints.md).
 
     h = checkpoint.save(opt, "ckpt", step=step, caller_state={"sched": sched.state_dict()},
                         keep_last=3, async_=True)      # collective; h.wait() when you must know

@@ -1,4 +1,4 @@
-"""Schema validation of a checkpoint manifest: checkpoints are untrusted input (DESIGN.md, C).
+"""Schema validation of a checkpoint manifest: checkpoints are untrusted input (docs/checkpoints.md).
 
 A manifest is read from disk that anyone may have edited, so nothing in it is used before
 `validate` has checked the whole of it: every key's presence and type, ranges (ranks inside the

@@ -70,7 +70,7 @@ def test_quality_table_regenerates_from_committed_runs_and_is_in_the_report(
 
 
 def test_stage3_is_compared_at_equal_regather_policy() -> None:
-    """Issue 15: our stage 3 that re-gathers in backward is compared with peers that reshard,
+    """Our stage 3 that re-gathers in backward is compared with peers that reshard,
     the one that keeps params gathered with peers that keep (DeepSpeed's default keeps)."""
     report = _report_module()
 

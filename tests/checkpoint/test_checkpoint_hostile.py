@@ -1,4 +1,4 @@
-"""Checkpoints as untrusted input (issue 10 items 1-3, 6, 7, 13, 14; issue 9 items 8, 9).
+"""Checkpoints as untrusted input (docs/checkpoints.md, "Threat model").
 
 Hostile manifests and planted files are built from a real 1-rank checkpoint of a tiny model
 in this process (milliseconds each); the cross-rank cases (a read failing on one rank during
@@ -397,7 +397,7 @@ def test_train_resumes_from_the_newest_verified_checkpoint(
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 9 items 8 and 9: 2 gloo ranks
+# 2 gloo ranks
 # ---------------------------------------------------------------------------------------------
 
 def w_cross_rank(rank: int, world: int, root: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Checkpoints written before the checkpoint subpackage (issue 11) still load.
+"""Checkpoints written before the checkpoint subpackage still load.
 
 tests/checkpoint/fixtures/ckpt_v1 was written once by tests/checkpoint/fixtures/make_ckpt_v1.py with the code of that
 time: 2 gloo ranks, stage 2, bf16 params + fp32 master, dynamic loss scale, two param groups,

@@ -3,7 +3,7 @@ without `no_sync`, equals single-process `torch.optim.AdamW` on the same global 
 
 One spawn per world size runs every case (process start-up dominates; W=4 on 2 cores is slow);
 the accumulation cases run twice in that process to show the result is deterministic, not just
-close. Per-item checks of issue 9 (2, 7, 11, 16, 17) ride in the same spawns.
+close. Checks of the semantics contract (docs/design.md) ride in the same spawns.
 """
 from __future__ import annotations
 
@@ -247,7 +247,7 @@ def test_parity_with_torch_adamw_every_stage_micro_batch_and_no_sync(world: int)
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_reductions_complete_when_backward_returns(world: int) -> None:
-    """Issue 9 item 2: nothing in flight when backward() returns, at every stage, with and
+    """Nothing in flight when backward() returns, at every stage, with and
     without no_sync (so reading a grad, or the next micro-batch, never races a collective)."""
     for case in parity_cases():
         for o in results(world):
@@ -261,14 +261,14 @@ def _extra(world: int, item: str) -> list[tuple[dict, list[dict]]]:
 
 
 def test_replicas_start_from_rank0_params_at_every_stage() -> None:
-    """Issue 9 item 16: ranks built with `seed + rank` train exactly like rank 0's init."""
+    """Ranks built with `seed + rank` train exactly like rank 0's init."""
     for case, per_rank in _extra(2, "seed_rank"):
         for r, o in enumerate(per_rank):
             assert_matches(o["params"], reference_params("mlp"), f"{case} rank {r}")
 
 
 def test_reentrant_activation_checkpointing_at_every_stage() -> None:
-    """Issue 9 item 11: the end-of-backward callback is queued on the outer graph task even
+    """The end-of-backward callback is queued on the outer graph task even
     when the first grads come from a reentrant checkpoint's nested backward."""
     for case, per_rank in _extra(2, "reentrant"):
         for r, o in enumerate(per_rank):
@@ -277,7 +277,7 @@ def test_reentrant_activation_checkpointing_at_every_stage() -> None:
 
 
 def test_user_clip_grad_norm_is_exact_at_stage_0_and_refused_elsewhere() -> None:
-    """Issue 9 item 17: stage 0 `.grad` holds the rank-averaged grad, so torch's own
+    """Stage 0 `.grad` holds the rank-averaged grad, so torch's own
     clip_grad_norm_ sees the global norm and clips like the single-process reference; at stages
     1-3 `.grad` is not the full reduced grad and any use of it raises, naming max_grad_norm."""
     for case, per_rank in _extra(2, "user_clip"):
@@ -289,7 +289,7 @@ def test_user_clip_grad_norm_is_exact_at_stage_0_and_refused_elsewhere() -> None
 
 
 def test_fp16_reduction_pre_divides_so_grads_near_fp16_max_do_not_overflow() -> None:
-    """Issue 9 item 7: at W=4 the fp16 sum of the ranks' grads would overflow (4 x 3e4 >
+    """At W=4 the fp16 sum of the ranks' grads would overflow (4 x 3e4 >
     65504); pre-divided (as DDP and FSDP2), the average (3.45e4) fits. The reference gets the
     exact fp32 average. Adam's first steps with a constant grad move by lr * sign(g), so the
     fp16 rounding of g (5e-4 relative) does not show: fp32 tolerance holds."""

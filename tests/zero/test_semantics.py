@@ -1,4 +1,4 @@
-"""Single-process semantics of issue 9: detaching an optimizer, params frozen after
+"""Single-process semantics: detaching an optimizer, params frozen after
 construction, reentrant checkpointing without a module. (Multi-rank items: test_parity.py.)"""
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def hooks_left(m: nn.Module) -> int:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_close_removes_every_hook_and_a_live_optimizer_refuses_a_second(stage: int) -> None:
-    """Issue 9 item 10. A second optimizer on a model with a live one is refused; after
+    """A second optimizer on a model with a live one is refused; after
     close() no hook of ours is left, the params keep their values, and a new optimizer trains
     exactly like a fresh torch.optim.AdamW from there."""
     m, ref_m = make(), make()
@@ -86,7 +86,7 @@ def test_close_removes_every_hook_and_a_live_optimizer_refuses_a_second(stage: i
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_param_frozen_after_build_is_refused_at_step_naming_it(stage: int) -> None:
-    """Issue 9 item 20: the fused update would keep moving a param frozen after construction
+    """The fused update would keep moving a param frozen after construction
     (momentum, weight decay); step() refuses before touching anything, naming it."""
     m = make()
     opt = build(m, stage)
@@ -107,7 +107,7 @@ def test_param_frozen_after_build_is_refused_at_step_naming_it(stage: int) -> No
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
 def test_reentrant_checkpointing_without_module_is_refused_clearly(stage: int) -> None:
-    """Issue 9 item 11, the case the fix cannot cover: without `module` the end-of-backward
+    """The case the fix cannot cover: without `module` the end-of-backward
     callback can only be queued from the first grad, which a reentrant checkpoint delivers
     from its nested graph task. It is detected and refused, naming the two ways out. (With
     `module=` it works: test_parity.py::test_reentrant_activation_checkpointing_at_every_stage.)"""

@@ -1,4 +1,4 @@
-"""Stage 3 hazards outside the happy path (issue 9): step ordering against in-flight gathers,
+"""Stage 3 hazards outside the happy path: step ordering against in-flight gathers,
 params touched outside a forward, and state dicts."""
 from __future__ import annotations
 
