@@ -93,6 +93,7 @@ import math
 import os
 import secrets
 import shutil
+import stat
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -113,7 +114,7 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 _CHUNK = 16 << 20
 
 # The safetensors spelling of each dtype (its own codes, not the manifest's names in `dtypes`).
-_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
@@ -165,10 +166,10 @@ class SafetensorsWriter:
         off = 0
         self._specs = list(specs)
         for name, dtype, shape in self._specs:
-            if dtype not in _ST_DTYPE:
+            if dtype not in ST_DTYPE:
                 raise ValueError(f"{name}: dtype {dtype} has no safetensors code")
             n = math.prod(shape) * dtypes.itemsize(dtype)
-            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape),
+            header[name] = {"dtype": ST_DTYPE[dtype], "shape": list(shape),
                             "data_offsets": [off, off + n]}
             off += n
         hb = json.dumps(header, separators=(",", ":")).encode()
@@ -246,6 +247,26 @@ def create_temp(path: Path) -> tuple[Path, io.BufferedWriter]:
             continue
         return tmp, os.fdopen(fd, "wb")
     raise FileExistsError(f"{path.parent}: could not create a fresh temporary file")
+
+
+def check_replaceable(path: Path, what: str) -> None:
+    """An output about to be renamed over `path`: refuse anything there but a regular file
+    (a FIFO, a device node, a folder, a socket) and any symlink, before anything is written.
+    The write itself goes to a fresh temporary beside it (`create_temp`), never opens `path`."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise CheckpointError(f"{what} {path}: cannot inspect it ({e.strerror or e})") from None
+    if stat.S_ISREG(st.st_mode):
+        return
+    kind = next((k for test, k in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"),
+                                   (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                                   (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+                 if test(st.st_mode)), "not a regular file")
+    raise CheckpointError(f"{what} {path} exists and is {kind}; refusing to replace it (only a "
+                          "regular file is replaced): remove it or choose another path")
 
 
 def write_text_atomic(path: Path, text: str) -> None:
