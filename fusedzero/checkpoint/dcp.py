@@ -116,6 +116,7 @@ def read_dcp(dcp_dir: str | os.PathLike[str]) -> dict[str, Any]:
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     d = Path(dcp_dir)
@@ -127,13 +128,16 @@ def read_dcp(dcp_dir: str | os.PathLike[str]) -> dict[str, Any]:
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return md
 
+    refused: list[str] = []
+
     class Planner(_EmptyStateDictLoadPlanner):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             try:
                 obj = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as e:
-                raise ValueError(f"{d}: item {read_item.dest_index.fqn!r} is refused: "
-                                 f"{_first_line(e)}") from None
+                refused.append(f"{d}: item {read_item.dest_index.fqn!r} is refused: "
+                               f"{_first_line(e)}")
+                raise ValueError(refused[-1]) from None
             # DefaultLoadPlanner.load_bytes, with the item loaded as above.
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
@@ -142,7 +146,15 @@ def read_dcp(dcp_dir: str | os.PathLike[str]) -> dict[str, Any]:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
     sd: dict[str, Any] = {}
-    _load_state_dict(sd, storage_reader=Reader(d), planner=Planner(), no_dist=True)
+    try:
+        _load_state_dict(sd, storage_reader=Reader(d), planner=Planner(), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every error
+        # in a CheckpointException (a BaseException) holding a page of traceback
+        if refused:
+            raise ValueError(refused[0]) from None
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        raise ValueError(f"{d}: not a readable DCP folder: {type(e).__name__}: "
+                         f"{' '.join(lines[-1].split()) if lines else ''}") from None
     return sd
 
 

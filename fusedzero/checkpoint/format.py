@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import io
 import json
@@ -174,6 +175,7 @@ class SafetensorsWriter:
             off += n
         hb = json.dumps(header, separators=(",", ":")).encode()
         hb += b" " * (-len(hb) % 8)  # safetensors aligns the data start to 8 bytes
+        self.size = 8 + len(hb) + off  # bytes of the whole file
         self.path = Path(path)
         self._tmp, self._f = create_temp(self.path)
         self._sha = hashlib.sha256()
@@ -316,12 +318,20 @@ class Peak:
         self.live -= t.numel() * t.element_size()
 
 
-def named(e: OSError, path: Path) -> OSError:
+def named(e: OSError, path: Path, need: int | None = None) -> OSError:
     """`e` with `path` in its message: os.write's "[Errno 28] No space left on device" names
-    no file, and the user must know which disk filled up."""
-    if e.filename is not None:
+    no file, and the user must know which disk filled up; with `need` (the file's size), a full
+    disk also says how many bytes the file needs and how many are free."""
+    if e.filename is not None and need is None:
         return e
-    return type(e)(e.errno, f"{e.strerror or e} (writing {path})", str(path))
+    what = f"writing {path}"
+    if need is not None and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f", {shutil.disk_usage(path.parent).free} bytes free"
+        except OSError:
+            free = ""
+        what += f": the file needs {need} bytes{free}"
+    return type(e)(e.errno, f"{e.strerror or e} ({what})", str(path))
 
 
 def remove(p: Path, quiet: bool = False) -> None:

@@ -240,7 +240,7 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, s
         size, sha = w.close()
     except OSError as e:
         w.abort()
-        raise named(e, path) from e
+        raise named(e, path, w.size) from e
     except BaseException:
         w.abort()
         raise
