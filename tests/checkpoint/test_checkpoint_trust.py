@@ -28,7 +28,6 @@ from fusedzero import checkpoint as ck
 from fusedzero.app.cli import main as cli_main
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.checkpoint import catalog
-from fusedzero.checkpoint import format as ckformat
 from fusedzero.checkpoint import saving
 from fusedzero.optim import ZeroAdamW
 
