@@ -5,8 +5,8 @@ writer, exclusive temporaries, fsync, sha256, and the slice readers. The rest of
 decides *what* to write (`saving`), *how to map it back* (`reshard`, `loading`) and *whether it
 is intact* (`catalog`); none of it opens a file in another way.
 
-Format (version 2; version 1 still read) -- a contract: readers of other versions must refuse
-==============================================================================================
+Format (version 3; versions 1-2 read only by `fusedzero ckpt upgrade`) -- a contract
+======================================================================================
 
 A checkpoint *root* holds one directory per saved step and a pointer to the newest complete one::
 
@@ -36,14 +36,21 @@ manifest's `modes` stores it in (fusedzero/memory_modes.py; version 1 and the de
 
 Elements no segment covers are padding and are zero. Every segment starts at a multiple of 128
 local elements and of 128 elements of its param (the layout aligns params and shard pieces), so a
-quantization block never holds two params and keeps its scale at any world size. The safetensors `__metadata__` holds
-`format`, `version`, `rank`, `world_size`, `stage`, `step` and (since it was added, checked when
-present) `step_count` (strings), so a shard copied into the wrong directory, or a manifest whose
-step count was edited, is caught even without checksums.
+quantization block never holds two params and keeps its scale at any world size. The safetensors
+`__metadata__` records what the bytes mean, one row per field of `binding.BOUND` (strings):
+`format`, `rank`, `world_size`, `stage`, `step`, `step_count`, `modes`, `params` (the entries of
+the params this file holds), `groups` (this file's segment tables, as in the manifest) and
+`layout_sha256` (sha256 of the other rows), plus `version`. Every reader checks each row against
+the manifest, and each tensor's dtype and shape against what the manifest implies, before it
+reads tensor data: a shard in the wrong folder, or a manifest edited consistently (offsets
+swapped, a dtype or shape changed, another stage), is refused even without checksums. Shards of
+versions 1-2 carry only format, rank, world_size, stage, step (and step_count): loads refuse
+them and name the converter.
 
 manifest.json (written last, after every shard is fsynced and renamed into place):
 
-    format, version          "fusedzero-checkpoint", 2 (1: no modes, states fp32)
+    format, version          "fusedzero-checkpoint", 3 (2: headers without layout rows;
+                             1: no modes, states fp32)
     modes                    {"master": "fp32"|"bf16-kahan"|"bf16-sr"|"bf16",
                               "states": "fp32"|"bf16"|"int8"} (version 2)
     seed                     the saving optimizer's bf16-sr seed (version 2; informative: the

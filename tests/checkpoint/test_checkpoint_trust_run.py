@@ -96,7 +96,8 @@ def test_disk_too_small_for_one_checkpoint_is_found_before_the_first_step(
 def test_unwritable_root_of_a_resumed_step_folder_is_found_before_the_first_step(
         data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ckpt = tmp_path / "ckpt"
-    run([*TINY, "--steps", "1", "--nproc", "1", "--data", str(data), "--ckpt-dir", str(ckpt)])
+    run([*TINY, "--steps", "2", "--stop-at", "1", "--nproc", "1", "--data", str(data),
+         "--ckpt-dir", str(ckpt)])
     real = runlock.tempfile.mkstemp
 
     def mkstemp(*a: Any, dir: Any = None, **k: Any) -> Any:

@@ -87,3 +87,19 @@ def test_v1_checkpoint_loads(tmp_path: Path, stage: int) -> None:
     # The model's bf16 params are the cast of the loaded master.
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), want[f"{n}.master"].to(torch.bfloat16)), n
+
+
+def test_upgrade_refuses_a_corrupt_old_checkpoint(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    old = tmp_path / "old"
+    shutil.copytree(FIXTURE / "ckpt_v1" / "root", old)
+    shard = old / "step-00000002" / "rank00001-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x40  # one bit of a moment: only the sha256 can tell
+    shard.write_bytes(bytes(data))
+    assert ckpt_main(["ckpt", "upgrade", str(old), str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fusedzero: error: checkpoint") and "\n" not in err, err
+    assert "failed verification, so it is not converted" in err and "sha256 mismatch" in err
+    assert not (tmp_path / "new" / "step-00000002").exists()
+    assert not (tmp_path / "new" / ck.LATEST).exists()
