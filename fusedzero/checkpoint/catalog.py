@@ -66,11 +66,15 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     d = resolve(path)
     f = d / MANIFEST
     try:
-        # At most MAX_MANIFEST + 1 bytes are read (see its computation in manifest.py).
+        # At most MAX_MANIFEST + 1 bytes are read (see its computation in manifest.py), and no
+        # buffer is sized beyond the file (read(n) allocates n bytes up front).
         with open(f, "rb") as fh:
-            raw = fh.read(MAX_MANIFEST + 1)
+            size = os.fstat(fh.fileno()).st_size
+            raw = fh.read(min(size, MAX_MANIFEST) + 1)
     except OSError as e:
         raise CheckpointError(f"{f}: unreadable manifest ({e})") from None
+    if len(raw) > size:
+        raise CheckpointError(f"{f}: grew while it was read; not a finished manifest")
     if len(raw) > MAX_MANIFEST:
         raise CheckpointError(f"{f}: larger than {MAX_MANIFEST} bytes, the largest manifest "
                               "of 1024 ranks x a 70B model; not a manifest")
