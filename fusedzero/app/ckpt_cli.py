@@ -3,6 +3,7 @@
     fusedzero ckpt inspect DIR                  world size, stage, step, params, files (sizes)
     fusedzero ckpt verify DIR                   sizes, headers and sha256 of every shard
     fusedzero ckpt export DIR OUT [--dtype bf16|fp32] [--max-shard-size 5GB]
+    fusedzero ckpt upgrade OLD NEW_ROOT         an older format version -> the current one
 
 DIR is a checkpoint directory or a root holding `latest`. Exit status: 0 ok; 1 `inspect` or
 `verify` found bad shard files (one line per problem: which file, and why); 2 an error (no
@@ -48,6 +49,10 @@ def add_ckpt_subparser(subparsers: Any) -> argparse.ArgumentParser:
                        "folder -> a fusedzero checkpoint (see fusedzero.checkpoint.dcp)")
     a.add_argument("dcp_dir", help="DCP folder of {'model': ..., 'optim': ...} state dicts")
     a.add_argument("out", help="fusedzero checkpoint root to write (out/step-N, out/latest)")
+    a = sub.add_parser("upgrade", help="convert a checkpoint of format version 1 or 2 into "
+                       "the current version (see fusedzero.checkpoint.upgrade)")
+    a.add_argument("dir", help="old checkpoint directory, or a root holding `latest`")
+    a.add_argument("out", help="checkpoint root to write (out/step-N, out/latest)")
     p.set_defaults(func=run_ckpt)
     return p
 
@@ -82,6 +87,11 @@ def run_ckpt(args: argparse.Namespace) -> int:
                 print(f"{d}: {len(bad)} of {n} shard file(s) failed verification")
                 return 1
             print(f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest")
+            return 0
+        if args.ckpt_command == "upgrade":
+            from fusedzero.checkpoint.upgrade import upgrade
+            d = upgrade(args.dir, args.out)
+            print(f"wrote {d} (format version {checkpoint.read_manifest(d)['version']})")
             return 0
         if args.ckpt_command == "import-dcp":
             from fusedzero.checkpoint.dcp import run_import_dcp

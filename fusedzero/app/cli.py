@@ -8,9 +8,12 @@
 Errors in flags, paths or checkpoints print one line, `fusedzero: error: ...`, and exit with 2.
 A run that stalls past --timeout prints one such line naming each rank's wait and exits with 1;
 Ctrl-C exits with 130, SIGTERM/SIGHUP with 128 + the signal number, the ranks ended either way.
+Anything else that goes wrong (a rank killed, a disk error) is one line too, exit 1: tracebacks
+only with `--debug` (anywhere on the command line) or FUSEDZERO_DEBUG=1.
 """
 from __future__ import annotations
 
+import os
 import sys
 
 from fusedzero.app.ckpt_cli import add_ckpt_subparser
@@ -28,13 +31,28 @@ SUBCOMMANDS = (add_train_subparser, add_ckpt_subparser, add_plan_subparser,
 
 def build_parser() -> ArgParser:
     parser = ArgParser(prog="fusedzero", description="Sharded data-parallel AdamW (ZeRO-0..3)")
+    # Taken out of argv by `main` wherever it stands; here for --help.
+    parser.add_argument("--debug", action="store_true",
+                        help="show Python tracebacks (also FUSEDZERO_DEBUG=1)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add_subparser in SUBCOMMANDS:
         add_subparser(subparsers)
     return parser
 
 
+def _one_line(e: BaseException) -> str:
+    """An unexpected error as one line: its message's last line when it holds a traceback."""
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    if any(ln.startswith("Traceback (most recent call last)") for ln in lines):
+        lines = lines[-1:]
+    msg = " ".join(" ".join(lines).split()) or type(e).__name__
+    return msg if len(msg) <= 1000 else msg[:997] + "..."
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv or os.environ.get("FUSEDZERO_DEBUG", "") not in ("", "0")
+    argv = [a for a in argv if a != "--debug"]
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args) or 0)
@@ -52,6 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fusedzero: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:  # noqa: BLE001 - the last line of defence: no traceback by default
+        if debug:
+            detail = getattr(e, "detail", "")
+            if detail:
+                print(detail, file=sys.stderr)
+            raise
+        kind = "" if type(e).__name__ in ("RankFailed", "CheckpointError") \
+            else f"{type(e).__name__}: "
+        print(f"fusedzero: error: {kind}{_one_line(e)} (--debug shows the traceback)",
+              file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import argparse
 import contextlib
 import datetime
 import math
+import multiprocessing as mp
 import os
 import sys
 import time
@@ -30,13 +31,23 @@ from fusedzero.app.lifecycle import die_with_parent, sigterm_as_interrupt
 from fusedzero.app.log import waiting_for
 from fusedzero.app.loop import train_rank
 from fusedzero.comm import CollectiveTimeout
-from fusedzero.spawn import (REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks, leave,
-                             set_rank_env)
+from fusedzero.spawn import (LAST_WORDS_S, REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks,
+                             exit_description, leave, set_rank_env)
 
 _TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # After the first rank reports a stall, how long the launcher waits for the other ranks' own
 # reports (they hit the same timeout at about the same moment) before it ends them.
 _STALL_GRACE_S = 3.0
+
+
+class RankFailed(RuntimeError):
+    """A rank died (a signal, out of memory) or raised: one line naming the rank, the cause and
+    the step, and the checkpoint a resume would use; `detail` keeps the rank's traceback (the
+    CLI prints it with --debug)."""
+
+    def __init__(self, msg: str, detail: str = "") -> None:
+        super().__init__(msg)
+        self.detail = detail
 
 
 def add_train_subparser(subparsers: Any) -> argparse.ArgumentParser:
@@ -78,6 +89,7 @@ def run_config(cfg: TrainConfig) -> dict[str, Any]:
     data = preflight.load_data(cfg)
     with preflight.run_folder_lock(cfg):
         preflight.check_run_folder(cfg)
+        preflight.check_disk(cfg, nproc, use_cuda)
         with sigterm_as_interrupt():
             return _spawn(cfg, nproc, use_cuda, data)
 
@@ -97,10 +109,13 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool, data: Split) -> dict[st
     reported: set[int] = set()
     stalls: dict[int, str] = {}
     stall_deadline = math.inf
+    # Each rank's current step, written by the rank at the top of every step (shared memory,
+    # no lock, no sync): what a rank that dies was doing.
+    progress = mp.get_context("spawn").Array("q", nproc, lock=False)
     # Not daemons: a daemon process may not start processes of its own; the ranks' end is tied
     # to the launcher by die_with_parent instead.
-    with SpawnedRanks(_spawn_entry, nproc, (use_cuda, cfg, data, os.getpid()), daemon=False,
-                      exit_grace_s=60.0) as ranks:
+    with SpawnedRanks(_spawn_entry, nproc, (use_cuda, cfg, data, os.getpid(), progress),
+                      daemon=False, exit_grace_s=60.0) as ranks:
         while len(reported) < nproc:
             if stalls and (time.monotonic() > stall_deadline or len(stalls) == nproc):
                 silent = [r for r in range(nproc) if r not in stalls]
@@ -108,8 +123,11 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool, data: Split) -> dict[st
                     "; ".join(stalls[r] for r in sorted(stalls))
                     + (f"; ranks {silent} did not report and were ended" if silent else ""))
             # A rank that exits without a report (killed, out of memory) would hang the rest.
-            report = ranks.next_report([r for r in range(nproc)
-                                        if r not in reported and r not in stalls])
+            try:
+                report = ranks.next_report([r for r in range(nproc)
+                                            if r not in reported and r not in stalls])
+            except RuntimeError as e:
+                raise _rank_failed(cfg, ranks, progress, None, str(e)) from None
             if report is None:
                 continue
             if report.kind is ReportKind.USAGE:
@@ -119,7 +137,7 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool, data: Split) -> dict[st
                 stall_deadline = min(stall_deadline, time.monotonic() + _STALL_GRACE_S)
                 continue
             if report.kind is ReportKind.ERROR:
-                raise ranks.failure(report, reported)
+                raise _rank_failed(cfg, ranks, progress, report.rank, str(report.value))
             if report.rank == 0:
                 summary = report.value
             reported.add(report.rank)
@@ -127,8 +145,36 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool, data: Split) -> dict[st
     return summary
 
 
+def _rank_failed(cfg: TrainConfig, ranks: SpawnedRanks, progress: Any, rank: int | None,
+                 detail: str) -> RankFailed:
+    """One line for a rank's end: a rank killed by a signal (often the cause of the others'
+    connection errors) first, else the reporting rank's exception; with its step and the
+    checkpoint a resume would pick."""
+    time.sleep(LAST_WORDS_S)  # a killed peer's exit code arrives after the others' errors
+    dead = [r for r, p in enumerate(ranks.procs)
+            if not p.is_alive() and p.exitcode not in (0, REPORTED_ERROR_EXIT)]
+    if dead:
+        r = dead[0]
+        what = f"rank {r} {exit_description(ranks.procs[r].exitcode)}"
+    else:
+        r = rank if rank is not None else 0
+        last = [ln for ln in detail.strip().splitlines() if ln.strip()]
+        what = f"rank {r} failed: {' '.join(last[-1].split()) if last else 'no message'}"
+    step = progress[r]
+    what += f" at step {step}" if step > 0 else " before its first step"
+    if cfg.ckpt_dir is not None:
+        from fusedzero import checkpoint
+        try:
+            found = checkpoint.find_latest(cfg.ckpt_dir, checksums=False)
+            what += (f"; the ranks were ended; the newest checkpoint, {found.path.name} in "
+                     f"{str(found.root)!r}, is intact: continue with --resume")
+        except checkpoint.CheckpointError:
+            what += "; the ranks were ended; no checkpoint was saved yet"
+    return RankFailed(what, detail)
+
+
 def _spawn_entry(rank: int, world: int, port: int, q: Queue[Report], use_cuda: bool,
-                 cfg: TrainConfig, data: Split, parent_pid: int) -> None:
+                 cfg: TrainConfig, data: Split, parent_pid: int, progress: Any = None) -> None:
     die_with_parent(parent_pid)  # never train on as an orphan (see fusedzero.app.lifecycle)
     set_rank_env(rank, world, port)
     code = REPORTED_ERROR_EXIT
@@ -138,7 +184,7 @@ def _spawn_entry(rank: int, world: int, port: int, q: Queue[Report], use_cuda: b
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.timeout),
                                 **({"device_id": device} if use_cuda else {}))
-        summary = train_rank(cfg, device, data)
+        summary = train_rank(cfg, device, data, progress=progress)
         q.put(Report(rank, ReportKind.OK, summary if rank == 0 else None))
         # A gloo process can abort at exit after its work is done: barrier, destroy, then exit.
         with waiting_for("the end-of-run barrier"):
@@ -176,6 +222,7 @@ def _run_in_group(cfg: TrainConfig) -> dict[str, Any]:
                 preflight.check_outputs_writable(cfg)
                 lock.enter_context(preflight.run_folder_lock(cfg))
                 preflight.check_run_folder(cfg)
+                preflight.check_disk(cfg, dist.get_world_size(), use_cuda)
             except UsageError as e:
                 lock.close()
                 box[0] = str(e)

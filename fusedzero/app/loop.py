@@ -47,9 +47,12 @@ def lr_lambda_for(cfg: TrainConfig) -> Callable[[int], float]:
     return lr_lambda
 
 
-def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str, Any]:
+def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
+               progress: Any = None) -> dict[str, Any]:
     """The training loop of one rank in an initialised process group. Returns the summary
-    (identical on every rank); rank 0 also prints the closing table and writes --out-json."""
+    (identical on every rank); rank 0 also prints the closing table and writes --out-json.
+    `progress` (a shared array, one slot per rank) gets this rank's step as each one starts,
+    so the launcher can name the step of a rank that dies."""
     rank, world = dist.get_rank(), dist.get_world_size()
     train_data, val_data = data
     param_dtype = dtypes.SHORT_NAMES[cfg.param_dtype] if cfg.param_dtype else (
@@ -134,6 +137,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
 
     launches: dict[str, int] | None = None
     for step in range(start + 1, stop + 1):
+        if progress is not None:
+            progress[rank] = step
         before = dict(opt.comm.bytes)
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for m in range(A):

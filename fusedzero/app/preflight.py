@@ -5,10 +5,15 @@ its lock, held for the run's life), and the corpus.
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import stat
 import sys
 from collections.abc import Iterator
 
-from fusedzero import checkpoint
+import torch
+
+from fusedzero import checkpoint, dtypes
 from fusedzero.app.config import VAL_FRACTION, TrainConfig, UsageError
 from fusedzero.app.data import Split, load_corpus, split_corpus
 from fusedzero.app import watch
@@ -31,9 +36,18 @@ def load_data(cfg: TrainConfig) -> Split:
 
 
 def check_run_folder(cfg: TrainConfig) -> None:
-    """--resume needs a checkpoint; a new run must not mix its steps into an old run's."""
+    """--resume needs a checkpoint; a new run must not mix its steps into an old run's; every
+    save rewrites `latest`, so it must be a file (or absent) now, not at the run's last save."""
     if cfg.ckpt_dir is None:
         return
+    latest = checkpoint.save_root(cfg.ckpt_dir) / checkpoint.LATEST
+    with contextlib.suppress(FileNotFoundError):
+        mode = os.lstat(latest).st_mode
+        if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
+            kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
+            raise UsageError(f"--ckpt-dir: {str(latest)!r} is {kind}, but every checkpoint save "
+                             "replaces it with a file naming the newest step: remove it or "
+                             "pass another --ckpt-dir")
     if cfg.resume:
         # A root or one step folder; sizes and headers only here, sha256 when the ranks load.
         try:
@@ -49,10 +63,50 @@ def check_run_folder(cfg: TrainConfig) -> None:
         raise UsageError(str(e)) from None
 
 
-def check_outputs_writable(cfg: TrainConfig) -> None:
-    """--ckpt-dir and --out-json must be writable before training starts."""
+def checkpoint_bytes(cfg: TrainConfig, world: int, param_dtype: torch.dtype) -> int:
+    """Bytes of one checkpoint of this run, as `fusedzero plan` computes the optimizer state
+    (its flat buffers built from the model's shapes on the meta device), times the ranks that
+    write it (stage 0: rank 0 alone). A lower bound: fp32 params, their own master in memory,
+    are stored as the master too, and each shard adds its header."""
+    from fusedzero.app.model import GPT, GPTConfig
+    from fusedzero.memory_modes import MemoryModes
+    from fusedzero.plan import PlanConfig, plan_model
+
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**cfg.model_config()))
+    extra = {"bucket_numel": cfg.bucket_numel} if cfg.bucket_numel is not None else {}
+    plan = plan_model(model, PlanConfig(world_size=world, param_dtype=param_dtype,
+                                        modes=MemoryModes(master=cfg.master, states=cfg.states),
+                                        **extra))
+    return plan.stages[cfg.stage].optimizer_bytes * (1 if cfg.stage == 0 else world)
+
+
+def check_disk(cfg: TrainConfig, world: int, use_cuda: bool) -> None:
+    """The checkpoint folder's disk holds one checkpoint, or the run fails now, not at its
+    first save (a run that cannot save loses everything after its last checkpoint)."""
+    if cfg.ckpt_dir is None:
+        return
+    param_dtype = torch.bfloat16 if use_cuda else torch.float32
+    if cfg.param_dtype:
+        param_dtype = dtypes.SHORT_NAMES[cfg.param_dtype]
     try:
-        check_writable(cfg.ckpt_dir, cfg.out_json)
+        need = checkpoint_bytes(cfg, world, param_dtype)
+    except ValueError:
+        return  # flags ZeroAdamW refuses: the ranks report them with their own message
+    root = checkpoint.save_root(cfg.ckpt_dir)
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise UsageError(f"--ckpt-dir: {str(root)!r} has {free} bytes free, but one checkpoint "
+                         f"of this run needs at least {need} (`fusedzero plan`'s optimizer "
+                         "state of every writing rank); free space or pass another --ckpt-dir")
+
+
+def check_outputs_writable(cfg: TrainConfig) -> None:
+    """--ckpt-dir and --out-json must be writable before training starts (for a step folder
+    given to --resume, the root that holds it: later saves go there)."""
+    try:
+        check_writable(None if cfg.ckpt_dir is None else checkpoint.save_root(cfg.ckpt_dir),
+                       cfg.out_json)
     except RunFolderError as e:
         raise UsageError(str(e)) from None
     try:

@@ -6,7 +6,7 @@ a checkpoint needs no RNG state: the step number is the data position.
 """
 from __future__ import annotations
 
-import shutil
+import errno
 import sys
 from typing import Any
 
@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from fusedzero import checkpoint
+from fusedzero.checkpoint.format import remove
 from fusedzero.app.config import TrainConfig, UsageError
 from fusedzero.app.log import RunLog, waiting_for
 from fusedzero.comm import CollectiveTimeout
@@ -42,15 +43,91 @@ def save(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog, step: i
     save (keep_last waits too: it would keep the old run's higher steps instead)."""
     log.flush()
     root = checkpoint.save_root(cfg.ckpt_dir or "")
-    with waiting_for(f"the checkpoint save of step {step}"):
-        checkpoint.save(opt, root, step=step,
-                        caller_state=caller_state(cfg, sched, log, step),
-                        keep_last=None if replace_old else cfg.keep_last)
+    try:
+        with waiting_for(f"the checkpoint save of step {step}"):
+            checkpoint.save(opt, root, step=step,
+                            caller_state=caller_state(cfg, sched, log, step),
+                            keep_last=None if replace_old else cfg.keep_last)
+    except (OSError, checkpoint.CheckpointError, ValueError) as e:
+        # The same error on every rank (save agrees on it); the staging folder is gone.
+        msg = " ".join(str(e).split())
+        full = any(f"[Errno {n}]" in msg or "No space left" in msg
+                   for n in (errno.ENOSPC, errno.EDQUOT))
+        try:
+            prev = f"step {_step_of(checkpoint.find_latest(root, checksums=False).path)}"
+        except checkpoint.CheckpointError:
+            prev = None
+        kept = (f"the previous checkpoint ({prev} in {str(root)!r}) is intact and --resume "
+                "continues from it" if prev else "no earlier checkpoint of this run exists")
+        raise UsageError(f"checkpoint save of step {step} failed"
+                         f"{' (disk full)' if full else ''}: {msg}; {kept}") from None
     if replace_old and dist.get_rank() == 0:
         new = root / checkpoint.step_dir_name(step)
         for old in checkpoint.list_checkpoints(root):
-            if old.resolve() != new.resolve():
-                shutil.rmtree(old)
+            if old.name != new.name:
+                remove(old)  # a symlinked step folder: the link goes, never its target
+
+
+def _step_of(d: Any) -> int:
+    return int(d.name.removeprefix("step-"))
+
+
+def check_caller_state(cfg: TrainConfig, sched: LambdaLR, rank: int, state: Any) -> None:
+    """A saved caller state this run can resume from, or ValueError naming what is wrong.
+    Checked inside `checkpoint.load`, before the optimizer or scheduler is touched, on every
+    rank (a rank the saving run did not have gets None: rank 0's state goes to it)."""
+    if state is None and rank != 0:
+        return
+    if not isinstance(state, dict) or "step" not in state:
+        raise ValueError("the checkpoint was not written by `fusedzero train` (no step in its "
+                         "caller state)")
+    for key, mine in (("model", cfg.model_config()), ("seed", cfg.seed),
+                      ("batch_size", cfg.batch_size), ("total_steps", cfg.steps)):
+        if state.get(key) != mine:
+            raise ValueError(f"the checkpoint was trained with {key}={state.get(key)}, this "
+                             f"run has {key}={mine}; pass the same flags to resume")
+    step = state["step"]
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= cfg.steps:
+        raise ValueError(f"its caller state's step is {step!r}, expected a whole number in "
+                         f"[0, {cfg.steps}] (--steps)")
+    _same_form(state.get("scheduler"), sched.state_dict(), "scheduler state")
+    if state["scheduler"]["last_epoch"] != step:
+        raise ValueError(f"its scheduler is at step {state['scheduler']['last_epoch']}, its "
+                         f"caller state at step {step}")
+    for key in ("steps", "val"):
+        v = state.get(key, [])
+        if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
+            raise ValueError(f"its caller state's {key} is {type(v).__name__}, expected a list "
+                             "of records")
+    for key in ("hparams", "modes"):
+        if not isinstance(state.get(key, {}), dict):
+            raise ValueError(f"its caller state's {key} is {type(state[key]).__name__}, "
+                             "expected a dict")
+
+
+def _same_form(v: Any, ref: Any, where: str) -> None:
+    """`v` has the keys, lengths and types of `ref` (ints and floats as numbers): what
+    LambdaLR.load_state_dict would install attribute by attribute."""
+    if isinstance(ref, bool) or ref is None:
+        ok = type(v) is type(ref)
+    elif isinstance(ref, (int, float)):
+        ok = not isinstance(v, bool) and isinstance(v, (int, float)) and (
+            isinstance(ref, float) or isinstance(v, int))
+    elif isinstance(ref, (list, tuple)):
+        ok = isinstance(v, (list, tuple)) and len(v) == len(ref)
+        if ok:
+            for i, (a, b) in enumerate(zip(v, ref)):
+                _same_form(a, b, f"{where}[{i}]")
+    elif isinstance(ref, dict):
+        ok = isinstance(v, dict) and set(v) == set(ref)
+        if ok:
+            for k in ref:
+                _same_form(v[k], ref[k], f"{where}.{k}")
+    else:
+        ok = type(v) is type(ref)
+    if not ok:
+        raise ValueError(f"its {where} is {type(v).__name__} {str(v)[:60]!r}, expected the "
+                         f"form of {type(ref).__name__} {str(ref)[:60]!r}")
 
 
 def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> int:
@@ -73,8 +150,9 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
         for why in found.skipped if dist.get_rank() == 0 else ():
             print(f"fusedzero: warning: --resume: skipped {why}", file=sys.stderr, flush=True)
         # find_latest just hashed every shard on rank 0: load checks sizes and headers only.
-        loaded = checkpoint.load(opt, found.path, verify=False,
-                                 load_hyperparams=False)
+        rank = dist.get_rank()
+        loaded = checkpoint.load(opt, found.path, verify=False, load_hyperparams=False,
+                                 check_caller=lambda st: check_caller_state(cfg, sched, rank, st))
     except CollectiveTimeout:
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as e:
@@ -86,15 +164,7 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
     box = [loaded.caller_state]
     with waiting_for("the broadcast of the resumed run's state"):
         dist.broadcast_object_list(box, src=0)
-    state = box[0]
-    if not isinstance(state, dict) or "step" not in state:
-        raise UsageError(f"--resume: the checkpoint in {cfg.ckpt_dir!r} was not written by "
-                         "`fusedzero train` (no step in its caller state)")
-    for key, mine in (("model", cfg.model_config()), ("seed", cfg.seed),
-                      ("batch_size", cfg.batch_size), ("total_steps", cfg.steps)):
-        if state.get(key) != mine:
-            raise UsageError(f"--resume: the checkpoint was trained with {key}={state.get(key)}, "
-                             f"this run has {key}={mine}; pass the same flags to resume")
+    state = box[0]  # checked by check_caller_state on rank 0
     step = int(state["step"])
     saved = _saved_hparams(state)
     sched.load_state_dict(state["scheduler"])

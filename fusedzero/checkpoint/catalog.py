@@ -14,11 +14,10 @@ from typing import Any, NamedTuple
 
 from safetensors import safe_open
 
-from fusedzero.checkpoint.format import (LATEST, MANIFEST, SHARD_FORMAT, count_str,
-                                         sha256_file)
-from fusedzero.checkpoint.manifest import (STEP_DIR, CheckpointError, manifest_modes, parse,
-                                          plain_name)
-from fusedzero.state import fields_of
+from fusedzero.checkpoint.binding import header_problems, tensor_problems
+from fusedzero.checkpoint.format import LATEST, MANIFEST, sha256_file
+from fusedzero.checkpoint.manifest import (MAX_LATEST, MAX_MANIFEST, STEP_DIR, VERSION,
+                                          CheckpointError, parse, plain_name)
 
 
 def resolve(path: str | os.PathLike[str]) -> Path:
@@ -44,7 +43,12 @@ def resolve(path: str | os.PathLike[str]) -> Path:
 def _latest_name(latest: Path) -> str:
     """The step folder a `latest` file names; refuses anything but a plain `step-N` name."""
     try:
-        raw = latest.read_bytes()[:4096]
+        # Never more than MAX_LATEST + 1 bytes: a huge `latest` is refused, not read whole.
+        with open(latest, "rb") as fh:
+            raw = fh.read(MAX_LATEST + 1)
+        if len(raw) > MAX_LATEST:
+            raise CheckpointError(f"{latest}: larger than {MAX_LATEST} bytes; it must hold "
+                                  "one step folder's name")
         name = raw.decode().strip()
     except (OSError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{latest}: unreadable ({e})") from None
@@ -62,22 +66,24 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     d = resolve(path)
     f = d / MANIFEST
     try:
-        # A manifest is kilobytes to a few MB; a huge one is not ours (and would sit in memory).
+        # At most MAX_MANIFEST + 1 bytes are read (see its computation in manifest.py), and no
+        # buffer is sized beyond the file (read(n) allocates n bytes up front).
         with open(f, "rb") as fh:
-            raw = fh.read(_MAX_MANIFEST + 1)
+            size = os.fstat(fh.fileno()).st_size
+            raw = fh.read(min(size, MAX_MANIFEST) + 1)
     except OSError as e:
         raise CheckpointError(f"{f}: unreadable manifest ({e})") from None
-    if len(raw) > _MAX_MANIFEST:
-        raise CheckpointError(f"{f}: larger than {_MAX_MANIFEST} bytes; not a manifest")
+    if len(raw) > size:
+        raise CheckpointError(f"{f}: grew while it was read; not a finished manifest")
+    if len(raw) > MAX_MANIFEST:
+        raise CheckpointError(f"{f}: larger than {MAX_MANIFEST} bytes, the largest manifest "
+                              "of 1024 ranks x a 70B model; not a manifest")
     try:
         text = raw.decode()
     except UnicodeDecodeError as e:
         raise CheckpointError(f"{f}: unreadable manifest ({e})") from None
+    del raw  # one copy of the text at a time: the bytes go before the parse builds objects
     return parse(text, f)
-
-
-# Upper bound of a manifest's size: ~200 bytes per segment; 1 GiB is millions of params.
-_MAX_MANIFEST = 1 << 30
 
 
 class Latest(NamedTuple):
@@ -145,8 +151,16 @@ def _step_of(d: Path) -> int:
 
 
 def file_problems(d: Path, manifest: dict[str, Any], names: list[str] | None,
-                   checksums: bool) -> list[str]:
-    """Problems with the shard files `names` (all if None): missing, size, header, sha256."""
+                  checksums: bool, *, legacy: bool = False) -> list[str]:
+    """Problems with the shard files `names` (all if None): missing, size, header rows bound to
+    the manifest (`binding.py`), tensor dtypes and shapes, sha256 -- in that order, so nothing
+    is hashed or allocated for a file whose header already disagrees. A manifest of an older
+    format version is one problem (convert it) unless `legacy` (the converter's own check)."""
+    if manifest["version"] < VERSION and not legacy:
+        return [f"{d}: written in checkpoint format version {manifest['version']}, whose shard "
+                "headers do not record what their bytes mean, so edits to its manifest cannot "
+                f"be detected; convert it with `fusedzero ckpt upgrade {d} NEW_ROOT` (checks "
+                "every sha256, then writes version-3 shards)"]
     out = []
     for entry in manifest["files"]:
         name = entry["name"]
@@ -167,25 +181,17 @@ def file_problems(d: Path, manifest: dict[str, Any], names: list[str] | None,
                        f"({'truncated' if size < entry['bytes'] else 'replaced or appended'})")
             continue
         try:
+            # The header only (safetensors checks its offsets against the file's size).
             with safe_open(p, framework="pt") as f:
                 meta = f.metadata() or {}
-                keys = set(f.keys())
+                have = {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape())
+                        for k in f.keys()}
         except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
             out.append(f"{p}: unreadable safetensors header ({e})")
             continue
-        want_meta = {"format": SHARD_FORMAT, "rank": str(entry["rank"]),
-                     "world_size": str(manifest["world_size"]), "step": str(manifest["step"])}
-        if "step_count" in meta:  # shards written since the manifest was validated
-            want_meta["step_count"] = count_str(manifest["step_count"])
-        bad = {k: (meta.get(k), v) for k, v in want_meta.items() if meta.get(k) != v}
-        if bad:
-            out.append(f"{p}: header metadata does not match the manifest "
-                       f"(got, expected): {bad}")
-            continue
-        kinds = fields_of(manifest_modes(manifest))
-        want_keys = {f"{g['key']}.{k}" for g in entry["groups"] for k in kinds}
-        if keys != want_keys:
-            out.append(f"{p}: tensors {sorted(keys ^ want_keys)} differ from the manifest")
+        why = header_problems(manifest, entry, meta) or tensor_problems(manifest, entry, have)
+        if why:
+            out.append(f"{p}: {why}")
             continue
         if checksums:
             got = sha256_file(p)

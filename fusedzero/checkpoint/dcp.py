@@ -17,14 +17,23 @@ groups (their params and lr / betas / eps / weight_decay) are kept: build the re
 with the same groups and `checkpoint.load` restores the hyper-parameters too.
 
 Offline, one process, no process group. Memory: the whole model's params and two moments in
-fp32 (DCP's `dcp_to_torch_save` consolidates them), plus the optimizer's copy.
+fp32 (consolidated as DCP's `dcp_to_torch_save` does), plus the optimizer's copy.
+
+[Note: no code from a DCP folder] DCP's `.metadata` is a pickle and its non-tensor items
+(hyper-parameters) are `torch.load(weights_only=False)` pickles: read as DCP reads them, a
+hostile folder runs code. Here `.metadata` goes through `_MetadataUnpickler`, which builds only
+the DCP metadata classes, `torch.Size`, dtypes, layouts and plain containers and refuses any
+other global by name; the items are read with `torch.load(weights_only=True)`; every storage
+file named in it must be a plain name inside the folder; and the tensors it declares must fit
+in the folder's bytes before anything is allocated for them.
 """
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
-import tempfile
+import pickle
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +49,122 @@ from fusedzero.state import ShardState
 HYPER = ("lr", "betas", "eps", "weight_decay", "maximize")
 
 
+# What `.metadata` may build (module, name); anything else is refused with its name.
+_ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in (
+    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+    "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"), ("builtins", "set"),
+    ("builtins", "frozenset")}
+# `.metadata` is a few bytes per tensor chunk: 256 MiB is millions of chunks.
+_MAX_METADATA = 256 << 20
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"refused global {module}.{name}: not a "
+                                         "torch.distributed.checkpoint metadata class")
+        return super().find_class(module, name)
+
+
+def read_dcp_metadata(d: Path) -> Any:
+    """A DCP folder's `.metadata`, unpickled with the allow-list (see [Note: no code from a DCP
+    folder]) and checked: plain storage file names, tensor sizes that fit the folder's bytes."""
+    from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+    f = d / ".metadata"
+    try:
+        with open(f, "rb") as fh:
+            raw = fh.read(_MAX_METADATA + 1)
+    except OSError as e:
+        raise ValueError(f"{f}: unreadable ({e.strerror or e})") from None
+    if len(raw) > _MAX_METADATA:
+        raise ValueError(f"{f}: larger than {_MAX_METADATA} bytes; not DCP metadata")
+    try:
+        md = _MetadataUnpickler(io.BytesIO(raw)).load()
+    except Exception as e:  # noqa: BLE001 - a malformed pickle raises anything
+        raise ValueError(f"{f}: not loadable as DCP metadata: {type(e).__name__}: {e}") from None
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict):
+        raise ValueError(f"{f}: holds a {type(md).__name__}, not DCP Metadata")
+    for idx, info in (md.storage_data or {}).items():
+        rel = getattr(info, "relative_path", None)
+        if (not isinstance(rel, str) or not rel or rel in (".", "..") or "/" in rel
+                or "\\" in rel or "\0" in rel):
+            raise ValueError(f"{f}: storage file {rel!r} of {getattr(idx, 'fqn', idx)!r} is not "
+                             "a plain file name inside the DCP folder")
+    have = sum(p.stat().st_size for p in d.iterdir() if p.is_file() and not p.is_symlink())
+    need = 0
+    for k, v in md.state_dict_metadata.items():
+        if isinstance(v, TensorStorageMetadata):
+            size, dt = v.size, getattr(v.properties, "dtype", None)
+            if (not isinstance(dt, torch.dtype) or not isinstance(size, tuple)
+                    or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in size)):
+                raise ValueError(f"{f}: {k!r} has size {size!r} and dtype {dt!r}")
+            need += math.prod(size) * dt.itemsize
+    if need > have:
+        raise ValueError(f"{f}: declares {need} bytes of tensors, but the folder holds {have}")
+    return md
+
+
 def read_dcp(dcp_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The full (unsharded) state dict of a DCP folder, in this process (no process group)."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """The full (unsharded) state dict of a DCP folder, in this process (no process group),
+    running no code from it (see [Note: no code from a DCP folder])."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     d = Path(dcp_dir)
     if not (d / ".metadata").is_file():
         raise ValueError(f"{d}: no .metadata file; not a torch.distributed.checkpoint folder")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "full.pt"
-        dcp_to_torch_save(d, out)
-        return torch.load(out, map_location="cpu", weights_only=True)
+    md = read_dcp_metadata(d)
+
+    class Reader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            return md
+
+    refused: list[str] = []
+
+    class Planner(_EmptyStateDictLoadPlanner):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            try:
+                obj = torch.load(value, weights_only=True)
+            except pickle.UnpicklingError as e:
+                refused.append(f"{d}: item {read_item.dest_index.fqn!r} is refused: "
+                               f"{_first_line(e)}")
+                raise ValueError(refused[-1]) from None
+            # DefaultLoadPlanner.load_bytes, with the item loaded as above.
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                            obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    sd: dict[str, Any] = {}
+    try:
+        _load_state_dict(sd, storage_reader=Reader(d), planner=Planner(), no_dist=True)
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP wraps every error
+        # in a CheckpointException (a BaseException) holding a page of traceback
+        if refused:
+            raise ValueError(refused[0]) from None
+        lines = [ln for ln in str(e).splitlines() if ln.strip()]
+        raise ValueError(f"{d}: not a readable DCP folder: {type(e).__name__}: "
+                         f"{' '.join(lines[-1].split()) if lines else ''}") from None
+    return sd
+
+
+def _first_line(e: BaseException) -> str:
+    """torch's weights_only error is a page; its first line names the refused global."""
+    text = str(e)
+    for line in text.splitlines():
+        if "global" in line.lower() and ("unsupported" in line.lower() or "GLOBAL" in line):
+            return " ".join(line.split())
+    return " ".join(text.split())[:200]
 
 
 def _standin(shapes: dict[str, tuple[int, ...]]) -> nn.Module:

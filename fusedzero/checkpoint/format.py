@@ -5,8 +5,8 @@ writer, exclusive temporaries, fsync, sha256, and the slice readers. The rest of
 decides *what* to write (`saving`), *how to map it back* (`reshard`, `loading`) and *whether it
 is intact* (`catalog`); none of it opens a file in another way.
 
-Format (version 2; version 1 still read) -- a contract: readers of other versions must refuse
-==============================================================================================
+Format (version 3; versions 1-2 read only by `fusedzero ckpt upgrade`) -- a contract
+======================================================================================
 
 A checkpoint *root* holds one directory per saved step and a pointer to the newest complete one::
 
@@ -36,14 +36,21 @@ manifest's `modes` stores it in (fusedzero/memory_modes.py; version 1 and the de
 
 Elements no segment covers are padding and are zero. Every segment starts at a multiple of 128
 local elements and of 128 elements of its param (the layout aligns params and shard pieces), so a
-quantization block never holds two params and keeps its scale at any world size. The safetensors `__metadata__` holds
-`format`, `version`, `rank`, `world_size`, `stage`, `step` and (since it was added, checked when
-present) `step_count` (strings), so a shard copied into the wrong directory, or a manifest whose
-step count was edited, is caught even without checksums.
+quantization block never holds two params and keeps its scale at any world size. The safetensors
+`__metadata__` records what the bytes mean, one row per field of `binding.BOUND` (strings):
+`format`, `rank`, `world_size`, `stage`, `step`, `step_count`, `modes`, `params` (the entries of
+the params this file holds), `groups` (this file's segment tables, as in the manifest) and
+`layout_sha256` (sha256 of the other rows), plus `version`. Every reader checks each row against
+the manifest, and each tensor's dtype and shape against what the manifest implies, before it
+reads tensor data: a shard in the wrong folder, or a manifest edited consistently (offsets
+swapped, a dtype or shape changed, another stage), is refused even without checksums. Shards of
+versions 1-2 carry only format, rank, world_size, stage, step (and step_count): loads refuse
+them and name the converter.
 
 manifest.json (written last, after every shard is fsynced and renamed into place):
 
-    format, version          "fusedzero-checkpoint", 2 (1: no modes, states fp32)
+    format, version          "fusedzero-checkpoint", 3 (2: headers without layout rows;
+                             1: no modes, states fp32)
     modes                    {"master": "fp32"|"bf16-kahan"|"bf16-sr"|"bf16",
                               "states": "fp32"|"bf16"|"int8"} (version 2)
     seed                     the saving optimizer's bf16-sr seed (version 2; informative: the
@@ -86,6 +93,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import errno
 import hashlib
 import io
 import json
@@ -93,6 +101,7 @@ import math
 import os
 import secrets
 import shutil
+import stat
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -113,7 +122,7 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 _CHUNK = 16 << 20
 
 # The safetensors spelling of each dtype (its own codes, not the manifest's names in `dtypes`).
-_ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
+ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
              torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
              torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
 
@@ -165,14 +174,15 @@ class SafetensorsWriter:
         off = 0
         self._specs = list(specs)
         for name, dtype, shape in self._specs:
-            if dtype not in _ST_DTYPE:
+            if dtype not in ST_DTYPE:
                 raise ValueError(f"{name}: dtype {dtype} has no safetensors code")
             n = math.prod(shape) * dtypes.itemsize(dtype)
-            header[name] = {"dtype": _ST_DTYPE[dtype], "shape": list(shape),
+            header[name] = {"dtype": ST_DTYPE[dtype], "shape": list(shape),
                             "data_offsets": [off, off + n]}
             off += n
         hb = json.dumps(header, separators=(",", ":")).encode()
         hb += b" " * (-len(hb) % 8)  # safetensors aligns the data start to 8 bytes
+        self.size = 8 + len(hb) + off  # bytes of the whole file
         self.path = Path(path)
         self._tmp, self._f = create_temp(self.path)
         self._sha = hashlib.sha256()
@@ -248,6 +258,26 @@ def create_temp(path: Path) -> tuple[Path, io.BufferedWriter]:
     raise FileExistsError(f"{path.parent}: could not create a fresh temporary file")
 
 
+def check_replaceable(path: Path, what: str) -> None:
+    """An output about to be renamed over `path`: refuse anything there but a regular file
+    (a FIFO, a device node, a folder, a socket) and any symlink, before anything is written.
+    The write itself goes to a fresh temporary beside it (`create_temp`), never opens `path`."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise CheckpointError(f"{what} {path}: cannot inspect it ({e.strerror or e})") from None
+    if stat.S_ISREG(st.st_mode):
+        return
+    kind = next((k for test, k in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"),
+                                   (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                                   (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+                 if test(st.st_mode)), "not a regular file")
+    raise CheckpointError(f"{what} {path} exists and is {kind}; refusing to replace it (only a "
+                          "regular file is replaced): remove it or choose another path")
+
+
 def write_text_atomic(path: Path, text: str) -> None:
     tmp, f = create_temp(path)
     try:
@@ -295,12 +325,20 @@ class Peak:
         self.live -= t.numel() * t.element_size()
 
 
-def named(e: OSError, path: Path) -> OSError:
+def named(e: OSError, path: Path, need: int | None = None) -> OSError:
     """`e` with `path` in its message: os.write's "[Errno 28] No space left on device" names
-    no file, and the user must know which disk filled up."""
-    if e.filename is not None:
+    no file, and the user must know which disk filled up; with `need` (the file's size), a full
+    disk also says how many bytes the file needs and how many are free."""
+    if e.filename is not None and need is None:
         return e
-    return type(e)(e.errno, f"{e.strerror or e} (writing {path})", str(path))
+    what = f"writing {path}"
+    if need is not None and e.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f", {shutil.disk_usage(path.parent).free} bytes free"
+        except OSError:
+            free = ""
+        what += f": the file needs {need} bytes{free}"
+    return type(e)(e.errno, f"{e.strerror or e} ({what})", str(path))
 
 
 def remove(p: Path, quiet: bool = False) -> None:

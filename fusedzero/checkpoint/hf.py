@@ -28,6 +28,7 @@ import torch
 
 from fusedzero import dtypes
 from fusedzero.checkpoint.catalog import read_manifest, resolve
+from fusedzero.checkpoint.format import check_replaceable, write_text_atomic
 from fusedzero.checkpoint.weights import Exported, export
 
 WEIGHTS_NAME = "model.safetensors"  # transformers' SAFE_WEIGHTS_NAME; shards add -0000k-of-n
@@ -106,6 +107,8 @@ def export_hf(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
     if out.suffix == ".safetensors":
         raise ValueError(f"{out} looks like a file: export_hf writes a folder (model.safetensors "
                          "and config.json inside it)")
+    if config is not None:
+        check_replaceable(out / CONFIG_NAME, "export output")
     out.mkdir(parents=True, exist_ok=True)
     r = export(src, out / WEIGHTS_NAME, dtype=dtype, max_shard_bytes=max_shard_bytes,
                           verify=verify)
@@ -114,7 +117,6 @@ def export_hf(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
         keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]
         for k in keys:
             config[k] = dtypes.name(dtype)
-        tmp = out / f".{CONFIG_NAME}.tmp"
-        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, out / CONFIG_NAME)
+        # A fresh temporary and a rename: never written through a planted link.
+        write_text_atomic(out / CONFIG_NAME, json.dumps(config, indent=2, sort_keys=True) + "\n")
     return r

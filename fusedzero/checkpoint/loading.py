@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from fusedzero.checkpoint.binding import saved_dtype
 from fusedzero.checkpoint.catalog import file_problems, read_manifest, resolve
 from fusedzero.checkpoint.collectives import agree
 from fusedzero.checkpoint.format import MANIFEST, Peak, ShardReaders
@@ -21,6 +23,7 @@ from fusedzero.checkpoint.reshard import Read, match_params, plan
 from fusedzero.checkpoint.saving import wait_pending
 from fusedzero.memory_modes import QBLOCK, MemoryModes
 from fusedzero.state import ShardState, fields_of
+from fusedzero.validate import check_hyper
 
 if TYPE_CHECKING:
     from fusedzero.optim import ZeroAdamW
@@ -38,7 +41,8 @@ class Loaded(NamedTuple):
 
 
 def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
-         restore_rng: bool = True, load_hyperparams: bool = True) -> Loaded:
+         restore_rng: bool = True, load_hyperparams: bool = True,
+         check_caller: Callable[[Any], None] | None = None) -> Loaded:
     """Load a checkpoint into `opt` at any world size and stage. Collective and transactional.
 
     `path` is a checkpoint directory or a root with `latest` (`find_latest` picks the newest
@@ -64,6 +68,11 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     (with `load_hyperparams`, when the param groups hold the same params) the hyper-parameters;
     with `restore_rng`, this rank's saved RNG states if the saving run had this rank (with a
     `replicate_group`, this rank of this replica).
+
+    Everything is checked before anything is written, on every rank: the saved
+    hyper-parameters with the constructor's rules (`fusedzero.validate.check_hyper`), and,
+    with `check_caller`, this rank's caller state (None where the saving run had no such rank):
+    it raises (ValueError, TypeError, CheckpointError) to refuse it, on every rank.
     """
     wait_pending(opt)
     W, rank, group = opt.world_size, opt.rank, opt.process_group
@@ -88,6 +97,8 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
         if load_hyperparams:
             groups = _staged_groups(opt, manifest["param_groups"], d)
         state = _staged_state(manifest, rank, opt.replica_rank, d, restore_rng)
+        if check_caller is not None:
+            check_caller(None if state is None else state.get("caller"))
     except Exception as e:  # noqa: BLE001 - every rank must learn of it
         err = e
     # The collective that decides: commit or raise. With a replicate_group the replicas agree
@@ -136,7 +147,7 @@ def _read_staged(d: Path, infos: list[ShardInfo], plan: list[list[Read]], peak: 
             for kind in kinds:
                 scale = kind.endswith("_scale")
                 numel = info.local_numel // QBLOCK if scale else info.local_numel
-                dst = peak.add(torch.zeros(numel, dtype=_saved_dtype(kind, saved)))
+                dst = peak.add(torch.zeros(numel, dtype=saved_dtype(kind, saved)))
                 out[kind].append(dst)
                 for fname, key, src, dl, n in reads:
                     if scale:
@@ -158,16 +169,6 @@ def _read_staged(d: Path, infos: list[ShardInfo], plan: list[list[Read]], peak: 
                     dst[dl:dl + n].copy_(piece)
                     peak.sub(piece)
     return ShardState(**out, modes=saved)
-
-
-def _saved_dtype(kind: str, saved: MemoryModes) -> torch.dtype:
-    if kind.endswith("_scale"):
-        return torch.float32
-    if kind == "comp" or (kind == "master" and not saved.fp32_master):
-        return torch.bfloat16
-    if kind == "master":
-        return torch.float32
-    return saved.state_dtypes[0 if kind == "exp_avg" else 1]
 
 
 def _staged_state(manifest: dict[str, Any], rank: int, replica: int, d: Path,
@@ -216,7 +217,15 @@ def _staged_groups(opt: ZeroAdamW, saved: list[dict[str, Any]], d: Path
                         isinstance(x, bool) or not isinstance(x, (int, float)) for x in v)):
                     raise CheckpointError(f"{field} is {v!r}, expected {len(cur)} numbers")
                 new[k] = tuple(v)
-            else:
+            elif cur is None or isinstance(cur, str):
+                if v is not None and not isinstance(v, str):
+                    raise CheckpointError(f"{field} is {v!r}, expected a string or null")
                 new[k] = v
+        merged = {**g, **new}
+        try:  # the constructor's rules: a manifest installs nothing ZeroAdamW(...) would refuse
+            check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+        except (ValueError, TypeError) as e:
+            raise CheckpointError(f"{d / MANIFEST}: param_groups[{i}]: {e} (ZeroAdamW refuses "
+                                  "it; the checkpoint's hyper-parameters were edited)") from None
         out.append(new)
     return out

@@ -25,8 +25,10 @@ from fusedzero.memory_modes import MASTER_MODES, STATE_MODES, MemoryModes
 FORMAT = "fusedzero-checkpoint"
 # 2: `modes` (memory modes: each state stored in its own dtype, with its scales); a version-1
 # manifest has none and its states are fp32 (`manifest_modes`).
-VERSION = 2
-READABLE_VERSIONS = (1, 2)
+# 3: each shard's header records what its bytes mean (`binding.py`). Versions 1 and 2 are read
+# only by the converter (`fusedzero ckpt upgrade`, `upgrade.py`); loading them is refused.
+VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 STEP_DIR = re.compile(r"^step-(\d+)$")
 _SHARD = re.compile(r"^rank(\d{5})-of-(\d{5})\.safetensors$")
 _KEY = re.compile(r"^fg(\d+)$")
@@ -35,6 +37,21 @@ _DTYPES = dtypes.READABLE_NAMES  # float64 too: read, never written
 # JSON nesting allowed in the free-form parts (hyper-parameters): deep enough for any real
 # value, shallow enough that nothing recurses near Python's limit.
 _MAX_DEPTH = 32
+# The largest manifest a reader accepts, computed for the largest legitimate one, 1024 ranks x a
+# 70B model (Llama-2-70B's 723 params, 69.0e9 elements, two param groups, fp32 states), saved
+# with the default bucket of 2**25 elements: fusedzero.layout cuts 2056 buckets of 1024 shards,
+# 2,106,368 segments in all (counted with build_layout). json.dumps(indent=1) spells one at its
+# depth in at most 88 bytes (measured): 96 each here. Each rank's packed RNG state is 19,000
+# bytes of base64 (torch, python, numpy); 64 KiB each leaves ~45 KiB for its caller state. The
+# params and groups are ~150 bytes per param: 1 MiB. In all 2.2e6*96 + 1024*64 KiB + 1 MiB =
+# 280 MB, held once as text while it is parsed (~2.5x that as Python objects). `save` refuses to
+# write a bigger manifest, so it never writes one that no reader accepts.
+_SEGMENTS = 2_200_000
+_SEGMENT_BYTES = 96
+_RANK_STATE_BYTES = 64 << 10
+MAX_MANIFEST = _SEGMENTS * _SEGMENT_BYTES + 1024 * _RANK_STATE_BYTES + (1 << 20)
+# `latest` holds one step folder's name ("step-00000120\n"): a few KB is more than plenty.
+MAX_LATEST = 4096
 # Ints stay below 2**62: products of shapes and offset sums then fit an int64 everywhere.
 _MAX_INT = 1 << 62
 
@@ -270,6 +287,13 @@ def validate(m: Any, where: Path) -> None:
                                  f"outside the shard's {local_numel}")
                 covered[p].append((start, length, sf))
     _check_coverage(c, params, numels, covered)
+    # Stage 0: every rank holds the same state and rank 0 alone writes it; stages 1-3: each
+    # rank writes its own shard. Other files would load as another layout than was saved.
+    want = [0] if m["stage"] == 0 else list(range(W))
+    if sorted(seen_ranks) != want:
+        raise c.fail("files", f"has shards of ranks {sorted(seen_ranks)[:8]}, but stage "
+                     f"{m['stage']} at world size {W} writes ranks "
+                     f"{want if len(want) <= 8 else f'0..{W - 1}'}")
 
     ranks = c.list_(c.get(m, "ranks", ""), "ranks")
     seen: set[tuple[int, int]] = set()

@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fusedzero import dtypes
+from fusedzero.checkpoint.binding import shard_metadata
 from fusedzero.checkpoint.collectives import agree, gather_to_first
-from fusedzero.checkpoint.format import (LATEST, MANIFEST, SHARD_FORMAT, SafetensorsWriter,
-                                         count_str, fsync_dir, named, remove, shard_file_name,
-                                         step_dir_name, write_text_atomic)
-from fusedzero.checkpoint.manifest import FORMAT, STEP_DIR, VERSION, CheckpointError
+from fusedzero.checkpoint.format import (LATEST, MANIFEST, SafetensorsWriter, fsync_dir, named,
+                                         remove, shard_file_name, step_dir_name,
+                                         write_text_atomic)
+from fusedzero.checkpoint.manifest import (FORMAT, MAX_MANIFEST, STEP_DIR, VERSION,
+                                          CheckpointError)
 from fusedzero.checkpoint.optview import aliases, hyperparams
 from fusedzero.checkpoint.rank_state import pack, rng_state, unpack
 from fusedzero.comm import group_timeout
@@ -163,10 +165,12 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
             err = e
     agree(err, group, W, "save")  # also the barrier: the staging directory exists now
 
-    meta = {"format": SHARD_FORMAT, "version": str(VERSION), "rank": str(rank),
-            "world_size": str(W), "stage": str(int(opt.stage)), "step": str(step),
-            # In every shard header too: an edited manifest step_count fails verification.
-            "step_count": count_str(step_count)}
+    # What this shard's bytes mean, in its own header (binding.py): the manifest rank 0
+    # writes must agree with it row by row, or nothing loads.
+    meta = shard_metadata({"world_size": W, "stage": int(opt.stage), "step": step,
+                           "step_count": step_count, "modes": st.modes.to_json()
+                           if st is not None else None, "params": param_entries(opt)},
+                          {"rank": rank, "groups": groups_meta}) if writer else {}
     fname = shard_file_name(rank, W)
     writers = [e["rank"] for e in everyone if e["writer"]] if everyone is not None else []
     handle = SaveHandle(root / name)
@@ -236,7 +240,7 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, s
         size, sha = w.close()
     except OSError as e:
         w.abort()
-        raise named(e, path) from e
+        raise named(e, path, w.size) from e
     except BaseException:
         w.abort()
         raise
@@ -271,13 +275,18 @@ def _collect_sidecars(staging: Path, writers: list[int], W: int, timeout: float
     return out
 
 
+def param_entries(opt: ZeroAdamW) -> list[dict[str, Any]]:
+    """The manifest's `params` table (every rank can build it: shard headers record theirs)."""
+    names = aliases(opt)
+    return [{"index": p.index, "name": p.name, "shape": list(p.shape),
+             "dtype": dtypes.name(p.dtype), "group": p.group_index,
+             "aliases": [a for a in names.get(id(opt.params[p.index]), []) if a != p.name]}
+            for p in opt.param_infos()]
+
+
 def _manifest_base(opt: ZeroAdamW, step: int, step_count: float,
                    everyone: list[dict[str, Any]], st: ShardState) -> dict[str, Any]:
-    names = aliases(opt)
-    params = [{"index": p.index, "name": p.name, "shape": list(p.shape),
-               "dtype": dtypes.name(p.dtype), "group": p.group_index,
-               "aliases": [a for a in names.get(id(opt.params[p.index]), []) if a != p.name]}
-              for p in opt.param_infos()]
+    params = param_entries(opt)
     scaler = None
     if st.scaler is not None:
         scaler = {"scale": st.scaler["scale"], "growth_tracker": int(st.scaler["growth_tracker"])}
@@ -308,7 +317,13 @@ def _finalize(root: Path, staging: Path, name: str, base: dict[str, Any],
         files.append({"name": info["name"], "rank": e["rank"], "bytes": info["bytes"],
                       "sha256": info["sha256"], "groups": e["groups"]})
     manifest = dict(base, files=files, created=time.time())
-    write_text_atomic(staging / MANIFEST, json.dumps(manifest, indent=1))
+    text = json.dumps(manifest, indent=1)
+    if len(text) > MAX_MANIFEST:
+        states = max(len(r["state"]) for r in manifest["ranks"])
+        raise CheckpointError(f"the manifest would be {len(text)} bytes, more than the "
+                              f"{MAX_MANIFEST} a reader accepts (the largest rank state is "
+                              f"{states} bytes): save a smaller caller_state")
+    write_text_atomic(staging / MANIFEST, text)
     final = root / name
     old = root / f".{name}.old"
     if final.exists() or final.is_symlink():

@@ -19,7 +19,7 @@ from fusedzero.checkpoint import catalog
 from fusedzero.checkpoint.catalog import read_manifest
 from fusedzero.checkpoint.collectives import agree
 from fusedzero.checkpoint.format import (LATEST, MANIFEST, Peak, SafetensorsWriter, ShardReaders,
-                                         write_text_atomic)
+                                         check_replaceable, write_text_atomic)
 from fusedzero.checkpoint.manifest import STEP_DIR, CheckpointError
 from fusedzero.checkpoint.optview import aliases, param_table
 from fusedzero.state import ShardState
@@ -81,6 +81,8 @@ def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     else:
         stem = out.name.removesuffix(".safetensors")
         paths = [out.with_name(f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors") for k in range(n)]
+    for p in [*paths, *([out.with_name(out.name + ".index.json")] if n > 1 else [])]:
+        check_replaceable(p, "export output")
     out.parent.mkdir(parents=True, exist_ok=True)
     peak = Peak()
     total = 0

@@ -1,9 +1,13 @@
-"""Checkpoints written before the checkpoint subpackage still load.
+"""Checkpoints written before the checkpoint subpackage still load, once converted.
 
 tests/checkpoint/fixtures/ckpt_v1 was written once by tests/checkpoint/fixtures/make_ckpt_v1.py with the code of that
 time: 2 gloo ranks, stage 2, bf16 params + fp32 master, dynamic loss scale, two param groups,
 caller state. Its `expected/` holds what the saving ranks had in memory. Here it is loaded in this
 process (one rank, no process group) at stages 2 and 1 and compared exactly, param by param.
+
+Format version 3 binds each shard's header to the manifest; older checkpoints are refused by
+every load with a message naming the converter, `fusedzero ckpt upgrade`, which checks them and
+rewrites them as version 3 (the test loads the converted copy).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import safetensors.torch
 import torch
 
 from fusedzero import checkpoint as ck
+from fusedzero.app.ckpt_cli import main as ckpt_main
 from fusedzero.optim import ZeroAdamW
 
 FIXTURE = Path(__file__).parent / "fixtures"
@@ -45,15 +50,22 @@ def _full_state(opt: ZeroAdamW) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("stage", [2, 1])
 def test_v1_checkpoint_loads(tmp_path: Path, stage: int) -> None:
-    root = tmp_path / "root"
-    shutil.copytree(FIXTURE / "ckpt_v1" / "root", root)
+    old = tmp_path / "old"
+    shutil.copytree(FIXTURE / "ckpt_v1" / "root", old)
     want = safetensors.torch.load_file(FIXTURE / "ckpt_v1" / "expected" / "state.safetensors")
     values = json.loads((FIXTURE / "ckpt_v1" / "expected" / "values.json").read_text())
 
-    ck.verify(root)  # checksums and shard headers written by the old code
     model = gen.make_model()
     opt = ZeroAdamW(gen.param_groups(model, lr=0.5), stage=stage, module=model,
                     param_dtype=torch.bfloat16, loss_scale="dynamic", bucket_numel=64)
+    for call in (lambda: ck.verify(old), lambda: ck.load(opt, old)):
+        with pytest.raises(ck.CheckpointError, match=r"format version 1, .* convert it with "
+                                                     r"`fusedzero ckpt upgrade"):
+            call()
+    root = tmp_path / "root"
+    assert ckpt_main(["ckpt", "upgrade", str(old), str(root)]) == 0  # checks every sha256 first
+    ck.verify(root)
+    assert ck.read_manifest(root)["version"] == 3
     got = ck.load(opt, root)
 
     assert got.step == values["step"]
@@ -75,3 +87,19 @@ def test_v1_checkpoint_loads(tmp_path: Path, stage: int) -> None:
     # The model's bf16 params are the cast of the loaded master.
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), want[f"{n}.master"].to(torch.bfloat16)), n
+
+
+def test_upgrade_refuses_a_corrupt_old_checkpoint(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    old = tmp_path / "old"
+    shutil.copytree(FIXTURE / "ckpt_v1" / "root", old)
+    shard = old / "step-00000002" / "rank00001-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0x40  # one bit of a moment: only the sha256 can tell
+    shard.write_bytes(bytes(data))
+    assert ckpt_main(["ckpt", "upgrade", str(old), str(tmp_path / "new")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fusedzero: error: checkpoint") and "\n" not in err, err
+    assert "failed verification, so it is not converted" in err and "sha256 mismatch" in err
+    assert not (tmp_path / "new" / "step-00000002").exists()
+    assert not (tmp_path / "new" / ck.LATEST).exists()
