@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow  # spawns 4 ranks
 
 DP, TP = 2, 2
 D, H, T = 12, 20, 4  # model width, hidden, sequence length
-BATCH = 4  # global batch: 2 per dp rank
+BATCH = 4  # global batch: 2 per dp rank at dp=2, 1 at dp=4 (HSDP)
 STEPS = 5
 LR, WD = 1e-2, 0.1
 CLIP = 0.05  # below the grad norm of every step (checked on the reference): clipping acts
@@ -110,11 +110,12 @@ def reference(kind: str) -> dict:
             "losses": losses, "norms": norms}
 
 
-def _local_loss(m: nn.Module, kind: str, step: int, dp_rank: int, tp_rank: int) -> torch.Tensor:
+def _local_loss(m: nn.Module, kind: str, step: int, dp_rank: int, dp: int,
+                tp_rank: int) -> torch.Tensor:
     """This rank's part of its dp replica's mean loss: "sp" feeds and scores this tp rank's
     slice of the sequence (the tp ranks' parts sum to the replica's loss)."""
     x, y = batch(step)
-    per = BATCH // DP
+    per = BATCH // dp
     x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
     if kind == "sp":
         s = T // TP
@@ -125,20 +126,32 @@ def _local_loss(m: nn.Module, kind: str, step: int, dp_rank: int, tp_rank: int) 
     return ((m(x) - y) ** 2).mean()
 
 
-def _train(rank: int, world: int, kind: str, stages: tuple[int, ...]) -> dict:
+def _train(rank: int, world: int, kind: str, stages: tuple[int, ...],
+           replicas: int = 1) -> dict:
+    """(dp=2, tp=2); with `replicas` > 1, HSDP: a (replicate, shard=2, tp=2) mesh, the
+    optimizer sharding over "shard" and replicating over "replicate"."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
-    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
-    dp_rank, tp_rank = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    if replicas == 1:
+        mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+        dp_groups = [mesh["dp"].get_group()]
+        dp_rank, dp = mesh["dp"].get_local_rank(), DP
+    else:
+        mesh = init_device_mesh("cpu", (replicas, DP, TP), mesh_dim_names=("rep", "dp", "tp"))
+        dp_groups = [mesh["dp"].get_group(), mesh["rep"].get_group()]
+        dp_rank = mesh["rep"].get_local_rank() * DP + mesh["dp"].get_local_rank()
+        dp = replicas * DP
+    tp_rank = mesh["tp"].get_local_rank()
     out: dict = {}
     for stage in stages:
         m = make(kind)
         parallelize(m, kind, mesh["tp"])
         opt = ZeroAdamW(m.parameters(), lr=LR, weight_decay=WD, stage=stage, module=m,
-                        process_group=mesh["dp"].get_group(), max_grad_norm=CLIP)
+                        process_group=dp_groups[0], max_grad_norm=CLIP,
+                        replicate_group=dp_groups[1] if replicas > 1 else None)
         losses, norms, replicated = [], [], []
         for step in range(STEPS):
-            loss = _local_loss(m, kind, step, dp_rank, tp_rank)
+            loss = _local_loss(m, kind, step, dp_rank, dp, tp_rank)
             loss.backward()
             opt.step()
             opt.zero_grad()
@@ -146,8 +159,9 @@ def _train(rank: int, world: int, kind: str, stages: tuple[int, ...]) -> dict:
             t = loss.detach().clone()
             if kind == "sp":
                 dist.all_reduce(t, group=mesh["tp"].get_group())
-            dist.all_reduce(t, group=mesh["dp"].get_group())
-            losses.append(float(t) / DP)
+            for g in dp_groups:
+                dist.all_reduce(t, group=g)
+            losses.append(float(t) / dp)
             norms.append(float(opt.grad_norm))
             with opt.gathered_params():
                 replicated.append({n: p.to_local().clone() for n, p in m.named_parameters()
@@ -167,12 +181,9 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("kind", ["sp", "mlp"])
-def test_tp_zero_matches_adamw(kind: str) -> None:
-    stages = (0, 1, 2, 3)
+def check(kind: str, stages: tuple[int, ...], results: list[dict]) -> None:
     ref = reference(kind)
     assert min(ref["norms"]) > CLIP, ref["norms"]  # clipping acts on every step
-    results = run_ranks(_train, DP * TP, kind, stages, timeout=600)
     for stage in stages:
         for rank, res in enumerate(results):
             r = res[stage]
@@ -190,10 +201,22 @@ def test_tp_zero_matches_adamw(kind: str) -> None:
         # Replicate params: bitwise identical on every rank after every step.
         for step in range(STEPS):
             first = results[0][stage]["replicated"][step]
-            assert first or kind == "mlp"
-            for rank in range(1, DP * TP):
+            assert first  # "sp": the norms; "mlp": the Rowwise bias
+            for rank in range(1, len(results)):
                 other = results[rank][stage]["replicated"][step]
                 for n, t in first.items():
                     assert torch.equal(t, other[n]), (
                         f"stage {stage} step {step}: Replicate param {n} differs between "
                         f"rank 0 and rank {rank}")
+
+
+@pytest.mark.parametrize("kind", ["sp", "mlp"])
+def test_tp_zero_matches_adamw(kind: str) -> None:
+    stages = (0, 1, 2, 3)
+    check(kind, stages, run_ranks(_train, DP * TP, kind, stages, timeout=600))
+
+
+def test_tp_hsdp_3d_mesh() -> None:
+    """HSDP composes: (replicate=2, shard=2, tp=2) on 8 ranks, replicate_group given."""
+    stages = (2,)
+    check("sp", stages, run_ranks(_train, 2 * DP * TP, "sp", stages, 2, timeout=900))
