@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from fusedzero.comm import Group
 
@@ -111,7 +111,8 @@ def tp_info(params: Iterable[torch.Tensor], names: list[str], dp_group: Group,
                 "parallelize the model on the 1-D tensor-parallel sub-mesh (mesh['tp']) and "
                 "pass the data-parallel group as process_group=mesh['dp'].get_group()")
         for pl in p.placements:
-            if not isinstance(pl, (Shard, Replicate)) or isinstance(pl, Partial):
+            # _StridedShard: a strided split of one dim (e.g. a fused qkv split by heads).
+            if not isinstance(pl, (Shard, _StridedShard, Replicate)) or isinstance(pl, Partial):
                 raise ValueError(f"param {n} has placement {pl} on the tp mesh; params must "
                                  "be Shard(d) or Replicate()")
     group = mesh.get_group()
