@@ -22,8 +22,8 @@ holds one rank of each tp group. See docs/tensor_parallel.md.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from fusedzero.comm import Group
+from fusedzero.kernels import GroupedSumsq, SumsqView
 
 
 def is_dtensor(t: object) -> bool:
@@ -115,6 +116,9 @@ def tp_info(params: Iterable[torch.Tensor], names: list[str], dp_group: Group,
             if not isinstance(pl, (Shard, _StridedShard, Replicate)) or isinstance(pl, Partial):
                 raise ValueError(f"param {n} has placement {pl} on the tp mesh; params must "
                                  "be Shard(d) or Replicate()")
+        if p.is_meta:
+            raise ValueError(f"param {n} is a DTensor on the meta device: with tensor "
+                             "parallelism, materialise the model before parallelize_module")
     group = mesh.get_group()
     _check_orthogonal(group, dp_group, "process_group")
     if replicate_group is not None:
@@ -135,31 +139,27 @@ def _check_orthogonal(tp_group: dist.ProcessGroup, other: Group, what: str) -> N
             "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))), not the world")
 
 
-def check_tp_stage(tp: TpInfo | None, params: list[torch.Tensor], names: list[str],
-                   stage: int) -> None:
-    """What the tensor-parallel path does not do: DTensor params on the meta device (stage 3
-    would have to initialise their local shards)."""
-    if tp is None:
-        return
-    for p, n in zip(params, names):
-        if isinstance(p, DTensor) and p.is_meta:
-            raise ValueError(f"param {n} is a DTensor on the meta device: with tensor "
-                             "parallelism, materialise the model before parallelize_module "
-                             f"(stage {int(stage)})")
-
-
 class _Buffer(Protocol):
+    """What the sum of squares reads of a `fusedzero.flat.FlatBuffer`."""
+
     tp_replicated: bool
+    layout: Any
+
+    def grad_view(self) -> Any: ...
 
 
-B = TypeVar("B", bound=_Buffer)
-
-
-def tp_sumsq(tp: TpInfo, buffers: list[B], launch: Callable[[list[B]], Callable[[], torch.Tensor]]
-             ) -> Callable[[], torch.Tensor]:
-    """This rank's share of the global sum of squares: its tp-shard buffers in full, its
-    replicated buffers weighted by `tp.replica_weight` (counted on tp rank 0 only). Two grouped
-    launches instead of one (a plain model keeps one)."""
+def grouped_sumsq(buffers: Sequence[_Buffer], device: torch.device, tp: TpInfo | None
+                  ) -> Callable[[], torch.Tensor]:
+    """This rank's share of the global grad sum of squares, as one device scalar. A plain
+    model: one grouped launch over every buffer. With tp: its tp-shard buffers in full plus its
+    replicated buffers weighted by `tp.replica_weight` (counted on tp rank 0 only): two grouped
+    launches."""
+    def launch(bufs: Sequence[_Buffer]) -> GroupedSumsq:
+        return GroupedSumsq([SumsqView(b.grad_view(), b.layout.num_buckets,
+                                       b.layout.shard_numel) for b in bufs],
+                            device, require_aligned=True)
+    if tp is None:
+        return launch(buffers)
     shards = launch([b for b in buffers if not b.tp_replicated])
     reps = launch([b for b in buffers if b.tp_replicated])
     w = tp.replica_weight

@@ -35,10 +35,10 @@ from torch import nn
 from fusedzero import comm, validate
 from fusedzero.buckets import BucketSchedule
 from fusedzero.comm import CommContext, CommCounter, Group
-from fusedzero.dtensor import check_tp_stage, tp_info, tp_sumsq
+from fusedzero.dtensor import grouped_sumsq, tp_info
 from fusedzero.flat import FlatBuffer, MemoryReport, build_buffers, memory_report
 from fusedzero.grads import GradHooks
-from fusedzero.kernels import AdamWBuffer, GroupedAdamW, GroupedSumsq, SumsqView
+from fusedzero.kernels import AdamWBuffer, GroupedAdamW
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL
 from fusedzero.model_state_dict import FullParamsLoad
 from fusedzero.memory_modes import MemoryModes
@@ -63,7 +63,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         stage: 0 (DP), 1 (optimizer state), 2 (+ grads), 3 (+ params; needs `module`).
         module: the model; gives parameter names (checkpoints) and, for stage 3, the units.
         process_group: the group params, grads and state are sharded over (default: the world;
-            none initialised = 1 rank).
+            none initialised = 1 rank). Params may be DTensors on a tensor-parallel mesh
+            (`parallelize_module`): pass the dp group here; `self.tp` then describes the tp
+            mesh (fusedzero/dtensor.py, docs/tensor_parallel.md).
         replicate_group: for a 2-D mesh (shard within a node, replicate across nodes): the group
             of ranks that hold the same shard. Their grad shards are all-reduced once per step,
             after accumulation, before the update; everything else stays within
@@ -163,7 +165,6 @@ class ZeroAdamW(torch.optim.Optimizer):
         validate.check_not_owned(module, all_params, names)
         # Tensor parallel: DTensor params on a tp mesh (None: a plain model).
         self.tp = tp_info(all_params, names, process_group, replicate_group)
-        check_tp_stage(self.tp, all_params, names, stage)
         self._ctx = CommContext.of(process_group, self.comm, self.trace, self.device)
         self._tp_ctx = (None if self.tp is None else
                         CommContext.of(self.tp.group, self.comm, self.trace, self.device))
@@ -235,13 +236,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         self._sumsq = self._grouped_sumsq()
 
     def _grouped_sumsq(self) -> Callable[[], torch.Tensor]:
-        def launch(bufs: list[FlatBuffer]) -> GroupedSumsq:
-            return GroupedSumsq(
-                [SumsqView(b.grad_view(), b.layout.num_buckets, b.layout.shard_numel)
-                 for b in bufs], self.device, require_aligned=True)
-        if self.tp is None:
-            return launch(self.flat_groups)
-        return tp_sumsq(self.tp, self.flat_groups, launch)
+        return grouped_sumsq(self.flat_groups, self.device, self.tp)
 
     def broadcast_from_rank0(self, t: torch.Tensor) -> None:
         """Overwrite `t` (contiguous) with rank 0's value over the shard and replicate groups."""

@@ -63,6 +63,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
     model = GPT(GPTConfig(**cfg.model_config())).to(device)
     # --tp: the (dp, tp) mesh; data and ZeroAdamW follow the dp group (the world at --tp 1).
     mesh = tp_plan.parallelize(model, cfg.tp, device)
+    dpr, dpw = mesh.dp_rank, mesh.dp_size
     extra: dict[str, Any] = {}
     if cfg.bucket_numel is not None:
         extra["bucket_numel"] = cfg.bucket_numel
@@ -101,7 +102,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
             (bar.write if bar is not None else print)(msg)
 
     if start == 0 or not log.val:
-        log.val.append({"step": start, "val_loss": evaluate(model, val, mesh.dp_rank, mesh.dp_size)})
+        log.val.append({"step": start, "val_loss": evaluate(model, val, dpr, dpw)})
         say(f"step {start:5d}: val loss {log.val[-1]['val_loss']:.4f}")
 
     comm_total = dict.fromkeys(opt.comm.bytes, 0)
@@ -140,7 +141,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
         before = dict(opt.comm.bytes)
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for m in range(A):
-            x, y = sampler.batch(step - 1, mesh.dp_rank, mesh.dp_size, m, A)
+            x, y = sampler.batch(step - 1, dpr, dpw, m, A)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with opt.no_sync() if m < A - 1 else contextlib.nullcontext():
                 _, loss = model(x, y)
@@ -180,7 +181,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
         if bar is not None:
             bar.update(1)
         if is_eval:
-            log.val.append({"step": step, "val_loss": evaluate(model, val, mesh.dp_rank, mesh.dp_size)})
+            log.val.append({"step": step, "val_loss": evaluate(model, val, dpr, dpw)})
             if metrics is not None:
                 metrics.write(step, val_loss=log.val[-1]["val_loss"])
             say(f"step {step:5d}: val loss {log.val[-1]['val_loss']:.4f}  "
@@ -197,7 +198,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
 
     final_step = max(stop, start)
     if not log.val or log.val[-1]["step"] != final_step:
-        log.val.append({"step": final_step, "val_loss": evaluate(model, val, mesh.dp_rank, mesh.dp_size)})
+        log.val.append({"step": final_step, "val_loss": evaluate(model, val, dpr, dpw)})
         if metrics is not None:
             metrics.write(final_step, val_loss=log.val[-1]["val_loss"])
     if metrics is not None:

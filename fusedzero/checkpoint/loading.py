@@ -16,7 +16,7 @@ from fusedzero.checkpoint.collectives import agree
 from fusedzero.checkpoint.format import MANIFEST, Peak, ShardReaders
 from fusedzero.checkpoint.manifest import CheckpointError, manifest_modes
 from fusedzero.checkpoint.optview import group_names, param_table
-from fusedzero.checkpoint.placements import refuse_tensor_parallel
+from fusedzero.checkpoint.placements import tp_directory
 from fusedzero.checkpoint.rank_state import check_rng_state, set_rng_state, unpack
 from fusedzero.checkpoint.reshard import Read, match_params, plan
 from fusedzero.checkpoint.saving import wait_pending
@@ -66,7 +66,7 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     with `restore_rng`, this rank's saved RNG states if the saving run had this rank (with a
     `replicate_group`, this rank of this replica).
     """
-    refuse_tensor_parallel(opt, "load")
+    path = tp_directory(opt, path, saving=False)  # tp: this tp rank's folder
     wait_pending(opt)
     W, rank, group = opt.world_size, opt.rank, opt.process_group
     err: BaseException | None = None

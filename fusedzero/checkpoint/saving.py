@@ -25,7 +25,7 @@ from fusedzero.checkpoint.format import (LATEST, MANIFEST, SHARD_FORMAT, Safeten
                                          step_dir_name, write_text_atomic)
 from fusedzero.checkpoint.manifest import FORMAT, STEP_DIR, VERSION, CheckpointError
 from fusedzero.checkpoint.optview import aliases, hyperparams
-from fusedzero.checkpoint.placements import refuse_tensor_parallel
+from fusedzero.checkpoint.placements import tp_directory
 from fusedzero.checkpoint.rank_state import pack, rng_state, unpack
 from fusedzero.comm import group_timeout
 
@@ -89,7 +89,7 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
             process group's timeout, see `fusedzero.comm.group_timeout`). It bounds the save
             thread, which the interpreter waits for at exit: a dead peer ends it with an error.
     """
-    refuse_tensor_parallel(opt, "save")
+    directory = tp_directory(opt, directory, saving=True)  # tp: this tp rank's folder
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if keep_last is not None and keep_last < 1:
