@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from fusedzero.dtensor import local, set_local
 from fusedzero.kernels import Strided
 from fusedzero.layout import FlatLayout, ParamSlot, build_layout
 from fusedzero.memory_modes import QBLOCK, MemoryModes
@@ -46,15 +47,19 @@ class FlatBuffer:
                  indices: list[int], dtype: torch.dtype, stage: Stage, world_size: int,
                  rank: int, bucket_numel: int, reduce_dtype: torch.dtype, device: torch.device,
                  unit: int = 0, modes: MemoryModes = MemoryModes(), sr_offset: int = 0,
-                 seed: torch.Tensor | None = None) -> None:
+                 seed: torch.Tensor | None = None, tp_replicated: bool = True) -> None:
         self.group_index, self.dtype, self.stage, self.unit = group_index, dtype, stage, unit
+        # Identical on every tensor-parallel rank (plain params, Replicate DTensors); False:
+        # the params are tp shards (fusedzero/dtensor.py). Each buffer holds one kind.
+        self.tp_replicated = tp_replicated
         self.modes = modes
         self.params = params
         self.world_size, self.rank = world_size, rank
         # Stage 0 replicates everything: its layout is the world-size-1 layout.
         self.shard_rank = rank if stage.shards_state else 0
+        # DTensor params: the layout holds their local (tp-shard) shapes.
         self.layout: FlatLayout = build_layout(
-            [(i, n, tuple(p.shape)) for i, n, p in zip(indices, names, params)],
+            [(i, n, tuple(local(p).shape)) for i, n, p in zip(indices, names, params)],
             world_size if stage.shards_state else 1, bucket_numel)
         self.device = device
         self.reduce_dtype = reduce_dtype
@@ -95,7 +100,8 @@ class FlatBuffer:
                                          device=device)
         else:
             self.grad_shard = torch.zeros(n_local, dtype=reduce_dtype, device=device)
-        self._grad_views = [self._full_grad_view(s) for s in self.layout.params]
+        self._grad_views = [self._full_grad_view(s, p)
+                            for s, p in zip(self.layout.params, self.params)]
 
     # -- construction -------------------------------------------------------------------------
     def _build_param_flat(self) -> None:
@@ -104,13 +110,13 @@ class FlatBuffer:
         with torch.no_grad():
             for p, slot in zip(self.params, L.params):
                 self.param_flat[slot.offset:slot.offset + slot.numel].copy_(
-                    p.detach().reshape(-1))
+                    local(p).detach().reshape(-1))
         if self._separate_master:
             # From the original values, before the params become (possibly bf16) views.
             self.master = torch.zeros(L.local_numel, dtype=torch.float32, device=self.device)
             self.copy_params_into(self.master)
         for p, slot in zip(self.params, L.params):
-            p.data = self.param_flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            set_local(p, self.param_flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
 
     @property
     def _separate_master(self) -> bool:
@@ -139,7 +145,7 @@ class FlatBuffer:
                 # object (the module, the optimizer and tied modules all hold this one).
                 torch.utils.swap_tensors(p, nn.Parameter(view, requires_grad=p.requires_grad))
             else:
-                p.data = view
+                set_local(p, view)
         self.param_empty = torch.empty(0, dtype=self.dtype, device=dev)
         self.release_full()
 
@@ -152,7 +158,7 @@ class FlatBuffer:
                 p = self.params[pos[seg.param]]
                 if not p.is_meta:
                     dst[seg.local:seg.local + seg.length].copy_(
-                        p.detach().reshape(-1)[seg.start:seg.start + seg.length])
+                        local(p).detach().reshape(-1)[seg.start:seg.start + seg.length])
 
     # -- stage 3: the gathered buffer ---------------------------------------------------------
     def allocate_full(self) -> None:
@@ -174,7 +180,7 @@ class FlatBuffer:
         """`.data` swaps keep the Parameter objects and autograd's saved leaves; views autograd
         saved in forward keep the storage itself, which the next gather refills."""
         for p, view in zip(self.params, self.param_views):
-            p.data = view if gathered else self.param_empty
+            set_local(p, view if gathered else self.param_empty)
 
     def copy_own_shard(self) -> None:
         """param_shard and master from this rank's pieces of the (materialised) full buffer."""
@@ -258,8 +264,10 @@ class FlatBuffer:
                     self.comp.copy_(comp)
 
     # -- grads as autograd sees them ----------------------------------------------------------
-    def _full_grad_view(self, slot: ParamSlot) -> torch.Tensor | None:
-        usable = self.grad_flat is not None and self.grad_flat.dtype == self.dtype
+    def _full_grad_view(self, slot: ParamSlot, p: torch.Tensor) -> torch.Tensor | None:
+        # A DTensor param's grad is a DTensor: autograd cannot accumulate it into a plain view.
+        usable = (self.grad_flat is not None and self.grad_flat.dtype == self.dtype
+                  and local(p) is p)
         if not usable:
             return None
         assert self.grad_flat is not None
@@ -295,28 +303,47 @@ class FlatBuffer:
 def build_buffers(param_groups: list[dict], names: list[str], units: list[int], *,
                   param_dtype: torch.dtype | None, stage: Stage, world_size: int, rank: int,
                   bucket_numel: int, reduce_dtype: torch.dtype, device: torch.device,
-                  modes: MemoryModes = MemoryModes(), seed: int = 0) -> list[FlatBuffer]:
-    """One FlatBuffer per (unit, param group, dtype), in that order (dtypes in order of first
-    appearance). `units[i]` is the stage-3 unit of the i-th param (all 0 below stage 3).
-    `seed`: bf16-sr's random stream, one device tensor for all buffers."""
+                  modes: MemoryModes = MemoryModes(), seed: int = 0,
+                  tp_replicated: list[bool] | None = None) -> list[FlatBuffer]:
+    """One FlatBuffer per (unit, param group, dtype, tp-replicated), in that order (dtypes and
+    tp kinds in order of first appearance). `units[i]` is the stage-3 unit of the i-th param
+    (all 0 below stage 3); `tp_replicated[i]` whether it is the same on every tensor-parallel
+    rank (default: all, a plain model). `seed`: bf16-sr's random stream, one device tensor for
+    all buffers."""
     seed_t = torch.tensor([seed], dtype=torch.int64, device=device)
-    by_key: dict[tuple[int, int, torch.dtype], list[tuple[int, nn.Parameter]]] = {}
+    by_key: dict[tuple[int, int, torch.dtype, bool], list[tuple[int, nn.Parameter]]] = {}
     index = 0
     for gi, g in enumerate(param_groups):
         for p in g["params"]:
-            by_key.setdefault((units[index], gi, param_dtype or p.dtype), []).append((index, p))
+            rep = True if tp_replicated is None else tp_replicated[index]
+            by_key.setdefault((units[index], gi, param_dtype or p.dtype, rep),
+                              []).append((index, p))
             index += 1
-    keys: Iterable[tuple[int, int, torch.dtype]] = sorted(by_key, key=lambda k: (k[0], k[1]))
+    keys: Iterable[tuple[int, int, torch.dtype, bool]] = sorted(by_key,
+                                                                key=lambda k: (k[0], k[1]))
     out: list[FlatBuffer] = []
-    for u, gi, dt in keys:
-        items = by_key[(u, gi, dt)]
+    for u, gi, dt, rep in keys:
+        items = by_key[(u, gi, dt, rep)]
         out.append(FlatBuffer(
             group_index=gi, params=[p for _, p in items], names=[names[i] for i, _ in items],
             indices=[i for i, _ in items], dtype=dt, stage=stage, world_size=world_size,
             rank=rank, bucket_numel=bucket_numel, reduce_dtype=reduce_dtype, device=device,
-            unit=u, modes=modes, seed=seed_t,
-            sr_offset=sum(b.layout.padded_numel for b in out)))
+            unit=u, modes=modes, seed=seed_t, tp_replicated=rep,
+            sr_offset=_sr_offset(out, rep)))
     return out
+
+
+# bf16-sr: where the random streams of tp-shard buffers start, past any replicated ones (2^48
+# elements: no model comes near; the stream index is 64-bit).
+_TP_SHARD_STREAM = 1 << 48
+
+
+def _sr_offset(before: list[FlatBuffer], tp_replicated: bool) -> int:
+    """bf16-sr: a buffer's stream starts after those of the buffers of its tp kind built
+    before it. A replicated buffer's offset counts replicated buffers only, which have the same
+    layout on every tp rank, so its random bits (and values) are the same on every tp rank."""
+    same = sum(b.layout.padded_numel for b in before if b.tp_replicated == tp_replicated)
+    return same if tp_replicated else _TP_SHARD_STREAM + same
 
 
 class MemoryReport(NamedTuple):

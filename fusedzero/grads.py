@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from fusedzero.buckets import BucketSchedule
 from fusedzero.comm import CommContext
+from fusedzero.dtensor import local_grad
 from fusedzero.flat import FlatBuffer
 from fusedzero.stage import Stage
 
@@ -133,10 +134,10 @@ class GradHooks:
             self._begin_backward()
         self._grads_arrived = True
         buf, pos = self._where[id(p)]
-        view = buf.param_grad_view(pos)
+        view = buf.param_grad_view(pos)  # None for DTensor params
         if view is None or p.grad.data_ptr() != view.data_ptr():
             # Not (or no longer: reduced, or the user reset .grad) a view of our bucket: put it in.
-            self.schedule.add_grad(buf, pos, p.grad)
+            self.schedule.add_grad(buf, pos, local_grad(p, p.grad))
             p.grad = self.idle_grad(buf, pos, p)
         else:
             self.schedule.add_grad(buf, pos, None)

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from fusedzero.dtensor import local
 from fusedzero.flat import FlatBuffer
 
 
@@ -74,7 +75,7 @@ class UnitStateDict:
                     for buf in bufs
                     if buf.full is not None and buf.full.untyped_storage().nbytes()}
         for k, v in state_dict.items():
-            if isinstance(v, torch.Tensor) and v.untyped_storage().data_ptr() in storages:
+            if isinstance(v, torch.Tensor) and local(v).untyped_storage().data_ptr() in storages:
                 # A copy: the gathered storage is freed below (and rewritten by every step).
                 state_dict[k] = v.detach().clone()
         self._free_again()
@@ -120,7 +121,7 @@ def write_given(buffers: Iterable[FlatBuffer], given: dict[int, torch.Tensor]) -
                 t = given.get(id(buf.params[pos[seg.param]]))
                 if t is not None:
                     values[seg.local:seg.local + seg.length].copy_(
-                        t.detach().reshape(-1)[seg.start:seg.start + seg.length])
+                        local(t).detach().reshape(-1)[seg.start:seg.start + seg.length])
             buf.write_master(values)
 
 

@@ -35,9 +35,10 @@ from torch import nn
 from fusedzero import comm, validate
 from fusedzero.buckets import BucketSchedule
 from fusedzero.comm import CommContext, CommCounter, Group
+from fusedzero.dtensor import grouped_sumsq, tp_info
 from fusedzero.flat import FlatBuffer, MemoryReport, build_buffers, memory_report
 from fusedzero.grads import GradHooks
-from fusedzero.kernels import AdamWBuffer, GroupedAdamW, GroupedSumsq, SumsqView
+from fusedzero.kernels import AdamWBuffer, GroupedAdamW
 from fusedzero.layout import DEFAULT_BUCKET_NUMEL
 from fusedzero.model_state_dict import FullParamsLoad
 from fusedzero.memory_modes import MemoryModes
@@ -62,7 +63,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         stage: 0 (DP), 1 (optimizer state), 2 (+ grads), 3 (+ params; needs `module`).
         module: the model; gives parameter names (checkpoints) and, for stage 3, the units.
         process_group: the group params, grads and state are sharded over (default: the world;
-            none initialised = 1 rank).
+            none initialised = 1 rank). Params may be DTensors on a tensor-parallel mesh
+            (`parallelize_module`): pass the dp group here; `self.tp` then describes the tp
+            mesh (fusedzero/dtensor.py, docs/tensor_parallel.md).
         replicate_group: for a 2-D mesh (shard within a node, replicate across nodes): the group
             of ranks that hold the same shard. Their grad shards are all-reduced once per step,
             after accumulation, before the update; everything else stays within
@@ -160,7 +163,11 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.param_names = names
         self.params = all_params
         validate.check_not_owned(module, all_params, names)
+        # Tensor parallel: DTensor params on a tp mesh (None: a plain model).
+        self.tp = tp_info(all_params, names, process_group, replicate_group)
         self._ctx = CommContext.of(process_group, self.comm, self.trace, self.device)
+        self._tp_ctx = (None if self.tp is None else
+                        CommContext.of(self.tp.group, self.comm, self.trace, self.device))
         # No replicate group: a group of one (None would mean the world here).
         self._replica_ctx = (CommContext.of(replicate_group, self.comm, self.trace, self.device)
                              if replicate_group is not None else
@@ -181,7 +188,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.flat_groups: list[FlatBuffer] = build_buffers(
             self.param_groups, names, units, param_dtype=param_dtype, stage=stage,
             world_size=self.world_size, rank=self.rank, bucket_numel=bucket_numel,
-            reduce_dtype=reduce_dtype, device=self.device, modes=self.modes, seed=seed)
+            reduce_dtype=reduce_dtype, device=self.device, modes=self.modes, seed=seed,
+            tp_replicated=None if self.tp is None else [self.tp.replicated(p)
+                                                        for p in all_params])
         self.seed = seed
         if self.zero3 is not None:
             self.zero3.setup(self.flat_groups, param_init_fn)
@@ -226,10 +235,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             states=m.states, seed=self.flat_groups[0].seed if self.flat_groups else None)
         self._sumsq = self._grouped_sumsq()
 
-    def _grouped_sumsq(self) -> GroupedSumsq:
-        return GroupedSumsq(
-            [SumsqView(b.grad_view(), b.layout.num_buckets, b.layout.shard_numel)
-             for b in self.flat_groups], self.device, require_aligned=True)
+    def _grouped_sumsq(self) -> Callable[[], torch.Tensor]:
+        return grouped_sumsq(self.flat_groups, self.device, self.tp)
 
     def broadcast_from_rank0(self, t: torch.Tensor) -> None:
         """Overwrite `t` (contiguous) with rank 0's value over the shard and replicate groups."""
@@ -296,7 +303,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         reduce_replicas(self.flat_groups, self._replica_ctx)
         # Stage 0 grads are replicated: the local sum of squares is already global.
         s = self.scalars
-        s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None)
+        s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None, self._tp_ctx)
         s.advance()
         lrs = self.group_lr.update(self.param_groups)
         self._update.step(lrs, s.step, s.grad_scale, s.skip)

@@ -16,6 +16,7 @@ from torch import nn
 
 from fusedzero import comm
 from fusedzero.comm import CommContext, Handle
+from fusedzero.dtensor import local
 from fusedzero.flat import FlatBuffer
 
 # (id of a flat buffer, bucket index): one all-gather.
@@ -96,7 +97,8 @@ def start_from_rank0(tensors: Iterable[torch.Tensor], ctxs: Iterable[CommContext
     ranks that initialised differently (another seed) would otherwise train apart (stage 0) or
     silently mix their inits shard by shard (stages 1-3). Meta tensors have no values yet:
     stage 3 broadcasts them as it materialises them."""
-    todo = [t for t in {id(t): t for t in tensors}.values() if not t.is_meta]
+    # DTensors (tensor parallel): their local tensors, which replicas along dp share.
+    todo = [local(t) for t in {id(t): t for t in tensors}.values() if not t.is_meta]
     for ctx in ctxs:
         if ctx.world_size == 1:
             continue

@@ -62,6 +62,9 @@ class PlanConfig:
     """Stage 3 units, as ZeroAdamW's unit_policy (only used when planning from a model)."""
     modes: MemoryModes = MemoryModes()
     """How master and moments are held (ZeroAdamW's master= and states=)."""
+    tp: int = 1
+    """Tensor-parallel ranks per replica: the params planned are one tp rank's local shards
+    (fusedzero/app/tp_plan.py), and the grad norm is all-reduced over tp as well."""
 
     def __post_init__(self) -> None:
         if self.param_dtype is not None:
@@ -70,6 +73,8 @@ class PlanConfig:
             raise ValueError(f"master={self.modes.master!r} needs param_dtype=bf16")
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.bucket_numel < 1:
             raise ValueError(f"bucket_numel must be >= 1, got {self.bucket_numel}")
         for name in ("param_dtype", "reduce_dtype"):
@@ -192,6 +197,8 @@ def _stage_plan(buffers: list[tuple[torch.dtype, list[Item]]], stage: int,
             comm += nb * ((W - 1) * B * g // W + gathers * ((W - 1) * B * p // W))
     if stage > 0 and cfg.grad_norm:
         comm += 2 * (W - 1) * SCALAR_BYTES // W
+    if cfg.grad_norm and cfg.tp > 1:  # the same scalar over tp, at every stage
+        comm += 2 * (cfg.tp - 1) * SCALAR_BYTES // cfg.tp
     return StagePlan(params, grads, opt, params + grads + opt, comm)
 
 

@@ -75,11 +75,14 @@ class StepScalars:
         self.skip_nonfinite = skip_nonfinite
         self.scaler = scaler
 
-    def prepare(self, sumsq: Callable[[], torch.Tensor], ctx: CommContext | None) -> None:
+    def prepare(self, sumsq: Callable[[], torch.Tensor], ctx: CommContext | None,
+                tp_ctx: CommContext | None = None) -> None:
         """Norm, clip coefficient, skip flag and grad scale from this rank's reduced grad
         shards; `sumsq()` is their sum of squares (the grouped launch over all of them). `ctx`
         is the group whose ranks hold the other shards (None: the local grads are already
-        global, stage 0). One all-reduce of one scalar; no host sync."""
+        global, stage 0); `tp_ctx` the tensor-parallel group whose ranks hold the other tp
+        shards (`sumsq()` then counts each replicated param on one tp rank only). One
+        all-reduce of one scalar per group; no host sync."""
         need_norm = self.max_grad_norm is not None or self.skip_nonfinite or self.scaler
         inv = self._one if self.scaler is None else self._one / self.scaler.scale
         if not need_norm:
@@ -87,9 +90,10 @@ class StepScalars:
             self.skip.zero_()
             return
         total = sumsq()
-        if ctx is not None:
-            ctx.wait(comm.all_reduce(total, ctx.group, ctx.world_size, ctx.counter),
-                     what="grad-norm all-reduce")
+        for c in (ctx, tp_ctx):
+            if c is not None:
+                c.wait(comm.all_reduce(total, c.group, c.world_size, c.counter),
+                       what="grad-norm all-reduce")
         finite = torch.isfinite(total)
         torch.mul(total.sqrt(), inv, out=self.norm)
         scale = inv

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 
 from fusedzero import comm
 from fusedzero.comm import CommContext, Handle
+from fusedzero.dtensor import local, set_local
 from fusedzero.flat import FlatBuffer
 from fusedzero.model_state_dict import UnitStateDict
 
@@ -156,10 +157,10 @@ class Zero3:
             h.remove()
         self.hooks.clear()
         with self.gathered(), torch.no_grad():
-            full = [p.detach().clone() for p in params]  # off the unit buffers
+            full = [local(p).detach().clone() for p in params]  # off the unit buffers
         # After the free, which points the params at empty tensors: they keep their values.
         for p, t in zip(params, full):
-            p.data = t
+            set_local(p, t)
 
     def _materialize(self, init_fn: ParamInitFn | None) -> None:
         """Initialise meta-device params module by module, in `named_modules()` order (the order

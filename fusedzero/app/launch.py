@@ -82,6 +82,7 @@ def run_config(cfg: TrainConfig) -> dict[str, Any]:
     nproc = cfg.nproc or (torch.cuda.device_count() if use_cuda else 2)
     if use_cuda and nproc > torch.cuda.device_count():
         raise UsageError(f"--nproc {nproc} exceeds the {torch.cuda.device_count()} visible GPUs")
+    check_tp_world(cfg, nproc)
     preflight.check_batch(cfg, nproc)
     # Before anything slow: a bad path fails now, not after the run.
     preflight.check_outputs_writable(cfg)
@@ -94,6 +95,12 @@ def run_config(cfg: TrainConfig) -> dict[str, Any]:
             return _spawn(cfg, nproc, use_cuda, data)
 
 
+
+
+def check_tp_world(cfg: TrainConfig, world: int) -> None:
+    if world % cfg.tp:
+        raise UsageError(f"--tp {cfg.tp} must divide the number of ranks ({world}): "
+                         f"use --nproc {cfg.tp * max(1, world // cfg.tp)}")
 
 
 def _use_cuda(cfg: TrainConfig) -> bool:
@@ -213,6 +220,7 @@ def _run_in_group(cfg: TrainConfig) -> dict[str, Any]:
         dist.init_process_group("nccl" if use_cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=cfg.timeout))
     try:
+        check_tp_world(cfg, dist.get_world_size())
         preflight.check_batch(cfg, dist.get_world_size())
         # One rank checks the shared paths and holds the folder's lock; all learn the outcome.
         box: list[Any] = [None]

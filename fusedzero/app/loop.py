@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from fusedzero import dtypes
 from fusedzero.app import resume as resume_mod
+from fusedzero.app import tp_plan
 from fusedzero.app import watch
 from fusedzero.app.config import MIN_LR_RATIO, TrainConfig
 from fusedzero.app.data import BatchSampler, Split, eval_batches
@@ -63,6 +64,9 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
     # and .to() keeps the tied weight tied.
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(**cfg.model_config())).to(device)
+    # --tp: the (dp, tp) mesh; data and ZeroAdamW follow the dp group (the world at --tp 1).
+    mesh = tp_plan.parallelize(model, cfg.tp, device)
+    dpr, dpw = mesh.dp_rank, mesh.dp_size
     extra: dict[str, Any] = {}
     if cfg.bucket_numel is not None:
         extra["bucket_numel"] = cfg.bucket_numel
@@ -70,7 +74,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
                     betas=(cfg.beta1, cfg.beta2), stage=cfg.stage, module=model,
                     param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                     max_grad_norm=cfg.clip or None, master=cfg.master, states=cfg.states,
-                    seed=cfg.seed, **extra)
+                    seed=cfg.seed, process_group=mesh.dp_group, **extra)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_for(cfg))
     sampler = BatchSampler(train_data, cfg.block_size, cfg.batch_size, cfg.seed)
     val = eval_batches(val_data, cfg.block_size, cfg.eval_seqs, 1)[0]
@@ -101,7 +105,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
             (bar.write if bar is not None else print)(msg)
 
     if start == 0 or not log.val:
-        log.val.append({"step": start, "val_loss": evaluate(model, val, rank, world)})
+        log.val.append({"step": start, "val_loss": evaluate(model, val, dpr, dpw)})
         say(f"step {start:5d}: val loss {log.val[-1]['val_loss']:.4f}")
 
     comm_total = dict.fromkeys(opt.comm.bytes, 0)
@@ -142,7 +146,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
         before = dict(opt.comm.bytes)
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for m in range(A):
-            x, y = sampler.batch(step - 1, rank, world, m, A)
+            x, y = sampler.batch(step - 1, dpr, dpw, m, A)
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with opt.no_sync() if m < A - 1 else contextlib.nullcontext():
                 _, loss = model(x, y)
@@ -182,7 +186,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
         if bar is not None:
             bar.update(1)
         if is_eval:
-            log.val.append({"step": step, "val_loss": evaluate(model, val, rank, world)})
+            log.val.append({"step": step, "val_loss": evaluate(model, val, dpr, dpw)})
             if metrics is not None:
                 metrics.write(step, val_loss=log.val[-1]["val_loss"])
             say(f"step {step:5d}: val loss {log.val[-1]['val_loss']:.4f}  "
@@ -199,7 +203,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
 
     final_step = max(stop, start)
     if not log.val or log.val[-1]["step"] != final_step:
-        log.val.append({"step": final_step, "val_loss": evaluate(model, val, rank, world)})
+        log.val.append({"step": final_step, "val_loss": evaluate(model, val, dpr, dpw)})
         if metrics is not None:
             metrics.write(final_step, val_loss=log.val[-1]["val_loss"])
     if metrics is not None:
@@ -238,7 +242,8 @@ def finish_watch(cfg: TrainConfig, model: torch.nn.Module, log: RunLog, rank: in
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, val: Split, rank: int,
              world: int) -> float:
-    """Mean next-byte cross-entropy over the fixed validation windows, split over ranks.
+    """Mean next-byte cross-entropy over the fixed validation windows, split over ranks (with
+    --tp, the dp ranks: a replica's tp ranks score the same slice, which scales both sums alike).
 
     Every rank runs the same number of forwards (ZeRO-3 gathers params collectively), possibly on
     an empty slice.

@@ -71,13 +71,17 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        # (B, T, C) -> (B, n_head, T, head_size), the layout SDPA expects.
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        qkv = self.qkv(x)
+        # Under tensor parallelism qkv holds this rank's heads only (fusedzero/app/tp_plan.py):
+        # the width and head count are the local ones.
+        Cl, hs = qkv.shape[-1] // 3, C // self.n_head
+        q, k, v = qkv.split(Cl, dim=2)
+        # (B, T, Cl) -> (B, heads, T, head_size), the layout SDPA expects.
+        q, k, v = (t.view(B, T, Cl // hs, hs).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
         )
-        y = y.transpose(1, 2).reshape(B, T, C)
+        y = y.transpose(1, 2).reshape(B, T, Cl)
         return self.resid_dropout(self.proj(y))
 
 

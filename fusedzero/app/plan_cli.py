@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from fusedzero import dtypes, plan
+from fusedzero.app import tp_plan
 from fusedzero.app.config import (DEFAULT_BLOCK, DEFAULT_N_EMBD, DEFAULT_N_HEAD, DEFAULT_N_LAYER,
                                   UsageError)
 from fusedzero.app.model import GPT, GPTConfig
@@ -96,6 +97,9 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    help="stage 3 keeps units gathered from forward to backward (2 Psi comm)")
     p.add_argument("--one-group", action="store_true",
                    help="one param group (default: decay / no-decay groups, as `train`)")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="--preset only: tensor-parallel ranks per replica (fusedzero train's "
+                        "plan); -W is then the data-parallel size, nproc = W * N")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     p.set_defaults(func=_cli_plan)
     return p
@@ -108,8 +112,10 @@ def _cli_plan(args: argparse.Namespace) -> int:
                          reduce_dtype=dtypes.SHORT_NAMES[args.reduce_dtype],
                          bucket_numel=args.bucket_numel,
                          reshard_after_forward=args.reshard,
-                         modes=MemoryModes(args.master, args.states))
-        if args.params is not None:
+                         modes=MemoryModes(args.master, args.states), tp=args.tp)
+        if args.tp > 1:
+            result = _plan_tp(args, cfg)
+        elif args.params is not None:
             if not (math.isfinite(args.params) and args.params == int(args.params)):
                 raise ValueError(f"--params must be a whole number, got {args.params}")
             result = plan_params(int(args.params), cfg)
@@ -123,3 +129,17 @@ def _cli_plan(args: argparse.Namespace) -> int:
         raise UsageError(str(e)) from None
     print(json.dumps(result.to_json(), indent=1) if args.json else result.table())
     return 0
+
+
+def _plan_tp(args: argparse.Namespace, cfg: PlanConfig) -> plan.Plan:
+    """A GPT preset split over --tp ranks as `fusedzero train --tp` splits it."""
+    if args.preset is None:
+        raise ValueError("--tp needs --preset: the tensor-parallel plan is the GPT's "
+                         "(fusedzero/app/tp_plan.py)")
+    model = preset_model(args.preset)
+    why = tp_plan.check_tp(args.tp, model.config.n_head, model.config.n_embd)
+    if why is not None:
+        raise ValueError(why.replace("--n-head", "n_head").replace("--n-embd", "n_embd"))
+    groups = tp_plan.local_groups(model, args.tp, decay_split=not args.one_group)
+    return plan.plan_groups(groups, cfg, model=model,
+                            source=f"preset {args.preset}, tp={args.tp} (one tp rank)")

@@ -32,9 +32,11 @@ from fusedzero.checkpoint.format import (KINDS, LATEST, MANIFEST, SafetensorsWri
 from fusedzero.checkpoint.loading import Loaded, load
 from fusedzero.checkpoint.manifest import CheckpointError
 from fusedzero.checkpoint.saving import SaveHandle, save, wait_pending
+from fusedzero.checkpoint.tp_export import export_tp
 from fusedzero.checkpoint.weights import Exported, export, import_weights
 
 __all__ = ["KINDS", "LATEST", "MANIFEST", "CheckpointError", "Exported", "Latest", "Loaded",
-           "SafetensorsWriter", "SaveHandle", "export", "find_latest", "import_weights",
+           "SafetensorsWriter", "SaveHandle", "export", "export_tp", "find_latest",
+           "import_weights",
            "inspect", "list_checkpoints", "load", "problems", "read_manifest", "resolve", "save",
            "save_root", "shard_file_name", "step_dir_name", "verify", "wait_pending"]

@@ -18,6 +18,7 @@ from fusedzero.checkpoint.collectives import agree
 from fusedzero.checkpoint.format import MANIFEST, Peak, ShardReaders
 from fusedzero.checkpoint.manifest import CheckpointError, manifest_modes
 from fusedzero.checkpoint.optview import group_names, param_table
+from fusedzero.checkpoint.placements import tp_directory
 from fusedzero.checkpoint.rank_state import check_rng_state, set_rng_state, unpack
 from fusedzero.checkpoint.reshard import Read, match_params, plan
 from fusedzero.checkpoint.saving import wait_pending
@@ -74,6 +75,7 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     with `check_caller`, this rank's caller state (None where the saving run had no such rank):
     it raises (ValueError, TypeError, CheckpointError) to refuse it, on every rank.
     """
+    path = tp_directory(opt, path, saving=False)  # tp: this tp rank's folder
     wait_pending(opt)
     W, rank, group = opt.world_size, opt.rank, opt.process_group
     err: BaseException | None = None

@@ -27,6 +27,7 @@ from fusedzero.checkpoint.format import (LATEST, MANIFEST, SafetensorsWriter, fs
 from fusedzero.checkpoint.manifest import (FORMAT, MAX_MANIFEST, STEP_DIR, VERSION,
                                           CheckpointError)
 from fusedzero.checkpoint.optview import aliases, hyperparams
+from fusedzero.checkpoint.placements import tp_directory
 from fusedzero.checkpoint.rank_state import pack, rng_state, unpack
 from fusedzero.comm import group_timeout
 
@@ -90,6 +91,7 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
             process group's timeout, see `fusedzero.comm.group_timeout`). It bounds the save
             thread, which the interpreter waits for at exit: a dead peer ends it with an error.
     """
+    directory = tp_directory(opt, directory, saving=True)  # tp: this tp rank's folder
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if keep_last is not None and keep_last < 1:

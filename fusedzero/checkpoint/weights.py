@@ -22,6 +22,7 @@ from fusedzero.checkpoint.format import (LATEST, MANIFEST, Peak, SafetensorsWrit
                                          check_replaceable, write_text_atomic)
 from fusedzero.checkpoint.manifest import STEP_DIR, CheckpointError
 from fusedzero.checkpoint.optview import aliases, param_table
+from fusedzero.checkpoint.placements import tp_source
 from fusedzero.state import ShardState
 
 if TYPE_CHECKING:
@@ -208,6 +209,7 @@ def import_weights(opt: ZeroAdamW, source: str | os.PathLike[str] | Mapping[str,
     With `strict`, tensors in the source that are no param of the model are an error. Optimizer
     moments and the step count are left as they are (start of fine-tuning: zero).
     """
+    source = tp_source(opt, source)  # tp: full tensors sliced to this rank's shards
     W, group = opt.world_size, opt.process_group
     err: BaseException | None = None
     src: _WeightSource | None = None

@@ -1,0 +1,219 @@
+"""Checkpoints of tensor-parallel optimizers: the mesh and each param's placement.
+
+A checkpoint root of an optimizer whose params are DTensors on a tp mesh of T ranks holds:
+
+    root/tensor_parallel.json    the mesh (dp, tp) and every param's global shape and placement
+    root/tp0of2/, root/tp1of2/   one ordinary checkpoint root per tp rank, written by that tp
+                                 rank's dp group: its params' local shards, any stage, resharded
+                                 along dp on load by the ordinary machinery
+
+`save` and `load` route a tp optimizer into its `tp{t}of{T}` folder (`tp_directory`), after
+checking `tensor_parallel.json` against the live model; `export_tp` (fusedzero/checkpoint/
+tp_export.py) writes one consolidated
+safetensors file of full tensors (loadable into the unparallelized model, or into any (dp, tp)
+layout with `import_weights`, which slices the full tensors by the live placements:
+`tp_source`). Loading optimizer state across tp sizes is not supported: export, then
+import_weights (params exact; moments start at zero, as at the start of fine-tuning).
+
+`tensor_parallel.json` is untrusted input: it is parsed against a strict schema (sizes bounded,
+placements from a small grammar) and compared with the live model, never used to index files.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fusedzero.checkpoint.format import write_text_atomic
+from fusedzero.checkpoint.manifest import CheckpointError
+
+TP_FILE = "tensor_parallel.json"
+TP_FORMAT = "fusedzero-tensor-parallel"
+TP_VERSION = 1
+_MAX_RANKS = 1 << 20  # bounds on what a hostile file may claim
+_MAX_PARAMS = 1 << 20
+_MAX_DIMS = 8
+# Replicate, Shard(dim), _StridedShard(dim, split_factor): "R", "S(0)", "SS(0,3)".
+_PLACEMENT = re.compile(r"R|S\((\d)\)|SS\((\d),(\d{1,4})\)")
+
+
+def placement_str(p: Any) -> str:
+    """A DTensor placement as the file writes it."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    if isinstance(p, _StridedShard):
+        return f"SS({p.dim},{p.split_factor})"
+    if isinstance(p, Shard):
+        return f"S({p.dim})"
+    if isinstance(p, Replicate):
+        return "R"
+    raise ValueError(f"placement {p} cannot be saved (Shard, Replicate or _StridedShard only)")
+
+
+def describe(opt: Any) -> dict[str, Any]:
+    """The tp record of a live optimizer (its `tp` must be set)."""
+    tp = opt.tp
+    params = []
+    for p, info in zip(opt.params, opt.param_infos()):
+        pl = tp.placements.get(id(p))
+        # A DTensor's shape is the global one; a plain param's from the layout (at stage 3 it
+        # is an empty tensor while its unit is freed).
+        params.append({"name": info.name, "shape": list(p.shape if pl else info.shape),
+                       "placement": "R" if pl is None else placement_str(pl[0])})
+    return {"format": TP_FORMAT, "version": TP_VERSION, "tp": tp.size,
+            "dp": opt.world_size * opt.replicas, "params": params}
+
+
+def parse(text: str, where: Path) -> dict[str, Any]:
+    """`tensor_parallel.json` -> a validated record; CheckpointError for anything malformed."""
+    def bad(msg: str) -> CheckpointError:
+        return CheckpointError(f"{where}: {msg}")
+    try:
+        d = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"not JSON ({e})") from None
+    if not isinstance(d, dict) or d.get("format") != TP_FORMAT:
+        raise bad(f"not a {TP_FORMAT} record")
+    if d.get("version") != TP_VERSION:
+        raise bad(f"version {d.get('version')!r}, this library reads {TP_VERSION}")
+    for k in ("tp", "dp"):
+        v = d.get(k)
+        if type(v) is not int or not 1 <= v <= _MAX_RANKS:
+            raise bad(f"{k} must be an integer in [1, {_MAX_RANKS}], got {v!r}")
+    params = d.get("params")
+    if not isinstance(params, list) or len(params) > _MAX_PARAMS:
+        raise bad("params must be a list")
+    names = set()
+    for i, p in enumerate(params):
+        if not isinstance(p, dict) or set(p) != {"name", "shape", "placement"}:
+            raise bad(f"params[{i}] must have exactly name, shape, placement")
+        n, shape, pl = p["name"], p["shape"], p["placement"]
+        if not isinstance(n, str) or not n or len(n) > 1000 or n in names:
+            raise bad(f"params[{i}].name {n!r} is not a new non-empty name")
+        names.add(n)
+        if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
+                or not all(type(x) is int and 0 <= x < 1 << 48 for x in shape)):
+            raise bad(f"param {n}: shape {shape!r} is not a list of sizes")
+        m = _PLACEMENT.fullmatch(pl) if isinstance(pl, str) else None
+        if m is None:
+            raise bad(f"param {n}: placement {pl!r} is not R, S(d) or SS(d,k)")
+        dim = m.group(1) or m.group(2)
+        if dim is not None and int(dim) >= len(shape):
+            raise bad(f"param {n}: placement {pl} names dim {dim} of a {len(shape)}-D shape")
+        if m.group(3) is not None and not 1 <= int(m.group(3)) <= shape[int(dim)]:
+            raise bad(f"param {n}: split factor in {pl} out of range")
+    return d
+
+
+def read(root: Path) -> dict[str, Any] | None:
+    f = root / TP_FILE
+    if f.is_symlink() or (f.exists() and not f.is_file()):
+        raise CheckpointError(f"{f}: not a regular file")
+    if not f.is_file():
+        return None
+    if f.stat().st_size > 64 << 20:
+        raise CheckpointError(f"{f}: larger than 64 MiB; not a record this library wrote")
+    return parse(f.read_text(), f)
+
+
+def _check_matches(saved: dict[str, Any], live: dict[str, Any], root: Path) -> None:
+    if saved["tp"] != live["tp"]:
+        raise CheckpointError(
+            f"{root} was saved at tp={saved['tp']}, this optimizer has tp={live['tp']}: "
+            "optimizer state does not reshard along tp; export it "
+            "(checkpoint.export_tp) and load the weights with checkpoint.import_weights")
+    mine = {p["name"]: p for p in live["params"]}
+    theirs = {p["name"]: p for p in saved["params"]}
+    if set(mine) != set(theirs):
+        raise CheckpointError(f"{root}: params differ: only saved "
+                              f"{sorted(set(theirs) - set(mine))[:5]}, only live "
+                              f"{sorted(set(mine) - set(theirs))[:5]}")
+    for n, p in mine.items():
+        if (theirs[n]["shape"], theirs[n]["placement"]) != (p["shape"], p["placement"]):
+            raise CheckpointError(
+                f"{root}: param {n} was saved as {theirs[n]['shape']} {theirs[n]['placement']}, "
+                f"the model has {p['shape']} {p['placement']}")
+
+
+def tp_directory(opt: Any, path: str | os.PathLike[str], *, saving: bool) -> Path:
+    """Where this rank's dp group saves or loads: `path` itself without tp, else the root's
+    `tp{t}of{T}` folder, after checking (and, saving, writing) `tensor_parallel.json`. Every
+    rank checks the same file, so a mismatch fails on every rank before any collective."""
+    root = Path(path)
+    tp = getattr(opt, "tp", None)
+    if tp is None:
+        return root
+    live = describe(opt)
+    saved = read(root)
+    if saved is not None:
+        _check_matches(saved, live, root)
+    elif not saving:
+        raise CheckpointError(f"{root}: no {TP_FILE}; a tensor-parallel optimizer loads the "
+                              "root that checkpoint.save wrote for it")
+    elif tp.rank == 0 and opt.rank == 0 and opt.replica_rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(root / TP_FILE, json.dumps(live, indent=1))
+    return root / f"tp{tp.rank}of{tp.size}"
+
+
+# -- full tensors ----------------------------------------------------------------------------
+def _parts(placement: str, full_dim: int) -> tuple[int | None, int]:
+    m = _PLACEMENT.fullmatch(placement)
+    assert m is not None
+    dim = m.group(1) or m.group(2)
+    return (None if dim is None else int(dim)), int(m.group(3) or 1)
+
+
+def local_of(full: torch.Tensor, placement: str, rank: int, size: int) -> torch.Tensor:
+    """Rank `rank`'s local tensor of `full` under `placement` on `size` ranks (torch.chunk's
+    split, as DTensor's Shard; _StridedShard(d, k): each of k chunks split so)."""
+    dim, k = _parts(placement, full.dim())
+    if dim is None:
+        return full
+    return torch.cat([_chunks(c, size, dim)[rank] for c in _chunks(full, k, dim)], dim)
+
+
+def _chunks(t: torch.Tensor, n: int, dim: int) -> list[torch.Tensor]:
+    """`torch.chunk` padded to exactly n pieces with empty ones, as DTensor's Shard splits."""
+    parts = list(t.chunk(n, dim))
+    return parts + [t.narrow(dim, 0, 0)] * (n - len(parts))
+
+
+def full_of(locals_: list[torch.Tensor], placement: str, shape: list[int]) -> torch.Tensor:
+    """The inverse of `local_of` over every rank's local tensor; checks the result's shape."""
+    dim, k = _parts(placement, len(shape))
+    if dim is None:
+        for t in locals_[1:]:
+            if not torch.equal(t, locals_[0]):
+                raise CheckpointError("a Replicate param differs between tp ranks")
+        out = locals_[0]
+    else:
+        chunks = [_chunks(t, k, dim) for t in locals_]
+        out = torch.cat([torch.cat([c[j] for c in chunks], dim) for j in range(k)], dim)
+    if list(out.shape) != shape:
+        raise CheckpointError(f"tp shards assemble to {list(out.shape)}, the record says {shape}")
+    return out
+
+
+def tp_source(opt: Any, source: Any) -> Any:
+    """import_weights into a tp optimizer: full tensors (a file or a mapping) as this rank's
+    local tensors, sliced by the live placements."""
+    tp = getattr(opt, "tp", None)
+    if tp is None:
+        return source
+    if not isinstance(source, Mapping):
+        from safetensors.torch import load_file
+        source = load_file(str(source))
+    live = {p["name"]: p for p in describe(opt)["params"]}
+    out = {}
+    for n, t in source.items():
+        p = live.get(n)
+        if p is not None and list(t.shape) == p["shape"]:
+            t = local_of(t, p["placement"], tp.rank, tp.size)
+        out[n] = t
+    return out
