@@ -44,8 +44,8 @@ class FlatBuffer:
 
     def __init__(self, *, group_index: int, params: list[nn.Parameter], names: list[str],
                  indices: list[int], dtype: torch.dtype, stage: Stage, world_size: int,
-                 rank: int, bucket_numel: int, reduce_dtype: torch.dtype, device: torch.device,
-                 unit: int = 0, modes: MemoryModes = MemoryModes(), sr_offset: int = 0,
+                 rank: int, bucket_numel: int | None, reduce_dtype: torch.dtype,
+                 device: torch.device, unit: int = 0, modes: MemoryModes = MemoryModes(), sr_offset: int = 0,
                  seed: torch.Tensor | None = None) -> None:
         self.group_index, self.dtype, self.stage, self.unit = group_index, dtype, stage, unit
         self.modes = modes
@@ -55,7 +55,7 @@ class FlatBuffer:
         self.shard_rank = rank if stage.shards_state else 0
         self.layout: FlatLayout = build_layout(
             [(i, n, tuple(p.shape)) for i, n, p in zip(indices, names, params)],
-            world_size if stage.shards_state else 1, bucket_numel)
+            world_size if stage.shards_state else 1, bucket_numel, itemsize=dtype.itemsize)
         self.device = device
         self.reduce_dtype = reduce_dtype
         n_local = self.layout.local_numel
@@ -294,7 +294,7 @@ class FlatBuffer:
 
 def build_buffers(param_groups: list[dict], names: list[str], units: list[int], *,
                   param_dtype: torch.dtype | None, stage: Stage, world_size: int, rank: int,
-                  bucket_numel: int, reduce_dtype: torch.dtype, device: torch.device,
+                  bucket_numel: int | None, reduce_dtype: torch.dtype, device: torch.device,
                   modes: MemoryModes = MemoryModes(), seed: int = 0) -> list[FlatBuffer]:
     """One FlatBuffer per (unit, param group, dtype), in that order (dtypes in order of first
     appearance). `units[i]` is the stage-3 unit of the i-th param (all 0 below stage 3).

@@ -25,9 +25,24 @@ from typing import NamedTuple
 # 128 elements = 256 B of bf16 / 512 B of fp32: every param view and every shard edge is 16-byte
 # aligned (128-bit vector accesses) for any element size up to 4 bytes.
 ALIGN = 128
-# 2**25 elements (32M: 64 MiB of bf16): large enough that a collective is bandwidth-bound on NCCL,
-# small enough that reduce-scatter of early buckets overlaps the rest of backward.
+# Bucket size, when the user gives none, is chosen per rank. A bucket's collective moves one
+# shard of it per rank, so what keeps it bandwidth-bound and what bounds its padding (a bucket is
+# padded by < W * ALIGN elements: < ALIGN / shard_numel of it) is the size of one rank's shard,
+# not the bucket's total; the total sets the transient memory of stages 2-3 (a bucket in flight
+# is a full-size buffer). So the default is
+#     bucket_numel = max(DEFAULT_BUCKET_NUMEL, W * MIN_SHARD_BYTES // itemsize)
+# 2**25 elements (32M: 64 MiB of bf16): large enough that a collective is bandwidth-bound on NCCL
+# at W <= 64, small enough that reduce-scatter of early buckets overlaps the rest of backward.
 DEFAULT_BUCKET_NUMEL = 1 << 25
+# 1 MiB per rank per bucket: each rank's chunk of a ring step stays above NCCL's latency-bound
+# regime at any W, and padding stays under ALIGN / (MIN_SHARD_BYTES / itemsize) = 0.025% (bf16)
+# of a bucket. It takes over from DEFAULT_BUCKET_NUMEL above W = 64 (bf16) / 128 (fp32).
+MIN_SHARD_BYTES = 1 << 20
+
+
+def default_bucket_numel(world_size: int, itemsize: int) -> int:
+    """Elements per bucket when the user gives no `bucket_numel` (see MIN_SHARD_BYTES)."""
+    return max(DEFAULT_BUCKET_NUMEL, world_size * (MIN_SHARD_BYTES // itemsize))
 
 
 def round_up(x: int, m: int) -> int:
@@ -134,10 +149,15 @@ class FlatLayout:
 
 
 def build_layout(params: list[ParamSlot] | list[tuple[int, str, tuple[int, ...]]],
-                 world_size: int, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> FlatLayout:
-    """Place params (index, name, shape) back to back at ALIGN offsets and cut equal buckets."""
+                 world_size: int, bucket_numel: int | None = None, *,
+                 itemsize: int = 2) -> FlatLayout:
+    """Place params (index, name, shape) back to back at ALIGN offsets and cut equal buckets of
+    about `bucket_numel` elements in total (None: `default_bucket_numel(world_size, itemsize)`,
+    `itemsize` being the buffer's element size). Offsets are Python ints: exact past 2**31."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if bucket_numel is None:
+        bucket_numel = default_bucket_numel(world_size, itemsize)
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
     slots: list[ParamSlot] = []

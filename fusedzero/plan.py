@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from fusedzero import dtypes
-from fusedzero.layout import DEFAULT_BUCKET_NUMEL, FlatLayout, build_layout
+from fusedzero.layout import FlatLayout, build_layout
 from fusedzero.memory_modes import MemoryModes, check_param_dtype
 
 STAGES = (0, 1, 2, 3)
@@ -52,8 +52,8 @@ class PlanConfig:
     """Model param dtype (ZeroAdamW's param_dtype); None keeps each param's own dtype."""
     reduce_dtype: torch.dtype = torch.bfloat16
     """Dtype grads are reduced and kept in (ZeroAdamW's reduce_dtype)."""
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL
-    """Elements per bucket, as ZeroAdamW's bucket_numel."""
+    bucket_numel: int | None = None
+    """Elements per bucket, as ZeroAdamW's bucket_numel (None: chosen per rank, as there)."""
     reshard_after_forward: bool = True
     """Stage 3: re-gather every unit for backward (3 Psi of traffic) or keep it (2 Psi)."""
     grad_norm: bool = True
@@ -70,7 +70,7 @@ class PlanConfig:
             raise ValueError(f"master={self.modes.master!r} needs param_dtype=bf16")
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
-        if self.bucket_numel < 1:
+        if self.bucket_numel is not None and self.bucket_numel < 1:
             raise ValueError(f"bucket_numel must be >= 1, got {self.bucket_numel}")
         for name in ("param_dtype", "reduce_dtype"):
             dt = getattr(self, name)
@@ -177,7 +177,8 @@ def _stage_plan(buffers: list[tuple[torch.dtype, list[Item]]], stage: int,
     params = grads = opt = comm = 0
     for dt, items in buffers:
         # Stage 0 replicates everything: its layout is the world-size-1 layout.
-        L: FlatLayout = build_layout(items, 1 if stage == 0 else W, cfg.bucket_numel)
+        L: FlatLayout = build_layout(items, 1 if stage == 0 else W, cfg.bucket_numel,
+                                     itemsize=dt.itemsize)
         p = dt.itemsize
         params += p * (L.local_numel if stage == 3 else L.padded_numel)
         grads += g * (L.local_numel if stage >= 2 else L.padded_numel)

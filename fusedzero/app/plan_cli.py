@@ -16,7 +16,6 @@ from fusedzero import dtypes, plan
 from fusedzero.app.config import (DEFAULT_BLOCK, DEFAULT_N_EMBD, DEFAULT_N_HEAD, DEFAULT_N_LAYER,
                                   UsageError)
 from fusedzero.app.model import GPT, GPTConfig
-from fusedzero.layout import DEFAULT_BUCKET_NUMEL
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES, MemoryModes
 from fusedzero.plan import PlanConfig, plan_model, plan_params
 
@@ -90,8 +89,9 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    help="master weights (ZeroAdamW's master=; bf16 modes need bf16 params)")
     p.add_argument("--states", choices=STATE_MODES, default="fp32",
                    help="exp_avg / exp_avg_sq storage (ZeroAdamW's states=)")
-    p.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
-                   help="elements per bucket (default %(default)s)")
+    p.add_argument("--bucket-numel", type=int, default=None,
+                   help="elements per bucket, all ranks together (default: chosen per rank, "
+                        "as ZeroAdamW's; see docs/scale.md)")
     p.add_argument("--no-reshard-after-forward", dest="reshard", action="store_false",
                    help="stage 3 keeps units gathered from forward to backward (2 Psi comm)")
     p.add_argument("--one-group", action="store_true",
