@@ -26,8 +26,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,7 @@ from torch import nn
 from fusedzero import comm
 from fusedzero.comm import CommCounter
 from fusedzero.flat import FlatBuffer
+from fusedzero.memory_modes import MemoryModes
 from fusedzero.plan import PlanConfig, plan_model
 from fusedzero.stage import Stage
 from fusedzero.zero3 import ShardInit
@@ -105,11 +107,15 @@ def meta_model(shape: LlamaShape | str) -> nn.Module:
         return Llama(s)
 
 
-def param_groups(model: nn.Module) -> list[dict]:
-    """Decay (>= 2-D) and no-decay groups, as `fusedzero train` builds them."""
+def param_groups(model: nn.Module, decay_split: bool = True) -> list[dict]:
+    """Decay (>= 2-D) and no-decay groups, as `fusedzero train` and `fusedzero plan` make
+    them, or one group (`decay_split=False`)."""
     ps = [p for p in model.parameters() if p.requires_grad]
-    return [{"params": [p for p in ps if p.dim() >= 2]},
-            {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
+    if not decay_split:
+        return [{"params": ps}]
+    groups = [{"params": [p for p in ps if p.dim() >= 2]},
+              {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 # -- the fake group -------------------------------------------------------------------------------
@@ -203,15 +209,25 @@ class Emulation:
         return self.padding_elements / max(1, self.params)
 
 
-def emulate(shape: LlamaShape | str, *, world_size: int, rank: int = 0, stage: int = 3,
+ModelSource = Union[LlamaShape, str, Callable[[], nn.Module]]
+
+
+def _build(model: ModelSource) -> nn.Module:
+    return model() if callable(model) and not isinstance(model, LlamaShape) else meta_model(model)
+
+
+def emulate(model: ModelSource, *, world_size: int, rank: int = 0, stage: int = 3,
             param_dtype: torch.dtype = torch.bfloat16,
-            reduce_dtype: torch.dtype = torch.bfloat16,
-            bucket_numel: int | None = None, reshard_after_forward: bool = True,
-            materialize: bool | None = None) -> Emulation:
+            reduce_dtype: torch.dtype = torch.bfloat16, bucket_numel: int | None = None,
+            reshard_after_forward: bool = True, modes: MemoryModes = MemoryModes(),
+            decay_split: bool = True, materialize: bool | None = None) -> Emulation:
     """Build `ZeroAdamW` as `rank` of `world_size` under the fake backend and report it.
 
-    `materialize` (default: stage 3 only) puts the local shard in CPU memory; stages 0-2 hold
-    the full params and cannot (they are built on the meta device)."""
+    `model`: a name in SHAPES, a LlamaShape, or a function returning a model on the meta
+    device (called twice: once for the optimizer, once for the plan it is compared with).
+    Param groups as `fusedzero plan` makes them (`decay_split`: >= 2-D params and the rest).
+    `materialize` (default: stage 3) puts the local shard in CPU memory; stages 0-2 hold the
+    full params and cannot, they are built on the meta device."""
     st = Stage(stage)
     if materialize is None:
         materialize = st.shards_params
@@ -220,15 +236,19 @@ def emulate(shape: LlamaShape | str, *, world_size: int, rank: int = 0, stage: i
                          "can materialise the local shard alone (pass materialize=False)")
     from fusedzero.optim import ZeroAdamW
 
-    name = shape if isinstance(shape, str) else "custom"
-    model = meta_model(shape)
-    groups = param_groups(model)
+    cfg = PlanConfig(world_size=world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                     bucket_numel=bucket_numel, reshard_after_forward=reshard_after_forward,
+                     modes=modes)
+    name = model if isinstance(model, str) else getattr(model, "__name__", "model")
+    m = _build(model)
+    groups = param_groups(m, decay_split)
     with fake_group(rank, world_size):
         rss0 = rss_bytes()
         t0 = time.perf_counter()
-        opt = ZeroAdamW(groups, stage=st, module=model, param_dtype=param_dtype,
+        opt = ZeroAdamW(groups, stage=st, module=m, param_dtype=param_dtype,
                         reduce_dtype=reduce_dtype, bucket_numel=bucket_numel,
                         reshard_after_forward=reshard_after_forward, max_grad_norm=1.0,
+                        master=modes.master, states=modes.states,
                         param_init_fn=ShardInit(_zero_init) if materialize else None,
                         device="cpu" if materialize else "meta")
         construct_s = time.perf_counter() - t0
@@ -237,9 +257,7 @@ def emulate(shape: LlamaShape | str, *, world_size: int, rank: int = 0, stage: i
         sent = step_comm(opt.flat_groups, st, reshard_after_forward, world_size)
         # Not closed: close() gathers every unit (the full model). The model is dropped.
         del opt
-    cfg = PlanConfig(world_size=world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                     bucket_numel=bucket_numel, reshard_after_forward=reshard_after_forward)
-    planned = plan_model(meta_model(shape), cfg).stages[int(st)]
+    planned = plan_model(_build(model), cfg, decay_split=decay_split).stages[int(st)]
     return Emulation(shape=name, world_size=world_size, rank=rank, stage=int(st),
                      params=mem.param_elements, resident_bytes=mem.total,
                      params_bytes=mem.params, grads_bytes=mem.grads,
@@ -247,3 +265,43 @@ def emulate(shape: LlamaShape | str, *, world_size: int, rank: int = 0, stage: i
                      comm_bytes_per_step=sent.total_bytes, plan_bytes=planned.total_bytes,
                      plan_comm_bytes=planned.comm_bytes_per_step, construct_s=construct_s,
                      rss_delta_bytes=rss, materialized=materialize)
+
+
+# -- the table of docs/scale.md ------------------------------------------------------------------
+TABLE_ROWS: tuple[tuple[str, int, tuple[int, ...]], ...] = (
+    ("llama-8b", 1, (8, 64, 256, 1024)),
+    ("llama-8b", 2, (8, 64, 256, 1024)),
+    ("llama-8b", 3, (8, 64, 256, 1024)),
+    ("llama-70b", 3, (64, 256, 1024)),
+)
+
+
+def table(rows: tuple[tuple[str, int, tuple[int, ...]], ...] = TABLE_ROWS,
+          rank: int | None = None) -> str:
+    """A markdown table, one emulated rank per row (the last rank unless `rank` is given), all
+    on the meta device (the byte counts are the same as a materialised build's, and fast)."""
+    out = ["| model | stage | W | resident bytes per rank | padding | comm bytes per step "
+           "| = plan |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    for shape, stage, worlds in rows:
+        for W in worlds:
+            e = emulate(shape, world_size=W, rank=W - 1 if rank is None else rank,
+                        stage=stage, materialize=False)
+            same = e.resident_bytes == e.plan_bytes and e.comm_bytes_per_step == e.plan_comm_bytes
+            out.append(f"| {shape} | {stage} | {W} | {e.resident_bytes:,} | "
+                       f"{100 * e.padding_fraction:.4f}% | {e.comm_bytes_per_step:,} | "
+                       f"{'yes' if same else 'NO'} |")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m fusedzero.emulate",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--table", action="store_true", required=True,
+                    help="print docs/scale.md's table (model x stage x W, rank W-1)")
+    ap.parse_args(argv)
+    print(table())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

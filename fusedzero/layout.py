@@ -17,6 +17,7 @@ buffer offsets.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -79,6 +80,7 @@ class FlatLayout:
     num_buckets: int
     bucket_numel: int
     _segments: dict[int, list[Segment]] = field(default_factory=dict, repr=False)
+    _starts: list[int] | None = field(default=None, repr=False)
 
     @property
     def shard_numel(self) -> int:
@@ -117,9 +119,21 @@ class FlatLayout:
         a, b = max(slot.offset, k * B), min(slot.offset + slot.numel, (k + 1) * B)
         return a - k * B, b - k * B, a - slot.offset
 
+    def _first_from(self, pos: int) -> int:
+        """Index of the first param that may hold element `pos` or lie after it (params are in
+        offset order): a bisection, so walking a bucket costs its own params, not all of them."""
+        if self._starts is None:
+            self._starts = [p.offset for p in self.params]
+        return max(0, bisect.bisect_right(self._starts, pos) - 1)
+
+    def _overlapping(self, lo: int, hi: int) -> range:
+        """Positions of the params that may overlap [lo, hi) (check each; most do)."""
+        return range(self._first_from(lo), bisect.bisect_left(self._starts or [], hi))
+
     def slots_in(self, k: int) -> list[int]:
         """Positions in `params` of the params overlapping bucket k."""
-        return [i for i, s in enumerate(self.params) if k in self.buckets_of(s)]
+        return [i for i in self._overlapping(*self.bucket_range(k))
+                if k in self.buckets_of(self.params[i])]
 
     def holes(self, k: int) -> list[tuple[int, int]]:
         """Ranges of bucket k that belong to no param (alignment gaps, tail padding)."""
@@ -139,7 +153,8 @@ class FlatLayout:
             out: list[Segment] = []
             for k in range(self.num_buckets):
                 lo, hi = self.piece(k, rank)
-                for p in self.params:
+                for i in self._overlapping(lo, hi):
+                    p = self.params[i]
                     a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
                     if a < b:
                         out.append(Segment(p.index, a - p.offset, b - a, rank,
