@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fusedzero.kernels import Strided
-from fusedzero.layout import FlatLayout, ParamSlot, build_layout
+from fusedzero.layout import FlatLayout, ParamSlot, build_layout, default_bucket_numel
 from fusedzero.memory_modes import QBLOCK, MemoryModes
 from fusedzero.stage import Stage
 
@@ -53,9 +53,13 @@ class FlatBuffer:
         self.world_size, self.rank = world_size, rank
         # Stage 0 replicates everything: its layout is the world-size-1 layout.
         self.shard_rank = rank if stage.shards_state else 0
+        # The default bucket size follows the ranks a bucket's collective spans (all of them,
+        # stage 0's all-reduce included), not the layout's shard count.
+        if bucket_numel is None:
+            bucket_numel = default_bucket_numel(world_size, dtype.itemsize)
         self.layout: FlatLayout = build_layout(
             [(i, n, tuple(p.shape)) for i, n, p in zip(indices, names, params)],
-            world_size if stage.shards_state else 1, bucket_numel, itemsize=dtype.itemsize)
+            world_size if stage.shards_state else 1, bucket_numel)
         self.device = device
         self.reduce_dtype = reduce_dtype
         n_local = self.layout.local_numel
