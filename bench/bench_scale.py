@@ -124,6 +124,45 @@ def bench_construct(cases: list[tuple[str, int, int, int, bool]]) -> list[dict]:
     return rows
 
 
+CKPT_SHAPE = LlamaShape(n_layer=2, d=64, ffn=128, vocab=256, n_head=4, n_kv_head=2)
+
+
+def _ckpt_opt() -> ZeroAdamW:
+    model = meta_model(CKPT_SHAPE)
+    return ZeroAdamW(param_groups(model), stage=3, module=model, param_dtype=torch.bfloat16,
+                     param_init_fn=ShardInit(_rand_init), device="cpu")
+
+
+def bench_ckpt(W: int = 1024, load_world: int = 8) -> dict:
+    """Save at W (one emulated rank at a time, W shard files), verify, load into each rank of
+    `load_world`: wall times, manifest bytes, this process's RSS."""
+    import tempfile
+
+    from fusedzero.checkpoint import catalog, loading
+    from fusedzero.emulate import rss_bytes
+    from fusedzero.emulate_ckpt import emulated_rank, save_emulated
+
+    with tempfile.TemporaryDirectory() as tmp:
+        saved = save_emulated(_ckpt_opt, W, Path(tmp))
+        t = time.perf_counter()
+        catalog.verify(saved.path)
+        verify_s = time.perf_counter() - t
+        loads = []
+        for r in range(load_world):
+            with emulated_rank(r, load_world):
+                opt = _ckpt_opt()
+                t = time.perf_counter()
+                got = loading.load(opt, saved.path)
+                loads.append({"seconds": time.perf_counter() - t,
+                              "peak_buffer_bytes": got.peak_buffer_bytes})
+        return {"params": CKPT_SHAPE.params, "save_world": W, "load_world": load_world,
+                "save_s": saved.seconds, "save_s_per_rank": saved.seconds / W,
+                "shard_files": saved.shard_files, "manifest_bytes": saved.manifest_bytes,
+                "verify_s": verify_s, "load_s_per_rank": [x["seconds"] for x in loads],
+                "load_peak_buffer_bytes": max(x["peak_buffer_bytes"] for x in loads),
+                "peak_rss_bytes": max(saved.peak_rss_bytes, rss_bytes())}
+
+
 CONSTRUCT_CASES = [("llama-70b", W, r, 3, W < 1024) for W in (64, 256, 1024)
                    for r in (0, W - 1)] + [("llama-8b", W, W - 1, s, False)
                                            for W in (8, 1024) for s in (1, 2, 3)]
@@ -160,7 +199,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['resident_bytes'] / 1e9:.3g} | {r['construct_s']:.1f} | "
                   f"{r['peak_rss_bytes'] / 1e9:.2f} |")
     else:
-        from _scale_ckpt import bench_ckpt  # noqa: PLC0415 - only this part needs it
         res = bench_ckpt()
         print(json.dumps(res, indent=1))
     print(f"(load average {load:.1f} at start, {os.cpu_count()} CPUs)")
