@@ -142,3 +142,28 @@ def test_alpha_beta_ring_model() -> None:
                                        + plan.stages[s].comm_bytes_per_step / 1e9)
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
         LinkModel(bandwidth=0)
+
+
+def test_shard_init_writes_only_the_local_shard_from_element_indices() -> None:
+    # Stage 3 from the meta device with a ShardInit: the values are a function of (name,
+    # element), written segment by segment; gathered, every param holds the formula's values
+    # (bf16), and no unit was gathered to initialise them (materialize_peak stays 0).
+    from fusedzero.emulate import LlamaShape, param_groups
+    from fusedzero.optim import ZeroAdamW
+    from fusedzero.zero3 import ShardInit
+
+    def values(name: str, start: int, n: int) -> torch.Tensor:
+        return torch.arange(start, start + n, dtype=torch.float32) * 1e-3 + len(name)
+
+    model = meta_model(LlamaShape(n_layer=2, d=32, ffn=64, vocab=48, n_head=4, n_kv_head=2))
+    opt = ZeroAdamW(param_groups(model), stage=3, module=model, param_dtype=torch.bfloat16,
+                    param_init_fn=ShardInit(lambda n, out, s: out.copy_(values(n, s, out.numel()))),
+                    device="cpu", bucket_numel=1000)
+    assert opt.zero3 is not None and opt.zero3.materialize_peak == 0
+    with opt.gathered_params():
+        for name, p in model.named_parameters():
+            want = values(name, 0, p.numel()).to(torch.bfloat16).view(p.shape)
+            assert torch.equal(p.detach(), want), name
+    for b in opt.flat_groups:
+        assert b.master is not None and b.param_shard is not None
+        assert torch.equal(b.master, b.param_shard.float())
