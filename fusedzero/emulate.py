@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -169,7 +170,6 @@ def rss_bytes() -> int:
     """This process's resident set now (Linux), 0 where unknown."""
     try:
         with open("/proc/self/statm") as f:
-            import os
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         return 0

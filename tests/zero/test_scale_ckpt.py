@@ -67,8 +67,9 @@ def _segment_entries(manifest: dict) -> int:
     return sum(len(g["segments"]) for f in manifest["files"] for g in f["groups"])
 
 
-@pytest.mark.parametrize("W", [64, 1024])
-def test_save_at_w_verify_and_load_at_8(tmp_path: Path, W: int) -> None:
+def test_save_at_1024_verify_and_load_at_8(tmp_path: Path) -> None:
+    # About 5 minutes on a loaded 2-core machine: 1024 optimizers built and saved in turn.
+    W = 1024
     saved = save_emulated(_make, W, tmp_path, prepare=_moments)
     assert saved.shard_files == W
     catalog.verify(saved.path)  # sizes, headers and sha256 of all W files
@@ -103,7 +104,7 @@ def test_manifest_and_headers_grow_o_params_plus_w(tmp_path: Path) -> None:
     # What one more rank adds to the manifest is bounded (its file entry, one segment list per
     # buffer, its packed RNG state: ~20 KB here), and a shard header does not grow with W.
     sizes, headers = {}, {}
-    for W in (64, 256):
+    for W in (32, 128):
         saved = save_emulated(_make, W, tmp_path / str(W))
         sizes[W] = saved.manifest_bytes
         manifest = json.loads((saved.path / "manifest.json").read_text())
@@ -111,7 +112,7 @@ def test_manifest_and_headers_grow_o_params_plus_w(tmp_path: Path) -> None:
         last = sorted(saved.path.glob("*.safetensors"))[-1]
         with open(last, "rb") as f:
             headers[W] = int.from_bytes(f.read(8), "little")
-    per_rank = (sizes[256] - sizes[64]) / (256 - 64)
+    per_rank = (sizes[128] - sizes[32]) / (128 - 32)
     assert per_rank < 32_000, sizes
     # Only digits differ (W, the rank, tensor offsets), and 8-byte header padding.
-    assert headers[256] <= headers[64] + 64, headers
+    assert headers[128] <= headers[32] + 64, headers
