@@ -45,8 +45,8 @@ class FlatBuffer:
     def __init__(self, *, group_index: int, params: list[nn.Parameter], names: list[str],
                  indices: list[int], dtype: torch.dtype, stage: Stage, world_size: int,
                  rank: int, bucket_numel: int | None, reduce_dtype: torch.dtype,
-                 device: torch.device, unit: int = 0, modes: MemoryModes = MemoryModes(), sr_offset: int = 0,
-                 seed: torch.Tensor | None = None) -> None:
+                 device: torch.device, unit: int = 0, modes: MemoryModes = MemoryModes(),
+                 sr_offset: int = 0, seed: torch.Tensor | None = None) -> None:
         self.group_index, self.dtype, self.stage, self.unit = group_index, dtype, stage, unit
         self.modes = modes
         self.params = params
