@@ -31,7 +31,7 @@ from torch import nn
 
 from fusedzero.dtensor import local, set_local
 from fusedzero.kernels import Strided
-from fusedzero.layout import FlatLayout, ParamSlot, build_layout
+from fusedzero.layout import FlatLayout, ParamSlot, build_layout, default_bucket_numel
 from fusedzero.memory_modes import QBLOCK, MemoryModes
 from fusedzero.stage import Stage
 
@@ -45,9 +45,10 @@ class FlatBuffer:
 
     def __init__(self, *, group_index: int, params: list[nn.Parameter], names: list[str],
                  indices: list[int], dtype: torch.dtype, stage: Stage, world_size: int,
-                 rank: int, bucket_numel: int, reduce_dtype: torch.dtype, device: torch.device,
-                 unit: int = 0, modes: MemoryModes = MemoryModes(), sr_offset: int = 0,
-                 seed: torch.Tensor | None = None, tp_replicated: bool = True) -> None:
+                 rank: int, bucket_numel: int | None, reduce_dtype: torch.dtype,
+                 device: torch.device, unit: int = 0, modes: MemoryModes = MemoryModes(),
+                 sr_offset: int = 0, seed: torch.Tensor | None = None,
+                 tp_replicated: bool = True) -> None:
         self.group_index, self.dtype, self.stage, self.unit = group_index, dtype, stage, unit
         # Identical on every tensor-parallel rank (plain params, Replicate DTensors); False:
         # the params are tp shards (fusedzero/dtensor.py). Each buffer holds one kind.
@@ -57,6 +58,10 @@ class FlatBuffer:
         self.world_size, self.rank = world_size, rank
         # Stage 0 replicates everything: its layout is the world-size-1 layout.
         self.shard_rank = rank if stage.shards_state else 0
+        # The default bucket size follows the ranks a bucket's collective spans (all of them,
+        # stage 0's all-reduce included), not the layout's shard count.
+        if bucket_numel is None:
+            bucket_numel = default_bucket_numel(world_size, dtype.itemsize)
         # DTensor params: the layout holds their local (tp-shard) shapes.
         self.layout: FlatLayout = build_layout(
             [(i, n, tuple(local(p).shape)) for i, n, p in zip(indices, names, params)],
@@ -302,7 +307,7 @@ class FlatBuffer:
 
 def build_buffers(param_groups: list[dict], names: list[str], units: list[int], *,
                   param_dtype: torch.dtype | None, stage: Stage, world_size: int, rank: int,
-                  bucket_numel: int, reduce_dtype: torch.dtype, device: torch.device,
+                  bucket_numel: int | None, reduce_dtype: torch.dtype, device: torch.device,
                   modes: MemoryModes = MemoryModes(), seed: int = 0,
                   tp_replicated: list[bool] | None = None) -> list[FlatBuffer]:
     """One FlatBuffer per (unit, param group, dtype, tp-replicated), in that order (dtypes and

@@ -17,6 +17,7 @@ buffer offsets.
 """
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -25,9 +26,24 @@ from typing import NamedTuple
 # 128 elements = 256 B of bf16 / 512 B of fp32: every param view and every shard edge is 16-byte
 # aligned (128-bit vector accesses) for any element size up to 4 bytes.
 ALIGN = 128
-# 2**25 elements (32M: 64 MiB of bf16): large enough that a collective is bandwidth-bound on NCCL,
-# small enough that reduce-scatter of early buckets overlaps the rest of backward.
+# Bucket size, when the user gives none, is chosen per rank. A bucket's collective moves one
+# shard of it per rank, so what keeps it bandwidth-bound and what bounds its padding (a bucket is
+# padded by < W * ALIGN elements: < ALIGN / shard_numel of it) is the size of one rank's shard,
+# not the bucket's total; the total sets the transient memory of stages 2-3 (a bucket in flight
+# is a full-size buffer). So the default is
+#     bucket_numel = max(DEFAULT_BUCKET_NUMEL, W * MIN_SHARD_BYTES // itemsize)
+# 2**25 elements (32M: 64 MiB of bf16): large enough that a collective is bandwidth-bound on NCCL
+# at W <= 64, small enough that reduce-scatter of early buckets overlaps the rest of backward.
 DEFAULT_BUCKET_NUMEL = 1 << 25
+# 1 MiB per rank per bucket: each rank's chunk of a ring step stays above NCCL's latency-bound
+# regime at any W, and padding stays under ALIGN / (MIN_SHARD_BYTES / itemsize) = 0.025% (bf16)
+# of a bucket. It takes over from DEFAULT_BUCKET_NUMEL above W = 64 (bf16) / 128 (fp32).
+MIN_SHARD_BYTES = 1 << 20
+
+
+def default_bucket_numel(world_size: int, itemsize: int) -> int:
+    """Elements per bucket when the user gives no `bucket_numel` (see MIN_SHARD_BYTES)."""
+    return max(DEFAULT_BUCKET_NUMEL, world_size * (MIN_SHARD_BYTES // itemsize))
 
 
 def round_up(x: int, m: int) -> int:
@@ -64,6 +80,7 @@ class FlatLayout:
     num_buckets: int
     bucket_numel: int
     _segments: dict[int, list[Segment]] = field(default_factory=dict, repr=False)
+    _starts: list[int] | None = field(default=None, repr=False)
 
     @property
     def shard_numel(self) -> int:
@@ -102,9 +119,21 @@ class FlatLayout:
         a, b = max(slot.offset, k * B), min(slot.offset + slot.numel, (k + 1) * B)
         return a - k * B, b - k * B, a - slot.offset
 
+    def _first_from(self, pos: int) -> int:
+        """Index of the first param that may hold element `pos` or lie after it (params are in
+        offset order): a bisection, so walking a bucket costs its own params, not all of them."""
+        if self._starts is None:
+            self._starts = [p.offset for p in self.params]
+        return max(0, bisect.bisect_right(self._starts, pos) - 1)
+
+    def _overlapping(self, lo: int, hi: int) -> range:
+        """Positions of the params that may overlap [lo, hi) (check each; most do)."""
+        return range(self._first_from(lo), bisect.bisect_left(self._starts or [], hi))
+
     def slots_in(self, k: int) -> list[int]:
         """Positions in `params` of the params overlapping bucket k."""
-        return [i for i, s in enumerate(self.params) if k in self.buckets_of(s)]
+        return [i for i in self._overlapping(*self.bucket_range(k))
+                if k in self.buckets_of(self.params[i])]
 
     def holes(self, k: int) -> list[tuple[int, int]]:
         """Ranges of bucket k that belong to no param (alignment gaps, tail padding)."""
@@ -124,7 +153,8 @@ class FlatLayout:
             out: list[Segment] = []
             for k in range(self.num_buckets):
                 lo, hi = self.piece(k, rank)
-                for p in self.params:
+                for i in self._overlapping(lo, hi):
+                    p = self.params[i]
                     a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
                     if a < b:
                         out.append(Segment(p.index, a - p.offset, b - a, rank,
@@ -134,10 +164,15 @@ class FlatLayout:
 
 
 def build_layout(params: list[ParamSlot] | list[tuple[int, str, tuple[int, ...]]],
-                 world_size: int, bucket_numel: int = DEFAULT_BUCKET_NUMEL) -> FlatLayout:
-    """Place params (index, name, shape) back to back at ALIGN offsets and cut equal buckets."""
+                 world_size: int, bucket_numel: int | None = None, *,
+                 itemsize: int = 2) -> FlatLayout:
+    """Place params (index, name, shape) back to back at ALIGN offsets and cut equal buckets of
+    about `bucket_numel` elements in total (None: `default_bucket_numel(world_size, itemsize)`,
+    `itemsize` being the buffer's element size). Offsets are Python ints: exact past 2**31."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if bucket_numel is None:
+        bucket_numel = default_bucket_numel(world_size, itemsize)
     if bucket_numel < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
     slots: list[ParamSlot] = []

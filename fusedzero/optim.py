@@ -39,7 +39,6 @@ from fusedzero.dtensor import grouped_sumsq, tp_info
 from fusedzero.flat import FlatBuffer, MemoryReport, build_buffers, memory_report
 from fusedzero.grads import GradHooks
 from fusedzero.kernels import AdamWBuffer, GroupedAdamW
-from fusedzero.layout import DEFAULT_BUCKET_NUMEL
 from fusedzero.model_state_dict import FullParamsLoad
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
@@ -73,7 +72,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         param_dtype: dtype of the model's params (e.g. torch.bfloat16, with an fp32 master);
             default keeps each param's dtype (fp32 params are their own master).
         reduce_dtype: dtype grads are reduced and accumulated in (fp32 default; bf16 halves bytes).
-        bucket_numel: elements per bucket (rounded so buckets are equal and divide by W*ALIGN).
+        bucket_numel: elements per bucket, all ranks' shards together (rounded so buckets are
+            equal and divide by W*ALIGN); None: chosen per rank, at least 1 MiB of each
+            rank's shard per bucket (`fusedzero.layout.default_bucket_numel`).
         max_grad_norm: clip the global grad norm to this (None: no clipping).
         skip_nonfinite: skip the whole step (on the device, no sync) when a grad is inf/nan.
         loss_scale: "dynamic" for fp16 dynamic loss scaling, a float for a static scale, None.
@@ -113,7 +114,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         replicate_group: Group = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
-        bucket_numel: int = DEFAULT_BUCKET_NUMEL,
+        bucket_numel: int | None = None,
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = True,
         loss_scale: str | float | None = None,

@@ -17,14 +17,14 @@ fp32 grad reduction: pass `--reduce-dtype fp32` to plan for that.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from fusedzero import dtypes
-from fusedzero.layout import DEFAULT_BUCKET_NUMEL, FlatLayout, build_layout
+from fusedzero.layout import FlatLayout, build_layout, default_bucket_numel
 from fusedzero.memory_modes import MemoryModes, check_param_dtype
 
 STAGES = (0, 1, 2, 3)
@@ -52,8 +52,8 @@ class PlanConfig:
     """Model param dtype (ZeroAdamW's param_dtype); None keeps each param's own dtype."""
     reduce_dtype: torch.dtype = torch.bfloat16
     """Dtype grads are reduced and kept in (ZeroAdamW's reduce_dtype)."""
-    bucket_numel: int = DEFAULT_BUCKET_NUMEL
-    """Elements per bucket, as ZeroAdamW's bucket_numel."""
+    bucket_numel: int | None = None
+    """Elements per bucket, as ZeroAdamW's bucket_numel (None: chosen per rank, as there)."""
     reshard_after_forward: bool = True
     """Stage 3: re-gather every unit for backward (3 Psi of traffic) or keep it (2 Psi)."""
     grad_norm: bool = True
@@ -75,12 +75,39 @@ class PlanConfig:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
-        if self.bucket_numel < 1:
+        if self.bucket_numel is not None and self.bucket_numel < 1:
             raise ValueError(f"bucket_numel must be >= 1, got {self.bucket_numel}")
         for name in ("param_dtype", "reduce_dtype"):
             dt = getattr(self, name)
             if dt is not None and dt not in dtypes.FLOAT_DTYPES:
                 raise ValueError(f"{name}={dt} is not one of {list(dtypes.FLOAT_DTYPES)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkModel:
+    """[Note: alpha-beta ring model] A model of one step's communication time, not a
+    measurement: every collective is a ring over the W ranks, (W-1) steps for a reduce-scatter
+    or an all-gather and 2(W-1) for an all-reduce; each ring step costs `latency` (alpha) and
+    moves 1/W of the collective over this rank's link at `bandwidth` (beta). So one step takes
+
+        ring_steps * latency + comm_bytes_per_step / bandwidth
+
+    with comm_bytes_per_step the plan's exact bytes sent. Left out: overlap with compute (a
+    real step hides much of it behind backward), tree and NVLS algorithms, contention, the
+    NIC/NVLink split of a multi-node ring (give the slowest link)."""
+
+    bandwidth: float = 25e9
+    """Bytes per second one rank sends (25 GB/s: a 200 Gb/s NIC per GPU)."""
+    latency: float = 10e-6
+    """Seconds per ring step (10 us: an inter-node hop with NCCL's protocol overhead)."""
+
+    def __post_init__(self) -> None:
+        if not self.bandwidth > 0 or not self.latency >= 0:
+            raise ValueError(f"link bandwidth must be > 0 and latency >= 0, got "
+                             f"{self.bandwidth} B/s and {self.latency} s")
+
+    def seconds(self, ring_steps: int, comm_bytes: int) -> float:
+        return ring_steps * self.latency + comm_bytes / self.bandwidth
 
 
 @dataclass
@@ -90,6 +117,13 @@ class Plan:
     stages: dict[int, StagePlan]
     config: PlanConfig
     source: str
+    ring_steps: dict[int, int] = field(default_factory=dict)
+    """Per stage, the ring steps of one step's collectives (see LinkModel)."""
+
+    def comm_seconds(self, link: LinkModel) -> dict[int, float]:
+        """Per stage, one step's communication time in the alpha-beta ring model."""
+        return {s: link.seconds(self.ring_steps[s], p.comm_bytes_per_step)
+                for s, p in self.stages.items()}
 
     def to_json(self) -> dict[str, Any]:
         return {"stages": {str(s): p._asdict() for s, p in self.stages.items()},
@@ -176,13 +210,16 @@ def _units(model: nn.Module, params: list[nn.Parameter], policy: Any) -> list[in
 
 
 def _stage_plan(buffers: list[tuple[torch.dtype, list[Item]]], stage: int,
-                cfg: PlanConfig) -> StagePlan:
+                cfg: PlanConfig) -> tuple[StagePlan, int]:
+    """The stage's bytes, and the ring steps of its collectives (LinkModel)."""
     W = cfg.world_size
     g = cfg.reduce_dtype.itemsize
-    params = grads = opt = comm = 0
+    params = grads = opt = comm = steps = 0
     for dt, items in buffers:
         # Stage 0 replicates everything: its layout is the world-size-1 layout.
-        L: FlatLayout = build_layout(items, 1 if stage == 0 else W, cfg.bucket_numel)
+        bucket = (cfg.bucket_numel if cfg.bucket_numel is not None else
+                  default_bucket_numel(W, dt.itemsize))  # as FlatBuffer chooses it
+        L: FlatLayout = build_layout(items, 1 if stage == 0 else W, bucket)
         p = dt.itemsize
         params += p * (L.local_numel if stage == 3 else L.padded_numel)
         grads += g * (L.local_numel if stage >= 2 else L.padded_numel)
@@ -192,14 +229,18 @@ def _stage_plan(buffers: list[tuple[torch.dtype, list[Item]]], stage: int,
         B, nb = L.bucket_numel, L.num_buckets
         if stage == 0:
             comm += nb * (2 * (W - 1) * B * g // W)
+            steps += nb * 2 * (W - 1)
         else:
             gathers = 2 if stage == 3 and cfg.reshard_after_forward else 1
             comm += nb * ((W - 1) * B * g // W + gathers * ((W - 1) * B * p // W))
+            steps += nb * (1 + gathers) * (W - 1)
     if stage > 0 and cfg.grad_norm:
         comm += 2 * (W - 1) * SCALAR_BYTES // W
+        steps += 2 * (W - 1)
     if cfg.grad_norm and cfg.tp > 1:  # the same scalar over tp, at every stage
         comm += 2 * (cfg.tp - 1) * SCALAR_BYTES // cfg.tp
-    return StagePlan(params, grads, opt, params + grads + opt, comm)
+        steps += 2 * (cfg.tp - 1)
+    return StagePlan(params, grads, opt, params + grads + opt, comm), steps
 
 
 def plan_groups(groups: list[list[tuple[str, nn.Parameter]]], cfg: PlanConfig, *,
@@ -208,9 +249,10 @@ def plan_groups(groups: list[list[tuple[str, nn.Parameter]]], cfg: PlanConfig, *
     the meta device. `model` is needed for stage-3 units (without it: one root unit)."""
     flat = [p for grp in groups for _, p in grp]
     units = _units(model, flat, cfg.unit_policy) if model is not None else None
-    stages = {s: _stage_plan(_buffers_from_groups(groups, s, cfg, units), s, cfg)
-              for s in STAGES}
-    return Plan(sum(p.numel() for p in flat), cfg.world_size, stages, cfg, source)
+    done = {s: _stage_plan(_buffers_from_groups(groups, s, cfg, units), s, cfg)
+            for s in STAGES}
+    return Plan(sum(p.numel() for p in flat), cfg.world_size, {s: d[0] for s, d in done.items()},
+                cfg, source, ring_steps={s: d[1] for s, d in done.items()})
 
 
 def plan_model(model: nn.Module, cfg: PlanConfig, *, decay_split: bool = True,

@@ -31,14 +31,14 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
 
 
 def check_options(*, reduce_dtype: torch.dtype, param_dtype: torch.dtype | None,
-                  max_grad_norm: float | None, bucket_numel: int) -> None:
+                  max_grad_norm: float | None, bucket_numel: int | None) -> None:
     if reduce_dtype not in FLOAT_DTYPES:
         raise ValueError(f"reduce_dtype {reduce_dtype} not in {FLOAT_DTYPES}")
     if param_dtype is not None and param_dtype not in FLOAT_DTYPES:
         raise ValueError(f"param_dtype {param_dtype} not in {FLOAT_DTYPES}")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
-    if bucket_numel < 1:
+    if bucket_numel is not None and bucket_numel < 1:
         raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
 
 
@@ -82,6 +82,8 @@ def resolve_device(params: list[nn.Parameter], module: nn.Module | None, shards_
         raise ValueError(f"all params must be on one device, got {sorted(map(str, devices))}")
     found = devices.pop() if devices else torch.device("cpu")
     if found.type == "meta":
+        if device is not None and torch.device(device).type == "meta":
+            return torch.device("meta")  # a dry build: shapes and byte counts, no storage
         if not shards_params:
             raise ValueError("params on the meta device need stage=3, which materialises "
                              "them unit by unit; other stages hold the full model anyway")

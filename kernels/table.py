@@ -35,6 +35,16 @@ import torch
 from fusedzero.kernels._launch import MAX_GRID_X, Strided
 
 ALIGN = 16  # elements: what `tl.multiple_of` may claim for every offset and piece length
+# Table entries are int64 element offsets and counts: a flat buffer passes 2**31 elements at
+# 70B params (never int32); `prog_piece` is int32, a piece index (pieces < 2**31).
+INT64_MAX = 2**63 - 1
+
+
+def check_entry(name: str, value: int) -> None:
+    """An offset or count the kernels read from the table: exact in int64, never negative."""
+    if not 0 <= value <= INT64_MAX:
+        raise ValueError(f"table {name} {value} does not fit the table's int64 "
+                         f"(0 <= value <= 2**63 - 1)")
 
 
 class Col(IntEnum):
@@ -165,7 +175,9 @@ def build_table(pieces: list[Piece], block: int, device: torch.device,
                 raise ValueError(f"stream {j}: tensors of one launch must share a dtype "
                                  f"({t.dtype} vs {b.dtype}) and element grid")
             offs.append(diff // size + start)
+            check_entry(f"stream {j} offset", offs[-1])
             aligned = aligned and (j in loose or offs[-1] % ALIGN == 0)
+        check_entry("numel", p.numel)
         nprog = -(-p.numel // block)
         aligned = aligned and p.numel % ALIGN == 0
         pad = [0] * max(0, (streams or k) - k)

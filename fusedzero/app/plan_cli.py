@@ -4,6 +4,7 @@ on the meta device. The planning itself (no torch.distributed, nothing allocated
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -17,9 +18,9 @@ from fusedzero.app import tp_plan
 from fusedzero.app.config import (DEFAULT_BLOCK, DEFAULT_N_EMBD, DEFAULT_N_HEAD, DEFAULT_N_LAYER,
                                   UsageError)
 from fusedzero.app.model import GPT, GPTConfig
-from fusedzero.layout import DEFAULT_BUCKET_NUMEL
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES, MemoryModes
-from fusedzero.plan import PlanConfig, plan_model, plan_params
+from fusedzero.plan import STAGES, LinkModel, PlanConfig, plan_model, plan_params
+from fusedzero.emulate import SHAPES, Emulation, emulate, meta_model
 
 
 def _gpt_presets() -> dict[str, dict[str, int]]:
@@ -81,6 +82,8 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
     src.add_argument("--preset", choices=PRESETS, help="a fusedzero.app.model.GPT shape")
     src.add_argument("--hf-config", metavar="PATH",
                      help="a Hugging Face config.json or its folder (needs transformers)")
+    src.add_argument("--shape", choices=sorted(SHAPES),
+                     help="a Llama-shaped model of plain nn modules (fusedzero.emulate)")
     p.add_argument("--world-size", "-W", type=int, required=True, help="ranks sharding the state")
     p.add_argument("--param-dtype", choices=sorted(dtypes.SHORT_NAMES), default="bf16",
                    help="model param dtype (default bf16; fp32: no separate master)")
@@ -91,8 +94,9 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    help="master weights (ZeroAdamW's master=; bf16 modes need bf16 params)")
     p.add_argument("--states", choices=STATE_MODES, default="fp32",
                    help="exp_avg / exp_avg_sq storage (ZeroAdamW's states=)")
-    p.add_argument("--bucket-numel", type=int, default=DEFAULT_BUCKET_NUMEL,
-                   help="elements per bucket (default %(default)s)")
+    p.add_argument("--bucket-numel", type=int, default=None,
+                   help="elements per bucket, all ranks together (default: chosen per rank, "
+                        "as ZeroAdamW's; see docs/scale.md)")
     p.add_argument("--no-reshard-after-forward", dest="reshard", action="store_false",
                    help="stage 3 keeps units gathered from forward to backward (2 Psi comm)")
     p.add_argument("--one-group", action="store_true",
@@ -101,12 +105,29 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    help="--preset only: tensor-parallel ranks per replica (fusedzero train's "
                         "plan); -W is then the data-parallel size, nproc = W * N")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    m = p.add_argument_group("communication time (an alpha-beta ring model, see docs/scale.md)")
+    m.add_argument("--link-gbps", type=float, default=LinkModel().bandwidth / 1e9,
+                   metavar="GB/s", help="bytes per second one rank's link sends, in GB/s "
+                                        "(default %(default)g)")
+    m.add_argument("--link-latency-us", type=float, default=LinkModel().latency * 1e6,
+                   metavar="US", help="latency of one ring step in microseconds "
+                                      "(default %(default)g)")
+    e = p.add_argument_group("emulation (a real ZeroAdamW as one rank, fake process group)")
+    e.add_argument("--emulate", action="store_true",
+                   help="also build the optimizer as --rank of W (model on the meta device, "
+                        "stage 3: only the local shard in memory) and compare with the plan")
+    e.add_argument("--rank", type=int, default=0, help="the emulated rank (default 0)")
+    e.add_argument("--stage", type=int, choices=STAGES, default=3,
+                   help="the emulated stage (default 3)")
+    e.add_argument("--meta", action="store_true",
+                   help="build everything on the meta device (stages 0-2 always are)")
     p.set_defaults(func=_cli_plan)
     return p
 
 
 def _cli_plan(args: argparse.Namespace) -> int:
     try:
+        link = LinkModel(bandwidth=args.link_gbps * 1e9, latency=args.link_latency_us * 1e-6)
         cfg = PlanConfig(world_size=args.world_size,
                          param_dtype=dtypes.SHORT_NAMES[args.param_dtype],
                          reduce_dtype=dtypes.SHORT_NAMES[args.reduce_dtype],
@@ -122,12 +143,32 @@ def _cli_plan(args: argparse.Namespace) -> int:
         elif args.preset is not None:
             result = plan_model(preset_model(args.preset), cfg, decay_split=not args.one_group,
                               source=f"preset {args.preset}")
+        elif args.shape is not None:
+            result = plan_model(meta_model(args.shape), cfg, decay_split=not args.one_group,
+                                source=f"shape {args.shape}")
         else:
             result = plan_model(hf_model_from_config(args.hf_config), cfg,
                               decay_split=not args.one_group, source=str(args.hf_config))
+        emulated = _emulate(args, cfg) if args.emulate else None
     except (ValueError, ImportError, OSError) as e:
         raise UsageError(str(e)) from None
-    print(json.dumps(result.to_json(), indent=1) if args.json else result.table())
+    seconds = result.comm_seconds(link)
+    if args.json:
+        d = result.to_json()
+        d["comm_model"] = {"model": "alpha-beta ring", "link_bytes_per_s": link.bandwidth,
+                           "latency_s": link.latency,
+                           "seconds_per_step": {str(k): v for k, v in seconds.items()}}
+        if emulated is not None:
+            d["emulation"] = dataclasses.asdict(emulated)
+        print(json.dumps(d, indent=1))
+        return 0
+    print(result.table())
+    print(f"\ncomm time/step, an alpha-beta ring model (not a measurement; docs/scale.md): "
+          f"link {link.bandwidth / 1e9:g} GB/s, {link.latency * 1e6:g} us per ring step, "
+          "no overlap with compute")
+    print("  " + "   ".join(f"stage {k}: {v:.4g} s" for k, v in seconds.items()))
+    if emulated is not None:
+        print(_emulation_lines(emulated))
     return 0
 
 
@@ -143,3 +184,44 @@ def _plan_tp(args: argparse.Namespace, cfg: PlanConfig) -> plan.Plan:
     groups = tp_plan.local_groups(model, args.tp, decay_split=not args.one_group)
     return plan.plan_groups(groups, cfg, model=model,
                             source=f"preset {args.preset}, tp={args.tp} (one tp rank)")
+
+
+def _model_source(args: argparse.Namespace) -> Any:
+    """What `fusedzero.emulate.emulate` builds: a shape name or a meta-model factory."""
+    if args.shape is not None:
+        return args.shape
+    if args.preset is not None:
+        return lambda: preset_model(args.preset)
+    if args.hf_config is not None:
+        return lambda: hf_model_from_config(args.hf_config)
+
+    def params() -> nn.Module:
+        m = nn.Module()
+        m.params = nn.Parameter(torch.empty(int(args.params), device="meta"))
+        return m
+    return params
+
+
+def _emulate(args: argparse.Namespace, cfg: PlanConfig) -> Emulation:
+    if not 0 <= args.rank < args.world_size:
+        raise ValueError(f"--rank must be in [0, {args.world_size}), got {args.rank}")
+    return emulate(_model_source(args), world_size=args.world_size, rank=args.rank,
+                   stage=args.stage, param_dtype=cfg.param_dtype or torch.float32,
+                   reduce_dtype=cfg.reduce_dtype, bucket_numel=cfg.bucket_numel,
+                   reshard_after_forward=cfg.reshard_after_forward, modes=cfg.modes,
+                   decay_split=not args.one_group,
+                   materialize=args.stage == 3 and not args.meta)
+
+
+def _emulation_lines(e: Emulation) -> str:
+    where = "local shard in CPU memory" if e.materialized else "meta device, nothing allocated"
+    same = e.resident_bytes == e.plan_bytes and e.comm_bytes_per_step == e.plan_comm_bytes
+    return "\n".join([
+        f"\nemulated: ZeroAdamW as rank {e.rank} of {e.world_size}, stage {e.stage} "
+        f"(fake process group; {where})",
+        f"  resident bytes {e.resident_bytes:,} (params {e.params_bytes:,}, grads "
+        f"{e.grads_bytes:,}, optimizer {e.optimizer_bytes:,}); plan {e.plan_bytes:,}",
+        f"  comm bytes/step {e.comm_bytes_per_step:,}; plan {e.plan_comm_bytes:,}"
+        f"  -> {'equal to the plan' if same else 'DIFFERENT from the plan'}",
+        f"  padding {e.padding_elements:,} elements ({100 * e.padding_fraction:.4f}% of Psi)",
+        f"  construction {e.construct_s:.2f} s, RSS +{e.rss_delta_bytes / 1e9:.3g} GB"])

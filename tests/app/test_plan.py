@@ -49,7 +49,7 @@ def test_reproduces_the_zero_paper_table_for_7_5b_params_at_64_ranks() -> None:
 def test_cli_json_schema_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--params", "7.5e9", "--world-size", "64", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
-    assert set(d) == {"stages", "world_size", "params"}
+    assert set(d) == {"stages", "world_size", "params", "comm_model"}
     assert d["world_size"] == 64 and d["params"] == 7_500_000_000
     assert set(d["stages"]) == {"0", "1", "2", "3"}
     for s in d["stages"].values():
@@ -188,3 +188,39 @@ def test_hf_config_without_transformers_says_how_to_install(
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # import fails
     assert main(["plan", "--hf-config", str(tmp_path), "-W", "2"]) == 2
     assert "pip install 'fusedzero[hf]'" in capsys.readouterr().err
+
+
+def test_cli_comm_time_model(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["plan", "--params", "1e9", "-W", "1024", "--link-gbps", "50",
+            "--link-latency-us", "5"]
+    assert main(args + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    m = d["comm_model"]
+    assert m["model"] == "alpha-beta ring"
+    assert (m["link_bytes_per_s"], m["latency_s"]) == (50e9, pytest.approx(5e-6))
+    # One flat buffer of 1e9 bf16 elements at W=1024: 2 buckets of 2**29 (1 MiB per rank),
+    # each reduce-scattered and all-gathered ((W-1) ring steps each), plus the norm's
+    # all-reduce (2(W-1)): 6 x 1023 steps of 5 us, plus the bytes at 50 GB/s.
+    stage1 = d["stages"]["1"]["comm_bytes_per_step"]
+    assert m["seconds_per_step"]["1"] == pytest.approx(6 * 1023 * 5e-6 + stage1 / 50e9)
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "alpha-beta ring model (not a measurement" in out and "50 GB/s, 5 us" in out
+    assert main(["plan", "--params", "1e6", "-W", "8", "--link-gbps", "0"]) == 2
+    assert "bandwidth must be > 0" in capsys.readouterr().err
+
+
+def test_cli_emulate_equals_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    # A real ZeroAdamW as the last of 64 ranks (fake process group, model on meta, only the
+    # local shard materialised): its resident and comm bytes are the plan's.
+    assert main(["plan", "--shape", "tiny", "-W", "64", "--emulate", "--rank", "63",
+                 "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    e = d["emulation"]
+    assert (e["world_size"], e["rank"], e["stage"], e["materialized"]) == (64, 63, 3, True)
+    assert e["resident_bytes"] == d["stages"]["3"]["total_bytes"] == e["plan_bytes"]
+    assert e["comm_bytes_per_step"] == d["stages"]["3"]["comm_bytes_per_step"]
+    assert main(["plan", "--preset", "tiny", "-W", "8", "--emulate", "--stage", "1"]) == 0
+    assert "equal to the plan" in capsys.readouterr().out
+    assert main(["plan", "--shape", "tiny", "-W", "8", "--emulate", "--rank", "8"]) == 2
+    assert "--rank must be in [0, 8), got 8" in capsys.readouterr().err
