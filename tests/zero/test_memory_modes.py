@@ -153,6 +153,7 @@ def test_mode_matches_float64_reference_over_steps(backend, master_mode, states)
 
 
 # fp32/fp32 is torch._fused_adamw_ on CPU, within ulps of the interpreter (tests/kernels/test_kernels.py).
+@pytest.mark.interpreter
 @pytest.mark.parametrize("master_mode,states", [c for c in COMBOS if c != ("fp32", "fp32")],
                          ids=lambda x: x)
 def test_torch_path_is_bitwise_the_interpreter(monkeypatch, master_mode, states):
