@@ -74,6 +74,8 @@ def test_json_has_every_field(stage_runs: dict[int, dict], stage: int) -> None:
                            "grad_reduce": "float32"}
     assert s["params"] <= s["padded_params"]
     assert s["tokens_per_s"] > 0
+    # MFU: model FLOPs per token counted, no bf16 peak claimed for a CPU
+    assert s["flops_per_token"] > 0 and s["mfu"] is None and s["device"] == "cpu"
     # Counted over a step: fp32 params (their own master) and fp32 grads are one combination.
     assert s["kernel_launches_per_step"] == {"adamw": 1, "sumsq": 1}
     # Learning: 4 steps at lr 3e-3 move the loss well below the first step's.
