@@ -13,7 +13,6 @@ import contextlib
 import datetime
 import math
 import os
-import sys
 import time
 import traceback
 from multiprocessing.queues import Queue
