@@ -53,6 +53,9 @@ STEPS = int(os.environ.get("FUSEDZERO_BENCH_PHASES_STEPS", "10"))
 WARMUP = 2
 HOOK_LAYERS = int(os.environ.get("FUSEDZERO_BENCH_PHASES_HOOK_LAYERS", "200"))
 HOOK_ROUNDS = int(os.environ.get("FUSEDZERO_BENCH_PHASES_HOOK_ROUNDS", "30"))
+# Torch threads on CPU (default 1: on a shared machine OpenMP threads spin-wait on each other
+# when one is descheduled, which swamps the phases; see bench_host.py).
+THREADS = int(os.environ.get("FUSEDZERO_BENCH_PHASES_THREADS", "1"))
 PHASES = ("forward", "backward", "step", "zero_grad")
 SYSTEMS = ("bare", "torch_adamw", "fsdp2", "fusedzero-0", "fusedzero-1", "fusedzero-2",
            "fusedzero-3")
@@ -164,6 +167,19 @@ def measure_phases(model: str, systems: tuple[str, ...] = SYSTEMS, steps: int = 
                    full: bool = FULL) -> dict[str, dict[str, list[float]]]:
     """Seconds per phase per step, by system: {system: {phase: [steps]}}."""
     cfg, batch = model_shape(model, full)
+    dev = device()
+    if dev.type == "cpu":
+        threads = torch.get_num_threads()
+        torch.set_num_threads(THREADS)
+        try:
+            return _measure_phases(cfg, batch, systems, steps)
+        finally:
+            torch.set_num_threads(threads)
+    return _measure_phases(cfg, batch, systems, steps)
+
+
+def _measure_phases(cfg: GPTConfig, batch: int, systems: tuple[str, ...], steps: int
+                    ) -> dict[str, dict[str, list[float]]]:
     dev = device()
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g).to(dev)
@@ -289,7 +305,7 @@ def test_hook_host_time(benchmark, stage: int) -> None:
 # -- command line ---------------------------------------------------------------------------------
 def format_phases(model: str, times: dict[str, dict[str, list[float]]]) -> str:
     cfg, batch = model_shape(model)
-    head = f"{'system':<14}" + "".join(f"{p + ' ms':>22}" for p in PHASES) + f"{'total ms':>10}"
+    head = f"{'system':<14}" + "".join(f"{p + ' ms':>24}" for p in PHASES) + f"{'total ms':>10}"
     lines = [f"{model}: {cfg.n_layer} layers, d {cfg.n_embd}, {batch} x {cfg.block_size} tokens, "
              f"{device()}; medians of {len(next(iter(times.values()))['step'])} steps "
              f"(p20-p80 in brackets)", head]
@@ -298,7 +314,7 @@ def format_phases(model: str, times: dict[str, dict[str, list[float]]]) -> str:
         for p in PHASES:
             q = torch.quantile(torch.tensor(d[p], dtype=torch.float64),
                                torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)) * 1e3
-            row += f"{q[1]:.2f} [{q[0]:.2f}-{q[2]:.2f}]".rjust(22)
+            row += f"{q[1]:.2f} [{q[0]:.2f}-{q[2]:.2f}]".rjust(24)
         row += f"{sum(statistics.median(d[p]) for p in PHASES) * 1e3:>10.2f}"
         lines.append(row)
     return "\n".join(lines)

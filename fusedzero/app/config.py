@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 from fusedzero import dtypes
-from fusedzero.app.model import PRESETS
+from fusedzero.app.model import PRESETS, GPTConfig
 from fusedzero.comm import DEFAULT_TIMEOUT_S
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES
 
@@ -191,6 +191,11 @@ class TrainConfig:
              f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
         need(self.device in ("auto", "cpu", "cuda"),
              f"--device must be auto, cpu or cuda, got {self.device!r}")
+        if self.preset is not None:  # the preset's fields beside the given shape flags
+            try:
+                GPTConfig(**self.model_config())
+            except ValueError as e:
+                raise UsageError(f"--preset {self.preset} with these shape flags: {e}") from None
         if self.stop_at is not None:
             need(1 <= self.stop_at <= self.steps,
                  f"--stop-at must be in [1, --steps={self.steps}], got {self.stop_at}")

@@ -78,6 +78,10 @@ def test_preset_flag_sets_the_shape_and_given_flags_override_it() -> None:
                                              "block_size": 128}
     with pytest.raises(UsageError, match="invalid choice: 'gpt3'"):
         parse_args(["--preset", "gpt3"])
+    # Checked before any rank starts: one line naming the clash, not a rank's traceback.
+    with pytest.raises(UsageError, match="--preset llama-254m with these shape flags: .*"
+                                         "n_kv_head=8 must be >= 1 and divide n_head=4"):
+        parse_args(["--preset", "llama-254m", "--n-head", "4", "--n-embd", "64"])
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
