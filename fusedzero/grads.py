@@ -115,9 +115,10 @@ class GradHooks:
             p.grad = None
 
     def _on_grad(self, p: torch.Tensor) -> None:
-        if p.grad is None:
+        grad = p.grad  # read once: every attribute read is a call into torch
+        if grad is None:
             return
-        if p.grad.is_sparse:
+        if grad.is_sparse:
             raise RuntimeError(f"param {self._names[id(p)]} got a sparse grad; "
                                "sparse gradients are not supported")
         task = torch._C._current_graph_task_id()
@@ -135,9 +136,9 @@ class GradHooks:
         self._grads_arrived = True
         buf, pos = self._where[id(p)]
         view = buf.param_grad_view(pos)  # None for DTensor params
-        if view is None or p.grad.data_ptr() != view.data_ptr():
+        if view is None or grad.data_ptr() != view.data_ptr():
             # Not (or no longer: reduced, or the user reset .grad) a view of our bucket: put it in.
-            self.schedule.add_grad(buf, pos, local_grad(p, p.grad))
+            self.schedule.add_grad(buf, pos, local_grad(p, grad))
             p.grad = self.idle_grad(buf, pos, p)
         else:
             self.schedule.add_grad(buf, pos, None)

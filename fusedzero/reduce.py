@@ -197,7 +197,9 @@ class ReduceIntoShard:
         # A copy (each param's grad arrives once per backward), pre-divided by the world size
         # in the same pass unless the division comes after the reduction (see the Note).
         a, e, p = b.buf.layout.overlap(pos, b.k)
-        dst, src = self._transient(b)[a:e], grad[p:p + e - a]
+        # A param inside one bucket (the usual case) is copied whole: no slice to make.
+        src = grad if p == 0 and e - a == grad.numel() else grad[p:p + e - a]
+        dst = self._transient(b)[a:e]
         if inv_world == 1.0 or divides_after(b, inv_world):
             dst.copy_(src)
         else:

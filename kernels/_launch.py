@@ -55,6 +55,16 @@ def use_triton(device: torch.device) -> bool:
     if b == "torch":
         return False
     if device.type == "cuda":
+        if interpreting():
+            # [Note: the interpreter is for CPU tensors] It copies each argument's storage to
+            # the host, runs there and copies it back whole; our tables address every buffer of
+            # a launch by its element offset from one base tensor (table.py), and an offset
+            # between two CUDA allocations lands in arbitrary host memory in those copies: heap
+            # corruption (glibc's `free(): invalid size`), not an error.
+            raise RuntimeError(f"tensors on {device} reached the Triton interpreter "
+                               "(TRITON_INTERPRET=1 is set): it runs on CPU tensors only; "
+                               "unset TRITON_INTERPRET (or set it to 0) before fusedzero.kernels "
+                               "is imported to run the compiled kernels")
         return True
     if b == "triton":
         if not interpreting():

@@ -12,6 +12,7 @@ from typing import Any
 
 from fusedzero import dtypes
 from fusedzero.app.tp_plan import check_tp
+from fusedzero.app.model import PRESETS, GPTConfig
 from fusedzero.comm import DEFAULT_TIMEOUT_S
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES
 
@@ -82,6 +83,9 @@ class TrainConfig:
     """Max global grad norm; 0 disables clipping."""
     seed: int = 0
     """Model init and data order."""
+    preset: str | None = None
+    """A named model shape (fusedzero.app.model.PRESETS: gpt2 ... gpt2-xl, llama-254m); the
+    shape flags given beside it override its values."""
     n_layer: int = DEFAULT_N_LAYER
     """Transformer blocks."""
     n_head: int = DEFAULT_N_HEAD
@@ -187,6 +191,8 @@ class TrainConfig:
         need(not (self.resume and self.overwrite),
              "--resume and --overwrite exclude each other: continue the run in --ckpt-dir, or "
              "start over in it")
+        need(self.preset is None or self.preset in PRESETS,
+             f"--preset must be one of {sorted(PRESETS)}, got {self.preset!r}")
         need(self.device in ("auto", "cpu", "cuda"),
              f"--device must be auto, cpu or cuda, got {self.device!r}")
         tp_problem = check_tp(self.tp, self.n_head, self.n_embd)
@@ -195,6 +201,17 @@ class TrainConfig:
              f"--tp {self.tp} with --ckpt-dir: fusedzero train does not checkpoint "
              "tensor-parallel runs yet (the library does: docs/tensor_parallel.md); drop "
              "--ckpt-dir or use --tp 1")
+        if self.tp > 1:  # fusedzero/app/tp_plan.py splits q, k, v in equal thirds and fc whole
+            mc = self.model_config()
+            need(mc.get("n_kv_head") in (None, mc["n_head"]) and mc.get("mlp", "gelu") == "gelu",
+                 f"--tp {self.tp} with --preset {self.preset}: the tensor-parallel plan covers "
+                 "multi-head attention with a GELU MLP (no grouped kv heads, no SwiGLU); use "
+                 "--tp 1 or a gpt2 preset")
+        if self.preset is not None:  # the preset's fields beside the given shape flags
+            try:
+                GPTConfig(**self.model_config())
+            except ValueError as e:
+                raise UsageError(f"--preset {self.preset} with these shape flags: {e}") from None
         if self.stop_at is not None:
             need(1 <= self.stop_at <= self.steps,
                  f"--stop-at must be in [1, --steps={self.steps}], got {self.stop_at}")
@@ -209,9 +226,11 @@ class TrainConfig:
     def warmup_steps(self) -> int:
         return max(1, self.steps // 20) if self.warmup is None else self.warmup
 
-    def model_config(self) -> dict[str, int]:
-        return {"n_layer": self.n_layer, "n_head": self.n_head, "n_embd": self.n_embd,
-                    "block_size": self.block_size}
+    def model_config(self) -> dict[str, Any]:
+        """GPTConfig fields: the preset's (if any) under the four shape flags."""
+        extra = {k: v for k, v in PRESETS[self.preset].items()} if self.preset else {}
+        return {**extra, "n_layer": self.n_layer, "n_head": self.n_head,
+                "n_embd": self.n_embd, "block_size": self.block_size}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -233,10 +252,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--beta2", type=float, default=d.beta2, help="AdamW beta2")
     a("--clip", type=float, default=d.clip, help="max grad norm, 0 disables (default %(default)s)")
     a("--seed", type=int, default=d.seed, help="model init and data order")
-    a("--n-layer", type=int, default=d.n_layer, help="transformer blocks")
-    a("--n-head", type=int, default=d.n_head, help="attention heads")
-    a("--n-embd", type=int, default=d.n_embd, help="model width")
-    a("--block-size", type=int, default=d.block_size, help="sequence length in bytes")
+    a("--preset", choices=sorted(PRESETS), default=None,
+      help="a named model shape (GPT-2 sizes as `fusedzero plan --preset`, or llama-254m: "
+           "GQA, SwiGLU, untied head); --n-layer/--n-head/--n-embd/--block-size override it")
+    # Shape flags default to None here: config_from_args tells a given flag from the preset's.
+    a("--n-layer", type=int, default=None, help=f"transformer blocks (default {d.n_layer})")
+    a("--n-head", type=int, default=None, help=f"attention heads (default {d.n_head})")
+    a("--n-embd", type=int, default=None, help=f"model width (default {d.n_embd})")
+    a("--block-size", type=int, default=None,
+      help=f"sequence length in bytes (default {d.block_size})")
     a("--data", default=None, metavar="PATH",
       help="text file or folder (default: the Python standard library's sources)")
     a("--eval-every", type=int, default=d.eval_every,
@@ -295,9 +319,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action) or ""
 
 
+_SHAPE = ("n_layer", "n_head", "n_embd", "block_size")
+
+
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
     fields = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in fields})
+    kw = {k: v for k, v in vars(args).items() if k in fields}
+    preset = PRESETS.get(kw.get("preset") or "", {})
+    for k in _SHAPE:  # a shape flag not given: the preset's value, else the default
+        if kw.get(k) is None:
+            kw.pop(k, None)
+            if k in preset:
+                kw[k] = preset[k]
+    return TrainConfig(**kw)
 
 
 def parse_args(argv: list[str]) -> TrainConfig:

@@ -14,7 +14,6 @@ import datetime
 import math
 import multiprocessing as mp
 import os
-import sys
 import time
 import traceback
 from multiprocessing.queues import Queue
@@ -78,10 +77,7 @@ def run_config(cfg: TrainConfig) -> dict[str, Any]:
     """Train as `cfg` says: join torchrun's group if there is one, else spawn local ranks."""
     if all(k in os.environ for k in _TORCHRUN_ENV) or dist.is_initialized():
         return _run_in_group(cfg)
-    use_cuda = _use_cuda(cfg)
-    nproc = cfg.nproc or (torch.cuda.device_count() if use_cuda else 2)
-    if use_cuda and nproc > torch.cuda.device_count():
-        raise UsageError(f"--nproc {nproc} exceeds the {torch.cuda.device_count()} visible GPUs")
+    use_cuda, nproc = local_ranks(cfg)
     check_tp_world(cfg, nproc)
     preflight.check_batch(cfg, nproc)
     # Before anything slow: a bad path fails now, not after the run.
@@ -107,6 +103,18 @@ def _use_cuda(cfg: TrainConfig) -> bool:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda but torch sees no GPU; use --device cpu")
     return cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+
+
+def local_ranks(cfg: TrainConfig) -> tuple[bool, int]:
+    """(use CUDA, ranks to spawn): --device auto takes CUDA when torch sees a GPU, one rank per
+    GPU; --device cpu runs --nproc gloo ranks (default 2) whatever GPUs are visible."""
+    use_cuda = _use_cuda(cfg)
+    gpus = torch.cuda.device_count() if use_cuda else 0
+    nproc = cfg.nproc or (gpus if use_cuda else 2)
+    if use_cuda and nproc > gpus:
+        raise UsageError(f"--nproc {nproc} exceeds the {gpus} visible GPUs; use --nproc {gpus}, "
+                         "or --device cpu for gloo ranks on the CPU")
+    return use_cuda, nproc
 
 
 

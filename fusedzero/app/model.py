@@ -40,6 +40,15 @@ class GPTConfig:
     """Width of the residual stream."""
     dropout: float = 0.0
     """Dropout probability on embeddings, attention and residual branches (training only)."""
+    n_kv_head: int | None = None
+    """Key/value heads (grouped-query attention); None: n_head (plain multi-head)."""
+    mlp: str = "gelu"
+    """"gelu": fc 4x, GELU, proj (GPT-2); "swiglu": silu(x W1) * (x W3), then W2, no biases
+    (Llama)."""
+    mlp_hidden: int | None = None
+    """Hidden width of the MLP; None: 4 * n_embd."""
+    tie_head: bool = True
+    """Output head shares the token embedding's weight (GPT-2); False: its own (Llama)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -50,8 +59,24 @@ class GPTConfig:
                 f"GPTConfig.n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
                 f"head size n_embd/n_head must be an integer"
             )
+        kv = self.kv_heads
+        if kv < 1 or self.n_head % kv != 0:
+            raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head} must be >= 1 and divide "
+                             f"n_head={self.n_head} (each kv head serves n_head/n_kv_head heads)")
+        if self.mlp not in ("gelu", "swiglu"):
+            raise ValueError(f"GPTConfig.mlp={self.mlp!r}, expected 'gelu' or 'swiglu'")
+        if self.mlp_hidden is not None and self.mlp_hidden < 1:
+            raise ValueError(f"GPTConfig.mlp_hidden={self.mlp_hidden} must be >= 1")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout={self.dropout} must be in [0, 1)")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def hidden(self) -> int:
+        return 4 * self.n_embd if self.mlp_hidden is None else self.mlp_hidden
 
 
 class CausalSelfAttention(nn.Module):
@@ -59,12 +84,13 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
+        self.n_head, self.n_kv_head = config.n_head, config.kv_heads
         self.dropout = config.dropout
-        # One matmul for q, k and v together, split afterwards.
+        # One matmul for q, k and v together, split afterwards (k and v: n_kv_head heads each).
         # No qkv bias: the key bias cannot change softmax, so its exact gradient is zero and Adam
         # would turn rounding noise in it into full-size, sign-random updates.
-        self.qkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        kv_width = config.n_embd // config.n_head * self.n_kv_head
+        self.qkv = nn.Linear(config.n_embd, config.n_embd + 2 * kv_width, bias=False)
         # Output projection into the residual stream; GPT.init_weights scales its init down.
         self.proj = nn.Linear(config.n_embd, config.n_embd)
         self.resid_dropout = nn.Dropout(config.dropout)
@@ -72,31 +98,41 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
         qkv = self.qkv(x)
+        hs = C // self.n_head
         # Under tensor parallelism qkv holds this rank's heads only (fusedzero/app/tp_plan.py):
-        # the width and head count are the local ones.
-        Cl, hs = qkv.shape[-1] // 3, C // self.n_head
-        q, k, v = qkv.split(Cl, dim=2)
-        # (B, T, Cl) -> (B, heads, T, head_size), the layout SDPA expects.
-        q, k, v = (t.view(B, T, Cl // hs, hs).transpose(1, 2) for t in (q, k, v))
+        # the head counts are the local ones (tp = full width / local width).
+        tp = hs * (self.n_head + 2 * self.n_kv_head) // qkv.shape[-1]
+        nh, nkv = self.n_head // tp, self.n_kv_head // tp
+        q, k, v = qkv.split([hs * nh, hs * nkv, hs * nkv], dim=2)
+        # (B, T, heads * hs) -> (B, heads, T, hs), the layout SDPA expects.
+        q = q.view(B, T, nh, hs).transpose(1, 2)
+        k, v = (t.view(B, T, nkv, hs).transpose(1, 2) for t in (k, v))
+        gqa = {"enable_gqa": True} if nkv != nh else {}
         y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True, **gqa
         )
-        y = y.transpose(1, 2).reshape(B, T, Cl)
+        y = y.transpose(1, 2).reshape(B, T, nh * hs)
         return self.resid_dropout(self.proj(y))
 
 
 class MLP(nn.Module):
-    """Position-wise feed-forward network: expand 4x, GELU, project back."""
+    """Position-wise feed-forward network: expand (4x by default), GELU, project back; or SwiGLU
+    (`mlp="swiglu"`): `fc` holds W1 and W3 stacked, silu(x W1) * (x W3), project back."""
 
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+        self.swiglu = config.mlp == "swiglu"
+        h, bias = config.hidden, not self.swiglu
+        self.fc = nn.Linear(config.n_embd, 2 * h if self.swiglu else h, bias=bias)
         self.gelu = nn.GELU()
         # Output projection into the residual stream; GPT.init_weights scales its init down.
-        self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
+        self.proj = nn.Linear(h, config.n_embd, bias=bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = self.fc(x).chunk(2, dim=-1)
+            return self.dropout(self.proj(F.silu(gate) * up))
         return self.dropout(self.proj(self.gelu(self.fc(x))))
 
 
@@ -116,7 +152,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer language model with the output head tied to the token embedding."""
+    """Decoder-only transformer language model; the output head is tied to the token embedding
+    unless `tie_head=False`. With `n_kv_head`, `mlp="swiglu"` and an untied head it has a Llama
+    block's matrices (pre-LayerNorm and learned positions stay: not RMSNorm and RoPE)."""
 
     blocks: nn.ModuleList  # of Block
 
@@ -141,7 +179,8 @@ class GPT(nn.Module):
             self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         # Weight tying: one Parameter object, seen once by parameters() and the optimizer.
         # to_empty() unties it again; init_weights() restores it.
-        self.lm_head.weight = self.wte.weight
+        if config.tie_head:
+            self.lm_head.weight = self.wte.weight
         self.to_empty(device=device)
         self.init_weights()
 
@@ -157,7 +196,8 @@ class GPT(nn.Module):
         """
         # Module.to_empty() from meta gives each module its own new Parameter, which silently
         # unties lm_head from wte (torch 2.13); re-tie so a materialised model is tied again.
-        self.lm_head.weight = self.wte.weight
+        if self.config.tie_head:
+            self.lm_head.weight = self.wte.weight
         if self.wte.weight.is_meta:
             return  # nothing to fill; meta-device init ops import torch._dynamo for nothing
         for name, module in self.named_modules():
@@ -167,7 +207,7 @@ class GPT(nn.Module):
     def init_module(self, name: str, module: nn.Module) -> None:
         """Initialise the params a module owns directly (see init_weights). ZeRO-3 calls this
         module by module to build a model from the meta device without ever holding it whole."""
-        if module is self.lm_head:
+        if module is self.lm_head and self.config.tie_head:
             return  # its weight is wte.weight, initialised as an embedding
         if isinstance(module, nn.Linear):
             std = INIT_STD / math.sqrt(2 * self.config.n_layer) if name.endswith(".proj") \
@@ -236,3 +276,33 @@ def gpt_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+
+
+_GPT2 = dict(vocab_size=50257, block_size=1024)
+PRESETS: dict[str, dict[str, Any]] = {
+    # GPT-2 shapes (tied head, no qkv bias: a few params fewer than OpenAI's), as `fusedzero plan`
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768, **_GPT2),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, **_GPT2),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, **_GPT2),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, **_GPT2),
+    # A Llama-shaped decoder of 254M params: d 1024, 16 layers, 16 heads, 8 kv heads, SwiGLU
+    # 2816, vocab 32000, untied head. Here with LayerNorm and learned positions instead of
+    # RMSNorm and RoPE, and the attention output's bias: 255.4M params (+1.1M: positions
+    # 1024 x 1024, norm biases, output biases), the same matmuls and so the same FLOPs per token.
+    "llama-254m": dict(n_layer=16, n_head=16, n_kv_head=8, n_embd=1024, mlp="swiglu",
+                       mlp_hidden=2816, vocab_size=32000, block_size=1024, tie_head=False),
+}
+"""Model shapes by name, for `fusedzero train --preset` (GPTConfig fields)."""
+
+
+def flops_per_token(config: GPTConfig, seq_len: int | None = None) -> int:
+    """Model FLOPs of one token's forward + backward (the MFU numerator, as in PaLM / nanoGPT):
+    6 per weight of every matmul (2 forward, 4 backward; the head counted even when tied, the
+    embedding lookups not), plus causal-free attention 12 * n_layer * T * n_embd (scores and
+    the weighted sum, forward and backward) at sequence length T (default block_size)."""
+    d, h = config.n_embd, config.hidden
+    kv = d // config.n_head * config.kv_heads
+    per_layer = d * (d + 2 * kv) + d * d + d * h * (3 if config.mlp == "swiglu" else 2)
+    matmul = config.n_layer * per_layer + d * config.vocab_size
+    T = config.block_size if seq_len is None else seq_len
+    return 6 * matmul + 12 * config.n_layer * T * d

@@ -14,7 +14,29 @@ import torch.distributed as dist
 from fusedzero import dtypes
 from fusedzero.app.config import TrainConfig
 from fusedzero.app.log import RunLog
+from fusedzero.app.model import GPTConfig, flops_per_token
 from fusedzero.optim import ZeroAdamW
+
+# Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from NVIDIA's datasheets, matched in order
+# against torch.cuda.get_device_name (first match wins: the PCIe/NVL H100s before the SXM one).
+BF16_PEAKS: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
+    ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12),
+)
+
+
+def bf16_peak(device: torch.device) -> tuple[float | None, str]:
+    """(peak bf16 FLOP/s of one such device, its name); None where no peak is known (a CPU, a
+    GPU not in BF16_PEAKS): MFU is then reported as n/a rather than against a guess."""
+    if device.type != "cuda":
+        return None, device.type
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in BF16_PEAKS if key in name), None), name
+
+
+def mfu(tokens_per_s: float, flops: int, world: int, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all `world` devices."""
+    return None if peak is None or tokens_per_s <= 0 else tokens_per_s * flops / (world * peak)
 
 
 def summarize(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device,
@@ -31,6 +53,8 @@ def summarize(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device
     master = 4 if param_dtype != torch.float32 else 0
     ddp = {"params": psi * pb, "grads": psi * gb, "optimizer": psi * (8 + master)}
     ddp_comm = 2 * (world - 1) * psi * gb // world
+    flops = flops_per_token(GPTConfig(**cfg.model_config()))
+    peak, device_name = bf16_peak(device)
     return {
         "stage": cfg.stage,
         "world_size": world,
@@ -41,6 +65,12 @@ def summarize(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device
         "val_loss": log.val[-1]["val_loss"] if log.val else None,
         "val": list(log.val),
         "tokens_per_s": tokens_per_s,
+        # Model FLOPs per token (forward + backward, fusedzero.app.model.flops_per_token) and
+        # their share of the devices' dense bf16 peak; None (n/a) where no peak is known.
+        "flops_per_token": flops,
+        "device_name": device_name,
+        "bf16_peak_flops": peak,
+        "mfu": mfu(tokens_per_s, flops, world, peak),
         "resident_bytes": {"params": params_b, "grads": grads_b, "optimizer": opt_b},
         "ddp_resident_bytes": ddp,
         "comm_bytes_per_step": comm_per_step,
@@ -54,6 +84,15 @@ def summarize(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device
         "device": device.type,
         "config": dataclasses.asdict(cfg),
     }
+
+
+def _mfu_text(s: dict[str, Any]) -> str:
+    if s.get("mfu") is None:
+        why = "no bf16 peak for a CPU" if s.get("device") == "cpu" else \
+            f"no known bf16 peak for {s.get('device_name')}"
+        return f"MFU n/a: {why}"
+    return (f"MFU {s['mfu']:.1%} of {s['world_size']} x {s['device_name']} at "
+            f"{s['bf16_peak_flops'] / 1e12:.0f} TFLOP/s bf16")
 
 
 def format_table(s: dict[str, Any], stopped: bool = False) -> str:
@@ -74,7 +113,7 @@ def format_table(s: dict[str, Any], stopped: bool = False) -> str:
         ("steps", f"{last}" + ("  (stopped early: resume with --resume)" if stopped else "")),
         ("train loss", fmt(s["train_loss"])),
         ("val loss", f"{fmt(s['val_loss'])}  (at start {first_val:.4f})"),
-        ("tokens/s", f"{s['tokens_per_s']:,.0f}"),
+        ("tokens/s", f"{s['tokens_per_s']:,.0f}  ({_mfu_text(s)})"),
     ]
     w = max(len(k) for k, _ in rows)
     out = ["", "fusedzero train: done"] + [f"  {k:<{w}}  {v}" for k, v in rows]

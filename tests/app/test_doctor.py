@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fusedzero import kernels
-from fusedzero.app import kernel_checks
+from fusedzero.app import doctor, kernel_checks
 from fusedzero.app.cli import main
 from fusedzero.app.doctor import Status, format_table, Row
 
@@ -18,19 +18,29 @@ def _doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
     return rc, json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # starts the interpreter and compiler children
+# Bounded: the children are ended after CHILD_TIMEOUT_S; the rest is seconds on CPU or GPU.
+@pytest.mark.timeout(int(doctor.CHILD_TIMEOUT_S) + 120)
 def test_doctor_is_green_here(capsys):
-    # The whole command, as a user runs it (conftest's TRITON_INTERPRET=1 only reaches the
-    # in-process kernels, which take the torch path on CPU; the children set their own).
+    # The whole command, as a user runs it, on this machine's device: cuda:N with the compiled
+    # kernels where torch sees a GPU (conftest.py then leaves TRITON_INTERPRET unset), else the
+    # CPU (conftest's TRITON_INTERPRET=1 only reaches the in-process kernels, which take the
+    # torch path on CPU; the children set their own).
+    gpu = torch.cuda.is_available()
     rc, report = _doctor(capsys)
     by_check = {r["check"]: r for r in report["rows"]}
     bad = {c: r["detail"] for c, r in by_check.items() if r["status"] == "FAIL"}
     assert rc == 0 and report["ok"] and not bad, bad
-    want = ["versions", "device", "kernels on cpu (torch path)", "kernels, Triton interpreter",
+    here = f"kernels on cuda:{torch.cuda.current_device()} (compiled)" if gpu else \
+        "kernels on cpu (torch path)"
+    want = ["versions", "device", here, "kernels, Triton interpreter",
             "offline compile sm_90", "update bandwidth", "process group", "ZeroAdamW step",
             "checkpoint"]
     assert list(by_check) == want
-    for check in ("kernels on cpu (torch path)", "kernels, Triton interpreter"):
+    if gpu:  # the compiled kernels ran on the GPU: no interpreter or offline-compile child
+        assert by_check["kernels, Triton interpreter"]["status"] == "skipped"
+        assert by_check["offline compile sm_90"]["status"] == "skipped"
+    for check in [here] if gpu else [here, "kernels, Triton interpreter"]:
         variants = by_check[check]["data"]["variants"]
         # grad fp32/bf16/fp16 x out none/bf16/fp16 x maximize, and sumsq per dtype
         assert len(variants) == 3 * 3 * 2 + 3 and all(v["ok"] for v in variants), check

@@ -37,7 +37,7 @@ def test_train_without_numpy_prints_no_numpy_warning(tmp_path: Path) -> None:
     assert probe.returncode != 0, "the numpy blocker is not active in the child"
     argv = ["train", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
             "--batch-size", "4", "--steps", "1", "--warmup", "0", "--eval-seqs", "4",
-            "--nproc", "2", "--no-progress", "--data", str(corpus)]
+            "--device", "cpu", "--nproc", "2", "--no-progress", "--data", str(corpus)]
     p = subprocess.run([sys.executable, "-m", "fusedzero.cli", *argv], env=env,
                        capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr[-3000:]

@@ -27,9 +27,10 @@ from fusedzero.app.launch import run
 W = 2
 STEPS = 4
 # Tiny model, 2 ranks x 4 sequences; warmup 1 so the 4 steps see warmup and cosine decay.
+# --device cpu: gloo ranks on the CPU whatever GPUs are visible (auto would take one per GPU).
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
         "--batch-size", "8", "--steps", str(STEPS), "--warmup", "1", "--lr", "3e-3",
-        "--eval-seqs", "8", "--nproc", str(W), "--no-progress"]
+        "--eval-seqs", "8", "--device", "cpu", "--nproc", str(W), "--no-progress"]
 STAGES = [0, 1, 2, 3]
 
 
@@ -74,6 +75,8 @@ def test_json_has_every_field(stage_runs: dict[int, dict], stage: int) -> None:
                            "grad_reduce": "float32"}
     assert s["params"] <= s["padded_params"]
     assert s["tokens_per_s"] > 0
+    # MFU: model FLOPs per token counted, no bf16 peak claimed for a CPU
+    assert s["flops_per_token"] > 0 and s["mfu"] is None and s["device"] == "cpu"
     # Counted over a step: fp32 params (their own master) and fp32 grads are one combination.
     assert s["kernel_launches_per_step"] == {"adamw": 1, "sumsq": 1}
     # Learning: 4 steps at lr 3e-3 move the loss well below the first step's.
@@ -192,7 +195,8 @@ def _cli_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     (["train", "--lr", "abc"], "invalid float value"),
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["train", "--n-embd", "30", "--n-head", "4"], "not divisible by --n-head 4"),
-    (["train", "--batch-size", "6", "--nproc", "4"], "not divisible by ranks*grad_accum"),
+    (["train", "--batch-size", "6", "--nproc", "4", "--device", "cpu"],
+     "not divisible by ranks*grad_accum"),
     (["train", "--resume"], "--resume needs --ckpt-dir"),
     (["train", "--stop-at", "9", "--steps", "5", "--ckpt-dir", "x"], "--stop-at must be in"),
     (["nope"], "invalid choice: 'nope'"),
@@ -212,16 +216,19 @@ def test_bad_data_paths_give_one_line(capsys: pytest.CaptureFixture[str], tmp_pa
                         (tmp_path / "bin", "no text files"),
                         (tmp_path / "tiny.txt", "fewer than 2*block_size+2"),
                         (Path("/dev/null"), "not a regular file or folder")]:
-        line = _cli_error(capsys, ["train", "--data", str(path), "--nproc", "1"])
+        line = _cli_error(capsys, ["train", "--data", str(path), "--nproc", "1",
+                                   "--device", "cpu"])
         assert "--data" in line and words in line, line
     with pytest.raises(UsageError, match="no complete checkpoint"):
-        run(["--ckpt-dir", str(tmp_path / "empty"), "--resume", "--nproc", "1"])
+        run(["--ckpt-dir", str(tmp_path / "empty"), "--resume", "--nproc", "1",
+             "--device", "cpu"])
 
 
 @pytest.mark.slow
 def test_console_script_error_is_one_line_without_traceback(tmp_path: Path) -> None:
     """The real entry point in a fresh interpreter: exit code 2, one line on stderr."""
-    for argv in (["train", "--stage", "9"], ["train", "--data", str(tmp_path / "nope")]):
+    for argv in (["train", "--stage", "9"],
+                 ["train", "--device", "cpu", "--data", str(tmp_path / "nope")]):
         p = subprocess.run([sys.executable, "-m", "fusedzero.cli", *argv], check=False,
                            capture_output=True, text=True, timeout=120,
                            env={**os.environ, "PYTHONWARNINGS": "ignore"})

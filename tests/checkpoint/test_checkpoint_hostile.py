@@ -379,7 +379,7 @@ def test_train_resumes_from_the_newest_verified_checkpoint(
     ckpt = tmp_path / "ckpt"
     base = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
             "--batch-size", "2", "--steps", "3", "--eval-seqs", "2", "--nproc", "1",
-            "--no-progress", "--data", str(data)]
+            "--device", "cpu", "--no-progress", "--data", str(data)]
     train_run(base + ["--ckpt-dir", str(ckpt), "--save-every", "1", "--stop-at", "2"])
     assert [p.name for p in ck.list_checkpoints(ckpt)] == ["step-00000001", "step-00000002"]
     f = ckpt / "step-00000002" / SHARD

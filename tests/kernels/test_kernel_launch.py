@@ -54,6 +54,7 @@ def test_grid_beyond_cuda_axis0_limit_is_refused_with_the_fix() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.interpreter
 def test_adamw_last_programs_of_a_70k_bucket_grid_triton_interpreter(monkeypatch) -> None:
     """The AdamW kernel at bucket ids past 65535, in the interpreter, on 128-element shards.
 
@@ -153,6 +154,7 @@ class _FakeKernel:
         return launch
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("kernel", ["adamw", "sumsq"])
 def test_every_triton_launch_runs_under_the_tensors_device_guard(monkeypatch, kernel) -> None:
     monkeypatch.setenv("FUSEDZERO_BACKEND", "triton")

@@ -160,6 +160,7 @@ def test_adamw_torch_path_matches_float64_reference(monkeypatch, n, grad_dtype, 
     _check_against_reference(s0, s, out, maximize)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 def test_adamw_torch_path_agrees_with_triton_interpreter(monkeypatch, grad_dtype, out_dtype):

@@ -158,6 +158,7 @@ def test_mode_matches_float64_reference_over_steps(backend, master_mode, states)
 
 
 # fp32/fp32 is torch._fused_adamw_ on CPU, within ulps of the interpreter (tests/kernels/test_kernels.py).
+@pytest.mark.interpreter
 @pytest.mark.parametrize("master_mode,states", fast_only(
     [c for c in COMBOS if c != ("fp32", "fp32")], FAST_COMBOS.__contains__),
                          ids=lambda x: x)

@@ -90,6 +90,7 @@ def test_one_kernel_launch_per_dtype_combination_not_per_group_or_buffer() -> No
     assert LAUNCHES["sumsq"] - before.get("sumsq", 0) == 1, "one grad dtype: one norm launch"
 
 
+@pytest.mark.interpreter
 def test_triton_interpreter_step_matches_torch_path_interpreter_only(monkeypatch) -> None:
     results = []
     for backend in ("torch", "triton"):
@@ -118,6 +119,7 @@ class _ScalarReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_step_reads_no_tensor_value_on_host_triton_interpreter_only(monkeypatch, stage) -> None:
     """On CUDA every such read is a device sync. The Triton path must make none; the check is

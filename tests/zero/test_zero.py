@@ -72,6 +72,7 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
                     reshard_after_forward=opts.get("reshard", True), process_group=pg,
                     replicate_group=rep,
                     param_init_fn=model.init_module if opts.get("meta") else None,
+                    device="cpu",  # gloo ranks: meta params materialise on the CPU, GPU or not
                     bucket_numel=opts.get("bucket", BUCKET),
                     max_grad_norm=opts.get("clip"), param_dtype=opts.get("param_dtype"),
                     reduce_dtype=opts.get("reduce_dtype", torch.float32),
