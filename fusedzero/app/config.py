@@ -135,8 +135,9 @@ class TrainConfig:
     progress: bool = True
     """A tqdm bar on rank 0."""
     log_jsonl: str | None = None
-    """Append per-step metrics (loss, val loss, grad norm, lr, tokens/s, skipped, step ms) to
-    this file as JSON lines, from rank 0, at every log point."""
+    """Append per-step metrics (run id, loss, val loss, grad norm, lr, tokens/s, skipped, step
+    ms) to this file as JSON lines, from rank 0, at every log point, after a step-0 val record;
+    a resume appends under its run's id (fusedzero/app/watch.py)."""
     plot: str | None = None
     """At the end, draw train and val loss against step into this PNG (needs matplotlib)."""
     sample_tokens: int = 200
@@ -275,8 +276,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="auto: CUDA with NCCL when a GPU is visible, else CPU with gloo")
     a("--no-progress", dest="progress", action="store_false", help="no progress bar")
     a("--log-jsonl", default=None, metavar="FILE",
-      help="append per-step metrics as JSON lines (loss, val_loss, grad_norm, lr, tokens_per_s, "
-           "skipped, step_ms) at every log point")
+      help="append per-step metrics as JSON lines (run_id, step, loss, val_loss, grad_norm, "
+           "lr, tokens_per_s, skipped, step_ms) at every log point, after a step-0 val record; "
+           "earlier runs' lines stay, a --resume continues its run's run_id")
     a("--plot", default=None, metavar="PNG",
       help="draw the loss curves (train and val against step) at the end; needs "
            "pip install 'fusedzero[plot]'")
