@@ -110,7 +110,8 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
     modes = state.get("modes", {"master": "fp32", "states": "fp32"})
     changed += [f"--{k} {getattr(cfg, k)} (checkpoint: {v}, converted)" for k, v in modes.items()
                 if getattr(cfg, k) != v]
-    if dist.get_rank() == 0:
+    stop = cfg.stop_at if cfg.stop_at is not None else cfg.steps
+    if dist.get_rank() == 0 and step < stop:  # else the caller says there is nothing to train
         print(resumed_line(step, checkpoint.read_manifest(loaded.path), opt, changed), flush=True)
     # LambdaLR.load_state_dict restores the schedule position only: set the groups' lr to the
     # exact value the uninterrupted run would use for the next update (LambdaLR's own formula).

@@ -115,6 +115,7 @@ def test_finished_run_says_so_and_exits_0(first: dict, resumed: dict,
     assert f"is already at step {STEPS}, its last step (--steps {STEPS}): nothing to train" \
         in out, out
     assert "tokens/s" not in out and "fusedzero train: done" not in out, out
+    assert len(out.strip().splitlines()) == 1, out  # no "resumed from" line before it
 
 
 def test_resume_into_another_shape_is_one_short_line(first: dict, resumed: dict,
