@@ -127,7 +127,9 @@ def _all_blocks() -> list[Block]:
 def _marks(b: Block) -> list[pytest.MarkDecorator]:
     marks = []
     if "slow" in b.flags or (b.lang == "sh" and "install-only" not in b.flags):
-        marks.append(pytest.mark.slow)
+        marks += [pytest.mark.slow, pytest.mark.timeout(SLOW_TIMEOUT_S + 60)]
+    else:
+        marks.append(pytest.mark.timeout(FAST_TIMEOUT_S + 60))
     if "cuda" in b.flags:
         marks += [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
                                                        reason="a ```cuda block needs a GPU")]

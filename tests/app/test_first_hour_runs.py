@@ -23,7 +23,8 @@ from fusedzero.app.cli import main
 from fusedzero.app.launch import run
 from fusedzero.app.watch import read_jsonl
 
-pytestmark = pytest.mark.slow  # spawns ranks and the CLI
+# Spawns ranks and the CLI; a launch takes minutes on a loaded 2-core machine.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 STEPS, STOP = 24, 12
 SAMPLE = 300
