@@ -93,7 +93,7 @@ def resumed(first: dict) -> dict:
 
 
 def test_resume_says_where_from_and_what_changed(resumed: dict) -> None:
-    lines = [x for x in resumed["stdout"].splitlines() if "resumed" in x]
+    lines = [x for x in resumed["stdout"].splitlines() if x.startswith("fusedzero: resumed")]
     assert lines == [f"fusedzero: resumed from step {STOP} (world 2, stage 2); now world 1, "
                      "stage 1 (resharded)"], resumed["stdout"]
 
