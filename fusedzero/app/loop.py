@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from fusedzero import dtypes
 from fusedzero.app import resume as resume_mod
 from fusedzero.app import watch
-from fusedzero.app.config import MIN_LR_RATIO, TrainConfig
+from fusedzero.app.config import MIN_LR_RATIO, TrainConfig, UsageError
 from fusedzero.app.data import BatchSampler, Split, eval_batches
 from fusedzero.app.log import PendingStep, RunLog, waiting_for
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
@@ -101,8 +101,11 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split) -> dict[str,
         if rank == 0:
             (bar.write if bar is not None else print)(msg)
 
-    metrics = watch.MetricsLog(cfg.log_jsonl, run_id=log.run_id, start_step=start) if (
-        rank == 0 and cfg.log_jsonl) else None
+    try:
+        metrics = watch.MetricsLog(cfg.log_jsonl, run_id=log.run_id, start_step=start) if (
+            rank == 0 and cfg.log_jsonl) else None
+    except ValueError as e:  # the launcher ends the other ranks, waiting in the first eval
+        raise UsageError(str(e)) from None
     if start == 0 or not log.val:
         log.val.append({"step": start, "val_loss": evaluate(model, val, rank, world)})
         if metrics is not None:  # the untrained model's: where the curve starts

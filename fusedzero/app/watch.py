@@ -105,7 +105,11 @@ class MetricsLog:
         """Rewrite the log without a torn tail and without this run's records after
         ``start_step``, atomically (temp + rename); untouched when there is nothing to drop."""
         data = self.path.read_bytes()
-        records = read_jsonl(self.path)
+        try:
+            records = read_jsonl(self.path)
+        except ValueError as e:
+            raise ValueError(f"--log-jsonl {str(self.path)!r} is not a metrics log to append to "
+                             f"({e}); pass a new file or an earlier run's log") from None
         # Records without a run id are from before ids were written: a resume counts them as its.
         keep = records if start_step == 0 else [
             r for r in records

@@ -128,6 +128,15 @@ def test_metrics_log_resume_drops_later_steps_and_torn_tail(tmp_path: Path) -> N
     assert [r["step"] for r in got[9:]] == list(range(7)) and got[15]["loss"] == 0.25
 
 
+def test_metrics_log_refuses_to_append_to_a_file_that_is_no_log(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("my notes\n")
+    with pytest.raises(ValueError, match=r"--log-jsonl .*notes.txt' is not a metrics log to "
+                                         r"append to \(.*line 1 is not JSON"):
+        MetricsLog(path)
+    assert path.read_text() == "my notes\n"
+
+
 def test_read_jsonl_names_a_corrupt_line(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     path.write_text('{"step": 1, "loss": 2.0}\nnot json\n{"step": 3}\n')
