@@ -196,3 +196,12 @@ def test_extract_blocks_reads_fences_flags_and_indents() -> None:
     assert got[1].first_line == "echo a" and got[1].where == "x.md:7"
     with pytest.raises(ValueError, match=r"x.md:1: the fence ```sh is never closed"):
         extract_blocks("```sh\necho\n", "x.md")
+
+
+def test_a_failing_block_names_its_file_line_and_code(tmp_path: Path) -> None:
+    bad = Block("docs/x.md", 7, "sh", frozenset({"install-only"}), "if then fi\n")
+    with pytest.raises(pytest.fail.Exception) as e:
+        test_block_runs(bad, tmp_path)
+    msg = str(e.value)
+    assert msg.startswith("docs/x.md:7: the ```sh block exited with 2:\nif then fi\n"), msg
+    assert "syntax error" in msg
