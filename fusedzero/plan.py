@@ -130,7 +130,8 @@ class Plan:
                 "world_size": self.world_size, "params": self.params}
 
     def table(self) -> str:
-        """A text table: which buffer each column is, full or sharded, in decimal GB."""
+        """A text table: which buffer each column is, full or sharded, each value in its own
+        decimal unit (B, KB, MB, GB, TB)."""
         c, W = self.config, self.world_size
         pdt = dtypes.short_name(c.param_dtype) if c.param_dtype is not None else "own dtype"
         # K per element of a shard, scales included (exact per 128 elements: QBLOCK divides it).
@@ -159,7 +160,8 @@ class Plan:
                                    for i, (x, w) in enumerate(zip(r, widths))).rstrip())
         ag = "2 x all-gather" if c.reshard_after_forward else "1 x all-gather"
         lines += ["",
-                  "GB = 1e9 bytes, resident per rank (as ZeroAdamW.memory()), padding included.",
+                  "KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12 bytes, resident per rank (as "
+                  "ZeroAdamW.memory()), padding included.",
                   "comm/step = bytes this rank sends per step (as opt.comm), one micro-batch: "
                   "stage 0 all-reduce of grads; 1-2 reduce-scatter of grads + all-gather of "
                   f"params; 3 reduce-scatter + {ag}"
@@ -169,8 +171,16 @@ class Plan:
         return "\n".join(lines)
 
 
+_UNITS = ("B", "KB", "MB", "GB", "TB")  # decimal, as the ZeRO paper's figures
+
+
 def _gb(n: int) -> str:
-    return f"{n / 1e9:.3g} GB"
+    """`n` bytes in the largest decimal unit that keeps the value >= 1, 3 significant digits:
+    890 KB, not 0.00089 GB."""
+    v, unit = float(n), 0
+    while unit < len(_UNITS) - 1 and float(f"{v:.3g}") >= 1000:
+        v, unit = v / 1000, unit + 1
+    return f"{v:.3g} {_UNITS[unit]}" if v < 1000 else f"{v:,.0f} {_UNITS[unit]}"
 
 
 # -- flat buffers, as the optimizer builds them ---------------------------------------------

@@ -35,6 +35,7 @@ class ReportKind(enum.Enum):
     ERROR = "error"  # the value is the rank's traceback
     USAGE = "usage"  # `fusedzero train`: a bad flag, path or checkpoint found on a rank
     STALLED = "stalled"  # `fusedzero train`: a wait on the others passed --timeout
+    OUTPUT_CLOSED = "output closed"  # `fusedzero train | head`: stdout's reader left
 
 
 class Report(NamedTuple):

@@ -115,6 +115,8 @@ def run_ckpt(args: argparse.Namespace) -> int:
             print(f"{_human(r.bytes)} of {args.dtype} params; peak buffer "
                   f"{_human(r.peak_buffer_bytes)}")
             return 0
+    except BrokenPipeError:
+        raise  # `fusedzero ckpt inspect | head`: the CLI ends quietly
     except (checkpoint.CheckpointError, ValueError, OSError) as e:
         msg = " ".join(str(e).split())  # one line, as the rest of the `fusedzero` CLI
         print(f"fusedzero: error: {msg}", file=sys.stderr)

@@ -7,13 +7,16 @@
 
 Errors in flags, paths or checkpoints print one line, `fusedzero: error: ...`, and exit with 2.
 A run that stalls past --timeout prints one such line naming each rank's wait and exits with 1;
-Ctrl-C exits with 130, SIGTERM/SIGHUP with 128 + the signal number, the ranks ended either way.
+Ctrl-C exits with 130, SIGTERM/SIGHUP with 128 + the signal number, the ranks ended either way;
+a closed stdout (`fusedzero train | head`) ends the run quietly with 141 (128 + SIGPIPE).
 Anything else that goes wrong (a rank killed, a disk error) is one line too, exit 1: tracebacks
 only with `--debug` (anywhere on the command line) or FUSEDZERO_DEBUG=1.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 
 from fusedzero.app.ckpt_cli import add_ckpt_subparser
@@ -70,6 +73,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("fusedzero: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # stdout's reader left (`fusedzero train | head`): end quietly with the status of a
+        # process that SIGPIPE ended, as `yes | head` does; stdout goes nowhere from here on,
+        # so the interpreter's flush at exit cannot raise again.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except Exception as e:  # noqa: BLE001 - the last line of defence: no traceback by default
         if debug:
             detail = getattr(e, "detail", "")

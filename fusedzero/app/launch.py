@@ -11,9 +11,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import errno
 import math
 import multiprocessing as mp
 import os
+import sys
 import time
 import traceback
 from multiprocessing.queues import Queue
@@ -151,6 +153,8 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool, data: Split) -> dict[st
                 stalls[report.rank] = report.value
                 stall_deadline = min(stall_deadline, time.monotonic() + _STALL_GRACE_S)
                 continue
+            if report.kind is ReportKind.OUTPUT_CLOSED:
+                raise BrokenPipeError(errno.EPIPE, f"rank {report.rank}: stdout was closed")
             if report.kind is ReportKind.ERROR:
                 raise _rank_failed(cfg, ranks, progress, report.rank, str(report.value))
             if report.rank == 0:
@@ -211,6 +215,11 @@ def _spawn_entry(rank: int, world: int, port: int, q: Queue[Report], use_cuda: b
         q.put(Report(rank, ReportKind.USAGE, str(e)))
     except CollectiveTimeout as e:
         q.put(Report(rank, ReportKind.STALLED, " ".join(str(e).split())))
+    except BrokenPipeError:
+        # Rank 0 prints into the launcher's stdout: its reader left (`fusedzero train | head`).
+        # Later writes (the flush at exit included) go nowhere; the launcher ends quietly.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        q.put(Report(rank, ReportKind.OUTPUT_CLOSED, None))
     except BaseException:  # noqa: BLE001 - report everything to the parent
         q.put(Report(rank, ReportKind.ERROR, traceback.format_exc()))
     finally:

@@ -42,8 +42,9 @@ class PendingStep(NamedTuple):
 class RunLog:
     """Per-step records. Device values wait in `pending` until `flush` (a host sync)."""
 
-    def __init__(self, world: int) -> None:
+    def __init__(self, world: int, run_id: str = "") -> None:
         self.world = world  # the logged loss is the mean over ranks
+        self.run_id = run_id  # the same on every rank; a resume takes the checkpoint's
         self.pending: list[PendingStep] = []
         self.steps: list[dict[str, Any]] = []
         self.val: list[dict[str, Any]] = []

@@ -24,7 +24,7 @@ from fusedzero import dtypes
 from fusedzero.app import resume as resume_mod
 from fusedzero.app import tp_plan
 from fusedzero.app import watch
-from fusedzero.app.config import MIN_LR_RATIO, TrainConfig
+from fusedzero.app.config import MIN_LR_RATIO, TrainConfig, UsageError
 from fusedzero.app.data import BatchSampler, Split, eval_batches
 from fusedzero.app.log import PendingStep, RunLog, waiting_for
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
@@ -78,13 +78,17 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_for(cfg))
     sampler = BatchSampler(train_data, cfg.block_size, cfg.batch_size, cfg.seed)
     val = eval_batches(val_data, cfg.block_size, cfg.eval_seqs, 1)[0]
-    log = RunLog(world)
+    box = [watch.new_run_id()]
+    dist.broadcast_object_list(box, src=0)  # one id for the run: every rank saves it
+    log = RunLog(world, run_id=box[0])
 
     start = 0
     if cfg.resume:
         start = resume_mod.resume(cfg, opt, sched, log)
     replace_old = cfg.overwrite  # until the first save of this run
     stop = cfg.stop_at if cfg.stop_at is not None else cfg.steps
+    if start >= stop:
+        return _nothing_to_train(cfg, opt, world, device, param_dtype, reduce_dtype, log, start)
     A = cfg.grad_accum
     tokens_per_step = cfg.batch_size * cfg.block_size
 
@@ -104,16 +108,21 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
         if rank == 0:
             (bar.write if bar is not None else print)(msg)
 
+    try:
+        metrics = watch.MetricsLog(cfg.log_jsonl, run_id=log.run_id, start_step=start) if (
+            rank == 0 and cfg.log_jsonl) else None
+    except ValueError as e:  # the launcher ends the other ranks, waiting in the first eval
+        raise UsageError(str(e)) from None
     if start == 0 or not log.val:
         log.val.append({"step": start, "val_loss": evaluate(model, val, dpr, dpw)})
+        if metrics is not None:  # the untrained model's: where the curve starts
+            metrics.write(start, val_loss=log.val[-1]["val_loss"])
         say(f"step {start:5d}: val loss {log.val[-1]['val_loss']:.4f}")
 
     comm_total = dict.fromkeys(opt.comm.bytes, 0)
     train_time, timed_steps = 0.0, 0
     seg_start, seg_steps = time.perf_counter(), 0
 
-    metrics = watch.MetricsLog(cfg.log_jsonl, start_step=start) if (
-        rank == 0 and cfg.log_jsonl) else None
     written = len(log.steps)  # log.steps already in the metrics file (resume: the saved ones)
 
     def close_segment() -> float | None:
@@ -222,6 +231,19 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
     return summary
 
 
+def _nothing_to_train(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device,
+                      param_dtype: torch.dtype, reduce_dtype: torch.dtype, log: RunLog,
+                      start: int) -> dict[str, Any]:
+    """A resume at or past its last step: say so, train, evaluate and print nothing more, and
+    return the checkpoint's summary (--out-json is left as the finished run wrote it)."""
+    if dist.get_rank() == 0:
+        where = f"its last step (--steps {cfg.steps})" if start >= cfg.steps else \
+            f"past --stop-at {cfg.stop_at}"
+        print(f"fusedzero: the run in {cfg.ckpt_dir} is already at step {start}, {where}: "
+              "nothing to train", flush=True)
+    return summarize(cfg, opt, world, device, param_dtype, reduce_dtype, log,
+                     dict.fromkeys(opt.comm.bytes, 0.0), 0.0, None)
+
 
 def finish_watch(cfg: TrainConfig, model: torch.nn.Module, log: RunLog, rank: int, world: int,
                  say: Callable[[str], None]) -> None:
@@ -232,11 +254,14 @@ def finish_watch(cfg: TrainConfig, model: torch.nn.Module, log: RunLog, rank: in
         watch.plot_losses(records, cfg.plot, f"fusedzero stage {cfg.stage}, W={world}")
         say(f"loss curves: {cfg.plot}")
     if cfg.sample_tokens > 0:
-        # Every rank generates (at stage 3 each forward gathers params collectively); greedy,
-        # so all ranks get the same text.
+        # Every rank generates (at stage 3 each forward gathers params collectively), from the
+        # same seeded generator, so all ranks draw the same bytes.
         with torch.no_grad():
-            text = watch.sample_text(model, b"\n", cfg.sample_tokens)
-        say("sample (greedy, after a newline):\n" + text.strip("\n"))
+            text = watch.sample_text(model, b"\n", cfg.sample_tokens,
+                                     temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed)
+        how = "greedy" if cfg.temperature == 0 else \
+            f"temperature {cfg.temperature:g}, top-k {cfg.top_k or 'off'}"
+        say(f"sample ({cfg.sample_tokens} bytes, {how}, after a newline):\n" + text.strip("\n"))
 
 
 @torch.no_grad()

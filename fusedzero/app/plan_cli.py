@@ -166,7 +166,7 @@ def _cli_plan(args: argparse.Namespace) -> int:
     print(f"\ncomm time/step, an alpha-beta ring model (not a measurement; docs/scale.md): "
           f"link {link.bandwidth / 1e9:g} GB/s, {link.latency * 1e6:g} us per ring step, "
           "no overlap with compute")
-    print("  " + "   ".join(f"stage {k}: {v:.4g} s" for k, v in seconds.items()))
+    print("  " + "   ".join(f"stage {k}: {_seconds(v)}" for k, v in seconds.items()))
     if emulated is not None:
         print(_emulation_lines(emulated))
     return 0
@@ -225,3 +225,11 @@ def _emulation_lines(e: Emulation) -> str:
         f"  -> {'equal to the plan' if same else 'DIFFERENT from the plan'}",
         f"  padding {e.padding_elements:,} elements ({100 * e.padding_fraction:.4f}% of Psi)",
         f"  construction {e.construct_s:.2f} s, RSS +{e.rss_delta_bytes / 1e9:.3g} GB"])
+
+
+def _seconds(v: float) -> str:
+    """A time in the unit that keeps it readable: 253 us, 4.1 ms, 2.35 s."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3)):
+        if v >= scale:
+            return f"{v / scale:.3g} {unit}"
+    return f"{v / 1e-6:.3g} us"

@@ -33,7 +33,7 @@ def caller_state(cfg: TrainConfig, sched: LambdaLR, log: RunLog, step: int) -> d
     return {"step": step, "scheduler": sched.state_dict(), "steps": list(log.steps),
             "val": list(log.val), "model": cfg.model_config(), "seed": cfg.seed,
             "batch_size": cfg.batch_size, "total_steps": cfg.steps, "hparams": _hparams(cfg),
-            "modes": {"master": cfg.master, "states": cfg.states}}
+            "modes": {"master": cfg.master, "states": cfg.states}, "run_id": log.run_id}
 
 
 def save(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog, step: int,
@@ -141,6 +141,11 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
         if dist.get_rank() == 0:
             try:
                 box[0] = checkpoint.find_latest(cfg.ckpt_dir)
+                other = other_model(checkpoint.read_manifest(box[0].path), opt)
+                if other is not None:
+                    box[0] = UsageError(f"--resume: {box[0].path} holds another model: {other}; "
+                                        "pass the model flags it was trained with (--n-layer, "
+                                        "--n-head, --n-embd, --block-size)")
             except checkpoint.CheckpointError as e:
                 box[0] = e
         dist.broadcast_object_list(box, src=0)
@@ -153,7 +158,7 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
         rank = dist.get_rank()
         loaded = checkpoint.load(opt, found.path, verify=False, load_hyperparams=False,
                                  check_caller=lambda st: check_caller_state(cfg, sched, rank, st))
-    except CollectiveTimeout:
+    except (CollectiveTimeout, UsageError):
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as e:
         msg = " ".join(str(e).split())
@@ -175,9 +180,9 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
     modes = state.get("modes", {"master": "fp32", "states": "fp32"})
     changed += [f"--{k} {getattr(cfg, k)} (checkpoint: {v}, converted)" for k, v in modes.items()
                 if getattr(cfg, k) != v]
-    if changed and dist.get_rank() == 0:
-        print(f"fusedzero: resume: flags override the checkpoint: {', '.join(changed)}",
-              flush=True)
+    stop = cfg.stop_at if cfg.stop_at is not None else cfg.steps
+    if dist.get_rank() == 0 and step < stop:  # else the caller says there is nothing to train
+        print(resumed_line(step, checkpoint.read_manifest(loaded.path), opt, changed), flush=True)
     # LambdaLR.load_state_dict restores the schedule position only: set the groups' lr to the
     # exact value the uninterrupted run would use for the next update (LambdaLR's own formula).
     lrs = [base * lam(sched.last_epoch) for base, lam in zip(base_lrs, sched.lr_lambdas,
@@ -186,7 +191,36 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
         g["lr"] = lr
     log.steps[:] = state.get("steps", [])
     log.val[:] = state.get("val", [])
+    log.run_id = state.get("run_id") or log.run_id  # older checkpoints have none
     return step
+
+
+def other_model(manifest: dict[str, Any], opt: ZeroAdamW) -> str | None:
+    """None when the checkpoint's params have this optimizer's names and shapes, else a short
+    phrase naming the first that differs (`checkpoint.load` would list every difference: a
+    line of kilobytes for a model one flag wider)."""
+    saved = {p["name"]: list(p["shape"]) for p in manifest["params"]}
+    mine = {p.name: list(p.shape) for p in opt.param_infos()}
+    differ = [n for n in mine if saved.get(n) != mine[n]] + [n for n in saved if n not in mine]
+    if not differ:
+        return None
+    n = differ[0]
+    first = (f"{n} is {saved[n]} there, {mine[n]} in this run" if n in saved and n in mine
+             else f"{n} is only in the checkpoint" if n in saved
+             else f"{n} is only in this run's model")
+    return f"{first} ({len(differ)} of {len(mine)} params differ)"
+
+
+def resumed_line(step: int, manifest: dict[str, Any], opt: ZeroAdamW, changed: list[str]) -> str:
+    """One line: the step resumed from with the checkpoint's world size and stage, then what
+    differs now (resharded onto another world size or stage, flags that override)."""
+    was, now = (manifest["world_size"], manifest["stage"]), (opt.world_size, int(opt.stage))
+    line = f"fusedzero: resumed from step {step} (world {was[0]}, stage {was[1]})"
+    if now != was:
+        line += f"; now world {now[0]}, stage {now[1]} (resharded)"
+    if changed:
+        line += f"; flags override the checkpoint: {', '.join(changed)}"
+    return line
 
 
 def _saved_hparams(state: dict[str, Any]) -> dict[str, Any]:

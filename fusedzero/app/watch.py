@@ -1,9 +1,9 @@
 """Watch a run: per-step metrics as JSON lines, a loss-curve PNG, a text sample of the model.
 
-    log = MetricsLog("run/metrics.jsonl")            # rank 0; opened once, at the start
+    log = MetricsLog("run/metrics.jsonl")            # rank 0; opened once, appended to
     log.write(12, loss=2.31, grad_norm=0.84, lr=3e-4, tokens_per_s=31e3, skipped=False, step_ms=9.6)
     plot_losses(read_jsonl("run/metrics.jsonl"), "run/loss.png", "fusedzero stage 2, W=2")
-    print(sample_text(model, b"\\n", 200, temperature=0.8, seed=0))
+    print(sample_text(model, b"\\n", 200, temperature=0.8, top_k=40, seed=0))
 
 matplotlib is an optional extra (`pip install 'fusedzero[plot]'`); nothing here imports it until
 a plot is drawn, and `require_matplotlib()` lets a CLI refuse `--plot` before training starts.
@@ -14,17 +14,19 @@ import json
 import math
 import os
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
 
-# Every record has every key (null where unknown), so a reader gets one fixed schema.
-FIELDS = ("step", "loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "skipped", "step_ms")
+# Every record has every key (null where unknown), so a reader gets one fixed schema. `run_id`
+# tells the runs apart in a file that several runs appended to (a resume keeps its run's id).
+FIELDS = ("run_id", "step", "loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "skipped",
+          "step_ms")
 PLOT_INSTALL_HINT = "pip install 'fusedzero[plot]'"
 
 
@@ -69,34 +71,52 @@ def check_writable(path: str | os.PathLike[str], flag: str) -> None:
         raise _unwritable(flag, path, e) from e
 
 
+def new_run_id() -> str:
+    """A run's id: its start time (UTC, sortable) and 6 random hex digits."""
+    return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + uuid.uuid4().hex[:6]
+
+
 class MetricsLog:
     """Append-only JSON-lines file of per-step metrics, one object per line (keys: FIELDS).
 
-    Opened once; each line goes to the OS in one unbuffered write, so a killed run (SIGKILL,
-    OOM killer) leaves only complete lines: the page cache outlives the process. A record holds
-    a step's train metrics, its val loss, or both (null for the rest). ``start_step > 0``
-    resumes a log: lines for steps after it (written past the checkpoint the run resumes from)
-    and a torn last line (a machine crash) are dropped, so the file reads as one uninterrupted run.
+    Opened once, for appending: records of earlier runs in the file stay, and every record
+    carries ``run_id`` (a new one by default, or the resumed run's). Each line goes to the OS in
+    one unbuffered write, so a killed run (SIGKILL, OOM killer) leaves only complete lines: the
+    page cache outlives the process. A record holds a step's train metrics, its val loss, or
+    both (null for the rest). On opening, a torn last line (a machine crash) is dropped, and
+    with ``start_step > 0`` (a resume) so are this run's records for steps after it (written
+    past the checkpoint the run resumes from), so the run reads as one uninterrupted run.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, start_step: int = 0) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, run_id: str | None = None,
+                 start_step: int = 0) -> None:
         self.path = Path(path)
+        self.run_id = new_run_id() if run_id is None else run_id
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            if start_step > 0 and self.path.exists():
-                self._keep_until(start_step)
-                mode = "ab"
-            else:
-                mode = "wb"
+            if self.path.exists():
+                self._drop_stale(start_step)
             # buffering=0: a raw FileIO, so write() below is the write(2) system call itself.
-            self._file = open(self.path, mode, buffering=0)  # noqa: SIM115 (closed in close())
+            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed in close())
         except OSError as e:
             raise _unwritable("--log-jsonl", path, e) from e
 
-    def _keep_until(self, start_step: int) -> None:
-        """Rewrite the log without records after ``start_step``, atomically (temp + rename)."""
-        keep = [r for r in read_jsonl(self.path) if r["step"] <= start_step]
-        _replace_atomically(self.path, lambda f: f.write(b"".join(self._line(r) for r in keep)))
+    def _drop_stale(self, start_step: int) -> None:
+        """Rewrite the log without a torn tail and without this run's records after
+        ``start_step``, atomically (temp + rename); untouched when there is nothing to drop."""
+        data = self.path.read_bytes()
+        try:
+            records = read_jsonl(self.path)
+        except ValueError as e:
+            raise ValueError(f"--log-jsonl {str(self.path)!r} is not a metrics log to append to "
+                             f"({e}); pass a new file or an earlier run's log") from None
+        # Records without a run id are from before ids were written: a resume counts them as its.
+        keep = records if start_step == 0 else [
+            r for r in records
+            if r.get("run_id") not in (self.run_id, None) or r["step"] <= start_step]
+        if len(keep) < len(records) or (data and not data.endswith(b"\n")):
+            _replace_atomically(self.path,
+                                lambda f: f.write(b"".join(self._line(r) for r in keep)))
 
     @staticmethod
     def _line(record: dict[str, Any]) -> bytes:
@@ -110,7 +130,7 @@ class MetricsLog:
         """Append the record of ``step`` (None: not measured at this step, written as null)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
-        line = self._line({"step": step, "loss": loss, "val_loss": val_loss,
+        line = self._line({"run_id": self.run_id, "step": step, "loss": loss, "val_loss": val_loss,
                            "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens_per_s,
                            "skipped": None if skipped is None else bool(skipped),
                            "step_ms": step_ms})
@@ -194,14 +214,16 @@ def plot_losses(records: list[dict[str, Any]], out_png: str | os.PathLike[str],
 
 @torch.no_grad()
 def sample_text(model: nn.Module, prompt: bytes, max_new_tokens: int, *,
-                temperature: float = 0.0, seed: int = 0) -> str:
+                temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> str:
     """Continue ``prompt`` with ``max_new_tokens`` bytes from a byte-level GPT (model.py).
 
     ``temperature == 0`` is greedy (argmax); ``> 0`` samples from softmax(logits / temperature)
     with a local ``torch.Generator`` seeded by ``seed``: repeatable, and the global RNG is left
-    untouched. The context is cropped to the model's ``block_size``. Returns prompt plus
-    continuation, decoded as UTF-8 in one piece (a character split across the seam stays whole)
-    with invalid bytes replaced. The model runs in eval mode and is put back in its own mode.
+    untouched; ``top_k > 0`` samples among the ``top_k`` likeliest bytes only. The context is
+    cropped to the model's ``block_size``. Returns prompt plus continuation as `printable` text:
+    decoded as UTF-8 in one piece at the end (a character whose bytes come from several steps
+    stays whole), invalid bytes and control characters but newline and tab as U+FFFD. The
+    model runs in eval mode and is put back in its own mode.
     ZeRO-3: every rank must call this with the same arguments (each forward gathers params
     collectively); all ranks then get the same text.
     """
@@ -211,6 +233,8 @@ def sample_text(model: nn.Module, prompt: bytes, max_new_tokens: int, *,
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if not temperature >= 0.0 or math.isinf(temperature):
         raise ValueError(f"temperature must be finite and >= 0 (0: greedy), got {temperature}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0: every byte), got {top_k}")
     block_size: int = model.config.block_size
     device = next(iter(model.parameters())).device
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -225,9 +249,24 @@ def sample_text(model: nn.Module, prompt: bytes, max_new_tokens: int, *,
             if temperature == 0.0:
                 nxt = last.argmax(dim=-1, keepdim=True)
             else:
+                if 0 < top_k < last.shape[-1]:
+                    kth = torch.topk(last, top_k, dim=-1).values[:, -1:]
+                    last = last.masked_fill(last < kth, -math.inf)
                 probs = torch.softmax(last / temperature, dim=-1)
                 nxt = torch.multinomial(probs, 1, generator=gen)
             idx = torch.cat([idx, nxt], dim=1)
     finally:
         model.train(was_training)
-    return bytes(idx[0].tolist()).decode("utf-8", errors="replace")
+    return printable(bytes(idx[0].tolist()))
+
+
+# C0 controls and DEL but newline and tab, and the C1 controls: a model that emits ESC or CR
+# would move the cursor or redraw the caller's terminal.
+_CONTROLS = {c: "\ufffd" for c in [*range(0x20), 0x7f, *range(0x80, 0xa0)] if c not in (9, 10)}
+
+
+def printable(data: bytes) -> str:
+    """``data`` as text safe to print: decoded as UTF-8 in one piece (never byte by byte, which
+    would tear every multi-byte character), invalid bytes and control characters other than
+    newline and tab replaced by U+FFFD."""
+    return data.decode("utf-8", errors="replace").translate(_CONTROLS)

@@ -346,6 +346,8 @@ def test_watch_flags_write_jsonl_plot_and_print_a_sample(
     assert all(x["skipped"] is False and x["lr"] > 0 for x in train)
     assert train[0]["step_ms"] is None  # the first step is warm-up, untimed
     assert all(x["step_ms"] > 0 and x["tokens_per_s"] > 0 for x in train[1:])
-    assert [x["step"] for x in lines if x["val_loss"] is not None] == [2, STEPS]
+    assert [x["step"] for x in lines if x["val_loss"] is not None] == [0, 2, STEPS]
+    assert len({x["run_id"] for x in lines}) == 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "sample (greedy, after a newline):" in capfd.readouterr().out
+    assert "sample (16 bytes, temperature 0.8, top-k 40, after a newline):" in \
+        capfd.readouterr().out

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 import subprocess
 import sys
@@ -13,8 +12,8 @@ import pytest
 import torch
 
 from fusedzero.app.model import GPT, GPTConfig
-from fusedzero.app.watch import (FIELDS, MetricsLog, check_writable, plot_losses, read_jsonl,
-                             sample_text)
+from fusedzero.app.watch import (FIELDS, MetricsLog, check_writable, plot_losses, printable,
+                                 read_jsonl, sample_text)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -38,15 +37,15 @@ def _write_all(log: MetricsLog, recs: list[dict]) -> None:
         log.write(r["step"], **{k: v for k, v in r.items() if k != "step"})
 
 
-def _full(r: dict) -> dict:
-    return {k: r.get(k) for k in FIELDS}
+def _full(r: dict, run_id: str) -> dict:
+    return {k: r.get(k) for k in FIELDS} | {"run_id": run_id}
 
 
 # -- MetricsLog ----------------------------------------------------------------------------------
 def test_metrics_log_round_trip_one_complete_line_per_write(tmp_path: Path) -> None:
     path = tmp_path / "sub" / "m.jsonl"  # a missing parent folder is created
     recs = _records(9, val_every=4)
-    with MetricsLog(path) as log:
+    with MetricsLog(path, run_id="run-a") as log:
         for i, r in enumerate(recs):
             _write_all(log, [r])
             # Flushed per line: the file holds every record so far while the log is still open.
@@ -57,12 +56,24 @@ def test_metrics_log_round_trip_one_complete_line_per_write(tmp_path: Path) -> N
         obj = json.loads(line)
         assert list(obj) == list(FIELDS), obj  # one fixed schema, absent values as null
     got = read_jsonl(path)
-    assert got == [_full(r) for r in recs]
+    assert got == [_full(r, "run-a") for r in recs]
     assert got[0]["loss"] is None and got[4]["val_loss"] is not None and got[5]["val_loss"] is None
     assert all(isinstance(r["skipped"], bool) for r in got[1:])
 
-    MetricsLog(path).close()  # start_step=0: a new run starts a new file
-    assert read_jsonl(path) == []
+
+def test_metrics_log_appends_and_tells_runs_apart(tmp_path: Path) -> None:
+    """A second run into the same file appends (the help says so) under its own run id; a
+    default id is new per log."""
+    path = tmp_path / "m.jsonl"
+    recs = _records(3, val_every=2)
+    with MetricsLog(path) as first:
+        _write_all(first, recs)
+    with MetricsLog(path) as second:
+        second.write(0, val_loss=5.0)
+    assert first.run_id != second.run_id and first.run_id[:4].isdigit()
+    got = read_jsonl(path)
+    assert got == [_full(r, first.run_id) for r in recs] + [
+        _full({"step": 0, "val_loss": 5.0}, second.run_id)]
 
 
 def test_metrics_log_non_finite_values_are_strict_json_null(tmp_path: Path) -> None:
@@ -100,18 +111,31 @@ def test_metrics_log_killed_run_leaves_complete_lines(tmp_path: Path) -> None:
 def test_metrics_log_resume_drops_later_steps_and_torn_tail(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     recs = _records(8, val_every=3)
-    with MetricsLog(path) as log:
+    with MetricsLog(path, run_id="other") as log:  # an earlier run in the same file
+        _write_all(log, recs)
+    with MetricsLog(path, run_id="this") as log:
         _write_all(log, recs)
     with path.open("ab") as f:
         f.write(b'{"step": 9, "loss": 1.2')  # a write torn by a machine crash
-    assert [r["step"] for r in read_jsonl(path)] == list(range(9))  # the torn tail is ignored
+    assert [r["step"] for r in read_jsonl(path)] == 2 * list(range(9))  # the torn tail ignored
 
-    # Resumed from a checkpoint at step 5: steps 6-8 will be run again, so their lines go.
-    with MetricsLog(path, start_step=5) as log:
+    # This run resumed from a checkpoint at step 5: its steps 6-8 will be run again, so their
+    # lines go; the other run's stay.
+    with MetricsLog(path, run_id="this", start_step=5) as log:
         log.write(6, loss=0.25, val_loss=0.5)
     got = read_jsonl(path)
-    assert got[:6] == [_full(r) for r in recs[:6]]
-    assert [r["step"] for r in got] == list(range(7)) and got[6]["loss"] == 0.25
+    assert got[:9] == [_full(r, "other") for r in recs]
+    assert got[9:15] == [_full(r, "this") for r in recs[:6]]
+    assert [r["step"] for r in got[9:]] == list(range(7)) and got[15]["loss"] == 0.25
+
+
+def test_metrics_log_refuses_to_append_to_a_file_that_is_no_log(tmp_path: Path) -> None:
+    path = tmp_path / "notes.txt"
+    path.write_text("my notes\n")
+    with pytest.raises(ValueError, match=r"--log-jsonl .*notes.txt' is not a metrics log to "
+                                         r"append to \(.*line 1 is not JSON"):
+        MetricsLog(path)
+    assert path.read_text() == "my notes\n"
 
 
 def test_read_jsonl_names_a_corrupt_line(tmp_path: Path) -> None:
@@ -234,7 +258,7 @@ def test_sample_text_greedy_matches_stepwise_argmax_and_crops_context(tiny_gpt: 
     tiny_gpt.train()
     got = sample_text(tiny_gpt, prompt, 13)
     ref = _reference(tiny_gpt, prompt, 13, 0.0, 0)
-    assert got == ref.decode("utf-8", errors="replace")
+    assert got == printable(ref)
     assert got.startswith("héllo, wo")  # the prompt's 2-byte é decoded whole
     assert tiny_gpt.training, "the model's own mode was not restored"
     assert all(p.grad is None for p in tiny_gpt.parameters())
@@ -252,7 +276,7 @@ def test_sample_text_temperature_is_seeded_and_leaves_global_rng_alone(tiny_gpt:
     assert torch.equal(torch.get_rng_state(), before), "the global RNG was used"
     assert a == b, "same seed, different text"
     ref = _reference(tiny_gpt, prompt, 16, 1.0, 7)
-    assert a == ref.decode("utf-8", errors="replace")
+    assert a == printable(ref)
     # 16 draws at ~3.7 nats of entropy each: two seeds (or a seed and greedy) agreeing on all
     # of them is ~impossible.
     assert a != c and a != greedy
@@ -280,3 +304,36 @@ def test_sample_text_rejects_bad_arguments(tiny_gpt: GPT) -> None:
     for t in (-0.5, float("nan"), float("inf")):
         with pytest.raises(ValueError, match=r"temperature must be finite and >= 0"):
             sample_text(tiny_gpt, b"a", 4, temperature=t)
+    with pytest.raises(ValueError, match=r"top_k must be >= 0"):
+        sample_text(tiny_gpt, b"a", 4, temperature=1.0, top_k=-1)
+
+
+def test_sample_text_top_k_keeps_only_the_likeliest_bytes(tiny_gpt: GPT) -> None:
+    """top_k=1 is greedy at any temperature; top_k=3 draws only among each step's 3 likeliest
+    bytes, checked step by step against the model's own logits."""
+    prompt = b"\nde"
+    assert sample_text(tiny_gpt, prompt, 12, temperature=5.0, top_k=1) == \
+        sample_text(tiny_gpt, prompt, 12)
+    ids = list(prompt)
+    got = sample_text(tiny_gpt, prompt, 12, temperature=5.0, top_k=3, seed=2)
+    # Redo the draw with the reference filter and the same generator: the same bytes.
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for _ in range(12):
+            logits = tiny_gpt(torch.tensor([ids[-8:]]))[0][0, -1, :256].float()
+            top = torch.topk(logits, 3).indices
+            masked = torch.full_like(logits, float("-inf"))
+            masked[top] = logits[top]
+            nxt = int(torch.multinomial(torch.softmax(masked / 5.0, dim=-1), 1, generator=gen))
+            assert nxt in top.tolist()
+            ids.append(nxt)
+    assert got == printable(bytes(ids))
+
+
+def test_printable_decodes_the_whole_sequence_and_replaces_controls() -> None:
+    """UTF-8 is decoded over the whole byte string (a byte-by-byte decode turns each byte of
+    'é' into U+FFFD); invalid bytes and terminal controls become U+FFFD; newline and tab stay."""
+    data = "é€".encode() + b"\tx\n" + b"\x1b[2J" + b"\r" + b"\xff" + b"\xc3"
+    assert printable(data) == "é€\tx\n\ufffd[2J\ufffd\ufffd\ufffd"
+    assert "".join(bytes([b]).decode("utf-8", errors="replace") for b in "é".encode()) != "é"
+    assert printable("\u0085".encode()) == "\ufffd"  # a C1 control (NEL)

@@ -1,0 +1,221 @@
+"""Every code block in README.md and docs/*.md runs as written.
+
+Conventions (also in docs/contributing.md), by the fence's info string, its first word the
+language and the rest flags:
+
+- ```python        run in the fast tier (keep it cheap: a second or two of work).
+- ```sh            run in the slow tier: a CLI command starts torch and often ranks.
+- ```python slow / ```sh slow   slow tier (several ranks, or more than ~10 s).
+- ```python cuda / ```sh cuda   only where torch sees a GPU (also marked `cuda`).
+- ```sh install-only            checked for syntax only (`bash -n`): install commands that
+                                  create virtual environments and pip install.
+- ```text, ```console, a bare ``` and any other language: output or prose, never run.
+
+Each block runs as a subprocess in its file's temporary folder: the blocks of one Markdown file
+share one folder and run in the order they appear, so a block may use what an earlier block of
+the same file and tier wrote (a checkpoint, a config.json); run alone (`-k`), such a block fails.
+python blocks run as a file under this interpreter (`python block.py`), sh blocks under
+`bash -euo pipefail`, with this
+interpreter's folder (the repository's virtual environment) first on PATH. A failure names the
+file and line of the block and shows the block, its exit status and the end of its output.
+
+README.md blocks that fail today are listed in README_XFAIL below, keyed by (file, first line
+of the block), each with why: they are reported as xfail and not run (some would pip install
+or train for minutes). The list only shrinks: `test_xfail_list_is_current` fails when an entry
+no longer names a block, so a rewrite of the README empties it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+DOC_FILES = ["README.md", *sorted(p.relative_to(REPO).as_posix()
+                                  for p in (REPO / "docs").glob("*.md"))]
+RUN_LANGS = {"python", "sh"}
+FLAGS = {"slow", "cuda", "install-only"}
+FAST_TIMEOUT_S, SLOW_TIMEOUT_S = 300, 900
+
+# README.md blocks that do not run as written today (an error, or past the time limit), keyed by
+# (file, the block's first line).
+# The README is being rewritten: the rewrite removes these entries (the blocks then run).
+README_XFAIL: dict[tuple[str, str], str] = {
+    # Create a venv and pip install torch (network, GBs): to be fenced ```sh install-only.
+    ("README.md", "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 "
+                  "&& pip install -e . && fusedzero train"): "installs; not fenced install-only",
+    ("README.md", "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 "
+                  "&& pip install -e '.[dev]' && python -m pytest -q"):
+        "installs, then runs the whole suite; not fenced install-only",
+    # Usage: MyGPT and loader are undefined, nccl needs a GPU and a launcher.
+    ("README.md", "import torch, torch.distributed as dist"): "MyGPT, loader undefined; nccl",
+    # Seven runs in one block, four of them 500 steps, one 8-rank torchrun: past the limit.
+    ("README.md", "fusedzero train --stage 3 --nproc 4 --steps 200 --out-json run.json"):
+        f"runs past the {SLOW_TIMEOUT_S} s limit (seven runs, torchrun with 8 ranks)",
+    ("README.md", "from fusedzero import checkpoint"): "opt, step, sched undefined",
+    ("README.md", "fusedzero plan --params 7.5e9 --world-size 64          # the ZeRO paper's "
+                  "Figure 1 case"): "--hf-config path/to/config.json does not exist",
+    ("README.md", "model_sd, optim_sd = torch.distributed.checkpoint.state_dict.get_state_dict("
+                  "model, optim)"): "model, optim undefined (an FSDP2 run)",
+    ("README.md", "fusedzero ckpt import-dcp dcp ckpt          # or fusedzero.checkpoint.dcp."
+                  "import_dcp(\"dcp\", \"ckpt\")"): "no dcp folder here",
+    ("README.md", "opt = ZeroAdamW(same_param_groups, lr=..., stage=2, module=model)   # any W, "
+                  "any stage"): "ZeroAdamW, same_param_groups, model undefined",
+    ("README.md", "fusedzero ckpt export ckpt/latest hf_out --hf-config config.json [--dtype "
+                  "bf16] [--max-shard-size 5GB]"): "no checkpoint here; [..] is a syntax sketch",
+    ("README.md", "model = transformers.AutoModelForCausalLM.from_pretrained(\"hf_out\")"):
+        "transformers, opt undefined; no hf_out",
+    ("README.md", "python bench/report.py bench/results -o bench/REPORT.md --readme README.md"):
+        "paths relative to the repository, not a fresh folder",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One fenced code block of a Markdown file."""
+
+    file: str  # relative to the repository
+    line: int  # 1-based line of the opening fence
+    lang: str  # the info string's first word ("" for a bare fence)
+    flags: frozenset[str]  # the info string's other words
+    code: str
+
+    @property
+    def first_line(self) -> str:
+        return next((x for x in self.code.splitlines() if x.strip()), "")
+
+    @property
+    def where(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def extract_blocks(text: str, file: str) -> list[Block]:
+    """The fenced blocks of `text` (``` fences, indented ones in lists too: their indent is
+    removed from the code). An unclosed fence raises, naming its line."""
+    blocks = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        stripped = lines[i].lstrip()
+        if not stripped.startswith("```"):
+            i += 1
+            continue
+        indent = len(lines[i]) - len(stripped)
+        fence = stripped[:len(stripped) - len(stripped.lstrip("`"))]
+        words = stripped[len(fence):].split()
+        start = i
+        body = []
+        i += 1
+        while i < len(lines) and lines[i].strip() != fence:
+            line = lines[i]
+            body.append(line[indent:] if indent == 0 or line[:indent].isspace() else line.lstrip())
+            i += 1
+        if i == len(lines):
+            raise ValueError(f"{file}:{start + 1}: the fence {fence}{' '.join(words)} is "
+                             "never closed")
+        blocks.append(Block(file, start + 1, words[0] if words else "",
+                            frozenset(words[1:]), "\n".join(body) + "\n"))
+        i += 1
+    return blocks
+
+
+def _all_blocks() -> list[Block]:
+    return [b for f in DOC_FILES for b in extract_blocks((REPO / f).read_text(), f)]
+
+
+def _marks(b: Block) -> list[pytest.MarkDecorator]:
+    marks = []
+    if "slow" in b.flags or (b.lang == "sh" and "install-only" not in b.flags):
+        marks += [pytest.mark.slow, pytest.mark.timeout(SLOW_TIMEOUT_S + 60)]
+    else:
+        marks.append(pytest.mark.timeout(FAST_TIMEOUT_S + 60))
+    if "cuda" in b.flags:
+        marks += [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                       reason="a ```cuda block needs a GPU")]
+    why = README_XFAIL.get((b.file, b.first_line))
+    if why is not None:
+        marks.append(pytest.mark.xfail(reason=f"fails today: {why}", run=False))
+    return marks
+
+
+def _params() -> list:
+    return [pytest.param(b, id=b.where, marks=_marks(b)) for b in _all_blocks()
+            if b.lang in RUN_LANGS]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env.setdefault("PYTHONWARNINGS", "ignore")
+    return env
+
+
+# Markdown file -> the folder its blocks run in (one per file and pytest session).
+_WORK: dict[str, Path] = {}
+
+
+@pytest.mark.parametrize("block", _params())
+def test_block_runs(block: Block, tmp_path: Path,
+                    tmp_path_factory: pytest.TempPathFactory) -> None:
+    unknown = block.flags - FLAGS
+    assert not unknown, f"{block.where}: unknown fence flags {sorted(unknown)}; use {FLAGS}"
+    if block.lang == "python":
+        script = tmp_path / "block.py"
+        cmd = [sys.executable, str(script)]
+    elif "install-only" in block.flags:
+        script = tmp_path / "block.sh"
+        cmd = ["bash", "-n", str(script)]
+    else:
+        script = tmp_path / "block.sh"
+        cmd = ["bash", "-euo", "pipefail", str(script)]
+    script.write_text(block.code)
+    work = _WORK.get(block.file)
+    if work is None:
+        work = _WORK[block.file] = tmp_path_factory.mktemp(Path(block.file).stem)
+    slow = "slow" in block.flags or block.lang == "sh"
+    try:
+        p = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True,
+                           timeout=SLOW_TIMEOUT_S if slow else FAST_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"{block.where}: the block ran past {e.timeout} s:\n{block.code}")
+    if p.returncode != 0:
+        pytest.fail(f"{block.where}: the ```{block.lang} block exited with {p.returncode}:\n"
+                    f"{block.code}\n--- stdout (end) ---\n{p.stdout[-2000:]}\n"
+                    f"--- stderr (end) ---\n{p.stderr[-3000:]}", pytrace=False)
+
+
+def test_xfail_list_is_current() -> None:
+    """Every README_XFAIL entry names a block that exists: a rewritten README empties it."""
+    keys = {(b.file, b.first_line) for b in _all_blocks()}
+    stale = [k for k in README_XFAIL if k not in keys]
+    assert not stale, f"README_XFAIL entries that match no block (remove them): {stale}"
+
+
+def test_extract_blocks_reads_fences_flags_and_indents() -> None:
+    text = ("intro\n```python\nprint(1)\n```\n- item\n\n  ```sh slow\n  echo a\n    echo b\n"
+            "  ```\n```\noutput\n```\n````text\n```\n````\n")
+    got = extract_blocks(text, "x.md")
+    assert [(b.line, b.lang, sorted(b.flags), b.code) for b in got] == [
+        (2, "python", [], "print(1)\n"), (7, "sh", ["slow"], "echo a\n  echo b\n"),
+        (11, "", [], "output\n"), (14, "text", [], "```\n")]
+    assert got[1].first_line == "echo a" and got[1].where == "x.md:7"
+    with pytest.raises(ValueError, match=r"x.md:1: the fence ```sh is never closed"):
+        extract_blocks("```sh\necho\n", "x.md")
+    # A block at the margin keeps its own indentation.
+    got = extract_blocks("```python\nfor i in range(2):\n    print(i)\n```\n", "y.md")
+    assert got[0].code == "for i in range(2):\n    print(i)\n"
+
+
+def test_a_failing_block_names_its_file_line_and_code(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    bad = Block("docs/x.md", 7, "sh", frozenset({"install-only"}), "if then fi\n")
+    with pytest.raises(pytest.fail.Exception) as e:
+        test_block_runs(bad, tmp_path, tmp_path_factory)
+    msg = str(e.value)
+    assert msg.startswith("docs/x.md:7: the ```sh block exited with 2:\nif then fi\n"), msg
+    assert "syntax error" in msg
