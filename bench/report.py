@@ -357,7 +357,7 @@ def memory_section(rows: list[dict[str, Any]], figdir: Path | None) -> str:
 
 
 HEADLINE = re.compile(r"<!-- headline:begin -->\n.*?<!-- headline:end -->", re.S)
-COMMAND = "python bench/report.py bench/results -o bench/REPORT.md --readme README.md"
+COMMAND = "python bench/report.py bench/results -o bench/REPORT.md"
 
 
 def _capability(i: dict[str, Any]) -> str:
@@ -400,35 +400,15 @@ def headline_block(report: str) -> str:
     return m.group(0)
 
 
-def quote_in_readme(report: str, readme: Path, infos_line: str) -> None:
-    """Replace README's headline block with the report's (and the provenance line above it)."""
-    text = readme.read_text()
-    if HEADLINE.search(text) is None:
-        raise SystemExit(f"{readme} has no <!-- headline:begin --> ... <!-- headline:end --> block")
-    block = headline_block(report).replace("<!-- headline:begin -->\n",
-                                           f"<!-- headline:begin -->\n{infos_line}\n\n", 1)
-    readme.write_text(HEADLINE.sub(lambda _: block, text, count=1))
-
-
-def provenance(folder: Path) -> str:
-    i = load(folder)[0].get("bench_step.json", {})
-    return (f"Quoted from [bench/REPORT.md](bench/REPORT.md) by `{COMMAND}`; measured at commit "
-            f"{i.get('commit') or '?'} on {i.get('datetime', '?')}.")
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", type=Path, help="folder of benchmark JSON files")
     ap.add_argument("-o", "--output", type=Path, default=Path("bench/REPORT.md"))
-    ap.add_argument("--readme", type=Path, help="also quote the headline table into this file")
     ap.add_argument("--no-plots", action="store_true", help="text only (no PNG written)")
     a = ap.parse_args(argv)
     text = render(a.results, a.output, plots=not a.no_plots)
     a.output.write_text(text)
-    if a.readme is not None:
-        quote_in_readme(text, a.readme, provenance(a.results))
-    print(f"wrote {a.output}" + ("" if a.no_plots else f" and plots in {a.output.parent}/report")
-          + (f"; quoted its headline in {a.readme}" if a.readme else ""))
+    print(f"wrote {a.output}" + ("" if a.no_plots else f" and plots in {a.output.parent}/report"))
 
 
 if __name__ == "__main__":

@@ -43,36 +43,8 @@ FLAGS = {"slow", "cuda", "install-only"}
 FAST_TIMEOUT_S, SLOW_TIMEOUT_S = 300, 900
 
 # README.md blocks that do not run as written today (an error, or past the time limit), keyed by
-# (file, the block's first line).
-# The README is being rewritten: the rewrite removes these entries (the blocks then run).
-README_XFAIL: dict[tuple[str, str], str] = {
-    # Create a venv and pip install torch (network, GBs): to be fenced ```sh install-only.
-    ("README.md", "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 "
-                  "&& pip install -e . && fusedzero train"): "installs; not fenced install-only",
-    ("README.md", "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 "
-                  "&& pip install -e '.[dev]' && python -m pytest -q"):
-        "installs, then runs the whole suite; not fenced install-only",
-    # Usage: MyGPT and loader are undefined, nccl needs a GPU and a launcher.
-    ("README.md", "import torch, torch.distributed as dist"): "MyGPT, loader undefined; nccl",
-    # Seven runs in one block, four of them 500 steps, one 8-rank torchrun: past the limit.
-    ("README.md", "fusedzero train --stage 3 --nproc 4 --steps 200 --out-json run.json"):
-        f"runs past the {SLOW_TIMEOUT_S} s limit (seven runs, torchrun with 8 ranks)",
-    ("README.md", "from fusedzero import checkpoint"): "opt, step, sched undefined",
-    ("README.md", "fusedzero plan --params 7.5e9 --world-size 64          # the ZeRO paper's "
-                  "Figure 1 case"): "--hf-config path/to/config.json does not exist",
-    ("README.md", "model_sd, optim_sd = torch.distributed.checkpoint.state_dict.get_state_dict("
-                  "model, optim)"): "model, optim undefined (an FSDP2 run)",
-    ("README.md", "fusedzero ckpt import-dcp dcp ckpt          # or fusedzero.checkpoint.dcp."
-                  "import_dcp(\"dcp\", \"ckpt\")"): "no dcp folder here",
-    ("README.md", "opt = ZeroAdamW(same_param_groups, lr=..., stage=2, module=model)   # any W, "
-                  "any stage"): "ZeroAdamW, same_param_groups, model undefined",
-    ("README.md", "fusedzero ckpt export ckpt/latest hf_out --hf-config config.json [--dtype "
-                  "bf16] [--max-shard-size 5GB]"): "no checkpoint here; [..] is a syntax sketch",
-    ("README.md", "model = transformers.AutoModelForCausalLM.from_pretrained(\"hf_out\")"):
-        "transformers, opt undefined; no hf_out",
-    ("README.md", "python bench/report.py bench/results -o bench/REPORT.md --readme README.md"):
-        "paths relative to the repository, not a fresh folder",
-}
+# (file, the block's first line), each with why. Empty: every block runs. Keep it that way.
+README_XFAIL: dict[tuple[str, str], str] = {}
 
 
 @dataclasses.dataclass(frozen=True)
