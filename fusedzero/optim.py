@@ -75,7 +75,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         skip_nonfinite: skip the whole step (on the device, no sync) when a grad is inf/nan.
         loss_scale: "dynamic" for fp16 dynamic loss scaling, a float for a static scale, None.
         unit_policy: stage 3 units: None (each child of an nn.ModuleList), a module class or
-            tuple of classes, a callable(module) -> bool, or a minimum element count.
+            tuple of classes, a callable(module) -> bool, or a minimum element count. Stages
+            1-2: a module's forward waits for its subtree's params except those of units,
+            which wait for their own (see fusedzero/param_sync.py).
         reshard_after_forward: stage 3: free a unit after its forward and gather it again for
             backward (3 Psi of traffic per step); False keeps it until backward (2 Psi).
         param_init_fn: stage 3 with params on the meta device: `fn(name, module)` initialises the
@@ -192,7 +194,7 @@ class ZeroAdamW(torch.optim.Optimizer):
                                on_unit_grad=z.grad_ready if z is not None else None,
                                on_backward_end=z.end_backward if z is not None else None)
         self.param_sync = ParamSync(
-            self.flat_groups if stage.gathers_after_step else [], self._ctx, module)
+            self.flat_groups if stage.gathers_after_step else [], self._ctx, module, unit_policy)
         self.shards = ShardAccess(self.flat_groups, self.scalars, self.param_sync)
         self._build_update()
         # model.load_state_dict() at stages 0-2 (at stage 3 the unit hooks do it).
