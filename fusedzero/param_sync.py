@@ -51,6 +51,7 @@ class ParamSync:
         self._handles: dict[BucketKey, Handle] = {}
         self.hooks: list[Any] = []
         self._buf = {id(buf): buf for buf in buffers}
+        self._index = {id(buf): i for i, buf in enumerate(buffers)}  # trace: (buffer, bucket)
         # Every bucket, in the flat buffers' order, then (once recorded) in forward order.
         self.order: list[BucketKey] = [(id(buf), k) for buf in buffers
                                        for k in range(buf.layout.num_buckets)]
@@ -71,7 +72,7 @@ class ParamSync:
             assert buf.param_flat is not None
             lo, hi = L.bucket_range(k)
             plo, phi = L.piece(k, buf.shard_rank)
-            self.ctx.record("param_gather", (buf.group_index, k))
+            self.ctx.record("param_gather", (self._index[key[0]], k))
             self._handles[key] = comm.all_gather(buf.param_flat[lo:hi], buf.param_flat[plo:phi],
                                                  self.ctx.group, self.ctx.world_size,
                                                  self.ctx.counter)
@@ -99,7 +100,7 @@ class ParamSync:
         for key in list(self._handles) if keys is None else keys:
             h = self._handles.pop(key, None)
             if h is not None:
-                self.ctx.record("param_wait", key)
+                self.ctx.record("param_wait", (self._index[key[0]], key[1]))
                 self.ctx.wait(h, what=f"param all-gather of (flat group, bucket) {key}")
 
     def _before_forward(self, keys: tuple[BucketKey, ...]) -> None:

@@ -137,3 +137,41 @@ def test_forward_reads_wait_for_children(deferred: list[str], stage: int, kind: 
         for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
             torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=n)
     opt.close()
+
+
+class Blocks(nn.Module):
+    """Blocks in an nn.ModuleList (units), biases in a no-decay group registered last: the flat
+    buffers' own order would gather every weight bucket before the first bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.h = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for m in self.h:
+            x = torch.tanh(m(x))
+        return x
+
+
+def test_gather_in_forward_order(deferred: list[str]) -> None:
+    """The second forward's waits come in the order the gathers were issued: each wait is for
+    the oldest gather still in flight, so none waits behind a bucket forward needs later."""
+    torch.manual_seed(0)
+    model = Blocks()
+    groups = [{"params": [m.weight for m in model.h]},
+              {"params": [m.bias for m in model.h], "weight_decay": 0.0}]
+    opt = ZeroAdamW(groups, lr=1e-2, stage=1, module=model, bucket_numel=256, trace=True)
+    x = torch.randn(3, 16)
+    for _ in range(2):
+        assert opt.trace is not None
+        opt.trace.clear()
+        model(x).square().mean().backward()
+        opt.step()
+        issued = [d for e, d in opt.trace if e == "param_gather"]
+        model(x)
+        waited = [d for e, d in opt.trace if e == "param_wait"]
+        assert waited == issued[:len(waited)], (issued, waited)
+        # (buffer, bucket): a weight bucket per block; two biases (128-element aligned) per
+        # bucket of the no-decay buffer. The buffers' own order was (0, 0), (0, 1), ... (1, 1).
+        assert issued == [(0, 0), (1, 0), (0, 1), (0, 2), (1, 1), (0, 3)]
+    opt.close()
