@@ -98,11 +98,11 @@ class CommContext:
     @classmethod
     def of(cls, group: Group, counter: CommCounter, trace: list[tuple[str, Any]] | None = None,
            device: torch.device | None = None) -> CommContext:
-        """`device` is accepted for symmetry with the callers; nothing is set up per device."""
-        del device
+        """`device`: where the tensors this context's collectives carry live; its type picks
+        the backend of a mixed group (`cpu:gloo,cuda:nccl`) and so what a wait means."""
         return cls(group=group, world_size=group_size(group), rank=group_rank(group),
                    counter=counter, trace=trace, timeout=group_timeout(group),
-                   host_blocking=_host_blocking(group))
+                   host_blocking=_host_blocking(group, device))
 
     def record(self, event: str, detail: Any) -> None:
         if self.trace is not None:
@@ -176,12 +176,36 @@ def group_timeout(group: Group = None) -> float:
     return DEFAULT_TIMEOUT_S
 
 
-def _host_blocking(group: Group) -> bool:
-    """True where `Work.wait` blocks the host anyway (gloo). On NCCL a wait only orders streams;
-    passing it a timeout would turn it into a host sync in `step()`, so NCCL is left to its
-    watchdog, which aborts the communicator after the group's timeout."""
+# Backends whose `Work.wait()` makes the current device stream wait for the collective instead of
+# blocking the host (NCCL and its counterparts on other accelerators).
+STREAM_ORDERED = frozenset({"nccl", "xccl", "hccl"})
+
+
+def serving_backend(group: Group, device_type: str) -> str:
+    """The backend that serves `device_type` tensors in `group`: `dist.get_backend` names one
+    for every device type ("nccl") or one per type ("cpu:gloo,cuda:nccl", the usual mixed
+    group); "" where none serves that type. No process group: "" (nothing is sent)."""
+    if group is None and not dist.is_initialized():
+        return ""
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    table = dict(part.split(":", 1) for part in name.split(","))
+    return table.get(device_type, "")
+
+
+def _host_blocking(group: Group, device: torch.device | None = None) -> bool:
+    """True where `Work.wait` blocks the host anyway (gloo, and CPU tensors whatever the group).
+    On a stream-ordered backend a wait only orders streams; passing it a timeout would turn it
+    into a host sync in `step()`, so NCCL is left to its watchdog, which aborts the communicator
+    after the group's timeout. Decided per device type: without `device`, only a group whose
+    every backend is stream-ordered counts as such."""
     try:
-        return dist.get_backend(group) != "nccl"
+        if device is not None:
+            return (device.type == "cpu"
+                    or serving_backend(group, device.type) not in STREAM_ORDERED)
+        name = str(dist.get_backend(group))
+        return not all(part.rsplit(":", 1)[-1] in STREAM_ORDERED for part in name.split(","))
     except (RuntimeError, ValueError):
         return True
 
