@@ -4,6 +4,14 @@ Grads are counted into their buckets as backward produces them; a complete bucke
 at once if every bucket before it in the launch order was (collectives must match across ranks,
 so the order is fixed), and everything left is launched at the end of backward. How a bucket is
 reduced is the stage's `Reduction` (`fusedzero.reduce`).
+
+[Note: buckets with unused params] A param that gets no grad (an unused branch) would leave
+its bucket incomplete until the end of backward and, the order being fixed, every bucket after
+it too. At the end of the first backward that reduces, the ranks agree (one all-reduce of a
+flag per bucket, a host sync once) on which buckets were incomplete on any rank; those move to
+the end of the launch order, for good: the others launch as they complete, the moved ones at
+the end of backward (earlier if their grads do come). The order stays identical on every rank,
+and a param that is used after all only costs time, never a result.
 """
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
+from fusedzero import comm
 from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
 from fusedzero.reduce import MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish, reduction_for
@@ -63,6 +72,7 @@ class BucketSchedule:
         self.max_live_buckets = 0  # most transient bucket buffers alive at once (stages 2-3)
         self._next = 0
         self._zeroed_at: dict[int, int] = {}  # id(buf) -> grad_flat._version after its zero_
+        self._order_agreed = False  # see [Note: buckets with unused params]
         self.reset_pending()
 
     # -- backward -----------------------------------------------------------------------------
@@ -133,11 +143,28 @@ class BucketSchedule:
         # A backward that reached the model's output but no param (torch.autograd.grad w.r.t.
         # inputs) has nothing to reduce.
         reduced = self.reduces_now() and grads_arrived
+        incomplete = [b.pending > 0 for b in self.buckets]
         if reduced:
+            self.ctx.record("flush", self._next)  # what is launched from here waited for the end
             self._launch_ready(force=True)
         self.wait_all()
+        if reduced and not self._order_agreed:
+            self._defer_incomplete(incomplete)
         self.reset_pending()
         return reduced
+
+    def _defer_incomplete(self, incomplete: list[bool]) -> None:
+        """[Note: buckets with unused params]: once, the same on every rank."""
+        self._order_agreed = True
+        if self.ctx.world_size > 1:
+            flags = torch.tensor(incomplete, dtype=torch.int32, device=self.buffers[0].device)
+            self.ctx.wait(comm.all_reduce_uncounted(flags, self.ctx.group, self.ctx.world_size),
+                          what="all-reduce of the buckets some rank got no grad for")
+            incomplete = [bool(f) for f in flags.tolist()]  # a host sync, once per optimizer
+        late = [b for b, f in zip(self.buckets, incomplete) if f]
+        self.buckets = [b for b, f in zip(self.buckets, incomplete) if not f] + late
+        for b in late:
+            self.ctx.record("deferred", (b.buf.unit, b.buf.group_index, b.k))
 
     def wait_all(self) -> None:
         for h, finish in self._handles:

@@ -160,6 +160,14 @@ def all_reduce(t: torch.Tensor, group: Group, world_size: int, counter: CommCoun
     return dist.all_reduce(t, group=group, async_op=True)
 
 
+def all_reduce_uncounted(t: torch.Tensor, group: Group, world_size: int) -> Handle:
+    """Sum `t` over ranks in place: a one-time agreement (e.g. at the first backward), not per-step
+    traffic, so not counted."""
+    if world_size == 1:
+        return None
+    return dist.all_reduce(t, group=group, async_op=True)
+
+
 def group_timeout(group: Group = None) -> float:
     """Seconds a wait on `group` may take: the group's timeout if it was set explicitly at
     `init_process_group`/`new_group`, else DEFAULT_TIMEOUT_S (never torch's 30-minute default)."""
