@@ -23,7 +23,8 @@ import torch
 from fusedzero import comm
 from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
-from fusedzero.reduce import MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish, reduction_for
+from fusedzero.reduce import (MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish,
+                              ReplicaReduction, reduction_for)
 from fusedzero.stage import Stage
 
 
@@ -52,9 +53,13 @@ class BucketSchedule:
     """The grad buckets of every flat buffer, their launch order and their reductions."""
 
     def __init__(self, buffers: list[FlatBuffer], stage: Stage, ctx: CommContext,
-                 order: list[torch.Tensor]) -> None:
+                 order: list[torch.Tensor], replicas: CommContext | None = None) -> None:
         self.buffers = buffers
         self.ctx = ctx
+        # 2-D mesh: each bucket's shard is averaged over the replicas once its reduction is
+        # complete ([Note: replicas and accumulation] in fusedzero/reduce.py).
+        self.replicas = (ReplicaReduction(replicas)
+                         if replicas is not None and replicas.world_size > 1 else None)
         self.reduction = reduction_for(stage)
         self.buckets = launch_order(buffers, order, by_unit=stage.shards_params)
         bucket_of = {(id(b.buf), b.k): b for b in self.buckets}
@@ -113,15 +118,46 @@ class BucketSchedule:
             b = self.buckets[self._next]
             if b.pending > 0 and not force:
                 return
+            if self.replicas is not None:
+                self._poll_replicas()
             self.ctx.record("reduce", (b.buf.unit, b.buf.group_index, b.k))
             with torch.no_grad():
                 h, finish = self.reduction.launch(b, self.ctx, self.inv_world)
+            if self.replicas is not None:
+                finish = self._then_replicas(b, finish)
             self._handles.append((h, finish))
             self._next += 1
             if self.reduction.transient:
                 self.max_live_buckets = max(self.max_live_buckets,
                                             sum(x.grad is not None for x in self.buckets))
                 self._bound_inflight()
+
+    def _then_replicas(self, b: Bucket, finish: Finish | None) -> Finish:
+        """`finish`, then b's replica average (or, inside no_sync, a note that it is due)."""
+        assert self.replicas is not None
+        replicas, now = self.replicas, self.sync
+
+        def then() -> None:
+            if finish is not None:
+                finish()
+            if now:
+                replicas.start(b)
+            else:
+                b.replica_stale = True
+        return then
+
+    def _poll_replicas(self) -> None:
+        """Finish, in launch order, the reductions that are complete, so their replica
+        all-reduces start during backward (`is_completed` does not block: on NCCL it queries an
+        event)."""
+        for i, (h, finish) in enumerate(self._handles):
+            if finish is None:
+                continue
+            if h is not None and not h.is_completed():
+                return
+            with torch.no_grad():
+                finish()
+            self._handles[i] = (None, None)
 
     def _bound_inflight(self) -> None:
         """Finish the oldest transient reductions beyond MAX_INFLIGHT_BUCKETS: their buffers
@@ -173,6 +209,15 @@ class BucketSchedule:
                 with torch.no_grad():
                     finish()
         self._handles.clear()
+        if self.replicas is not None:
+            self.replicas.wait()
+
+    def finish_replicas(self) -> None:
+        """Before the update: average over the replicas what no backward averaged (stages 2-3
+        inside no_sync)."""
+        if self.replicas is not None:
+            with torch.no_grad():
+                self.replicas.leftovers(self.buckets)
 
     def reset_pending(self) -> None:
         for b in self.buckets:
@@ -202,3 +247,4 @@ class BucketSchedule:
                 self._zeroed_at[id(buf)] = g._version
         for b in self.buckets:
             b.status = BucketStatus.EMPTY
+            b.replica_stale = False

@@ -160,6 +160,32 @@ def all_reduce(t: torch.Tensor, group: Group, world_size: int, counter: CommCoun
     return dist.all_reduce(t, group=group, async_op=True)
 
 
+def all_reduce_mean(t: torch.Tensor, ctx: CommContext) -> Handle:
+    """Average `t` over the ranks of `ctx`'s group in place (as DDP: each rank's value is
+    multiplied by 1/W before the sum). On NCCL the multiplication is the collective's own
+    (premul_sum: no pass over `t` before the send); elsewhere a `mul_` first. Same values."""
+    if ctx.world_size == 1:
+        return None
+    inv = 1.0 / ctx.world_size
+    op = premul_sum_op(ctx, t, inv)
+    if op is None:
+        t.mul_(inv)
+        op = dist.ReduceOp.SUM
+    ctx.counter.add(CollectiveKind.ALL_REDUCE, t.numel(), t.element_size(), ctx.world_size)
+    return dist.all_reduce(t, op=op, group=ctx.group, async_op=True)
+
+
+def premul_sum_op(ctx: CommContext, t: torch.Tensor, factor: float) -> Any:
+    """A reduce op that multiplies each rank's input by `factor` inside the collective, where
+    the backend serving `t`'s device has one (NCCL, floating dtypes); else None. The factor is
+    a Python float: NCCL bakes it into the op (no device read, no extra kernel)."""
+    make = getattr(dist, "_make_nccl_premul_sum", None)
+    if (make is None or t.device.type == "cpu" or not t.is_floating_point()
+            or serving_backend(ctx.group, t.device.type) != "nccl"):
+        return None
+    return make(factor)
+
+
 def all_reduce_uncounted(t: torch.Tensor, group: Group, world_size: int) -> Handle:
     """Sum `t` over ranks in place: a one-time agreement (e.g. at the first backward), not per-step
     traffic, so not counted."""

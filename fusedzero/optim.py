@@ -42,7 +42,6 @@ from fusedzero.layout import DEFAULT_BUCKET_NUMEL
 from fusedzero.model_state_dict import FullParamsLoad
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
-from fusedzero.reduce import reduce_replicas
 from fusedzero.scalars import GroupLr, LossScaler, StepScalars
 from fusedzero.shards import ShardAccess
 from fusedzero.stage import Stage
@@ -64,8 +63,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         process_group: the group params, grads and state are sharded over (default: the world;
             none initialised = 1 rank).
         replicate_group: for a 2-D mesh (shard within a node, replicate across nodes): the group
-            of ranks that hold the same shard. Their grad shards are all-reduced once per step,
-            after accumulation, before the update; everything else stays within
+            of ranks that hold the same shard. Each bucket's grad shard is all-reduced over it
+            as soon as the bucket's reduction in `process_group` is complete, in every backward
+            outside `no_sync` (fusedzero/reduce.py); everything else stays within
             `process_group`. Grads are averaged over both groups.
         param_dtype: dtype of the model's params (e.g. torch.bfloat16, with an fp32 master);
             default keeps each param's dtype (fp32 params are their own master).
@@ -188,7 +188,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self.zero3 is not None:
             self.zero3.setup(self.flat_groups, param_init_fn)
         order = list(module.parameters()) if module is not None else all_params
-        self.buckets = BucketSchedule(self.flat_groups, stage, self._ctx, order)
+        self.buckets = BucketSchedule(self.flat_groups, stage, self._ctx, order, self._replica_ctx)
         z = self.zero3
         self.grads = GradHooks(self.buckets, stage, self._ctx, module, all_params,
                                on_unit_grad=z.grad_ready if z is not None else None,
@@ -295,7 +295,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             self.zero3.free_all()
         self.buckets.wait_all()
         self.buckets.before_step()
-        reduce_replicas(self.flat_groups, self._replica_ctx)
+        self.buckets.finish_replicas()
         # Stage 0 grads are replicated: the local sum of squares is already global.
         s = self.scalars
         s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None)
