@@ -175,6 +175,20 @@ def all_reduce_mean(t: torch.Tensor, ctx: CommContext) -> Handle:
     return dist.all_reduce(t, op=op, group=ctx.group, async_op=True)
 
 
+def reduce_scatter_mean(out: torch.Tensor, inp: torch.Tensor, ctx: CommContext) -> Handle:
+    """`reduce_scatter` of the ranks' `inp` multiplied by 1/W (the average), as `all_reduce_mean`:
+    inside the collective on NCCL, a `mul_` of `inp` first elsewhere."""
+    if ctx.world_size == 1:
+        return reduce_scatter(out, inp, ctx.group, 1, ctx.counter)
+    op = premul_sum_op(ctx, inp, 1.0 / ctx.world_size)
+    if op is None:
+        inp.mul_(1.0 / ctx.world_size)
+        return reduce_scatter(out, inp, ctx.group, ctx.world_size, ctx.counter)
+    ctx.counter.add(CollectiveKind.REDUCE_SCATTER, inp.numel(), inp.element_size(),
+                    ctx.world_size)
+    return _reduce_scatter(out, inp, op=op, group=ctx.group, async_op=True)
+
+
 def premul_sum_op(ctx: CommContext, t: torch.Tensor, factor: float) -> Any:
     """A reduce op that multiplies each rank's input by `factor` inside the collective, where
     the backend serving `t`'s device has one (NCCL, floating dtypes); else None. The factor is
@@ -192,6 +206,28 @@ def all_reduce_uncounted(t: torch.Tensor, group: Group, world_size: int) -> Hand
     if world_size == 1:
         return None
     return dist.all_reduce(t, group=group, async_op=True)
+
+
+# [Note: a hung NCCL collective] A wait on NCCL does not block the host, so no timeout of ours
+# can see a stalled collective. NCCL's watchdog does: after the group's timeout (the `timeout=`
+# of init_process_group; `fusedzero train --timeout`) it aborts the communicator and ends the
+# process with an error naming the rank, the collective (e.g. `OpType=_ALLGATHER_BASE`) and its
+# sequence number, when asynchronous error handling is on (torch's default, 3, since 2.2; an
+# inherited 0 would hang silently instead). The flight recorder keeps the last collectives of
+# every rank for that report (`TORCH_NCCL_TRACE_BUFFER_SIZE`), dumped on a timeout.
+NCCL_WATCHDOG_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+                     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def nccl_watchdog_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Set NCCL_WATCHDOG_ENV's values where the environment does not set them already (before
+    the NCCL group is created); returns what was set."""
+    import os
+    env = os.environ if environ is None else environ
+    added = {k: v for k, v in NCCL_WATCHDOG_ENV.items() if k not in env}
+    env.update(added)
+    return added
 
 
 def group_timeout(group: Group = None) -> float:

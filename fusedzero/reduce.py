@@ -124,10 +124,8 @@ class AllReduceFull:
         b.full_grad()[a:e].add_(grad[p:p + e - a])
 
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
-        buf = b.full_grad()
-        if ctx.world_size > 1:
-            buf.mul_(inv_world)
-        return comm.all_reduce(buf, ctx.group, ctx.world_size, ctx.counter), None
+        # The average: on NCCL the 1/W multiplication is the collective's own (premul_sum).
+        return comm.all_reduce_mean(b.full_grad(), ctx), None
 
     def before_step(self, buckets: Iterable[Bucket]) -> None:
         pass
@@ -162,15 +160,18 @@ class ReduceScatterInPlace:
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         buf = b.full_grad()
         lo, hi = b.own_piece()
-        after = False
+        after = mean = False
         if b.status is not BucketStatus.EMPTY:
             self._clean(b)  # new grads were added pre-divided: divide nothing again
-        elif divides_after(b, inv_world):
-            after = True
-        elif ctx.world_size > 1:
-            buf.mul_(inv_world)
+        elif divides_after(b, inv_world) and comm.premul_sum_op(ctx, buf, inv_world) is None:
+            after = True  # (where the collective multiplies, dividing before costs no pass)
+        else:
+            mean = ctx.world_size > 1
         b.status = BucketStatus.REDUCED  # the other pieces are contributed again by this one
-        h = comm.reduce_scatter(buf[lo:hi], buf, ctx.group, ctx.world_size, ctx.counter)
+        if mean:  # the average: on NCCL the 1/W multiplication is the collective's own
+            h = comm.reduce_scatter_mean(buf[lo:hi], buf, ctx)
+        else:
+            h = comm.reduce_scatter(buf[lo:hi], buf, ctx.group, ctx.world_size, ctx.counter)
         if not after:
             return h, None
         return h, lambda: buf[lo:hi].mul_(inv_world)

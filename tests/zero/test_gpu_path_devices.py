@@ -87,3 +87,21 @@ def test_single_backend_strings(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.setattr(dist, "get_backend", lambda group=None, name=name: name)
         assert comm._host_blocking(None, torch.device("cuda", 0)) is cuda_blocks, name
         assert comm._host_blocking(None, torch.device("cpu")) is True, name
+
+
+def test_premul_sum_where_nccl_serves_the_device(mixed_group: None) -> None:
+    """The average's 1/W goes into the collective (NCCL premul_sum) for CUDA tensors of a mixed
+    group, and stays a `mul_` (None here) for CPU tensors, which gloo serves."""
+    ctx = comm.CommContext.of(None, comm.CommCounter(), device=torch.device("cuda", 0))
+    (cuda_t,) = _fake_params("cuda:0")
+    assert comm.premul_sum_op(ctx, cuda_t, 0.5) is not None
+    assert comm.premul_sum_op(ctx, torch.ones(2), 0.5) is None
+    assert comm.premul_sum_op(ctx, torch.ones(2, dtype=torch.int32), 0.5) is None
+
+
+def test_nccl_watchdog_env_keeps_what_the_user_set() -> None:
+    env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    added = comm.nccl_watchdog_env(env)
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in added
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1" and added
