@@ -8,7 +8,8 @@ reduced is the stage's `Reduction` (`fusedzero.reduce`).
 [Note: buckets with unused params] A param that gets no grad (an unused branch) would leave
 its bucket incomplete until the end of backward and, the order being fixed, every bucket after
 it too. At the end of the first backward that reduces, the ranks agree (one all-reduce of a
-flag per bucket, a host sync once) on which buckets were incomplete on any rank; those move to
+flag per bucket over the group, and over the replicas on a 2-D mesh, whose all-reduces follow
+the same order; a host sync once) on which buckets were incomplete on any rank; those move to
 the end of the launch order, for good: the others launch as they complete, the moved ones at
 the end of backward (earlier if their grads do come). The order stays identical on every rank,
 and a param that is used after all only costs time, never a result.
@@ -192,10 +193,13 @@ class BucketSchedule:
     def _defer_incomplete(self, incomplete: list[bool]) -> None:
         """[Note: buckets with unused params]: once, the same on every rank."""
         self._order_agreed = True
-        if self.ctx.world_size > 1:
+        # Over the replicas too (2-D mesh): they issue the replica all-reduces in this order.
+        groups = [self.ctx] + ([self.replicas.ctx] if self.replicas is not None else [])
+        if any(g.world_size > 1 for g in groups):
             flags = torch.tensor(incomplete, dtype=torch.int32, device=self.buffers[0].device)
-            self.ctx.wait(comm.all_reduce_uncounted(flags, self.ctx.group, self.ctx.world_size),
-                          what="all-reduce of the buckets some rank got no grad for")
+            for g in groups:
+                g.wait(comm.all_reduce_uncounted(flags, g.group, g.world_size),
+                       what="all-reduce of the buckets some rank got no grad for")
             incomplete = [bool(f) for f in flags.tolist()]  # a host sync, once per optimizer
         late = [b for b, f in zip(self.buckets, incomplete) if f]
         self.buckets = [b for b, f in zip(self.buckets, incomplete) if not f] + late

@@ -250,11 +250,11 @@ def reduction_for(stage: Stage) -> Reduction:
 
 def shard_piece(b: Bucket) -> torch.Tensor:
     """Bucket b's piece of this rank's reduced grads, where the kernel reads it."""
-    view = b.buf.grad_view()
+    view, S = b.buf.grad_view(), b.buf.layout.shard_numel
     if isinstance(view, torch.Tensor):
-        S = b.buf.layout.shard_numel
         return view[b.k * S:(b.k + 1) * S]
-    return b.buf.pieces(view)[b.k]
+    lo = b.k * view.stride + view.base  # as FlatBuffer.pieces, for this bucket only
+    return view.tensor[lo:lo + S]
 
 
 class ReplicaReduction:
