@@ -303,7 +303,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         lrs = self.group_lr.update(self.param_groups)
         self._update.step(lrs, s.step, s.grad_scale, s.skip)
         s.finish()
-        self.param_sync.gather()
+        self.param_sync.gather(after_step=True)
         self._consume_grads()
         return loss
 

@@ -21,7 +21,7 @@ for buckets no forward waited for, the order is the flat buffers' own. The recor
 this rank's, from its own forward: ranks that run different modules first would issue their
 collectives in different orders, which a mismatched NCCL collective turns into a hang or wrong
 values, so the order is made identical on every rank by taking rank 0's (one broadcast of a
-small index table, the first time `gather()` runs after the recording).
+small index table, at the end of the first `step()`).
 """
 from __future__ import annotations
 
@@ -62,9 +62,11 @@ class ParamSync:
             assert module is not None
             self._install_waits(module, select_units(module, unit_policy))
 
-    def gather(self) -> None:
-        """Issue the all-gather of every bucket's updated params (async), in forward order."""
-        if self._recording and self._seen:
+    def gather(self, after_step: bool = False) -> None:
+        """Issue the all-gather of every bucket's updated params (async), in forward order.
+        The first gather after a step ends the recording (every rank steps in lockstep, so
+        every rank joins its broadcast, whatever forwards it ran)."""
+        if after_step and self._recording and self._module_waits:
             self._fix_order()
         for key in self.order:
             buf, k = self._buf[key[0]], key[1]
