@@ -4,6 +4,15 @@ Grads are counted into their buckets as backward produces them; a complete bucke
 at once if every bucket before it in the launch order was (collectives must match across ranks,
 so the order is fixed), and everything left is launched at the end of backward. How a bucket is
 reduced is the stage's `Reduction` (`fusedzero.reduce`).
+
+[Note: buckets with unused params] A param that gets no grad (an unused branch) would leave
+its bucket incomplete until the end of backward and, the order being fixed, every bucket after
+it too. At the end of the first backward that reduces, the ranks agree (one all-reduce of a
+flag per bucket over the group, and over the replicas on a 2-D mesh, whose all-reduces follow
+the same order; a host sync once) on which buckets were incomplete on any rank; those move to
+the end of the launch order, for good: the others launch as they complete, the moved ones at
+the end of backward (earlier if their grads do come). The order stays identical on every rank,
+and a param that is used after all only costs time, never a result.
 """
 from __future__ import annotations
 
@@ -12,9 +21,11 @@ from collections.abc import Iterator
 
 import torch
 
+from fusedzero import comm
 from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
-from fusedzero.reduce import MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish, reduction_for
+from fusedzero.reduce import (MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish,
+                              ReplicaReduction, reduction_for)
 from fusedzero.stage import Stage
 
 
@@ -43,9 +54,13 @@ class BucketSchedule:
     """The grad buckets of every flat buffer, their launch order and their reductions."""
 
     def __init__(self, buffers: list[FlatBuffer], stage: Stage, ctx: CommContext,
-                 order: list[torch.Tensor]) -> None:
+                 order: list[torch.Tensor], replicas: CommContext | None = None) -> None:
         self.buffers = buffers
         self.ctx = ctx
+        # 2-D mesh: each bucket's shard is averaged over the replicas once its reduction is
+        # complete ([Note: replicas and accumulation] in fusedzero/reduce.py).
+        self.replicas = (ReplicaReduction(replicas)
+                         if replicas is not None and replicas.world_size > 1 else None)
         self.reduction = reduction_for(stage)
         self.buckets = launch_order(buffers, order, by_unit=stage.shards_params)
         bucket_of = {(id(b.buf), b.k): b for b in self.buckets}
@@ -63,6 +78,7 @@ class BucketSchedule:
         self.max_live_buckets = 0  # most transient bucket buffers alive at once (stages 2-3)
         self._next = 0
         self._zeroed_at: dict[int, int] = {}  # id(buf) -> grad_flat._version after its zero_
+        self._order_agreed = False  # see [Note: buckets with unused params]
         self.reset_pending()
 
     # -- backward -----------------------------------------------------------------------------
@@ -111,15 +127,46 @@ class BucketSchedule:
             b = self.buckets[self._next]
             if b.pending > 0 and not force:
                 return
+            if self.replicas is not None:
+                self._poll_replicas()
             self.ctx.record("reduce", (b.buf.unit, b.buf.group_index, b.k))
             with torch.no_grad():
                 h, finish = self.reduction.launch(b, self.ctx, self.inv_world)
+            if self.replicas is not None:
+                finish = self._then_replicas(b, finish)
             self._handles.append((h, finish))
             self._next += 1
             if self.reduction.transient:
                 self.max_live_buckets = max(self.max_live_buckets,
                                             sum(x.grad is not None for x in self.buckets))
                 self._bound_inflight()
+
+    def _then_replicas(self, b: Bucket, finish: Finish | None) -> Finish:
+        """`finish`, then b's replica average (or, inside no_sync, a note that it is due)."""
+        assert self.replicas is not None
+        replicas, now = self.replicas, self.sync
+
+        def then() -> None:
+            if finish is not None:
+                finish()
+            if now:
+                replicas.start(b)
+            else:
+                b.replica_stale = True
+        return then
+
+    def _poll_replicas(self) -> None:
+        """Finish, in launch order, the reductions that are complete, so their replica
+        all-reduces start during backward (`is_completed` does not block: on NCCL it queries an
+        event)."""
+        for i, (h, finish) in enumerate(self._handles):
+            if finish is None:
+                continue
+            if h is not None and not h.is_completed():
+                return
+            with torch.no_grad():
+                finish()
+            self._handles[i] = (None, None)
 
     def _bound_inflight(self) -> None:
         """Finish the oldest transient reductions beyond MAX_INFLIGHT_BUCKETS: their buffers
@@ -141,11 +188,31 @@ class BucketSchedule:
         # A backward that reached the model's output but no param (torch.autograd.grad w.r.t.
         # inputs) has nothing to reduce.
         reduced = self.reduces_now() and grads_arrived
+        incomplete = [b.pending > 0 for b in self.buckets]
         if reduced:
+            self.ctx.record("flush", self._next)  # what is launched from here waited for the end
             self._launch_ready(force=True)
         self.wait_all()
+        if reduced and not self._order_agreed:
+            self._defer_incomplete(incomplete)
         self.reset_pending()
         return reduced
+
+    def _defer_incomplete(self, incomplete: list[bool]) -> None:
+        """[Note: buckets with unused params]: once, the same on every rank."""
+        self._order_agreed = True
+        # Over the replicas too (2-D mesh): they issue the replica all-reduces in this order.
+        groups = [self.ctx] + ([self.replicas.ctx] if self.replicas is not None else [])
+        if any(g.world_size > 1 for g in groups):
+            flags = torch.tensor(incomplete, dtype=torch.int32, device=self.buffers[0].device)
+            for g in groups:
+                g.wait(comm.all_reduce_uncounted(flags, g.group, g.world_size),
+                       what="all-reduce of the buckets some rank got no grad for")
+            incomplete = [bool(f) for f in flags.tolist()]  # a host sync, once per optimizer
+        late = [b for b, f in zip(self.buckets, incomplete) if f]
+        self.buckets = [b for b, f in zip(self.buckets, incomplete) if not f] + late
+        for b in late:
+            self.ctx.record("deferred", (b.buf.unit, b.buf.group_index, b.k))
 
     def wait_all(self) -> None:
         for h, finish in self._handles:
@@ -154,6 +221,15 @@ class BucketSchedule:
                 with torch.no_grad():
                     finish()
         self._handles.clear()
+        if self.replicas is not None:
+            self.replicas.wait()
+
+    def finish_replicas(self) -> None:
+        """Before the update: average over the replicas what no backward averaged (stages 2-3
+        inside no_sync)."""
+        if self.replicas is not None:
+            with torch.no_grad():
+                self.replicas.leftovers(self.buckets)
 
     def reset_pending(self) -> None:
         for b in self.buckets:
@@ -183,3 +259,4 @@ class BucketSchedule:
                 self._zeroed_at[id(buf)] = g._version
         for b in self.buckets:
             b.status = BucketStatus.EMPTY
+            b.replica_stale = False

@@ -98,11 +98,11 @@ class CommContext:
     @classmethod
     def of(cls, group: Group, counter: CommCounter, trace: list[tuple[str, Any]] | None = None,
            device: torch.device | None = None) -> CommContext:
-        """`device` is accepted for symmetry with the callers; nothing is set up per device."""
-        del device
+        """`device`: where the tensors this context's collectives carry live; its type picks
+        the backend of a mixed group (`cpu:gloo,cuda:nccl`) and so what a wait means."""
         return cls(group=group, world_size=group_size(group), rank=group_rank(group),
                    counter=counter, trace=trace, timeout=group_timeout(group),
-                   host_blocking=_host_blocking(group))
+                   host_blocking=_host_blocking(group, device))
 
     def record(self, event: str, detail: Any) -> None:
         if self.trace is not None:
@@ -160,6 +160,76 @@ def all_reduce(t: torch.Tensor, group: Group, world_size: int, counter: CommCoun
     return dist.all_reduce(t, group=group, async_op=True)
 
 
+def all_reduce_mean(t: torch.Tensor, ctx: CommContext) -> Handle:
+    """Average `t` over the ranks of `ctx`'s group in place (as DDP: each rank's value is
+    multiplied by 1/W before the sum). On NCCL the multiplication is the collective's own
+    (premul_sum: no pass over `t` before the send); elsewhere a `mul_` first. Same values."""
+    if ctx.world_size == 1:
+        return None
+    inv = 1.0 / ctx.world_size
+    op = premul_sum_op(ctx, t, inv)
+    if op is None:
+        t.mul_(inv)
+        op = dist.ReduceOp.SUM
+    ctx.counter.add(CollectiveKind.ALL_REDUCE, t.numel(), t.element_size(), ctx.world_size)
+    return dist.all_reduce(t, op=op, group=ctx.group, async_op=True)
+
+
+def reduce_scatter_mean(out: torch.Tensor, inp: torch.Tensor, ctx: CommContext) -> Handle:
+    """`reduce_scatter` of the ranks' `inp` multiplied by 1/W (the average), as `all_reduce_mean`:
+    inside the collective on NCCL, a `mul_` of `inp` first elsewhere."""
+    if ctx.world_size == 1:
+        return reduce_scatter(out, inp, ctx.group, 1, ctx.counter)
+    op = premul_sum_op(ctx, inp, 1.0 / ctx.world_size)
+    if op is None:
+        inp.mul_(1.0 / ctx.world_size)
+        return reduce_scatter(out, inp, ctx.group, ctx.world_size, ctx.counter)
+    ctx.counter.add(CollectiveKind.REDUCE_SCATTER, inp.numel(), inp.element_size(),
+                    ctx.world_size)
+    return _reduce_scatter(out, inp, op=op, group=ctx.group, async_op=True)
+
+
+def premul_sum_op(ctx: CommContext, t: torch.Tensor, factor: float) -> Any:
+    """A reduce op that multiplies each rank's input by `factor` inside the collective, where
+    the backend serving `t`'s device has one (NCCL, floating dtypes); else None. The factor is
+    a Python float: NCCL bakes it into the op (no device read, no extra kernel)."""
+    make = getattr(dist, "_make_nccl_premul_sum", None)
+    if (make is None or t.device.type == "cpu" or not t.is_floating_point()
+            or serving_backend(ctx.group, t.device.type) != "nccl"):
+        return None
+    return make(factor)
+
+
+def all_reduce_uncounted(t: torch.Tensor, group: Group, world_size: int) -> Handle:
+    """Sum `t` over ranks in place: a one-time agreement (e.g. at the first backward), not per-step
+    traffic, so not counted."""
+    if world_size == 1:
+        return None
+    return dist.all_reduce(t, group=group, async_op=True)
+
+
+# [Note: a hung NCCL collective] A wait on NCCL does not block the host, so no timeout of ours
+# can see a stalled collective. NCCL's watchdog does: after the group's timeout (the `timeout=`
+# of init_process_group; `fusedzero train --timeout`) it aborts the communicator and ends the
+# process with an error naming the rank, the collective (e.g. `OpType=_ALLGATHER_BASE`) and its
+# sequence number, when asynchronous error handling is on (torch's default, 3, since 2.2; an
+# inherited 0 would hang silently instead). The flight recorder keeps the last collectives of
+# every rank for that report (`TORCH_NCCL_TRACE_BUFFER_SIZE`), dumped on a timeout.
+NCCL_WATCHDOG_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+                     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+                     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+def nccl_watchdog_env(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """Set NCCL_WATCHDOG_ENV's values where the environment does not set them already (before
+    the NCCL group is created); returns what was set."""
+    import os
+    env = os.environ if environ is None else environ
+    added = {k: v for k, v in NCCL_WATCHDOG_ENV.items() if k not in env}
+    env.update(added)
+    return added
+
+
 def group_timeout(group: Group = None) -> float:
     """Seconds a wait on `group` may take: the group's timeout if it was set explicitly at
     `init_process_group`/`new_group`, else DEFAULT_TIMEOUT_S (never torch's 30-minute default)."""
@@ -176,12 +246,36 @@ def group_timeout(group: Group = None) -> float:
     return DEFAULT_TIMEOUT_S
 
 
-def _host_blocking(group: Group) -> bool:
-    """True where `Work.wait` blocks the host anyway (gloo). On NCCL a wait only orders streams;
-    passing it a timeout would turn it into a host sync in `step()`, so NCCL is left to its
-    watchdog, which aborts the communicator after the group's timeout."""
+# Backends whose `Work.wait()` makes the current device stream wait for the collective instead of
+# blocking the host (NCCL and its counterparts on other accelerators).
+STREAM_ORDERED = frozenset({"nccl", "xccl", "hccl"})
+
+
+def serving_backend(group: Group, device_type: str) -> str:
+    """The backend that serves `device_type` tensors in `group`: `dist.get_backend` names one
+    for every device type ("nccl") or one per type ("cpu:gloo,cuda:nccl", the usual mixed
+    group); "" where none serves that type. No process group: "" (nothing is sent)."""
+    if group is None and not dist.is_initialized():
+        return ""
+    name = str(dist.get_backend(group))
+    if ":" not in name:
+        return name
+    table = dict(part.split(":", 1) for part in name.split(","))
+    return table.get(device_type, "")
+
+
+def _host_blocking(group: Group, device: torch.device | None = None) -> bool:
+    """True where `Work.wait` blocks the host anyway (gloo, and CPU tensors whatever the group).
+    On a stream-ordered backend a wait only orders streams; passing it a timeout would turn it
+    into a host sync in `step()`, so NCCL is left to its watchdog, which aborts the communicator
+    after the group's timeout. Decided per device type: without `device`, only a group whose
+    every backend is stream-ordered counts as such."""
     try:
-        return dist.get_backend(group) != "nccl"
+        if device is not None:
+            return (device.type == "cpu"
+                    or serving_backend(group, device.type) not in STREAM_ORDERED)
+        name = str(dist.get_backend(group))
+        return not all(part.rsplit(":", 1)[-1] in STREAM_ORDERED for part in name.split(","))
     except (RuntimeError, ValueError):
         return True
 

@@ -38,6 +38,7 @@ class Units(Protocol):
     def wait(self, u: int) -> None: ...
     def free(self, u: int) -> None: ...
     def free_units(self) -> list[int]: ...
+    def unit_params(self, u: int) -> list[nn.Parameter]: ...
 
 
 class UnitStateDict:
@@ -67,18 +68,30 @@ class UnitStateDict:
 
     # -- state_dict -------------------------------------------------------------------------------
     def _save_pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self._gather_all()
+        pass  # torch records the (possibly freed) params; `_save_post` puts their values in
 
     def _save_post(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
                    local_metadata: dict[str, Any]) -> None:
-        storages = {buf.full.untyped_storage().data_ptr() for bufs in self.z.buffers
-                    for buf in bufs
-                    if buf.full is not None and buf.full.untyped_storage().nbytes()}
-        for k, v in state_dict.items():
-            if isinstance(v, torch.Tensor) and local(v).untyped_storage().data_ptr() in storages:
+        """Each sharded param's entry (under every name of a tied one) becomes a CPU copy of its
+        full value, unit by unit: one unit's gathered storage lives on the device at a time
+        (the whole model at once was twice its size there: gathered, plus the copies)."""
+        keys: dict[int, list[str]] = {}
+        for name, p in module.named_parameters(remove_duplicate=False):
+            if prefix + name in state_dict:
+                keys.setdefault(id(p), []).append(prefix + name)
+        free = set(self.z.free_units())
+        for u in range(len(self.z.modules)):
+            own = [p for p in self.z.unit_params(u) if id(p) in keys]
+            if not own:
+                continue
+            self.z.wait(u)
+            for p in own:
                 # A copy: the gathered storage is freed below (and rewritten by every step).
-                state_dict[k] = v.detach().clone()
-        self._free_again()
+                value = p.detach().to("cpu", copy=True)
+                for k in keys[id(p)]:
+                    state_dict[k] = value
+            if u in free:
+                self.z.free(u)
 
     # -- load_state_dict --------------------------------------------------------------------------
     def _load_pre(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,

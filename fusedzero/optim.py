@@ -42,7 +42,6 @@ from fusedzero.kernels import AdamWBuffer, GroupedAdamW
 from fusedzero.model_state_dict import FullParamsLoad
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
-from fusedzero.reduce import reduce_replicas
 from fusedzero.scalars import GroupLr, LossScaler, StepScalars
 from fusedzero.shards import ShardAccess
 from fusedzero.stage import Stage
@@ -66,8 +65,9 @@ class ZeroAdamW(torch.optim.Optimizer):
             (`parallelize_module`): pass the dp group here; `self.tp` then describes the tp
             mesh (fusedzero/dtensor.py, docs/tensor_parallel.md).
         replicate_group: for a 2-D mesh (shard within a node, replicate across nodes): the group
-            of ranks that hold the same shard. Their grad shards are all-reduced once per step,
-            after accumulation, before the update; everything else stays within
+            of ranks that hold the same shard. Each bucket's grad shard is all-reduced over it
+            as soon as the bucket's reduction in `process_group` is complete, in every backward
+            outside `no_sync` (fusedzero/reduce.py); everything else stays within
             `process_group`. Grads are averaged over both groups.
         param_dtype: dtype of the model's params (e.g. torch.bfloat16, with an fp32 master);
             default keeps each param's dtype (fp32 params are their own master).
@@ -79,7 +79,9 @@ class ZeroAdamW(torch.optim.Optimizer):
         skip_nonfinite: skip the whole step (on the device, no sync) when a grad is inf/nan.
         loss_scale: "dynamic" for fp16 dynamic loss scaling, a float for a static scale, None.
         unit_policy: stage 3 units: None (each child of an nn.ModuleList), a module class or
-            tuple of classes, a callable(module) -> bool, or a minimum element count.
+            tuple of classes, a callable(module) -> bool, or a minimum element count. Stages
+            1-2: a module's forward waits for its subtree's params except those of units,
+            which wait for their own (see fusedzero/param_sync.py).
         reshard_after_forward: stage 3: free a unit after its forward and gather it again for
             backward (3 Psi of traffic per step); False keeps it until backward (2 Psi).
         param_init_fn: stage 3 with params on the meta device: `fn(name, module)` initialises the
@@ -196,13 +198,13 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self.zero3 is not None:
             self.zero3.setup(self.flat_groups, param_init_fn)
         order = list(module.parameters()) if module is not None else all_params
-        self.buckets = BucketSchedule(self.flat_groups, stage, self._ctx, order)
+        self.buckets = BucketSchedule(self.flat_groups, stage, self._ctx, order, self._replica_ctx)
         z = self.zero3
         self.grads = GradHooks(self.buckets, stage, self._ctx, module, all_params,
                                on_unit_grad=z.grad_ready if z is not None else None,
                                on_backward_end=z.end_backward if z is not None else None)
         self.param_sync = ParamSync(
-            self.flat_groups if stage.gathers_after_step else [], self._ctx, module)
+            self.flat_groups if stage.gathers_after_step else [], self._ctx, module, unit_policy)
         self.shards = ShardAccess(self.flat_groups, self.scalars, self.param_sync)
         self._build_update()
         # model.load_state_dict() at stages 0-2 (at stage 3 the unit hooks do it).
@@ -301,7 +303,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             self.zero3.free_all()
         self.buckets.wait_all()
         self.buckets.before_step()
-        reduce_replicas(self.flat_groups, self._replica_ctx)
+        self.buckets.finish_replicas()
         # Stage 0 grads are replicated: the local sum of squares is already global.
         s = self.scalars
         s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None, self._tp_ctx)
@@ -309,7 +311,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         lrs = self.group_lr.update(self.param_groups)
         self._update.step(lrs, s.step, s.grad_scale, s.skip)
         s.finish()
-        self.param_sync.gather()
+        self.param_sync.gather(after_step=True)
         self._consume_grads()
         return loss
 

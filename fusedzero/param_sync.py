@@ -1,14 +1,31 @@
 """Stages 1-2: the all-gather of updated params into the full param buffers, and the waits.
 
-[Note: all-gather overlap] With `module` given, each module that owns params waits, in its
-forward pre-hook, only for the buckets holding them: the gather of later buckets overlaps the
-forward of earlier layers. Without `module`, `gather()` waits before returning. The next step
-(whose kernel rewrites the params) and `gathered_params()` wait for whatever is still in flight.
-On NCCL a wait orders the streams; it is not a host sync.
+[Note: all-gather overlap] With `module` given, a module's forward pre-hook waits for the
+buckets of every param its forward can read: its own, and those of its whole subtree (a forward
+may read a child's params without calling the child: nn.MultiheadAttention reads
+`out_proj.weight`; nn.TransformerEncoderLayer in eval under no_grad reads every child's params
+in one fused op), except the subtrees of *units* below it (`unit_policy`, as at stage 3: by
+default every element of an nn.ModuleList), which are read by calling the unit, whose own hook
+waits for its subtree. So the root waits for the params outside the blocks, each block for its
+own, and the gather of later blocks overlaps the forward of earlier ones. A forward that reads a
+unit's params without calling it (stacking the weights of an nn.ModuleList of experts) needs a
+policy under which they are not units (`unit_policy=lambda m: False`: the root then waits for
+everything; no overlap, always correct). Without `module`, `gather()` waits before returning.
+The next step (whose kernel rewrites the params) and `gathered_params()` wait for whatever is
+still in flight. On NCCL a wait orders the streams; it is not a host sync.
+
+[Note: gather order] Buckets are gathered in the order forward first waits for them, recorded
+on the first forward after construction (which waits for nothing: no gather is in flight yet),
+so the first block's buckets are not queued behind the last block's. Before that forward, and
+for buckets no forward waited for, the order is the flat buffers' own. The recorded order is
+this rank's, from its own forward: ranks that run different modules first would issue their
+collectives in different orders, which a mismatched NCCL collective turns into a hang or wrong
+values, so the order is made identical on every rank by taking rank 0's (one broadcast of a
+small index table, at the end of the first `step()`).
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -18,6 +35,7 @@ from fusedzero import comm
 from fusedzero.comm import CommContext, Handle
 from fusedzero.dtensor import local
 from fusedzero.flat import FlatBuffer
+from fusedzero.zero3 import UnitPolicy, select_units
 
 # (id of a flat buffer, bucket index): one all-gather.
 BucketKey = tuple[int, int]
@@ -25,32 +43,58 @@ BucketKey = tuple[int, int]
 
 class ParamSync:
     """Owns the in-flight param all-gathers of `buffers` (empty below stage 1 and at stage 3,
-    whose params are gathered per unit by `fusedzero.zero3`)."""
+    whose params are gathered per unit by `fusedzero.zero3`) and the forward waits on them."""
 
     def __init__(self, buffers: list[FlatBuffer], ctx: CommContext,
-                 module: nn.Module | None) -> None:
+                 module: nn.Module | None, unit_policy: UnitPolicy = None) -> None:
         self.buffers = buffers
         self.ctx = ctx
         self._handles: dict[BucketKey, Handle] = {}
         self.hooks: list[Any] = []
+        self._buf = {id(buf): buf for buf in buffers}
+        self._index = {id(buf): i for i, buf in enumerate(buffers)}  # trace: (buffer, bucket)
+        # Every bucket, in the flat buffers' order, then (once recorded) in forward order.
+        self.order: list[BucketKey] = [(id(buf), k) for buf in buffers
+                                       for k in range(buf.layout.num_buckets)]
+        self._seen: dict[BucketKey, None] = {}  # keys in the order forward first waited
+        self._recording = True
         self._module_waits = module is not None and bool(buffers)
         if self._module_waits:
             assert module is not None
-            self._install_waits(module)
+            self._install_waits(module, select_units(module, unit_policy))
 
-    def gather(self) -> None:
-        """Issue the all-gather of every bucket's updated params (async)."""
-        for buf in self.buffers:
+    def gather(self, after_step: bool = False) -> None:
+        """Issue the all-gather of every bucket's updated params (async), in forward order.
+        The first gather after a step ends the recording (every rank steps in lockstep, so
+        every rank joins its broadcast, whatever forwards it ran)."""
+        if after_step and self._recording and self._module_waits:
+            self._fix_order()
+        for key in self.order:
+            buf, k = self._buf[key[0]], key[1]
             L = buf.layout
             assert buf.param_flat is not None
-            for k in range(L.num_buckets):
-                lo, hi = L.bucket_range(k)
-                plo, phi = L.piece(k, buf.shard_rank)
-                h = comm.all_gather(buf.param_flat[lo:hi], buf.param_flat[plo:phi],
-                                    self.ctx.group, self.ctx.world_size, self.ctx.counter)
-                self._handles[(id(buf), k)] = h
+            lo, hi = L.bucket_range(k)
+            plo, phi = L.piece(k, buf.shard_rank)
+            self.ctx.record("param_gather", (self._index[key[0]], k))
+            self._handles[key] = comm.all_gather(buf.param_flat[lo:hi], buf.param_flat[plo:phi],
+                                                 self.ctx.group, self.ctx.world_size,
+                                                 self.ctx.counter)
         if not self._module_waits:
             self.wait()
+
+    def _fix_order(self) -> None:
+        """End the recording: forward order first, the rest after; rank 0's order on every
+        rank (see [Note: gather order]). Once per optimizer; on NCCL `tolist()` is a host sync."""
+        self._recording = False
+        pos = {key: i for i, key in enumerate(self.order)}
+        perm = [pos[key] for key in self._seen] + [i for key, i in pos.items()
+                                                    if key not in self._seen]
+        if self.ctx.world_size > 1:
+            t = torch.tensor(perm, dtype=torch.int64, device=self.buffers[0].device)
+            self.ctx.wait(comm.broadcast(t, self.ctx.group, self.ctx.world_size),
+                          what="broadcast of rank 0's param gather order")
+            perm = t.tolist()
+        self.order = [self.order[i] for i in perm]
 
     def wait(self, keys: Iterable[BucketKey] | None = None) -> None:
         """Wait for in-flight param all-gathers (all, or those buckets)."""
@@ -59,29 +103,44 @@ class ParamSync:
         for key in list(self._handles) if keys is None else keys:
             h = self._handles.pop(key, None)
             if h is not None:
-                self.ctx.record("param_wait", key)
+                self.ctx.record("param_wait", (self._index[key[0]], key[1]))
                 self.ctx.wait(h, what=f"param all-gather of (flat group, bucket) {key}")
 
-    def _install_waits(self, module: nn.Module) -> None:
-        """Forward pre-hooks: each module with params of ours waits for their buckets. A param
-        a parent uses directly (not through a submodule) is in the parent's own
-        parameters(recurse=False), so the parent's hook covers it."""
+    def _before_forward(self, keys: tuple[BucketKey, ...]) -> None:
+        if self._recording:
+            for key in keys:
+                self._seen.setdefault(key)
+        self.wait(keys)
+
+    def _install_waits(self, module: nn.Module, units: list[nn.Module]) -> None:
+        """Forward pre-hooks: each module whose forward can read params of ours waits for
+        their buckets (see [Note: all-gather overlap])."""
         where = {id(p): (buf, pos) for buf in self.buffers for pos, p in enumerate(buf.params)}
+        unit_ids = {id(u) for u in units}
         for m in module.modules():
-            keys: list[BucketKey] = []
-            for p in m.parameters(recurse=False):
+            keys: dict[BucketKey, None] = {}
+            for p in _readable(m, unit_ids):
                 if id(p) in where:
                     buf, pos = where[id(p)]
-                    keys += [(id(buf), k) for k in buf.layout.buckets_of(buf.layout.params[pos])]
+                    for k in buf.layout.buckets_of(buf.layout.params[pos]):
+                        keys.setdefault((id(buf), k))
             if keys:
-                keys = sorted(set(keys))
                 self.hooks.append(m.register_forward_pre_hook(
-                    lambda mod, args, keys=keys: self.wait(keys)))
+                    lambda mod, args, keys=tuple(keys): self._before_forward(keys)))
 
     def remove_hooks(self) -> None:
         for h in self.hooks:
             h.remove()
         self.hooks.clear()
+
+
+def _readable(m: nn.Module, unit_ids: set[int]) -> Iterator[nn.Parameter]:
+    """The params `m`'s forward may read without calling a unit: its subtree's, in registration
+    order, units strictly below `m` left out."""
+    yield from m.parameters(recurse=False)
+    for c in m.children():
+        if id(c) not in unit_ids:
+            yield from _readable(c, unit_ids)
 
 
 def broadcast_from_rank0(t: torch.Tensor, ctxs: Iterable[CommContext]) -> None:

@@ -78,6 +78,9 @@ class Bucket:
     pending: int = 0  # grads still expected in this backward
     arrived: set[int] = dataclasses.field(default_factory=set)  # slots whose grad came
     grad: torch.Tensor | None = None  # stages 2-3: the transient full-size buffer
+    # 2-D mesh: the shard holds a reduction the replicas have not averaged (stages 2-3 inside
+    # no_sync); `ReplicaReduction.leftovers` averages it before the update.
+    replica_stale: bool = False
 
     def full_grad(self) -> torch.Tensor:
         assert self.buf.grad_flat is not None
@@ -121,10 +124,8 @@ class AllReduceFull:
         b.full_grad()[a:e].add_(grad[p:p + e - a])
 
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
-        buf = b.full_grad()
-        if ctx.world_size > 1:
-            buf.mul_(inv_world)
-        return comm.all_reduce(buf, ctx.group, ctx.world_size, ctx.counter), None
+        # The average: on NCCL the 1/W multiplication is the collective's own (premul_sum).
+        return comm.all_reduce_mean(b.full_grad(), ctx), None
 
     def before_step(self, buckets: Iterable[Bucket]) -> None:
         pass
@@ -159,15 +160,18 @@ class ReduceScatterInPlace:
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         buf = b.full_grad()
         lo, hi = b.own_piece()
-        after = False
+        after = mean = False
         if b.status is not BucketStatus.EMPTY:
             self._clean(b)  # new grads were added pre-divided: divide nothing again
-        elif divides_after(b, inv_world):
-            after = True
-        elif ctx.world_size > 1:
-            buf.mul_(inv_world)
+        elif divides_after(b, inv_world) and comm.premul_sum_op(ctx, buf, inv_world) is None:
+            after = True  # (where the collective multiplies, dividing before costs no pass)
+        else:
+            mean = ctx.world_size > 1
         b.status = BucketStatus.REDUCED  # the other pieces are contributed again by this one
-        h = comm.reduce_scatter(buf[lo:hi], buf, ctx.group, ctx.world_size, ctx.counter)
+        if mean:  # the average: on NCCL the 1/W multiplication is the collective's own
+            h = comm.reduce_scatter_mean(buf[lo:hi], buf, ctx)
+        else:
+            h = comm.reduce_scatter(buf[lo:hi], buf, ctx.group, ctx.world_size, ctx.counter)
         if not after:
             return h, None
         return h, lambda: buf[lo:hi].mul_(inv_world)
@@ -246,16 +250,46 @@ def reduction_for(stage: Stage) -> Reduction:
     return ReduceScatterInPlace() if stage.keeps_full_grads else ReduceIntoShard()
 
 
-def reduce_replicas(buffers: Iterable[FlatBuffer], ctx: CommContext) -> None:
-    """2-D mesh: average this rank's grad shard over the replicas that hold the same shard
-    (`ctx` is the replicate group). Once per step, after accumulation: replicas then hold equal
-    grads and stay in step."""
-    if ctx.world_size == 1:
-        return
-    handles = []
-    for buf in buffers:
-        for piece in buf.pieces(buf.grad_view()):
-            piece.mul_(1.0 / ctx.world_size)  # pre-divided: the sum is the average
-            handles.append(comm.all_reduce(piece, ctx.group, ctx.world_size, ctx.counter))
-    for h in handles:
-        ctx.wait(h, what="grad all-reduce across replicas")
+def shard_piece(b: Bucket) -> torch.Tensor:
+    """Bucket b's piece of this rank's reduced grads, where the kernel reads it."""
+    view, S = b.buf.grad_view(), b.buf.layout.shard_numel
+    if isinstance(view, torch.Tensor):
+        return view[b.k * S:(b.k + 1) * S]
+    lo = b.k * view.stride + view.base  # as FlatBuffer.pieces, for this bucket only
+    return view.tensor[lo:lo + S]
+
+
+class ReplicaReduction:
+    """2-D mesh (HSDP): average each bucket's reduced shard over the replicas that hold the same
+    shard (`ctx` is the replicate group), started per bucket as soon as its shard reduction is
+    complete, while backward goes on.
+
+    [Note: replicas and accumulation] The shard piece holds the step's accumulated average:
+    A (from earlier reducing backwards of this step, already averaged over replicas, so equal
+    on every replica) plus this backward's new part. Averaging it over the replicas again gives
+    A + the replicas' mean of the new part, by linearity, as stage 0 does across ranks: so every
+    reducing backward outside `no_sync` averages over replicas (FSDP2's default too), and a
+    backward inside it (stages 2-3 still reduce the shard) leaves the bucket stale, averaged
+    before the update. Replica all-reduces are issued in the launch order of the buckets (every
+    replica issues them in the same order)."""
+
+    def __init__(self, ctx: CommContext) -> None:
+        self.ctx = ctx
+        self.handles: list[Handle] = []
+
+    def start(self, b: Bucket) -> None:
+        piece = shard_piece(b)
+        self.ctx.record("replica_reduce", (b.buf.unit, b.buf.group_index, b.k))
+        self.handles.append(comm.all_reduce_mean(piece, self.ctx))
+        b.replica_stale = False
+
+    def leftovers(self, buckets: Iterable[Bucket]) -> None:
+        for b in buckets:
+            if b.replica_stale:
+                self.start(b)
+        self.wait()
+
+    def wait(self) -> None:
+        for h in self.handles:
+            self.ctx.wait(h, what="grad all-reduce across replicas")
+        self.handles.clear()

@@ -73,11 +73,26 @@ def check_groups(param_groups: list[dict[str, Any]]) -> list[nn.Parameter]:
     return all_params
 
 
+def indexed_device(device: torch.device | str) -> torch.device:
+    """`device` with its index: an accelerator named without one ("cuda") is the current device
+    of its type, where torch puts a tensor created on it, and every tensor reports its device
+    with that index ("cuda:0"); cpu and meta stay as they are (their tensors carry no index).
+    Every device the optimizer holds or compares goes through here once, at construction."""
+    d = torch.device(device)
+    if d.index is not None or d.type in ("cpu", "meta"):
+        return d
+    current = getattr(getattr(torch, d.type, None), "current_device", None)
+    if current is None:
+        raise ValueError(f"device {d} has no index and torch.{d.type}.current_device() does not "
+                         f"exist to choose one; pass an indexed device, e.g. '{d.type}:0'")
+    return torch.device(d.type, current())
+
+
 def resolve_device(params: list[nn.Parameter], module: nn.Module | None, shards_params: bool,
                    device: torch.device | str | None) -> torch.device:
-    """The one device of the params; for params on the meta device (stage 3 only), where they
-    are materialised."""
-    devices = {p.device for p in params}
+    """The one device of the params, indexed; for params on the meta device (stage 3 only),
+    where they are materialised: `device`, else the current CUDA device if there is one."""
+    devices = {indexed_device(p.device) for p in params}
     if len(devices) > 1:
         raise ValueError(f"all params must be on one device, got {sorted(map(str, devices))}")
     found = devices.pop() if devices else torch.device("cpu")
@@ -91,10 +106,11 @@ def resolve_device(params: list[nn.Parameter], module: nn.Module | None, shards_
                                       if not p.requires_grad):
             raise ValueError("frozen params on the meta device are not supported: "
                              "materialise them before building the optimizer")
-        return torch.device(device if device is not None else
-                            ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device is not None and torch.device(device) != found:
-        raise ValueError(f"device={device} but the params are on {found}")
+        return indexed_device(device if device is not None else
+                              ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device is not None and indexed_device(device) != found:
+        raise ValueError(f"device={device} (that is {indexed_device(device)}) but the params "
+                         f"are on {found}; pass device={str(found)!r} or leave it out")
     return found
 
 

@@ -124,6 +124,10 @@ class Zero3:
         self.max_gathered = 0  # units gathered at once, the root excluded
         self.max_gathered_with_root = 0
         self.materialize_peak = 0  # most full-buffer elements alive during meta-device init
+        # Elements of gathered storage alive now, and the most at once since last reset: what a
+        # unit-by-unit walk (state_dict, close) is held to (one unit above the sharded state).
+        self.gathered_numel = 0
+        self.max_gathered_numel = 0
         self.hooks: list[Any] = []
         self.unit_of_param: dict[int, int] = {}
         self._meta_init = False  # params came on the meta device: `setup` initialises them
@@ -164,15 +168,23 @@ class Zero3:
         self.pending = list(self.n_trainable)
 
     def close(self, params: list[nn.Parameter]) -> None:
-        """Remove the hooks and leave `params` as plain tensors holding their full values."""
+        """Remove the hooks and leave the params as plain tensors holding their full values, unit
+        by unit: one unit's gathered storage at a time beside the copies made so far."""
         for h in self.hooks:
             h.remove()
         self.hooks.clear()
-        with self.gathered(), torch.no_grad():
-            full = [local(p).detach().clone() for p in params]  # off the unit buffers
-        # After the free, which points the params at empty tensors: they keep their values.
-        for p, t in zip(params, full):
-            set_local(p, t)
+        self.free_all()
+        for u in range(len(self.modules)):
+            own = self.unit_params(u)
+            if not own:
+                continue
+            self.wait(u)
+            with torch.no_grad():
+                full = [local(p).detach().clone() for p in own]  # off the unit buffers
+            self.free(u)
+            # After the free, which points the params at empty tensors: they keep their values.
+            for p, t in zip(own, full):
+                set_local(p, t)
 
     def _materialize(self, init_fn: ParamInitFn | None) -> None:
         """Initialise meta-device params module by module, in `named_modules()` order (the order
@@ -224,6 +236,8 @@ class Zero3:
             return
         ctx = self.ctx
         ctx.record("gather", u)
+        self.gathered_numel += self.unit_numel(u)
+        self.max_gathered_numel = max(self.max_gathered_numel, self.gathered_numel)
         for buf in self.buffers[u]:
             L = buf.layout
             buf.allocate_full()  # values land when the handles are waited on
@@ -257,9 +271,17 @@ class Zero3:
         for buf in self.buffers[u]:
             buf.release_full()
         self.state[u] = UnitState.FREE
+        self.gathered_numel -= self.unit_numel(u)
         if u != 0:
             self.gathered_now -= 1
         self.ctx.record("free", u)
+
+    def unit_numel(self, u: int) -> int:
+        """Elements of unit u's gathered storage (padded: what `gather` allocates)."""
+        return sum(buf.layout.padded_numel for buf in self.buffers[u])
+
+    def unit_params(self, u: int) -> list[nn.Parameter]:
+        return [p for buf in self.buffers[u] for p in buf.params]
 
     def free_units(self) -> list[int]:
         return [u for u in range(len(self.modules)) if self.state[u] == UnitState.FREE]
@@ -270,7 +292,9 @@ class Zero3:
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
-        """All params gathered (e.g. to read or export the full model); freed on exit."""
+        """All params gathered (e.g. to read or export the full model); freed on exit. This holds
+        the whole model on the device at once; `model.state_dict()` goes unit by unit to the
+        CPU instead."""
         for u in range(len(self.modules)):
             self.wait(u)
         try:

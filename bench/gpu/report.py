@@ -143,6 +143,68 @@ def step_section(runs: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def multi_section(runs: list[dict[str, Any]]) -> str:
+    """bench/gpu/multi.py, one JSON per world size."""
+    out = ["## Every stage at W = 1..N (`bench/gpu/multi.py` under torchrun)", "",
+           "Parity: 5 steps; fp32 against DDP + torch.optim.AdamW (params: worst |ours - DDP| / "
+           "(1e-6 + 1e-6 |DDP|), at most 1 passes), bf16 against FSDP2 MixedPrecisionPolicy("
+           "param_dtype=bf16, reduce_dtype=fp32) (losses within 2^-7 relative).", ""]
+    rows = []
+    for d in runs:
+        for r in d.get("parity", []):
+            rows.append([d["world_size"], r["ours"], r["ref"], r["kind"],
+                         "error" if "error" in r else ("ok" if r["ok"] else "FAIL"),
+                         f"{r['loss_rel_diff']:.1e}" if "loss_rel_diff" in r else "-",
+                         f"{r['param_worst_over_tol']:.2f}" if "param_worst_over_tol" in r
+                         else "-"])
+    out += [_table(["W", "ours", "reference", "dtype", "verdict", "worst loss rel. diff",
+                    "worst param diff / tolerance"], rows), ""]
+    rows = []
+    for d in runs:
+        t = d.get("timing") or {}
+        bare = {r["system"]: r["median_s"] for r in t.get("rows", [])}.get("bare")
+        for r in t.get("rows", []):
+            over = f"{(r['median_s'] - bare) * 1e3:.2f}" if bare is not None else "-"
+            rows.append([d["world_size"], r["system"], f"{r['median_s'] * 1e3:.2f}", over])
+        rows += [[d["world_size"], n, "not run", why.splitlines()[0][:80]]
+                 for n, why in t.get("errors", {}).items()]
+    out += ["Step time (median of interleaved rounds) and overhead over `bare` "
+            "forward+backward at the same W:", "",
+            _table(["W", "system", "median ms", "overhead ms"], rows), ""]
+    rows = [[d["world_size"], e["system"], e["timeline"], f"{e['exposed'] * 1e-3:.2f}",
+             f"{e['comm'] * 1e-3:.2f}", f"{e['span'] * 1e-3:.2f}",
+             f"{100 * e['exposed_fraction']:.1f}%"]
+            for d in runs if (e := d.get("exposed"))]
+    out += ["Exposed communication (bench/gpu/timeline.py: collective kernel time no compute "
+            "kernel overlaps, over the profiled steps' span):", "",
+            _table(["W", "system", "timeline", "exposed ms", "collectives ms", "span ms",
+                    "exposed fraction"], rows), ""]
+    for d in runs:
+        if (g := d.get("graph")):
+            out.append(f"CUDA graph of a whole {g['system']} step at W={d['world_size']}: "
+                       f"{g['replays']} replays, max |replayed - eager| = "
+                       f"{g['max_abs_diff_vs_eager']:g} ({'ok' if g['ok'] else 'FAIL'}).")
+        for k, v in d.get("errors", {}).items():
+            out.append(f"W={d['world_size']} {k}: error: {v.strip().splitlines()[-1]}")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def fake_world_section(d: dict[str, Any]) -> str:
+    rows = [[r["stage"], r["world"], ",".join(map(str, r["ranks"])),
+             "yes" if r["same_on_every_rank"] else "NO",
+             ",".join("-" if h is None else ("SYNC" if h else "none")
+                      for h in r["host_sync_in_step"]),
+             r["trace_events"], r["kernels_per_step"], "; ".join(
+                 f"rank {k}: {v.strip().splitlines()[-1]}" for k, v in r["errors"].items())]
+            for r in d["rows"]]
+    return ("## Large world on one device (`bench/gpu/fake_world.py`, torch's fake process "
+            f"group, {d['device']})\n\nCollectives are no-ops; streams, hooks and host syncs "
+            "are real. The same trace and kernels at every rank index, and no host sync in "
+            "`step()` (after the first, which makes one-time agreements):\n\n"
+            + _table(["stage", "W", "rank indexes", "same on every rank", "host sync in step",
+                      "trace events", "CUDA kernels per step", "errors"], rows))
+
+
 HEADLINE = re.compile(r"<!-- gpu-headline:begin -->\n.*?<!-- gpu-headline:end -->", re.S)
 
 
@@ -193,6 +255,25 @@ def render(folder: Path) -> str:
     steps = [d for n in ("step_fp32.json", "step_bf16.json") if (d := _read(folder, n))]
     if steps:
         parts += ["", step_section(steps)]
+    multi = sorted((json.loads(p.read_text()) for p in folder.glob("multi_w*.json")),
+                   key=lambda d: d["world_size"])
+    if multi:
+        parts += ["", multi_section(multi)]
+    fake = _read(folder, "fake_world.json")
+    if fake is not None:
+        parts += ["", fake_world_section(fake)]
+    tests = _read(folder, "pytest.json")
+    if tests is not None:
+        lines = []
+        for key, name, marks in (("cuda", "pytest_cuda.txt", "-m cuda"),
+                                 ("suite", "pytest_suite.txt", '-m "not cuda"')):
+            log = folder / name
+            last = log.read_text().strip().splitlines()[-1:] if log.exists() else ["(no log)"]
+            lines.append(f"- `pytest {marks}`: exit {tests[key]}: {last[0] if last else ''}")
+        parts += ["", "## Tests on this machine", ""] + lines
+    failed = sorted(p.name for p in folder.glob("*.failed"))
+    if failed:
+        parts += ["", "Failed or hung: " + ", ".join(failed)]
     return "\n".join(parts).rstrip("\n") + "\n"
 
 

@@ -1,30 +1,96 @@
 #!/usr/bin/env bash
-# Every GPU measurement of bench/gpu on one CUDA machine, then bench/gpu/REPORT.md.
-#   bash bench/gpu/run.sh [RESULTS_DIR]     (default bench/gpu/results)
-# Needs fusedzero installed with its bench extras (pytest-benchmark) and a CUDA GPU. The step
-# bench's model: FUSEDZERO_BENCH_MODEL (layers,width,heads,tokens; default 12,768,12,1024 here).
-# FUSEDZERO_COMMIT names the commit measured where the tree has no .git (a copied checkout).
+# The GPU proof, one command (docs/gpu.md says what each result means):
+#   bash bench/gpu/run.sh [RESULTS_DIR]            on a machine with N >= 1 CUDA GPUs; default
+#                                                  bench/gpu/results, then bench/gpu/REPORT.md
+#   bash bench/gpu/run.sh --dry-run [RESULTS_DIR]  CPU, gloo, a tiny model, W = 1..2: every
+#                                                  script of the proof runs, nothing is measured
+#                                                  (default: $TMPDIR/fusedzero-gpu-dry-run)
+# Needs fusedzero installed (`pip install .` is enough: everything runs from a folder that does
+# not shadow the installed package with the source tree, whose fusedzero.kernels only an
+# editable install provides) with its bench extras. A real run needs a clean git tree (the
+# results name the commit) unless FUSEDZERO_COMMIT names the commit of a copied checkout.
+# FUSEDZERO_BENCH_MODEL (layers,width,heads,tokens) picks the model; default 12,768,12,1024.
 set -euo pipefail
-cd "$(dirname "$0")/../.."
-R=${1:-bench/gpu/results}
-mkdir -p "$R"
-export TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
+DRY=0
+if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 PY=${PYTHON:-python3}
-export FUSEDZERO_BENCH_MODEL=${FUSEDZERO_BENCH_MODEL:-12,768,12,1024}
-export FUSEDZERO_BENCH_BUCKET=${FUSEDZERO_BENCH_BUCKET:-16777216}
-commit=${FUSEDZERO_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
-machine=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0))")
-printf '{"commit": "%s", "date": "%s", "machine": "%s"}\n' "$commit" "$(date -u +%F)" \
-  "$machine" > "$R/meta.json"
-fusedzero doctor --json > "$R/doctor.json" || echo "doctor: a check failed (see its rows)"
-"$PY" -m pytest bench/bench_update.py -k cuda --benchmark-only -p no:cacheprovider -q \
-  --benchmark-json "$R/update.json"
-"$PY" bench/gpu/update_modes.py "$R/update_modes.json" 1024x4,2048x8,4096x8
-"$PY" bench/gpu/probe.py "$R/probe.json"
-"$PY" bench/gpu/step_overhead.py \
-  bare,fusedzero-0,fusedzero-1,fusedzero-2,fusedzero-3,fusedzero-3-keep,ddp+adamw_fused,torch_zero1,fsdp2-keep,fsdp2-reshard \
-  "$R/step_fp32.json"
-"$PY" bench/gpu/step_overhead.py \
-  bare-bf16,fusedzero-0-bf16-r32,fusedzero-1-bf16-r32,fusedzero-2-bf16-r32,fusedzero-3-bf16-r32,fusedzero-0-bf16-r16,fusedzero-2-bf16-r16,fusedzero-3-bf16-r16,fusedzero-3-keep-bf16-r16,fsdp2-keep-bf16-r32,fsdp2-reshard-bf16-r32,fsdp2-keep-bf16-r16,fsdp2-reshard-bf16-r16 \
-  "$R/step_bf16.json"
-"$PY" bench/gpu/report.py "$R" -o bench/gpu/REPORT.md
+RUNDIR=$(mktemp -d)
+trap 'rm -rf "$RUNDIR"' EXIT
+export PYTHONUNBUFFERED=1
+if [[ $DRY == 1 ]]; then
+  R=${1:-${TMPDIR:-/tmp}/fusedzero-gpu-dry-run}
+  N=2
+  CPU=--cpu
+  export FUSEDZERO_BENCH_MODEL=${FUSEDZERO_BENCH_MODEL:-1,32,2,16}
+  export FUSEDZERO_BENCH_BATCH=${FUSEDZERO_BENCH_BATCH:-4}
+  export FUSEDZERO_BENCH_BUCKET=${FUSEDZERO_BENCH_BUCKET:-4096}
+  export ROUNDS=${ROUNDS:-1} STEPS=${STEPS:-2} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  REPORT=$R/REPORT.md
+else
+  R=${1:-$ROOT/bench/gpu/results}
+  CPU=
+  if [[ -z "${FUSEDZERO_COMMIT:-}" && -n "$(git -C "$ROOT" status --porcelain 2>/dev/null)" ]]
+  then
+    echo "run.sh: error: the git tree has changes; commit them (the results name the commit)" \
+         "or set FUSEDZERO_COMMIT for a copied checkout" >&2
+    exit 2
+  fi
+  N=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+  if [[ "$N" -lt 1 ]]; then
+    echo "run.sh: error: no CUDA GPU here; bash bench/gpu/run.sh --dry-run runs it on CPU" >&2
+    exit 2
+  fi
+  export TRITON_INTERPRET=0
+  export FUSEDZERO_BENCH_MODEL=${FUSEDZERO_BENCH_MODEL:-12,768,12,1024}
+  export FUSEDZERO_BENCH_BUCKET=${FUSEDZERO_BENCH_BUCKET:-16777216}
+  REPORT=$ROOT/bench/gpu/REPORT.md
+fi
+mkdir -p "$R"
+R=$(cd "$R" && pwd)
+cd "$RUNDIR"  # nothing below may import ./fusedzero of the source tree
+"$PY" -c "import fusedzero, fusedzero.kernels; print('run.sh: fusedzero from', fusedzero.__file__)"
+commit=${FUSEDZERO_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)}
+machine=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu (dry run)')")
+printf '{"commit": "%s", "date": "%s", "machine": "%s", "gpus": %s, "dry_run": %s}\n' \
+  "$commit" "$(date -u +%F)" "$machine" "$N" "$([[ $DRY == 1 ]] && echo true || echo false)" \
+  > "$R/meta.json"
+if [[ $DRY == 0 ]]; then
+  fusedzero doctor --json > "$R/doctor.json" || echo "doctor: a check failed (see its rows)"
+  (cd "$ROOT/bench" && "$PY" -m pytest bench_update.py -k cuda --benchmark-only \
+     -p no:cacheprovider -q --benchmark-json "$R/update.json")
+  "$PY" "$ROOT/bench/gpu/update_modes.py" "$R/update_modes.json" 1024x4,2048x8,4096x8
+  "$PY" "$ROOT/bench/gpu/probe.py" "$R/probe.json"
+  "$PY" "$ROOT/bench/gpu/step_overhead.py" \
+    bare,fusedzero-0,fusedzero-1,fusedzero-2,fusedzero-3,fusedzero-3-keep,ddp+adamw_fused,torch_zero1,fsdp2-keep,fsdp2-reshard \
+    "$R/step_fp32.json"
+  "$PY" "$ROOT/bench/gpu/step_overhead.py" \
+    bare-bf16,fusedzero-0-bf16-r32,fusedzero-1-bf16-r32,fusedzero-2-bf16-r32,fusedzero-3-bf16-r32,fusedzero-0-bf16-r16,fusedzero-2-bf16-r16,fusedzero-3-bf16-r16,fusedzero-3-keep-bf16-r16,fsdp2-keep-bf16-r32,fsdp2-reshard-bf16-r32,fsdp2-keep-bf16-r16,fsdp2-reshard-bf16-r16 \
+    "$R/step_bf16.json"
+else
+  echo "run.sh: dry run: doctor, the kernel benchmark, probe, step overhead and pytest skipped"
+fi
+# Every world size W = 1..N, one process per GPU; a hang ends at the timeout, named here.
+for W in $(seq 1 "$N"); do
+  timeout "${FUSEDZERO_RUN_TIMEOUT:-1800}" "$PY" -m torch.distributed.run --standalone \
+    --nproc_per_node "$W" "$ROOT/bench/gpu/multi.py" "$R/multi_w$W.json" $CPU \
+    || echo "run.sh: multi.py at W=$W failed or hung (exit $?)" | tee "$R/multi_w$W.failed"
+done
+timeout "${FUSEDZERO_RUN_TIMEOUT:-1800}" "$PY" "$ROOT/bench/gpu/fake_world.py" \
+  "$R/fake_world.json" --world 8 $CPU \
+  || echo "run.sh: fake_world.py failed or hung (exit $?)" | tee "$R/fake_world.failed"
+if [[ $DRY == 0 ]]; then
+  # The suite from tests/, not the repo root (see above). CUDA tests run the compiled kernels;
+  # the rest (CPU tests) the interpreter, as in CI.
+  set +e
+  (cd "$ROOT/tests" && TRITON_INTERPRET=0 "$PY" -m pytest -m cuda -q -p no:cacheprovider .) \
+    > "$R/pytest_cuda.txt" 2>&1
+  rc_cuda=$?
+  (cd "$ROOT/tests" && TRITON_INTERPRET=1 "$PY" -m pytest -m "not cuda" -q -p no:cacheprovider .) \
+    > "$R/pytest_suite.txt" 2>&1
+  rc_suite=$?
+  set -e
+  printf '{"cuda": %s, "suite": %s}\n' "$rc_cuda" "$rc_suite" > "$R/pytest.json"
+fi
+"$PY" "$ROOT/bench/gpu/report.py" "$R" -o "$REPORT"
+echo "run.sh: results in $R, report $REPORT"

@@ -31,6 +31,7 @@ from fusedzero.app.data import Split
 from fusedzero.app.lifecycle import die_with_parent, sigterm_as_interrupt
 from fusedzero.app.log import waiting_for
 from fusedzero.app.loop import train_rank
+from fusedzero import comm
 from fusedzero.comm import CollectiveTimeout
 from fusedzero.spawn import (LAST_WORDS_S, REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks,
                              exit_description, leave, set_rank_env)
@@ -199,6 +200,8 @@ def _spawn_entry(rank: int, world: int, port: int, q: Queue[Report], use_cuda: b
     code = REPORTED_ERROR_EXIT
     try:
         device = _setup_device(use_cuda, rank, world)
+        if use_cuda:  # a hung collective ends in a report ([Note: a hung NCCL collective])
+            comm.nccl_watchdog_env()
         # The group's timeout bounds every wait (fusedzero.comm.wait reads it back).
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.timeout),
@@ -234,6 +237,8 @@ def _run_in_group(cfg: TrainConfig) -> dict[str, Any]:
     world = int(os.environ["WORLD_SIZE"]) if own_group else dist.get_world_size()
     device = _setup_device(use_cuda, local, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if own_group:
+        if use_cuda:  # a hung collective ends in a report ([Note: a hung NCCL collective])
+            comm.nccl_watchdog_env()
         dist.init_process_group("nccl" if use_cuda else "gloo",
                                 timeout=datetime.timedelta(seconds=cfg.timeout))
     try:

@@ -1,0 +1,242 @@
+"""One world size of the GPU proof, one process per GPU under torchrun (NCCL):
+
+    torchrun --nproc_per_node W bench/gpu/multi.py OUT.json
+    torchrun --nproc_per_node 2 bench/gpu/multi.py OUT.json --cpu    (gloo: the dry run)
+
+- parity: every stage against DDP + torch.optim.AdamW (fp32: params within 1e-6 relative +
+  1e-6 absolute, the tolerance tests/zero/test_parity.py derives), and in bf16 against FSDP2
+  with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (losses within 2^-7 relative:
+  one bf16 ulp of the logits' scale; params are not compared, bf16 rounding differs by design);
+- step time of every system of bench/_systems.py that runs here (DDP, FSDP2, DeepSpeed where
+  installed), interleaved rounds, beside `bare` forward+backward;
+- the exposed-communication fraction of a fusedzero stage-2 step from a profiler trace
+  (bench/gpu/timeline.py); on CPU the host timeline stands in (not a measurement);
+- at W=1 on CUDA: a whole step (forward, backward, update) captured in a CUDA graph, replayed,
+  and compared with the same steps run eagerly.
+
+Same model, batch and bucket size as bench/gpu/step_overhead.py (FUSEDZERO_BENCH_MODEL, ...).
+Each section records its error instead of ending the run; rank 0 writes OUT.json.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import _systems as S  # noqa: E402  (bench/ is a folder of scripts)
+from timeline import exposed_fraction  # noqa: E402
+
+from fusedzero import comm  # noqa: E402
+
+PARITY_STEPS = 5
+RTOL = ATOL = 1e-6  # fp32 (see the docstring)
+BF16_LOSS_RTOL = 2.0 ** -7
+
+
+def setup(cpu: bool) -> torch.device:
+    if cpu:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=300))
+        return torch.device("cpu")
+    dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    torch.cuda.set_device(dev)
+    comm.nccl_watchdog_env()
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300), device_id=dev)
+    # fp32 parity means fp32 matmuls: TF32 would differ from DDP by 1e-3, not by rounding order.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    return dev
+
+
+def batch(step: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    t = torch.randint(0, S.CFG.vocab_size, (S.BATCH, S.CFG.block_size + 1), generator=g)
+    return t[:, :-1].to(dev), t[:, 1:].to(dev)
+
+
+def build(name: str, dev: torch.device) -> S.System:
+    with torch.device(dev):  # only while building (a default device taxes every op)
+        return S.build(name, dist.get_world_size())
+
+
+def full_params(s: S.System) -> list[torch.Tensor]:
+    """Every param's full value, fp32, in model order."""
+    if S.SYSTEMS[s.name].family == "fusedzero":
+        model, opt = s.roots
+        with opt.gathered_params():
+            return [p.detach().float().clone() for p in model.parameters()]
+    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+            for p in s.roots[-2 if s.name.startswith("fsdp2") else 1].parameters()]
+
+
+def run_losses(s: S.System, dev: torch.device, steps: int) -> list[float]:
+    out = []
+    for step in range(steps):
+        loss = s.step(*batch(step, dev)).detach().float()
+        dist.all_reduce(loss)
+        out.append(loss.item() / dist.get_world_size())
+    return out
+
+
+def worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    """max |a - b| / (ATOL + RTOL |b|): at most 1 is within the fp32 tolerance."""
+    return max(((x - y).abs() / (ATOL + RTOL * y.abs())).max().item() for x, y in zip(a, b))
+
+
+def parity(dev: torch.device, pairs: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+    rows = []
+    for ours, ref, kind in pairs:
+        row: dict[str, Any] = {"ours": ours, "ref": ref, "kind": kind}
+        try:
+            got = {}
+            for name in (ours, ref):
+                s = build(name, dev)
+                losses = run_losses(s, dev, PARITY_STEPS)
+                got[name] = (losses, full_params(s) if kind == "fp32" else None)
+                del s
+            la, lb = got[ours][0], got[ref][0]
+            row["loss_rel_diff"] = max(abs(x - y) / abs(y) for x, y in zip(la, lb))
+            row["losses"] = {"ours": la, "ref": lb}
+            if kind == "fp32":
+                row["param_worst_over_tol"] = worst(got[ours][1], got[ref][1])
+                row["ok"] = row["param_worst_over_tol"] <= 1.0
+            else:
+                row["ok"] = row["loss_rel_diff"] <= BF16_LOSS_RTOL
+        except Exception:  # noqa: BLE001 - reported in the results
+            row["error"] = traceback.format_exc()[-1500:]
+        rows.append(row)
+    return rows
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timing(dev: torch.device, names: list[str], rounds: int, steps: int) -> dict[str, Any]:
+    systems, errors = {}, {}
+    for n in names:
+        why = S.unavailable(n)
+        if why:
+            errors[n] = why
+            continue
+        try:
+            systems[n] = build(n, dev)
+            for i in range(3):
+                systems[n].step(*batch(i, dev))
+        except Exception as e:  # noqa: BLE001 - a system that cannot run here is reported
+            errors[n] = f"{type(e).__name__}: {e}"[:300]
+    times: dict[str, list[float]] = {n: [] for n in systems}
+    x, y = batch(0, dev)
+    for _ in range(rounds):
+        for n, s in systems.items():
+            dist.barrier()
+            sync(dev)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                s.step(x, y)
+            sync(dev)
+            times[n].append((time.perf_counter() - t0) / steps)
+    rows = [{"system": n, "median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
+            for n, t in times.items()]
+    return {"rows": rows, "errors": errors, "rounds": rounds, "steps_per_round": steps}
+
+
+def exposed(dev: torch.device, name: str, steps: int) -> dict[str, Any]:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    s = build(name, dev)
+    x, y = batch(0, dev)
+    for _ in range(3):
+        s.step(x, y)
+    acts = [ProfilerActivity.CUDA] if dev.type == "cuda" else [ProfilerActivity.CPU]
+    sync(dev)
+    t0 = time.perf_counter()
+    with profile(activities=acts) as prof:
+        for _ in range(steps):
+            s.step(x, y)
+        sync(dev)
+    wall = time.perf_counter() - t0
+    want = DeviceType.CUDA if dev.type == "cuda" else DeviceType.CPU
+    kernels = [(e.time_range.start, e.time_range.end,
+                # CPU stand-in: the host's gloo calls play the collectives' part.
+                e.name if dev.type == "cuda" or "gloo" not in e.name else "nccl:" + e.name)
+               for e in prof.events() if e.device_type == want]
+    out = exposed_fraction(kernels)
+    out.update(system=name, steps=steps, wall_s=wall, kernels=len(kernels),
+               timeline="device" if dev.type == "cuda" else "host (CPU stand-in)")
+    return out
+
+
+def graph_capture(dev: torch.device, name: str, steps: int) -> dict[str, Any]:
+    """Capture one whole step after warm-up; replay it `steps` times on one system and run the
+    same steps eagerly on a twin; the params must match bit for bit."""
+    eager, graphed = build(name, dev), build(name, dev)
+    x, y = batch(0, dev)
+    side = torch.cuda.Stream(dev)
+    side.wait_stream(torch.cuda.current_stream(dev))
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs advises
+        for _ in range(3):
+            eager.step(x, y)
+            graphed.step(x, y)
+    torch.cuda.current_stream(dev).wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        graphed.step(x, y)
+    for _ in range(steps):
+        g.replay()
+        eager.step(x, y)
+    sync(dev)
+    a, b = full_params(graphed), full_params(eager)
+    diff = max((p - q).abs().max().item() for p, q in zip(a, b))
+    return {"system": name, "replays": steps, "max_abs_diff_vs_eager": diff, "ok": diff == 0.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--cpu", action="store_true", help="gloo on CPU (the dry run)")
+    args = ap.parse_args()
+    dev = setup(args.cpu)
+    W = dist.get_world_size()
+    rounds, steps = int(os.environ.get("ROUNDS", "5")), int(os.environ.get("STEPS", "10"))
+    fp32 = [(f"fusedzero-{s}", "ddp+adamw_fused", "fp32") for s in range(4)]
+    bf16 = [(f"fusedzero-{s}-bf16-r32", "fsdp2-keep-bf16-r32", "bf16") for s in range(4)]
+    names = ["bare", *(f"fusedzero-{s}" for s in range(4)), "fusedzero-3-keep",
+             "ddp+adamw_fused", "fsdp2-keep", "fsdp2-reshard"]
+    if not args.cpu:
+        names += ["deepspeed-1", "deepspeed-2", "deepspeed-3"]
+    result: dict[str, Any] = {"world_size": W, "device": (torch.cuda.get_device_name(dev)
+                                                          if dev.type == "cuda" else "cpu"),
+                              "torch": torch.__version__, "model": S.CFG.__dict__,
+                              "batch_per_rank": S.BATCH, "bucket_numel": S.BUCKET,
+                              "errors": {}}
+    sections = {"parity": lambda: parity(dev, fp32 + bf16),
+                "timing": lambda: timing(dev, names, rounds, steps),
+                "exposed": lambda: exposed(dev, "fusedzero-2", steps)}
+    if dev.type == "cuda" and W == 1:
+        sections["graph"] = lambda: graph_capture(dev, "fusedzero-2", steps)
+    for key, fn in sections.items():
+        try:
+            result[key] = fn()
+        except Exception:  # noqa: BLE001 - reported in the results
+            result["errors"][key] = traceback.format_exc()[-1500:]
+        dist.barrier()
+    if dist.get_rank() == 0:
+        args.out.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
