@@ -209,8 +209,8 @@ HEADLINE = re.compile(r"<!-- gpu-headline:begin -->\n.*?<!-- gpu-headline:end --
 
 
 def headline(folder: Path) -> str:
-    """The README's GPU table: the update against torch's fused AdamW, and each of our step
-    overheads against the best peer's (both from the committed results)."""
+    """The report's headline table: the update against torch's fused AdamW, and each of our
+    step overheads against the best peer's (both from the committed results)."""
     meta = _read(folder, "meta.json") or {}
     rows = []
     upd = _read(folder, "update.json")
@@ -235,7 +235,7 @@ def headline(folder: Path) -> str:
         "<!-- gpu-headline:begin -->",
         f"{meta.get('machine', '?')}, commit {meta.get('commit', '?')}, {meta.get('date', '?')}; "
         "`bash bench/gpu/run.sh`, then `python bench/gpu/report.py bench/gpu/results "
-        "-o bench/gpu/REPORT.md --readme README.md` (details: bench/gpu/REPORT.md)", "",
+        "-o bench/gpu/REPORT.md`", "",
         _table(["measured", "fusedzero", "best peer", "ratio"], rows),
         "<!-- gpu-headline:end -->"])
 
@@ -281,14 +281,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", type=Path)
     ap.add_argument("-o", "--out", type=Path, default=None)
-    ap.add_argument("--readme", type=Path, help="also quote the headline table into this file")
     args = ap.parse_args()
     text = render(args.folder)
-    if args.readme is not None:
-        readme = args.readme.read_text()
-        if not HEADLINE.search(readme):
-            raise SystemExit(f"{args.readme} has no <!-- gpu-headline:begin --> ... end block")
-        args.readme.write_text(HEADLINE.sub(lambda _: headline(args.folder), readme, count=1))
     if args.out is None:
         print(text, end="")
     else:
