@@ -16,6 +16,7 @@ from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
 from fusedzero.reduce import MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish, reduction_for
 from fusedzero.stage import Stage
+from fusedzero.wire import WireFormat
 
 
 def launch_order(buffers: list[FlatBuffer], order: list[torch.Tensor], by_unit: bool
@@ -43,10 +44,10 @@ class BucketSchedule:
     """The grad buckets of every flat buffer, their launch order and their reductions."""
 
     def __init__(self, buffers: list[FlatBuffer], stage: Stage, ctx: CommContext,
-                 order: list[torch.Tensor]) -> None:
+                 order: list[torch.Tensor], wire_format: WireFormat | None = None) -> None:
         self.buffers = buffers
         self.ctx = ctx
-        self.reduction = reduction_for(stage)
+        self.reduction = reduction_for(stage, wire_format, ctx.world_size)
         self.buckets = launch_order(buffers, order, by_unit=stage.shards_params)
         bucket_of = {(id(b.buf), b.k): b for b in self.buckets}
         # Per param, its buckets: looked up once here, not on every grad of every backward.

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from fusedzero import comm, validate
+from fusedzero import wire as wire_mod
 from fusedzero.buckets import BucketSchedule
 from fusedzero.comm import CommContext, CommCounter, Group
 from fusedzero.flat import FlatBuffer, MemoryReport, build_buffers, memory_report
@@ -69,7 +70,13 @@ class ZeroAdamW(torch.optim.Optimizer):
             `process_group`. Grads are averaged over both groups.
         param_dtype: dtype of the model's params (e.g. torch.bfloat16, with an fp32 master);
             default keeps each param's dtype (fp32 params are their own master).
-        reduce_dtype: dtype grads are reduced and accumulated in (fp32 default; bf16 halves bytes).
+        reduce_dtype: dtype grads are accumulated in (fp32 default; bf16 halves bytes) and,
+            without `wire`, reduced in (a reduce-scatter in that dtype sums in it).
+        wire: what grads cross the network as, summed in fp32 on arrival (docs/wire.md):
+            None (the reduce_dtype collective), "fp32", "bf16" or "int8" (one fp32 absmax scale
+            per 128 elements). Also the replica all-reduce of `replicate_group`.
+        param_wire: what the param all-gathers (stages 1-3) send: None (the param dtype), "bf16"
+            or "int8"; each rank keeps its own piece (and the master) exact.
         bucket_numel: elements per bucket (rounded so buckets are equal and divide by W*ALIGN).
         max_grad_norm: clip the global grad norm to this (None: no clipping).
         skip_nonfinite: skip the whole step (on the device, no sync) when a grad is inf/nan.
@@ -110,6 +117,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         replicate_group: Group = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
+        wire: str | None = None,
+        param_wire: str | None = None,
         bucket_numel: int = DEFAULT_BUCKET_NUMEL,
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = True,
@@ -146,6 +155,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.replicas = 1 if replicate_group is None else comm.group_size(replicate_group)
         self.replica_rank = 0 if replicate_group is None else comm.group_rank(replicate_group)
         self.reduce_dtype = reduce_dtype
+        self.wire = wire_mod.parse_wire(wire, "wire")
+        self.param_wire = wire_mod.parse_wire(param_wire, "param_wire")
         self.param_dtype = param_dtype
         self.bucket_numel = bucket_numel
         self.max_grad_norm = max_grad_norm
@@ -176,7 +187,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         if stage.shards_params:
             assert module is not None
             self.zero3 = Zero3(module, unit_policy, reshard_after_forward, self._ctx,
-                               lambda t: broadcast_from_rank0(t, (self._ctx, self._replica_ctx)))
+                               lambda t: broadcast_from_rank0(t, (self._ctx, self._replica_ctx)),
+                               self.param_wire)
             units = self.zero3.assign(all_params)
         self.flat_groups: list[FlatBuffer] = build_buffers(
             self.param_groups, names, units, param_dtype=param_dtype, stage=stage,
@@ -186,13 +198,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self.zero3 is not None:
             self.zero3.setup(self.flat_groups, param_init_fn)
         order = list(module.parameters()) if module is not None else all_params
-        self.buckets = BucketSchedule(self.flat_groups, stage, self._ctx, order)
+        self.buckets = BucketSchedule(self.flat_groups, stage, self._ctx, order, self.wire)
         z = self.zero3
         self.grads = GradHooks(self.buckets, stage, self._ctx, module, all_params,
                                on_unit_grad=z.grad_ready if z is not None else None,
                                on_backward_end=z.end_backward if z is not None else None)
         self.param_sync = ParamSync(
-            self.flat_groups if stage.gathers_after_step else [], self._ctx, module)
+            self.flat_groups if stage.gathers_after_step else [], self._ctx, module,
+            self.param_wire)
         self.shards = ShardAccess(self.flat_groups, self.scalars, self.param_sync)
         self._build_update()
         # model.load_state_dict() at stages 0-2 (at stage 3 the unit hooks do it).
@@ -293,7 +306,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             self.zero3.free_all()
         self.buckets.wait_all()
         self.buckets.before_step()
-        reduce_replicas(self.flat_groups, self._replica_ctx)
+        reduce_replicas(self.flat_groups, self._replica_ctx, self.wire)
         # Stage 0 grads are replicated: the local sum of squares is already global.
         s = self.scalars
         s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None)

@@ -14,9 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusedzero import comm
+from fusedzero import comm, wire
 from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
+from fusedzero.wire import WireFormat
 
 # (id of a flat buffer, bucket index): one all-gather.
 BucketKey = tuple[int, int]
@@ -27,9 +28,10 @@ class ParamSync:
     whose params are gathered per unit by `fusedzero.zero3`)."""
 
     def __init__(self, buffers: list[FlatBuffer], ctx: CommContext,
-                 module: nn.Module | None) -> None:
+                 module: nn.Module | None, param_wire: WireFormat | None = None) -> None:
         self.buffers = buffers
         self.ctx = ctx
+        self.param_wire = param_wire  # fusedzero.wire: other ranks' pieces arrive quantized
         self._handles: dict[BucketKey, Handle] = {}
         self.hooks: list[Any] = []
         self._module_waits = module is not None and bool(buffers)
@@ -45,8 +47,8 @@ class ParamSync:
             for k in range(L.num_buckets):
                 lo, hi = L.bucket_range(k)
                 plo, phi = L.piece(k, buf.shard_rank)
-                h = comm.all_gather(buf.param_flat[lo:hi], buf.param_flat[plo:phi],
-                                    self.ctx.group, self.ctx.world_size, self.ctx.counter)
+                h = wire.all_gather(buf.param_flat[lo:hi], buf.param_flat[plo:phi],
+                                    self.param_wire, self.ctx, buf.shard_rank)
                 self._handles[(id(buf), k)] = h
         if not self._module_waits:
             self.wait()
