@@ -134,18 +134,21 @@ def _dequant_sum_kernel(v_ptr, s_ptr, out_ptr, n_out, chunks, chunk_numel, chunk
                         scale, FMT: tl.constexpr, ACCUMULATE: tl.constexpr,
                         OUT_BF16: tl.constexpr, ROWS: tl.constexpr):
     # out[i] = (out[i] if ACCUMULATE) + scale * sum_r value(chunk r, i), summed in fp32 in chunk
-    # order, cast once at the store.
+    # order, cast once at the store. 1-D offsets, the int8 rows reshaped to (ROWS, WBLOCK) to
+    # meet their scales. [Note: wire vector widths] The runtime specialises int arguments that
+    # are multiples of 16 (n_out, chunk_v: the optimizer's shards are multiples of 128) as
+    # such, which makes the masks uniform over a vector: 128-bit accesses (compile_quant.py).
     pid = tl.program_id(0).to(tl.int64)
+    idx = pid * (ROWS * _WBLOCK) + tl.arange(0, ROWS * _WBLOCK)
     blk = pid * ROWS + tl.arange(0, ROWS)
-    idx = blk[:, None] * _WBLOCK + tl.arange(0, _WBLOCK)[None, :]
     mask = idx < n_out
-    acc = tl.zeros((ROWS, _WBLOCK), dtype=tl.float32)
+    acc = tl.zeros((ROWS * _WBLOCK,), dtype=tl.float32)
     for r in range(chunks):
         v = tl.load(v_ptr + r * chunk_v + idx, mask=mask, other=0).to(tl.float32)
         if FMT == 2:
             d = tl.load(s_ptr + r * chunk_s + chunk_numel // 4 + blk,
                         mask=blk * _WBLOCK < n_out, other=0.0)
-            v = v * d[:, None]
+            v = tl.reshape(tl.reshape(v, (ROWS, _WBLOCK)) * d[:, None], (ROWS * _WBLOCK,))
         acc = acc + v
     acc = acc * scale
     if ACCUMULATE:
@@ -241,7 +244,8 @@ def dequantize_into(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, ch
     with device_guard(out.device):
         _dequantize_kernel[grid](
             v, s, out, out.numel(), keep, chunk_numel, cv, cs, FMT=fmt.code,
-            OUT_BF16=out.dtype == torch.bfloat16, ROWS=ROWS, num_warps=NUM_WARPS,
+            OUT_BF16=out.dtype == torch.bfloat16, ROWS=ROWS,
+            num_warps=NUM_WARPS,
             enable_fp_fusion=ENABLE_FP_FUSION)
 
 
