@@ -126,18 +126,22 @@ def test_bf16_wire_with_fp32_sum_is_closer_to_fp32_than_a_bf16_reduce_scatter() 
     W = 8
     results = _results(W)
     xs = torch.stack([r["x"].bfloat16().double() for r in results])
-    wire_err, native_err, ulp = [], [], []
+    wire_err, native_err, bound, mag = [], [], [], []
     for rank, r in enumerate(results):
-        exact = xs[:, rank * S:(rank + 1) * S].sum(0) / W
+        x = xs[:, rank * S:(rank + 1) * S]
+        exact = x.sum(0) / W
         wire_err.append((r["bf16"]["shard_bf16"].double() - exact).abs())
         native_err.append((r["native_bf16"].double() - exact).abs())
-        # The wire's result is exact in fp32 up to 8 u relative, then rounded once to bf16.
-        ulp.append(exact.abs() * 2.0 ** -8 + W * U32 * xs[:, rank * S:(rank + 1) * S].abs().sum(0))
-    w, n, b = torch.cat(wire_err), torch.cat(native_err), torch.cat(ulp)
+        # The wire's fp32 sum is within W u of the exact one, then rounded once to bf16.
+        bound.append(exact.abs() * 2.0 ** -8 + W * U32 * x.abs().sum(0))
+        mag.append(exact.abs())
+    w, n, b, m = (torch.cat(t) for t in (wire_err, native_err, bound, mag))
     assert (w <= b).all(), (w - b).max()
-    assert w.mean() < 0.5 * n.mean(), (w.mean(), n.mean())
-    assert (w <= n + b * 2.0 ** -7).float().mean() > 0.99  # elementwise, bar fp32 ties
-    assert (n > b).any(), "the adversarial data should make the bf16 sum exceed one rounding"
+    # Relative to the exact mean (mixed magnitudes: absolute errors follow the outliers).
+    # Measured here: 0.0014 (wire) against 0.0036 (bf16 reduce-scatter), worst 0.0039 / 0.57.
+    assert (w / m).mean() < 0.6 * (n / m).mean(), ((w / m).mean(), (n / m).mean())
+    assert (w <= n).float().mean() > 0.99, (w > n).float().mean()
+    assert ((n / m) > 2.0 ** -8).any(), "the bf16 sum should exceed one bf16 rounding somewhere"
 
 
 # -- bytes per step: plan == counter for every stage x wire -------------------------------------
@@ -210,3 +214,125 @@ def test_bad_wire_is_refused_with_the_choices() -> None:
     assert wire.uses_wire(WireFormat.FP32, torch.float32, 4) is False  # fp32 RS sums in fp32
     assert wire.uses_wire(WireFormat.FP32, torch.bfloat16, 4) is True
     assert new_packed(WireFormat.INT8, 2, 256, torch.device("cpu")).numel() == 2 * (256 + 8)
+
+
+# -- the optimizer over the wire on gloo ranks ---------------------------------------------------
+def _grads_worker(rank: int, world: int, configs: dict[str, dict]) -> dict:
+    """Per configuration: the grad shard after two micro-batches (the second reduced after the
+    first at stages 2-3, and after `no_sync` at 0-1), the gathered params and masters after a
+    step, and the largest |local grad| of any rank (the int8 bound's absmax, at its largest)."""
+    out = {}
+    for name, c in configs.items():
+        pg = rep = None
+        r, w = rank, world
+        if c.get("hsdp"):  # shard over {0,1} / {2,3}, replicate over {0,2} / {1,3}
+            pgs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+            reps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            pg, rep = pgs[rank // 2], reps[rank % 2]
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(**CFG))
+        opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-2, stage=c["stage"], module=model,
+                        process_group=pg, replicate_group=rep, bucket_numel=1500,
+                        wire=c.get("wire"), param_wire=c.get("param_wire"))
+        g = torch.Generator().manual_seed(7)
+        x = torch.randint(0, CFG["vocab_size"], (2 * world * 2, CFG["block_size"] + 1),
+                          generator=g)
+        local_max = torch.zeros(1)
+        for m in range(2):
+            xs = x[(2 * r + m) * 2:(2 * r + m + 1) * 2]
+            ctx = opt.no_sync() if m == 0 else contextlib.nullcontext()
+            with ctx:
+                _, loss = model(xs[:, :-1], xs[:, 1:])
+                loss.backward()
+        opt.buckets.wait_all()
+        opt.buckets.before_step()
+        from fusedzero.reduce import reduce_replicas
+        reduce_replicas(opt.flat_groups, opt._replica_ctx, opt.wire)
+        grads = [torch.cat(b.pieces(b.grad_view())).double().clone() for b in opt.flat_groups]
+        # A second, plain fp32 model gives this rank's local grads (for the bound's absmax).
+        torch.manual_seed(0)
+        ref = GPT(GPTConfig(**CFG))
+        for m in range(2):
+            xs = x[(2 * r + m) * 2:(2 * r + m + 1) * 2]
+            ref(xs[:, :-1], xs[:, 1:])[1].backward()
+        local_max = torch.tensor([max(p.grad.abs().max().item() for p in ref.parameters())])
+        dist.all_reduce(local_max, op=dist.ReduceOp.MAX)
+        # Skip the reductions already done: step() waits (nothing in flight) and reduces the
+        # replicas again only when there are some; compare grads, then params after a step.
+        opt.step()
+        with opt.gathered_params():
+            params = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+        out[name] = {"grads": grads, "absmax": local_max.item(), "params": params,
+                     "masters": [opt.shards.master(b).double().clone() for b in opt.flat_groups],
+                     "bytes": opt.comm.snapshot()["bytes"]}
+        opt.close()
+    return out
+
+
+GRAD_CONFIGS = {
+    **{f"s{s}-{w}": {"stage": s, "wire": w} for s in range(4) for w in (None, "bf16", "int8")},
+    "s1-int8-pint8": {"stage": 1, "wire": "int8", "param_wire": "int8"},
+    "s3-int8-pint8": {"stage": 3, "wire": "int8", "param_wire": "int8"},
+}
+
+
+@pytest.mark.slow
+def test_every_stage_reduces_over_the_wire_within_the_bound_at_w4() -> None:
+    """Grad shards after two micro-batches (no_sync at stages 0-1) against the same run over a
+    plain fp32 reduce-scatter: the difference is within the quantization bound of the module
+    docstring with absmax taken as the largest local |grad| of any rank (a weaker, per-run
+    bound: the shard's error is at most the mean over ranks of each rank's block bound)."""
+    W = 4
+    res = run_ranks(_grads_worker, W, GRAD_CONFIGS, timeout=600)
+    for rank, r in enumerate(res):
+        for name, c in GRAD_CONFIGS.items():
+            if c.get("wire") is None:
+                continue
+            if c.get("param_wire") and c["stage"] == 3:
+                continue  # its forward already ran on int8-gathered params: checked below
+            base = r[f"s{c['stage']}-None"]
+            a = r[name]["absmax"] * 2  # two micro-batches summed before the reduction (0-1)
+            q = a / 254 * (1 + 2.0 ** -14) if c["wire"] == "int8" else a * 2.0 ** -8
+            for got, want in zip(r[name]["grads"], base["grads"]):
+                err = (got - want).abs().max().item()
+                assert err <= q + 16 * U32 * a, (rank, name, err, q)
+                assert err > 0, (rank, name, "nothing was quantized?")
+            # Masters are exact: updated from the same-bounded grads, never from wire values.
+            if c.get("param_wire"):
+                same = r[f"s{c['stage']}-int8"]
+                for m1, m2 in zip(r[name]["masters"], same["masters"]):
+                    assert torch.equal(m1, m2), name
+                for n, p in r[name]["params"].items():
+                    d = (p - same["params"][n]).abs().max().item()
+                    assert d <= p.abs().max().item() / 254 * (1 + 2.0 ** -14), (name, n, d)
+    # Stage 3 with int8 params: each rank's view has its own piece exact and the others'
+    # quantized, so two ranks' views differ, by at most one int8 rounding of the block.
+    v0, v1 = res[0]["s3-int8-pint8"]["params"], res[1]["s3-int8-pint8"]["params"]
+    worst = 0.0
+    for n, p in v0.items():
+        d = (p - v1[n]).abs().max().item()
+        assert d <= p.abs().max().item() / 254 * (1 + 2.0 ** -14), (n, d)
+        worst = max(worst, d)
+    assert worst > 0
+    # Replicas of stage 0 stay bitwise equal: every rank dequantizes the same bytes.
+    for name in ("s0-bf16", "s0-int8"):
+        for r in res[1:]:
+            for n, p in r[name]["params"].items():
+                assert torch.equal(p, res[0][name]["params"][n]), (name, n)
+
+
+@pytest.mark.slow
+def test_hsdp_replica_all_reduce_over_the_wire_keeps_replicas_equal() -> None:
+    configs = {"ref": {"stage": 2, "hsdp": True}, "int8": {"stage": 2, "hsdp": True,
+                                                           "wire": "int8"}}
+    res = run_ranks(_grads_worker, 4, configs, timeout=600)
+    for rank, r in enumerate(res):
+        twin = res[(rank + 2) % 4]  # the replica holding the same shard
+        for g1, g2 in zip(r["int8"]["grads"], twin["int8"]["grads"]):
+            assert torch.equal(g1, g2), rank
+        a = r["int8"]["absmax"] * 2
+        for got, want in zip(r["int8"]["grads"], r["ref"]["grads"]):
+            # Two quantizations: the shard reduce-scatter, then the replica all-reduce (its
+            # all-to-all and its all-gather of the averaged chunk).
+            assert (got - want).abs().max().item() <= 3 * a / 254 * (1 + 2.0 ** -14), rank
+        assert r["int8"]["bytes"]["all_to_all"] > 0 and r["int8"]["bytes"]["all_reduce"] == 4
