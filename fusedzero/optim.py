@@ -70,13 +70,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             `process_group`. Grads are averaged over both groups.
         param_dtype: dtype of the model's params (e.g. torch.bfloat16, with an fp32 master);
             default keeps each param's dtype (fp32 params are their own master).
-        reduce_dtype: dtype grads are accumulated in (fp32 default; bf16 halves bytes) and,
-            without `wire`, reduced in (a reduce-scatter in that dtype sums in it).
-        wire: what grads cross the network as, summed in fp32 on arrival (docs/wire.md):
-            None (the reduce_dtype collective), "fp32", "bf16" or "int8" (one fp32 absmax scale
-            per 128 elements). Also the replica all-reduce of `replicate_group`.
-        param_wire: what the param all-gathers (stages 1-3) send: None (the param dtype), "bf16"
-            or "int8"; each rank keeps its own piece (and the master) exact.
+        reduce_dtype: dtype grads are accumulated in and, without `wire`, reduced in.
+        wire: grads cross the network as None (reduce_dtype), "fp32", "bf16" or "int8" (fp32
+            scale per 128), summed in fp32 on arrival, replica all-reduce too (docs/wire.md).
+        param_wire: stages 1-3 param all-gathers as None (param dtype), "bf16" or "int8"; a
+            rank's own piece and the masters stay exact.
         bucket_numel: elements per bucket (rounded so buckets are equal and divide by W*ALIGN).
         max_grad_norm: clip the global grad norm to this (None: no clipping).
         skip_nonfinite: skip the whole step (on the device, no sync) when a grad is inf/nan.

@@ -21,8 +21,8 @@ U32 = 2.0 ** -24
 FORMATS = list(WireFormat)
 # (chunks, chunk_numel, numel of the input): one block, several blocks and a partial tail,
 # an input of 1 element (the rest zero-padded), BLOCK - 1 and BLOCK + 1 into a chunk.
-SIZES = [(1, WBLOCK, WBLOCK), (3, 2 * WBLOCK, 3 * 2 * WBLOCK - 17), (4, WBLOCK, 1),
-         (2, 9 * WBLOCK, WBLOCK - 1), (5, 3 * WBLOCK, 3 * WBLOCK + 1)]
+SIZES = [(3, 2 * WBLOCK, 3 * 2 * WBLOCK - 17), (4, WBLOCK, 1), (2, 9 * WBLOCK, WBLOCK - 1),
+         (5, WBLOCK, 3 * WBLOCK + 1)]
 
 
 def _backend(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,10 +65,10 @@ def test_interpreted_kernels_equal_the_torch_path_bitwise(fmt, chunks, S, n, mon
             (a != b).nonzero()[:5])
 
 
-@pytest.mark.parametrize("backend", ["triton", "torch"])
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
-def test_quantize_and_dequant_sum_match_float64_within_the_bound(fmt, backend, monkeypatch):
-    _backend(backend, monkeypatch)
+def test_quantize_and_dequant_sum_match_float64_within_the_bound(fmt, monkeypatch):
+    """On the torch path; the interpreted kernels equal it bitwise (the test above)."""
+    _backend("torch", monkeypatch)
     chunks, S = 4, 3 * WBLOCK
     xs = [_x(chunks * S, seed=10 + r) for r in range(chunks)]
     packs = []

@@ -224,7 +224,7 @@ def _grads_worker(rank: int, world: int, configs: dict[str, dict]) -> dict:
     out = {}
     for name, c in configs.items():
         pg = rep = None
-        r, w = rank, world
+        r = rank
         if c.get("hsdp"):  # shard over {0,1} / {2,3}, replicate over {0,2} / {1,3}
             pgs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
             reps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
@@ -293,10 +293,13 @@ def test_every_stage_reduces_over_the_wire_within_the_bound_at_w4() -> None:
             base = r[f"s{c['stage']}-None"]
             a = r[name]["absmax"] * 2  # two micro-batches summed before the reduction (0-1)
             q = a / 254 * (1 + 2.0 ** -14) if c["wire"] == "int8" else a * 2.0 ** -8
+            worst = 0.0
             for got, want in zip(r[name]["grads"], base["grads"]):
                 err = (got - want).abs().max().item()
                 assert err <= q + 16 * U32 * a, (rank, name, err, q)
-                assert err > 0, (rank, name, "nothing was quantized?")
+                worst = max(worst, err)
+            # (A shard of only padding, or of grads exact in bf16, may match exactly.)
+            assert worst > 0, (rank, name, "nothing was quantized?")
             # Masters are exact: updated from the same-bounded grads, never from wire values.
             if c.get("param_wire"):
                 same = r[f"s{c['stage']}-int8"]
