@@ -229,7 +229,8 @@ def _bucket_comm(L: FlatLayout, stage: int, cfg: PlanConfig, dt: torch.dtype) ->
         return nb * (2 * (W - 1) * B * g // W)
     grads = ((W - 1) * wire.chunk_bytes(cfg.wire, B // W) if gw  # type: ignore[arg-type]
              else (W - 1) * B * g // W)
-    pw = isinstance(cfg.param_wire, wire.WireFormat) and wire.uses_wire(cfg.param_wire, dt, W)
+    pw = (isinstance(cfg.param_wire, wire.WireFormat)
+          and wire.gathers_over_wire(cfg.param_wire, dt, W))
     gather = ((W - 1) * wire.chunk_bytes(cfg.param_wire, B // W) if pw  # type: ignore[arg-type]
               else (W - 1) * B * p // W)
     gathers = 2 if stage == 3 and cfg.reshard_after_forward else 1

@@ -30,7 +30,7 @@ from fusedzero.kernels.quant import (WBLOCK, WireFormat, chunk_bytes, dequant_su
                                      dequantize_into, new_packed, quantize_into)
 
 __all__ = ["WBLOCK", "WireFormat", "all_gather", "all_reduce_start", "chunk_bytes",
-           "parse_wire", "reduce_scatter_start", "uses_wire"]
+           "gathers_over_wire", "parse_wire", "reduce_scatter_start", "uses_wire"]
 
 WIRES = tuple(w.value for w in WireFormat)
 
@@ -51,6 +51,15 @@ def uses_wire(fmt: WireFormat | None, dtype: torch.dtype, world_size: int) -> bo
     if fmt is None or world_size == 1:
         return False
     return not (fmt is WireFormat.FP32 and dtype == torch.float32)
+
+
+def gathers_over_wire(fmt: WireFormat | None, dtype: torch.dtype, world_size: int) -> bool:
+    """Whether a param all-gather of `dtype` goes through the packed path: a format other than
+    the params' own dtype (bf16 params with param_wire="bf16" are a plain all-gather)."""
+    if fmt is None or world_size == 1:
+        return False
+    own = {WireFormat.FP32: torch.float32, WireFormat.BF16: torch.bfloat16}.get(fmt)
+    return own != dtype
 
 
 @dataclasses.dataclass(eq=False)
@@ -147,7 +156,7 @@ def all_gather(out: torch.Tensor, own: torch.Tensor, fmt: WireFormat | None, ctx
     in the wire format where `uses_wire`; this rank's piece keeps its exact value (it is, or is
     cast from, the master). Returns a handle for `comm.wait`."""
     W = ctx.world_size
-    if not uses_wire(fmt, out.dtype, W) or own.numel() % WBLOCK:
+    if not gathers_over_wire(fmt, out.dtype, W) or own.numel() % WBLOCK:
         return comm.all_gather(out, own, ctx.group, W, ctx.counter)
     assert fmt is not None
     S = own.numel()

@@ -72,7 +72,10 @@ def format_table(s: dict[str, Any], stopped: bool = False) -> str:
         ("params", f"{s['params']:,} ({s['padded_params']:,} padded)"),
         ("dtypes", (f"params {s['dtypes']['param']}, master {s['dtypes']['master']}, "
                    f"states {s['dtypes'].get('states', 'fp32')}, "
-                   f"grad reduce {s['dtypes']['grad_reduce']}")),
+                   f"grad reduce {s['dtypes']['grad_reduce']}"
+                   + (f", wire {s['dtypes']['wire']}" if s['dtypes'].get('wire') else "")
+                   + (f", param wire {s['dtypes']['param_wire']}"
+                      if s['dtypes'].get('param_wire') else ""))),
         ("steps", f"{last}" + ("  (stopped early: resume with --resume)" if stopped else "")),
         ("train loss", fmt(s["train_loss"])),
         ("val loss", f"{fmt(s['val_loss'])}  (at start {first_val:.4f})"),

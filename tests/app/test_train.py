@@ -68,9 +68,10 @@ def test_json_has_every_field(stage_runs: dict[int, dict], stage: int) -> None:
         assert all(isinstance(x[k], float) and math.isfinite(x[k])
                    for k in ("loss", "grad_norm", "lr"))
     assert set(s["resident_bytes"]) == {"params", "grads", "optimizer"}
-    assert set(s["comm_bytes_per_step"]) == {"all_reduce", "reduce_scatter", "all_gather"}
+    assert set(s["comm_bytes_per_step"]) == {"all_reduce", "reduce_scatter", "all_gather",
+                                             "all_to_all"}
     assert s["dtypes"] == {"param": "float32", "master": "float32", "states": "fp32",
-                           "grad_reduce": "float32"}
+                           "grad_reduce": "float32", "wire": None, "param_wire": None}
     assert s["params"] <= s["padded_params"]
     assert s["tokens_per_s"] > 0
     # Counted over a step: fp32 params (their own master) and fp32 grads are one combination.

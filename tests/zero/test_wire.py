@@ -17,6 +17,7 @@ W u sum_r |deq_r| / W: the tests assert both, on data whose magnitudes span six 
 from __future__ import annotations
 
 import contextlib
+import json
 import functools
 from collections.abc import Iterator
 
@@ -339,3 +340,18 @@ def test_hsdp_replica_all_reduce_over_the_wire_keeps_replicas_equal() -> None:
             # all-to-all and its all-gather of the averaged chunk).
             assert (got - want).abs().max().item() <= 3 * a / 254 * (1 + 2.0 ** -14), rank
         assert r["int8"]["bytes"]["all_to_all"] > 0 and r["int8"]["bytes"]["all_reduce"] == 4
+
+
+def test_cli_wire_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    from fusedzero.app.config import parse_args
+    from fusedzero.cli import main
+
+    assert parse_args(["--wire", "int8", "--param-wire", "bf16"]).wire == "int8"
+    assert main(["train", "--wire", "fp8"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fusedzero: error:") and "fp8" in err and err.count("\n") == 1, err
+    assert main(["plan", "--params", "1e6", "-W", "8", "--wire", "all", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    by = d["comm_bytes_per_step_by_wire"]
+    assert set(by) == {"native", "fp32", "bf16", "int8"}
+    assert by["int8"]["2"] < by["bf16"]["2"] < by["fp32"]["2"]
