@@ -128,7 +128,10 @@ class Plan:
         else:
             what = "fp32 master + exp_avg + exp_avg_sq"
         lines = [f"{self.source}: {self.params:,} params (Psi), world size W={W}",
-                 f"params {pdt}, grads {dtypes.short_name(c.reduce_dtype)}, optimizer "
+                 f"params {pdt}, grads {dtypes.short_name(c.reduce_dtype)}"
+                 + (f" (wire {c.wire.value})" if isinstance(c.wire, wire.WireFormat) else "")
+                 + (f", params gathered in {c.param_wire.value}"
+                    if isinstance(c.param_wire, wire.WireFormat) else "") + ", optimizer "
                  f"{what}: K={k:g} bytes/param", ""]
         where = {0: ("full", "full", "full"), 1: ("full", "full", "1/W"),
                  2: ("full", "1/W", "1/W"), 3: ("1/W", "1/W", "1/W")}
@@ -152,7 +155,7 @@ class Plan:
                   + (" + the grad-norm scalar." if c.grad_norm else "."),
                   "Not counted: activations, stage 2-3 transient grad buckets (<= 2 in flight), "
                   "stage-3 gathered units (the current one and one prefetched)."]
-        return "\n".join(lines) + (self.wire_table() if self.comm_by_wire else "")
+        return "\n".join(lines) + ("\n" + self.wire_table() if self.comm_by_wire else "")
 
 
 def _gb(n: int) -> str:

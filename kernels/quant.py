@@ -280,12 +280,12 @@ def _chunk_values(packed: torch.Tensor, fmt: WireFormat, chunk_numel: int, n: in
                   ) -> torch.Tensor:
     """fp32 values of every chunk's first `n` elements, (chunks, n)."""
     vals, scales = unpack(packed, fmt, chunk_numel)
-    v = vals[:, :n].float()
+    m = -(-n // WBLOCK) * WBLOCK  # whole blocks (chunk_numel is whole blocks)
+    v = vals[:, :m].float()
     if scales is not None:
-        nb = -(-n // WBLOCK)
-        d = scales[:, :nb].repeat_interleave(WBLOCK, dim=1)[:, :n]
-        v = v * d
-    return v
+        rows, nb = v.shape[0], m // WBLOCK
+        v = (v.view(rows, nb, WBLOCK) * scales[:, :nb, None]).view(rows, m)
+    return v[:, :n]
 
 
 def _dequant_sum_torch(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks: int,
