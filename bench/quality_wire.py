@@ -23,7 +23,7 @@ def load(src: Path) -> dict[str, dict[int, dict]]:
         m = re.fullmatch(r"(\w+)-seed(\d+)\.json", f.name)
         if m and m.group(1) in WIRES:
             runs.setdefault(m.group(1), {})[int(m.group(2))] = json.loads(f.read_text())
-    return runs
+    return {w: runs[w] for w in WIRES if w in runs}
 
 
 def summarize(runs: dict[str, dict[int, dict]]) -> dict:
@@ -81,23 +81,28 @@ def plot(runs: dict[str, dict[int, dict]], path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4))
+    fig, (ax, bx, cx) = plt.subplots(1, 3, figsize=(15, 4))
     colors = {"fp32": "black", "bf16": "tab:blue", "int8": "tab:red"}
+    base = runs.get("fp32", {})
     for w, by_seed in runs.items():
         for k, s in sorted(by_seed.items()):
             steps = [v["step"] for v in s["val"]]
             ax.plot(steps, [v["val_loss"] for v in s["val"]], color=colors[w], alpha=0.6,
                     label=w if k == min(by_seed) else None)
             bx.scatter([w], [s["val_loss"]], color=colors[w])
+            if k in base and w != "fp32":
+                cx.scatter([w], [s["val_loss"] - base[k]["val_loss"]], color=colors[w])
     ax.set_xlabel("step")
     ax.set_ylabel("val loss")
     ax.set_ylim(top=3.2)
     ax.legend(title="grad wire")
     bx.set_ylabel("final val loss (one point per seed)")
-    base = [s["val_loss"] for s in runs.get("fp32", {}).values()]
     if base:
-        bx.axhspan(min(base), max(base), color="gray", alpha=0.2, label="fp32 seed range")
+        vals = [s["val_loss"] for s in base.values()]
+        bx.axhspan(min(vals), max(vals), color="gray", alpha=0.2, label="fp32 seed range")
         bx.legend()
+    cx.axhline(0.0, color="black", lw=0.8)
+    cx.set_ylabel("final val loss - fp32's, same seed")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
