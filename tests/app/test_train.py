@@ -133,7 +133,7 @@ def test_comm_bytes_match_ring_formulas(stage_runs: dict[int, dict]) -> None:
         else:  # ZeRO-3: params all-gathered in forward and again in backward
             want = {"all_reduce": scalar, "reduce_scatter": (W - 1) * psi * 4 // W,
                     "all_gather": 2 * (W - 1) * psi * 4 // W}
-        assert c == want, f"stage {stage} with Psi_pad={psi}"
+        assert c == {**want, "all_to_all": 0}, f"stage {stage} with Psi_pad={psi}"
 
 
 def test_lr_follows_warmup_then_cosine(stage_runs: dict[int, dict]) -> None:
