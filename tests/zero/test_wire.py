@@ -247,8 +247,7 @@ def _grads_worker(rank: int, world: int, configs: dict[str, dict]) -> dict:
                 loss.backward()
         opt.buckets.wait_all()
         opt.buckets.before_step()
-        from fusedzero.reduce import reduce_replicas
-        reduce_replicas(opt.flat_groups, opt._replica_ctx, opt.wire)
+        opt.buckets.finish_replicas()  # replica all-reduces (started per bucket) complete
         grads = [torch.cat(b.pieces(b.grad_view())).double().clone() for b in opt.flat_groups]
         # A second, plain fp32 model gives this rank's local grads (for the bound's absmax).
         torch.manual_seed(0)
