@@ -75,6 +75,7 @@ class Spec:
     reduce: str = "fp32"  # dtype grads are reduced in (what the system does by default or is told)
     regather: str = ""  # stage 3: "reshard" (free after forward, gather again) or "keep"
     note: str = ""
+    wire: str | None = None  # fusedzero: grads cross the network as (docs/wire.md), fp32 sum
 
 
 def _fz(stage: int, precision: str = "fp32", reduce: str = "fp32", regather: str = "") -> Spec:
@@ -106,6 +107,10 @@ SYSTEMS: dict[str, Spec] = {
                                        "reshard" if s == 3 else "")
        for s in range(4) for r in ("32", "16")},
     "fusedzero-3-keep-bf16-r16": _fz(3, "bf16", "bf16", "keep"),
+    # Compressed wire (fp32 params and grads): the bucket quantized, all-to-all, fp32 sum.
+    **{f"fusedzero-{s}-w{w}": dataclasses.replace(_fz(s, regather="reshard" if s == 3 else ""),
+                                                  wire=w, note=f"wire={w}")
+       for s in range(4) for w in ("bf16", "int8")},
     "fsdp2-keep-bf16-r16": Spec(family="torch", precision="bf16", stages=(2, 3), reduce="bf16",
                                 regather="keep", note="MixedPrecisionPolicy(param_dtype=bf16), "
                                 "reduce_dtype default (= param_dtype)"),
@@ -201,7 +206,7 @@ def build(name: str, world: int) -> System:
                         process_group=pg, bucket_numel=BUCKET, max_grad_norm=CLIP or None,
                         skip_nonfinite=bool(CLIP), param_dtype=BF16 if bf16 else None,
                         reduce_dtype=BF16 if spec.reduce == "bf16" else F32,
-                        reshard_after_forward=spec.regather != "keep")
+                        reshard_after_forward=spec.regather != "keep", wire=spec.wire)
         return System(name, _train_step(model, opt), [model, opt], params,
                       own_comm=lambda: dict(opt.comm.bytes),
                       memory=lambda: opt.memory()._asdict(), reset_comm=opt.comm.reset)

@@ -9,6 +9,8 @@ Every system trains the same GPT (same seed) on the same global batch, split ove
          stage 2  fusedzero-2 | FSDP2 reshard_after_forward=False | DeepSpeed ZeRO-2
          stage 3  fusedzero-3 (reshard after forward) and -3-keep | FSDP2 both ways |
                   DeepSpeed ZeRO-3 with its defaults and with re-gather forced (-reshard)
+         wire     fusedzero-<stage>-wbf16 / -wint8: grads cross the network in bf16 / int8,
+                  summed in fp32 (docs/wire.md); bytes beside fusedzero-<stage>'s fp32
   bf16   (bf16 params, fp32 master) fusedzero with grads reduced in fp32 (-r32) and in bf16
          (-r16) | FSDP2 MixedPrecisionPolicy(param_dtype=bf16), reduce_dtype bf16 (its
          default) and fp32 | DeepSpeed bf16 (reduces in bf16 by default)

@@ -27,6 +27,7 @@ from fusedzero.flat import FlatBuffer
 from fusedzero.reduce import (MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish,
                               ReplicaReduction, reduction_for)
 from fusedzero.stage import Stage
+from fusedzero.wire import WireFormat
 
 
 def launch_order(buffers: list[FlatBuffer], order: list[torch.Tensor], by_unit: bool
@@ -54,14 +55,15 @@ class BucketSchedule:
     """The grad buckets of every flat buffer, their launch order and their reductions."""
 
     def __init__(self, buffers: list[FlatBuffer], stage: Stage, ctx: CommContext,
-                 order: list[torch.Tensor], replicas: CommContext | None = None) -> None:
+                 order: list[torch.Tensor], replicas: CommContext | None = None,
+                 wire_format: WireFormat | None = None) -> None:
         self.buffers = buffers
         self.ctx = ctx
         # 2-D mesh: each bucket's shard is averaged over the replicas once its reduction is
-        # complete ([Note: replicas and accumulation] in fusedzero/reduce.py).
-        self.replicas = (ReplicaReduction(replicas)
+        # complete ([Note: replicas and accumulation] in fusedzero/reduce.py), over the wire too.
+        self.replicas = (ReplicaReduction(replicas, wire_format)
                          if replicas is not None and replicas.world_size > 1 else None)
-        self.reduction = reduction_for(stage)
+        self.reduction = reduction_for(stage, wire_format, ctx.world_size)
         self.buckets = launch_order(buffers, order, by_unit=stage.shards_params)
         bucket_of = {(id(b.buf), b.k): b for b in self.buckets}
         # Per param, its buckets: looked up once here, not on every grad of every backward.

@@ -34,6 +34,7 @@ class CollectiveKind(str, enum.Enum):
     ALL_REDUCE = "all_reduce"
     REDUCE_SCATTER = "reduce_scatter"
     ALL_GATHER = "all_gather"
+    ALL_TO_ALL = "all_to_all"  # compressed wire (fusedzero.wire): (W-1)/W of the packed bytes
 
 
 KINDS: tuple[str, ...] = tuple(k.value for k in CollectiveKind)
@@ -150,6 +151,18 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: i
         return None
     counter.add(CollectiveKind.ALL_GATHER, out.numel(), out.element_size(), world_size)
     return _all_gather(out, inp, group=group, async_op=True)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int,
+               counter: CommCounter) -> Handle:
+    """Chunk r of `inp` goes to rank r, chunk s of `out` comes from rank s (W equal chunks).
+    Counted as the reduce-scatter it replaces: this rank sends W-1 of its W chunks."""
+    if world_size == 1:
+        if out.data_ptr() != inp.data_ptr():
+            out.copy_(inp)
+        return None
+    counter.add(CollectiveKind.ALL_TO_ALL, inp.numel(), inp.element_size(), world_size)
+    return dist.all_to_all_single(out, inp, group=group, async_op=True)
 
 
 def all_reduce(t: torch.Tensor, group: Group, world_size: int, counter: CommCounter) -> Handle:

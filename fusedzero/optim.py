@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from fusedzero import comm, validate
+from fusedzero import wire as wire_mod
 from fusedzero.buckets import BucketSchedule
 from fusedzero.comm import CommContext, CommCounter, Group
 from fusedzero.dtensor import grouped_sumsq, tp_info
@@ -71,7 +72,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             `process_group`. Grads are averaged over both groups.
         param_dtype: dtype of the model's params (e.g. torch.bfloat16, with an fp32 master);
             default keeps each param's dtype (fp32 params are their own master).
-        reduce_dtype: dtype grads are reduced and accumulated in (fp32 default; bf16 halves bytes).
+        reduce_dtype: dtype grads are accumulated in and, without `wire`, reduced in.
+        wire: grads cross the network as None (reduce_dtype), "fp32", "bf16" or "int8" (fp32
+            scale per 128), summed in fp32 on arrival, replica all-reduce too (docs/wire.md).
+        param_wire: stages 1-3 param all-gathers as None (param dtype), "bf16" or "int8"; a
+            rank's own piece and the masters stay exact.
         bucket_numel: elements per bucket, all ranks' shards together (rounded so buckets are
             equal and divide by W*ALIGN); None: chosen per rank, at least 1 MiB of each
             rank's shard per bucket (`fusedzero.layout.default_bucket_numel`).
@@ -116,6 +121,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         replicate_group: Group = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
+        wire: str | None = None,
+        param_wire: str | None = None,
         bucket_numel: int | None = None,
         max_grad_norm: float | None = None,
         skip_nonfinite: bool = True,
@@ -152,6 +159,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.replicas = 1 if replicate_group is None else comm.group_size(replicate_group)
         self.replica_rank = 0 if replicate_group is None else comm.group_rank(replicate_group)
         self.reduce_dtype = reduce_dtype
+        self.wire = wire_mod.parse_wire(wire, "wire")
+        self.param_wire = wire_mod.parse_wire(param_wire, "param_wire")
         self.param_dtype = param_dtype
         self.bucket_numel = bucket_numel
         self.max_grad_norm = max_grad_norm
@@ -186,7 +195,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         if stage.shards_params:
             assert module is not None
             self.zero3 = Zero3(module, unit_policy, reshard_after_forward, self._ctx,
-                               lambda t: broadcast_from_rank0(t, (self._ctx, self._replica_ctx)))
+                               lambda t: broadcast_from_rank0(t, (self._ctx, self._replica_ctx)),
+                               self.param_wire)
             units = self.zero3.assign(all_params)
         self.flat_groups: list[FlatBuffer] = build_buffers(
             self.param_groups, names, units, param_dtype=param_dtype, stage=stage,
@@ -198,13 +208,15 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self.zero3 is not None:
             self.zero3.setup(self.flat_groups, param_init_fn)
         order = list(module.parameters()) if module is not None else all_params
-        self.buckets = BucketSchedule(self.flat_groups, stage, self._ctx, order, self._replica_ctx)
+        self.buckets = BucketSchedule(self.flat_groups, stage, self._ctx, order, self._replica_ctx,
+                                      self.wire)
         z = self.zero3
         self.grads = GradHooks(self.buckets, stage, self._ctx, module, all_params,
                                on_unit_grad=z.grad_ready if z is not None else None,
                                on_backward_end=z.end_backward if z is not None else None)
         self.param_sync = ParamSync(
-            self.flat_groups if stage.gathers_after_step else [], self._ctx, module, unit_policy)
+            self.flat_groups if stage.gathers_after_step else [], self._ctx, module, unit_policy,
+            self.param_wire)
         self.shards = ShardAccess(self.flat_groups, self.scalars, self.param_sync)
         self._build_update()
         # model.load_state_dict() at stages 0-2 (at stage 3 the unit hooks do it).

@@ -31,10 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusedzero import comm
+from fusedzero import comm, wire
 from fusedzero.comm import CommContext, Handle
 from fusedzero.dtensor import local
 from fusedzero.flat import FlatBuffer
+from fusedzero.wire import WireFormat
 from fusedzero.zero3 import UnitPolicy, select_units
 
 # (id of a flat buffer, bucket index): one all-gather.
@@ -46,9 +47,11 @@ class ParamSync:
     whose params are gathered per unit by `fusedzero.zero3`) and the forward waits on them."""
 
     def __init__(self, buffers: list[FlatBuffer], ctx: CommContext,
-                 module: nn.Module | None, unit_policy: UnitPolicy = None) -> None:
+                 module: nn.Module | None, unit_policy: UnitPolicy = None,
+                 param_wire: WireFormat | None = None) -> None:
         self.buffers = buffers
         self.ctx = ctx
+        self.param_wire = param_wire  # fusedzero.wire: other ranks' pieces arrive quantized
         self._handles: dict[BucketKey, Handle] = {}
         self.hooks: list[Any] = []
         self._buf = {id(buf): buf for buf in buffers}
@@ -76,9 +79,8 @@ class ParamSync:
             lo, hi = L.bucket_range(k)
             plo, phi = L.piece(k, buf.shard_rank)
             self.ctx.record("param_gather", (self._index[key[0]], k))
-            self._handles[key] = comm.all_gather(buf.param_flat[lo:hi], buf.param_flat[plo:phi],
-                                                 self.ctx.group, self.ctx.world_size,
-                                                 self.ctx.counter)
+            self._handles[key] = wire.all_gather(buf.param_flat[lo:hi], buf.param_flat[plo:phi],
+                                                 self.param_wire, self.ctx, buf.shard_rank)
         if not self._module_waits:
             self.wait()
 

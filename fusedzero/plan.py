@@ -17,13 +17,14 @@ fp32 grad reduction: pass `--reduce-dtype fp32` to plan for that.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from fusedzero import dtypes
+from fusedzero import dtypes, wire
 from fusedzero.layout import FlatLayout, build_layout, default_bucket_numel
 from fusedzero.memory_modes import MemoryModes, check_param_dtype
 
@@ -65,8 +66,14 @@ class PlanConfig:
     tp: int = 1
     """Tensor-parallel ranks per replica: the params planned are one tp rank's local shards
     (fusedzero/app/tp_plan.py), and the grad norm is all-reduced over tp as well."""
+    wire: wire.WireFormat | str | None = None
+    """What grads cross the network as (ZeroAdamW's wire=; None: the reduce dtype)."""
+    param_wire: wire.WireFormat | str | None = None
+    """What the param all-gathers send (ZeroAdamW's param_wire=; None: the param dtype)."""
 
     def __post_init__(self) -> None:
+        self.wire = wire.parse_wire(self.wire, "wire")
+        self.param_wire = wire.parse_wire(self.param_wire, "param_wire")
         if self.param_dtype is not None:
             check_param_dtype(self.modes, self.param_dtype, "param_dtype")
         elif not self.modes.fp32_master:
@@ -125,9 +132,28 @@ class Plan:
         return {s: link.seconds(self.ring_steps[s], p.comm_bytes_per_step)
                 for s, p in self.stages.items()}
 
+    # Bytes per step per rank of every stage under every grad wire choice ("native": the reduce
+    # dtype's own collective), the rest of the config unchanged; filled by `by_wire=True`.
+    comm_by_wire: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
+
     def to_json(self) -> dict[str, Any]:
-        return {"stages": {str(s): p._asdict() for s, p in self.stages.items()},
-                "world_size": self.world_size, "params": self.params}
+        out = {"stages": {str(s): p._asdict() for s, p in self.stages.items()},
+               "world_size": self.world_size, "params": self.params}
+        if self.comm_by_wire:
+            out["comm_bytes_per_step_by_wire"] = {
+                w: {str(s): b for s, b in d.items()} for w, d in self.comm_by_wire.items()}
+        return out
+
+    def wire_table(self) -> str:
+        """comm/step of every stage (rows) under every grad wire choice (columns), in MB."""
+        names = list(self.comm_by_wire)
+        lines = ["", "comm/step per rank by --wire (MB = 1e6 bytes; int8 includes its fp32 "
+                 f"scales, one per {wire.WBLOCK}):",
+                 "stage " + "".join(f"{n:>12}" for n in names)]
+        for s in STAGES:
+            lines.append(f"{s:<6}" + "".join(f"{self.comm_by_wire[n][s] / 1e6:>12.3f}"
+                                           for n in names))
+        return "\n".join(lines)
 
     def table(self) -> str:
         """A text table: which buffer each column is, full or sharded, each value in its own
@@ -143,7 +169,10 @@ class Plan:
         else:
             what = "fp32 master + exp_avg + exp_avg_sq"
         lines = [f"{self.source}: {self.params:,} params (Psi), world size W={W}",
-                 f"params {pdt}, grads {dtypes.short_name(c.reduce_dtype)}, optimizer "
+                 f"params {pdt}, grads {dtypes.short_name(c.reduce_dtype)}"
+                 + (f" (wire {c.wire.value})" if isinstance(c.wire, wire.WireFormat) else "")
+                 + (f", params gathered in {c.param_wire.value}"
+                    if isinstance(c.param_wire, wire.WireFormat) else "") + ", optimizer "
                  f"{what}: K={k:g} bytes/param", ""]
         where = {0: ("full", "full", "full"), 1: ("full", "full", "1/W"),
                  2: ("full", "1/W", "1/W"), 3: ("1/W", "1/W", "1/W")}
@@ -168,7 +197,7 @@ class Plan:
                   + (" + the grad-norm scalar." if c.grad_norm else "."),
                   "Not counted: activations, stage 2-3 transient grad buckets (<= 2 in flight), "
                   "stage-3 gathered units (the current one and one prefetched)."]
-        return "\n".join(lines)
+        return "\n".join(lines) + ("\n" + self.wire_table() if self.comm_by_wire else "")
 
 
 _UNITS = ("B", "KB", "MB", "GB", "TB")  # decimal, as the ZeRO paper's figures
@@ -234,15 +263,14 @@ def _stage_plan(buffers: list[tuple[torch.dtype, list[Item]]], stage: int,
         params += p * (L.local_numel if stage == 3 else L.padded_numel)
         grads += g * (L.local_numel if stage >= 2 else L.padded_numel)
         opt += cfg.modes.state_bytes(L.local_numel, dt)
-        # One collective per bucket, counted as comm.CommCounter.add does (ring formulas,
-        # integer division per call).
-        B, nb = L.bucket_numel, L.num_buckets
+        # One collective per bucket, counted as comm.CommCounter.add does (`_bucket_comm`); the
+        # ring steps of each (an all-to-all, as a reduce-scatter, W-1) for the comm-time model.
+        nb = L.num_buckets
+        comm += _bucket_comm(L, stage, cfg, dt)
         if stage == 0:
-            comm += nb * (2 * (W - 1) * B * g // W)
             steps += nb * 2 * (W - 1)
         else:
             gathers = 2 if stage == 3 and cfg.reshard_after_forward else 1
-            comm += nb * ((W - 1) * B * g // W + gathers * ((W - 1) * B * p // W))
             steps += nb * (1 + gathers) * (W - 1)
     if stage > 0 and cfg.grad_norm:
         comm += 2 * (W - 1) * SCALAR_BYTES // W
@@ -253,20 +281,53 @@ def _stage_plan(buffers: list[tuple[torch.dtype, list[Item]]], stage: int,
     return StagePlan(params, grads, opt, params + grads + opt, comm), steps
 
 
+def _bucket_comm(L: FlatLayout, stage: int, cfg: PlanConfig, dt: torch.dtype) -> int:
+    """Bytes one flat buffer sends per step: one collective per bucket, counted as
+    comm.CommCounter.add does (ring formulas, integer division per call); over a wire format
+    (fusedzero.wire) the packed chunks, scales included: an all-to-all sends W-1 of W chunks, a
+    wire all-reduce (stage 0) adds an all-gather of the same W-1 chunks on a copy padded to
+    W * WBLOCK."""
+    W, B, nb = cfg.world_size, L.bucket_numel, L.num_buckets
+    g, p = cfg.reduce_dtype.itemsize, dt.itemsize
+    gw = isinstance(cfg.wire, wire.WireFormat) and wire.uses_wire(cfg.wire, cfg.reduce_dtype, W)
+    if stage == 0:
+        if gw:
+            S = -(-B // (W * wire.WBLOCK)) * wire.WBLOCK
+            return nb * 2 * (W - 1) * wire.chunk_bytes(cfg.wire, S)  # type: ignore[arg-type]
+        return nb * (2 * (W - 1) * B * g // W)
+    grads = ((W - 1) * wire.chunk_bytes(cfg.wire, B // W) if gw  # type: ignore[arg-type]
+             else (W - 1) * B * g // W)
+    pw = (isinstance(cfg.param_wire, wire.WireFormat)
+          and wire.gathers_over_wire(cfg.param_wire, dt, W))
+    gather = ((W - 1) * wire.chunk_bytes(cfg.param_wire, B // W) if pw  # type: ignore[arg-type]
+              else (W - 1) * B * p // W)
+    gathers = 2 if stage == 3 and cfg.reshard_after_forward else 1
+    return nb * (grads + gathers * gather)
+
+
 def plan_groups(groups: list[list[tuple[str, nn.Parameter]]], cfg: PlanConfig, *,
-                model: nn.Module | None = None, source: str = "model") -> Plan:
+                model: nn.Module | None = None, source: str = "model",
+                by_wire: bool = False) -> Plan:
     """Plan from the optimizer's param groups, each a list of (name, param); params may live on
-    the meta device. `model` is needed for stage-3 units (without it: one root unit)."""
+    the meta device. `model` is needed for stage-3 units (without it: one root unit).
+    `by_wire`: also the comm of every stage under every grad wire choice (`Plan.comm_by_wire`)."""
     flat = [p for grp in groups for _, p in grp]
     units = _units(model, flat, cfg.unit_policy) if model is not None else None
     done = {s: _stage_plan(_buffers_from_groups(groups, s, cfg, units), s, cfg)
             for s in STAGES}
-    return Plan(sum(p.numel() for p in flat), cfg.world_size, {s: d[0] for s, d in done.items()},
-                cfg, source, ring_steps={s: d[1] for s, d in done.items()})
+    result = Plan(sum(p.numel() for p in flat), cfg.world_size, {s: d[0] for s, d in done.items()},
+                  cfg, source, ring_steps={s: d[1] for s, d in done.items()})
+    if by_wire:
+        for name in ("native", *wire.WIRES):
+            c = dataclasses.replace(cfg, wire=None if name == "native" else name)
+            result.comm_by_wire[name] = {
+                s: _stage_plan(_buffers_from_groups(groups, s, c, units), s, c)[0]
+                .comm_bytes_per_step for s in STAGES}
+    return result
 
 
 def plan_model(model: nn.Module, cfg: PlanConfig, *, decay_split: bool = True,
-               source: str = "model") -> Plan:
+               source: str = "model", by_wire: bool = False) -> Plan:
     """Plan for `ZeroAdamW(groups, module=model)`, the groups as `fusedzero train` makes them
     (`gpt_param_groups`: >= 2-D params decayed, the rest not) or one group of every trainable
     param (`decay_split=False`)."""
@@ -276,12 +337,12 @@ def plan_model(model: nn.Module, cfg: PlanConfig, *, decay_split: bool = True,
                   [(n, p) for n, p in named if p.dim() < 2]]
     else:
         groups = [named]
-    return plan_groups(groups, cfg, model=model, source=source)
+    return plan_groups(groups, cfg, model=model, source=source, by_wire=by_wire)
 
 
-def plan_params(n: int, cfg: PlanConfig) -> Plan:
+def plan_params(n: int, cfg: PlanConfig, *, by_wire: bool = False) -> Plan:
     """Plan for a model given only its parameter count: one flat buffer of `n` elements."""
     if n < 1:
         raise ValueError(f"--params must be >= 1, got {n}")
     p = nn.Parameter(torch.empty(n, device="meta"))
-    return plan_groups([[("params", p)]], cfg, source="--params")
+    return plan_groups([[("params", p)]], cfg, source="--params", by_wire=by_wire)

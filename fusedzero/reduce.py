@@ -42,10 +42,11 @@ from typing import Protocol
 
 import torch
 
-from fusedzero import comm
+from fusedzero import comm, wire
 from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
 from fusedzero.stage import Stage
+from fusedzero.wire import WireFormat
 
 # Stages 2-3: reduce-scatters of transient bucket buffers allowed in flight at once. Two keep the
 # network busy (one bucket reducing while the next is sent) and bound the full-size grad memory
@@ -58,6 +59,25 @@ def divides_after(b: Bucket, inv_world: float) -> bool:
     so the first reduction of a step sums raw grads and divides this rank's piece afterwards."""
     return (inv_world < 1.0 and math.frexp(inv_world)[0] == 0.5
             and b.buf.reduce_dtype != torch.float16)
+
+
+class WireChoice:
+    """[Note: reductions over a wire format] A strategy built with `wire` (fusedzero.wire)
+    quantizes a bucket, all-to-alls it and sums this rank's chunks in fp32 instead of running
+    the collective in the reduce dtype. The sum is of raw grads and the 1/W of the average is
+    fused into the dequantize-sum (an fp32 sum cannot overflow where an fp16 one could), so
+    such a bucket is never pre-divided; grads added after a bucket was reduced still are (see
+    [Note: accumulating across reductions]). Its packed buffers are transient: the schedule
+    bounds how many are in flight, at every stage."""
+
+    def __init__(self, wire_format: WireFormat | None = None, world_size: int = 1) -> None:
+        self.wire = wire_format
+        self.world_size = world_size
+        self.transient = wire_format is not None and world_size > 1
+
+    def fused(self, b: Bucket) -> bool:
+        """This bucket goes over the wire format (quantize, all-to-all, fp32 sum)."""
+        return wire.uses_wire(self.wire, b.buf.reduce_dtype, self.world_size)
 
 
 class BucketStatus(enum.Enum):
@@ -113,29 +133,29 @@ class Reduction(Protocol):
         """Make every grad the kernel reads valid (buckets no reduction reached this step)."""
 
 
-class AllReduceFull:
+class AllReduceFull(WireChoice):
     """Stage 0: grads accumulate in the full buffer, which is all-reduced (every rank divides
     the whole bucket either way, so before: DDP's order)."""
-
-    transient = False
 
     def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
         a, e, p = b.buf.layout.overlap(pos, b.k)
         b.full_grad()[a:e].add_(grad[p:p + e - a])
 
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
+        buf = b.full_grad()
+        if self.fused(b):
+            assert self.wire is not None
+            return None, wire.all_reduce_start(buf, self.wire, ctx, 1.0 / ctx.world_size)
         # The average: on NCCL the 1/W multiplication is the collective's own (premul_sum).
-        return comm.all_reduce_mean(b.full_grad(), ctx), None
+        return comm.all_reduce_mean(buf, ctx), None
 
     def before_step(self, buckets: Iterable[Bucket]) -> None:
         pass
 
 
-class ReduceScatterInPlace:
+class ReduceScatterInPlace(WireChoice):
     """Stage 1: the full buffer is reduce-scattered in place; see [Note: accumulating across
     reductions] for grads that arrive after a bucket was reduced."""
-
-    transient = False
 
     @staticmethod
     def _clean(b: Bucket) -> None:
@@ -161,13 +181,19 @@ class ReduceScatterInPlace:
         buf = b.full_grad()
         lo, hi = b.own_piece()
         after = mean = False
+        fused = self.fused(b)
         if b.status is not BucketStatus.EMPTY:
             self._clean(b)  # new grads were added pre-divided: divide nothing again
-        elif divides_after(b, inv_world) and comm.premul_sum_op(ctx, buf, inv_world) is None:
+        elif fused or (divides_after(b, inv_world)
+                       and comm.premul_sum_op(ctx, buf, inv_world) is None):
             after = True  # (where the collective multiplies, dividing before costs no pass)
         else:
             mean = ctx.world_size > 1
         b.status = BucketStatus.REDUCED  # the other pieces are contributed again by this one
+        if fused:  # over the wire: all-to-all, then dequantize and sum in fp32 (and divide)
+            assert self.wire is not None
+            red = wire.reduce_scatter_start(buf, self.wire, ctx)
+            return red.handle, lambda: red.finish(buf[lo:hi], inv_world if after else 1.0)
         if mean:  # the average: on NCCL the 1/W multiplication is the collective's own
             h = comm.reduce_scatter_mean(buf[lo:hi], buf, ctx)
         else:
@@ -180,10 +206,12 @@ class ReduceScatterInPlace:
         pass
 
 
-class ReduceIntoShard:
+class ReduceIntoShard(WireChoice):
     """Stages 2-3: a transient bucket buffer per backward, reduced into the grad shard."""
 
-    transient = True
+    def __init__(self, wire_format: WireFormat | None = None, world_size: int = 1) -> None:
+        super().__init__(wire_format, world_size)
+        self.transient = True
 
     @staticmethod
     def _transient(b: Bucket) -> torch.Tensor:
@@ -204,7 +232,7 @@ class ReduceIntoShard:
         # A param inside one bucket (the usual case) is copied whole: no slice to make.
         src = grad if p == 0 and e - a == grad.numel() else grad[p:p + e - a]
         dst = self._transient(b)[a:e]
-        if inv_world == 1.0 or divides_after(b, inv_world):
+        if inv_world == 1.0 or self.fused(b) or divides_after(b, inv_world):
             dst.copy_(src)
         else:
             torch.mul(src, inv_world, out=dst)
@@ -216,6 +244,8 @@ class ReduceIntoShard:
                 a, e, _ = b.buf.layout.overlap(pos, b.k)
                 buf[a:e].zero_()
         lo, hi = b.own_piece()
+        if self.fused(b):
+            return self._launch_wire(b, ctx, inv_world)
         h = comm.reduce_scatter(buf[lo:hi], buf, ctx.group, ctx.world_size, ctx.counter)
 
         scale = inv_world if divides_after(b, inv_world) else 1.0
@@ -235,6 +265,22 @@ class ReduceIntoShard:
             b.grad = None
         return h, finish
 
+    def _launch_wire(self, b: Bucket, ctx: CommContext, inv_world: float
+                     ) -> tuple[Handle, Finish | None]:
+        """The bucket (raw grads) over the wire; the finish dequantizes, sums, scales by 1/W and
+        writes or adds into the grad shard in one launch."""
+        assert self.wire is not None and b.grad is not None
+        red = wire.reduce_scatter_start(b.grad, self.wire, ctx)
+
+        def finish() -> None:
+            S = b.buf.layout.shard_numel
+            assert b.buf.grad_shard is not None
+            red.finish(b.buf.grad_shard[b.k * S:(b.k + 1) * S], inv_world,
+                       accumulate=b.status is not BucketStatus.EMPTY)
+            b.status = BucketStatus.REDUCED
+            b.grad = None
+        return red.handle, finish
+
     def before_step(self, buckets: Iterable[Bucket]) -> None:
         """Shard pieces no reduction reached since the last step hold stale grads: zero them."""
         for b in buckets:
@@ -244,10 +290,15 @@ class ReduceIntoShard:
                 b.status = BucketStatus.REDUCED
 
 
-def reduction_for(stage: Stage) -> Reduction:
+def reduction_for(stage: Stage, wire_format: WireFormat | None = None,
+                  world_size: int = 1) -> Reduction:
+    """The stage's strategy; `wire_format` (None: the reduce dtype's own collective) over a
+    group of `world_size` ranks, see [Note: reductions over a wire format]."""
     if not stage.shards_state:
-        return AllReduceFull()
-    return ReduceScatterInPlace() if stage.keeps_full_grads else ReduceIntoShard()
+        return AllReduceFull(wire_format, world_size)
+    if stage.keeps_full_grads:
+        return ReduceScatterInPlace(wire_format, world_size)
+    return ReduceIntoShard(wire_format, world_size)
 
 
 def shard_piece(b: Bucket) -> torch.Tensor:
@@ -273,14 +324,23 @@ class ReplicaReduction:
     before the update. Replica all-reduces are issued in the launch order of the buckets (every
     replica issues them in the same order)."""
 
-    def __init__(self, ctx: CommContext) -> None:
+    def __init__(self, ctx: CommContext, wire_format: WireFormat | None = None) -> None:
         self.ctx = ctx
+        self.wire = wire_format
         self.handles: list[Handle] = []
+        # Over a wire format (docs/wire.md): what completes each started all-reduce, in start
+        # order (every replica completes them in the same order: their all-gathers match).
+        self.finishes: list[Callable[[], None]] = []
 
     def start(self, b: Bucket) -> None:
         piece = shard_piece(b)
         self.ctx.record("replica_reduce", (b.buf.unit, b.buf.group_index, b.k))
-        self.handles.append(comm.all_reduce_mean(piece, self.ctx))
+        if wire.uses_wire(self.wire, b.buf.reduce_dtype, self.ctx.world_size):
+            assert self.wire is not None  # every replica dequantizes the same bytes
+            self.finishes.append(
+                wire.all_reduce_start(piece, self.wire, self.ctx, 1.0 / self.ctx.world_size))
+        else:
+            self.handles.append(comm.all_reduce_mean(piece, self.ctx))
         b.replica_stale = False
 
     def leftovers(self, buckets: Iterable[Bucket]) -> None:
@@ -293,3 +353,6 @@ class ReplicaReduction:
         for h in self.handles:
             self.ctx.wait(h, what="grad all-reduce across replicas")
         self.handles.clear()
+        for finish in self.finishes:
+            finish()
+        self.finishes.clear()

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from fusedzero import comm
+from fusedzero import wire
 from fusedzero.comm import CommContext, Handle
 from fusedzero.dtensor import local, set_local
 from fusedzero.flat import FlatBuffer
@@ -108,8 +108,10 @@ class Zero3:
     """The per-unit gather/free machinery of stage 3, over flat buffers it is given."""
 
     def __init__(self, root: nn.Module, policy: UnitPolicy, reshard_after_forward: bool,
-                 ctx: CommContext, broadcast: Broadcast) -> None:
+                 ctx: CommContext, broadcast: Broadcast,
+                 param_wire: wire.WireFormat | None = None) -> None:
         self.root = root
+        self.param_wire = param_wire  # fusedzero.wire: other ranks' pieces arrive quantized
         self.reshard_after_forward = reshard_after_forward
         self.ctx = ctx
         self._broadcast = broadcast
@@ -244,8 +246,8 @@ class Zero3:
             for k in range(L.num_buckets):
                 lo, hi = L.bucket_range(k)
                 S = L.shard_numel
-                h = comm.all_gather(buf.full[lo:hi], buf.param_shard[k * S:(k + 1) * S],
-                                    ctx.group, ctx.world_size, ctx.counter)
+                h = wire.all_gather(buf.full[lo:hi], buf.param_shard[k * S:(k + 1) * S],
+                                    self.param_wire, ctx, buf.shard_rank)
                 self.handles[u].append(h)
         self.state[u] = UnitState.GATHERING
         if u != 0:

@@ -61,6 +61,7 @@ if [[ $DRY == 0 ]]; then
      -p no:cacheprovider -q --benchmark-json "$R/update.json")
   "$PY" "$ROOT/bench/gpu/update_modes.py" "$R/update_modes.json" 1024x4,2048x8,4096x8
   "$PY" "$ROOT/bench/gpu/probe.py" "$R/probe.json"
+  "$PY" "$ROOT/bench/gpu/wire_kernels.py" "$R/wire_kernels.json"  # docs/wire.md
   "$PY" "$ROOT/bench/gpu/step_overhead.py" \
     bare,fusedzero-0,fusedzero-1,fusedzero-2,fusedzero-3,fusedzero-3-keep,ddp+adamw_fused,torch_zero1,fsdp2-keep,fsdp2-reshard \
     "$R/step_fp32.json"

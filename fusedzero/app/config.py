@@ -15,6 +15,7 @@ from fusedzero.app.tp_plan import check_tp
 from fusedzero.app.model import PRESETS, GPTConfig
 from fusedzero.comm import DEFAULT_TIMEOUT_S
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES
+from fusedzero.wire import WIRES
 
 # Defaults for the 2-rank CPU run: measured 77 s wall on an idle 2-core machine including
 # start-up (~30k tokens/s; 104 s with other jobs on the cores), validation loss 5.33 -> 1.90.
@@ -130,6 +131,11 @@ class TrainConfig:
     """fp32 / bf16 / fp16: dtype grads are reduced and accumulated in."""
     param_dtype: str | None = None
     """fp32 / bf16 / fp16 (None: bf16 on CUDA, fp32 on CPU)."""
+    wire: str | None = None
+    """fp32 / bf16 / int8: what grads cross the network as, summed in fp32 (ZeroAdamW's wire=;
+    None: a reduce-scatter in --reduce-dtype). docs/wire.md."""
+    param_wire: str | None = None
+    """fp32 / bf16 / int8: what the param all-gathers send (None: the param dtype)."""
     master: str = "fp32"
     """Master weights (ZeroAdamW's master=): fp32, or with --param-dtype bf16 no fp32 master:
     bf16-kahan, bf16-sr or bf16 (fusedzero/memory_modes.py)."""
@@ -187,6 +193,8 @@ class TrainConfig:
              f"--reduce-dtype must be one of {names}, got {self.reduce_dtype!r}")
         need(self.param_dtype is None or self.param_dtype in names,
              f"--param-dtype must be one of {names}, got {self.param_dtype!r}")
+        for flag, v in (("--wire", self.wire), ("--param-wire", self.param_wire)):
+            need(v is None or v in WIRES, f"{flag} must be one of {list(WIRES)}, got {v!r}")
         need(self.master in MASTER_MODES,
              f"--master must be one of {list(MASTER_MODES)}, got {self.master!r}")
         need(self.states in STATE_MODES,
@@ -302,6 +310,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="dtype grads are reduced in (default %(default)s)")
     a("--param-dtype", choices=sorted(dtypes.SHORT_NAMES), default=None,
       help="model param dtype (default bf16 on CUDA, fp32 on CPU)")
+    a("--wire", choices=WIRES, default=None,
+      help="what grads cross the network as, summed in fp32 on arrival: fp32, bf16 or int8 "
+           "(block-wise absmax, one fp32 scale per 128); default: a reduce-scatter in "
+           "--reduce-dtype (docs/wire.md)")
+    a("--param-wire", choices=WIRES, default=None,
+      help="what the param all-gathers send: fp32, bf16 or int8 (default: the param dtype)")
     a("--master", choices=MASTER_MODES, default=d.master,
       help="master weights: fp32, or (with --param-dtype bf16) bf16-kahan, bf16-sr, bf16")
     a("--states", choices=STATE_MODES, default=d.states,

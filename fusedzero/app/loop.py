@@ -74,6 +74,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
                     betas=(cfg.beta1, cfg.beta2), stage=cfg.stage, module=model,
                     param_dtype=param_dtype, reduce_dtype=reduce_dtype,
                     max_grad_norm=cfg.clip or None, master=cfg.master, states=cfg.states,
+                    wire=cfg.wire, param_wire=cfg.param_wire,
                     seed=cfg.seed, process_group=mesh.dp_group, **extra)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_for(cfg))
     sampler = BatchSampler(train_data, cfg.block_size, cfg.batch_size, cfg.seed)

@@ -21,6 +21,7 @@ from fusedzero.app.model import GPT, GPTConfig
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES, MemoryModes
 from fusedzero.plan import STAGES, LinkModel, PlanConfig, plan_model, plan_params
 from fusedzero.emulate import SHAPES, Emulation, emulate, meta_model
+from fusedzero.wire import WIRES
 
 
 def _gpt_presets() -> dict[str, dict[str, int]]:
@@ -94,6 +95,11 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    help="master weights (ZeroAdamW's master=; bf16 modes need bf16 params)")
     p.add_argument("--states", choices=STATE_MODES, default="fp32",
                    help="exp_avg / exp_avg_sq storage (ZeroAdamW's states=)")
+    p.add_argument("--wire", choices=(*WIRES, "all"), default=None,
+                   help="what grads cross the network as (ZeroAdamW's wire=), summed in fp32; "
+                        "all: the main table native, plus comm/step of every stage by wire")
+    p.add_argument("--param-wire", choices=WIRES, default=None,
+                   help="what the param all-gathers send (ZeroAdamW's param_wire=)")
     p.add_argument("--bucket-numel", type=int, default=None,
                    help="elements per bucket, all ranks together (default: chosen per rank, "
                         "as ZeroAdamW's; see docs/scale.md)")
@@ -133,22 +139,26 @@ def _cli_plan(args: argparse.Namespace) -> int:
                          reduce_dtype=dtypes.SHORT_NAMES[args.reduce_dtype],
                          bucket_numel=args.bucket_numel,
                          reshard_after_forward=args.reshard,
-                         modes=MemoryModes(args.master, args.states), tp=args.tp)
+                         modes=MemoryModes(args.master, args.states), tp=args.tp,
+                         wire=None if args.wire == "all" else args.wire,
+                         param_wire=args.param_wire)
+        by_wire = args.wire == "all"
         if args.tp > 1:
             result = _plan_tp(args, cfg)
         elif args.params is not None:
             if not (math.isfinite(args.params) and args.params == int(args.params)):
                 raise ValueError(f"--params must be a whole number, got {args.params}")
-            result = plan_params(int(args.params), cfg)
+            result = plan_params(int(args.params), cfg, by_wire=by_wire)
         elif args.preset is not None:
             result = plan_model(preset_model(args.preset), cfg, decay_split=not args.one_group,
-                              source=f"preset {args.preset}")
+                              source=f"preset {args.preset}", by_wire=by_wire)
         elif args.shape is not None:
             result = plan_model(meta_model(args.shape), cfg, decay_split=not args.one_group,
-                                source=f"shape {args.shape}")
+                                source=f"shape {args.shape}", by_wire=by_wire)
         else:
             result = plan_model(hf_model_from_config(args.hf_config), cfg,
-                              decay_split=not args.one_group, source=str(args.hf_config))
+                              decay_split=not args.one_group, source=str(args.hf_config),
+                              by_wire=by_wire)
         emulated = _emulate(args, cfg) if args.emulate else None
     except (ValueError, ImportError, OSError) as e:
         raise UsageError(str(e)) from None

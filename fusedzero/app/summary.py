@@ -79,7 +79,9 @@ def summarize(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device
         "ddp_comm_bytes_per_step": {"all_reduce": ddp_comm},
         "dtypes": {"param": dtypes.name(param_dtype),
                    "master": "float32" if opt.modes.fp32_master else opt.modes.master,
-                   "states": opt.modes.states, "grad_reduce": dtypes.name(reduce_dtype)},
+                   "states": opt.modes.states, "grad_reduce": dtypes.name(reduce_dtype),
+                   "wire": opt.wire and opt.wire.value,
+                   "param_wire": opt.param_wire and opt.param_wire.value},
         "modes": opt.modes.to_json(),
         "device": device.type,
         "config": dataclasses.asdict(cfg),
@@ -109,7 +111,10 @@ def format_table(s: dict[str, Any], stopped: bool = False) -> str:
         ("params", f"{s['params']:,} ({s['padded_params']:,} padded)"),
         ("dtypes", (f"params {s['dtypes']['param']}, master {s['dtypes']['master']}, "
                    f"states {s['dtypes'].get('states', 'fp32')}, "
-                   f"grad reduce {s['dtypes']['grad_reduce']}")),
+                   f"grad reduce {s['dtypes']['grad_reduce']}"
+                   + (f", wire {s['dtypes']['wire']}" if s['dtypes'].get('wire') else "")
+                   + (f", param wire {s['dtypes']['param_wire']}"
+                      if s['dtypes'].get('param_wire') else ""))),
         ("steps", f"{last}" + ("  (stopped early: resume with --resume)" if stopped else "")),
         ("train loss", fmt(s["train_loss"])),
         ("val loss", f"{fmt(s['val_loss'])}  (at start {first_val:.4f})"),
@@ -125,6 +130,6 @@ def format_table(s: dict[str, Any], stopped: bool = False) -> str:
     out.append("  comm MB per step per rank")
     out.append(f"  {'  all_reduce':<22}{c['all_reduce'] / MB:>12.3f}"
                f"{s['ddp_comm_bytes_per_step']['all_reduce'] / MB:>12.3f}")
-    for k in ("reduce_scatter", "all_gather"):
+    for k in ("reduce_scatter", "all_gather", "all_to_all"):
         out.append(f"  {'  ' + k:<22}{c[k] / MB:>12.3f}{0.0:>12.3f}")
     return "\n".join(out)

@@ -1,0 +1,176 @@
+"""Wire quantize / dequantize-sum kernels (kernels/quant.py): the Triton kernels in the
+interpreter and the torch path agree bitwise, and both match a float64 reference within the
+quantization bound (tests/zero/test_wire.py derives it): int8 |deq - x| <= absmax / 254 * (1 +
+2^-14) per block, bf16 |deq - x| <= |x| 2^-8, fp32 exact; the fp32 sum of W chunks within
+(W - 1) u of the sum of |values|, u = 2^-24, plus one rounding for the scale and the store."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fusedzero.kernels import LAUNCHES
+from fusedzero.kernels.quant import (WBLOCK, WireFormat, chunk_bytes, dequant_sum_into,
+                                     dequantize_into, new_packed, quantize_into, unpack)
+
+U32 = 2.0 ** -24
+FORMATS = list(WireFormat)
+# (chunks, chunk_numel, numel of the input): one block, several blocks and a partial tail,
+# an input of 1 element (the rest zero-padded), BLOCK - 1 and BLOCK + 1 into a chunk.
+SIZES = [(3, 2 * WBLOCK, 3 * 2 * WBLOCK - 17), (4, WBLOCK, 1), (2, 9 * WBLOCK, WBLOCK - 1),
+         (5, WBLOCK, 3 * WBLOCK + 1)]
+
+
+def _backend(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FUSEDZERO_BACKEND", name)
+
+
+def _x(n: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64)
+    x *= 10.0 ** (torch.rand(n, generator=g, dtype=torch.float64) * 8 - 4)  # 8 decades
+    if n > 3:
+        x[3] = 0.0
+    return x.float()
+
+
+def _run(fmt: WireFormat, chunks: int, S: int, n: int, out_dtype: torch.dtype,
+         accumulate: bool) -> dict[str, torch.Tensor]:
+    x = _x(n)
+    packed = new_packed(fmt, chunks, S, x.device)
+    quantize_into(x, packed, fmt, chunks, S)
+    out = _x(S - 5, seed=1).to(out_dtype)
+    dequant_sum_into(out, packed, fmt, chunks, S, scale=1.0 / chunks, accumulate=accumulate)
+    full = torch.full((chunks * S,), 7.0, dtype=out_dtype)
+    dequantize_into(full, packed, fmt, chunks, S, keep=chunks - 1)
+    return {"packed": packed, "out": out, "full": full}
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("chunks,S,n", SIZES, ids=str)
+def test_interpreted_kernels_equal_the_torch_path_bitwise(fmt, chunks, S, n, monkeypatch):
+    got = {}
+    for be in ("triton", "torch"):
+        _backend(be, monkeypatch)
+        got[be] = _run(fmt, chunks, S, n, torch.bfloat16 if n % 2 else torch.float32,
+                       accumulate=n % 3 == 0)
+    for k in ("packed", "out", "full"):
+        a, b = got["triton"][k], got["torch"][k]
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.uint8 else a, b), (
+            k, (a.float() - b.float()).abs().max() if a.dtype != torch.uint8 else
+            (a != b).nonzero()[:5])
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+def test_quantize_and_dequant_sum_match_float64_within_the_bound(fmt, monkeypatch):
+    """On the torch path; the interpreted kernels equal it bitwise (the test above)."""
+    _backend("torch", monkeypatch)
+    chunks, S = 4, 3 * WBLOCK
+    xs = [_x(chunks * S, seed=10 + r) for r in range(chunks)]
+    packs = []
+    for x in xs:
+        p = new_packed(fmt, chunks, S, x.device)
+        quantize_into(x, p, fmt, chunks, S)
+        vals, scales = unpack(p, fmt, S)
+        # Decoded in float64 from the bytes, independently of the kernels.
+        deq = vals.double() if scales is None else (
+            vals.double().view(chunks, -1, WBLOCK) * scales.double()[:, :, None]
+        ).reshape(chunks, S)
+        xd = x.double().view(chunks, S)
+        if fmt is WireFormat.INT8:
+            a = xd.view(chunks, -1, WBLOCK).abs().amax(-1, keepdim=True)
+            bound = (a / 254 * (1 + 2.0 ** -14)).expand(-1, -1, WBLOCK).reshape(chunks, S)
+            assert vals.abs().max() <= 127
+            # The scale is absmax / 127 rounded once to fp32.
+            want = (a.squeeze(-1) / 127).float().double()
+            assert torch.equal(scales.double(), want)
+        elif fmt is WireFormat.BF16:
+            bound = xd.abs() * 2.0 ** -8
+        else:
+            bound = torch.zeros_like(xd)
+        assert ((deq - xd).abs() <= bound).all(), (fmt, ((deq - xd).abs() - bound).max())
+        packs.append(deq)
+    # Rank r's bytes hold chunk c of its bucket; the all-to-all would hand chunk c of every
+    # rank to rank c. Emulate the receive for chunk 1 and sum it.
+    recv = new_packed(fmt, chunks, S, xs[0].device)
+    cb = chunk_bytes(fmt, S)
+    for r, x in enumerate(xs):
+        p = new_packed(fmt, chunks, S, x.device)
+        quantize_into(x, p, fmt, chunks, S)
+        recv[r * cb:(r + 1) * cb] = p[cb:2 * cb]
+    terms = torch.stack([d[1] for d in packs])  # (chunks, S) float64
+    for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = torch.empty(S, dtype=out_dtype)
+        dequant_sum_into(out, recv, fmt, chunks, S, scale=1.0 / chunks)
+        want = terms.sum(0) / chunks
+        store = {torch.float32: U32, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+        tol = (chunks * U32 * terms.abs().sum(0) / chunks + want.abs() * store[out_dtype]
+               + (6e-8 if out_dtype == torch.float16 else 0.0))  # fp16 subnormal spacing / 2
+        err = (out.double() - want).abs()
+        assert (err <= tol).all(), (fmt, out_dtype, (err - tol).max())
+
+
+def test_accumulate_adds_into_the_shard_and_dequantize_keeps_the_own_chunk(monkeypatch):
+    _backend("torch", monkeypatch)
+    fmt, chunks, S = WireFormat.INT8, 2, WBLOCK
+    x = _x(chunks * S)
+    p = new_packed(fmt, chunks, S, x.device)
+    quantize_into(x, p, fmt, chunks, S)
+    base = _x(S, seed=3)
+    acc = base.clone()
+    dequant_sum_into(acc, p, fmt, chunks, S, scale=0.5, accumulate=True)
+    fresh = torch.empty(S)
+    dequant_sum_into(fresh, p, fmt, chunks, S, scale=0.5)
+    assert torch.equal(acc, base + fresh)
+    full = torch.full((chunks * S,), 7.0)
+    dequantize_into(full, p, fmt, chunks, S, keep=0)
+    assert (full[:S] == 7.0).all() and not (full[S:] == 7.0).any()
+
+
+def test_one_launch_each_way_and_errors_name_the_sizes(monkeypatch):
+    _backend("torch", monkeypatch)
+    fmt, chunks, S = WireFormat.BF16, 3, WBLOCK
+    p = new_packed(fmt, chunks, S, torch.device("cpu"))
+    before = dict(LAUNCHES)
+    quantize_into(_x(chunks * S), p, fmt, chunks, S)
+    dequant_sum_into(torch.empty(S), p, fmt, chunks, S)
+    assert LAUNCHES["wire_quantize"] - before.get("wire_quantize", 0) == 1
+    assert LAUNCHES["wire_dequant_sum"] - before.get("wire_dequant_sum", 0) == 1
+    with pytest.raises(ValueError, match="at most 384 elements"):
+        quantize_into(torch.zeros(385), p, fmt, chunks, S)
+    with pytest.raises(ValueError, match="768 bytes"):
+        quantize_into(torch.zeros(4), p[:-2], fmt, chunks, S)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        chunk_bytes(WireFormat.INT8, 100)
+    with pytest.raises(TypeError, match="int32"):
+        dequant_sum_into(torch.zeros(4, dtype=torch.int32), p, fmt, chunks, S)
+
+
+@pytest.mark.slow  # compiles in a child process
+def test_offline_compile_for_sm90_vectorises_and_never_spills(tmp_path) -> None:
+    """The kernels compiled for sm_90 as the launchers build them: no spills, no fp64, and the
+    int8 codes and fp32 values move in 128-bit vectors."""
+    path = tmp_path / "quant.json"
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-m", "fusedzero.kernels.compile_quant", "--json",
+                           str(path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(path.read_text())
+    assert {(r["kernel"], r["wire"]) for r in rows} >= {
+        (k, f.value) for k in ("quantize", "dequant_sum", "dequantize") for f in WireFormat}
+    for r in rows:
+        what = (r["kernel"], r["wire"], r["out_dtype"])
+        assert r["usage"]["LOCAL"] == 0 and r["usage"]["STACK"] == 0, what
+        assert r["f64_instructions"] == 0, what
+        assert r["usage"]["REG"] <= 64, what
+        acc = r["accesses"]
+        if r["kernel"] == "dequant_sum" and r["wire"] == "fp32":
+            assert any(a.startswith("ld.global") and ".v4" in a for a in acc), (what, acc)
+        if r["kernel"] == "quantize" and r["wire"] == "int8":
+            # 8 int8 codes per thread of a 128-wide row: packed stores, not one byte each.
+            assert not any(a.startswith("st.global.b8") or a == "st.global.u8" for a in acc), (
+                what, acc)
