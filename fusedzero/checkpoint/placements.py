@@ -147,6 +147,10 @@ def tp_directory(opt: Any, path: str | os.PathLike[str], *, saving: bool) -> Pat
     root = Path(path)
     tp = getattr(opt, "tp", None)
     if tp is None:
+        if saving and read(root) is not None:  # load would read the tp folders, not this save
+            raise CheckpointError(
+                f"{root} holds a tensor-parallel checkpoint ({TP_FILE}); an optimizer without "
+                "tp saves into another root (checkpoint.load reads this one at any tp size)")
         return root
     live = describe(opt)
     saved = read(root)

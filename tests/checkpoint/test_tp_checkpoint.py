@@ -191,6 +191,12 @@ def _load_side(rank: int, world: int, root: str, out: str) -> dict:
     dist.barrier()
     if rank == 0:
         rec.write_text(text)
+    # A plain optimizer's save into the tp root is refused (its load would read the tp folders).
+    try:
+        checkpoint.save(opt1, root, step=9)
+        hostile.append("no error")
+    except CheckpointError as e:
+        hostile.append(str(e))
     opt.close()
     opt1.close()
     m2, opt2, _ = build(1, 2, stage=2)  # (dp=2, tp=1)
@@ -244,9 +250,12 @@ def test_tp_checkpoint_reshard_matrix(tmp_path: Path) -> None:
     for r in b:
         for n, t in saved.items():
             assert torch.equal(r["dp2"][n], t), f"(dp=2, tp=1) import: {n}"
-        same, across = r["hostile"]
+        same, across, plain_save = r["hostile"]
         assert "was saved as" in same and "S(1)" in same, same
         assert "0.weight has local shape" in across, across
+        assert "saves into another root" in plain_save, plain_save
+    assert sorted(p.name for p in Path(root).iterdir()) == ["tensor_parallel.json",
+                                                            "tp0of2", "tp1of2"]
 
 
 def test_full_and_local_round_trip() -> None:
