@@ -191,10 +191,6 @@ class TrainConfig:
              f"--device must be auto, cpu or cuda, got {self.device!r}")
         tp_problem = check_tp(self.tp, self.n_head, self.n_embd)
         need(tp_problem is None, tp_problem or "")
-        need(self.tp == 1 or self.ckpt_dir is None,
-             f"--tp {self.tp} with --ckpt-dir: fusedzero train does not checkpoint "
-             "tensor-parallel runs yet (the library does: docs/tensor_parallel.md); drop "
-             "--ckpt-dir or use --tp 1")
         if self.stop_at is not None:
             need(1 <= self.stop_at <= self.steps,
                  f"--stop-at must be in [1, --steps={self.steps}], got {self.stop_at}")
