@@ -258,6 +258,61 @@ def test_tp_checkpoint_reshard_matrix(tmp_path: Path) -> None:
                                                             "tp0of2", "tp1of2"]
 
 
+def _gpt(tp: int):
+    from fusedzero.app import tp_plan
+    from fusedzero.app.model import GPT, GPTConfig
+    from fusedzero.optim import ZeroAdamW
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8))
+    mesh = tp_plan.parallelize(m, tp, torch.device("cpu"))
+    opt = ZeroAdamW(m.parameters(), lr=LR, weight_decay=WD, stage=1, module=m,
+                    process_group=mesh.dp_group, max_grad_norm=CLIP)
+    return m, opt, mesh
+
+
+def _gpt_step(m, opt, mesh, step: int) -> None:
+    idx = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(step))
+    per = 4 // mesh.dp_size
+    x = idx[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
+    m(x[:, :-1], x[:, 1:])[1].backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _gpt_side(rank: int, world: int, root: str) -> dict:
+    from fusedzero import checkpoint
+    m, opt, mesh = _gpt(2)
+    for step in range(2):
+        _gpt_step(m, opt, mesh, step)
+    checkpoint.save(opt, root, step=2)
+    saved = full(m, opt)
+    _gpt_step(m, opt, mesh, 2)
+    after = full(m, opt)
+    opt.close()
+    m1, opt1, mesh1 = _gpt(1)  # (dp=4, tp=1): the plain GPT
+    checkpoint.load(opt1, root)
+    loaded, steps = full(m1, opt1), opt1.shard_state().step_count
+    _gpt_step(m1, opt1, mesh1, 2)
+    return {"saved": saved, "after": after, "loaded": loaded, "steps": steps,
+            "after1": full(m1, opt1)}
+
+
+@pytest.mark.slow  # spawns 4 ranks
+def test_gpt_strided_qkv_reshards_to_tp1(tmp_path: Path) -> None:
+    """The GPT plan's fused q/k/v (_StridedShard) saved at (dp=2, tp=2) loads into the plain
+    GPT at (dp=4, tp=1): params bit-exact (torch's full_tensor() of the saved run), and the next
+    step (moments, step count) within fp32 noise of the uninterrupted tp run's."""
+    from fusedzero.testing import run_ranks
+    root = tmp_path / "ckpt"
+    a = run_ranks(_gpt_side, 4, str(root), timeout=600)
+    assert '"SS(0,3)"' in (root / "tensor_parallel.json").read_text()
+    for r in a:
+        assert r["steps"] == 2
+        for n, t in a[0]["saved"].items():
+            assert torch.equal(r["loaded"][n], t), n
+            torch.testing.assert_close(r["after1"][n], a[0]["after"][n], rtol=1e-5, atol=1e-6)
+
+
 def test_full_and_local_round_trip() -> None:
     g = torch.Generator().manual_seed(0)
     for shape, pl, size in [((7, 3), "S(0)", 2), ((4, 9), "S(1)", 4), ((12, 2), "SS(0,3)", 2),
