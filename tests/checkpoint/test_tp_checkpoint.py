@@ -313,6 +313,51 @@ def test_gpt_strided_qkv_reshards_to_tp1(tmp_path: Path) -> None:
             torch.testing.assert_close(r["after1"][n], a[0]["after"][n], rtol=1e-5, atol=1e-6)
 
 
+def _one_folder_root(root: Path, states: str):
+    """A tensor-parallel root of one tp rank written offline (one process): a plain optimizer
+    stepped once and saved into `tp0of1`, with the record a tp=1 mesh would write."""
+    from fusedzero import checkpoint
+    from fusedzero.optim import ZeroAdamW
+    m = make()
+    opt = ZeroAdamW(m.parameters(), lr=LR, weight_decay=WD, module=m, states=states,
+                    process_group=None)
+    x, y = batch(0, 0, 1)
+    ((m(x) - y) ** 2).mean().backward()
+    opt.step()
+    checkpoint.save(opt, root / "tp0of1", step=1).wait()
+    rec = {"format": "fusedzero-tensor-parallel", "version": 1, "tp": 1, "dp": 1,
+           "params": [{"name": i.name, "shape": list(i.shape), "placement": "R"}
+                      for i in opt.param_infos()]}
+    (root / "tensor_parallel.json").write_text(json.dumps(rec))
+    return opt, rec
+
+
+def test_plain_optimizer_loads_a_tp_root_exactly(tmp_path: Path) -> None:
+    """The across-tp path in one process: every state field bit-exact; other memory modes and
+    a record whose global shapes differ from the model's are refused before anything is
+    written."""
+    from fusedzero import checkpoint
+    from fusedzero.optim import ZeroAdamW
+    opt, rec = _one_folder_root(tmp_path / "a", "fp32")
+    m2 = make()
+    opt2 = ZeroAdamW(m2.parameters(), lr=LR, weight_decay=WD, module=m2, process_group=None)
+    checkpoint.load(opt2, tmp_path / "a")
+    want, got = opt.shard_state(), opt2.shard_state()
+    assert got.step_count == want.step_count == 1
+    for kind in KINDS:
+        for a, b in zip(getattr(want, kind), getattr(got, kind), strict=True):
+            assert torch.equal(a, b) and b.abs().sum() > 0, kind
+    rec["params"][0]["shape"] = [H + 1, D]
+    (tmp_path / "a" / "tensor_parallel.json").write_text(json.dumps(rec))
+    with pytest.raises(ValueError, match="global shape"):
+        checkpoint.load(opt2, tmp_path / "a")
+    _one_folder_root(tmp_path / "b", "bf16")
+    with pytest.raises(CheckpointError, match="only the default memory modes"):
+        checkpoint.load(opt2, tmp_path / "b")
+    for a, b in zip(want.exp_avg, opt2.shard_state().exp_avg, strict=True):
+        assert torch.equal(a, b)  # the refused loads changed nothing
+
+
 def test_full_and_local_round_trip() -> None:
     g = torch.Generator().manual_seed(0)
     for shape, pl, size in [((7, 3), "S(0)", 2), ((4, 9), "S(1)", 4), ((12, 2), "SS(0,3)", 2),
