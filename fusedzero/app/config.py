@@ -218,10 +218,6 @@ class TrainConfig:
              f"--device must be auto, cpu or cuda, got {self.device!r}")
         tp_problem = check_tp(self.tp, self.n_head, self.n_embd)
         need(tp_problem is None, tp_problem or "")
-        need(self.tp == 1 or self.ckpt_dir is None,
-             f"--tp {self.tp} with --ckpt-dir: fusedzero train does not checkpoint "
-             "tensor-parallel runs yet (the library does: docs/tensor_parallel.md); drop "
-             "--ckpt-dir or use --tp 1")
         if self.tp > 1:  # fusedzero/app/tp_plan.py splits q, k, v in equal thirds and fc whole
             mc = self.model_config()
             need(mc.get("n_kv_head") in (None, mc["n_head"]) and mc.get("mlp", "gelu") == "gelu",

@@ -10,6 +10,7 @@ import shutil
 import stat
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 
@@ -17,7 +18,9 @@ from fusedzero import checkpoint, dtypes
 from fusedzero.app.config import VAL_FRACTION, TrainConfig, UsageError
 from fusedzero.app.data import Split, load_corpus, split_corpus
 from fusedzero.app import watch
+from fusedzero.app.resume import latest_checkpoint
 from fusedzero.app.runlock import RunFolderError, RunLock, check_ckpt_dir, check_writable
+from fusedzero.checkpoint.placements import read as tp_record
 
 
 def check_batch(cfg: TrainConfig, world: int) -> None:
@@ -51,12 +54,16 @@ def check_run_folder(cfg: TrainConfig) -> None:
     if cfg.resume:
         # A root or one step folder; sizes and headers only here, sha256 when the ranks load.
         try:
-            checkpoint.find_latest(cfg.ckpt_dir, checksums=False)
+            latest_checkpoint(cfg, checksums=False)
         except checkpoint.CheckpointError as e:
             msg = " ".join(str(e).split())
             raise UsageError(f"--resume: no usable checkpoint in {cfg.ckpt_dir!r} ({msg}); "
                              "drop --resume to start a new run") from None
         return
+    if tp_record(Path(cfg.ckpt_dir)) is not None:  # its steps lie in tp folders
+        raise UsageError(f"--ckpt-dir {cfg.ckpt_dir!r} holds a tensor-parallel run's "
+                         "checkpoints; pass --resume to continue it, or another --ckpt-dir "
+                         "(--overwrite does not apply to tensor-parallel roots)")
     try:
         check_ckpt_dir(cfg.ckpt_dir, resume=False, overwrite=cfg.overwrite)
     except RunFolderError as e:

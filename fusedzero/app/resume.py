@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -15,6 +16,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from fusedzero import checkpoint
 from fusedzero.checkpoint.format import remove
+from fusedzero.checkpoint.placements import read as tp_record
 from fusedzero.app.config import TrainConfig, UsageError
 from fusedzero.app.log import RunLog, waiting_for
 from fusedzero.comm import CollectiveTimeout
@@ -130,6 +132,21 @@ def _same_form(v: Any, ref: Any, where: str) -> None:
                          f"form of {type(ref).__name__} {str(ref)[:60]!r}")
 
 
+def latest_checkpoint(cfg: TrainConfig, *, checksums: bool = True) -> checkpoint.Latest:
+    """The checkpoint --resume loads: find_latest's, or a tensor-parallel root itself (load
+    reads each tp folder's newest), saved at this run's --tp."""
+    root = Path(cfg.ckpt_dir or "")
+    rec = tp_record(root)
+    if rec is None:
+        return checkpoint.find_latest(root, checksums=checksums)
+    if rec["tp"] != cfg.tp:
+        raise checkpoint.CheckpointError(
+            f"it was saved at --tp {rec['tp']}, this run has --tp {cfg.tp}: resume with --tp "
+            f"{rec['tp']} (a run saves into a root at one --tp; checkpoint.load reshards it "
+            "across tp sizes: docs/tensor_parallel.md)")
+    return checkpoint.Latest(root, root, [])
+
+
 def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> int:
     # This run's flags are what runs (and what --out-json records): the groups keep their
     # betas and decay, and the scheduler's lr base is put back after load_state_dict.
@@ -140,12 +157,14 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
         box: list[Any] = [None]
         if dist.get_rank() == 0:
             try:
-                box[0] = checkpoint.find_latest(cfg.ckpt_dir)
-                other = other_model(checkpoint.read_manifest(box[0].path), opt)
-                if other is not None:
-                    box[0] = UsageError(f"--resume: {box[0].path} holds another model: {other}; "
-                                        "pass the model flags it was trained with (--n-layer, "
-                                        "--n-head, --n-embd, --block-size)")
+                box[0] = latest_checkpoint(cfg)
+                if tp_record(Path(cfg.ckpt_dir or "")) is None:  # a tp root: its folders' own
+                    other = other_model(checkpoint.read_manifest(box[0].path), opt)
+                    if other is not None:
+                        box[0] = UsageError(
+                            f"--resume: {box[0].path} holds another model: {other}; pass the "
+                            "model flags it was trained with (--n-layer, --n-head, --n-embd, "
+                            "--block-size)")
             except checkpoint.CheckpointError as e:
                 box[0] = e
         dist.broadcast_object_list(box, src=0)
@@ -156,7 +175,9 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
             print(f"fusedzero: warning: --resume: skipped {why}", file=sys.stderr, flush=True)
         # find_latest just hashed every shard on rank 0: load checks sizes and headers only.
         rank = dist.get_rank()
-        loaded = checkpoint.load(opt, found.path, verify=False, load_hyperparams=False,
+        # A tp root (found.path is the root): load verifies each tp folder's newest itself.
+        loaded = checkpoint.load(opt, found.path, verify=found.path == found.root,
+                                 load_hyperparams=False,
                                  check_caller=lambda st: check_caller_state(cfg, sched, rank, st))
     except (CollectiveTimeout, UsageError):
         raise

@@ -22,6 +22,7 @@ from fusedzero.checkpoint.placements import tp_directory
 from fusedzero.checkpoint.rank_state import check_rng_state, set_rng_state, unpack
 from fusedzero.checkpoint.reshard import Read, match_params, plan
 from fusedzero.checkpoint.saving import wait_pending
+from fusedzero.checkpoint.tp_reshard import across_tp, read_across
 from fusedzero.memory_modes import QBLOCK, MemoryModes
 from fusedzero.state import ShardState, fields_of
 from fusedzero.validate import check_hyper
@@ -75,7 +76,9 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     with `check_caller`, this rank's caller state (None where the saving run had no such rank):
     it raises (ValueError, TypeError, CheckpointError) to refuse it, on every rank.
     """
-    path = tp_directory(opt, path, saving=False)  # tp: this tp rank's folder
+    across = across_tp(opt, path)  # a tp root saved at another tp size (tp_reshard.py)
+    if across is None:
+        path = tp_directory(opt, path, saving=False)  # tp: this tp rank's folder
     wait_pending(opt)
     W, rank, group = opt.world_size, opt.rank, opt.process_group
     err: BaseException | None = None
@@ -87,15 +90,18 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     state: dict[str, Any] | None = None
     peak = Peak()
     try:
-        d = resolve(path)
-        manifest = read_manifest(d)
-        table = param_table(opt)
-        reads = plan(infos, table, manifest, match_params(manifest, table, d))
-        needed = sorted({r.file for rs in reads for r in rs})
-        problems = file_problems(d, manifest, needed, checksums=verify)
-        if problems:
-            raise CheckpointError(f"checkpoint {d}:\n  " + "\n  ".join(problems))
-        staged = _read_staged(d, infos, reads, peak, manifest_modes(manifest))
+        if across is not None:
+            d, manifest, staged = read_across(opt, Path(path), across, peak, verify)
+        else:
+            d = resolve(path)
+            manifest = read_manifest(d)
+            table = param_table(opt)
+            reads = plan(infos, table, manifest, match_params(manifest, table, d))
+            needed = sorted({r.file for rs in reads for r in rs})
+            problems = file_problems(d, manifest, needed, checksums=verify)
+            if problems:
+                raise CheckpointError(f"checkpoint {d}:\n  " + "\n  ".join(problems))
+            staged = _read_staged(d, infos, reads, peak, manifest_modes(manifest))
         if load_hyperparams:
             groups = _staged_groups(opt, manifest["param_groups"], d)
         state = _staged_state(manifest, rank, opt.replica_rank, d, restore_rng)
@@ -110,6 +116,13 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
         err = None
     except Exception as e:  # noqa: BLE001
         err = e
+    tp = getattr(opt, "tp", None)
+    if tp is not None:  # and the tp ranks: no tp rank commits while another raises
+        try:
+            agree(err, tp.group, tp.size, "load (across tp ranks)")
+            err = None
+        except Exception as e:  # noqa: BLE001
+            err = e
     replicas = opt.replicas
     if replicas > 1:
         agree(err, opt.replicate_group, replicas, "load (across replicas)")

@@ -12,8 +12,8 @@ checking `tensor_parallel.json` against the live model; `export_tp` (fusedzero/c
 tp_export.py) writes one consolidated
 safetensors file of full tensors (loadable into the unparallelized model, or into any (dp, tp)
 layout with `import_weights`, which slices the full tensors by the live placements:
-`tp_source`). Loading optimizer state across tp sizes is not supported: export, then
-import_weights (params exact; moments start at zero, as at the start of fine-tuning).
+`tp_source`). `load` at another tp size (tp=1, a plain model, included) assembles the full
+optimizer state from every tp folder: fusedzero/checkpoint/tp_reshard.py.
 
 `tensor_parallel.json` is untrusted input: it is parsed against a strict schema (sizes bounded,
 placements from a small grammar) and compared with the live model, never used to index files.
@@ -125,8 +125,8 @@ def _check_matches(saved: dict[str, Any], live: dict[str, Any], root: Path) -> N
     if saved["tp"] != live["tp"]:
         raise CheckpointError(
             f"{root} was saved at tp={saved['tp']}, this optimizer has tp={live['tp']}: "
-            "optimizer state does not reshard along tp; export it "
-            "(checkpoint.export_tp) and load the weights with checkpoint.import_weights")
+            "checkpoint.load reshards it, but a root holds one tp size: save into another "
+            "root")
     mine = {p["name"]: p for p in live["params"]}
     theirs = {p["name"]: p for p in saved["params"]}
     if set(mine) != set(theirs):
@@ -147,6 +147,10 @@ def tp_directory(opt: Any, path: str | os.PathLike[str], *, saving: bool) -> Pat
     root = Path(path)
     tp = getattr(opt, "tp", None)
     if tp is None:
+        if saving and read(root) is not None:  # load would read the tp folders, not this save
+            raise CheckpointError(
+                f"{root} holds a tensor-parallel checkpoint ({TP_FILE}); an optimizer without "
+                "tp saves into another root (checkpoint.load reads this one at any tp size)")
         return root
     live = describe(opt)
     saved = read(root)

@@ -54,18 +54,10 @@ def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     m = read_manifest(d)
     out = Path(out)
     _refuse_inside_checkpoint(out, d)
-    pieces: dict[int, list[tuple[str, str, int, int, int]]] = {}
-    for e in m["files"]:
-        for g in e["groups"]:
-            for p, start, length, local in g["segments"]:
-                pieces.setdefault(p, []).append((e["name"], g["key"], local, start, length))
+    pieces = param_pieces(m, d)
     units = []  # (param entry, names, bytes per name)
     for p in m["params"]:
         numel = math.prod(p["shape"])
-        got = sum(x[4] for x in pieces.get(p["index"], ()))
-        if got != numel:
-            raise CheckpointError(f"{d}: the segment tables cover {got} of the {numel} elements "
-                                  f"of {p['name']}")
         units.append((p, [p["name"], *p.get("aliases", [])], numel * dtypes.itemsize(dtype)))
     shards: list[list[Any]] = [[]]
     size = 0
@@ -94,13 +86,7 @@ def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
             w = SafetensorsWriter(path, specs, {"format": "pt"})
             try:
                 for p, names, nbytes in shard:
-                    numel = math.prod(p["shape"])
-                    buf = peak.add(torch.empty(numel, dtype=torch.float32))
-                    for fname, key, local, start, length in pieces[p["index"]]:
-                        piece = peak.add(readers.slice(fname, f"{key}.master", local,
-                                                       local + length))
-                        buf[start:start + length].copy_(piece)
-                        peak.sub(piece)
+                    buf = read_param(readers, pieces, p, "master", peak)
                     t = buf if dtype == torch.float32 else peak.add(buf.to(dtype))
                     t = t.view(p["shape"])
                     for name in names:
@@ -121,6 +107,41 @@ def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
         write_text_atomic(index, json.dumps({"metadata": {"total_size": total},
                                               "weight_map": weight_map}, indent=1))
     return Exported(paths, index, total, peak.peak)
+
+
+Piece = tuple[str, str, int, int, int]  # (file, tensor key, local, start, length)
+
+
+def param_pieces(m: dict[str, Any], d: Path) -> dict[int, list[Piece]]:
+    """param index -> where its elements lie in the shard files of a validated manifest;
+    CheckpointError when the segment tables do not cover a param exactly once in total."""
+    pieces: dict[int, list[Piece]] = {}
+    for e in m["files"]:
+        for g in e["groups"]:
+            for p, start, length, local in g["segments"]:
+                pieces.setdefault(p, []).append((e["name"], g["key"], local, start, length))
+    for p in m["params"]:
+        numel = math.prod(p["shape"])
+        got = sum(x[4] for x in pieces.get(p["index"], ()))
+        if got != numel:
+            raise CheckpointError(f"{d}: the segment tables cover {got} of the {numel} elements "
+                                  f"of {p['name']}")
+    return pieces
+
+
+def read_param(readers: ShardReaders, pieces: dict[int, list[Piece]], p: dict[str, Any],
+               kind: str, peak: Peak) -> torch.Tensor:
+    """Manifest param `p`'s `kind` (master, exp_avg, exp_avg_sq) as one flat fp32 tensor
+    (counted in `peak`: the caller subtracts it), read slice by slice."""
+    buf = peak.add(torch.empty(math.prod(p["shape"]), dtype=torch.float32))
+    for fname, key, local, start, length in pieces[p["index"]]:
+        piece = peak.add(readers.slice(fname, f"{key}.{kind}", local, local + length))
+        if piece.numel() != length:
+            raise CheckpointError(f"{fname}: {key}.{kind}[{local}:{local + length}] has "
+                                  f"{piece.numel()} elements, expected {length}")
+        buf[start:start + length].copy_(piece)
+        peak.sub(piece)
+    return buf
 
 
 def _refuse_inside_checkpoint(out: Path, d: Path) -> None:
