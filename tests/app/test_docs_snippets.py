@@ -3,7 +3,8 @@
 Conventions (also in docs/contributing.md), by the fence's info string, its first word the
 language and the rest flags:
 
-- ```python        run in the fast tier (keep it cheap: a second or two of work).
+- ```python        README.md: run in the fast tier (keep it cheap: a second or two of work);
+                    docs/*.md: run in the slow tier (each block starts torch, ~4 s).
 - ```sh            run in the slow tier: a CLI command starts torch and often ranks.
 - ```python slow / ```sh slow   slow tier (several ranks, or more than ~10 s).
 - ```python cuda / ```sh cuda   only where torch sees a GPU (also marked `cuda`).
@@ -102,7 +103,10 @@ def _all_blocks() -> list[Block]:
 
 def _marks(b: Block) -> list[pytest.MarkDecorator]:
     marks = []
-    if "slow" in b.flags or (b.lang == "sh" and "install-only" not in b.flags):
+    # The fast tier runs README.md's cheap python blocks only: a python block starts torch (about
+    # 4 s of a 60 s tier); docs/ pages' blocks run in the slow tier.
+    if ("slow" in b.flags or (b.lang == "sh" and "install-only" not in b.flags)
+            or (b.lang == "python" and b.file != "README.md")):
         marks += [pytest.mark.slow, pytest.mark.timeout(SLOW_TIMEOUT_S + 60)]
     else:
         marks.append(pytest.mark.timeout(FAST_TIMEOUT_S + 60))
