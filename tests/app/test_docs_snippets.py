@@ -8,6 +8,7 @@ language and the rest flags:
 - ```sh            run in the slow tier: a CLI command starts torch and often ranks.
 - ```python slow / ```sh slow   slow tier (several ranks, or more than ~10 s).
 - ```python cuda / ```sh cuda   only where torch sees a GPU (also marked `cuda`).
+- ```python slow nproc=N         run under `torchrun --standalone --nproc-per-node N` (gloo ranks).
 - ```sh install-only            checked for syntax only (`bash -n`): install commands that
                                   create virtual environments and pip install.
 - ```text, ```console, a bare ``` and any other language: output or prose, never run.
@@ -138,9 +139,16 @@ _WORK: dict[str, Path] = {}
 @pytest.mark.parametrize("block", _params())
 def test_block_runs(block: Block, tmp_path: Path,
                     tmp_path_factory: pytest.TempPathFactory) -> None:
-    unknown = block.flags - FLAGS
-    assert not unknown, f"{block.where}: unknown fence flags {sorted(unknown)}; use {FLAGS}"
-    if block.lang == "python":
+    nproc = [f for f in block.flags if f.startswith("nproc=")]
+    unknown = block.flags - FLAGS - set(nproc)
+    assert not unknown, (f"{block.where}: unknown fence flags {sorted(unknown)}; use {FLAGS} "
+                         "or nproc=N")
+    if block.lang == "python" and nproc:
+        # A multi-rank example, as its page says to run it: torchrun, N local gloo ranks.
+        script = tmp_path / "block.py"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc-per-node={int(nproc[0].split('=')[1])}", str(script)]
+    elif block.lang == "python":
         script = tmp_path / "block.py"
         cmd = [sys.executable, str(script)]
     elif "install-only" in block.flags:

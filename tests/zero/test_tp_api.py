@@ -17,7 +17,7 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "tensor_parallel.md"
 
 
 def doc_example() -> str:
-    blocks = re.findall(r"```python slow\n(.*?)```", DOC.read_text(), flags=re.S)
+    blocks = re.findall(r"```python slow nproc=4\n(.*?)```", DOC.read_text(), flags=re.S)
     assert len(blocks) == 1, f"{DOC} should hold one ```python slow block, found {len(blocks)}"
     return blocks[0]
 
