@@ -9,6 +9,8 @@ language and the rest flags:
 - ```python slow / ```sh slow   slow tier (several ranks, or more than ~10 s).
 - ```python cuda / ```sh cuda   only where torch sees a GPU (also marked `cuda`).
 - ```python slow nproc=N         run under `torchrun --standalone --nproc-per-node N` (gloo ranks).
+- ```sh slow repo                run at the repository root (maintainer commands with paths
+                                  relative to it; they must not change tracked files).
 - ```sh install-only            checked for syntax only (`bash -n`): install commands that
                                   create virtual environments and pip install.
 - ```text, ```console, a bare ``` and any other language: output or prose, never run.
@@ -41,7 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 DOC_FILES = ["README.md", *sorted(p.relative_to(REPO).as_posix()
                                   for p in (REPO / "docs").glob("*.md"))]
 RUN_LANGS = {"python", "sh"}
-FLAGS = {"slow", "cuda", "install-only"}
+FLAGS = {"slow", "cuda", "install-only", "repo"}
 FAST_TIMEOUT_S, SLOW_TIMEOUT_S = 300, 900
 
 # README.md blocks that do not run as written today (an error, or past the time limit), keyed by
@@ -159,7 +161,9 @@ def test_block_runs(block: Block, tmp_path: Path,
         cmd = ["bash", "-euo", "pipefail", str(script)]
     script.write_text(block.code)
     work = _WORK.get(block.file)
-    if work is None:
+    if "repo" in block.flags:
+        work = REPO  # a maintainer's command, run at the repository root as its page says
+    elif work is None:
         work = _WORK[block.file] = tmp_path_factory.mktemp(Path(block.file).stem)
     slow = "slow" in block.flags or block.lang == "sh"
     try:
