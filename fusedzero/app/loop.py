@@ -79,9 +79,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_for(cfg))
     sampler = BatchSampler(train_data, cfg.block_size, cfg.batch_size, cfg.seed)
     val = eval_batches(val_data, cfg.block_size, cfg.eval_seqs, 1)[0]
-    box = [watch.new_run_id()]
-    dist.broadcast_object_list(box, src=0)  # one id for the run: every rank saves it
-    log = RunLog(world, run_id=box[0])
+    log = RunLog(world, run_id=_agreed_run_id(device))
 
     start = 0
     if cfg.resume:
@@ -290,3 +288,12 @@ def evaluate(model: torch.nn.Module, val: Split, rank: int,
         dist.all_reduce(totals)
     model.train(was_training)
     return float(totals[0] / totals[1])  # host sync
+
+
+def _agreed_run_id(device: torch.device) -> str:
+    """Rank 0's new run id on every rank (every rank saves it). Its ASCII bytes go as a tensor:
+    broadcast_object_list unpickles through numpy, which is not a dependency."""
+    rid = watch.new_run_id().encode("ascii")
+    t = torch.tensor(list(rid), dtype=torch.uint8, device=device)
+    dist.broadcast(t, src=0)
+    return bytes(t.tolist()).decode("ascii")

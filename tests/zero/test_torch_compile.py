@@ -94,7 +94,9 @@ def test_compiled_model_gives_eager_losses_at_stages_0_to_3_on_2_ranks() -> None
             # break only at the per-module all-gather waits, stage 3 only at its unit hooks;
             # both sit inside GPT.forward's loop over blocks, so Dynamo runs that frame
             # eagerly and compiles each block's forward as its own graph.
+            # (Stages 1-2 may break at none: a wait that finds its gathers done, or that runs in
+            # a pre-hook outside the compiled frame, costs no break. Any other break fails.)
             want = {0: set(), 1: {"wait"}, 2: {"wait"}, 3: {"unit"}}[stage]
-            assert _kinds(o["breaks"]) == want, (stage, o["breaks"])
+            assert _kinds(o["breaks"]) <= want, (stage, o["breaks"])
             if stage == 0:
                 assert o["graphs"] == 1, o

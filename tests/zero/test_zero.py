@@ -239,11 +239,11 @@ def test_counters_and_memory_match_zero_formulas_on_4_ranks() -> None:
             scalar = 2 * (W - 1) * 4 // W  # all-reduce of the fp32 grad-norm scalar
             if stage == 0:
                 assert c == {"all_reduce": 2 * (W - 1) * psi * g // W,
-                             "reduce_scatter": 0, "all_gather": 0}
+                             "reduce_scatter": 0, "all_gather": 0, "all_to_all": 0}
             else:
                 assert c == {"all_reduce": scalar,
                              "reduce_scatter": (W - 1) * psi * g // W,
-                             "all_gather": (W - 1) * psi * 2 // W}
+                             "all_gather": (W - 1) * psi * 2 // W, "all_to_all": 0}
 
 
 def test_bf16_params_master_matches_fp32_reference_fed_same_grads_on_2_ranks() -> None:
@@ -427,9 +427,9 @@ def test_zero3_memory_units_comm_overlap_and_checkpointing_on_2_ranks() -> None:
         rs = (W - 1) * psi * 4 // W
         scalar = 2 * (W - 1) * 4 // W
         assert resharded["comm"][-1]["bytes"] == {"reduce_scatter": rs, "all_gather": 2 * rs,
-                                                  "all_reduce": scalar}
+                                                  "all_reduce": scalar, "all_to_all": 0}
         assert kept["comm"][-1]["bytes"] == {"reduce_scatter": rs, "all_gather": rs,
-                                             "all_reduce": scalar}
+                                             "all_reduce": scalar, "all_to_all": 0}
         # Overlap: unit 2's gather is issued before unit 1's forward compute ends.
         trace = resharded["trace"]
         assert trace.index(("gather", 2)) < trace.index(("forward_end", 1))
