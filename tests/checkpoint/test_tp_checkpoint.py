@@ -191,6 +191,7 @@ def _load_side(rank: int, world: int, root: str, out: str) -> dict:
     dist.barrier()
     if rank == 0:
         rec.write_text(text)
+    dist.barrier()  # the restored record, whole, before any rank reads it (write_text truncates)
     # A plain optimizer's save into the tp root is refused (its load would read the tp folders).
     try:
         checkpoint.save(opt1, root, step=9)
