@@ -6,9 +6,18 @@ The processes are `fusedzero.spawn`'s, as `fusedzero train`'s.
 Every run has a timeout: a hung collective fails the caller instead of hanging it, and a rank
 that dies without reporting (segfault, abort, out of memory) fails it at once, naming the rank
 and its exit code.
+
+Reused ranks (`reuse_ranks(True)`, what tests/conftest.py sets for the test suite): starting a
+rank costs seconds (a fresh interpreter imports torch and joins a gloo group) while most test
+bodies take milliseconds, so the W processes of a run stay up, their group joined, and run the
+next run of the same (world size, env, group timeout) too. Between runs they pass a barrier, so
+a run that leaves the ranks out of step fails there. Any failure (an error report, a death, a
+timeout) kills the pool; the next run starts fresh ones. A body that needs a process of its own
+(process-lifetime peaks such as ru_maxrss, import side effects) passes `fresh=True`.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import io
@@ -21,27 +30,29 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from fusedzero.spawn import (REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks, leave,
                              set_rank_env)
 
 
-def _entry(rank: int, world_size: int, port: int, queue: Queue[Report], fn: Callable[..., Any],
-           args: tuple, env: dict[str, str], pg_timeout: float | None) -> None:
+def _join(rank: int, world_size: int, port: int, env: dict[str, str],
+          pg_timeout: float | None) -> None:
     os.environ.update(env)
     set_rank_env(rank, world_size, port)
     torch.set_num_threads(1)
-    try:
-        extra = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, **extra)
-        result = fn(rank, world_size, *args)
-        # Tensors go through as bytes: torch's shared-memory handles die with this process.
-        buf = io.BytesIO()
-        torch.save(result, buf)
-        queue.put(Report(rank, ReportKind.OK, buf.getvalue()))
-    except BaseException:  # noqa: BLE001 - report everything to the parent
-        queue.put(Report(rank, ReportKind.ERROR, traceback.format_exc()))
-        leave(queue, REPORTED_ERROR_EXIT)
+    extra = {} if pg_timeout is None else {"timeout": datetime.timedelta(seconds=pg_timeout)}
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, **extra)
+
+
+def _dumps(result: Any) -> bytes:
+    # Tensors go through as bytes: torch's shared-memory handles die with this process.
+    buf = io.BytesIO()
+    torch.save(result, buf)
+    return buf.getvalue()
+
+
+def _leave_group(queue: Queue[Report]) -> None:
     try:
         # A gloo process can abort at exit after its work is done: barrier, destroy, exit.
         dist.barrier()
@@ -52,29 +63,139 @@ def _entry(rank: int, world_size: int, port: int, queue: Queue[Report], fn: Call
         leave(queue, REPORTED_ERROR_EXIT)
 
 
+def _entry(rank: int, world_size: int, port: int, queue: Queue[Report], fn: Callable[..., Any],
+           args: tuple, env: dict[str, str], pg_timeout: float | None) -> None:
+    try:
+        _join(rank, world_size, port, env, pg_timeout)
+        queue.put(Report(rank, ReportKind.OK, _dumps(fn(rank, world_size, *args))))
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put(Report(rank, ReportKind.ERROR, traceback.format_exc()))
+        leave(queue, REPORTED_ERROR_EXIT)
+    _leave_group(queue)
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
-              env: dict[str, str] | None = None, pg_timeout: float | None = None) -> list[Any]:
+              env: dict[str, str] | None = None, pg_timeout: float | None = None,
+              fresh: bool = False) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` spawned gloo ranks; return results.
 
     `fn` must be importable (module level). Raises RuntimeError with the rank's traceback on
     failure, RuntimeError naming the rank and its exit code when a rank dies without reporting
     (segfault, abort), and TimeoutError when the ranks do not finish in `timeout` seconds.
     `pg_timeout` is the process group's timeout in seconds (None: torch's default), which
-    `fusedzero.comm.wait` uses as its limit.
+    `fusedzero.comm.wait` uses as its limit. Ranks are reused between runs where
+    `reuse_ranks(True)` was called, unless `fresh`.
     """
-    results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
+    # A run with its own group timeout tests stalls and timeouts: it leaves its group broken.
+    if _REUSE and not fresh and pg_timeout is None:
+        key = (world_size, tuple(sorted((env or {}).items())))
+        pool = _POOLS.pop(key, None) or _Pool(world_size, env or {})
+        try:
+            out, healthy = pool.run(fn, args, deadline, timeout)
+        except BaseException:
+            pool.close(kill=True)
+            raise
+        if not healthy:  # the body broke the group (a rank left it, a collective failed)
+            pool.close(kill=True)
+            return out
+        _POOLS[key] = pool
+        while len(_POOLS) > _MAX_POOLS:  # the least recently used goes
+            _POOLS.pop(next(iter(_POOLS))).close(kill=False)
+        return out
     with SpawnedRanks(_entry, world_size, (fn, args, env or {}, pg_timeout), daemon=True,
                       exit_grace_s=10.0) as ranks:
-        while len(results) < world_size:
-            report = ranks.next_report([r for r in range(world_size) if r not in results],
-                                       deadline, timeout)
-            if report is None:
-                continue
-            if report.kind is ReportKind.ERROR:
-                raise ranks.failure(report, results)
-            results[report.rank] = torch.load(io.BytesIO(report.value), weights_only=False)
+        return [_load(v) for v in _collect(ranks, world_size, deadline, timeout)]
+
+
+def _load(value: bytes) -> Any:
+    return torch.load(io.BytesIO(value), weights_only=False)
+
+
+def _collect(ranks: SpawnedRanks, world_size: int, deadline: float,
+             timeout: float) -> list[Any]:
+    """Each rank's OK report value, in rank order; the first ERROR report raises."""
+    results: dict[int, Any] = {}
+    while len(results) < world_size:
+        report = ranks.next_report([r for r in range(world_size) if r not in results],
+                                   deadline, timeout)
+        if report is None:
+            continue
+        if report.kind is ReportKind.ERROR:
+            raise ranks.failure(report, results)
+        results[report.rank] = report.value
     return [results[r] for r in range(world_size)]
+
+
+_REUSE = False
+_MAX_POOLS = 3  # idle ranks hold memory (~250 MB each with torch loaded), no CPU
+_POOLS: dict[tuple, _Pool] = {}
+
+
+def reuse_ranks(on: bool) -> None:
+    """Keep ranks up between `run_ranks` calls (on) or start fresh ones for each (off, the
+    default); turning it off closes the pools."""
+    global _REUSE
+    _REUSE = on
+    if not on:
+        while _POOLS:
+            _POOLS.popitem()[1].close(kill=False)
+
+
+def _pool_entry(rank: int, world_size: int, port: int, queue: Queue[Report],
+                tasks: list[Queue[Any]], env: dict[str, str]) -> None:
+    """A reused rank: join the group, then run each task until a None; each OK report's value
+    is (result bytes, whether the group still passed a barrier after the body)."""
+    try:
+        _join(rank, world_size, port, env, None)
+        while (task := tasks[rank].get()) is not None:
+            fn, args = task
+            result = _dumps(fn(rank, world_size, *args))
+            try:  # every rank done with this run before any starts the next
+                dist.barrier()
+                healthy = True
+            except RuntimeError:
+                healthy = False
+            queue.put(Report(rank, ReportKind.OK, (result, healthy)))
+            if not healthy:
+                leave(queue, 0)
+    except BaseException:  # noqa: BLE001 - report everything to the parent
+        queue.put(Report(rank, ReportKind.ERROR, traceback.format_exc()))
+        leave(queue, REPORTED_ERROR_EXIT)
+    _leave_group(queue)
+    leave(queue, 0)
+
+
+class _Pool:
+    """`world_size` ranks with their group joined, each taking runs from its own task queue."""
+
+    def __init__(self, world_size: int, env: dict[str, str]) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tasks: list[Queue[Any]] = [ctx.Queue() for _ in range(world_size)]
+        self.ranks = SpawnedRanks(_pool_entry, world_size, (self.tasks, env), daemon=True,
+                                  exit_grace_s=10.0)
+
+    def run(self, fn: Callable[..., Any], args: tuple, deadline: float,
+            timeout: float) -> tuple[list[Any], bool]:
+        """Each rank's result, and whether the group is still usable."""
+        for q in self.tasks:
+            q.put((fn, args))
+        values = _collect(self.ranks, self.world_size, deadline, timeout)
+        return [_load(b) for b, _ in values], all(ok for _, ok in values)
+
+    def close(self, *, kill: bool) -> None:
+        if not kill:
+            for q in self.tasks:
+                q.put(None)
+        exc = (RuntimeError, RuntimeError(), None) if kill else (None, None, None)
+        self.ranks.__exit__(*exc)
+        for q in self.tasks:
+            q.close()
+            q.join_thread()
+
+
+atexit.register(reuse_ranks, False)
 
 
 @contextlib.contextmanager

@@ -44,6 +44,8 @@ SLOW_ONLY = {
     "fusedzero/checkpoint/hf.py": "needs transformers models: tests/checkpoint/test_hf.py",
     "kernels/compile_memory_modes.py": "offline compilation (a child without the interpreter): "
                                        "tests/kernels/test_compile.py",
+    "kernels/compile_quant.py": "offline compilation of the wire kernels (a child without the "
+                                "interpreter): tests/kernels/test_quant.py",
 }
 
 _ran: set[str] = set()

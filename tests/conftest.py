@@ -42,6 +42,12 @@ if not CUDA_VISIBLE:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
+# Multi-rank tests keep their gloo ranks up between runs of the same world size (starting W
+# ranks costs seconds, most test bodies milliseconds): fusedzero/testing.py, `reuse_ranks`.
+from fusedzero.testing import reuse_ranks  # noqa: E402
+
+reuse_ranks(True)
+
 _NO_INTERPRETER = pytest.mark.skip(
     reason="runs Triton kernel code on CPU tensors through the interpreter, which is off here "
            "(a GPU is visible); run it with CUDA_VISIBLE_DEVICES= pytest -m interpreter")

@@ -19,8 +19,6 @@ from fusedzero.emulate_ckpt import emulated_rank, save_emulated
 from fusedzero.optim import ZeroAdamW
 from fusedzero.zero3 import ShardInit
 
-pytestmark = pytest.mark.slow
-
 SHAPE = LlamaShape(n_layer=2, d=64, ffn=128, vocab=256, n_head=4, n_kv_head=2)
 
 
@@ -67,6 +65,7 @@ def _segment_entries(manifest: dict) -> int:
     return sum(len(g["segments"]) for f in manifest["files"] for g in f["groups"])
 
 
+@pytest.mark.slow
 def test_save_at_1024_verify_and_load_at_8(tmp_path: Path) -> None:
     # About 5 minutes on a loaded 2-core machine: 1024 optimizers built and saved in turn.
     W = 1024
@@ -100,6 +99,7 @@ def _check_segment_bound(manifest: dict, W: int) -> None:
     assert _segment_entries(manifest) <= bound, (_segment_entries(manifest), bound)
 
 
+@pytest.mark.slow
 def test_manifest_and_headers_grow_o_params_plus_w(tmp_path: Path) -> None:
     # What one more rank adds to the manifest is bounded (its file entry, one segment list per
     # buffer, its packed RNG state: ~20 KB here), and a shard header does not grow with W.
@@ -116,3 +116,22 @@ def test_manifest_and_headers_grow_o_params_plus_w(tmp_path: Path) -> None:
     assert per_rank < 32_000, sizes
     # Only digits differ (W, the rank, tensor offsets), and 8-byte header padding.
     assert headers[128] <= headers[32] + 64, headers
+
+
+def test_save_at_4_and_load_at_3_emulated(tmp_path: Path) -> None:
+    # The fast tier's run of the emulation (the slow tests above take it to W=1024): a real
+    # 4-rank checkpoint written from one process, then loaded by each of 3 emulated ranks.
+    saved = save_emulated(_make, 4, tmp_path, prepare=_moments)
+    assert saved.shard_files == 4 and saved.manifest_bytes > 0
+    catalog.verify(saved.path)
+    total = 0
+    for r in range(3):
+        with emulated_rank(r, 3):
+            opt = _make()
+            for b in opt.flat_groups:
+                assert b.master is not None
+                for t in (b.master, b.exp_avg, b.exp_avg_sq):
+                    t.zero_()
+            loading.load(opt, saved.path)
+            total += _check_loaded(opt)
+    assert total == sum(p.numel() for p in meta_model(SHAPE).parameters())

@@ -1,0 +1,55 @@
+"""Reused ranks (`fusedzero.testing.reuse_ranks`, on for this suite): the same processes run
+consecutive runs of one world size, their group intact; a failing run leaves no broken pool
+behind for the next test."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fusedzero import testing
+from fusedzero.testing import run_ranks
+
+pytestmark = pytest.mark.slow  # spawns ranks
+
+
+def _pid_and_sum(rank: int, world: int) -> tuple[int, float]:
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    return os.getpid(), t.item()
+
+
+def _fail_on_1(rank: int, world: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 says no")
+    dist.barrier()  # rank 0 waits here for a peer that never comes
+
+
+def _leave_the_group(rank: int, world: int) -> int:
+    if rank == 0:
+        dist.destroy_process_group()  # the group is gone: the barrier after the body fails
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return rank
+
+
+def test_ranks_are_reused_and_a_failure_starts_fresh_ones() -> None:
+    assert testing._REUSE  # tests/conftest.py turned it on
+    first = run_ranks(_pid_and_sum, 3)
+    again = run_ranks(_pid_and_sum, 3)
+    assert [s for _, s in first] == [s for _, s in again] == [6.0] * 3
+    assert [p for p, _ in first] == [p for p, _ in again]  # the same processes
+    assert run_ranks(_pid_and_sum, 3, fresh=True)[0][0] not in {p for p, _ in first}
+    with pytest.raises(RuntimeError, match="rank 1 says no"):
+        run_ranks(_fail_on_1, 3)
+    after = run_ranks(_pid_and_sum, 3)
+    assert [s for _, s in after] == [6.0] * 3
+    assert not {p for p, _ in after} & {p for p, _ in first}  # the failed pool was replaced
+
+
+def test_a_body_that_breaks_the_group_returns_and_is_not_reused() -> None:
+    before = {p for p, _ in run_ranks(_pid_and_sum, 2)}
+    assert run_ranks(_leave_the_group, 2, timeout=120) == [0, 1]
+    after = {p for p, _ in run_ranks(_pid_and_sum, 2)}
+    assert not before & after
