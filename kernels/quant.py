@@ -206,15 +206,21 @@ def quantize_into(x: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks
             num_warps=NUM_WARPS, enable_fp_fusion=ENABLE_FP_FUSION)
 
 
+def _unpacking(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks: int,
+               chunk_numel: int, max_out: int, launch: str) -> bool:
+    """Check a dequantizing launch's arguments and count it: True where Triton runs it."""
+    _check(packed, fmt, chunks, chunk_numel, out, "out", max_out)
+    if out.dtype not in OUT_DTYPES:
+        raise TypeError(f"out has dtype {out.dtype}, expected one of {OUT_DTYPES}")
+    count_launch(launch)
+    return use_triton(out.device)
+
+
 def dequant_sum_into(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks: int,
                      chunk_numel: int, *, scale: float = 1.0, accumulate: bool = False) -> None:
     """out (flat, fp32/bf16/fp16, at most chunk_numel elements) = [out +] scale * the fp32 sum of
     every chunk's dequantized values (its first out.numel() elements): one launch."""
-    _check(packed, fmt, chunks, chunk_numel, out, "out", chunk_numel)
-    if out.dtype not in OUT_DTYPES:
-        raise TypeError(f"out has dtype {out.dtype}, expected one of {OUT_DTYPES}")
-    count_launch("wire_dequant_sum")
-    if not use_triton(out.device):
+    if not _unpacking(out, packed, fmt, chunks, chunk_numel, chunk_numel, "wire_dequant_sum"):
         _dequant_sum_torch(out, packed, fmt, chunks, chunk_numel, scale, accumulate)
         return
     v, s = _views(packed, fmt)
@@ -231,11 +237,8 @@ def dequantize_into(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, ch
                     chunk_numel: int, *, keep: int = -1) -> None:
     """out (at most chunks * chunk_numel elements) = the chunks' values back to back, chunk
     `keep` (e.g. this rank's exact piece) left untouched: one launch."""
-    _check(packed, fmt, chunks, chunk_numel, out, "out", chunks * chunk_numel)
-    if out.dtype not in OUT_DTYPES:
-        raise TypeError(f"out has dtype {out.dtype}, expected one of {OUT_DTYPES}")
-    count_launch("wire_dequantize")
-    if not use_triton(out.device):
+    if not _unpacking(out, packed, fmt, chunks, chunk_numel, chunks * chunk_numel,
+                      "wire_dequantize"):
         _dequantize_torch(out, packed, fmt, chunks, chunk_numel, keep)
         return
     v, s = _views(packed, fmt)

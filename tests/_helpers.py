@@ -5,14 +5,17 @@ Library-side helpers (ranks on gloo, a fake process group) are `fusedzero.testin
 """
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
-from fusedzero.app.model import GPT, GPTConfig
+from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
+from fusedzero.optim import ZeroAdamW
 
 
 class TwoLinear(nn.Module):
@@ -48,3 +51,44 @@ def fast_only(cases: Iterable[Any], fast: Callable[[Any], bool]) -> list[Any]:
     return [c if fast(c) else pytest.param(*(c if isinstance(c, tuple) else (c,)),
                                            marks=pytest.mark.slow)
             for c in cases]
+
+
+# -- a tiny trained checkpoint, the input of the checkpoint trust and hostile-input tests ------
+TINY_CKPT = GPTConfig(vocab_size=31, block_size=8, n_layer=1, n_head=2, n_embd=16)
+
+
+def tiny_ckpt_opt(cfg: GPTConfig = TINY_CKPT, stage: int = 1, pg: Any = None,
+                  rep: Any = None) -> tuple[GPT, ZeroAdamW]:
+    """The GPT of `cfg` (seed 0) and its optimizer: small buckets, so params cross them."""
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-2, stage=stage, module=model,
+                    bucket_numel=700, process_group=pg, replicate_group=rep)
+    return model, opt
+
+
+def tiny_train(model: GPT, opt: ZeroAdamW, steps: int, seed: int = 0) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randint(0, model.config.vocab_size, (2, model.config.block_size + 1), generator=g)
+        model(x[:, :-1], x[:, 1:])[1].backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def two_step_root(root: Path, build: Callable[[], tuple[GPT, ZeroAdamW]]) -> Path:
+    """`root` holding step-1 and step-2 of a trained model (non-zero moments)."""
+    from fusedzero import checkpoint
+    model, opt = build()
+    tiny_train(model, opt, 1)
+    checkpoint.save(opt, root, step=1)
+    tiny_train(model, opt, 1, seed=1)
+    checkpoint.save(opt, root, step=2)
+    return root
+
+
+def copy_root(src: Path, tmp_path: Path, tag: str = "c") -> Path:
+    """A copy of a checkpoint root to tamper with (symlinks kept as links)."""
+    dst = tmp_path / tag
+    shutil.copytree(src, dst, symlinks=True)
+    return dst

@@ -7,6 +7,7 @@ in this process (milliseconds each); the cross-rank cases (a read failing on one
 from __future__ import annotations
 
 import base64
+import dataclasses
 import io
 import json
 import os
@@ -22,32 +23,23 @@ import torch.distributed as dist
 from fusedzero import checkpoint as ck
 from fusedzero.checkpoint import format as ckformat
 from fusedzero.app.ckpt_cli import main as cli_main
-from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
+from fusedzero.app.model import GPT
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 from fusedzero.app.launch import run as train_run
 
-from _helpers import fast_only
+from _helpers import (TINY_CKPT, copy_root as copy, fast_only, tiny_ckpt_opt, tiny_train,
+                      two_step_root)
 
-CFG = GPTConfig(vocab_size=31, block_size=8, n_layer=1, n_head=2, n_embd=16, dropout=0.1)
+CFG = dataclasses.replace(TINY_CKPT, dropout=0.1)
 SHARD = "rank00000-of-00001.safetensors"
 
 
 def build(stage: int = 1, pg: Any = None, rep: Any = None) -> tuple[GPT, ZeroAdamW]:
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-2, stage=stage, module=model,
-                    bucket_numel=700, process_group=pg, replicate_group=rep)
-    return model, opt
+    return tiny_ckpt_opt(CFG, stage, pg, rep)
 
 
-def train(model: GPT, opt: ZeroAdamW, steps: int, seed: int = 0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size + 1), generator=g)
-        model(x[:, :-1], x[:, 1:])[1].backward()
-        opt.step()
-        opt.zero_grad()
+train = tiny_train
 
 
 def snapshot(opt: ZeroAdamW) -> list[torch.Tensor]:
@@ -65,20 +57,8 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 @pytest.fixture(scope="module")
 def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A root with step-1 and step-2 (random, trained state: moments are non-zero)."""
-    root = tmp_path_factory.mktemp("good")
-    model, opt = build()
-    train(model, opt, 1)
-    ck.save(opt, root, step=1)
-    train(model, opt, 1, seed=1)
-    ck.save(opt, root, step=2)
-    return root
-
-
-def copy(good: Path, tmp_path: Path, tag: str = "c") -> Path:
-    dst = tmp_path / tag
-    shutil.copytree(good, dst, symlinks=True)
-    return dst
+    """A root with step-1 and step-2 of a trained tiny model (non-zero moments)."""
+    return two_step_root(tmp_path_factory.mktemp("good"), build)
 
 
 def edit_manifest(root: Path, fn: Callable[[dict[str, Any]], Any] | None = None,

@@ -13,7 +13,6 @@ import json
 import os
 import pickle
 import re
-import shutil
 import stat
 import tracemalloc
 from collections.abc import Callable
@@ -26,29 +25,22 @@ from safetensors import safe_open
 
 from fusedzero import checkpoint as ck
 from fusedzero.app.cli import main as cli_main
-from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
+from fusedzero.app.model import GPT
 from fusedzero.checkpoint import catalog
 from fusedzero.checkpoint import saving
 from fusedzero.optim import ZeroAdamW
 
-CFG = GPTConfig(vocab_size=31, block_size=8, n_layer=1, n_head=2, n_embd=16)
+from _helpers import TINY_CKPT, copy_root as copy, tiny_ckpt_opt, tiny_train, two_step_root
+
+CFG = TINY_CKPT
 SHARD = "rank00000-of-00001.safetensors"
 
 
 def build() -> tuple[GPT, ZeroAdamW]:
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    return model, ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-2, stage=1, module=model,
-                            bucket_numel=700)
+    return tiny_ckpt_opt(CFG)
 
 
-def train(model: GPT, opt: ZeroAdamW, steps: int, seed: int = 0) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size + 1), generator=g)
-        model(x[:, :-1], x[:, 1:])[1].backward()
-        opt.step()
-        opt.zero_grad()
+train = tiny_train
 
 
 def snapshot(opt: ZeroAdamW) -> list[Any]:
@@ -68,19 +60,7 @@ def same(a: list[Any], b: list[Any]) -> bool:
 @pytest.fixture(scope="module")
 def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A root with step-1 and step-2 of a trained tiny model (non-zero moments)."""
-    root = tmp_path_factory.mktemp("good")
-    model, opt = build()
-    train(model, opt, 1)
-    ck.save(opt, root, step=1)
-    train(model, opt, 1, seed=1)
-    ck.save(opt, root, step=2)
-    return root
-
-
-def copy(good: Path, tmp_path: Path) -> Path:
-    dst = tmp_path / "c"
-    shutil.copytree(good, dst, symlinks=True)
-    return dst
+    return two_step_root(tmp_path_factory.mktemp("good"), build)
 
 
 def manifest_of(root: Path) -> tuple[Path, dict[str, Any]]:
@@ -255,19 +235,24 @@ def test_shard_header_records_what_its_bytes_mean(good: Path) -> None:
 # 4: bounded reads of `latest` and the manifest
 # ---------------------------------------------------------------------------------------------
 
+def raising_peak(fn: Callable[[], Any], match: str) -> int:
+    """Peak bytes Python allocated while `fn` raised the CheckpointError `match` names."""
+    tracemalloc.start()
+    try:
+        with pytest.raises(ck.CheckpointError, match=match):
+            fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_latest_is_read_a_few_kb_at_most(good: Path, tmp_path: Path) -> None:
     root = copy(good, tmp_path)
     latest = root / ck.LATEST
     with open(latest, "wb") as f:  # sparse: 64 MiB that take no disk
         f.write(b"step-00000002\n")
         f.truncate(64 << 20)
-    tracemalloc.start()
-    try:
-        with pytest.raises(ck.CheckpointError, match=r"latest: larger than 4096 bytes"):
-            ck.resolve(root)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = raising_peak(lambda: ck.resolve(root), r"latest: larger than 4096 bytes")
     assert peak < 1 << 20, f"reading `latest` allocated {peak} bytes"
     assert ck.find_latest(root).path.name == "step-00000002"  # the step folders still are
 
@@ -280,13 +265,7 @@ def test_manifest_cap_is_enforced_when_reading_and_saving(
     root = copy(good, tmp_path)
     size = (ck.resolve(root) / ck.MANIFEST).stat().st_size
     monkeypatch.setattr(catalog, "MAX_MANIFEST", size - 1)
-    tracemalloc.start()
-    try:
-        with pytest.raises(ck.CheckpointError, match=rf"larger than {size - 1} bytes"):
-            ck.read_manifest(root)
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    peak = raising_peak(lambda: ck.read_manifest(root), rf"larger than {size - 1} bytes")
     assert peak < 2 * size + (64 << 10)
     monkeypatch.setattr(saving, "MAX_MANIFEST", size // 2)
     model, opt = build()

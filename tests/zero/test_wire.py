@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import functools
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ from fusedzero.comm import CommContext, CommCounter
 from fusedzero.kernels.quant import WBLOCK, WireFormat, dequantize_into, new_packed
 from fusedzero.optim import ZeroAdamW
 from fusedzero.plan import PlanConfig, plan_model, plan_params
-from fusedzero.testing import run_ranks
+from fusedzero.testing import fake_group, run_ranks
 
 U32 = 2.0 ** -24
 S = 3 * WBLOCK + WBLOCK  # 4 blocks per chunk: one block holds a lone outlier (see _data)
@@ -146,17 +145,6 @@ def test_bf16_wire_with_fp32_sum_is_closer_to_fp32_than_a_bf16_reduce_scatter() 
 
 
 # -- bytes per step: plan == counter for every stage x wire -------------------------------------
-@contextlib.contextmanager
-def fake_group(rank: int, world_size: int) -> Iterator[None]:
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
 def test_plan_wire_bytes_follow_the_formulas() -> None:
     """One flat buffer of B-element buckets: grads (W-1)/W of the packed bucket, int8 with one
     fp32 scale per WBLOCK; stage 0 twice (all-to-all + all-gather); params likewise."""
