@@ -78,6 +78,25 @@ def leave(queue: Queue[Report], code: int) -> NoReturn:
     os._exit(code)
 
 
+def forkserver(preload: list[str]) -> Any:
+    """The fork-server context: its server imports `preload` once, and each process it starts
+    is a fork of it (milliseconds) instead of a fresh interpreter importing torch (seconds).
+    The server starts with the first process of this Python process and serves all later ones;
+    it holds no CUDA context and no threads. Its parent is the server, not the caller: not for
+    ranks that watch their launcher (`fusedzero train` spawns)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(preload)
+    return ctx
+
+
+def _in_env(rank: int, world_size: int, port: int, queue: Queue[Report],
+            target: Callable[..., None], env: dict[str, str], *args: Any) -> None:
+    """A fork-server child: the caller's environment of now, then `target`."""
+    os.environ.clear()
+    os.environ.update(env)
+    target(rank, world_size, port, queue, *args)
+
+
 class SpawnedRanks:
     """`world_size` processes running `target(rank, world_size, port, queue, *args)`.
 
@@ -87,12 +106,16 @@ class SpawnedRanks:
     """
 
     def __init__(self, target: Callable[..., None], world_size: int, args: tuple = (), *,
-                 daemon: bool = True, exit_grace_s: float = 10.0) -> None:
-        ctx = mp.get_context("spawn")
+                 daemon: bool = True, exit_grace_s: float = 10.0,
+                 preload: list[str] | None = None) -> None:
+        ctx = forkserver(preload) if preload is not None else mp.get_context("spawn")
         self.world_size = world_size
         self.queue = ctx.Queue()
         self.exit_grace_s = exit_grace_s
         port = free_port()
+        if preload is not None:  # the server's environment is the one it started with
+            args = (target, dict(os.environ), *args)
+            target = _in_env
         self.procs = [ctx.Process(target=target, args=(r, world_size, port, self.queue, *args),
                                   daemon=daemon) for r in range(world_size)]
         for p in self.procs:

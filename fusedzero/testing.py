@@ -30,10 +30,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from fusedzero.spawn import (REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks, leave,
-                             set_rank_env)
+from fusedzero.spawn import (REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks, forkserver,
+                             leave, set_rank_env)
+
+# What the fork server imports once for every rank it starts (fusedzero/spawn.py `forkserver`).
+PRELOAD = ["fusedzero.testing", "fusedzero.optim"]
 
 
 def _join(rank: int, world_size: int, port: int, env: dict[str, str],
@@ -104,7 +106,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             _POOLS.pop(next(iter(_POOLS))).close(kill=False)
         return out
     with SpawnedRanks(_entry, world_size, (fn, args, env or {}, pg_timeout), daemon=True,
-                      exit_grace_s=10.0) as ranks:
+                      exit_grace_s=10.0, preload=PRELOAD) as ranks:
         return [_load(v) for v in _collect(ranks, world_size, deadline, timeout)]
 
 
@@ -170,11 +172,11 @@ class _Pool:
     """`world_size` ranks with their group joined, each taking runs from its own task queue."""
 
     def __init__(self, world_size: int, env: dict[str, str]) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = forkserver(PRELOAD)
         self.world_size = world_size
         self.tasks: list[Queue[Any]] = [ctx.Queue() for _ in range(world_size)]
         self.ranks = SpawnedRanks(_pool_entry, world_size, (self.tasks, env), daemon=True,
-                                  exit_grace_s=10.0)
+                                  exit_grace_s=10.0, preload=PRELOAD)
 
     def run(self, fn: Callable[..., Any], args: tuple, deadline: float,
             timeout: float) -> tuple[list[Any], bool]:
