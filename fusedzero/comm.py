@@ -15,11 +15,14 @@ import dataclasses
 import datetime
 import enum
 import time
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import Any, Optional, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
 
+P = ParamSpec("P")
+T = TypeVar("T")
 # A process group, or None for the default (world) group.
 Group = Optional[dist.ProcessGroup]
 # What an async collective returns: a work handle, or None where nothing was sent (1 rank).
@@ -293,9 +296,18 @@ def _host_blocking(group: Group, device: torch.device | None = None) -> bool:
         return True
 
 
+def eager(fn: Callable[P, T]) -> Callable[P, T]:
+    """`torch.compiler.disable(fn)`, with torch._dynamo (about 2 s of imports) imported at the
+    first call instead of at import: a process that never builds an optimizer (the `fusedzero`
+    CLIs, the train launcher) does not pay for it. It is what torch's own optimizers use
+    (`torch._disable_dynamo`): Dynamo skips the wrapper (torch._compile is on its skip list),
+    so a compiled caller breaks its graph at the call and `fn` runs eagerly."""
+    return torch._disable_dynamo(fn)  # type: ignore[attr-defined]
+
+
 # Dynamo cannot trace a wait on other ranks (nor the process-group internals it reads): when a
-# compiled model's hook waits, the graph breaks here, once, with this function named.
-@torch.compiler.disable(reason="fusedzero.comm.wait blocks on other ranks")
+# compiled model's hook waits, the graph breaks here, once.
+@eager
 def wait(handle: Handle, what: str = "a collective", group: Group = None,
          timeout: float | None = None, host_blocking: bool | None = None) -> None:
     """Wait for `handle`; past `timeout` seconds (default: `group_timeout(group)`) raise

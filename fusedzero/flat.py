@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from fusedzero.comm import eager
 from fusedzero.dtensor import local, set_local
 from fusedzero.kernels import Strided
 from fusedzero.layout import FlatLayout, ParamSlot, build_layout, default_bucket_numel
@@ -180,7 +181,7 @@ class FlatBuffer:
 
     # Never traced: Dynamo would turn `.data =` into a `set_` that bumps the version counter
     # of the views autograd saved in forward ([Note: stage 3 under torch.compile], zero3.py).
-    @torch.compiler.disable(reason="fusedzero stage 3: params are re-pointed eagerly")
+    @eager
     def _point_params(self, gathered: bool) -> None:
         """`.data` swaps keep the Parameter objects and autograd's saved leaves; views autograd
         saved in forward keep the storage itself, which the next gather refills."""

@@ -107,7 +107,7 @@ class SpawnedRanks:
 
     def __init__(self, target: Callable[..., None], world_size: int, args: tuple = (), *,
                  daemon: bool = True, exit_grace_s: float = 10.0,
-                 preload: list[str] | None = None) -> None:
+                 preload: list[str] | None = None, name: str = "fusedzero") -> None:
         ctx = forkserver(preload) if preload is not None else mp.get_context("spawn")
         self.world_size = world_size
         self.queue = ctx.Queue()
@@ -117,7 +117,8 @@ class SpawnedRanks:
             args = (target, dict(os.environ), *args)
             target = _in_env
         self.procs = [ctx.Process(target=target, args=(r, world_size, port, self.queue, *args),
-                                  daemon=daemon) for r in range(world_size)]
+                                  daemon=daemon, name=f"{name} rank {r}")
+                      for r in range(world_size)]
         for p in self.procs:
             p.start()
 

@@ -92,7 +92,11 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     # A run with its own group timeout tests stalls and timeouts: it leaves its group broken.
     if _REUSE and not fresh and pg_timeout is None:
         key = (world_size, tuple(sorted((env or {}).items())))
-        pool = _POOLS.pop(key, None) or _Pool(world_size, env or {})
+        pool = _POOLS.pop(key, None)
+        if pool is not None and not pool.alive():  # a rank was killed from outside since
+            pool.close(kill=True)
+            pool = None
+        pool = pool or _Pool(world_size, env or {})
         try:
             out, healthy = pool.run(fn, args, deadline, timeout)
         except BaseException:
@@ -106,7 +110,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             _POOLS.pop(next(iter(_POOLS))).close(kill=False)
         return out
     with SpawnedRanks(_entry, world_size, (fn, args, env or {}, pg_timeout), daemon=True,
-                      exit_grace_s=10.0, preload=PRELOAD) as ranks:
+                      exit_grace_s=10.0, preload=PRELOAD, name="fusedzero test") as ranks:
         return [_load(v) for v in _collect(ranks, world_size, deadline, timeout)]
 
 
@@ -176,7 +180,7 @@ class _Pool:
         self.world_size = world_size
         self.tasks: list[Queue[Any]] = [ctx.Queue() for _ in range(world_size)]
         self.ranks = SpawnedRanks(_pool_entry, world_size, (self.tasks, env), daemon=True,
-                                  exit_grace_s=10.0, preload=PRELOAD)
+                                  exit_grace_s=10.0, preload=PRELOAD, name="fusedzero test")
 
     def run(self, fn: Callable[..., Any], args: tuple, deadline: float,
             timeout: float) -> tuple[list[Any], bool]:
@@ -185,6 +189,9 @@ class _Pool:
             q.put((fn, args))
         values = _collect(self.ranks, self.world_size, deadline, timeout)
         return [_load(b) for b, _ in values], all(ok for _, ok in values)
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.ranks.procs)
 
     def close(self, *, kill: bool) -> None:
         if not kill:

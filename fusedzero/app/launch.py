@@ -30,7 +30,6 @@ from fusedzero.app.config import (HelpFormatter, StalledError, TrainConfig, Usag
 from fusedzero.app.data import Split
 from fusedzero.app.lifecycle import die_with_parent, sigterm_as_interrupt
 from fusedzero.app.log import waiting_for
-from fusedzero.app.loop import train_rank
 from fusedzero import comm
 from fusedzero.comm import CollectiveTimeout
 from fusedzero.spawn import (LAST_WORDS_S, REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks,
@@ -133,7 +132,7 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool, data: Split) -> dict[st
     # Not daemons: a daemon process may not start processes of its own; the ranks' end is tied
     # to the launcher by die_with_parent instead.
     with SpawnedRanks(_spawn_entry, nproc, (use_cuda, cfg, data, os.getpid(), progress),
-                      daemon=False, exit_grace_s=60.0) as ranks:
+                      daemon=False, exit_grace_s=60.0, name="fusedzero train") as ranks:
         while len(reported) < nproc:
             if stalls and (time.monotonic() > stall_deadline or len(stalls) == nproc):
                 silent = [r for r in range(nproc) if r not in stalls]
@@ -206,6 +205,7 @@ def _spawn_entry(rank: int, world: int, port: int, q: Queue[Report], use_cuda: b
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.timeout),
                                 **({"device_id": device} if use_cuda else {}))
+        from fusedzero.app.loop import train_rank  # the ranks', not the launcher's, import
         summary = train_rank(cfg, device, data, progress=progress)
         q.put(Report(rank, ReportKind.OK, summary if rank == 0 else None))
         # A gloo process can abort at exit after its work is done: barrier, destroy, then exit.
@@ -260,6 +260,7 @@ def _run_in_group(cfg: TrainConfig) -> dict[str, Any]:
         if box[0] is not None:
             raise UsageError(box[0])
         with lock:
+            from fusedzero.app.loop import train_rank
             summary = train_rank(cfg, device, preflight.load_data(cfg))
     finally:
         if own_group:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
@@ -20,7 +20,9 @@ from fusedzero.checkpoint.placements import read as tp_record
 from fusedzero.app.config import TrainConfig, UsageError
 from fusedzero.app.log import RunLog, waiting_for
 from fusedzero.comm import CollectiveTimeout
-from fusedzero.optim import ZeroAdamW
+
+if TYPE_CHECKING:  # the launcher imports this module; only ranks build an optimizer
+    from fusedzero.optim import ZeroAdamW
 
 # Hyper-parameter flags a resume may change (the others must match the checkpoint's run).
 _HPARAMS = ("lr", "beta1", "beta2", "weight_decay", "clip", "warmup")

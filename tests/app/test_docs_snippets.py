@@ -13,6 +13,10 @@ language and the rest flags:
                                   relative to it; they must not change tracked files).
 - ```sh install-only            checked for syntax only (`bash -n`): install commands that
                                   create virtual environments and pip install.
+- ```sh slow tested-by=FILE      checked for syntax only: FILE (a test module) runs the same
+                                  commands with its own assertions, so the suite does not pay for
+                                  them twice; every script path and `fusedzero` subcommand of the
+                                  block must appear in FILE.
 - ```text, ```console, a bare ``` and any other language: output or prose, never run.
 
 Each block runs as a subprocess in its file's temporary folder: the blocks of one Markdown file
@@ -142,9 +146,13 @@ _WORK: dict[str, Path] = {}
 def test_block_runs(block: Block, tmp_path: Path,
                     tmp_path_factory: pytest.TempPathFactory) -> None:
     nproc = [f for f in block.flags if f.startswith("nproc=")]
-    unknown = block.flags - FLAGS - set(nproc)
-    assert not unknown, (f"{block.where}: unknown fence flags {sorted(unknown)}; use {FLAGS} "
-                         "or nproc=N")
+    tested_by = [f for f in block.flags if f.startswith("tested-by=")]
+    unknown = block.flags - FLAGS - set(nproc) - set(tested_by)
+    assert not unknown, (f"{block.where}: unknown fence flags {sorted(unknown)}; use {FLAGS}, "
+                         "nproc=N or tested-by=FILE")
+    if tested_by:
+        _check_tested_by(block, REPO / tested_by[0].split("=", 1)[1])
+        return
     if block.lang == "python" and nproc:
         # A multi-rank example, as its page says to run it: torchrun, N local gloo ranks.
         script = tmp_path / "block.py"
@@ -175,6 +183,21 @@ def test_block_runs(block: Block, tmp_path: Path,
         pytest.fail(f"{block.where}: the ```{block.lang} block exited with {p.returncode}:\n"
                     f"{block.code}\n--- stdout (end) ---\n{p.stdout[-2000:]}\n"
                     f"--- stderr (end) ---\n{p.stderr[-3000:]}", pytrace=False)
+
+
+def _check_tested_by(block: Block, test_file: Path) -> None:
+    """A block another test runs: its syntax, and that the test names what the block runs."""
+    assert block.lang == "sh", f"{block.where}: tested-by is for sh blocks"
+    assert test_file.is_file() and test_file.name.startswith("test_"), (
+        f"{block.where}: tested-by names {test_file}, which is no test module")
+    p = subprocess.run(["bash", "-n"], input=block.code, capture_output=True, text=True)
+    assert p.returncode == 0, f"{block.where}: {p.stderr}"
+    text = test_file.read_text()
+    words = block.code.split()
+    wanted = {w for w in words if "/" in w and w.endswith((".sh", ".py"))}
+    wanted |= {b for a, b in zip(words, words[1:]) if a == "fusedzero"}
+    missing = sorted(w for w in wanted if w not in text)
+    assert not missing, f"{block.where}: {test_file.name} does not run {missing}"
 
 
 def test_xfail_list_is_current() -> None:

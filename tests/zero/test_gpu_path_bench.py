@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -44,11 +46,14 @@ def test_exposed_fraction_counts_comm_no_compute_overlaps() -> None:
 @pytest.mark.slow
 def test_run_sh_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "results"
+    # `python` on PATH is this interpreter (the venv), as docs/gpu.md runs it.
+    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent),
+                                                 os.environ.get("PATH", "")]))
     proc = subprocess.run(["bash", str(ROOT / "bench/gpu/run.sh"), "--dry-run", str(out)],
-                          capture_output=True, text=True, timeout=1500)
+                          capture_output=True, text=True, timeout=1500, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "fusedzero from" in proc.stdout
-    assert not list(out.glob("*.failed")), proc.stdout[-3000:]
+    assert not list(out.glob("*.failed")), proc.stdout[-3000:] + proc.stderr[-6000:]
     meta = json.loads((out / "meta.json").read_text())
     assert meta["dry_run"] is True and meta["gpus"] == 2
     for w in (1, 2):
@@ -66,3 +71,8 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
         assert r["same_on_every_rank"] and not r["errors"] and r["trace_events"] > 0, r
     report = (out / "REPORT.md").read_text()
     assert "Every stage at W = 1..N" in report and "Large world on one device" in report
+    # The report regenerates from the results alone (docs/gpu.md's second command).
+    again = subprocess.run([sys.executable, str(ROOT / "bench/gpu/report.py"), str(out)],
+                           capture_output=True, text=True, timeout=300, env=env)
+    assert again.returncode == 0 and again.stdout.splitlines()[:3] == report.splitlines()[:3], (
+        again.stderr[-2000:])

@@ -3,7 +3,10 @@ consecutive runs of one world size, their group intact; a failing run leaves no 
 behind for the next test."""
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import signal
+import time
 
 import pytest
 import torch
@@ -53,3 +56,14 @@ def test_a_body_that_breaks_the_group_returns_and_is_not_reused() -> None:
     assert run_ranks(_leave_the_group, 2, timeout=120) == [0, 1]
     after = {p for p, _ in run_ranks(_pid_and_sum, 2)}
     assert not before & after
+
+
+def test_a_pool_with_a_rank_killed_from_outside_is_replaced() -> None:
+    first = [p for p, _ in run_ranks(_pid_and_sum, 2)]
+    os.kill(first[1], signal.SIGKILL)
+    for _ in range(100):  # until the parent sees it dead
+        if not any(p.pid == first[1] and p.is_alive() for p in mp.active_children()):
+            break
+        time.sleep(0.05)
+    after = run_ranks(_pid_and_sum, 2)
+    assert [s for _, s in after] == [3.0, 3.0] and not set(first) & {p for p, _ in after}
