@@ -89,8 +89,32 @@ def forkserver(preload: list[str]) -> Any:
     return ctx
 
 
+class _Stdio:
+    """Pickled into a fork-server child: the caller's stdout and stderr of now (the server's
+    are those of its start), passed as file descriptors and made the child's 1 and 2."""
+
+    def __reduce__(self) -> tuple[Any, tuple]:
+        from multiprocessing import reduction
+        return _use_stdio, tuple(reduction.DupFd(fd) for fd in (1, 2) if _is_open(fd))
+
+
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+        return True
+    except OSError:
+        return False
+
+
+def _use_stdio(*fds: Any) -> None:
+    for target, fd in zip((1, 2), fds):
+        sys.stdout.flush() if target == 1 else sys.stderr.flush()
+        os.dup2(fd.detach(), target)
+
+
 def _in_env(rank: int, world_size: int, port: int, queue: Queue[Report],
-            target: Callable[..., None], env: dict[str, str], *args: Any) -> None:
+            target: Callable[..., None], env: dict[str, str], stdio: None,
+            *args: Any) -> None:
     """A fork-server child: the caller's environment of now, then `target`."""
     os.environ.clear()
     os.environ.update(env)
@@ -113,8 +137,8 @@ class SpawnedRanks:
         self.queue = ctx.Queue()
         self.exit_grace_s = exit_grace_s
         port = free_port()
-        if preload is not None:  # the server's environment is the one it started with
-            args = (target, dict(os.environ), *args)
+        if preload is not None:  # the server's environment and stdio are its start's
+            args = (target, dict(os.environ), _Stdio(), *args)
             target = _in_env
         self.procs = [ctx.Process(target=target, args=(r, world_size, port, self.queue, *args),
                                   daemon=daemon, name=f"{name} rank {r}")

@@ -35,7 +35,7 @@ from fusedzero.spawn import (REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRan
                              leave, set_rank_env)
 
 # What the fork server imports once for every rank it starts (fusedzero/spawn.py `forkserver`).
-PRELOAD = ["fusedzero.testing", "fusedzero.optim"]
+PRELOAD = ["fusedzero.testing", "fusedzero.optim", "torch._dynamo"]
 
 
 def _join(rank: int, world_size: int, port: int, env: dict[str, str],

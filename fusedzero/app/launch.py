@@ -121,6 +121,12 @@ def local_ranks(cfg: TrainConfig) -> tuple[bool, int]:
 
 
 
+# CPU ranks start from a fork server that imported these once (fusedzero/spawn.py): each rank
+# saves the seconds of imports a fresh interpreter pays. CUDA ranks are spawned fresh (a fork of
+# a process that touched the CUDA driver is unsafe).
+RANK_PRELOAD = ["fusedzero.app.loop", "torch._dynamo"]
+
+
 def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool, data: Split) -> dict[str, Any]:
     summary: dict[str, Any] | None = None
     reported: set[int] = set()
@@ -132,7 +138,8 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool, data: Split) -> dict[st
     # Not daemons: a daemon process may not start processes of its own; the ranks' end is tied
     # to the launcher by die_with_parent instead.
     with SpawnedRanks(_spawn_entry, nproc, (use_cuda, cfg, data, os.getpid(), progress),
-                      daemon=False, exit_grace_s=60.0, name="fusedzero train") as ranks:
+                      daemon=False, exit_grace_s=60.0, name="fusedzero train",
+                      preload=None if use_cuda else RANK_PRELOAD) as ranks:
         while len(reported) < nproc:
             if stalls and (time.monotonic() > stall_deadline or len(stalls) == nproc):
                 silent = [r for r in range(nproc) if r not in stalls]

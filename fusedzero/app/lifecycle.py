@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import os
+import select
 import signal
 import sys
 import threading
@@ -34,21 +35,44 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def die_with_parent(parent_pid: int) -> None:
-    """Call first thing in a spawned rank: end this process when `parent_pid` is gone."""
+    """Call first thing in a spawned rank: end this process when `parent_pid` (the launcher) is
+    gone. The rank's parent is the launcher, or on CPU the launcher's fork server
+    (fusedzero/spawn.py), which leaves as soon as the launcher does: either way the rank goes
+    when its parent does (SIGKILL on the parent's death, and a watchdog)."""
+    parent = os.getppid()
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
             pass  # no usable libc: the watchdog below still covers it
-    if os.getppid() != parent_pid:  # the launcher died before prctl took effect
+    if parent_pid not in (parent, _parent_of(parent)):  # it died before prctl took effect
         os._exit(1)
+
+    # A fork server outlives the launcher while any of its children runs (they hold its
+    # liveness pipe), so the launcher itself is watched, through a pidfd where there is one.
+    try:
+        launcher: int | None = os.pidfd_open(parent_pid)
+    except (AttributeError, OSError):
+        launcher = None
 
     def watch() -> None:
         while True:
-            time.sleep(POLL_S)
-            if os.getppid() != parent_pid:
+            if launcher is not None:
+                if select.select([launcher], [], [], POLL_S)[0]:
+                    os._exit(1)  # the launcher exited: nobody is left to report to
+            else:
+                time.sleep(POLL_S)
+            if os.getppid() != parent:
                 os._exit(1)  # nobody is left to report to; no cleanup can help
 
     threading.Thread(target=watch, name="fusedzero-parent-watchdog", daemon=True).start()

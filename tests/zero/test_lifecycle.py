@@ -139,18 +139,25 @@ def _children(pid: int) -> list[int]:
     return sorted(out)
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
+
+
 def _ranks(pid: int) -> list[int]:
-    """The spawned rank processes of a `fusedzero train` launcher (not its resource tracker)."""
+    """The rank processes of a `fusedzero train` launcher (not its resource tracker): spawned
+    children (CUDA) or the children of its fork server (CPU, fusedzero/spawn.py)."""
     ranks = []
     for c in _children(pid):
-        try:
-            with open(f"/proc/{c}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
+        cmd = _cmdline(c)
         if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
             ranks.append(c)
-    return ranks
+        elif b"forkserver" in cmd:
+            ranks += _children(c)
+    return sorted(ranks)
 
 
 def _start_training(corpus: Path, *extra: str) -> tuple[subprocess.Popen, list[int]]:
