@@ -28,6 +28,7 @@ from fusedzero.app import preflight
 from fusedzero.app.config import (HelpFormatter, StalledError, TrainConfig, UsageError,
                                   add_arguments, config_from_args, parse_args)
 from fusedzero.app.data import Split
+from fusedzero.app.entry import RANK_PRELOAD, TORCHRUN_ENV
 from fusedzero.app.lifecycle import die_with_parent, sigterm_as_interrupt
 from fusedzero.app.log import waiting_for
 from fusedzero import comm
@@ -35,7 +36,6 @@ from fusedzero.comm import CollectiveTimeout
 from fusedzero.spawn import (LAST_WORDS_S, REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks,
                              exit_description, leave, set_rank_env)
 
-_TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 # After the first rank reports a stall, how long the launcher waits for the other ranks' own
 # reports (they hit the same timeout at about the same moment) before it ends them.
 _STALL_GRACE_S = 3.0
@@ -77,7 +77,7 @@ def run(argv: list[str]) -> dict[str, Any]:
 
 def run_config(cfg: TrainConfig) -> dict[str, Any]:
     """Train as `cfg` says: join torchrun's group if there is one, else spawn local ranks."""
-    if all(k in os.environ for k in _TORCHRUN_ENV) or dist.is_initialized():
+    if all(k in os.environ for k in TORCHRUN_ENV) or dist.is_initialized():
         return _run_in_group(cfg)
     use_cuda, nproc = local_ranks(cfg)
     check_tp_world(cfg, nproc)
@@ -121,12 +121,10 @@ def local_ranks(cfg: TrainConfig) -> tuple[bool, int]:
 
 
 
-# CPU ranks start from a fork server that imported these once (fusedzero/spawn.py): each rank
-# saves the seconds of imports a fresh interpreter pays. CUDA ranks are spawned fresh (a fork of
-# a process that touched the CUDA driver is unsafe).
-RANK_PRELOAD = ["fusedzero.app.loop", "torch._dynamo"]
-
-
+# CPU ranks start from a fork server that imported RANK_PRELOAD once (fusedzero/spawn.py; the
+# `fusedzero` command starts it early: fusedzero/app/entry.py): each rank saves the seconds of
+# imports a fresh interpreter pays. CUDA ranks are spawned fresh (a fork of a process that
+# touched the CUDA driver is unsafe).
 def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool, data: Split) -> dict[str, Any]:
     summary: dict[str, Any] | None = None
     reported: set[int] = set()

@@ -22,7 +22,8 @@ language and the rest flags:
 Each block runs as a subprocess in its file's temporary folder: the blocks of one Markdown file
 share one folder and run in the order they appear, so a block may use what an earlier block of
 the same file and tier wrote (a checkpoint, a config.json); run alone (`-k`), such a block fails.
-python blocks run as a file under this interpreter (`python block.py`), sh blocks under
+python blocks run as a file under this interpreter (`python block.py`; a single-process one in a
+fork of the test process, which has torch and fusedzero imported already), sh blocks under
 `bash -euo pipefail`, with this
 interpreter's folder (the repository's virtual environment) first on PATH. A failure names the
 file and line of the block and shows the block, its exit status and the end of its output.
@@ -38,6 +39,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -174,15 +176,63 @@ def test_block_runs(block: Block, tmp_path: Path,
     elif work is None:
         work = _WORK[block.file] = tmp_path_factory.mktemp(Path(block.file).stem)
     slow = "slow" in block.flags or block.lang == "sh"
+    timeout = SLOW_TIMEOUT_S if slow else FAST_TIMEOUT_S
     try:
-        p = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True,
-                           timeout=SLOW_TIMEOUT_S if slow else FAST_TIMEOUT_S, check=False)
+        if cmd == [sys.executable, str(script)] and hasattr(os, "fork"):
+            p = _run_python_forked(script, work, timeout)
+        else:
+            p = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True,
+                               timeout=timeout, check=False)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{block.where}: the block ran past {e.timeout} s:\n{block.code}")
     if p.returncode != 0:
         pytest.fail(f"{block.where}: the ```{block.lang} block exited with {p.returncode}:\n"
                     f"{block.code}\n--- stdout (end) ---\n{p.stdout[-2000:]}\n"
                     f"--- stderr (end) ---\n{p.stderr[-3000:]}", pytrace=False)
+
+
+def _run_python_forked(script: Path, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+    """`python script` in cwd, as a fork of this process: the same interpreter with torch and
+    fusedzero already imported (a fresh one spends seconds importing them), run as __main__
+    with its own stdout and stderr; the block cannot touch this process's state."""
+    out, err = script.with_suffix(".out"), script.with_suffix(".err")
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            import runpy
+            import traceback
+            import warnings
+            for fd, path in ((1, out), (2, err)):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the child's own
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+            os.environ.update(_env())
+            warnings.simplefilter("ignore")
+            os.chdir(cwd)
+            sys.argv = [str(script)]
+            sys.path.insert(0, str(script.parent))
+            try:
+                runpy.run_path(str(script), run_name="__main__")
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:  # noqa: BLE001 - the block's error is its output
+                traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise subprocess.TimeoutExpired([str(script)], timeout)
+        time.sleep(0.02)
+    return subprocess.CompletedProcess([str(script)], os.waitstatus_to_exitcode(done[1]),
+                                       out.read_text(errors="replace"),
+                                       err.read_text(errors="replace"))
 
 
 def _check_tested_by(block: Block, test_file: Path) -> None:
@@ -230,3 +280,16 @@ def test_a_failing_block_names_its_file_line_and_code(
     msg = str(e.value)
     assert msg.startswith("docs/x.md:7: the ```sh block exited with 2:\nif then fi\n"), msg
     assert "syntax error" in msg
+
+
+def test_forked_python_block_reports_exit_output_and_errors(tmp_path: Path) -> None:
+    script = tmp_path / "block.py"
+    script.write_text("import os, sys\nprint('hi', os.getcwd())\nsys.exit(3)\n")
+    p = _run_python_forked(script, tmp_path, 60)
+    assert p.returncode == 3 and p.stdout == f"hi {tmp_path}\n"
+    script.write_text("import sys\nprint('to err', file=sys.stderr)\nraise KeyError('k')\n")
+    p = _run_python_forked(script, tmp_path, 60)
+    assert p.returncode == 1 and "to err" in p.stderr and "KeyError: 'k'" in p.stderr
+    script.write_text("import time\ntime.sleep(60)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        _run_python_forked(script, tmp_path, 0.5)
