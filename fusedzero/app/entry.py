@@ -12,10 +12,7 @@ from __future__ import annotations
 import os
 import sys
 
-# What the fork server of `fusedzero train` imports once for all its CPU ranks.
-RANK_PRELOAD = ["fusedzero.app.loop", "torch._dynamo"]
-# Present under torchrun: `fusedzero train` then joins its group and starts no ranks.
-TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+from fusedzero.app.preload import RANK_PRELOAD, TORCHRUN_ENV
 
 
 def _starts_cpu_ranks(argv: list[str]) -> bool:

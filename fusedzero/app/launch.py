@@ -28,7 +28,7 @@ from fusedzero.app import preflight
 from fusedzero.app.config import (HelpFormatter, StalledError, TrainConfig, UsageError,
                                   add_arguments, config_from_args, parse_args)
 from fusedzero.app.data import Split
-from fusedzero.app.entry import RANK_PRELOAD, TORCHRUN_ENV
+from fusedzero.app.preload import RANK_PRELOAD, TORCHRUN_ENV
 from fusedzero.app.lifecycle import die_with_parent, sigterm_as_interrupt
 from fusedzero.app.log import waiting_for
 from fusedzero import comm
