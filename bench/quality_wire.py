@@ -48,7 +48,9 @@ def summarize(runs: dict[str, dict[int, dict]]) -> dict:
             "all_seeds_within_fp32_range": None if lo is None else all(
                 lo <= v <= hi for v in vals.values()),
             "grad_bytes_per_step_per_rank": one["comm_bytes_per_step"]["reduce_scatter"]
-            + one["comm_bytes_per_step"]["all_to_all"]}
+            + one["comm_bytes_per_step"]["all_to_all"],
+            # Has val loss settled? Its fall over the last fifth of the run, worst seed.
+            "last_fifth_drop": max(_last_fifth_drop(r) for r in runs[w].values())}
     one = next(iter(next(iter(runs.values())).values()))
     c = one["config"]
     return {"config": (f"fusedzero train --stage {c['stage']}, W={one['world_size']} gloo (CPU), "
@@ -58,14 +60,23 @@ def summarize(runs: dict[str, dict[int, dict]]) -> dict:
             "fp32_range": [lo, hi], "wires": rows}
 
 
+def _last_fifth_drop(run: dict) -> float:
+    """Val loss at 80% of the run minus the final one (the eval nearest before 80%)."""
+    val = run["val"]
+    at = max((v for v in val if v["step"] <= 0.8 * run["steps"][-1]["step"]),
+             key=lambda v: v["step"])
+    return at["val_loss"] - run["val_loss"]
+
+
 def table(s: dict) -> str:
     seeds = sorted({int(k) for r in s["wires"].values() for k in r["val_loss"]})
     lines = [f"Config: {s['config']}.", "",
              "| wire | " + " | ".join(f"seed {k}" for k in seeds)
              + " | mean | spread (max - min) | mean - fp32 mean | mean within fp32's seed range "
-               "| vs fp32, same seed | grad bytes/step/rank |",
+               "| vs fp32, same seed | val loss fall over the last fifth (worst seed) "
+               "| grad bytes/step/rank |",
              "| --- | " + " | ".join("---" for _ in seeds)
-             + " | --- | --- | --- | --- | --- | --- |"]
+             + " | --- | --- | --- | --- | --- | --- | --- |"]
     for w, r in s["wires"].items():
         per = " | ".join(f"{r['val_loss'][str(k)]:.4f}" if str(k) in r["val_loss"] else "-"
                          for k in seeds)
@@ -73,6 +84,7 @@ def table(s: dict) -> str:
         lines.append(f"| {w} | {per} | {r['mean']:.4f} | {r['spread']:.4f} | "
                      f"{r['mean_minus_fp32_mean']:+.4f} | "
                      f"{'yes' if r['within_fp32_spread'] else 'no'} | {same} | "
+                     f"{r['last_fifth_drop']:.4f} | "
                      f"{r['grad_bytes_per_step_per_rank']:,.0f} |")
     return "\n".join(lines) + "\n"
 
