@@ -30,12 +30,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from fusedzero.spawn import (REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks, forkserver,
                              leave, set_rank_env)
 
 # What the fork server imports once for every rank it starts (fusedzero/spawn.py `forkserver`).
 PRELOAD = ["fusedzero.testing", "fusedzero.optim", "torch._dynamo"]
+
+
+def _preload() -> list[str] | None:
+    """PRELOAD where ranks run on the CPU; None (fresh spawned ranks) where torch sees a GPU:
+    whether importing these touches the CUDA driver in the server (which would break CUDA in
+    every forked rank) has not been checked on a GPU machine."""
+    return None if torch.cuda.is_available() else PRELOAD
 
 
 def _join(rank: int, world_size: int, port: int, env: dict[str, str],
@@ -110,7 +118,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
             _POOLS.pop(next(iter(_POOLS))).close(kill=False)
         return out
     with SpawnedRanks(_entry, world_size, (fn, args, env or {}, pg_timeout), daemon=True,
-                      exit_grace_s=10.0, preload=PRELOAD, name="fusedzero test") as ranks:
+                      exit_grace_s=10.0, preload=_preload(), name="fusedzero test") as ranks:
         return [_load(v) for v in _collect(ranks, world_size, deadline, timeout)]
 
 
@@ -176,11 +184,12 @@ class _Pool:
     """`world_size` ranks with their group joined, each taking runs from its own task queue."""
 
     def __init__(self, world_size: int, env: dict[str, str]) -> None:
-        ctx = forkserver(PRELOAD)
+        preload = _preload()
+        ctx = forkserver(preload) if preload is not None else mp.get_context("spawn")
         self.world_size = world_size
         self.tasks: list[Queue[Any]] = [ctx.Queue() for _ in range(world_size)]
         self.ranks = SpawnedRanks(_pool_entry, world_size, (self.tasks, env), daemon=True,
-                                  exit_grace_s=10.0, preload=PRELOAD, name="fusedzero test")
+                                  exit_grace_s=10.0, preload=preload, name="fusedzero test")
 
     def run(self, fn: Callable[..., Any], args: tuple, deadline: float,
             timeout: float) -> tuple[list[Any], bool]:

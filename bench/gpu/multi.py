@@ -222,8 +222,14 @@ def main() -> None:
                               "batch_per_rank": S.BATCH, "bucket_numel": S.BUCKET,
                               "errors": {}}
     sections = {"parity": lambda: parity(dev, fp32 + bf16),
-                "timing": lambda: timing(dev, names, rounds, steps),
-                "exposed": lambda: exposed(dev, "fusedzero-2", steps)}
+                "timing": lambda: timing(dev, names, rounds, steps)}
+    if dev.type == "cuda" or W == 1:
+        sections["exposed"] = lambda: exposed(dev, "fusedzero-2", steps)
+    else:  # the CPU dry run at W > 1
+        result["exposed_skipped"] = (
+            "CPU at W>1: torch's CPU profiler killed a gloo rank with SIGSEGV after "
+            "profiler_stop in 2 of about 6 dry runs on the 2-core CI machine (torch 2.13.0); "
+            "W=1 and every CUDA run are profiled")
     if dev.type == "cuda" and W == 1:
         sections["graph"] = lambda: graph_capture(dev, "fusedzero-2", steps)
     for key, fn in sections.items():

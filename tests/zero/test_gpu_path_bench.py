@@ -64,7 +64,10 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
             assert "error" not in row and row["ok"], row
         assert {r["system"] for r in d["timing"]["rows"]} >= {"bare", "fusedzero-2",
                                                               "ddp+adamw_fused"}
-        assert 0.0 <= d["exposed"]["exposed_fraction"] <= 1.0
+        if w == 1:
+            assert 0.0 <= d["exposed"]["exposed_fraction"] <= 1.0
+        else:  # torch's CPU profiler crashes gloo ranks now and then (bench/gpu/multi.py)
+            assert "exposed" not in d and "SIGSEGV" in d["exposed_skipped"]
     fake = json.loads((out / "fake_world.json").read_text())
     assert [r["stage"] for r in fake["rows"]] == [1, 2, 3]
     for r in fake["rows"]:
