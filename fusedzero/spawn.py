@@ -78,6 +78,12 @@ def leave(queue: Queue[Report], code: int) -> NoReturn:
     os._exit(code)
 
 
+def context(preload: list[str] | None) -> Any:
+    """The multiprocessing context ranks start from: the fork server importing `preload`, or
+    fresh spawned interpreters (None)."""
+    return forkserver(preload) if preload is not None else mp.get_context("spawn")
+
+
 def forkserver(preload: list[str]) -> Any:
     """The fork-server context: its server imports `preload` once, and each process it starts
     is a fork of it (milliseconds) instead of a fresh interpreter importing torch (seconds).
@@ -107,8 +113,9 @@ def _is_open(fd: int) -> bool:
 
 
 def _use_stdio(*fds: Any) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
     for target, fd in zip((1, 2), fds):
-        sys.stdout.flush() if target == 1 else sys.stderr.flush()
         os.dup2(fd.detach(), target)
 
 
@@ -132,7 +139,7 @@ class SpawnedRanks:
     def __init__(self, target: Callable[..., None], world_size: int, args: tuple = (), *,
                  daemon: bool = True, exit_grace_s: float = 10.0,
                  preload: list[str] | None = None, name: str = "fusedzero") -> None:
-        ctx = forkserver(preload) if preload is not None else mp.get_context("spawn")
+        ctx = context(preload)
         self.world_size = world_size
         self.queue = ctx.Queue()
         self.exit_grace_s = exit_grace_s
@@ -151,8 +158,12 @@ class SpawnedRanks:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        self.close(kill=exc_type is not None)
+
+    def close(self, *, kill: bool) -> None:
+        """Give the ranks `exit_grace_s` to end on their own, or (kill) 0.5 s; then kill."""
         for p in self.procs:
-            p.join(timeout=self.exit_grace_s if exc_type is None else 0.5)
+            p.join(timeout=0.5 if kill else self.exit_grace_s)
             if p.is_alive():
                 p.kill()
                 p.join()

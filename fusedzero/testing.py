@@ -30,9 +30,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from fusedzero.spawn import (REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks, forkserver,
+from fusedzero.spawn import (REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks, context,
                              leave, set_rank_env)
 
 # What the fork server imports once for every rank it starts (fusedzero/spawn.py `forkserver`).
@@ -185,9 +184,8 @@ class _Pool:
 
     def __init__(self, world_size: int, env: dict[str, str]) -> None:
         preload = _preload()
-        ctx = forkserver(preload) if preload is not None else mp.get_context("spawn")
         self.world_size = world_size
-        self.tasks: list[Queue[Any]] = [ctx.Queue() for _ in range(world_size)]
+        self.tasks: list[Queue[Any]] = [context(preload).Queue() for _ in range(world_size)]
         self.ranks = SpawnedRanks(_pool_entry, world_size, (self.tasks, env), daemon=True,
                                   exit_grace_s=10.0, preload=preload, name="fusedzero test")
 
@@ -206,8 +204,7 @@ class _Pool:
         if not kill:
             for q in self.tasks:
                 q.put(None)
-        exc = (RuntimeError, RuntimeError(), None) if kill else (None, None, None)
-        self.ranks.__exit__(*exc)
+        self.ranks.close(kill=kill)
         for q in self.tasks:
             q.close()
             q.join_thread()

@@ -13,7 +13,6 @@ import contextlib
 import datetime
 import errno
 import math
-import multiprocessing as mp
 import os
 import sys
 import time
@@ -34,7 +33,7 @@ from fusedzero.app.log import waiting_for
 from fusedzero import comm
 from fusedzero.comm import CollectiveTimeout
 from fusedzero.spawn import (LAST_WORDS_S, REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks,
-                             exit_description, leave, set_rank_env)
+                             context, exit_description, leave, set_rank_env)
 
 # After the first rank reports a stall, how long the launcher waits for the other ranks' own
 # reports (they hit the same timeout at about the same moment) before it ends them.
@@ -132,12 +131,13 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool, data: Split) -> dict[st
     stall_deadline = math.inf
     # Each rank's current step, written by the rank at the top of every step (shared memory,
     # no lock, no sync): what a rank that dies was doing.
-    progress = mp.get_context("spawn").Array("q", nproc, lock=False)
+    preload = None if use_cuda else RANK_PRELOAD
+    progress = context(preload).Array("q", nproc, lock=False)
     # Not daemons: a daemon process may not start processes of its own; the ranks' end is tied
     # to the launcher by die_with_parent instead.
     with SpawnedRanks(_spawn_entry, nproc, (use_cuda, cfg, data, os.getpid(), progress),
                       daemon=False, exit_grace_s=60.0, name="fusedzero train",
-                      preload=None if use_cuda else RANK_PRELOAD) as ranks:
+                      preload=preload) as ranks:
         while len(reported) < nproc:
             if stalls and (time.monotonic() > stall_deadline or len(stalls) == nproc):
                 silent = [r for r in range(nproc) if r not in stalls]
