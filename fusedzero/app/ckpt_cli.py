@@ -2,12 +2,14 @@
 
     fusedzero ckpt inspect DIR                  world size, stage, step, params, files (sizes)
     fusedzero ckpt verify DIR                   sizes, headers and sha256 of every shard
-    fusedzero ckpt export DIR OUT [--dtype bf16|fp32] [--max-shard-size 5GB]
+    fusedzero ckpt export DIR OUT [--dtype bf16|fp32] [--max-shard-size 5GB] [--hf-config C]
     fusedzero ckpt upgrade OLD NEW_ROOT         an older format version -> the current one
 
-DIR is a checkpoint directory or a root holding `latest`. Exit status: 0 ok; 1 `inspect` or
-`verify` found bad shard files (one line per problem: which file, and why); 2 an error (no
-checkpoint there, a model mismatch, bad flags), reported as one line `fusedzero: error: ...`.
+DIR is a checkpoint directory or a root holding `latest`; `export` and `upgrade` also take a
+tensor-parallel root (it holds tensor_parallel.json: full tensors assembled from its tp folders,
+docs/tensor_parallel.md). Exit status: 0 ok; 1 `inspect` or `verify` found bad shard files
+(one line per problem: which file, and why); 2 an error (no checkpoint there, a model mismatch,
+bad flags), reported as one line `fusedzero: error: ...`.
 
 The `fusedzero` CLI wires this in with `add_ckpt_subparser(subparsers)`; the parsed namespace
 carries `func=run_ckpt`. `python -m fusedzero.app.ckpt_cli ...` runs it alone.
@@ -17,9 +19,11 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 from fusedzero import checkpoint, dtypes
+from fusedzero.checkpoint.placements import read as tp_record
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30}
@@ -35,7 +39,8 @@ def add_ckpt_subparser(subparsers: Any) -> argparse.ArgumentParser:
     a = sub.add_parser("verify", help="check sizes, headers and sha256 of every shard")
     a.add_argument("dir", help="checkpoint directory, or a root holding `latest`")
     a = sub.add_parser("export", help="one safetensors file with the model's param names")
-    a.add_argument("dir", help="checkpoint directory, or a root holding `latest`")
+    a.add_argument("dir", help="checkpoint directory, a root holding `latest`, or a "
+                   "tensor-parallel root")
     a.add_argument("out", help="output .safetensors path")
     a.add_argument("--dtype", choices=sorted(dtypes.SHORT_NAMES), default="fp32",
                    help="dtype of the exported params (default fp32, the master values)")
@@ -49,9 +54,11 @@ def add_ckpt_subparser(subparsers: Any) -> argparse.ArgumentParser:
                        "folder -> a fusedzero checkpoint (see fusedzero.checkpoint.dcp)")
     a.add_argument("dcp_dir", help="DCP folder of {'model': ..., 'optim': ...} state dicts")
     a.add_argument("out", help="fusedzero checkpoint root to write (out/step-N, out/latest)")
-    a = sub.add_parser("upgrade", help="convert a checkpoint of format version 1 or 2 into "
-                       "the current version (see fusedzero.checkpoint.upgrade)")
-    a.add_argument("dir", help="old checkpoint directory, or a root holding `latest`")
+    a = sub.add_parser("upgrade", help="convert a checkpoint of format version 1 or 2 (or a "
+                       "tensor-parallel root of record version 1) into the current version "
+                       "(see fusedzero.checkpoint.upgrade, tp_upgrade)")
+    a.add_argument("dir", help="old checkpoint directory, a root holding `latest`, or a "
+                   "tensor-parallel root")
     a.add_argument("out", help="checkpoint root to write (out/step-N, out/latest)")
     p.set_defaults(func=run_ckpt)
     return p
@@ -87,6 +94,11 @@ def run_ckpt(args: argparse.Namespace) -> int:
                 print(f"{d}: {len(bad)} of {n} shard file(s) failed verification")
                 return 1
             print(f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest")
+            return 0
+        if args.ckpt_command == "upgrade" and tp_record(Path(args.dir)) is not None:
+            from fusedzero.checkpoint.tp_upgrade import upgrade_tp
+            print(f"wrote {upgrade_tp(args.dir, args.out)} (a tensor-parallel root, its tp "
+                  "folders bound to its record)")
             return 0
         if args.ckpt_command == "upgrade":
             from fusedzero.checkpoint.upgrade import upgrade

@@ -32,8 +32,8 @@ from fusedzero.checkpoint.format import (KINDS, LATEST, MANIFEST, SafetensorsWri
 from fusedzero.checkpoint.loading import Loaded, load
 from fusedzero.checkpoint.manifest import CheckpointError
 from fusedzero.checkpoint.saving import SaveHandle, save, wait_pending
-from fusedzero.checkpoint.tp_export import export_tp
-from fusedzero.checkpoint.weights import Exported, export, import_weights
+from fusedzero.checkpoint.tp_export import export, export_tp  # export: plain and tp roots
+from fusedzero.checkpoint.weights import Exported, import_weights
 
 __all__ = ["KINDS", "LATEST", "MANIFEST", "CheckpointError", "Exported", "Latest", "Loaded",
            "SafetensorsWriter", "SaveHandle", "export", "export_tp", "find_latest",

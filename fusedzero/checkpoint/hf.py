@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from fusedzero import dtypes
-from fusedzero.checkpoint.catalog import read_manifest, resolve
 from fusedzero.checkpoint.format import check_replaceable, write_text_atomic
-from fusedzero.checkpoint.weights import Exported, export
+from fusedzero.checkpoint.tp_export import export, saved_params
+from fusedzero.checkpoint.weights import Exported
 
 WEIGHTS_NAME = "model.safetensors"  # transformers' SAFE_WEIGHTS_NAME; shards add -0000k-of-n
 CONFIG_NAME = "config.json"
@@ -57,9 +57,8 @@ def check_against_config(src: str | os.PathLike[str], config: dict[str, Any]) ->
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     want = {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)}
-    m = read_manifest(resolve(src))
     have: dict[str, tuple[int, ...]] = {}
-    for p in m["params"]:
+    for p in saved_params(src):  # a tensor-parallel root: full shapes from its record
         for name in [p["name"], *p.get("aliases", [])]:
             have[name] = tuple(p["shape"])
     diffs = [f"{n}: shape {list(have[n])} in the checkpoint, {list(s)} in the config"
@@ -93,7 +92,8 @@ def export_hf(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
     """Write checkpoint `src` as a folder `AutoModelForCausalLM.from_pretrained` loads:
     `model.safetensors` (or `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`
     above `max_shard_bytes`) and, with `hf_config` (a config.json path or dict), `config.json`
-    with its dtype set to `dtype`. Streams one param at a time (see `checkpoint.export`)."""
+    with its dtype set to `dtype`. Streams one param at a time (see `checkpoint.export`); a
+    tensor-parallel root is assembled in memory (`tp_export.export_tp`)."""
     config = None
     if hf_config is not None:
         config = dict(hf_config) if isinstance(hf_config, dict) else read_hf_config(hf_config)
@@ -111,7 +111,7 @@ def export_hf(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
         check_replaceable(out / CONFIG_NAME, "export output")
     out.mkdir(parents=True, exist_ok=True)
     r = export(src, out / WEIGHTS_NAME, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                          verify=verify)
+               verify=verify)
     if config is not None:
         # transformers 4.x reads `torch_dtype`, 5.x `dtype`: set the ones the config has.
         keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]

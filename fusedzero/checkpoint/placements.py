@@ -6,20 +6,30 @@ A checkpoint root of an optimizer whose params are DTensors on a tp mesh of T ra
     root/tp0of2/, root/tp1of2/   one ordinary checkpoint root per tp rank, written by that tp
                                  rank's dp group: its params' local shards, any stage, resharded
                                  along dp on load by the ordinary machinery
+    root/tp0of2/tp_binding.json  the folder bound to the record: its tp rank and the sha256 of
+                                 the record's canonical JSON (`binding`)
 
 `save` and `load` route a tp optimizer into its `tp{t}of{T}` folder (`tp_directory`), after
 checking `tensor_parallel.json` against the live model; `export_tp` (fusedzero/checkpoint/
-tp_export.py) writes one consolidated
-safetensors file of full tensors (loadable into the unparallelized model, or into any (dp, tp)
-layout with `import_weights`, which slices the full tensors by the live placements:
-`tp_source`). `load` at another tp size (tp=1, a plain model, included) assembles the full
+tp_export.py, also reached by `checkpoint.export` and `fusedzero ckpt export`) writes one
+consolidated safetensors file of full tensors (loadable into the unparallelized model, or into
+any (dp, tp) layout with `import_weights`, which slices the full tensors by the live
+placements: `tp_source`). `load` at another tp size (tp=1, a plain model, included) assembles the full
 optimizer state from every tp folder: fusedzero/checkpoint/tp_reshard.py.
 
 `tensor_parallel.json` is untrusted input: it is parsed against a strict schema (sizes bounded,
 placements from a small grammar) and compared with the live model, never used to index files.
+The schema cannot see an edit that keeps every local shape (`S(0)` -> `SS(0,2)` on a [8, 6]
+weight: each tp rank still holds [4, 6], other rows), and a load across tp sizes or an export
+has no live placement to compare with; so each tp folder holds a binding file naming its tp
+rank and the digest of the record it was saved with, and `check_bound` compares every folder's
+with the record before any data is read (as binding.py binds a manifest to its shard headers).
+A root of record version 1 (before the binding) is refused with the way to convert it:
+`fusedzero ckpt upgrade ROOT NEW_ROOT` (fusedzero/checkpoint/tp_upgrade.py).
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -29,12 +39,19 @@ from typing import Any
 
 import torch
 
+from fusedzero.checkpoint.binding import canonical
+from fusedzero.checkpoint.catalog import list_checkpoints
 from fusedzero.checkpoint.format import write_text_atomic
 from fusedzero.checkpoint.manifest import CheckpointError
 
 TP_FILE = "tensor_parallel.json"
 TP_FORMAT = "fusedzero-tensor-parallel"
-TP_VERSION = 1
+# 2: each tp folder bound to the record (BINDING_FILE). A version-1 root parses, but loads and
+# exports refuse it (`check_bound`); `fusedzero ckpt upgrade` converts it.
+TP_VERSION = 2
+READABLE_TP_VERSIONS = (1, 2)
+BINDING_FILE = "tp_binding.json"
+BINDING_FORMAT = "fusedzero-tp-binding"
 _MAX_RANKS = 1 << 20  # bounds on what a hostile file may claim
 _MAX_PARAMS = 1 << 20
 _MAX_DIMS = 8
@@ -79,8 +96,9 @@ def parse(text: str, where: Path) -> dict[str, Any]:
         raise bad(f"not JSON ({e})") from None
     if not isinstance(d, dict) or d.get("format") != TP_FORMAT:
         raise bad(f"not a {TP_FORMAT} record")
-    if d.get("version") != TP_VERSION:
-        raise bad(f"version {d.get('version')!r}, this library reads {TP_VERSION}")
+    v = d.get("version")
+    if type(v) is not int or v not in READABLE_TP_VERSIONS:
+        raise bad(f"version {v!r}, this library reads {READABLE_TP_VERSIONS}")
     for k in ("tp", "dp"):
         v = d.get(k)
         if type(v) is not int or not 1 <= v <= _MAX_RANKS:
@@ -140,10 +158,66 @@ def _check_matches(saved: dict[str, Any], live: dict[str, Any], root: Path) -> N
                 f"the model has {p['shape']} {p['placement']}")
 
 
+def folder(root: Path, t: int, size: int) -> Path:
+    """Tp rank t's checkpoint root inside tp root `root` of `size` tp ranks."""
+    return root / f"tp{t}of{size}"
+
+
+def binding(rec: dict[str, Any], t: int) -> dict[str, Any]:
+    """What tp folder t's BINDING_FILE holds: its place and the digest of the record."""
+    digest = hashlib.sha256(canonical(rec).encode()).hexdigest()
+    return {"format": BINDING_FORMAT, "tp_rank": t, "tp": rec["tp"], "record_sha256": digest}
+
+
+def write_binding(root: Path, rec: dict[str, Any], t: int) -> None:
+    """Bind tp folder t of `root` to the record `rec` (written before the folder's first
+    checkpoint, so a folder holding one and no binding was not written by this version)."""
+    f = folder(root, t, rec["tp"])
+    f.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(f / BINDING_FILE, json.dumps(binding(rec, t), indent=1))
+
+
+def _binding_problem(f: Path, want: dict[str, Any]) -> str | None:
+    if f.is_symlink() or (f.exists() and not f.is_file()):
+        return "not a regular file"
+    if not f.is_file():
+        return (f"missing: the folder is not bound to {TP_FILE} (an incomplete save, or a "
+                "folder copied in from elsewhere)")
+    if f.stat().st_size > 4096:  # the file this library writes is ~200 bytes
+        return "larger than 4 KiB; not a binding this library wrote"
+    try:
+        got = json.loads(f.read_text())
+    except (ValueError, RecursionError, UnicodeDecodeError) as e:
+        return f"not JSON ({e})"
+    if got != want:
+        return (f"does not match {TP_FILE} (got {canonical(got)[:200]}, expected "
+                f"{canonical(want)}): the record was edited after the folder was saved, or the "
+                "folder belongs to another root or tp rank; nothing was read")
+    return None
+
+
+def check_bound(root: Path, rec: dict[str, Any], ranks: range | None = None) -> None:
+    """Refuse a root whose tp folders (`ranks`, default all) were not saved with the record
+    `rec` (read from `root`): CheckpointError naming the file, before any data is read."""
+    if rec["version"] < 2:
+        raise CheckpointError(
+            f"{root / TP_FILE}: record version {rec['version']}, written before tp folders "
+            "were bound to it: its placements cannot be checked against the folders; convert "
+            f"the root, if you trust it, with `fusedzero ckpt upgrade {root} NEW_ROOT`")
+    for t in range(rec["tp"]) if ranks is None else ranks:
+        f = folder(root, t, rec["tp"]) / BINDING_FILE
+        why = _binding_problem(f, binding(rec, t))
+        if why is not None:
+            raise CheckpointError(f"{f}: {why}")
+
+
 def tp_directory(opt: Any, path: str | os.PathLike[str], *, saving: bool) -> Path:
     """Where this rank's dp group saves or loads: `path` itself without tp, else the root's
-    `tp{t}of{T}` folder, after checking (and, saving, writing) `tensor_parallel.json`. Every
-    rank checks the same file, so a mismatch fails on every rank before any collective."""
+    `tp{t}of{T}` folder, after checking (and, saving, writing) `tensor_parallel.json` and the
+    folders' bindings. Loading, every rank checks the same files (the record and every tp
+    folder's binding), so a mismatch fails on every rank before any collective. Saving, a
+    rank checks its own folder's binding, if the folder holds a checkpoint (the other tp
+    ranks' folders may not be bound yet on a first save)."""
     root = Path(path)
     tp = getattr(opt, "tp", None)
     if tp is None:
@@ -154,15 +228,38 @@ def tp_directory(opt: Any, path: str | os.PathLike[str], *, saving: bool) -> Pat
         return root
     live = describe(opt)
     saved = read(root)
+    mine = folder(root, tp.rank, tp.size)
     if saved is not None:
         _check_matches(saved, live, root)
+        if not saving:
+            check_bound(root, saved)
+        elif saved["version"] < TP_VERSION or (mine.is_dir() and list_checkpoints(mine)):
+            check_bound(root, saved, range(tp.rank, tp.rank + 1))
     elif not saving:
         raise CheckpointError(f"{root}: no {TP_FILE}; a tensor-parallel optimizer loads the "
                               "root that checkpoint.save wrote for it")
-    elif tp.rank == 0 and opt.rank == 0 and opt.replica_rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(root / TP_FILE, json.dumps(live, indent=1))
-    return root / f"tp{tp.rank}of{tp.size}"
+    if saving and opt.rank == 0 and opt.replica_rank == 0:
+        # The record on disk is what the folder is bound to (its dp may be another run's).
+        write_binding(root, live if saved is None else saved, tp.rank)
+        if tp.rank == 0 and saved is None:
+            write_text_atomic(root / TP_FILE, json.dumps(live, indent=1))
+    return mine
+
+
+def check_folder(d: Path, m: dict[str, Any], rec: dict[str, Any], t: int) -> None:
+    """Checkpoint `d` (manifest `m`) of tp folder t holds exactly the params of the record, each
+    in the local shape its placement gives on tp rank t; else CheckpointError."""
+    T = rec["tp"]
+    saved = {p["name"]: p for p in rec["params"]}
+    for p in m["params"]:
+        s = saved.get(p["name"])
+        want = None if s is None else list(local_of(
+            torch.empty(s["shape"], device="meta"), s["placement"], t, T).shape)
+        if want != p["shape"]:
+            raise CheckpointError(f"{d}: param {p['name']} has local shape {p['shape']}, "
+                                  f"the record's placement gives {want}")
+    if len(m["params"]) != len(saved):
+        raise CheckpointError(f"{d}: {len(m['params'])} params, the record has {len(saved)}")
 
 
 # -- full tensors ----------------------------------------------------------------------------

@@ -13,9 +13,11 @@ Memory: this rank's flat buffers (three fp32 states) plus one param's full tenso
 pieces at a time. Only the default memory modes (fp32 master and moments) reshard across tp;
 other modes load at the saving tp size.
 
-The record is untrusted: its names and global shapes must equal the live model's, each tp
-folder's manifest must hold exactly the local shapes the saved placement gives, and the folders
-must agree on the step count, before a value is copied.
+The record is untrusted: its names and global shapes must equal the live model's, every tp
+folder must be bound to it (`placements.check_bound`: an edit that keeps the local shapes
+would otherwise assemble other rows), each tp folder's manifest must hold exactly the local
+shapes the saved placement gives, and the folders must agree on the step count, before a value
+is copied.
 """
 from __future__ import annotations
 
@@ -29,7 +31,8 @@ import torch
 from fusedzero.checkpoint import catalog
 from fusedzero.checkpoint.format import Peak, ShardReaders
 from fusedzero.checkpoint.manifest import CheckpointError, manifest_modes
-from fusedzero.checkpoint.placements import describe, full_of, local_of, read
+from fusedzero.checkpoint.placements import (check_bound, check_folder, describe, folder,
+                                             full_of, local_of, read)
 from fusedzero.checkpoint.weights import param_pieces, read_param
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.state import ShardState
@@ -74,9 +77,10 @@ def read_across(opt: ZeroAdamW, root: Path, rec: dict[str, Any], peak: Peak, ver
         if saved[n]["shape"] != p["shape"]:
             raise ValueError(f"{root}: param {n} has global shape {saved[n]['shape']} in the "
                              f"checkpoint, {p['shape']} in the model")
+    check_bound(root, rec)  # before any data: the folders were saved with this record
     dirs, manifests, pieces = [], [], []
     for t in range(T):
-        d = catalog.verify(root / f"tp{t}of{T}", checksums=verify)
+        d = catalog.verify(folder(root, t, T), checksums=verify)
         m = catalog.read_manifest(d)
         modes = manifest_modes(m)
         if modes != MemoryModes():
@@ -87,15 +91,7 @@ def read_across(opt: ZeroAdamW, root: Path, rec: dict[str, Any], peak: Peak, ver
         if manifests and m["step_count"] != manifests[0]["step_count"]:
             raise CheckpointError(f"{d}: step count {m['step_count']}, tp folder 0 has "
                                   f"{manifests[0]['step_count']}")
-        for p in m["params"]:
-            s = saved.get(p["name"])
-            want = None if s is None else list(local_of(
-                torch.empty(s["shape"], device="meta"), s["placement"], t, T).shape)
-            if want != p["shape"]:
-                raise CheckpointError(f"{d}: param {p['name']} has local shape {p['shape']}, "
-                                      f"the record's placement gives {want}")
-        if len(m["params"]) != len(saved):
-            raise CheckpointError(f"{d}: {len(m['params'])} params, the record has {len(saved)}")
+        check_folder(d, m, rec, t)
         dirs.append(d)
         manifests.append(m)
         pieces.append(param_pieces(m, d))

@@ -1,6 +1,7 @@
 """`fusedzero train --tp` and `fusedzero plan --tp`: the GPT split over 2 tp ranks x 2 dp ranks
 trains like the unsplit GPT on 2 dp ranks (same global batch), and its resident bytes and
-bytes per step are what the plan says, exactly."""
+bytes per step are what the plan says, exactly (stage 2 in the first run, stage 3 in the
+resume test's uninterrupted run)."""
 from __future__ import annotations
 
 import json
@@ -38,16 +39,22 @@ def test_train_tp2_matches_tp1(tmp_path: Path) -> None:
     assert [x["grad_norm"] for x in a] == pytest.approx([x["grad_norm"] for x in b], rel=1e-5)
     assert min(x["grad_norm"] for x in b) > 1.0
     assert tp2["val_loss"] == pytest.approx(tp1["val_loss"], rel=1e-5)
-    # Resident bytes and bytes per step: what `plan --tp 2 -W 2` computes, to the byte.
+    assert_as_planned(tp2, stage=2)
+
+
+def assert_as_planned(result: dict, stage: int) -> None:
+    """Resident bytes and bytes per step of a TINY run at --tp 2 --nproc 4: what
+    `plan --tp 2 -W 2` computes for `stage`, to the byte."""
     with torch.device("meta"):
         meta = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=32))
     cfg = PlanConfig(world_size=2, tp=2, param_dtype=torch.float32, reduce_dtype=torch.float32)
-    want = plan_groups(local_groups(meta, 2), cfg, model=meta).stages[2]
-    got = tp2["resident_bytes"]
+    want = plan_groups(local_groups(meta, 2), cfg, model=meta).stages[stage]
+    got = result["resident_bytes"]
     assert (got["params"], got["grads"], got["optimizer"]) == (
-        want.params_bytes, want.grads_bytes, want.optimizer_bytes)
-    assert sum(tp2["comm_bytes_per_step"].values()) == want.comm_bytes_per_step
-    assert tp2["kernel_launches_per_step"] == {"adamw": 1, "sumsq": 2}  # tp-sharded, replicated
+        want.params_bytes, want.grads_bytes, want.optimizer_bytes), (stage, got, want)
+    assert sum(result["comm_bytes_per_step"].values()) == want.comm_bytes_per_step, stage
+    # one AdamW launch; sum-of-squares launches: tp-sharded and replicated buffers
+    assert result["kernel_launches_per_step"] == {"adamw": 1, "sumsq": 2}, stage
 
 
 def test_local_shapes_of_the_plan() -> None:
@@ -72,14 +79,16 @@ def test_tp_usage_errors(argv: list[str], msg: str, capsys: pytest.CaptureFixtur
 
 @pytest.mark.slow  # spawns 4 ranks three times
 def test_train_tp2_checkpoint_resume(tmp_path: Path) -> None:
-    """`--tp 2 --ckpt-dir` saves a tensor-parallel root; --resume at --tp 2 continues the
-    uninterrupted run bit for bit; --resume at another --tp is refused in one line (a root
-    holds one layout; the library's checkpoint.load reshards it: test_tp_checkpoint.py)."""
+    """At stage 3: `--tp 2 --ckpt-dir` saves a tensor-parallel root; --resume at --tp 2
+    continues the uninterrupted run bit for bit; --resume at another --tp is refused in one
+    line (a root holds one layout; the library's checkpoint.load reshards it:
+    test_tp_checkpoint.py). The uninterrupted run's bytes are the plan's at stage 3."""
     from fusedzero.app.config import UsageError
     corpus = tmp_path / "argparse.py"
     shutil.copy(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py", corpus)
-    base = TINY + ["--data", str(corpus), "--tp", "2", "--nproc", "4"]
+    base = TINY + ["--data", str(corpus), "--tp", "2", "--nproc", "4", "--stage", "3"]
     whole = run(base)
+    assert_as_planned(whole, stage=3)
     ckpt = tmp_path / "ckpt"
     stopped = run(base + ["--ckpt-dir", str(ckpt), "--stop-at", "2"])
     assert sorted(p.name for p in ckpt.iterdir()) == ["tensor_parallel.json", "tp0of2", "tp1of2"]

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fusedzero.checkpoint.manifest import CheckpointError
-from fusedzero.checkpoint.placements import full_of, local_of, parse
+from fusedzero.checkpoint.placements import full_of, local_of, parse, write_binding
 
 D, H, BATCH = 12, 20, 4
 LR, WD, CLIP = 1e-2, 0.1, 0.05
@@ -170,8 +170,8 @@ def _load_side(rank: int, world: int, root: str, out: str) -> dict:
     r12 = _resume(2, 1, 3, root)  # (dp=1, tp=2): another dp size and stage
     r21 = _resume(1, 2, 0, root)  # (dp=2, tp=1): the plain model, stage 0
     m, opt, _ = build(2, 1, stage=3)
-    # Hostile: a placement edited in the record fails on every rank, before any collective,
-    # at the same tp size and across tp sizes.
+    # Hostile: an edited placement fails on every rank, before any collective, at the same tp
+    # size (against the live model) and across tp sizes (against the folders' bindings).
     rec = Path(root) / "tensor_parallel.json"
     text = rec.read_text()
     dist.barrier()
@@ -253,7 +253,7 @@ def test_tp_checkpoint_reshard_matrix(tmp_path: Path) -> None:
             assert torch.equal(r["dp2"][n], t), f"(dp=2, tp=1) import: {n}"
         same, across, plain_save = r["hostile"]
         assert "was saved as" in same and "S(1)" in same, same
-        assert "0.weight has local shape" in across, across
+        assert "tp0of2/tp_binding.json: does not match tensor_parallel.json" in across, across
         assert "saves into another root" in plain_save, plain_save
     assert sorted(p.name for p in Path(root).iterdir()) == ["tensor_parallel.json",
                                                             "tp0of2", "tp1of2"]
@@ -316,7 +316,7 @@ def test_gpt_strided_qkv_reshards_to_tp1(tmp_path: Path) -> None:
 
 def _one_folder_root(root: Path, states: str):
     """A tensor-parallel root of one tp rank written offline (one process): a plain optimizer
-    stepped once and saved into `tp0of1`, with the record a tp=1 mesh would write."""
+    stepped once and saved into `tp0of1`, with the record (and binding) of a tp=1 mesh."""
     from fusedzero import checkpoint
     from fusedzero.optim import ZeroAdamW
     m = make()
@@ -325,10 +325,11 @@ def _one_folder_root(root: Path, states: str):
     x, y = batch(0, 0, 1)
     ((m(x) - y) ** 2).mean().backward()
     opt.step()
-    checkpoint.save(opt, root / "tp0of1", step=1).wait()
-    rec = {"format": "fusedzero-tensor-parallel", "version": 1, "tp": 1, "dp": 1,
+    rec = {"format": "fusedzero-tensor-parallel", "version": 2, "tp": 1, "dp": 1,
            "params": [{"name": i.name, "shape": list(i.shape), "placement": "R"}
                       for i in opt.param_infos()]}
+    write_binding(root, rec, 0)
+    checkpoint.save(opt, root / "tp0of1", step=1).wait()
     (root / "tensor_parallel.json").write_text(json.dumps(rec))
     return opt, rec
 
@@ -350,6 +351,7 @@ def test_plain_optimizer_loads_a_tp_root_exactly(tmp_path: Path) -> None:
             assert torch.equal(a, b) and b.abs().sum() > 0, kind
     rec["params"][0]["shape"] = [H + 1, D]
     (tmp_path / "a" / "tensor_parallel.json").write_text(json.dumps(rec))
+    write_binding(tmp_path / "a", rec, 0)  # bound to the edit too: the shape check acts
     with pytest.raises(ValueError, match="global shape"):
         checkpoint.load(opt2, tmp_path / "a")
     _one_folder_root(tmp_path / "b", "bf16")
@@ -371,14 +373,14 @@ def test_full_and_local_round_trip() -> None:
     assert local_of(t, "SS(0,3)", 0, 2).flatten().tolist() == [0, 1, 4, 5, 8, 9]
 
 
-GOOD = {"format": "fusedzero-tensor-parallel", "version": 1, "tp": 2, "dp": 2,
+GOOD = {"format": "fusedzero-tensor-parallel", "version": 2, "tp": 2, "dp": 2,
         "params": [{"name": "0.weight", "shape": [20, 12], "placement": "S(0)"}]}
 
 
 @pytest.mark.parametrize("edit,msg", [
     (lambda d: d.update(tp=0), "tp must be an integer"),
     (lambda d: d.update(tp=True), "tp must be an integer"),
-    (lambda d: d.update(version=2), "version 2"),
+    (lambda d: d.update(version=3), "version 3"), (lambda d: d.update(version=True), "True"),
     (lambda d: d.update(format="x"), "not a fusedzero-tensor-parallel record"),
     (lambda d: d["params"][0].update(placement="S(2)"), "names dim 2"),
     (lambda d: d["params"][0].update(placement="P"), "is not R, S(d) or SS(d,k)"),

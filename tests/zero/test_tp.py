@@ -4,7 +4,10 @@ single-process torch.optim.AdamW + clip_grad_norm_ on the same global batch.
 
 Two models: "sp" (sequence parallel: LayerNorms under SequenceParallel are Replicate DTensors
 whose grads come back Partial) and "mlp" (Colwise then Rowwise, a plain LayerNorm after: plain
-params in a tensor-parallel model). One spawn per model runs every stage.
+params in a tensor-parallel model). One spawn per model runs every stage. Replicate and plain
+params stay bitwise identical on every rank after every step; and a sixth step with an inf
+planted on tp rank 1 only, in a Replicate param's grad, is skipped by every rank (the
+optimizer's default skip_nonfinite=True) with the state unchanged bit for bit.
 """
 from __future__ import annotations
 
@@ -126,6 +129,48 @@ def _local_loss(m: nn.Module, kind: str, step: int, dp_rank: int, dp: int,
     return ((m(x) - y) ** 2).mean()
 
 
+# The Replicate param whose grad gets an inf on tp rank 1 only: "mlp": the RowwiseParallel
+# bias (a Replicate grad, never reduced over tp: the inf stays on tp rank 1, which counts its
+# Replicate buffers with weight 0 in the grad norm, so only 0 * inf = nan tells); "sp": a
+# SequenceParallel norm (a Partial grad: its reduction over tp carries the inf to tp rank 0).
+PLANT = {"mlp": "proj.bias", "sp": "blocks.0.norm.weight"}
+
+
+def _state(opt: ZeroAdamW) -> dict[str, torch.Tensor]:
+    st = opt.shard_state()
+    return {f"{k}{b}": t.clone() for k in ("master", "exp_avg", "exp_avg_sq")
+            for b, t in enumerate(getattr(st, k))}
+
+
+def _nonfinite_step(m: nn.Module, opt: ZeroAdamW, name: str, loss_fn) -> dict:
+    """One more step with an inf planted (tp rank 1 only, see PLANT) by a grad hook: what
+    changed (nothing may), whether the step was skipped and the hook fired."""
+    from torch.distributed.tensor import DTensor
+    tp_rank = opt.tp.rank
+    state = _state(opt)
+    with opt.gathered_params():
+        params = {n: (p.to_local() if isinstance(p, DTensor) else p.detach()).clone()
+                  for n, p in m.named_parameters()}
+    fired = []
+    hook = None
+    if tp_rank == 1:
+        def plant(g: torch.Tensor) -> torch.Tensor:
+            fired.append(True)
+            return g * float("inf")  # inf where g != 0, nan where it is 0
+        hook = m.get_parameter(name).register_hook(plant)
+    loss_fn().backward()
+    if hook is not None:
+        hook.remove()
+    opt.step()
+    opt.zero_grad()
+    changed = [k for k, t in _state(opt).items() if not torch.equal(t, state[k])]
+    with opt.gathered_params():
+        changed += [n for n, p in m.named_parameters() if not torch.equal(
+            p.to_local() if isinstance(p, DTensor) else p.detach(), params[n])]
+    return {"skipped": bool(opt.skipped), "step_count": float(opt.step_count),
+            "changed": changed, "fired": bool(fired), "tp_rank": tp_rank}
+
+
 def _train(rank: int, world: int, kind: str, stages: tuple[int, ...],
            replicas: int = 1) -> dict:
     """(dp=2, tp=2); with `replicas` > 1, HSDP: a (replicate, shard=2, tp=2) mesh, the
@@ -163,18 +208,28 @@ def _train(rank: int, world: int, kind: str, stages: tuple[int, ...],
                 dist.all_reduce(t, group=g)
             losses.append(float(t) / dp)
             norms.append(float(opt.grad_norm))
-            with opt.gathered_params():
-                replicated.append({n: p.to_local().clone() for n, p in m.named_parameters()
-                                   if isinstance(p, DTensor)
-                                   and all(isinstance(x, Replicate) for x in p.placements)})
+            with opt.gathered_params():  # Replicate DTensors and plain params
+                replicated.append({n: (p.to_local() if isinstance(p, DTensor) else p.detach())
+                                   .clone() for n, p in m.named_parameters()
+                                   if not isinstance(p, DTensor)
+                                   or all(isinstance(x, Replicate) for x in p.placements)})
         with opt.gathered_params():
             full = {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
                     for n, p in m.named_parameters()}
             kinds = {n: type(p).__name__ for n, p in m.named_parameters()}
+        nonfinite = _nonfinite_step(m, opt, PLANT[kind], lambda: _local_loss(
+            m, kind, STEPS, dp_rank, dp, tp_rank))
         opt.close()
         out[stage] = {"params": full, "losses": losses, "norms": norms,
-                      "replicated": replicated, "kinds": kinds}
+                      "replicated": replicated, "kinds": kinds, "nonfinite": nonfinite}
     return out
+
+
+# The params identical on every rank (Replicate DTensors over tp, plain params), by kind.
+REPLICATED = {"sp": {**{f"blocks.{i}.{n}": "Replicate" for i in range(2)
+                        for n in ("norm.weight", "norm.bias", "proj.bias")},
+                     "norm.weight": "Replicate", "norm.bias": "Replicate"},
+              "mlp": {"proj.bias": "Replicate", "norm.weight": "plain", "norm.bias": "plain"}}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -198,16 +253,24 @@ def check(kind: str, stages: tuple[int, ...], results: list[dict]) -> None:
                 got = r["params"][n]
                 err = ((got - p).abs() / (p.abs() + ATOL / RTOL)).max()
                 assert _close(got, p), f"{where}: param {n} differs, max rel err {err:.2e}"
-        # Replicate params: bitwise identical on every rank after every step.
+        # Replicate and plain params: bitwise identical on every rank after every step.
         for step in range(STEPS):
             first = results[0][stage]["replicated"][step]
-            assert first  # "sp": the norms; "mlp": the Rowwise bias
+            # "sp": the norms (Replicate); "mlp": the Rowwise bias and the plain LayerNorm
+            assert set(first) == set(REPLICATED[kind]), sorted(first)
             for rank in range(1, len(results)):
                 other = results[rank][stage]["replicated"][step]
                 for n, t in first.items():
                     assert torch.equal(t, other[n]), (
-                        f"stage {stage} step {step}: Replicate param {n} differs between "
-                        f"rank 0 and rank {rank}")
+                        f"stage {stage} step {step}: {REPLICATED[kind][n]} param {n} differs "
+                        f"between rank 0 and rank {rank}")
+        # An inf on tp rank 1 only: every rank skips the step, nothing changes.
+        for rank, res in enumerate(results):
+            nf = res[stage]["nonfinite"]
+            where = f"stage {stage} rank {rank} ({kind}), inf in {PLANT[kind]} on tp rank 1"
+            assert nf["fired"] == (nf["tp_rank"] == 1), where
+            assert nf["skipped"] and nf["step_count"] == STEPS, (where, nf)
+            assert nf["changed"] == [], f"{where}: the skipped step changed {nf['changed']}"
 
 
 @pytest.mark.parametrize("kind", ["sp", "mlp"])

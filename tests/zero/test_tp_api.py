@@ -1,6 +1,7 @@
 """Tensor parallelism: the docs example runs as written at 4 gloo ranks (and its optimizer
 saves a checkpoint), and a dp group that is not orthogonal to the tp mesh fails with a message
-that says what to pass. One spawn for all of it."""
+that says what to pass: one spawn for all of it (slow). README.md holds the same example, short.
+"""
 from __future__ import annotations
 
 import re
@@ -11,20 +12,27 @@ import torch
 
 from fusedzero.testing import run_ranks
 
-pytestmark = pytest.mark.slow  # spawns 4 ranks
+REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "tensor_parallel.md"
+README = REPO / "README.md"
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "tensor_parallel.md"
 
-
-def doc_example() -> str:
-    blocks = re.findall(r"```python slow nproc=4\n(.*?)```", DOC.read_text(), flags=re.S)
-    assert len(blocks) == 1, f"{DOC} should hold one ```python slow block, found {len(blocks)}"
+def doc_example(doc: Path = DOC) -> str:
+    blocks = re.findall(r"```python slow nproc=4\n(.*?)```", doc.read_text(), flags=re.S)
+    assert len(blocks) == 1, f"{doc} should hold one ```python slow nproc=4 block, found " \
+                             f"{len(blocks)}"
     return blocks[0]
 
 
 def test_doc_example_is_short() -> None:
-    lines = [ln for ln in doc_example().splitlines() if ln.strip()]
-    assert len(lines) < 15, f"the 2-D example has {len(lines)} lines; keep it under 15"
+    """The 2-D example, in docs/tensor_parallel.md and README.md: under 15 lines, the same in
+    both (the spawning test below runs the docs' copy)."""
+    for doc in (DOC, README):
+        lines = [ln for ln in doc_example(doc).splitlines() if ln.strip()]
+        assert len(lines) < 15, f"{doc.name}: the 2-D example has {len(lines)} lines; keep " \
+                                "it under 15"
+    assert doc_example(README) == doc_example(DOC), "README.md's 2-D example differs from " \
+        "docs/tensor_parallel.md's: keep one example"
 
 
 def _run(rank: int, world: int, code: str, tmp: str) -> dict:
@@ -50,6 +58,7 @@ def _run(rank: int, world: int, code: str, tmp: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # spawns 4 ranks
 def test_doc_example_runs_and_boundaries(tmp_path: Path) -> None:
     results = run_ranks(_run, 4, doc_example(), str(tmp_path / "ckpt"), timeout=600)
     for rank, r in enumerate(results):
