@@ -35,12 +35,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedzero import comm
+from fusedzero import comm, wire
 from fusedzero.comm import CommCounter
 from fusedzero.flat import FlatBuffer
+from fusedzero.kernels.quant import new_packed
 from fusedzero.memory_modes import MemoryModes
-from fusedzero.plan import PlanConfig, plan_model
+from fusedzero.plan import Plan, PlanConfig, plan_model
 from fusedzero.stage import Stage
+from fusedzero.wire import WBLOCK, WireFormat
 from fusedzero.zero3 import ShardInit
 
 
@@ -137,32 +139,52 @@ def fake_group(rank: int, world_size: int) -> Iterator[None]:
         dist.destroy_process_group()
 
 
+_META = torch.device("meta")
+
+
 def _zero_init(name: str, out: torch.Tensor, start: int) -> None:
     out.zero_()  # values do not matter to the emulation; writing them touches the pages
 
 
 def step_comm(buffers: list[FlatBuffer], stage: Stage, reshard_after_forward: bool,
-              world_size: int, grad_norm: bool = True) -> CommCounter:
+              world_size: int, grad_norm: bool = True, wire_format: WireFormat | None = None,
+              param_wire: WireFormat | None = None) -> CommCounter:
     """One step's collectives of these buffers (one micro-batch), issued through
     `fusedzero.comm` on meta tensors of each bucket's shape: what the optimizer's counter
-    records on a real step. Needs a (fake) default group of `world_size` ranks."""
+    records on a real step (tests/zero/test_scale_comm.py checks it against one). Over a wire
+    format (`fusedzero.wire`, ZeroAdamW's `wire=` / `param_wire=`) the packed uint8 buffers
+    its paths send: the quantized bucket all-to-all'd (stage 0: a copy padded to W * WBLOCK,
+    then its summed chunks all-gathered), packed param pieces all-gathered. Needs a (fake)
+    default group of `world_size` ranks."""
     c, W = CommCounter(), world_size
-    meta = dict(device="meta")
     for buf in buffers:
         L = buf.layout
         B, S = L.bucket_numel, L.shard_numel
+        grads_wire = wire.uses_wire(wire_format, buf.reduce_dtype, W)
+        params_wire = wire.gathers_over_wire(param_wire, buf.dtype, W) and S % WBLOCK == 0
+        gathers = (0 if not stage.shards_state else
+                   2 if stage.shards_params and reshard_after_forward else 1)
         for _ in range(L.num_buckets):
-            grads = torch.empty(B, dtype=buf.reduce_dtype, **meta)
-            if not stage.shards_state:
-                comm.all_reduce(grads, None, W, c)
-                continue
-            comm.reduce_scatter(grads[:S], grads, None, W, c)
-            gathers = 2 if stage.shards_params and reshard_after_forward else 1
-            for _ in range(gathers):
-                full = torch.empty(B, dtype=buf.dtype, **meta)
-                comm.all_gather(full, full[:S], None, W, c)
+            if not stage.shards_state and grads_wire:  # wire.all_reduce_start
+                assert wire_format is not None
+                packed = new_packed(wire_format, W, -(-B // (W * WBLOCK)) * WBLOCK, _META)
+                comm.all_to_all(packed, packed, None, W, c)
+                comm.all_gather(packed, packed[:packed.numel() // W], None, W, c)
+            elif not stage.shards_state:
+                comm.all_reduce(torch.empty(B, dtype=buf.reduce_dtype, device=_META), None, W, c)
+            elif grads_wire:  # wire.reduce_scatter_start
+                assert wire_format is not None
+                packed = new_packed(wire_format, W, S, _META)
+                comm.all_to_all(packed, packed, None, W, c)
+            else:
+                grads = torch.empty(B, dtype=buf.reduce_dtype, device=_META)
+                comm.reduce_scatter(grads[:S], grads, None, W, c)
+            for _ in range(gathers):  # wire.all_gather
+                full = (new_packed(param_wire, W, S, _META) if params_wire  # type: ignore[arg-type]
+                        else torch.empty(B, dtype=buf.dtype, device=_META))
+                comm.all_gather(full, full[:full.numel() // W], None, W, c)
     if stage.shards_state and grad_norm:
-        comm.all_reduce(torch.empty(1, dtype=torch.float32, **meta), None, W, c)
+        comm.all_reduce(torch.empty(1, dtype=torch.float32, device=_META), None, W, c)
     return c
 
 
@@ -208,6 +230,12 @@ class Emulation:
     def padding_fraction(self) -> float:
         return self.padding_elements / max(1, self.params)
 
+    @property
+    def equals_plan(self) -> bool:
+        """Resident and per-step comm bytes both equal to the plan's, to the byte."""
+        return (self.resident_bytes == self.plan_bytes
+                and self.comm_bytes_per_step == self.plan_comm_bytes)
+
 
 ModelSource = Union[LlamaShape, str, Callable[[], nn.Module]]
 
@@ -220,25 +248,29 @@ def emulate(model: ModelSource, *, world_size: int, rank: int = 0, stage: int = 
             param_dtype: torch.dtype = torch.bfloat16,
             reduce_dtype: torch.dtype = torch.bfloat16, bucket_numel: int | None = None,
             reshard_after_forward: bool = True, modes: MemoryModes = MemoryModes(),
-            decay_split: bool = True, materialize: bool | None = None) -> Emulation:
+            wire: str | WireFormat | None = None, param_wire: str | WireFormat | None = None,
+            decay_split: bool = True, materialize: bool | None = None,
+            plan: Plan | None = None) -> Emulation:
     """Build `ZeroAdamW` as `rank` of `world_size` under the fake backend and report it.
 
     `model`: a name in SHAPES, a LlamaShape, or a function returning a model on the meta
     device (called twice: once for the optimizer, once for the plan it is compared with).
     Param groups as `fusedzero plan` makes them (`decay_split`: >= 2-D params and the rest).
+    `wire`, `param_wire`: ZeroAdamW's (what grads and gathered params cross the network as).
     `materialize` (default: stage 3) puts the local shard in CPU memory; stages 0-2 hold the
-    full params and cannot, they are built on the meta device."""
+    full params and cannot, they are built on the meta device. `plan`: the plan to compare
+    with (`fusedzero plan` passes the one it prints); default: `plan_model` of the same
+    model and options."""
     st = Stage(stage)
     if materialize is None:
         materialize = st.shards_params
     if materialize and not st.shards_params:
         raise ValueError(f"stage {stage} keeps the full params on every rank: only stage 3 "
                          "can materialise the local shard alone (pass materialize=False)")
+    if plan is not None and plan.world_size != world_size:
+        raise ValueError(f"the plan is for W={plan.world_size}, the emulation for W={world_size}")
     from fusedzero.optim import ZeroAdamW
 
-    cfg = PlanConfig(world_size=world_size, param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                     bucket_numel=bucket_numel, reshard_after_forward=reshard_after_forward,
-                     modes=modes)
     name = model if isinstance(model, str) else getattr(model, "__name__", "model")
     m = _build(model)
     groups = param_groups(m, decay_split)
@@ -248,16 +280,24 @@ def emulate(model: ModelSource, *, world_size: int, rank: int = 0, stage: int = 
         opt = ZeroAdamW(groups, stage=st, module=m, param_dtype=param_dtype,
                         reduce_dtype=reduce_dtype, bucket_numel=bucket_numel,
                         reshard_after_forward=reshard_after_forward, max_grad_norm=1.0,
-                        master=modes.master, states=modes.states,
+                        master=modes.master, states=modes.states, wire=wire,
+                        param_wire=param_wire,
                         param_init_fn=ShardInit(_zero_init) if materialize else None,
                         device="cpu" if materialize else "meta")
         construct_s = time.perf_counter() - t0
         rss = rss_bytes() - rss0
         mem = opt.memory()
-        sent = step_comm(opt.flat_groups, st, reshard_after_forward, world_size)
+        sent = step_comm(opt.flat_groups, st, reshard_after_forward, world_size,
+                         wire_format=opt.wire, param_wire=opt.param_wire)
         # Not closed: close() gathers every unit (the full model). The model is dropped.
         del opt
-    planned = plan_model(_build(model), cfg, decay_split=decay_split).stages[int(st)]
+    if plan is None:
+        cfg = PlanConfig(world_size=world_size, param_dtype=param_dtype,
+                         reduce_dtype=reduce_dtype, bucket_numel=bucket_numel,
+                         reshard_after_forward=reshard_after_forward, modes=modes, wire=wire,
+                         param_wire=param_wire)
+        plan = plan_model(_build(model), cfg, decay_split=decay_split)
+    planned = plan.stages[int(st)]
     return Emulation(shape=name, world_size=world_size, rank=rank, stage=int(st),
                      params=mem.param_elements, resident_bytes=mem.total,
                      params_bytes=mem.params, grads_bytes=mem.grads,
@@ -286,10 +326,9 @@ def table(rows: tuple[tuple[str, int, tuple[int, ...]], ...] = TABLE_ROWS,
         for W in worlds:
             e = emulate(shape, world_size=W, rank=W - 1 if rank is None else rank,
                         stage=stage, materialize=False)
-            same = e.resident_bytes == e.plan_bytes and e.comm_bytes_per_step == e.plan_comm_bytes
             out.append(f"| {shape} | {stage} | {W} | {e.resident_bytes:,} | "
                        f"{100 * e.padding_fraction:.4f}% | {e.comm_bytes_per_step:,} | "
-                       f"{'yes' if same else 'NO'} |")
+                       f"{'yes' if e.equals_plan else 'NO'} |")
     return "\n".join(out)
 
 

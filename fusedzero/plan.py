@@ -248,6 +248,14 @@ def _units(model: nn.Module, params: list[nn.Parameter], policy: Any) -> list[in
     return [owner.get(id(p), 0) for p in params]
 
 
+def _layout(items: list[Item], dt: torch.dtype, stage: int, cfg: PlanConfig) -> FlatLayout:
+    """One flat buffer's layout, as FlatBuffer builds it. Stage 0 replicates everything: its
+    layout is the world-size-1 layout."""
+    bucket = (cfg.bucket_numel if cfg.bucket_numel is not None else
+              default_bucket_numel(cfg.world_size, dt.itemsize))  # as FlatBuffer chooses it
+    return build_layout(items, 1 if stage == 0 else cfg.world_size, bucket)
+
+
 def _stage_plan(buffers: list[tuple[torch.dtype, list[Item]]], stage: int,
                 cfg: PlanConfig) -> tuple[StagePlan, int]:
     """The stage's bytes, and the ring steps of its collectives (LinkModel)."""
@@ -255,10 +263,7 @@ def _stage_plan(buffers: list[tuple[torch.dtype, list[Item]]], stage: int,
     g = cfg.reduce_dtype.itemsize
     params = grads = opt = comm = steps = 0
     for dt, items in buffers:
-        # Stage 0 replicates everything: its layout is the world-size-1 layout.
-        bucket = (cfg.bucket_numel if cfg.bucket_numel is not None else
-                  default_bucket_numel(W, dt.itemsize))  # as FlatBuffer chooses it
-        L: FlatLayout = build_layout(items, 1 if stage == 0 else W, bucket)
+        L = _layout(items, dt, stage, cfg)
         p = dt.itemsize
         params += p * (L.local_numel if stage == 3 else L.padded_numel)
         grads += g * (L.local_numel if stage >= 2 else L.padded_numel)
@@ -326,18 +331,33 @@ def plan_groups(groups: list[list[tuple[str, nn.Parameter]]], cfg: PlanConfig, *
     return result
 
 
+def _model_groups(model: nn.Module, decay_split: bool) -> list[list[tuple[str, nn.Parameter]]]:
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if decay_split:
+        return [[(n, p) for n, p in named if p.dim() >= 2],
+                [(n, p) for n, p in named if p.dim() < 2]]
+    return [named]
+
+
 def plan_model(model: nn.Module, cfg: PlanConfig, *, decay_split: bool = True,
                source: str = "model", by_wire: bool = False) -> Plan:
     """Plan for `ZeroAdamW(groups, module=model)`, the groups as `fusedzero train` makes them
     (`gpt_param_groups`: >= 2-D params decayed, the rest not) or one group of every trainable
     param (`decay_split=False`)."""
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if decay_split:
-        groups = [[(n, p) for n, p in named if p.dim() >= 2],
-                  [(n, p) for n, p in named if p.dim() < 2]]
-    else:
-        groups = [named]
-    return plan_groups(groups, cfg, model=model, source=source, by_wire=by_wire)
+    return plan_groups(_model_groups(model, decay_split), cfg, model=model, source=source,
+                       by_wire=by_wire)
+
+
+def model_layouts(model: nn.Module, cfg: PlanConfig, stage: int, *,
+                  decay_split: bool = True) -> list[FlatLayout]:
+    """The flat buffers of `ZeroAdamW(groups, module=model, stage=stage)` as layouts (the
+    groups as `plan_model`'s), the same on every rank, nothing allocated: where every param
+    element lives, so the segments a checkpoint's manifest lists (`FlatLayout.segments`)."""
+    groups = _model_groups(model, decay_split)
+    flat = [p for grp in groups for _, p in grp]
+    units = _units(model, flat, cfg.unit_policy) if stage == 3 else None
+    return [_layout(items, dt, stage, cfg)
+            for dt, items in _buffers_from_groups(groups, stage, cfg, units)]
 
 
 def plan_params(n: int, cfg: PlanConfig, *, by_wire: bool = False) -> Plan:

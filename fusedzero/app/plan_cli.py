@@ -133,6 +133,9 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
 
 def _cli_plan(args: argparse.Namespace) -> int:
     try:
+        if args.emulate and args.tp > 1:
+            raise ValueError("--emulate builds a data-parallel ZeroAdamW only, not a tensor-"
+                             f"parallel one: drop --tp {args.tp} or --emulate")
         link = LinkModel(bandwidth=args.link_gbps * 1e9, latency=args.link_latency_us * 1e-6)
         cfg = PlanConfig(world_size=args.world_size,
                          param_dtype=dtypes.SHORT_NAMES[args.param_dtype],
@@ -159,7 +162,7 @@ def _cli_plan(args: argparse.Namespace) -> int:
             result = plan_model(hf_model_from_config(args.hf_config), cfg,
                               decay_split=not args.one_group, source=str(args.hf_config),
                               by_wire=by_wire)
-        emulated = _emulate(args, cfg) if args.emulate else None
+        emulated = _emulate(args, result) if args.emulate else None
     except (ValueError, ImportError, OSError) as e:
         raise UsageError(str(e)) from None
     seconds = result.comm_seconds(link)
@@ -212,27 +215,28 @@ def _model_source(args: argparse.Namespace) -> Any:
     return params
 
 
-def _emulate(args: argparse.Namespace, cfg: PlanConfig) -> Emulation:
+def _emulate(args: argparse.Namespace, printed: plan.Plan) -> Emulation:
+    """The emulated rank, compared with `printed`: the plan the table shows."""
     if not 0 <= args.rank < args.world_size:
         raise ValueError(f"--rank must be in [0, {args.world_size}), got {args.rank}")
+    cfg = printed.config
     return emulate(_model_source(args), world_size=args.world_size, rank=args.rank,
                    stage=args.stage, param_dtype=cfg.param_dtype or torch.float32,
                    reduce_dtype=cfg.reduce_dtype, bucket_numel=cfg.bucket_numel,
                    reshard_after_forward=cfg.reshard_after_forward, modes=cfg.modes,
-                   decay_split=not args.one_group,
-                   materialize=args.stage == 3 and not args.meta)
+                   wire=cfg.wire, param_wire=cfg.param_wire, decay_split=not args.one_group,
+                   materialize=args.stage == 3 and not args.meta, plan=printed)
 
 
 def _emulation_lines(e: Emulation) -> str:
     where = "local shard in CPU memory" if e.materialized else "meta device, nothing allocated"
-    same = e.resident_bytes == e.plan_bytes and e.comm_bytes_per_step == e.plan_comm_bytes
     return "\n".join([
         f"\nemulated: ZeroAdamW as rank {e.rank} of {e.world_size}, stage {e.stage} "
         f"(fake process group; {where})",
         f"  resident bytes {e.resident_bytes:,} (params {e.params_bytes:,}, grads "
         f"{e.grads_bytes:,}, optimizer {e.optimizer_bytes:,}); plan {e.plan_bytes:,}",
         f"  comm bytes/step {e.comm_bytes_per_step:,}; plan {e.plan_comm_bytes:,}"
-        f"  -> {'equal to the plan' if same else 'DIFFERENT from the plan'}",
+        f"  -> {'equal to the plan' if e.equals_plan else 'DIFFERENT from the plan'}",
         f"  padding {e.padding_elements:,} elements ({100 * e.padding_fraction:.4f}% of Psi)",
         f"  construction {e.construct_s:.2f} s, RSS +{e.rss_delta_bytes / 1e9:.3g} GB"])
 

@@ -37,19 +37,29 @@ _DTYPES = dtypes.READABLE_NAMES  # float64 too: read, never written
 # JSON nesting allowed in the free-form parts (hyper-parameters): deep enough for any real
 # value, shallow enough that nothing recurses near Python's limit.
 _MAX_DEPTH = 32
-# The largest manifest a reader accepts, computed for the largest legitimate one, 1024 ranks x a
-# 70B model (Llama-2-70B's 723 params, 69.0e9 elements, two param groups, fp32 states), saved
-# with the default bucket of 2**25 elements: fusedzero.layout cuts 2056 buckets of 1024 shards,
-# 2,106,368 segments in all (counted with build_layout). json.dumps(indent=1) spells one at its
-# depth in at most 88 bytes (measured): 96 each here. Each rank's packed RNG state is 19,000
-# bytes of base64 (torch, python, numpy); 64 KiB each leaves ~45 KiB for its caller state. The
-# params and groups are ~150 bytes per param: 1 MiB. In all 2.2e6*96 + 1024*64 KiB + 1 MiB =
-# 280 MB, held once as text while it is parsed (~2.5x that as Python objects). `save` refuses to
-# write a bigger manifest, so it never writes one that no reader accepts.
-_SEGMENTS = 2_200_000
-_SEGMENT_BYTES = 96
-_RANK_STATE_BYTES = 64 << 10
-MAX_MANIFEST = _SEGMENTS * _SEGMENT_BYTES + 1024 * _RANK_STATE_BYTES + (1 << 20)
+# The largest manifest a reader accepts: the largest legitimate one plus MARGIN. That is 1024
+# ranks x a 70B model (fusedzero.emulate's llama-70b: 723 params, 70.6e9 elements, two param
+# groups) with the default buckets (fusedzero.layout.default_bucket_numel: 1 MiB of each rank's
+# shard per bucket, 2**28 fp32 / 2**29 bf16 elements at W=1024) and default stage-3 units (one
+# per layer), at the stage and param dtype that spell the most: stage 3 with fp32 params, 162
+# flat buffers per rank. Counted from the layouts (fusedzero.plan.model_layouts; recomputed by
+# tests/zero/test_scale_ckpt.py): 409 buckets cut the params into 346,656 segments over all
+# ranks, each spelled by json.dumps(indent=1) at its depth in at most 78 bytes, and every rank
+# lists 162 group entries of at most 156 bytes besides their segments. Each rank's packed RNG
+# state is 19,000 bytes of base64 (torch, python, numpy); 64 KiB per rank (state, rank and file
+# entries) leaves ~45 KiB for its caller state. Params, hyper-parameters and the fixed fields:
+# ~500 bytes per param, 1 MiB. In all 27.0 + 25.9 + 67.1 + 1.0 = 121 MB, 151 MB with the
+# margin, held once as text while it is parsed (~2.5x that as Python objects). Smaller buckets
+# or finer units multiply the segments or groups: past the cap `save` refuses to write the
+# manifest (naming its size), so it never writes one that no reader accepts.
+MARGIN = 0.25
+_RANKS = 1024
+_SEGMENTS, _SEGMENT_BYTES = 346_656, 78
+_GROUPS, _GROUP_BYTES = _RANKS * 162, 156
+_RANK_BYTES = 64 << 10
+_REST_BYTES = 1 << 20
+MAX_MANIFEST = int((1 + MARGIN) * (_SEGMENTS * _SEGMENT_BYTES + _GROUPS * _GROUP_BYTES
+                                   + _RANKS * _RANK_BYTES + _REST_BYTES))
 # `latest` holds one step folder's name ("step-00000120\n"): a few KB is more than plenty.
 MAX_LATEST = 4096
 # Ints stay below 2**62: products of shapes and offset sums then fit an int64 everywhere.

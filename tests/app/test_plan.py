@@ -19,6 +19,7 @@ from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.optim import ZeroAdamW
 from fusedzero.app.plan_cli import preset_model
+from fusedzero.emulate import meta_model
 from fusedzero.plan import PlanConfig, plan_model, plan_params
 from fusedzero.testing import fake_group
 
@@ -224,3 +225,22 @@ def test_cli_emulate_equals_plan(capsys: pytest.CaptureFixture[str]) -> None:
     assert "equal to the plan" in capsys.readouterr().out
     assert main(["plan", "--shape", "tiny", "-W", "8", "--emulate", "--rank", "8"]) == 2
     assert "--rank must be in [0, 8), got 8" in capsys.readouterr().err
+
+
+def test_cli_emulate_follows_wire_and_refuses_tp(capsys: pytest.CaptureFixture[str]) -> None:
+    # --wire / --param-wire reach the emulated optimizer and the plan it is compared with: the
+    # emulation equals the very numbers the table prints (int8 both ways: about half of bf16's).
+    assert main(["plan", "--shape", "tiny", "-W", "8", "--emulate", "--wire", "int8",
+                 "--param-wire", "int8", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    e, printed = d["emulation"], d["stages"]["3"]
+    assert e["comm_bytes_per_step"] == printed["comm_bytes_per_step"] == e["plan_comm_bytes"]
+    assert e["resident_bytes"] == printed["total_bytes"] == e["plan_bytes"]
+    native = plan_model(meta_model("tiny"), PlanConfig(world_size=8)).stages[3]
+    assert printed["comm_bytes_per_step"] < 0.6 * native.comm_bytes_per_step, printed
+    assert main(["plan", "--shape", "tiny", "-W", "8", "--emulate", "--stage", "0",
+                 "--wire", "bf16", "--reduce-dtype", "fp32"]) == 0
+    assert "equal to the plan" in capsys.readouterr().out
+    # Tensor parallelism is not emulated: refused, rather than compared with another plan.
+    assert main(["plan", "--preset", "tiny", "-W", "2", "--tp", "2", "--emulate"]) == 2
+    assert "--emulate builds a data-parallel ZeroAdamW only" in capsys.readouterr().err

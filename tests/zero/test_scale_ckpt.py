@@ -13,10 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedzero.checkpoint import catalog, loading
+from fusedzero.checkpoint import catalog, loading, manifest as manifest_format
 from fusedzero.emulate import LlamaShape, meta_model, param_groups
 from fusedzero.emulate_ckpt import emulated_rank, save_emulated
+from fusedzero.layout import FlatLayout
 from fusedzero.optim import ZeroAdamW
+from fusedzero.plan import PlanConfig, model_layouts
 from fusedzero.zero3 import ShardInit
 
 SHAPE = LlamaShape(n_layer=2, d=64, ffn=128, vocab=256, n_head=4, n_kv_head=2)
@@ -118,12 +120,83 @@ def test_manifest_and_headers_grow_o_params_plus_w(tmp_path: Path) -> None:
     assert headers[128] <= headers[32] + 64, headers
 
 
+# -- the manifest's size from the layouts, without saving -----------------------------------------
+PARAM_BYTES = 512  # a param's entry and its share of the hyper-parameters (~250 B spelled here)
+
+
+def _segment_count(L: FlatLayout) -> int:
+    """Segments of this buffer over all ranks: each param is cut at every shard edge it crosses
+    (pieces are S elements, back to back over the whole buffer), as `L.segments(r)` cuts it."""
+    S = L.shard_numel
+    return sum((p.offset + p.numel - 1) // S - p.offset // S + 1 for p in L.params if p.numel)
+
+
+def _spelled(obj: object) -> int:
+    return len(json.dumps(obj, indent=1))  # as saving.py writes the manifest
+
+
+def _manifest_bound(layouts: list[FlatLayout], W: int, n_params: int, state_bytes: int) -> int:
+    """At most the bytes of the manifest of W ranks holding these buffers (every rank writes,
+    stages 1-3), from the layouts alone: each segment, group entry and file entry spelled at
+    its depth with the widest numbers it can hold, each rank's packed state `state_bytes` long,
+    PARAM_BYTES per param and 4 KB for the rest."""
+    local = max(L.local_numel for L in layouts)
+    seg = [n_params, max(p.numel for L in layouts for p in L.params),
+           max(L.shard_numel for L in layouts), local]
+
+    def group(n: int) -> dict:
+        return {"key": f"fg{len(layouts)}", "group_index": 99, "dtype": "bfloat16",
+                "unit": len(layouts), "local_numel": local, "segments": [seg] * n}
+
+    def files(n: int, groups: int, segs: int) -> dict:
+        f = {"name": f"rank{W:05d}-of-{W:05d}.safetensors", "rank": W, "bytes": 10 ** 15,
+             "sha256": "0" * 64, "groups": [group(segs)] * groups}
+        return {"files": [f] * n}
+
+    # Each difference adds one item: a segment; a group with its one segment; a file with its.
+    one = _spelled(files(1, 1, 1))
+    seg_bytes = _spelled(files(1, 1, 2)) - one
+    group_bytes = _spelled(files(1, 2, 1)) - one - seg_bytes
+    file_bytes = _spelled(files(2, 1, 1)) - one - group_bytes - seg_bytes
+    rank = {"rank": W, "replica": 0, "state": "x" * state_bytes}
+    rank_bytes = _spelled({"ranks": [rank] * 2}) - _spelled({"ranks": [rank]})
+    segments = sum(_segment_count(L) for L in layouts)
+    return (W * (file_bytes + len(layouts) * group_bytes + rank_bytes) + segments * seg_bytes
+            + n_params * PARAM_BYTES + 4096)
+
+
+def test_manifest_cap_fits_70b_at_1024_ranks_and_no_more() -> None:
+    # The largest legitimate manifest (manifest.py, MAX_MANIFEST): a 70B model at W=1024, the
+    # default buckets, bf16 or fp32 params, stages 1-3 (stage 0: rank 0 alone writes a file),
+    # each rank's state as large as the cap allows. The cap is it plus MARGIN (to 2%: the
+    # cap's parts are rounded), so it fits, and nothing much larger does.
+    model = meta_model("llama-70b")
+    n = len(list(model.parameters()))
+    need = {}
+    for dt in (torch.bfloat16, torch.float32):
+        for stage in (1, 2, 3):
+            layouts = model_layouts(model, PlanConfig(world_size=1024, param_dtype=dt), stage)
+            need[dt, stage] = _manifest_bound(layouts, 1024, n, manifest_format._RANK_BYTES)
+    worst = max(need.values())
+    assert worst == need[torch.float32, 3], need  # the case manifest.py counts
+    cap, margin = manifest_format.MAX_MANIFEST, 1 + manifest_format.MARGIN
+    assert worst < cap and 0.98 < cap / (margin * worst) < 1.02, (cap, worst, need)
+
+
 def test_save_at_4_and_load_at_3_emulated(tmp_path: Path) -> None:
     # The fast tier's run of the emulation (the slow tests above take it to W=1024): a real
     # 4-rank checkpoint written from one process, then loaded by each of 3 emulated ranks.
     saved = save_emulated(_make, 4, tmp_path, prepare=_moments)
     assert saved.shard_files == 4 and saved.manifest_bytes > 0
     catalog.verify(saved.path)
+    # The bound of the 70B test above holds for a real manifest, and the count of segments.
+    written = json.loads((saved.path / "manifest.json").read_text())
+    with emulated_rank(0, 4):
+        layouts = [b.layout for b in _make().flat_groups]
+    assert sum(map(_segment_count, layouts)) == _segment_entries(written)
+    state = max(len(r["state"]) for r in written["ranks"])
+    bound = _manifest_bound(layouts, 4, len(written["params"]), state)
+    assert saved.manifest_bytes <= bound <= 2 * saved.manifest_bytes, (saved.manifest_bytes, bound)
     total = 0
     for r in range(3):
         with emulated_rank(r, 3):
