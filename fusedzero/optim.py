@@ -58,7 +58,8 @@ class ZeroAdamW(torch.optim.Optimizer):
     Args:
         params: parameters or param-group dicts, as for `torch.optim.AdamW`. Params with
             `requires_grad=False` are left out (frozen).
-        lr, betas, eps, weight_decay, maximize: as `torch.optim.AdamW` (decoupled weight decay).
+        lr, betas, eps, weight_decay, maximize: as `torch.optim.AdamW` (decoupled weight decay),
+            but eps must be > 0 and lr, eps, weight_decay finite in fp32 (`validate.check_hyper`).
         stage: 0 (DP), 1 (optimizer state), 2 (+ grads), 3 (+ params; needs `module`).
         module: the model; gives parameter names (checkpoints) and, for stage 3, the units.
         process_group: the group params, grads and state are sharded over (default: the world;

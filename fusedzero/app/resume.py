@@ -32,10 +32,19 @@ def _hparams(cfg: TrainConfig) -> dict[str, Any]:
     return {k: getattr(cfg, k) for k in _HPARAMS}
 
 
-def caller_state(cfg: TrainConfig, sched: LambdaLR, log: RunLog, step: int) -> dict[str, Any]:
-    """Everything besides the optimizer a resume needs, identical on every rank, JSON-able."""
-    return {"step": step, "scheduler": sched.state_dict(), "steps": list(log.steps),
-            "val": list(log.val), "model": cfg.model_config(), "seed": cfg.seed,
+def caller_state(cfg: TrainConfig, sched: LambdaLR, log: RunLog, step: int,
+                 rank: int) -> dict[str, Any]:
+    """Everything besides the optimizer a resume needs, JSON-able, from rank `rank` of the
+    saving group. The run's history (`steps`, `val`: ~61 bytes a step packed) goes into rank 0's
+    state only, the one `resume` broadcasts to every rank; the other ranks' states stay the
+    same size at any step. (Stored by every rank, the history grew the manifest by W x 61
+    bytes a step, past the reader's cap, MAX_MANIFEST, within 40k steps at 64 ranks. Rank 0's
+    alone fits ~2M steps at small world sizes, ~700k at 1024 ranks x 70B, where the other
+    ranks leave it their ~44 KiB each: checkpoint/manifest.py.)"""
+    full = rank == 0
+    return {"step": step, "scheduler": sched.state_dict(),
+            "steps": list(log.steps) if full else [], "val": list(log.val) if full else [],
+            "model": cfg.model_config(), "seed": cfg.seed,
             "batch_size": cfg.batch_size, "total_steps": cfg.steps, "hparams": _hparams(cfg),
             "modes": {"master": cfg.master, "states": cfg.states}, "run_id": log.run_id}
 
@@ -50,7 +59,7 @@ def save(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog, step: i
     try:
         with waiting_for(f"the checkpoint save of step {step}"):
             checkpoint.save(opt, root, step=step,
-                            caller_state=caller_state(cfg, sched, log, step),
+                            caller_state=caller_state(cfg, sched, log, step, opt.rank),
                             keep_last=None if replace_old else cfg.keep_last)
     except (OSError, checkpoint.CheckpointError, ValueError) as e:
         # The same error on every rank (save agrees on it); the staging folder is gone.
@@ -99,14 +108,42 @@ def check_caller_state(cfg: TrainConfig, sched: LambdaLR, rank: int, state: Any)
         raise ValueError(f"its scheduler is at step {state['scheduler']['last_epoch']}, its "
                          f"caller state at step {step}")
     for key in ("steps", "val"):
-        v = state.get(key, [])
-        if not isinstance(v, list) or not all(isinstance(x, dict) for x in v):
-            raise ValueError(f"its caller state's {key} is {type(v).__name__}, expected a list "
-                             "of records")
+        _check_records(state.get(key, []), key, step)
     for key in ("hparams", "modes"):
         if not isinstance(state.get(key, {}), dict):
             raise ValueError(f"its caller state's {key} is {type(state[key]).__name__}, "
                              "expected a dict")
+    rid = state.get("run_id")  # older checkpoints have none
+    if rid is not None and not (isinstance(rid, str) and len(rid) <= 64 and rid.isascii()
+                                and rid.isprintable()):
+        raise ValueError(f"its caller state's run_id is {type(rid).__name__} {rid!r:.60}, "
+                         "expected a string of at most 64 printable ASCII characters")
+
+
+# The records of the run's history (log.py: RunLog.flush, loop.py's evals), field -> whether it
+# is the step number (else any number: a diverged run's loss is NaN). The summary and --plot
+# read them after the run: a record without them would fail only there.
+_RECORD_FIELDS = {"steps": {"step": True, "loss": False, "grad_norm": False, "lr": False},
+                  "val": {"step": True, "val_loss": False}}
+
+
+def _check_records(records: Any, key: str, step: int) -> None:
+    fields = _RECORD_FIELDS[key]
+    if not isinstance(records, list):
+        raise ValueError(f"its caller state's {key} is {type(records).__name__}, expected a "
+                         "list of records")
+    for i, r in enumerate(records):
+        if not isinstance(r, dict) or set(r) != set(fields):
+            raise ValueError(f"its caller state's {key}[{i}] is {str(r)[:80]!r}, expected a "
+                             f"record with the keys {sorted(fields)}")
+        for f, is_step in fields.items():
+            v = r[f]
+            ok = not isinstance(v, bool) and (
+                isinstance(v, int) and 0 <= v <= step if is_step else isinstance(v, (int, float)))
+            if not ok:
+                want = f"a whole number in [0, {step}] (its step)" if is_step else "a number"
+                raise ValueError(f"its caller state's {key}[{i}].{f} is {v!r:.60}, expected "
+                                 f"{want}")
 
 
 def _same_form(v: Any, ref: Any, where: str) -> None:
@@ -187,8 +224,8 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
         msg = " ".join(str(e).split())
         raise UsageError(f"--resume: cannot load a checkpoint from {cfg.ckpt_dir!r}: "
                          f"{type(e).__name__}: {msg}") from None
-    # Every saving rank stored the same caller state, but a run with more ranks than the saving
-    # one gets None on the new ranks: rank 0's (always there) goes to all.
+    # Rank 0's caller state (always there) goes to all: only it holds the run's history, and a
+    # run with more ranks than the saving one gets None on the new ranks.
     box = [loaded.caller_state]
     with waiting_for("the broadcast of the resumed run's state"):
         dist.broadcast_object_list(box, src=0)

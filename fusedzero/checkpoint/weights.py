@@ -212,8 +212,19 @@ def _weight_files(p: Path) -> list[Path]:
     if p.name.endswith(".index.json"):
         try:
             wm = json.loads(p.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"{p}: not a safetensors index ({e})") from None
+        if not isinstance(wm, dict):
+            raise CheckpointError(f"{p}: weight_map is {type(wm).__name__}, expected an object "
+                                  "of tensor name -> shard file name")
+        for f in wm.values():
+            # An index names shard files beside it: a path ("../x", "/x", "a/b") would read a
+            # file outside the folder it came with.
+            if not isinstance(f, str) or f in ("", ".", "..") or Path(f).name != f or (
+                    os.altsep and os.altsep in f) or "\0" in f:
+                raise CheckpointError(f"{p}: weight_map names {str(f)[:200]!r}, which is not a "
+                                      f"plain file name in {p.parent}; an index lists the shard "
+                                      "files beside it")
         return [p.parent / f for f in sorted(set(wm.values()))]
     if not p.is_file():
         raise CheckpointError(f"{p}: no such file")

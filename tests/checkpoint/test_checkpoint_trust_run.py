@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import multiprocessing as mp
 import json
+import math
 import os
 import re
 import shutil
@@ -32,6 +33,7 @@ from fusedzero.app import preflight, resume, runlock
 from fusedzero.app.cli import main as cli_main
 from fusedzero.app.config import UsageError, parse_args
 from fusedzero.app.launch import run
+from fusedzero.app.log import RunLog
 from fusedzero.app.model import GPT, GPTConfig
 from fusedzero.checkpoint import format as ckformat
 from fusedzero.checkpoint.rank_state import pack, unpack
@@ -222,11 +224,15 @@ def test_check_caller_state_table() -> None:
     for _ in range(3):
         opt.step()
         sched.step()
-    good = {"step": 3, "scheduler": sched.state_dict(), "steps": [], "val": [],
-            "model": cfg.model_config(), "seed": cfg.seed, "batch_size": cfg.batch_size,
-            "total_steps": cfg.steps, "hparams": {}, "modes": {}}
+    rec = {"step": 3, "loss": 2.5, "grad_norm": 0.75, "lr": 1e-3}
+    good = {"step": 3, "scheduler": sched.state_dict(), "steps": [rec],
+            "val": [{"step": 0, "val_loss": 5.5}], "model": cfg.model_config(), "seed": cfg.seed,
+            "batch_size": cfg.batch_size, "total_steps": cfg.steps, "hparams": {}, "modes": {},
+            "run_id": "20250101T000000Z-abcdef"}
     resume.check_caller_state(cfg, sched, 0, good)
     resume.check_caller_state(cfg, sched, 1, None)  # a rank the saving run did not have
+    resume.check_caller_state(cfg, sched, 0, {**good, "run_id": None})  # older checkpoints
+    resume.check_caller_state(cfg, sched, 0, {**good, "steps": [{**rec, "loss": math.nan}]})
     sch = sched.state_dict()
     for change, words in [({"step": "abc"}, "step is 'abc'"), ({"step": -5}, "step is -5"),
                           ({"step": 11}, r"step is 11, expected a whole number in \[0, 10\]"),
@@ -236,8 +242,48 @@ def test_check_caller_state_table() -> None:
                           ({"scheduler": {**sch, "base_lrs": [0.1, 0.2]}}, "base_lrs is list"),
                           ({"scheduler": {**sch, "optimizer": 1}}, "scheduler state is dict"),
                           ({"seed": 99}, "trained with seed=99"),
-                          ({"steps": "x"}, "steps is str")]:
+                          ({"steps": "x"}, "steps is str"),
+                          # The history's records: read by the summary after the run.
+                          ({"val": [{}]}, r"val\[0\] is '\{\}', expected a record with the "
+                                          r"keys \['step', 'val_loss'\]"),
+                          ({"val": ["x"]}, r"val\[0\] is 'x'"),
+                          ({"steps": [rec, {**rec, "extra": 1}]}, r"steps\[1\] is"),
+                          ({"steps": [{**rec, "loss": "2.5"}]}, r"steps\[0\]\.loss is '2.5', "
+                                                                 "expected a number"),
+                          ({"steps": [{**rec, "lr": None}]}, r"steps\[0\]\.lr is None"),
+                          ({"steps": [{**rec, "grad_norm": True}]}, r"grad_norm is True"),
+                          ({"steps": [{**rec, "step": 4}]},
+                           r"steps\[0\]\.step is 4, expected a whole number in \[0, 3\]"),
+                          ({"val": [{"step": 1.5, "val_loss": 1.0}]}, r"val\[0\]\.step is 1.5"),
+                          ({"run_id": 7}, "run_id is int 7, expected a string"),
+                          ({"run_id": "x" * 65}, "run_id is str"),
+                          ({"run_id": "a\nb"}, "run_id is str")]:
         with pytest.raises(ValueError, match=words):
             resume.check_caller_state(cfg, sched, 0, {**good, **change})
     with pytest.raises(ValueError, match="not written by `fusedzero train`"):
         resume.check_caller_state(cfg, sched, 0, None)
+
+
+def test_run_history_is_saved_by_rank_0_only() -> None:
+    """The per-step records go into rank 0's caller state alone (resume broadcasts rank 0's to
+    every rank): another rank's packed state is the same size after 10 steps or 10,000, so a
+    long run at many ranks no longer outgrows the manifest cap at its save."""
+    cfg = parse_args([*TINY, "--steps", "10000"])
+    opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 1.0)
+    log = RunLog(2, run_id="20250101T000000Z-abcdef")
+
+    def state(steps: int, rank: int) -> dict[str, Any]:
+        log.steps[:] = [{"step": i, "loss": 2.0, "grad_norm": 1.0, "lr": 1e-3}
+                        for i in range(1, steps + 1)]
+        log.val[:] = [{"step": 0, "val_loss": 5.5}, {"step": steps, "val_loss": 1.5}]
+        sched.last_epoch = steps  # the schedule's position, as its steps would leave it
+        st = resume.caller_state(cfg, sched, log, steps, rank)
+        resume.check_caller_state(cfg, sched, rank, st)
+        return st
+
+    short, long = state(10, 1), state(10_000, 1)
+    assert long["steps"] == [] and long["val"] == []
+    assert len(pack(long)) <= len(pack(short)) + 16, (len(pack(short)), len(pack(long)))
+    full = state(10_000, 0)
+    assert full["steps"] == log.steps and full["val"] == log.val

@@ -253,6 +253,16 @@ def test_unused_frozen_and_zero_size_params() -> None:
 @pytest.mark.parametrize("kwargs, match", [
     ({"lr": -1.0}, "learning rate"),
     ({"eps": -1e-8}, "epsilon"),
+    # Stricter than torch.optim.AdamW on purpose: eps 0 divides by zero at a zero second
+    # moment; values outside fp32's range are inf (or 0) in the fp32 update.
+    ({"eps": 0.0}, r"epsilon value: 0.0 \(must be > 0"),
+    ({"eps": 1e-50}, r"epsilon value: 1e-50 \(must be > 0"),
+    ({"eps": float("inf")}, "epsilon value: inf"),
+    ({"lr": float("inf")}, r"learning rate: inf \(must be finite in fp32"),
+    ({"lr": 1e300}, r"learning rate: 1e\+300 \(must be finite in fp32"),
+    ({"lr": torch.tensor(float("inf"))}, "must be finite in fp32"),
+    ({"lr": float("nan")}, "learning rate: nan"),
+    ({"weight_decay": float("inf")}, r"weight_decay value: inf \(must be finite in fp32"),
     ({"betas": (1.0, 0.999)}, "beta parameter at index 0"),
     ({"betas": (0.9, -0.1)}, "beta parameter at index 1"),
     ({"weight_decay": -0.1}, "weight_decay"),
@@ -266,6 +276,13 @@ def test_unused_frozen_and_zero_size_params() -> None:
 def test_bad_hyper_parameters_raise(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ZeroAdamW(make().parameters(), **kwargs)
+
+
+def test_eps_zero_refused_in_a_param_group() -> None:
+    """Each group's hyper-parameters are checked, not only the defaults."""
+    m = make()
+    with pytest.raises(ValueError, match=r"epsilon value: 0 \(must be > 0"):
+        ZeroAdamW([{"params": list(m.parameters()), "eps": 0}], lr=1e-3)
 
 
 def test_bad_inputs_raise_clear_errors() -> None:
