@@ -79,3 +79,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.interpreter)
             if not INTERPRETING:
                 item.add_marker(_NO_INTERPRETER)
+
+
+@pytest.fixture
+def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One GPU faked visible to the CLI's device logic (torch.cuda.is_available and
+    device_count monkeypatched), on any machine. Nothing real may touch CUDA under it: use it
+    for code that stops before a rank starts or a tensor is placed (`fusedzero.app.launch`'s
+    device choice and what runs before it). tests/app/test_device_choice.py,
+    tests/app/test_suite_devices.py."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -205,6 +205,28 @@ def fake_world_section(d: dict[str, Any]) -> str:
                       "trace events", "CUDA kernels per step", "errors"], rows))
 
 
+# The suite's runs in run.sh (docs/gpu_suite.md): pytest.json's key, the log, the command.
+PYTEST_RUNS = (
+    ("cuda", "pytest_cuda.txt", "pytest -m cuda"),
+    ("suite", "pytest_suite.txt", "pytest (the whole suite, GPU visible)"),
+    ("interpreter", "pytest_interpreter.txt",
+     "CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 pytest -m interpreter"),
+)
+
+
+def tests_section(folder: Path, exits: dict[str, int]) -> list[str]:
+    """One line per suite run: its exit status and pytest's summary line (runs an older
+    run.sh did not make are left out)."""
+    lines = []
+    for key, name, command in PYTEST_RUNS:
+        if key not in exits:
+            continue
+        log = folder / name
+        last = log.read_text().strip().splitlines()[-1:] if log.exists() else ["(no log)"]
+        lines.append(f"- `{command}`: exit {exits[key]}: {last[0] if last else ''}")
+    return lines
+
+
 HEADLINE = re.compile(r"<!-- gpu-headline:begin -->\n.*?<!-- gpu-headline:end -->", re.S)
 
 
@@ -264,13 +286,7 @@ def render(folder: Path) -> str:
         parts += ["", fake_world_section(fake)]
     tests = _read(folder, "pytest.json")
     if tests is not None:
-        lines = []
-        for key, name, marks in (("cuda", "pytest_cuda.txt", "-m cuda"),
-                                 ("suite", "pytest_suite.txt", '-m "not cuda"')):
-            log = folder / name
-            last = log.read_text().strip().splitlines()[-1:] if log.exists() else ["(no log)"]
-            lines.append(f"- `pytest {marks}`: exit {tests[key]}: {last[0] if last else ''}")
-        parts += ["", "## Tests on this machine", ""] + lines
+        parts += ["", "## Tests on this machine", ""] + tests_section(folder, tests)
     failed = sorted(p.name for p in folder.glob("*.failed"))
     if failed:
         parts += ["", "Failed or hung: " + ", ".join(failed)]

@@ -81,17 +81,23 @@ timeout "${FUSEDZERO_RUN_TIMEOUT:-1800}" "$PY" "$ROOT/bench/gpu/fake_world.py" \
   "$R/fake_world.json" --world 8 $CPU \
   || echo "run.sh: fake_world.py failed or hung (exit $?)" | tee "$R/fake_world.failed"
 if [[ $DRY == 0 ]]; then
-  # The suite from tests/, not the repo root (see above). CUDA tests run the compiled kernels;
-  # the rest (CPU tests) the interpreter, as in CI.
+  # The suite from tests/, not the repo root (see above), as docs/gpu_suite.md runs it. With the
+  # GPU visible and TRITON_INTERPRET unset (the interpreter is for CPU tensors only; doctor and
+  # the cuda tests refuse it): the cuda tests alone (compiled kernels), then the whole suite
+  # (CPU tests pin the CPU, cuda tests again). Then the interpreter tests with the GPU hidden.
   set +e
-  (cd "$ROOT/tests" && TRITON_INTERPRET=0 "$PY" -m pytest -m cuda -q -p no:cacheprovider .) \
+  (cd "$ROOT/tests" && env -u TRITON_INTERPRET "$PY" -m pytest -m cuda -q -p no:cacheprovider .) \
     > "$R/pytest_cuda.txt" 2>&1
   rc_cuda=$?
-  (cd "$ROOT/tests" && TRITON_INTERPRET=1 "$PY" -m pytest -m "not cuda" -q -p no:cacheprovider .) \
+  (cd "$ROOT/tests" && env -u TRITON_INTERPRET "$PY" -m pytest -q -p no:cacheprovider .) \
     > "$R/pytest_suite.txt" 2>&1
   rc_suite=$?
+  (cd "$ROOT/tests" && CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$PY" -m pytest -m interpreter \
+     -q -p no:cacheprovider .) > "$R/pytest_interpreter.txt" 2>&1
+  rc_interpreter=$?
   set -e
-  printf '{"cuda": %s, "suite": %s}\n' "$rc_cuda" "$rc_suite" > "$R/pytest.json"
+  printf '{"cuda": %s, "suite": %s, "interpreter": %s}\n' "$rc_cuda" "$rc_suite" \
+    "$rc_interpreter" > "$R/pytest.json"
 fi
 "$PY" "$ROOT/bench/gpu/report.py" "$R" -o "$REPORT"
 echo "run.sh: results in $R, report $REPORT"

@@ -1,7 +1,7 @@
 """`fusedzero train`'s device choice with one GPU faked visible: the refusal and --device cpu.
 
-No GPU is needed: torch.cuda.is_available / device_count are monkeypatched, and nothing is
-spawned (the checks run before any rank starts).
+No GPU is needed: torch.cuda.is_available / device_count are monkeypatched (the `one_gpu`
+fixture, tests/conftest.py), and nothing is spawned (the checks run before any rank starts).
 """
 from __future__ import annotations
 
@@ -13,12 +13,6 @@ import torch
 from fusedzero import cli
 from fusedzero.app.config import UsageError, parse_args
 from fusedzero.app.launch import local_ranks
-
-
-@pytest.fixture
-def one_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
 
 
 def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

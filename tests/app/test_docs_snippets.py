@@ -7,7 +7,8 @@ language and the rest flags:
                     docs/*.md: run in the slow tier (each block starts torch, ~4 s).
 - ```sh            run in the slow tier: a CLI command starts torch and often ranks.
 - ```python slow / ```sh slow   slow tier (several ranks, or more than ~10 s).
-- ```python cuda / ```sh cuda   only where torch sees a GPU (also marked `cuda`).
+- ```python cuda / ```sh cuda   only where torch sees a GPU (also marked `cuda`); the only
+                                  blocks that see it (below).
 - ```python slow nproc=N         run under `torchrun --standalone --nproc-per-node N` (gloo ranks).
 - ```sh slow repo                run at the repository root (maintainer commands with paths
                                   relative to it; they must not change tracked files).
@@ -25,7 +26,11 @@ the same file and tier wrote (a checkpoint, a config.json); run alone (`-k`), su
 python blocks run as a file under this interpreter (`python block.py`; a single-process one in a
 fork of the test process, which has torch and fusedzero imported already), sh blocks under
 `bash -euo pipefail`, with this
-interpreter's folder (the repository's virtual environment) first on PATH. A failure names the
+interpreter's folder (the repository's virtual environment) first on PATH. A block without the
+`cuda` flag runs with `CUDA_VISIBLE_DEVICES=""`: the examples say what a CPU machine does (2 gloo
+ranks for `fusedzero train --nproc 2`), and on a GPU machine `--device auto` would take the GPUs
+and refuse `--nproc` beyond them. (So where torch sees a GPU, python blocks are not forked: a
+fork inherits this process's CUDA state, which the variable cannot hide.) A failure names the
 file and line of the block and shows the block, its exit status and the end of its output.
 
 README.md blocks that fail today are listed in README_XFAIL below, keyed by (file, first line
@@ -51,6 +56,7 @@ DOC_FILES = ["README.md", *sorted(p.relative_to(REPO).as_posix()
 RUN_LANGS = {"python", "sh"}
 FLAGS = {"slow", "cuda", "install-only", "repo"}
 FAST_TIMEOUT_S, SLOW_TIMEOUT_S = 300, 900
+CUDA_SEEN = torch.cuda.is_available()
 
 # README.md blocks that do not run as written today (an error, or past the time limit), keyed by
 # (file, the block's first line), each with why. Empty: every block runs. Keep it that way.
@@ -120,7 +126,7 @@ def _marks(b: Block) -> list[pytest.MarkDecorator]:
     else:
         marks.append(pytest.mark.timeout(FAST_TIMEOUT_S + 60))
     if "cuda" in b.flags:
-        marks += [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+        marks += [pytest.mark.cuda, pytest.mark.skipif(not CUDA_SEEN,
                                                        reason="a ```cuda block needs a GPU")]
     why = README_XFAIL.get((b.file, b.first_line))
     if why is not None:
@@ -133,10 +139,14 @@ def _params() -> list:
             if b.lang in RUN_LANGS]
 
 
-def _env() -> dict[str, str]:
+def _env(block: Block) -> dict[str, str]:
+    """The environment `block` runs in: this one, the venv first on PATH, and the GPU hidden
+    unless the block is flagged `cuda`."""
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("PYTHONWARNINGS", "ignore")
+    if "cuda" not in block.flags:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     return env
 
 
@@ -178,10 +188,10 @@ def test_block_runs(block: Block, tmp_path: Path,
     slow = "slow" in block.flags or block.lang == "sh"
     timeout = SLOW_TIMEOUT_S if slow else FAST_TIMEOUT_S
     try:
-        if cmd == [sys.executable, str(script)] and hasattr(os, "fork"):
-            p = _run_python_forked(script, work, timeout)
+        if cmd == [sys.executable, str(script)] and hasattr(os, "fork") and not CUDA_SEEN:
+            p = _run_python_forked(script, work, timeout, _env(block))
         else:
-            p = subprocess.run(cmd, cwd=work, env=_env(), capture_output=True, text=True,
+            p = subprocess.run(cmd, cwd=work, env=_env(block), capture_output=True, text=True,
                                timeout=timeout, check=False)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{block.where}: the block ran past {e.timeout} s:\n{block.code}")
@@ -191,7 +201,8 @@ def test_block_runs(block: Block, tmp_path: Path,
                     f"--- stderr (end) ---\n{p.stderr[-3000:]}", pytrace=False)
 
 
-def _run_python_forked(script: Path, cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+def _run_python_forked(script: Path, cwd: Path, timeout: float,
+                       env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python script` in cwd, as a fork of this process: the same interpreter with torch and
     fusedzero already imported (a fresh one spends seconds importing them), run as __main__
     with its own stdout and stderr; the block cannot touch this process's state."""
@@ -207,7 +218,11 @@ def _run_python_forked(script: Path, cwd: Path, timeout: float) -> subprocess.Co
                 os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
             sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the child's own
             sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-            os.environ.update(_env())
+            os.environ.update(env or {})
+            # A fork of a process whose OpenMP pool has run hangs in its first parallel region
+            # (libgomp is not fork-safe), and this one may have run it (`fusedzero train` in
+            # process sets a rank's threads): one thread, as every test runs (conftest.py).
+            torch.set_num_threads(1)
             warnings.simplefilter("ignore")
             os.chdir(cwd)
             sys.argv = [str(script)]
@@ -290,6 +305,30 @@ def test_forked_python_block_reports_exit_output_and_errors(tmp_path: Path) -> N
     script.write_text("import sys\nprint('to err', file=sys.stderr)\nraise KeyError('k')\n")
     p = _run_python_forked(script, tmp_path, 60)
     assert p.returncode == 1 and "to err" in p.stderr and "KeyError: 'k'" in p.stderr
+    # After this process ran OpenMP with 2 threads, a fork used to hang in its first parallel
+    # region (libgomp is not fork-safe); the child runs with one thread.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a = torch.randn(512, 512)
+        (a @ a).sum()
+        torch.randn(10**6).exp().sum()
+        script.write_text("import torch\na = torch.randn(512, 512)\n(a @ a).sum()\n"
+                          "torch.randn(10**6).exp().sum()\n")
+        assert _run_python_forked(script, tmp_path, 60).returncode == 0
+    finally:
+        torch.set_num_threads(threads)
     script.write_text("import time\ntime.sleep(60)\n")
     with pytest.raises(subprocess.TimeoutExpired):
         _run_python_forked(script, tmp_path, 0.5)
+
+
+def test_blocks_see_the_gpu_only_with_the_cuda_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU machine `fusedzero train --nproc 2` in a block would take the GPU (one rank)
+    and refuse 2: every block but a ```cuda one runs with the GPU hidden."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    plain = Block("docs/x.md", 1, "sh", frozenset({"slow"}), "fusedzero train --nproc 2\n")
+    gpu = dataclasses.replace(plain, flags=frozenset({"slow", "cuda"}))
+    assert _env(plain)["CUDA_VISIBLE_DEVICES"] == ""
+    assert _env(gpu)["CUDA_VISIBLE_DEVICES"] == "0"
+    assert _env(plain)["PATH"].split(os.pathsep)[0] == str(Path(sys.executable).parent)

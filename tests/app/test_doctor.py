@@ -18,16 +18,9 @@ def _doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:
     return rc, json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.slow  # starts the interpreter and compiler children
-# Bounded: the children are ended after CHILD_TIMEOUT_S; the rest is seconds on CPU or GPU.
-@pytest.mark.timeout(int(doctor.CHILD_TIMEOUT_S) + 120)
-def test_doctor_is_green_here(capsys):
-    # The whole command, as a user runs it, on this machine's device: cuda:N with the compiled
-    # kernels where torch sees a GPU (conftest.py then leaves TRITON_INTERPRET unset), else the
-    # CPU (conftest's TRITON_INTERPRET=1 only reaches the in-process kernels, which take the
-    # torch path on CPU; the children set their own).
-    gpu = torch.cuda.is_available()
-    rc, report = _doctor(capsys)
+def _check_green(report: dict, rc: int, gpu: bool) -> None:
+    """The whole report: every check ran and passed (or was skipped with why), on the GPU with
+    the compiled kernels, or on the CPU with the kernel code in the interpreter child."""
     by_check = {r["check"]: r for r in report["rows"]}
     bad = {c: r["detail"] for c, r in by_check.items() if r["status"] == "FAIL"}
     assert rc == 0 and report["ok"] and not bad, bad
@@ -47,10 +40,33 @@ def test_doctor_is_green_here(capsys):
     if by_check["offline compile sm_90"]["status"] == "ok":  # skipped (with why) without ptxas
         assert all(v["spill_bytes"] == 0 for v in by_check["offline compile sm_90"]["data"]
                    ["variants"])
-    assert by_check["update bandwidth"]["status"] == ("ok" if torch.cuda.is_available()
-                                                      else "info")
+    assert by_check["update bandwidth"]["status"] == ("ok" if gpu else "info")
     bw = by_check["update bandwidth"]["data"]
     assert bw["bytes_per_param"] == 28 and bw["update_gbps"] > 0 and bw["copy_gbps"] > 0
+
+
+@pytest.mark.slow  # starts the interpreter and compiler children
+# Bounded: the children are ended after CHILD_TIMEOUT_S; the rest is seconds on CPU or GPU.
+@pytest.mark.timeout(int(doctor.CHILD_TIMEOUT_S) + 120)
+def test_doctor_is_green_on_the_cpu(capsys, monkeypatch):
+    """The whole command on the CPU, whatever GPUs are visible: this process (torch already
+    initialised) is told there is none, its children (interpreter, offline compile) get
+    CUDA_VISIBLE_DEVICES="". On a machine without a GPU that changes nothing: the same one
+    run as before, in process (a child doctor would pay seconds of imports)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc, report = _doctor(capsys)
+    _check_green(report, rc, gpu=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow  # the offline compile is skipped on a GPU; the rest is seconds
+@pytest.mark.timeout(int(doctor.CHILD_TIMEOUT_S) + 120)
+def test_doctor_is_green_on_the_gpu(capsys):
+    """The whole command on cuda:N with the compiled kernels (conftest.py leaves
+    TRITON_INTERPRET unset where a GPU is visible; the cuda marker skips this test otherwise)."""
+    rc, report = _doctor(capsys)
+    _check_green(report, rc, gpu=True)
 
 
 def test_doctor_fails_when_a_kernel_disagrees_with_the_reference(capsys, monkeypatch):

@@ -31,8 +31,9 @@ SAMPLE = 300
 
 
 def _base(corpus: Path, ckpt: Path) -> list[str]:
+    # --device cpu: 2 gloo ranks whatever GPUs are visible (auto would take one per GPU).
     return ["--data", str(corpus), "--steps", str(STEPS), "--batch-size", "16",
-            "--eval-seqs", "8", "--ckpt-dir", str(ckpt), "--no-progress"]
+            "--eval-seqs", "8", "--ckpt-dir", str(ckpt), "--device", "cpu", "--no-progress"]
 
 
 @pytest.fixture(scope="module")

@@ -38,8 +38,9 @@ from fusedzero.app.model import GPT, GPTConfig
 from fusedzero.checkpoint import format as ckformat
 from fusedzero.checkpoint.rank_state import pack, unpack
 
+# --device cpu: gloo ranks on the CPU whatever GPUs are visible (auto would take one per GPU).
 TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
-        "--batch-size", "2", "--eval-seqs", "2", "--no-progress"]
+        "--batch-size", "2", "--eval-seqs", "2", "--device", "cpu", "--no-progress"]
 
 
 @pytest.fixture()

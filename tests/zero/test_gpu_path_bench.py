@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -16,8 +17,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _timeline() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_timeline", ROOT / "bench/gpu/timeline.py")
+def _bench_script(name: str) -> ModuleType:
+    """bench/gpu/NAME.py as a module (bench/ is no package)."""
+    spec = importlib.util.spec_from_file_location(f"gpu_{name}", ROOT / f"bench/gpu/{name}.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -25,7 +27,7 @@ def _timeline() -> ModuleType:
 
 
 def test_exposed_fraction_counts_comm_no_compute_overlaps() -> None:
-    t = _timeline()
+    t = _bench_script("timeline")
     kernels = [
         (0.0, 10.0, "ampere_sgemm"),           # compute 0-10
         (5.0, 15.0, "ncclDevKernel_AllGather"),  # 5-10 hidden, 10-15 exposed
@@ -41,6 +43,27 @@ def test_exposed_fraction_counts_comm_no_compute_overlaps() -> None:
     assert r["exposed_fraction"] == 7.0 / 32.0
     assert t.minus([(0, 1)], []) == 1.0 and t.minus([], [(0, 1)]) == 0.0
     assert t.union([(3, 4), (0, 2), (1, 3)]) == [(0, 4)]
+
+
+def test_run_sh_suite_steps_and_the_report_agree(tmp_path: Path) -> None:
+    """run.sh's pytest runs (the dry run skips them) write what report.py reads, and none runs
+    the interpreter with the GPU visible (the doctor and the cuda tests refuse that state)."""
+    report = _bench_script("report")
+    script = (ROOT / "bench/gpu/run.sh").read_text()
+    written = script[:script.index('> "$R/pytest.json"')]
+    written = written[written.rindex("printf '"):]  # the printf that writes pytest.json
+    assert re.findall(r'"(\w+)": %s', written) == [k for k, _, _ in report.PYTEST_RUNS]
+    for _, log, _ in report.PYTEST_RUNS:
+        assert f'> "$R/{log}" 2>&1' in script, log
+    pytest_lines = [ln for ln in script.replace("\\\n", " ").splitlines() if "-m pytest" in ln]
+    assert len(pytest_lines) == 4  # the kernel benchmark, then the three suite runs
+    for ln in pytest_lines[1:]:
+        assert ("env -u TRITON_INTERPRET" in ln) != ("CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1"
+                                                    in ln), ln
+    (tmp_path / "pytest_suite.txt").write_text("...\n3 passed, 1 skipped in 2.00s\n")
+    assert report.tests_section(tmp_path, {"cuda": 0, "suite": 1}) == [
+        "- `pytest -m cuda`: exit 0: (no log)",
+        "- `pytest (the whole suite, GPU visible)`: exit 1: 3 passed, 1 skipped in 2.00s"]
 
 
 @pytest.mark.slow
