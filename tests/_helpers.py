@@ -5,7 +5,12 @@ Library-side helpers (ranks on gloo, a fake process group) are `fusedzero.testin
 """
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import time
+import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -92,3 +97,48 @@ def copy_root(src: Path, tmp_path: Path, tag: str = "c") -> Path:
     dst = tmp_path / tag
     shutil.copytree(src, dst, symlinks=True)
     return dst
+
+
+def run_forked(body: Callable[[], None], out_dir: Path, timeout: float = 120.0,
+               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """`body()` in a fork of this process, as a subprocess would run it but without a fresh
+    interpreter importing torch (seconds): its own stdout and stderr (files in `out_dir`), `env`
+    added to its environment, one torch thread; a crash (SIGSEGV) or an exception is its exit
+    status, never this process's. Not where torch sees a GPU: a fork keeps the parent's CUDA
+    state, which no environment variable can hide from it."""
+    out, err = out_dir / "forked.out", out_dir / "forked.err"
+    pid = os.fork()
+    if pid == 0:  # the child: never returns into pytest
+        code = 1
+        try:
+            for fd, path in ((1, out), (2, err)):
+                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the child's own
+            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
+            os.environ.update(env or {})
+            # A fork of a process whose OpenMP pool has run hangs in its first parallel region
+            # (libgomp is not fork-safe), and this one may have run it (`fusedzero train` in
+            # process sets a rank's threads): one thread, as every test runs (conftest.py).
+            torch.set_num_threads(1)
+            try:
+                body()
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            except BaseException:  # noqa: BLE001 - the body's error is its output
+                traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise subprocess.TimeoutExpired([f"fork of {os.getpid()}"], timeout)
+        time.sleep(0.02)
+    return subprocess.CompletedProcess([f"fork of {os.getpid()}"],
+                                       os.waitstatus_to_exitcode(done[1]),
+                                       out.read_text(errors="replace"),
+                                       err.read_text(errors="replace"))

@@ -17,7 +17,9 @@ language and the rest flags:
 - ```sh slow tested-by=FILE      checked for syntax only: FILE (a test module) runs the same
                                   commands with its own assertions, so the suite does not pay for
                                   them twice; every script path and `fusedzero` subcommand of the
-                                  block must appear in FILE.
+                                  block must appear in FILE. On a python block: FILE reads the
+                                  block from its page (which it must name) and runs it, or checks
+                                  it equals a copy that runs.
 - ```text, ```console, a bare ``` and any other language: output or prose, never run.
 
 Each block runs as a subprocess in its file's temporary folder: the blocks of one Markdown file
@@ -45,10 +47,14 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+from _cli_server import CliServer
+from _helpers import run_forked
 
 REPO = Path(__file__).resolve().parents[2]
 DOC_FILES = ["README.md", *sorted(p.relative_to(REPO).as_posix()
@@ -139,11 +145,13 @@ def _params() -> list:
             if b.lang in RUN_LANGS]
 
 
-def _env(block: Block) -> dict[str, str]:
-    """The environment `block` runs in: this one, the venv first on PATH, and the GPU hidden
-    unless the block is flagged `cuda`."""
+def _env(block: Block, cli: Path | None = None) -> dict[str, str]:
+    """The environment `block` runs in: this one, the venv first on PATH (after `cli`, the
+    folder of the CLI server's `fusedzero`, where given), and the GPU hidden unless the block is
+    flagged `cuda`."""
     env = dict(os.environ)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    first = [str(cli)] if cli is not None else []
+    env["PATH"] = os.pathsep.join([*first, str(Path(sys.executable).parent), env.get("PATH", "")])
     env.setdefault("PYTHONWARNINGS", "ignore")
     if "cuda" not in block.flags:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -154,9 +162,25 @@ def _env(block: Block) -> dict[str, str]:
 _WORK: dict[str, Path] = {}
 
 
+@pytest.fixture(scope="session")
+def cli_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[], Path]]:
+    """The folder of the CLI server's `fusedzero` (tests/app/_cli_server.py), started at the
+    first sh block that needs it, stopped at the end of the session."""
+    servers: list[CliServer] = []
+
+    def folder() -> Path:
+        if not servers:
+            servers.append(CliServer(tmp_path_factory.mktemp("cli"),
+                                     env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}))
+        return servers[0].folder
+    yield folder
+    for s in servers:
+        s.close()
+
+
 @pytest.mark.parametrize("block", _params())
-def test_block_runs(block: Block, tmp_path: Path,
-                    tmp_path_factory: pytest.TempPathFactory) -> None:
+def test_block_runs(block: Block, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                    cli_server: Callable[[], Path]) -> None:
     nproc = [f for f in block.flags if f.startswith("nproc=")]
     tested_by = [f for f in block.flags if f.startswith("tested-by=")]
     unknown = block.flags - FLAGS - set(nproc) - set(tested_by)
@@ -191,7 +215,10 @@ def test_block_runs(block: Block, tmp_path: Path,
         if cmd == [sys.executable, str(script)] and hasattr(os, "fork") and not CUDA_SEEN:
             p = _run_python_forked(script, work, timeout, _env(block))
         else:
-            p = subprocess.run(cmd, cwd=work, env=_env(block), capture_output=True, text=True,
+            # sh blocks' `fusedzero` is the CLI server's (not for a GPU: it hides it).
+            cli = (cli_server() if cmd[:2] == ["bash", "-euo"] and "cuda" not in block.flags
+                   else None)
+            p = subprocess.run(cmd, cwd=work, env=_env(block, cli), capture_output=True, text=True,
                                timeout=timeout, check=False)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{block.where}: the block ran past {e.timeout} s:\n{block.code}")
@@ -206,58 +233,33 @@ def _run_python_forked(script: Path, cwd: Path, timeout: float,
     """`python script` in cwd, as a fork of this process: the same interpreter with torch and
     fusedzero already imported (a fresh one spends seconds importing them), run as __main__
     with its own stdout and stderr; the block cannot touch this process's state."""
-    out, err = script.with_suffix(".out"), script.with_suffix(".err")
-    pid = os.fork()
-    if pid == 0:  # the child: never returns into pytest
-        code = 1
-        try:
-            import runpy
-            import traceback
-            import warnings
-            for fd, path in ((1, out), (2, err)):
-                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-            sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115 - the child's own
-            sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-            os.environ.update(env or {})
-            # A fork of a process whose OpenMP pool has run hangs in its first parallel region
-            # (libgomp is not fork-safe), and this one may have run it (`fusedzero train` in
-            # process sets a rank's threads): one thread, as every test runs (conftest.py).
-            torch.set_num_threads(1)
-            warnings.simplefilter("ignore")
-            os.chdir(cwd)
-            sys.argv = [str(script)]
-            sys.path.insert(0, str(script.parent))
-            try:
-                runpy.run_path(str(script), run_name="__main__")
-                code = 0
-            except SystemExit as e:
-                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            except BaseException:  # noqa: BLE001 - the block's error is its output
-                traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    deadline = time.monotonic() + timeout
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0:
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            raise subprocess.TimeoutExpired([str(script)], timeout)
-        time.sleep(0.02)
-    return subprocess.CompletedProcess([str(script)], os.waitstatus_to_exitcode(done[1]),
-                                       out.read_text(errors="replace"),
-                                       err.read_text(errors="replace"))
+
+    def body() -> None:
+        import runpy
+        import warnings
+        warnings.simplefilter("ignore")
+        os.chdir(cwd)
+        sys.argv = [str(script)]
+        sys.path.insert(0, str(script.parent))
+        runpy.run_path(str(script), run_name="__main__")
+    return run_forked(body, script.parent, timeout, env)
 
 
 def _check_tested_by(block: Block, test_file: Path) -> None:
-    """A block another test runs: its syntax, and that the test names what the block runs."""
-    assert block.lang == "sh", f"{block.where}: tested-by is for sh blocks"
+    """A block another test runs: its syntax, and that the test names what the block runs (an
+    sh block's scripts and `fusedzero` subcommands; a python block's page, whose copy the test
+    reads)."""
     assert test_file.is_file() and test_file.name.startswith("test_"), (
         f"{block.where}: tested-by names {test_file}, which is no test module")
+    text = test_file.read_text()
+    if block.lang == "python":
+        compile(block.code, block.where, "exec")
+        page = Path(block.file).name
+        assert page in text, f"{block.where}: {test_file.name} does not read {page}"
+        return
+    assert block.lang == "sh", f"{block.where}: tested-by is for sh and python blocks"
     p = subprocess.run(["bash", "-n"], input=block.code, capture_output=True, text=True)
     assert p.returncode == 0, f"{block.where}: {p.stderr}"
-    text = test_file.read_text()
     words = block.code.split()
     wanted = {w for w in words if "/" in w and w.endswith((".sh", ".py"))}
     wanted |= {b for a, b in zip(words, words[1:]) if a == "fusedzero"}
@@ -291,7 +293,7 @@ def test_a_failing_block_names_its_file_line_and_code(
         tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     bad = Block("docs/x.md", 7, "sh", frozenset({"install-only"}), "if then fi\n")
     with pytest.raises(pytest.fail.Exception) as e:
-        test_block_runs(bad, tmp_path, tmp_path_factory)
+        test_block_runs(bad, tmp_path, tmp_path_factory, lambda: tmp_path)
     msg = str(e.value)
     assert msg.startswith("docs/x.md:7: the ```sh block exited with 2:\nif then fi\n"), msg
     assert "syntax error" in msg

@@ -27,10 +27,6 @@ EXEMPT = {
     "app/test_entry.py": "tests which argvs start the fork server; nothing is launched",
     "app/test_suite_devices.py": "this scan: its lists are patterns and made-up sources",
 }
-# Modules whose gaps are known and owned by another change: xfail until fixed (then they pass).
-PENDING = {
-    "app/test_tp_train.py": "TINY lacks --device cpu (issue 32; its owner adds it)",
-}
 _LAUNCH_RUN = ("fusedzero.app.launch", "run")
 
 
@@ -173,22 +169,15 @@ def _unstated(module: str) -> list[str]:
 
 
 def test_train_argvs_state_their_device(one_gpu: None) -> None:
-    bad = [b for m in _module_files() if m not in EXEMPT and m not in PENDING
+    bad = [b for m in _module_files() if m not in EXEMPT
            for b in _unstated(m)]
     assert not bad, ("`fusedzero train` argvs that leave the device to auto (on a GPU machine "
                      "it takes the GPUs; pass --device cpu):\n" + "\n".join(bad))
 
 
-@pytest.mark.parametrize("module", [pytest.param(m, marks=pytest.mark.xfail(
-    reason=why, strict=False)) for m, why in PENDING.items()])
-def test_pending_modules(module: str, one_gpu: None) -> None:
-    bad = _unstated(module)
-    assert not bad, "\n".join(bad)
-
-
 def test_exempt_and_pending_name_modules_that_exist() -> None:
-    missing = sorted((set(EXEMPT) | set(PENDING)) - set(_module_files()))
-    assert not missing, f"EXEMPT/PENDING entries that name no test module: {missing}"
+    missing = sorted(set(EXEMPT) - set(_module_files()))
+    assert not missing, f"EXEMPT entries that name no test module: {missing}"
 
 
 def test_the_scan_finds_what_it_should(one_gpu: None) -> None:

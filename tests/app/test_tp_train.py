@@ -18,8 +18,8 @@ from fusedzero.app.model import GPT, GPTConfig
 from fusedzero.app.tp_plan import local_groups, local_shape
 from fusedzero.plan import PlanConfig, plan_groups
 
-TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
-        "--batch-size", "8", "--steps", "4", "--warmup", "1", "--lr", "3e-3",
+TINY = ["--device", "cpu", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
+        "--block-size", "32", "--batch-size", "8", "--steps", "4", "--warmup", "1", "--lr", "3e-3",
         "--eval-seqs", "8", "--no-progress", "--sample-tokens", "0", "--stage", "2"]
 
 

@@ -18,7 +18,7 @@ README = REPO / "README.md"
 
 
 def doc_example(doc: Path = DOC) -> str:
-    blocks = re.findall(r"```python slow nproc=4\n(.*?)```", doc.read_text(), flags=re.S)
+    blocks = re.findall(r"```python slow nproc=4[^\n]*\n(.*?)```", doc.read_text(), flags=re.S)
     assert len(blocks) == 1, f"{doc} should hold one ```python slow nproc=4 block, found " \
                              f"{len(blocks)}"
     return blocks[0]

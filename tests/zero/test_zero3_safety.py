@@ -2,15 +2,13 @@
 params touched outside a forward, and state dicts."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from _helpers import run_forked
 from fusedzero.optim import ZeroAdamW
 
 
@@ -63,29 +61,22 @@ def test_stage3_step_frees_in_flight_gathers_before_the_kernel(monkeypatch) -> N
 
 
 # Touching a stage-3 param outside a forward used to read freed memory: rc 139 (SIGSEGV). Each
-# case runs in its own interpreter so a crash fails the test instead of the test run.
-TOUCH = r'''
-import sys, torch
-sys.path.insert(0, {tests!r})
-from test_zero3_safety import _setup
-model, opt = _setup()
-x = torch.randn(8, 16)
-model(x).square().mean().backward()
-opt.step()
-p = model.blocks[1].weight
-{action}
-print("survived", tuple(p.shape))
-'''
+# case runs in a fork of the test process, so a crash fails the test instead of the test run.
+def _touch(action: str) -> None:
+    model, opt = _setup()
+    x = torch.randn(8, 16)
+    model(x).square().mean().backward()
+    opt.step()
+    p = model.blocks[1].weight
+    exec(action, {"p": p})
+    print("survived", tuple(p.shape))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("action", ["print(p)", "print(p.norm())", "p.data.fill_(1.0)",
                                     "print(p.sum() + 1)"])
-def test_stage3_param_touched_outside_forward_does_not_crash(action: str) -> None:
-    code = TOUCH.format(tests=str(Path(__file__).parent), action=action)
-    env = {**os.environ, "FUSEDZERO_BACKEND": "torch"}
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                       timeout=120, env=env)
+def test_stage3_param_touched_outside_forward_does_not_crash(action: str, tmp_path: Path
+                                                             ) -> None:
+    p = run_forked(lambda: _touch(action), tmp_path, env={"FUSEDZERO_BACKEND": "torch"})
     assert p.returncode == 0, f"{action}: rc {p.returncode}\n{p.stderr[-2000:]}"
     assert "survived (0,)" in p.stdout, p.stdout  # empty while freed: visibly not the value
 
