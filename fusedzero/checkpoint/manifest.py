@@ -43,7 +43,7 @@ _MAX_DEPTH = 32
 # shard per bucket, 2**28 fp32 / 2**29 bf16 elements at W=1024) and default stage-3 units (one
 # per layer), at the stage and param dtype that spell the most: stage 3 with fp32 params, 162
 # flat buffers per rank. Counted from the layouts (fusedzero.plan.model_layouts; recomputed by
-# tests/zero/test_scale_ckpt.py): 409 buckets cut the params into 346,656 segments over all
+# tests/checkpoint/test_scale_ckpt.py): 409 buckets cut the params into 346,656 segments over all
 # ranks, each spelled by json.dumps(indent=1) at its depth in at most 78 bytes, and every rank
 # lists 162 group entries of at most 156 bytes besides their segments. Each rank's packed RNG
 # state is 19,000 bytes of base64 (torch, python, numpy); 64 KiB per rank (state, rank and file

@@ -260,7 +260,7 @@ def test_latest_is_read_a_few_kb_at_most(good: Path, tmp_path: Path) -> None:
 def test_manifest_cap_is_enforced_when_reading_and_saving(
         good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The cap's computation (1024 ranks x 70B) is in fusedzero/checkpoint/manifest.py, checked
-    # by tests/zero/test_scale_ckpt.py: far below the 1 GiB of before, above 1024 rank states.
+    # by tests/checkpoint/test_scale_ckpt.py: far below the 1 GiB of before, above 1024 rank states.
     assert 1024 * (64 << 10) < ck.manifest.MAX_MANIFEST < 300 * 10**6
     root = copy(good, tmp_path)
     size = (ck.resolve(root) / ck.MANIFEST).stat().st_size
