@@ -97,7 +97,9 @@ class Block(nn.Module):
 class Llama(nn.Module):
     def __init__(self, s: LlamaShape) -> None:
         super().__init__()
-        self.embed = nn.Embedding(s.vocab, s.d)
+        # `_weight`: no init (the normal_ of a meta tensor runs torch's Python reference
+        # decomposition, ~15 ms; nothing needs values here).
+        self.embed = nn.Embedding(s.vocab, s.d, _weight=torch.empty(s.vocab, s.d))
         self.layers = nn.ModuleList(Block(s) for _ in range(s.n_layer))
         self.norm = nn.RMSNorm(s.d)
         self.head = nn.Linear(s.d, s.vocab, bias=False)
