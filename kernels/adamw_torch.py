@@ -43,16 +43,31 @@ class Combo:
     """The torch path's lists for one combination's pieces (see the module docstring)."""
 
     def __init__(self, pieces: list[Piece], num_rows: int, chunk: int | None = None) -> None:
-        chunk = CHUNK if chunk is None else chunk
-        views = [[t[s:s + p.numel] for t, s in zip(p.tensors, p.starts)] for p in pieces]
-        self.cast = views[0][AdamWCol.GRAD.stream].dtype != torch.float32
-        self.has_out = len(views[0]) > AdamWCol.OUT.stream
+        self._chunk = CHUNK if chunk is None else chunk
+        self._pieces = pieces
+        first = pieces[0].tensors
+        self.cast = first[AdamWCol.GRAD.stream].dtype != torch.float32
+        self.has_out = len(first) > AdamWCol.OUT.stream
         self.total = sum(p.numel for p in pieces)
-        blocked = self.cast or self.has_out
         # One workspace for every chunk: it stays in cache.
-        self._ws = (torch.empty(min(chunk, self.total), dtype=torch.float32,
-                                device=views[0][0].device) if self.cast else None)
-        self.chunks: list[_Chunk] = []
+        self._ws = (torch.empty(min(self._chunk, self.total), dtype=torch.float32,
+                                device=first[0].device) if self.cast else None)
+        self._chunks: list[_Chunk] | None = None
+
+    @property
+    def chunks(self) -> list[_Chunk]:
+        """The tensor lists, built at the first use (a few seconds for billions of elements:
+        an optimizer built only to be measured or saved, as `fusedzero.emulate` builds W of
+        them, never pays it)."""
+        if self._chunks is None:
+            self._chunks = self._build()
+        return self._chunks
+
+    def _build(self) -> list[_Chunk]:
+        chunk, pieces = self._chunk, self._pieces
+        views = [[t[s:s + p.numel] for t, s in zip(p.tensors, p.starts)] for p in pieces]
+        blocked = self.cast or self.has_out
+        chunks: list[_Chunk] = []
         for row in sorted({p.row for p in pieces}):
             cur = _Chunk(row)
             for p, v in zip(pieces, views):
@@ -61,13 +76,14 @@ class Combo:
                 lo = 0
                 while lo < p.numel:
                     if blocked and cur.numel == chunk:
-                        self.chunks.append(cur)
+                        chunks.append(cur)
                         cur = _Chunk(row)
                     n = p.numel - lo if not blocked else min(p.numel - lo, chunk - cur.numel)
                     self._add(cur, [t[lo:lo + n] for t in v], n)
                     lo += n
             if cur.numel:
-                self.chunks.append(cur)
+                chunks.append(cur)
+        return chunks
 
     def _add(self, c: _Chunk, v: list[torch.Tensor], n: int) -> None:
         c.masters.append(v[AdamWCol.MASTER.stream])
