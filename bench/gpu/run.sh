@@ -49,9 +49,13 @@ fi
 mkdir -p "$R"
 R=$(cd "$R" && pwd)
 cd "$RUNDIR"  # nothing below may import ./fusedzero of the source tree
-"$PY" -c "import fusedzero, fusedzero.kernels; print('run.sh: fusedzero from', fusedzero.__file__)"
+# One interpreter for both questions (each start imports torch: seconds).
+info=$("$PY" -c "import torch, fusedzero, fusedzero.kernels
+print('run.sh: fusedzero from', fusedzero.__file__)
+print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu (dry run)')")
+echo "${info%%$'\n'*}"
+machine=${info#*$'\n'}
 commit=${FUSEDZERO_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)}
-machine=$("$PY" -c "import torch; print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu (dry run)')")
 printf '{"commit": "%s", "date": "%s", "machine": "%s", "gpus": %s, "dry_run": %s}\n' \
   "$commit" "$(date -u +%F)" "$machine" "$N" "$([[ $DRY == 1 ]] && echo true || echo false)" \
   > "$R/meta.json"
