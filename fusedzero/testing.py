@@ -213,6 +213,18 @@ class _Pool:
 atexit.register(reuse_ranks, False)
 
 
+def _forget_pools() -> None:
+    """In a fork of this process: the pools are the parent's (their ranks take the parent's
+    tasks), and a fork that leaves through os._exit never runs atexit, so pools it started
+    would outlive it. A fork starts fresh ranks for each run instead."""
+    global _REUSE
+    _REUSE = False
+    _POOLS.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pools)
+
+
 @contextlib.contextmanager
 def fake_group(rank: int, world_size: int) -> Iterator[None]:
     """This process as `rank` of `world_size` in torch's "fake" process group: collectives

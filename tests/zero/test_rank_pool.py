@@ -7,6 +7,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,6 @@ import torch.distributed as dist
 from fusedzero import testing
 from fusedzero.testing import run_ranks
 
-pytestmark = pytest.mark.slow  # spawns ranks
 
 
 def _pid_and_sum(rank: int, world: int) -> tuple[int, float]:
@@ -37,6 +37,7 @@ def _leave_the_group(rank: int, world: int) -> int:
     return rank
 
 
+@pytest.mark.slow  # spawns ranks
 def test_ranks_are_reused_and_a_failure_starts_fresh_ones() -> None:
     assert testing._REUSE  # tests/conftest.py turned it on
     first = run_ranks(_pid_and_sum, 3)
@@ -51,6 +52,7 @@ def test_ranks_are_reused_and_a_failure_starts_fresh_ones() -> None:
     assert not {p for p, _ in after} & {p for p, _ in first}  # the failed pool was replaced
 
 
+@pytest.mark.slow  # spawns ranks
 def test_a_body_that_breaks_the_group_returns_and_is_not_reused() -> None:
     before = {p for p, _ in run_ranks(_pid_and_sum, 2)}
     assert run_ranks(_leave_the_group, 2, timeout=120) == [0, 1]
@@ -58,6 +60,7 @@ def test_a_body_that_breaks_the_group_returns_and_is_not_reused() -> None:
     assert not before & after
 
 
+@pytest.mark.slow  # spawns ranks
 def test_a_pool_with_a_rank_killed_from_outside_is_replaced() -> None:
     first = [p for p, _ in run_ranks(_pid_and_sum, 2)]
     os.kill(first[1], signal.SIGKILL)
@@ -67,3 +70,19 @@ def test_a_pool_with_a_rank_killed_from_outside_is_replaced() -> None:
         time.sleep(0.05)
     after = run_ranks(_pid_and_sum, 2)
     assert [s for _, s in after] == [3.0, 3.0] and not set(first) & {p for p, _ in after}
+
+
+def _pools_in_a_fork() -> None:
+    assert not testing._POOLS and not testing._REUSE, (testing._POOLS, testing._REUSE)
+
+
+def test_a_fork_does_not_inherit_the_pools(monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    """A fork of the test process (a forked docs block that calls run_ranks) must not use the
+    parent's pools (their ranks take the parent's tasks) nor keep its own: it leaves through
+    os._exit, without atexit, and its pool's ranks outlived the session."""
+    from _helpers import run_forked
+    monkeypatch.setitem(testing._POOLS, ("parent", ()), object())
+    p = run_forked(_pools_in_a_fork, tmp_path)
+    assert p.returncode == 0, p.stderr
+    assert ("parent", ()) in testing._POOLS and testing._REUSE
