@@ -1,4 +1,4 @@
-"""The defaults README.md and docs/train.md state are the CLI's and the library's (issue 30: the
+"""The defaults README.md and docs/train.md state are the CLI's and the library's (the
 README once ran stage 1 where the CLI defaults to 2, and said params were bf16 on CPU where the
 run is fp32). Each claim is read from the page's text; a reworded claim fails here by name."""
 from __future__ import annotations

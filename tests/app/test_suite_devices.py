@@ -1,4 +1,4 @@
-"""Every test that starts `fusedzero train` states its device (issue 32): on a GPU machine the
+"""Every test that starts `fusedzero train` states its device: on a GPU machine the
 default, `--device auto`, takes one rank per GPU and refuses `--nproc 2` on one GPU.
 
 A scan of tests/ sources (ast; no test module is imported or run) finds each argv of
