@@ -4,7 +4,6 @@
 checkpoint through `weights.export`."""
 from __future__ import annotations
 
-import json
 import os
 import re
 from pathlib import Path
@@ -14,7 +13,7 @@ import torch
 
 from fusedzero.checkpoint import weights
 from fusedzero.checkpoint.catalog import read_manifest, resolve
-from fusedzero.checkpoint.format import SafetensorsWriter, check_replaceable, write_text_atomic
+from fusedzero.checkpoint.format import SafetensorsWriter
 from fusedzero.checkpoint.manifest import CheckpointError
 from fusedzero.checkpoint.placements import TP_FILE, check_bound, folder, full_of, read
 from fusedzero.checkpoint.weights import Exported
@@ -92,28 +91,14 @@ def export_tp(root: str | os.PathLike[str], out: str | os.PathLike[str], *,
 
 def _write(full: dict[str, torch.Tensor], out: Path, max_shard_bytes: int | None
            ) -> tuple[list[Path], Path | None, int]:
-    """`full` as `out`, or as `stem-0000k-of-0000n.safetensors` beside it plus
-    `out.index.json` when it exceeds `max_shard_bytes` (names in order, a shard closed before
-    the tensor that would overflow it): (files, index, tensor bytes)."""
-    shard_of, k, used = [], 0, 0
-    for t in full.values():
-        nbytes = t.numel() * t.element_size()
-        if max_shard_bytes is not None and used and used + nbytes > max_shard_bytes:
-            k, used = k + 1, 0
-        shard_of.append(k)
-        used += nbytes
-    n = k + 1
-    stem = out.name.removesuffix(".safetensors")
-    files = [out] if n == 1 else [out.with_name(f"{stem}-{j + 1:05d}-of-{n:05d}.safetensors")
-                                  for j in range(n)]
-    index = out.with_name(out.name + ".index.json") if n > 1 else None
-    for f in [*files, *([index] if index else [])]:
-        check_replaceable(f, "export output")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    """`full` as `out`, or as HF-style shards plus an index (`weights.shard_files`):
+    (files, index, tensor bytes)."""
     names = list(full)
+    sizes = [full[x].numel() * full[x].element_size() for x in names]
+    cut, files, index = weights.shard_files(out, sizes, max_shard_bytes)
     weight_map = {}
-    for j, f in enumerate(files):
-        mine = [x for x, s in zip(names, shard_of) if s == j]
+    for f, c in zip(files, cut):
+        mine = [names[i] for i in c]
         w = SafetensorsWriter(f, [(x, full[x].dtype, tuple(full[x].shape)) for x in mine],
                               {"format": "pt"})
         try:
@@ -124,8 +109,6 @@ def _write(full: dict[str, torch.Tensor], out: Path, max_shard_bytes: int | None
             w.abort()
             raise
         w.close()
-    total = sum(t.numel() * t.element_size() for t in full.values())
-    if index is not None:
-        write_text_atomic(index, json.dumps({"metadata": {"total_size": total},
-                                              "weight_map": weight_map}, indent=1))
+    total = sum(sizes)
+    weights.write_index(index, total, weight_map)
     return files, index, total

@@ -59,24 +59,8 @@ def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     for p in m["params"]:
         numel = math.prod(p["shape"])
         units.append((p, [p["name"], *p.get("aliases", [])], numel * dtypes.itemsize(dtype)))
-    shards: list[list[Any]] = [[]]
-    size = 0
-    for u in units:
-        ub = u[2] * len(u[1])
-        if max_shard_bytes is not None and shards[-1] and size + ub > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].append(u)
-        size += ub
-    n = len(shards)
-    if n == 1:
-        paths = [out]
-    else:
-        stem = out.name.removesuffix(".safetensors")
-        paths = [out.with_name(f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors") for k in range(n)]
-    for p in [*paths, *([out.with_name(out.name + ".index.json")] if n > 1 else [])]:
-        check_replaceable(p, "export output")
-    out.parent.mkdir(parents=True, exist_ok=True)
+    cut, paths, index = shard_files(out, [u[2] * len(u[1]) for u in units], max_shard_bytes)
+    shards = [[units[i] for i in c] for c in cut]
     peak = Peak()
     total = 0
     weight_map = {}
@@ -101,12 +85,40 @@ def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
                 w.abort()
                 raise
             w.close()
-    index = None
-    if n > 1:
-        index = out.with_name(out.name + ".index.json")
+    write_index(index, total, weight_map)
+    return Exported(paths, index, total, peak.peak)
+
+
+def shard_files(out: Path, sizes: list[int], max_shard_bytes: int | None
+                ) -> tuple[list[list[int]], list[Path], Path | None]:
+    """Where an export of items of `sizes` bytes (in order) goes: each shard's item indices (a
+    shard is closed before the item that would take it past `max_shard_bytes`), its file (`out`
+    alone, or HF-style `stem-0000k-of-0000n.safetensors` beside it) and the index file (None for
+    one file). Refuses outputs that are not replaceable files, then makes `out`'s folder."""
+    cut: list[list[int]] = [[]]
+    size = 0
+    for i, b in enumerate(sizes):
+        if max_shard_bytes is not None and cut[-1] and size + b > max_shard_bytes:
+            cut.append([])
+            size = 0
+        cut[-1].append(i)
+        size += b
+    n = len(cut)
+    stem = out.name.removesuffix(".safetensors")
+    paths = [out] if n == 1 else [out.with_name(f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors")
+                                  for k in range(n)]
+    index = out.with_name(out.name + ".index.json") if n > 1 else None
+    for p in [*paths, *([index] if index else [])]:
+        check_replaceable(p, "export output")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return cut, paths, index
+
+
+def write_index(index: Path | None, total: int, weight_map: dict[str, str]) -> None:
+    """The HF-style index of a sharded export (nothing for one file)."""
+    if index is not None:
         write_text_atomic(index, json.dumps({"metadata": {"total_size": total},
                                               "weight_map": weight_map}, indent=1))
-    return Exported(paths, index, total, peak.peak)
 
 
 Piece = tuple[str, str, int, int, int]  # (file, tensor key, local, start, length)
