@@ -92,6 +92,22 @@ def two_step_root(root: Path, build: Callable[[], tuple[GPT, ZeroAdamW]]) -> Pat
     return root
 
 
+def refused_then_upgraded(old: Path, opt: ZeroAdamW, version: int, root: Path) -> Path:
+    """A checkpoint of an older format `version`: `verify` and `load` refuse it, naming the
+    converter; `fusedzero ckpt upgrade` writes `root` (checking every sha256 first), which
+    verifies as format 3."""
+    from fusedzero import checkpoint as ck
+    from fusedzero.app.ckpt_cli import main as ckpt_main
+    for call in (lambda: ck.verify(old), lambda: ck.load(opt, old)):
+        with pytest.raises(ck.CheckpointError, match=rf"format version {version}, .* convert it "
+                                                     r"with `fusedzero ckpt upgrade"):
+            call()
+    assert ckpt_main(["ckpt", "upgrade", str(old), str(root)]) == 0
+    ck.verify(root)
+    assert ck.read_manifest(root)["version"] == 3
+    return root
+
+
 def copy_root(src: Path, tmp_path: Path, tag: str = "c") -> Path:
     """A copy of a checkpoint root to tamper with (symlinks kept as links)."""
     dst = tmp_path / tag

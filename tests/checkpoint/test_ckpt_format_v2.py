@@ -20,8 +20,8 @@ import pytest
 import safetensors.torch
 import torch
 
+from _helpers import refused_then_upgraded
 from fusedzero import checkpoint as ck
-from fusedzero.app.ckpt_cli import main as ckpt_main
 from fusedzero.memory_modes import QBLOCK
 from fusedzero.optim import ZeroAdamW
 
@@ -75,15 +75,8 @@ def upgraded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = gen.make_model()
     opt = ZeroAdamW(gen.param_groups(model), stage=2, module=model, param_dtype=torch.bfloat16,
                     **gen.MODES)
-    for call in (lambda: ck.verify(old), lambda: ck.load(opt, old)):
-        with pytest.raises(ck.CheckpointError, match=r"format version 2, .* convert it with "
-                                                     r"`fusedzero ckpt upgrade"):
-            call()
-    root = tmp / "root"
-    assert ckpt_main(["ckpt", "upgrade", str(old), str(root)]) == 0  # checks every sha256 first
-    ck.verify(root)
-    m = ck.read_manifest(root)
-    assert m["version"] == 3 and m["modes"] == gen.MODES
+    root = refused_then_upgraded(old, opt, 2, tmp / "root")
+    assert ck.read_manifest(root)["modes"] == gen.MODES
     return root
 
 
