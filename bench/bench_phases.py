@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import os
 import statistics
 import sys
@@ -338,13 +339,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--no-hooks", dest="hooks", action="store_false")
     p.add_argument("--no-phases", dest="phases", action="store_false")
+    p.add_argument("--json", type=Path, help="also write the raw times here (bench/gpu/report.py)")
     args = p.parse_args(argv)
+    record: dict[str, object] = {"device": str(device()), "torch": torch.__version__,
+                                 "phases": {}, "shapes": {}}
+    if torch.cuda.is_available():
+        record["device_name"] = torch.cuda.get_device_name()
     if args.phases:
         for model in (("llama", "gpt") if args.model == "both" else (args.model,)):
-            print(format_phases(model, measure_phases(model, steps=args.steps, full=args.full)))
+            times = measure_phases(model, steps=args.steps, full=args.full)
+            cfg, batch = model_shape(model, args.full)
+            record["phases"][model] = times  # type: ignore[index]
+            record["shapes"][model] = {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd,  # type: ignore[index]
+                                       "batch": batch, "tokens": cfg.block_size}
+            print(format_phases(model, times))
             print()
     if args.hooks:
-        print(format_hooks(measure_hooks()))
+        record["hooks"] = med = measure_hooks()
+        print(format_hooks(med))
+    if args.json:
+        args.json.write_text(json.dumps(record, indent=1) + "\n")
     return 0
 
 

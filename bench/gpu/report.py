@@ -10,6 +10,7 @@ import argparse
 import importlib.util
 import json
 import re
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +190,34 @@ def multi_section(runs: list[dict[str, Any]]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def phases_section(d: dict[str, Any]) -> str:
+    """bench/bench_phases.py --json: each phase's median per system, and the hooks' host time."""
+    out = ["## Forward, backward, step and zero_grad apart, W = 1 (`bench/bench_phases.py`)", "",
+           f"{d.get('device_name', d['device'])}, torch {d['torch']}; medians in ms, each phase "
+           "ended by a device synchronize."]
+    phases = ("forward", "backward", "step", "zero_grad")
+    for model, times in d["phases"].items():
+        sh = d["shapes"][model]
+        rows = []
+        for system, t in times.items():
+            med = [statistics.median(t[p]) * 1e3 for p in phases]
+            rows.append([system, *(f"{m:.2f}" for m in med), f"{sum(med):.2f}"])
+        out += ["", f"**{model}**: {sh['n_layer']} layers, d {sh['n_embd']}, {sh['batch']} x "
+                f"{sh['tokens']} tokens, medians of {len(next(iter(times.values()))['step'])} "
+                "steps", "", _table(["system", *phases, "total"], rows)]
+    if "hooks" in d:
+        h = d["hooks"]
+        n = int(next(iter(h.values()))["params"])
+        rows = [[k, f"{v['forward'] * 1e3:.2f}", f"{v['backward'] * 1e3:.2f}",
+                 f"{v['forward_us_per_param']:.1f}", f"{v['backward_us_per_param']:.1f}"]
+                for k, v in h.items()]
+        out += ["", f"Hook host time on this machine's CPU ({n} params of tiny Linear layers, "
+                "thread CPU time; target <= 10 us per param over bare):", "",
+                _table(["system", "forward ms", "backward ms", "forward us/param",
+                        "backward us/param"], rows)]
+    return "\n".join(out)
+
+
 def fake_world_section(d: dict[str, Any]) -> str:
     rows = [[r["stage"], r["world"], ",".join(map(str, r["ranks"])),
              "yes" if r["same_on_every_rank"] else "NO",
@@ -219,7 +248,7 @@ def tests_section(folder: Path, exits: dict[str, int]) -> list[str]:
     run.sh did not make are left out)."""
     lines = []
     for key, name, command in PYTEST_RUNS:
-        if key not in exits:
+        if exits.get(key) is None:  # not run (older run.sh, FUSEDZERO_GPU_SUITE=cuda)
             continue
         log = folder / name
         last = log.read_text().strip().splitlines()[-1:] if log.exists() else ["(no log)"]
@@ -281,6 +310,9 @@ def render(folder: Path) -> str:
                    key=lambda d: d["world_size"])
     if multi:
         parts += ["", multi_section(multi)]
+    phases = _read(folder, "phases.json")
+    if phases is not None:
+        parts += ["", phases_section(phases)]
     fake = _read(folder, "fake_world.json")
     if fake is not None:
         parts += ["", fake_world_section(fake)]

@@ -10,6 +10,8 @@
 # editable install provides) with its bench extras. A real run needs a clean git tree (the
 # results name the commit) unless FUSEDZERO_COMMIT names the commit of a copied checkout.
 # FUSEDZERO_BENCH_MODEL (layers,width,heads,tokens) picks the model; default 12,768,12,1024.
+# FUSEDZERO_GPU_SUITE=cuda runs only the cuda tests of the suite (default all: a lease of minutes
+# has no room for the whole suite, which CI runs on CPU anyway).
 set -euo pipefail
 DRY=0
 if [[ "${1:-}" == "--dry-run" ]]; then DRY=1; shift; fi
@@ -59,49 +61,64 @@ commit=${FUSEDZERO_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null |
 printf '{"commit": "%s", "date": "%s", "machine": "%s", "gpus": %s, "dry_run": %s}\n' \
   "$commit" "$(date -u +%F)" "$machine" "$N" "$([[ $DRY == 1 ]] && echo true || echo false)" \
   > "$R/meta.json"
+# One script of the proof: a failure or a hang (FUSEDZERO_RUN_TIMEOUT seconds) is named in
+# $R/NAME.failed and the rest still runs. Most telling first, so a cut-short run keeps the most.
+piece() {
+  local name=$1
+  shift
+  timeout "${FUSEDZERO_RUN_TIMEOUT:-1800}" "$@" \
+    || echo "run.sh: $name failed or hung (exit $?)" | tee "$R/$name.failed"
+}
 if [[ $DRY == 0 ]]; then
   fusedzero doctor --json > "$R/doctor.json" || echo "doctor: a check failed (see its rows)"
-  (cd "$ROOT/bench" && "$PY" -m pytest bench_update.py -k cuda --benchmark-only \
+  (cd "$ROOT/bench" && piece update "$PY" -m pytest bench_update.py -k cuda --benchmark-only \
      -p no:cacheprovider -q --benchmark-json "$R/update.json")
-  "$PY" "$ROOT/bench/gpu/update_modes.py" "$R/update_modes.json" 1024x4,2048x8,4096x8
-  "$PY" "$ROOT/bench/gpu/probe.py" "$R/probe.json"
-  "$PY" "$ROOT/bench/gpu/wire_kernels.py" "$R/wire_kernels.json"  # docs/wire.md
-  "$PY" "$ROOT/bench/gpu/step_overhead.py" \
-    bare,fusedzero-0,fusedzero-1,fusedzero-2,fusedzero-3,fusedzero-3-keep,ddp+adamw_fused,torch_zero1,fsdp2-keep,fsdp2-reshard \
-    "$R/step_fp32.json"
-  "$PY" "$ROOT/bench/gpu/step_overhead.py" \
-    bare-bf16,fusedzero-0-bf16-r32,fusedzero-1-bf16-r32,fusedzero-2-bf16-r32,fusedzero-3-bf16-r32,fusedzero-0-bf16-r16,fusedzero-2-bf16-r16,fusedzero-3-bf16-r16,fusedzero-3-keep-bf16-r16,fsdp2-keep-bf16-r32,fsdp2-reshard-bf16-r32,fsdp2-keep-bf16-r16,fsdp2-reshard-bf16-r16 \
-    "$R/step_bf16.json"
 else
   echo "run.sh: dry run: doctor, the kernel benchmark, probe, step overhead and pytest skipped"
+  export FUSEDZERO_BENCH_PHASES_STEPS=1 FUSEDZERO_BENCH_PHASES_HOOK_LAYERS=4
+  export FUSEDZERO_BENCH_PHASES_HOOK_ROUNDS=1
 fi
-# Every world size W = 1..N, one process per GPU; a hang ends at the timeout, named here.
+# Every world size W = 1..N, one process per GPU.
 for W in $(seq 1 "$N"); do
-  timeout "${FUSEDZERO_RUN_TIMEOUT:-1800}" "$PY" -m torch.distributed.run --standalone \
-    --nproc_per_node "$W" "$ROOT/bench/gpu/multi.py" "$R/multi_w$W.json" $CPU \
-    || echo "run.sh: multi.py at W=$W failed or hung (exit $?)" | tee "$R/multi_w$W.failed"
+  piece "multi_w$W" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$W" \
+    "$ROOT/bench/gpu/multi.py" "$R/multi_w$W.json" $CPU
 done
-timeout "${FUSEDZERO_RUN_TIMEOUT:-1800}" "$PY" "$ROOT/bench/gpu/fake_world.py" \
-  "$R/fake_world.json" --world 8 $CPU \
-  || echo "run.sh: fake_world.py failed or hung (exit $?)" | tee "$R/fake_world.failed"
+piece fake_world "$PY" "$ROOT/bench/gpu/fake_world.py" "$R/fake_world.json" --world 8 $CPU
+# Forward, backward, step and zero_grad apart (the Llama shape and the step bench's GPT), and our
+# hooks' host time per param (CPU).
+piece phases "$PY" "$ROOT/bench/bench_phases.py" --model "$([[ $DRY == 1 ]] && echo gpt || echo both)" \
+  --json "$R/phases.json"
 if [[ $DRY == 0 ]]; then
+  piece step_bf16 "$PY" "$ROOT/bench/gpu/step_overhead.py" \
+    bare-bf16,fusedzero-0-bf16-r32,fusedzero-1-bf16-r32,fusedzero-2-bf16-r32,fusedzero-3-bf16-r32,fusedzero-0-bf16-r16,fusedzero-2-bf16-r16,fusedzero-3-bf16-r16,fusedzero-3-keep-bf16-r16,fsdp2-keep-bf16-r32,fsdp2-reshard-bf16-r32,fsdp2-keep-bf16-r16,fsdp2-reshard-bf16-r16 \
+    "$R/step_bf16.json"
+  piece step_fp32 "$PY" "$ROOT/bench/gpu/step_overhead.py" \
+    bare,fusedzero-0,fusedzero-1,fusedzero-2,fusedzero-3,fusedzero-3-keep,ddp+adamw_fused,torch_zero1,fsdp2-keep,fsdp2-reshard \
+    "$R/step_fp32.json"
   # The suite from tests/, not the repo root (see above), as docs/gpu_suite.md runs it. With the
   # GPU visible and TRITON_INTERPRET unset (the interpreter is for CPU tensors only; doctor and
   # the cuda tests refuse it): the cuda tests alone (compiled kernels), then the whole suite
   # (CPU tests pin the CPU, cuda tests again). Then the interpreter tests with the GPU hidden.
+  # FUSEDZERO_GPU_SUITE=cuda runs the cuda tests alone (a short lease: CI runs the rest on CPU).
   set +e
   (cd "$ROOT/tests" && env -u TRITON_INTERPRET "$PY" -m pytest -m cuda -q -p no:cacheprovider .) \
     > "$R/pytest_cuda.txt" 2>&1
-  rc_cuda=$?
-  (cd "$ROOT/tests" && env -u TRITON_INTERPRET "$PY" -m pytest -q -p no:cacheprovider .) \
-    > "$R/pytest_suite.txt" 2>&1
-  rc_suite=$?
-  (cd "$ROOT/tests" && CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$PY" -m pytest -m interpreter \
-     -q -p no:cacheprovider .) > "$R/pytest_interpreter.txt" 2>&1
-  rc_interpreter=$?
+  rc_cuda=$? rc_suite=null rc_interpreter=null
+  if [[ "${FUSEDZERO_GPU_SUITE:-all}" == all ]]; then
+    (cd "$ROOT/tests" && env -u TRITON_INTERPRET "$PY" -m pytest -q -p no:cacheprovider .) \
+      > "$R/pytest_suite.txt" 2>&1
+    rc_suite=$?
+    (cd "$ROOT/tests" && CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$PY" -m pytest -m interpreter \
+       -q -p no:cacheprovider .) > "$R/pytest_interpreter.txt" 2>&1
+    rc_interpreter=$?
+  fi
   set -e
   printf '{"cuda": %s, "suite": %s, "interpreter": %s}\n' "$rc_cuda" "$rc_suite" \
     "$rc_interpreter" > "$R/pytest.json"
+  piece update_modes "$PY" "$ROOT/bench/gpu/update_modes.py" "$R/update_modes.json" \
+    1024x4,2048x8,4096x8
+  piece probe "$PY" "$ROOT/bench/gpu/probe.py" "$R/probe.json"
+  piece wire_kernels "$PY" "$ROOT/bench/gpu/wire_kernels.py" "$R/wire_kernels.json"  # docs/wire.md
 fi
 "$PY" "$ROOT/bench/gpu/report.py" "$R" -o "$REPORT"
 echo "run.sh: results in $R, report $REPORT"

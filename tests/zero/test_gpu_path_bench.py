@@ -95,7 +95,12 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
     assert [r["stage"] for r in fake["rows"]] == [1, 2, 3]
     for r in fake["rows"]:
         assert r["same_on_every_rank"] and not r["errors"] and r["trace_events"] > 0, r
+    phases = json.loads((out / "phases.json").read_text())
+    assert set(phases["phases"]["gpt"]) >= {"bare", "fusedzero-2", "fusedzero-3"}
+    assert set(phases["hooks"]) == {"bare", "fusedzero-0", "fusedzero-1", "fusedzero-2",
+                                    "fusedzero-3"}
     report = (out / "REPORT.md").read_text()
+    assert "Forward, backward, step and zero_grad apart" in report
     assert "Every stage at W = 1..N" in report and "Large world on one device" in report
     # The report regenerates from the results alone (docs/gpu.md's second command).
     again = subprocess.run([sys.executable, str(ROOT / "bench/gpu/report.py"), str(out)],
