@@ -76,6 +76,7 @@ class Spec:
     regather: str = ""  # stage 3: "reshard" (free after forward, gather again) or "keep"
     note: str = ""
     wire: str | None = None  # fusedzero: grads cross the network as (docs/wire.md), fp32 sum
+    bench: bool = True  # timed by bench_step.py; False: a parity reference (bench/gpu/multi.py)
 
 
 def _fz(stage: int, precision: str = "fp32", reduce: str = "fp32", regather: str = "") -> Spec:
@@ -89,6 +90,10 @@ SYSTEMS: dict[str, Spec] = {
     "fusedzero-0": _fz(0), "fusedzero-1": _fz(1), "fusedzero-2": _fz(2),
     "fusedzero-3": _fz(3, regather="reshard"), "fusedzero-3-keep": _fz(3, regather="keep"),
     "ddp+adamw_fused": Spec(family="torch", precision="fp32", stages=(0,)),
+    # torch.optim.AdamW's default (foreach): its bias corrections are host float64, where the
+    # fused CUDA kernel's are fp32 on the device (bench/gpu/numerics.py measures both).
+    "ddp+adamw": Spec(family="torch", precision="fp32", stages=(0,), bench=False,
+                      note="torch.optim.AdamW(foreach=True): the fp32 parity reference"),
     "torch_zero1": Spec(family="torch", precision="fp32", stages=(1,)),
     "fsdp2-keep": Spec(family="torch", precision="fp32", stages=(2, 3), regather="keep",
                        note="reshard_after_forward=False"),
@@ -210,11 +215,13 @@ def build(name: str, world: int) -> System:
         return System(name, _train_step(model, opt), [model, opt], params,
                       own_comm=lambda: dict(opt.comm.bytes),
                       memory=lambda: opt.memory()._asdict(), reset_comm=opt.comm.reset)
-    if name in ("ddp+adamw_fused", "torch_zero1"):
+    if name in ("ddp+adamw_fused", "ddp+adamw", "torch_zero1"):
         from torch.nn.parallel import DistributedDataParallel as DDP
         ddp = DDP(model, bucket_cap_mb=BUCKET * 4 / 2**20, gradient_as_bucket_view=True)
-        if name == "ddp+adamw_fused":
-            opt = torch.optim.AdamW(gpt_param_groups(model, WD), lr=LR, fused=True)
+        if name.startswith("ddp+"):
+            opt = torch.optim.AdamW(gpt_param_groups(model, WD), lr=LR,
+                                    **({"fused": True} if name == "ddp+adamw_fused"
+                                       else {"foreach": True}))
         else:
             from torch.distributed.optim import ZeroRedundancyOptimizer
             opt = ZeroRedundancyOptimizer(gpt_param_groups(model, WD),

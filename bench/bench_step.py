@@ -92,7 +92,7 @@ def bare_of(name: str) -> str:
 
 
 def selected(precision: str) -> list[str]:
-    names = [n for n, s in SYSTEMS.items() if s.precision == precision
+    names = [n for n, s in SYSTEMS.items() if s.precision == precision and s.bench
              and (not _ONLY or n in _ONLY or s.family == "bare")]
     return [n for n in names if unavailable(n) is None]
 

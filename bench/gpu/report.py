@@ -190,6 +190,23 @@ def multi_section(runs: list[dict[str, Any]]) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
+def numerics_section(d: dict[str, Any]) -> str:
+    """bench/gpu/numerics.py: each AdamW implementation against float64, and attention's
+    determinism."""
+    rows = [[r["impl"], r.get("error") or f"{r['worst_rel']:.1e}", r.get("past_1e-6", "-")]
+            for r in d["update"]]
+    det = [[r["attention"], "yes" if r["grads_bit_equal"] else "no", f"{r['max_abs_diff']:.1e}"]
+           for r in d["determinism"]]
+    return "\n".join([
+        f"## fp32 numerics (`bench/gpu/numerics.py`, {d['device']}, torch {d['torch']})", "",
+        "5 AdamW steps (lr 3e-3, betas 0.9/0.95, weight decay 0.1) of fp32 params whose grads "
+        "span six decades, against the same steps in float64: worst |x - x64| / max(|x64|, "
+        "1e-3), and the elements past 1e-6 of that.", "",
+        _table(["implementation", "worst relative error", "elements past 1e-6"], rows), "",
+        "The step bench's GPT, forward + backward twice on the same params and batch:", "",
+        _table(["attention kernels", "grads bit-equal", "max abs difference"], det)])
+
+
 def phases_section(d: dict[str, Any]) -> str:
     """bench/bench_phases.py --json: each phase's median per system, and the hooks' host time."""
     out = ["## Forward, backward, step and zero_grad apart, W = 1 (`bench/bench_phases.py`)", "",
@@ -310,6 +327,9 @@ def render(folder: Path) -> str:
                    key=lambda d: d["world_size"])
     if multi:
         parts += ["", multi_section(multi)]
+    numerics = _read(folder, "numerics.json")
+    if numerics is not None:
+        parts += ["", numerics_section(numerics)]
     phases = _read(folder, "phases.json")
     if phases is not None:
         parts += ["", phases_section(phases)]

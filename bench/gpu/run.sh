@@ -83,6 +83,7 @@ for W in $(seq 1 "$N"); do
   piece "multi_w$W" "$PY" -m torch.distributed.run --standalone --nproc_per_node "$W" \
     "$ROOT/bench/gpu/multi.py" "$R/multi_w$W.json" $CPU
 done
+piece numerics "$PY" "$ROOT/bench/gpu/numerics.py" "$R/numerics.json" $CPU
 piece fake_world "$PY" "$ROOT/bench/gpu/fake_world.py" "$R/fake_world.json" --world 8 $CPU
 # Forward, backward, step and zero_grad apart (the Llama shape and the step bench's GPT), and our
 # hooks' host time per param (CPU).

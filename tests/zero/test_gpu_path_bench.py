@@ -82,7 +82,7 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
     for w in (1, 2):
         d = json.loads((out / f"multi_w{w}.json").read_text())
         assert d["world_size"] == w and not d["errors"], d["errors"]
-        assert len(d["parity"]) == 8
+        assert len(d["parity"]) == 9
         for row in d["parity"]:
             assert "error" not in row and row["ok"], row
         assert {r["system"] for r in d["timing"]["rows"]} >= {"bare", "fusedzero-2",
@@ -95,6 +95,10 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
     assert [r["stage"] for r in fake["rows"]] == [1, 2, 3]
     for r in fake["rows"]:
         assert r["same_on_every_rank"] and not r["errors"] and r["trace_events"] > 0, r
+    numerics = json.loads((out / "numerics.json").read_text())
+    assert [r["impl"] for r in numerics["update"]] == ["forloop", "foreach", "fused", "fusedzero"]
+    for r in numerics["update"]:  # fp32 rounding over 5 steps, far from a wrong update (~1e-3)
+        assert "error" not in r and r["worst_rel"] < 1e-4, r
     phases = json.loads((out / "phases.json").read_text())
     assert set(phases["phases"]["gpt"]) >= {"bare", "fusedzero-2", "fusedzero-3"}
     assert set(phases["hooks"]) == {"bare", "fusedzero-0", "fusedzero-1", "fusedzero-2",
