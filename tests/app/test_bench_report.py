@@ -121,11 +121,11 @@ def _gpu_report_module():
 
 
 def test_gpu_report_regenerates_from_committed_results() -> None:
-    """bench/gpu/REPORT.md (measured on a lent H100) is a function of bench/gpu/results; the
+    """bench/gpu/REPORT.md (measured on a lent GPU) is a function of bench/gpu/results; the
     README links to it and quotes the update's figures in prose."""
     gpu = _gpu_report_module()
     folder = ROOT / "bench" / "gpu" / "results"
     assert gpu.render(folder) == (ROOT / "bench" / "gpu" / "REPORT.md").read_text()
     assert gpu.headline(folder) in gpu.render(folder)
     readme = (ROOT / "README.md").read_text()
-    assert "(bench/gpu/REPORT.md)" in readme and "0.671 ms" in gpu.render(folder)
+    assert "(bench/gpu/REPORT.md)" in readme and "0.490 ms" in gpu.render(folder)
