@@ -16,6 +16,7 @@ and a param that is used after all only costs time, never a result.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 from collections.abc import Iterator
 
@@ -77,6 +78,9 @@ class BucketSchedule:
         self._always_reduces = not stage.keeps_full_grads
         self.sync = True
         self._handles: list[tuple[Handle, Finish | None]] = []
+        # Those with a finish still to run, oldest first: (index in _handles, bucket). The scans
+        # per launch walk these (at most MAX_INFLIGHT_BUCKETS + 1), never every bucket.
+        self._unfinished: collections.deque[tuple[int, Bucket]] = collections.deque()
         self.max_live_buckets = 0  # most transient bucket buffers alive at once (stages 2-3)
         self._next = 0
         self._zeroed_at: dict[int, int] = {}  # id(buf) -> grad_flat._version after its zero_
@@ -105,20 +109,25 @@ class BucketSchedule:
     def add_grad(self, buf: FlatBuffer, pos: int, grad: torch.Tensor | None) -> None:
         """Param `pos` of `buf` has its grad for this backward: put it in its buckets (None:
         autograd already accumulated it into the bucket view) and launch what is complete."""
-        flat = None if grad is None else grad.reshape(-1)
         # [Note: host cost per grad] This runs once per param per backward, on the host path
-        # that feeds the device: each torch call here costs ~1 us. Backward runs with grad mode
-        # off unless create_graph=True, so no_grad (a context object, ~2 us) is entered only then;
-        # the launch scan runs only when a bucket just became complete.
-        record = torch.is_grad_enabled()
+        # that feeds the device: each torch call or context manager here costs ~1 us. Backward
+        # runs with grad mode off unless create_graph=True, so no_grad is entered only then; the
+        # launch scan runs only when a bucket just became complete.
+        buckets = self._buckets_at[(id(buf), pos)]
+        if grad is not None:
+            accumulate, inv_world = self.reduction.accumulate, self.inv_world
+            if torch.is_grad_enabled():
+                with torch.no_grad():
+                    for b in buckets:
+                        accumulate(b, pos, grad, inv_world)
+            else:
+                for b in buckets:
+                    accumulate(b, pos, grad, inv_world)
         complete = False
-        for b in self.buckets_of(buf, pos):
-            if flat is not None:
-                with torch.no_grad() if record else contextlib.nullcontext():
-                    self.reduction.accumulate(b, pos, flat, self.inv_world)
+        for b in buckets:
             b.pending -= 1
-            b.arrived.add(pos)
-            complete = complete or b.pending <= 0
+            if b.pending <= 0:
+                complete = True
         if complete:
             self._launch_ready(force=False)
 
@@ -136,11 +145,14 @@ class BucketSchedule:
                 h, finish = self.reduction.launch(b, self.ctx, self.inv_world)
             if self.replicas is not None:
                 finish = self._then_replicas(b, finish)
+            if finish is not None:
+                self._unfinished.append((len(self._handles), b))
             self._handles.append((h, finish))
             self._next += 1
             if self.reduction.transient:
-                self.max_live_buckets = max(self.max_live_buckets,
-                                            sum(x.grad is not None for x in self.buckets))
+                # Only an unfinished reduction holds a transient bucket buffer (`b.grad`).
+                live = sum(x.grad is not None for _, x in self._unfinished)
+                self.max_live_buckets = max(self.max_live_buckets, live)
                 self._bound_inflight()
 
     def _then_replicas(self, b: Bucket, finish: Finish | None) -> Finish:
@@ -161,11 +173,13 @@ class BucketSchedule:
         """Finish, in launch order, the reductions that are complete, so their replica
         all-reduces start during backward (`is_completed` does not block: on NCCL it queries an
         event)."""
-        for i, (h, finish) in enumerate(self._handles):
-            if finish is None:
-                continue
+        while self._unfinished:
+            i = self._unfinished[0][0]
+            h, finish = self._handles[i]
             if h is not None and not h.is_completed():
                 return
+            self._unfinished.popleft()
+            assert finish is not None
             with torch.no_grad():
                 finish()
             self._handles[i] = (None, None)
@@ -173,8 +187,8 @@ class BucketSchedule:
     def _bound_inflight(self) -> None:
         """Finish the oldest transient reductions beyond MAX_INFLIGHT_BUCKETS: their buffers
         are freed as backward goes on. (On NCCL the wait orders streams; it does not block.)"""
-        live = [i for i, (_, f) in enumerate(self._handles) if f is not None]
-        for i in live[:max(0, len(live) - MAX_INFLIGHT_BUCKETS)]:
+        while len(self._unfinished) > MAX_INFLIGHT_BUCKETS:
+            i = self._unfinished.popleft()[0]
             h, finish = self._handles[i]
             self.ctx.wait(h, what="grad reduction of a backward bucket")
             assert finish is not None
@@ -223,6 +237,7 @@ class BucketSchedule:
                 with torch.no_grad():
                     finish()
         self._handles.clear()
+        self._unfinished.clear()
         if self.replicas is not None:
             self.replicas.wait()
 
@@ -236,7 +251,6 @@ class BucketSchedule:
     def reset_pending(self) -> None:
         for b in self.buckets:
             b.pending = len(b.slots)
-            b.arrived.clear()
         self._next = 0
 
     # -- step ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
+import functools
 import time
 from collections.abc import Callable
 from typing import Any, Optional, ParamSpec, TypeVar
@@ -296,13 +297,25 @@ def _host_blocking(group: Group, device: torch.device | None = None) -> bool:
         return True
 
 
-def eager(fn: Callable[P, T]) -> Callable[P, T]:
-    """`torch.compiler.disable(fn)`, with torch._dynamo (about 2 s of imports) imported at the
-    first call instead of at import: a process that never builds an optimizer (the `fusedzero`
-    CLIs, the train launcher) does not pay for it. It is what torch's own optimizers use
-    (`torch._disable_dynamo`): Dynamo skips the wrapper (torch._compile is on its skip list),
-    so a compiled caller breaks its graph at the call and `fn` runs eagerly."""
-    return torch._disable_dynamo(fn)  # type: ignore[attr-defined]
+def eager(fn: Callable[P, T], reason: str | None = None) -> Callable[P, T]:
+    """`fn`, run eagerly under `torch.compile`: a compiled caller breaks its graph at the call
+    (with `reason`, `torch.compiler.disable(fn, reason=reason)`, whose break names it).
+
+    Under Dynamo `torch.compiler.is_compiling()` is True at trace time, and the call goes
+    through `torch._disable_dynamo(fn)` (what torch's own optimizers use: Dynamo skips that
+    wrapper, torch._compile being on its skip list). Uncompiled callers call `fn` directly: the
+    disable wrapper swaps the frame-evaluation callback on every call, ~10 us, paid per grad
+    and per unit on the hook path otherwise. torch._dynamo (about 2 s of imports) is imported
+    at the first compiled call: a process that never compiles never pays for it."""
+    disabled = (torch._disable_dynamo(fn) if reason is None  # type: ignore[attr-defined]
+                else torch.compiler.disable(fn, reason=reason))
+
+    @functools.wraps(fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> T:
+        if torch.compiler.is_compiling():
+            return disabled(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return call
 
 
 # Dynamo cannot trace a wait on other ranks (nor the process-group internals it reads): when a

@@ -96,8 +96,11 @@ class Bucket:
     holes: list[tuple[int, int]]  # ranges of the bucket that belong to no param
     status: BucketStatus = BucketStatus.EMPTY
     pending: int = 0  # grads still expected in this backward
-    arrived: set[int] = dataclasses.field(default_factory=set)  # slots whose grad came
     grad: torch.Tensor | None = None  # stages 2-3: the transient full-size buffer
+    # Stages 2-3 ([Note: gathering a bucket at launch]): this backward's grads by slot, and the
+    # bucket's pieces in order, (start, end, start in the param, slot or -1 for a hole).
+    got: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    parts: tuple[list[tuple[int, int, int, int, torch.Tensor | None]], int] | None = None
     # 2-D mesh: the shard holds a reduction the replicas have not averaged (stages 2-3 inside
     # no_sync); `ReplicaReduction.leftovers` averages it before the update.
     replica_stale: bool = False
@@ -124,7 +127,8 @@ class Reduction(Protocol):
     transient: bool
 
     def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
-        """Add the part of param `pos`'s flat grad that falls in bucket b."""
+        """Add the part of param `pos`'s grad (any shape: its flat order) that falls in
+        bucket b."""
 
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         """Issue b's reduction; return its handle and what to run once it is complete."""
@@ -139,7 +143,7 @@ class AllReduceFull(WireChoice):
 
     def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
         a, e, p = b.buf.layout.overlap(pos, b.k)
-        b.full_grad()[a:e].add_(grad[p:p + e - a])
+        b.full_grad()[a:e].add_(grad.reshape(-1)[p:p + e - a])
 
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         buf = b.full_grad()
@@ -170,7 +174,7 @@ class ReduceScatterInPlace(WireChoice):
 
     def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
         a, e, p = b.buf.layout.overlap(pos, b.k)
-        dst, src = b.full_grad()[a:e], grad[p:p + e - a]
+        dst, src = b.full_grad()[a:e], grad.reshape(-1)[p:p + e - a]
         if b.status is BucketStatus.EMPTY:
             dst.add_(src)
         else:
@@ -212,37 +216,63 @@ class ReduceIntoShard(WireChoice):
     def __init__(self, wire_format: WireFormat | None = None, world_size: int = 1) -> None:
         super().__init__(wire_format, world_size)
         self.transient = True
-
-    @staticmethod
-    def _transient(b: Bucket) -> torch.Tensor:
-        if b.grad is None:
-            # Every param range is written whole by `accumulate` (a copy) or `launch` (zeros
-            # for grads that never came): only the holes need zeros, not the whole bucket.
-            buf = torch.empty(b.buf.layout.bucket_numel, dtype=b.buf.reduce_dtype,
-                              device=b.buf.device)
-            for a, e in b.holes:
-                buf[a:e].zero_()
-            b.grad = buf
-        return b.grad
+        # Per (dtype, device): zeros as long as the longest alignment hole (`_parts`).
+        self._zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
     def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
-        # A copy (each param's grad arrives once per backward), pre-divided by the world size
-        # in the same pass unless the division comes after the reduction (see the Note).
-        a, e, p = b.buf.layout.overlap(pos, b.k)
-        # A param inside one bucket (the usual case) is copied whole: no slice to make.
-        src = grad if p == 0 and e - a == grad.numel() else grad[p:p + e - a]
-        dst = self._transient(b)[a:e]
-        if inv_world == 1.0 or self.fused(b) or divides_after(b, inv_world):
-            dst.copy_(src)
-        else:
-            torch.mul(src, inv_world, out=dst)
+        # [Note: gathering a bucket at launch] Each param's grad arrives once per backward and
+        # is only kept here; the bucket is built at launch by one `torch.cat` of its grads and
+        # zero pieces (alignment holes, params without a grad), so a grad costs no torch call on
+        # the hook path (and on CUDA the bucket is one kernel, not one copy per param). A
+        # bucket's grads live until it launches, as they would in its transient buffer, which
+        # exists only from the launch on; at the launch both exist for the length of the copy.
+        b.got[pos] = grad
+
+    def _parts(self, b: Bucket) -> tuple[list[tuple[int, int, int, int, torch.Tensor | None]], int]:
+        """b's pieces in bucket order, (start, end, start in the param, slot, None) for a param
+        and (start, end, 0, -1, zeros) for an alignment hole (views of one shared zero tensor,
+        made once); and where the tail padding starts (zeroed in place, it can be long)."""
+        if b.parts is None:
+            L = b.buf.layout
+            holes = list(b.holes)
+            tail = L.bucket_numel
+            if holes and holes[-1][1] == L.bucket_numel:
+                tail = holes.pop()[0]
+            key = (b.buf.reduce_dtype, b.buf.device)
+            need = max((e - a for a, e in holes), default=0)
+            z = self._zeros.get(key)
+            if z is None or z.numel() < need:
+                z = self._zeros[key] = torch.zeros(need, dtype=key[0], device=key[1])
+            spans = [(*L.overlap(pos, b.k), pos, None) for pos in b.slots]
+            spans += [(a, e, 0, -1, z[:e - a]) for a, e in holes]
+            b.parts = (sorted(spans, key=lambda t: t[0]), tail)
+        return b.parts
+
+    def _gather(self, b: Bucket) -> torch.Tensor:
+        """The transient bucket buffer: this backward's grads in bucket order, zeros elsewhere."""
+        parts, tail = self._parts(b)
+        dt, dev, got = b.buf.reduce_dtype, b.buf.device, b.got
+        pieces = []
+        for a, e, p, pos, zeros in parts:
+            g = zeros if pos < 0 else got.get(pos)
+            if g is None:  # a param that got no grad this backward contributes zeros
+                g = torch.zeros(e - a, dtype=dt, device=dev)
+            elif pos >= 0:
+                g = g.reshape(-1)
+                if p != 0 or e - a != g.numel():
+                    g = g[p:p + e - a]
+            pieces.append(g)
+        out = torch.empty(b.buf.layout.bucket_numel, dtype=dt, device=dev)
+        torch.cat(pieces, out=out[:tail])
+        out[tail:].zero_()
+        got.clear()
+        b.grad = out
+        return out
 
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
-        buf = self._transient(b)
-        for pos in b.slots:
-            if pos not in b.arrived:  # a param without a grad this backward contributes zeros
-                a, e, _ = b.buf.layout.overlap(pos, b.k)
-                buf[a:e].zero_()
+        buf = self._gather(b)
+        if not (inv_world == 1.0 or self.fused(b) or divides_after(b, inv_world)):
+            buf.mul_(inv_world)  # pre-divided ([Note: dividing after the reduction])
         lo, hi = b.own_piece()
         if self.fused(b):
             return self._launch_wire(b, ctx, inv_world)

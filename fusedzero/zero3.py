@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fusedzero import wire
-from fusedzero.comm import CommContext, Handle
+from fusedzero.comm import CommContext, Handle, eager
 from fusedzero.dtensor import local, set_local
 from fusedzero.flat import FlatBuffer
 from fusedzero.model_state_dict import UnitStateDict
@@ -378,6 +378,6 @@ def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
     the graph and which bumps the param's version counter, shared with the views of it that
     autograd saved in forward (the tied lm-head weight's transpose), so backward refused them
     ("modified by an inplace operation"). Run eagerly, `.data =` leaves the counter alone, as
-    in an uncompiled forward, and the graphs see what the eager forward sees."""
-    return torch.compiler.disable(
-        hook, reason="fusedzero stage 3: a unit's gather/free hook runs eagerly")
+    in an uncompiled forward, and the graphs see what the eager forward sees. (`comm.eager`:
+    uncompiled, the hook is called directly, without the disable wrapper's per-call cost.)"""
+    return eager(hook, reason="fusedzero stage 3: a unit's gather/free hook runs eagerly")
