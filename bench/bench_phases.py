@@ -214,6 +214,46 @@ def _measure_phases(cfg: GPTConfig, batch: int, systems: tuple[str, ...], steps:
     return times
 
 
+def profile_system(model: str, system: str, steps: int = 3) -> str:
+    """torch.profiler tables of `steps` steps of one system after warm-up: where forward,
+    backward and step spend host and device time (ops by self time; CUDA kernels on CUDA)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    cfg, batch = model_shape(model)
+    dev = device()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g).to(dev)
+    y = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g).to(dev)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with one_rank_group():
+        s = Phased(system, cfg)
+        for _ in range(WARMUP):
+            loss = s.forward(x, y)
+            s.backward(loss)
+            s.step()
+            s.zero_grad()
+        _sync()
+        with profile(activities=acts) as prof:
+            for _ in range(steps):
+                for phase in PHASES:
+                    with record_function(f"phase:{phase}"):
+                        if phase == "forward":
+                            loss = s.forward(x, y)
+                        elif phase == "backward":
+                            s.backward(loss)
+                        else:
+                            getattr(s, phase)()
+                    _sync()
+        if isinstance(s.opt, ZeroAdamW):
+            s.opt.close()
+    ka = prof.key_averages()
+    out = [f"profile: {system} on {model}, {steps} steps, {dev}"]
+    out.append(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
+    if dev.type == "cuda":
+        out.append(ka.table(sort_by="self_cuda_time_total", row_limit=20,
+                            max_name_column_width=60))
+    return "\n".join(out)
+
+
 # -- hook host time -------------------------------------------------------------------------------
 def _chain() -> nn.Sequential:
     torch.manual_seed(0)
@@ -340,7 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-hooks", dest="hooks", action="store_false")
     p.add_argument("--no-phases", dest="phases", action="store_false")
     p.add_argument("--json", type=Path, help="also write the raw times here (bench/gpu/report.py)")
+    p.add_argument("--profile", metavar="SYSTEM", action="append", default=[],
+                   help="print torch.profiler tables of this system's steps (repeatable)")
     args = p.parse_args(argv)
+    for system in args.profile:
+        for model in (("llama", "gpt") if args.model == "both" else (args.model,)):
+            print(profile_system(model, system))
+            print()
     record: dict[str, object] = {"device": str(device()), "torch": torch.__version__,
                                  "phases": {}, "shapes": {}}
     if torch.cuda.is_available():
