@@ -249,10 +249,14 @@ class ReduceIntoShard(WireChoice):
         return b.parts
 
     def _gather(self, b: Bucket) -> torch.Tensor:
-        """The transient bucket buffer: this backward's grads in bucket order, zeros elsewhere."""
+        """The transient bucket buffer: this backward's grads in bucket order, zeros elsewhere.
+        Grads in the bucket's dtype: one `torch.cat`. Grads to cast (bf16 params, fp32 reduce):
+        one `torch._foreach_copy_` into views of the bucket, since a mixed-dtype `cat` takes a
+        slow path (bench/gpu/bucket_gather.py: ~3x slower than a copy per grad on CPU)."""
         parts, tail = self._parts(b)
         dt, dev, got = b.buf.reduce_dtype, b.buf.device, b.got
         pieces = []
+        cast = False
         for a, e, p, pos, zeros in parts:
             g = zeros if pos < 0 else got.get(pos)
             if g is None:  # a param that got no grad this backward contributes zeros
@@ -261,9 +265,13 @@ class ReduceIntoShard(WireChoice):
                 g = g.reshape(-1)
                 if p != 0 or e - a != g.numel():
                     g = g[p:p + e - a]
+                cast = cast or g.dtype != dt
             pieces.append(g)
         out = torch.empty(b.buf.layout.bucket_numel, dtype=dt, device=dev)
-        torch.cat(pieces, out=out[:tail])
+        if cast:
+            torch._foreach_copy_([out[a:e] for a, e, *_ in parts], pieces)
+        else:
+            torch.cat(pieces, out=out[:tail])
         out[tail:].zero_()
         got.clear()
         b.grad = out

@@ -24,14 +24,16 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward_ops(layers: int, stage: int | None) -> list[str]:
+def _backward_ops(layers: int, stage: int | None, dtype: torch.dtype = torch.float32
+                  ) -> list[str]:
     """aten data ops of the second backward (the first builds once-only state) of a chain of
-    `layers` Linear(4, 4) layers, under ZeroAdamW(stage) or bare (None)."""
+    `layers` Linear(4, 4) layers in `dtype`, under ZeroAdamW(stage) (fp32 reduce) or bare
+    (None)."""
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)])
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]).to(dtype)
     opt = None if stage is None else ZeroAdamW(model.parameters(), lr=1e-3, stage=stage,
-                                               module=model)
-    x = torch.randn(2, 4)
+                                               module=model, reduce_dtype=torch.float32)
+    x = torch.randn(2, 4, dtype=dtype)
     for _ in range(2):
         loss = model(x).square().sum()
         with _Count() as c:
@@ -42,11 +44,13 @@ def _backward_ops(layers: int, stage: int | None) -> list[str]:
     return c.ops
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16: cast into the bucket
 @pytest.mark.parametrize("stage", [2, 3])
-def test_backward_ops_do_not_grow_with_the_number_of_params(stage: int) -> None:
+def test_backward_ops_do_not_grow_with_the_number_of_params(stage: int, dtype: torch.dtype
+                                                            ) -> None:
     extra = {}
     for layers in (8, 32):  # 16 and 64 params, one bucket (one unit at stage 3)
-        ours, bare = _backward_ops(layers, stage), _backward_ops(layers, None)
+        ours, bare = _backward_ops(layers, stage, dtype), _backward_ops(layers, None, dtype)
         assert len(ours) >= len(bare)
         extra[layers] = len(ours) - len(bare)
     # Before the Note: a copy per param and a zero_ per alignment hole (~1.5 ops per param).
