@@ -120,6 +120,13 @@ class Zero3:
         self.buffers: list[list[FlatBuffer]] = [[] for _ in range(n)]
         self.state = [UnitState.FREE] * n
         self.handles: list[list[Handle]] = [[] for _ in range(n)]
+        # Per unit, made at its first gather: each buffer's (gathered bucket, own shard piece)
+        # views, and its gathered numel. `full` and `param_shard` are never replaced, and a
+        # view of `full` follows its storage through every resize.
+        self._gather_views: list[list[tuple[FlatBuffer, list[tuple[torch.Tensor,
+                                                                    torch.Tensor]]]] | None]
+        self._gather_views = [None] * n
+        self._unit_numel: list[int | None] = [None] * n
         self.pending = [0] * n
         self.n_trainable = [0] * n
         self.gathered_now = 0
@@ -241,14 +248,14 @@ class Zero3:
         self.gathered_numel += self.unit_numel(u)
         self.max_gathered_numel = max(self.max_gathered_numel, self.gathered_numel)
         for buf in self.buffers[u]:
-            L = buf.layout
             buf.allocate_full()  # values land when the handles are waited on
-            for k in range(L.num_buckets):
-                lo, hi = L.bucket_range(k)
-                S = L.shard_numel
-                h = wire.all_gather(buf.full[lo:hi], buf.param_shard[k * S:(k + 1) * S],
-                                    self.param_wire, ctx, buf.shard_rank)
-                self.handles[u].append(h)
+        views = self._gather_views[u]
+        if views is None:  # after allocate_full: a view of a 0-byte storage would not be made
+            views = self._gather_views[u] = [(buf, _bucket_views(buf)) for buf in self.buffers[u]]
+        handles = self.handles[u]
+        for buf, pairs in views:
+            for full, own in pairs:
+                handles.append(wire.all_gather(full, own, self.param_wire, ctx, buf.shard_rank))
         self.state[u] = UnitState.GATHERING
         if u != 0:
             self.gathered_now += 1
@@ -280,7 +287,10 @@ class Zero3:
 
     def unit_numel(self, u: int) -> int:
         """Elements of unit u's gathered storage (padded: what `gather` allocates)."""
-        return sum(buf.layout.padded_numel for buf in self.buffers[u])
+        n = self._unit_numel[u]
+        if n is None:
+            n = self._unit_numel[u] = sum(buf.layout.padded_numel for buf in self.buffers[u])
+        return n
 
     def unit_params(self, u: int) -> list[nn.Parameter]:
         return [p for buf in self.buffers[u] for p in buf.params]
@@ -363,6 +373,14 @@ def _init_own_shard(buf: FlatBuffer, init: ShardInit) -> None:
             init.fn(names[seg.param], out, seg.start)
             if buf.master is not None:
                 buf.master[seg.local:seg.local + seg.length].copy_(out)
+
+
+def _bucket_views(buf: FlatBuffer) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per bucket of `buf`: (its range of the gathered buffer, this rank's shard piece)."""
+    assert buf.full is not None and buf.param_shard is not None
+    L, S = buf.layout, buf.layout.shard_numel
+    return [(buf.full[slice(*L.bucket_range(k))], buf.param_shard[k * S:(k + 1) * S])
+            for k in range(L.num_buckets)]
 
 
 def _in_backward() -> bool:
