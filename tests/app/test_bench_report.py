@@ -129,3 +129,9 @@ def test_gpu_report_regenerates_from_committed_results() -> None:
     assert gpu.headline(folder) in gpu.render(folder)
     readme = (ROOT / "README.md").read_text()
     assert "(bench/gpu/REPORT.md)" in readme and "0.490 ms" in gpu.render(folder)
+    # Earlier leases (bench/gpu/archive/README.md): each report is a function of its folder.
+    archived = sorted(p.parent for p in (ROOT / "bench" / "gpu" / "archive").glob("*/meta.json"))
+    assert len(archived) >= 4
+    for d in archived:
+        assert gpu.render(d) == (d / "REPORT.md").read_text(), d
+        assert f"-o bench/gpu/archive/{d.name}/REPORT.md" in gpu.render(d)
