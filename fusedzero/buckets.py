@@ -230,6 +230,15 @@ class BucketSchedule:
         for b in late:
             self.ctx.record("deferred", (b.buf.unit, b.buf.group_index, b.k))
 
+    def abandon(self) -> None:
+        """After a backward that raised (GradHooks.recover): complete what was launched, drop
+        the grads kept for buckets that never launched, reset the counts."""
+        self.wait_all()
+        for b in self.buckets:
+            b.got.clear()
+            b.grad = None
+        self.reset_pending()
+
     def wait_all(self) -> None:
         for h, finish in self._handles:
             self.ctx.wait(h, what="grad reduction of a backward bucket")

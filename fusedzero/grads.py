@@ -95,8 +95,10 @@ class GradHooks:
         that the first param grad would have queued the callback on anyway."""
         if not torch.is_grad_enabled():
             return
-        if not torch.compiler.is_compiling() and torch._C._current_graph_task_id() != -1:
-            return
+        if not torch.compiler.is_compiling():
+            if torch._C._current_graph_task_id() != -1:
+                return
+            self.recover()  # a new forward: an earlier backward that raised is over
         for t in tree_flatten(output)[0]:
             if isinstance(t, torch.Tensor) and t.requires_grad:
                 t.register_hook(self._on_output_grad)
@@ -169,6 +171,23 @@ class GradHooks:
             ng = NoLocalGrad(p, self.stage, buf.layout.params[pos].name)
             self._no_grad[id(p)] = ng
         return ng
+
+    def recover(self) -> None:
+        """[Note: a backward that raised] autograd runs no final callback when a backward
+        raises (an OOM, an error in a hook or a custom Function), so `in_backward` would stay
+        True and every later step() refuse, and the next backward would never queue its own
+        end. Outside any backward (step(), zero_grad(), the model's next forward) that state
+        is stale: the reductions already launched are completed (every rank issued the same
+        ones if every rank raised at the same place), grads kept for unlaunched buckets are
+        dropped and the counts reset. zero_grad() then discards what the raised backward left,
+        as with a plain torch backward; without it, stages 0-1 keep every grad that arrived (as
+        torch's `.grad` does) and stages 2-3 what was already reduced."""
+        if not self.in_backward or torch._C._current_graph_task_id() != -1:
+            return
+        self.in_backward = False
+        self.schedule.abandon()
+        if self.on_backward_end is not None:
+            self.on_backward_end()
 
     def _end_backward(self) -> None:
         self.in_backward = False

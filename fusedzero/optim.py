@@ -265,6 +265,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         Afterwards the model can get a new optimizer; this one refuses `step()`. Idempotent."""
         if self.closed:
             return
+        self.grads.recover()
         if self.grads.in_backward:
             raise RuntimeError("close() called during backward")
         self.buckets.wait_all()
@@ -305,6 +306,7 @@ class ZeroAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_open("step")
+        self.grads.recover()
         if self.grads.in_backward:
             raise RuntimeError("step() called during backward")
         validate.check_not_frozen(self.params, self.param_names)
@@ -338,6 +340,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         dtype keep `.grad` as views of the zeroed buffer whatever `set_to_none` says; elsewhere
         `.grad` is None between backward passes."""
         self._check_open("zero_grad")
+        self.grads.recover()
         for buf in self.flat_groups:
             for pos, p in enumerate(buf.params):
                 p.grad = buf.param_grad_view(pos)
