@@ -90,7 +90,10 @@ piece fake_world "$PY" "$ROOT/bench/gpu/fake_world.py" "$R/fake_world.json" --wo
 piece phases "$PY" "$ROOT/bench/bench_phases.py" --model "$([[ $DRY == 1 ]] && echo gpt || echo both)" \
   --json "$R/phases.json"
 if [[ $DRY == 0 ]]; then
-  piece step_bf16 "$PY" "$ROOT/bench/gpu/step_overhead.py" \
+  # bf16 steps are bound by the host: more rounds and steps than fp32, so that a 10% change
+  # stands out of the rounds' spread (ROUNDS / STEPS in the environment override both).
+  piece step_bf16 env ROUNDS="${ROUNDS:-9}" STEPS="${STEPS:-20}" \
+    "$PY" "$ROOT/bench/gpu/step_overhead.py" \
     bare-bf16,fusedzero-0-bf16-r32,fusedzero-1-bf16-r32,fusedzero-2-bf16-r32,fusedzero-3-bf16-r32,fusedzero-0-bf16-r16,fusedzero-2-bf16-r16,fusedzero-3-bf16-r16,fusedzero-3-keep-bf16-r16,fsdp2-keep-bf16-r32,fsdp2-reshard-bf16-r32,fsdp2-keep-bf16-r16,fsdp2-reshard-bf16-r16 \
     "$R/step_bf16.json"
   piece step_fp32 "$PY" "$ROOT/bench/gpu/step_overhead.py" \
