@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from fusedzero.buckets import BucketSchedule
 from fusedzero.comm import CommContext
-from fusedzero.dtensor import is_dtensor, local_grad
+from fusedzero.dtensor import local_grad
 from fusedzero.flat import FlatBuffer
 from fusedzero.stage import Stage
 
@@ -60,11 +60,8 @@ class GradHooks:
         self._task_id = -1  # autograd graph task the end-of-backward callback is queued on
         self._grads_arrived = False  # a param grad came in the current backward
         self._no_grad: dict[int, torch.Tensor] = {}  # per param: its NoLocalGrad, built once
-        # Per param: (its buffer, its position, its grad view or None, whether it is a DTensor),
-        # looked up once per grad ([Note: host cost per grad] in fusedzero/buckets.py).
-        self._where: dict[int, tuple[FlatBuffer, int, torch.Tensor | None, bool]] = {
-            id(p): (buf, pos, buf.param_grad_view(pos), is_dtensor(p))
-            for buf in schedule.buffers for pos, p in enumerate(buf.params)}
+        self._where: dict[int, tuple[FlatBuffer, int]] = {
+            id(p): (buf, pos) for buf in schedule.buffers for pos, p in enumerate(buf.params)}
         self._names = {id(p): buf.layout.params[pos].name
                        for buf in schedule.buffers for pos, p in enumerate(buf.params)}
         self.hooks: list[Any] = []
@@ -139,15 +136,12 @@ class GradHooks:
         if not self.in_backward:
             self._begin_backward()
         self._grads_arrived = True
-        buf, pos, view, dtensor = self._where[id(p)]  # view: None for DTensor params
+        buf, pos = self._where[id(p)]
+        view = buf.param_grad_view(pos)  # None for DTensor params
         if view is None or grad.data_ptr() != view.data_ptr():
             # Not (or no longer: reduced, or the user reset .grad) a view of our bucket: put it in.
-            self.schedule.add_grad(buf, pos, local_grad(p, grad) if dtensor else grad)
-            if view is None:  # never a view: the placeholder ([Note: user grad clipping])
-                ng = self._no_grad.get(id(p))
-                p.grad = ng if ng is not None else self.idle_grad(buf, pos, p)
-            else:
-                p.grad = self.idle_grad(buf, pos, p)
+            self.schedule.add_grad(buf, pos, local_grad(p, grad))
+            p.grad = self.idle_grad(buf, pos, p)
         else:
             self.schedule.add_grad(buf, pos, None)
         if self.on_unit_grad is not None:

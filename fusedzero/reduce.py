@@ -256,7 +256,6 @@ class ReduceIntoShard(WireChoice):
         parts, tail = self._parts(b)
         dt, dev, got = b.buf.reduce_dtype, b.buf.device, b.got
         pieces = []
-        cast = False
         for a, e, p, pos, zeros in parts:
             g = zeros if pos < 0 else got.get(pos)
             if g is None:  # a param that got no grad this backward contributes zeros
@@ -265,10 +264,9 @@ class ReduceIntoShard(WireChoice):
                 g = g.reshape(-1)
                 if p != 0 or e - a != g.numel():
                     g = g[p:p + e - a]
-                cast = cast or g.dtype != dt
             pieces.append(g)
         out = torch.empty(b.buf.layout.bucket_numel, dtype=dt, device=dev)
-        if cast:
+        if b.buf.dtype != dt:  # grads come in the param dtype (autograd casts them to it)
             torch._foreach_copy_([out[a:e] for a, e, *_ in parts], pieces)
         else:
             torch.cat(pieces, out=out[:tail])

@@ -121,12 +121,11 @@ class Zero3:
         self.state = [UnitState.FREE] * n
         self.handles: list[list[Handle]] = [[] for _ in range(n)]
         # Per unit, made at its first gather: each buffer's (gathered bucket, own shard piece)
-        # views, and its gathered numel. `full` and `param_shard` are never replaced, and a
-        # view of `full` follows its storage through every resize.
+        # views. `full` and `param_shard` are never replaced, and a view of `full` follows its
+        # storage through every resize.
         self._gather_views: list[list[tuple[FlatBuffer, list[tuple[torch.Tensor,
                                                                     torch.Tensor]]]] | None]
         self._gather_views = [None] * n
-        self._unit_numel: list[int | None] = [None] * n
         self.pending = [0] * n
         self.n_trainable = [0] * n
         self.gathered_now = 0
@@ -287,10 +286,7 @@ class Zero3:
 
     def unit_numel(self, u: int) -> int:
         """Elements of unit u's gathered storage (padded: what `gather` allocates)."""
-        n = self._unit_numel[u]
-        if n is None:
-            n = self._unit_numel[u] = sum(buf.layout.padded_numel for buf in self.buffers[u])
-        return n
+        return sum(buf.layout.padded_numel for buf in self.buffers[u])
 
     def unit_params(self, u: int) -> list[nn.Parameter]:
         return [p for buf in self.buffers[u] for p in buf.params]

@@ -39,6 +39,16 @@ class Net(nn.Module):
         return self.c(h) if use_c else h
 
 
+def _raise_in_backward(model: Net, x: torch.Tensor) -> None:
+    """One backward of `model` that raises inside _Boom, after b's and c's grads."""
+    _Boom.armed = True
+    try:
+        with pytest.raises(RuntimeError, match="boom"):
+            model(x).square().sum().backward()
+    finally:
+        _Boom.armed = False
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_grad_after_a_backward_that_raised_gives_the_clean_run(stage: int) -> None:
     """The raise comes after b's and c's grads (and, at stages 2-3, possibly a launched
@@ -50,10 +60,7 @@ def test_zero_grad_after_a_backward_that_raised_gives_the_clean_run(stage: int) 
     o1 = ZeroAdamW(m1.parameters(), lr=1e-2, stage=stage, module=m1)
     o2 = ZeroAdamW(m2.parameters(), lr=1e-2, stage=stage, module=m2)
     x = torch.randn(3, 4)
-    _Boom.armed = True
-    with pytest.raises(RuntimeError, match="boom"):
-        m1(x).square().sum().backward()
-    _Boom.armed = False
+    _raise_in_backward(m1, x)
     o1.zero_grad()
     for m, o in ((m1, o1), (m2, o2)):  # c gets no grad this time
         m(x, use_c=False).square().sum().backward()
@@ -70,10 +77,7 @@ def test_the_next_forward_recovers_without_zero_grad(stage: int) -> None:
     m = Net()
     opt = ZeroAdamW(m.parameters(), lr=1e-2, stage=stage, module=m)
     x = torch.randn(3, 4)
-    _Boom.armed = True
-    with pytest.raises(RuntimeError, match="boom"):
-        m(x).square().sum().backward()
-    _Boom.armed = False
+    _raise_in_backward(m, x)
     before = [p.detach().clone() for p in m.parameters()] if stage < 3 else None
     m(x).square().sum().backward()  # the forward's hook ends the raised backward
     opt.step()
