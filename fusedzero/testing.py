@@ -157,27 +157,37 @@ def reuse_ranks(on: bool) -> None:
 
 def _pool_entry(rank: int, world_size: int, port: int, queue: Queue[Report],
                 tasks: list[Queue[Any]], env: dict[str, str]) -> None:
-    """A reused rank: join the group, then run each task until a None; each OK report's value
-    is (result bytes, whether the group still passed a barrier after the body)."""
+    """A reused rank: join the group, then run each task until a None. Each OK report's value
+    is (result bytes, whether this rank still has the group it joined), sent before the barrier
+    between runs ([Note: a body that leaves the group])."""
     try:
         _join(rank, world_size, port, env, None)
+        joined = dist.group.WORLD
         while (task := tasks[rank].get()) is not None:
             fn, args = task
             result = _dumps(fn(rank, world_size, *args))
-            try:  # every rank done with this run before any starts the next
-                dist.barrier()
-                healthy = True
-            except RuntimeError:
-                healthy = False
-            queue.put(Report(rank, ReportKind.OK, (result, healthy)))
-            if not healthy:
+            intact = dist.is_initialized() and dist.group.WORLD is joined
+            queue.put(Report(rank, ReportKind.OK, (result, intact)))
+            if not intact:
                 leave(queue, 0)
+            try:  # drain what the body left in flight before the next run's collectives
+                dist.barrier()
+            except RuntimeError:
+                leave(queue, 0)  # the next run finds this rank dead and starts fresh ones
     except BaseException:  # noqa: BLE001 - report everything to the parent
         queue.put(Report(rank, ReportKind.ERROR, traceback.format_exc()))
         leave(queue, REPORTED_ERROR_EXIT)
     _leave_group(queue)
     leave(queue, 0)
 
+
+# Note: a body that leaves the group
+# A body may destroy the group and join another (a test of init and teardown). Its peers
+# learn that only when gloo notices the closed connection in their next collective, and that
+# notice has not always come: on a loaded CI machine a peer waited in the barrier until the
+# run's timeout. So each rank reports its result, and whether its group is still the one it
+# joined, before the barrier; the parent kills a pool where any rank's is not, and no rank's
+# result waits on a peer's socket.
 
 class _Pool:
     """`world_size` ranks with their group joined, each taking runs from its own task queue."""
@@ -191,7 +201,7 @@ class _Pool:
 
     def run(self, fn: Callable[..., Any], args: tuple, deadline: float,
             timeout: float) -> tuple[list[Any], bool]:
-        """Each rank's result, and whether the group is still usable."""
+        """Each rank's result, and whether every rank still has the group it joined."""
         for q in self.tasks:
             q.put((fn, args))
         values = _collect(self.ranks, self.world_size, deadline, timeout)
