@@ -7,7 +7,9 @@ all flat buffers (padding is resident, so it is counted; it is reported separate
   stage 0   2Psi + 2Psi + 12Psi           comm: all-reduce 2(W-1)/W * 2Psi
   stage 1   2Psi + 2Psi + 12Psi/W         comm: reduce-scatter (W-1)/W * 2Psi + all-gather (W-1)/W * 2Psi
   stage 2   2Psi + (2 + 12)Psi/W          comm: as stage 1
-  stage 3   (2 + 2 + 12)Psi/W             comm: as stage 1 + one more all-gather (backward)
+  stage 3   (2 + 2 + 12)Psi/W             comm: as stage 1 + one more all-gather in backward of
+                                          every unit but the root (Psi - Psi_root), which stays
+                                          gathered from its forward into its backward
 plus a 4-byte grad-norm all-reduce for stages >= 1 (skip/clip).
 
 Measured: `opt.memory()` and `opt.comm` of each rank after one step, in W spawned gloo ranks.
@@ -53,17 +55,18 @@ def formula_memory(stage: int, psi: int, world: int) -> dict[str, int]:
     return {"params": params, "grads": grads, "optimizer": opt, "total": params + grads + opt}
 
 
-def formula_comm(stage: int, psi: int, world: int) -> dict[str, int]:
-    """Per-rank bytes on the wire per step by the ring formulas (bf16 grads and params)."""
+def formula_comm(stage: int, psi: int, world: int, psi_root: int = 0) -> dict[str, int]:
+    """Per-rank bytes on the wire per step by the ring formulas (bf16 grads and params);
+    `psi_root`: the padded elements of stage 3's root unit, gathered once per step."""
     W = world
     if W == 1:
         return {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
     if stage == 0:
         return {"all_reduce": 2 * (W - 1) * 2 * psi // W, "reduce_scatter": 0, "all_gather": 0}
-    gathers = 2 if stage == 3 else 1
+    gathered = 2 * psi - psi_root if stage == 3 else psi
     return {"all_reduce": 2 * (W - 1) * 4 // W,  # the grad-norm scalar
             "reduce_scatter": (W - 1) * 2 * psi // W,
-            "all_gather": gathers * (W - 1) * 2 * psi // W}
+            "all_gather": (W - 1) * 2 * gathered // W}
 
 
 def update_bytes_per_param(opt: ZeroAdamW) -> dict[str, Any]:
@@ -116,6 +119,8 @@ def worker(rank: int, world: int, stages: list[int]) -> dict[int, Any]:
             "memory": opt.memory()._asdict(),
             "comm": opt.comm.snapshot(),
             "padded": sum(fg.layout.padded_numel for fg in opt.flat_groups),
+            "padded_root": sum(fg.layout.padded_numel for fg in opt.flat_groups
+                               if fg.unit == 0),
             "update": update_bytes_per_param(opt),
             "param_dtype": str(opt.flat_groups[0].dtype), "times": times,
         }
@@ -147,7 +152,8 @@ def test_memory_comm(benchmark, world: int, stage: int) -> None:
     mem = [r["memory"] for r in ranks]
     for m in mem:
         m["total"] = m["params"] + m["grads"] + m["optimizer"]
-    f_mem, f_comm = formula_memory(stage, psi, world), formula_comm(stage, psi, world)
+    f_mem = formula_memory(stage, psi, world)
+    f_comm = formula_comm(stage, psi, world, r0["padded_root"])
     comm = r0["comm"]["bytes"]
     benchmark.extra_info.update({
         "subject": "memory_comm", "stage": stage, "world": world, "psi_padded": psi,

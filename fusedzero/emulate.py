@@ -164,8 +164,7 @@ def step_comm(buffers: list[FlatBuffer], stage: Stage, reshard_after_forward: bo
         B, S = L.bucket_numel, L.shard_numel
         grads_wire = wire.uses_wire(wire_format, buf.reduce_dtype, W)
         params_wire = wire.gathers_over_wire(param_wire, buf.dtype, W) and S % WBLOCK == 0
-        gathers = (0 if not stage.shards_state else
-                   2 if stage.shards_params and reshard_after_forward else 1)
+        gathers = stage.gathers_per_step(reshard_after_forward, buf.unit)
         for _ in range(L.num_buckets):
             if not stage.shards_state and grads_wire:  # wire.all_reduce_start
                 assert wire_format is not None

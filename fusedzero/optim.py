@@ -89,7 +89,8 @@ class ZeroAdamW(torch.optim.Optimizer):
             1-2: a module's forward waits for its subtree's params except those of units,
             which wait for their own (see fusedzero/param_sync.py).
         reshard_after_forward: stage 3: free a unit after its forward and gather it again for
-            backward (3 Psi of traffic per step); False keeps it until backward (2 Psi).
+            backward (3 Psi of traffic per step, less the root unit's Psi: the root stays
+            gathered into its backward); False keeps every unit until backward (2 Psi).
         param_init_fn: stage 3 with params on the meta device: `fn(name, module)` initialises the
             params a module owns directly (default: `module.reset_parameters()`).
         master: how the master weights are held (`fusedzero.memory_modes`): "fp32" (an fp32 master;
@@ -218,7 +219,8 @@ class ZeroAdamW(torch.optim.Optimizer):
         self.param_sync = ParamSync(
             self.flat_groups if stage.gathers_after_step else [], self._ctx, module, unit_policy,
             self.param_wire)
-        self.shards = ShardAccess(self.flat_groups, self.scalars, self.param_sync)
+        self.shards = ShardAccess(self.flat_groups, self.scalars, self.param_sync,
+                                  self.quiesce_params)
         self._build_update()
         # model.load_state_dict() at stages 0-2 (at stage 3 the unit hooks do it).
         self._load_hooks = ([] if module is None or self.zero3 is not None else
@@ -310,12 +312,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         if self.grads.in_backward:
             raise RuntimeError("step() called during backward")
         validate.check_not_frozen(self.params, self.param_names)
-        self.param_sync.wait()  # the kernel rewrites this rank's pieces of the param buffer
-        if self.zero3 is not None:
-            # Likewise at stage 3: a unit still gathering (a no-grad or partial forward since
-            # backward) has all-gathers reading param_shard, which the kernel rewrites. Wait and
-            # free them all first; a gathered unit would be stale after the update anyway.
-            self.zero3.free_all()
+        self.quiesce_params()  # the kernel rewrites this rank's pieces of the param buffer
         self.buckets.wait_all()
         self.buckets.before_step()
         self.buckets.finish_replicas()
@@ -347,6 +344,14 @@ class ZeroAdamW(torch.optim.Optimizer):
         if not self.grads.in_backward:
             self.buckets.wait_all()
             self._consume_grads()
+
+    def quiesce_params(self) -> None:
+        """Before this rank's param shards are rewritten (the update, a load): wait for the
+        all-gathers reading them, and at stage 3 free every unit (one still gathering reads
+        param_shard; a gathered one would be stale after the write)."""
+        self.param_sync.wait()
+        if self.zero3 is not None:
+            self.zero3.free_all()
 
     # -- introspection ---------------------------------------------------------------------------
     def gathered_params(self) -> contextlib.AbstractContextManager[None]:

@@ -27,6 +27,7 @@ from torch import nn
 from fusedzero import dtypes, wire
 from fusedzero.layout import FlatLayout, build_layout, default_bucket_numel
 from fusedzero.memory_modes import MemoryModes, check_param_dtype
+from fusedzero.stage import Stage
 
 STAGES = (0, 1, 2, 3)
 # The global grad norm (clipping, non-finite skip) is one fp32 scalar all-reduced per step.
@@ -56,7 +57,8 @@ class PlanConfig:
     bucket_numel: int | None = None
     """Elements per bucket, as ZeroAdamW's bucket_numel (None: chosen per rank, as there)."""
     reshard_after_forward: bool = True
-    """Stage 3: re-gather every unit for backward (3 Psi of traffic) or keep it (2 Psi)."""
+    """Stage 3: re-gather every unit but the root for backward (3 Psi of traffic, less the
+    root's Psi) or keep it (2 Psi)."""
     grad_norm: bool = True
     """The step all-reduces the grad norm (max_grad_norm, skip_nonfinite=True: the default)."""
     unit_policy: Any = None
@@ -187,7 +189,8 @@ class Plan:
         for r in rows:
             lines.append("  ".join(x.ljust(w) if i < 4 else x.rjust(w)
                                    for i, (x, w) in enumerate(zip(r, widths))).rstrip())
-        ag = "2 x all-gather" if c.reshard_after_forward else "1 x all-gather"
+        ag = ("2 x all-gather (1 of the root unit, kept from forward into backward)"
+              if c.reshard_after_forward else "1 x all-gather")
         lines += ["",
                   "KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12 bytes, resident per rank (as "
                   "ZeroAdamW.memory()), padding included.",
@@ -218,10 +221,10 @@ Item = tuple[int, str, tuple[int, ...]]  # (index in the optimizer's param list,
 
 def _buffers_from_groups(groups: list[list[tuple[str, nn.Parameter]]], stage: int,
                          cfg: PlanConfig, units: list[int] | None
-                         ) -> list[tuple[torch.dtype, list[Item]]]:
+                         ) -> list[tuple[torch.dtype, list[Item], int]]:
     """(dtype, params) of every flat buffer, in ZeroAdamW's order: stages 0-2 group by
     (param group, dtype) (`ZeroAdamW._build_flat_groups`), stage 3 by (unit, group, dtype)
-    (`fusedzero.zero3.build_zero3`)."""
+    (`fusedzero.zero3.build_zero3`); with each, its stage-3 unit (0, the root, elsewhere)."""
     keyed: dict[tuple[int, int, torch.dtype], list[Item]] = {}
     index = 0
     for gi, group in enumerate(groups):
@@ -231,7 +234,7 @@ def _buffers_from_groups(groups: list[list[tuple[str, nn.Parameter]]], stage: in
             keyed.setdefault((u, gi, dt), []).append((index, name, tuple(p.shape)))
             index += 1
     order = sorted(keyed, key=lambda k: (k[0], k[1])) if stage == 3 else list(keyed)
-    return [(k[2], keyed[k]) for k in order]
+    return [(k[2], keyed[k], k[0]) for k in order]
 
 
 def _units(model: nn.Module, params: list[nn.Parameter], policy: Any) -> list[int]:
@@ -256,13 +259,13 @@ def _layout(items: list[Item], dt: torch.dtype, stage: int, cfg: PlanConfig) -> 
     return build_layout(items, 1 if stage == 0 else cfg.world_size, bucket)
 
 
-def _stage_plan(buffers: list[tuple[torch.dtype, list[Item]]], stage: int,
+def _stage_plan(buffers: list[tuple[torch.dtype, list[Item], int]], stage: int,
                 cfg: PlanConfig) -> tuple[StagePlan, int]:
     """The stage's bytes, and the ring steps of its collectives (LinkModel)."""
     W = cfg.world_size
     g = cfg.reduce_dtype.itemsize
     params = grads = opt = comm = steps = 0
-    for dt, items in buffers:
+    for dt, items, unit in buffers:
         L = _layout(items, dt, stage, cfg)
         p = dt.itemsize
         params += p * (L.local_numel if stage == 3 else L.padded_numel)
@@ -271,12 +274,9 @@ def _stage_plan(buffers: list[tuple[torch.dtype, list[Item]]], stage: int,
         # One collective per bucket, counted as comm.CommCounter.add does (`_bucket_comm`); the
         # ring steps of each (an all-to-all, as a reduce-scatter, W-1) for the comm-time model.
         nb = L.num_buckets
-        comm += _bucket_comm(L, stage, cfg, dt)
-        if stage == 0:
-            steps += nb * 2 * (W - 1)
-        else:
-            gathers = 2 if stage == 3 and cfg.reshard_after_forward else 1
-            steps += nb * (1 + gathers) * (W - 1)
+        comm += _bucket_comm(L, stage, cfg, dt, unit)
+        gathers = Stage(stage).gathers_per_step(cfg.reshard_after_forward, unit)
+        steps += nb * (2 if stage == 0 else 1 + gathers) * (W - 1)
     if stage > 0 and cfg.grad_norm:
         comm += 2 * (W - 1) * SCALAR_BYTES // W
         steps += 2 * (W - 1)
@@ -286,7 +286,8 @@ def _stage_plan(buffers: list[tuple[torch.dtype, list[Item]]], stage: int,
     return StagePlan(params, grads, opt, params + grads + opt, comm), steps
 
 
-def _bucket_comm(L: FlatLayout, stage: int, cfg: PlanConfig, dt: torch.dtype) -> int:
+def _bucket_comm(L: FlatLayout, stage: int, cfg: PlanConfig, dt: torch.dtype,
+                 unit: int) -> int:
     """Bytes one flat buffer sends per step: one collective per bucket, counted as
     comm.CommCounter.add does (ring formulas, integer division per call); over a wire format
     (fusedzero.wire) the packed chunks, scales included: an all-to-all sends W-1 of W chunks, a
@@ -306,7 +307,7 @@ def _bucket_comm(L: FlatLayout, stage: int, cfg: PlanConfig, dt: torch.dtype) ->
           and wire.gathers_over_wire(cfg.param_wire, dt, W))
     gather = ((W - 1) * wire.chunk_bytes(cfg.param_wire, B // W) if pw  # type: ignore[arg-type]
               else (W - 1) * B * p // W)
-    gathers = 2 if stage == 3 and cfg.reshard_after_forward else 1
+    gathers = Stage(stage).gathers_per_step(cfg.reshard_after_forward, unit)
     return nb * (grads + gathers * gather)
 
 
@@ -314,10 +315,11 @@ def plan_groups(groups: list[list[tuple[str, nn.Parameter]]], cfg: PlanConfig, *
                 model: nn.Module | None = None, source: str = "model",
                 by_wire: bool = False) -> Plan:
     """Plan from the optimizer's param groups, each a list of (name, param); params may live on
-    the meta device. `model` is needed for stage-3 units (without it: one root unit).
+    the meta device. `model` is needed for stage-3 units (without it: every param in one unit
+    that is not the root, as in a model whose blocks hold nearly all of it: 3 Psi per step).
     `by_wire`: also the comm of every stage under every grad wire choice (`Plan.comm_by_wire`)."""
     flat = [p for grp in groups for _, p in grp]
-    units = _units(model, flat, cfg.unit_policy) if model is not None else None
+    units = _units(model, flat, cfg.unit_policy) if model is not None else [1] * len(flat)
     done = {s: _stage_plan(_buffers_from_groups(groups, s, cfg, units), s, cfg)
             for s in STAGES}
     result = Plan(sum(p.numel() for p in flat), cfg.world_size, {s: d[0] for s, d in done.items()},
@@ -357,7 +359,7 @@ def model_layouts(model: nn.Module, cfg: PlanConfig, stage: int, *,
     flat = [p for grp in groups for _, p in grp]
     units = _units(model, flat, cfg.unit_policy) if stage == 3 else None
     return [_layout(items, dt, stage, cfg)
-            for dt, items in _buffers_from_groups(groups, stage, cfg, units)]
+            for dt, items, _ in _buffers_from_groups(groups, stage, cfg, units)]
 
 
 def plan_params(n: int, cfg: PlanConfig, *, by_wire: bool = False) -> Plan:

@@ -5,6 +5,7 @@ delegate to: it sees the flat buffers, the step scalars and the param all-gather
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,11 +18,16 @@ from fusedzero.state import TENSOR_FIELDS, ParamInfo, ShardInfo, ShardState, con
 
 
 class ShardAccess:
+    """`before_write` runs before master (and the param shard derived from it) is rewritten:
+    nothing in flight may read the shards then, and no gathered copy of them may outlive the
+    write (ZeroAdamW.quiesce_params)."""
+
     def __init__(self, buffers: list[FlatBuffer], scalars: StepScalars,
-                 param_sync: ParamSync) -> None:
+                 param_sync: ParamSync, before_write: Callable[[], None]) -> None:
         self.buffers = buffers
         self.scalars = scalars
         self.param_sync = param_sync
+        self.before_write = before_write
 
     def shard_infos(self) -> list[ShardInfo]:
         return [ShardInfo(group_index=b.group_index, dtype=b.dtype, unit=b.unit,
@@ -46,7 +52,7 @@ class ShardAccess:
 
     def set_master(self, buf: FlatBuffer, values: torch.Tensor) -> None:
         """Write master and the params derived from it, then gather them (stages 1-2)."""
-        self.param_sync.wait()  # the write must not race an all-gather in flight
+        self.before_write()  # the write must not race an all-gather in flight
         buf.write_master(values)
         self.param_sync.gather()
         self.param_sync.wait()
@@ -85,7 +91,7 @@ class ShardAccess:
                     if name in t:
                         getattr(buf, name).copy_(t[name])
             if st.master is not None:
-                self.param_sync.wait()
+                self.before_write()
                 for t, buf in zip(new, self.buffers):
                     buf.write_master(t["master"], t.get("comp"))
                 self.param_sync.gather()

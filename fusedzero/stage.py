@@ -28,3 +28,12 @@ class Stage(enum.IntEnum):
     def gathers_after_step(self) -> bool:
         """Updated params are all-gathered into the full param buffer after each step."""
         return self in (Stage.OPTIMIZER, Stage.GRADIENTS)
+
+    def gathers_per_step(self, reshard_after_forward: bool, unit: int) -> int:
+        """All-gathers of each param bucket per training step: none at stage 0; one at stages
+        1-2 (after the update); at stage 3 one in forward and, where units are resharded after
+        forward, one more in backward, except for the root unit (0): it stays gathered from
+        its forward into its backward, which comes first (fusedzero/zero3.py)."""
+        if not self.shards_state:
+            return 0
+        return 2 if self.shards_params and reshard_after_forward and unit != 0 else 1

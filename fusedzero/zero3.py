@@ -17,7 +17,9 @@ context; it never sees the optimizer. It decides *when* a unit's gathered buffer
   model_state_dict.py).
 - Forward: the pre-hook gathers unit u (waiting on its prefetch) and issues unit u+1's gather;
   the post-hook frees u (reshard_after_forward=True) unless it runs as a recomputation inside
-  backward (activation checkpointing).
+  backward (activation checkpointing), or u is the root and its output needs a grad (its
+  backward runs first: the root stays gathered until its grads are in). Anything that rewrites
+  the shards (the update, a load) frees every unit first (`ZeroAdamW.quiesce_params`).
 - Backward: a hook on the unit's outputs re-gathers u before its backward runs and prefetches the
   unit before it; when every param of u has its grad, u's buckets are reduce-scattered (by the
   optimizer) and u is freed. Whatever is still gathered at the end of backward is freed.
@@ -332,7 +334,10 @@ class Zero3:
                 # Re-gather before this unit's backward: the grad of its output arrives first.
                 for t in tensors:
                     t.register_hook(self._make_pre_backward(u))
-            if self.reshard_after_forward and not _in_backward():
+            # The root's backward comes first, right after this: freeing it would only
+            # gather it again (one all-gather of the root per step saved, as FSDP2's root).
+            keep = u == 0 and torch.is_grad_enabled() and tensors
+            if self.reshard_after_forward and not _in_backward() and not keep:
                 self.free(u)
             return None
         return _eager(hook)

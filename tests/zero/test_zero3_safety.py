@@ -110,3 +110,45 @@ def test_stage3_state_dict_gathers_full_values_and_round_trips(tmp_path: Path) -
     opt.step()
     with opt.gathered_params():
         assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad_forward", "grad_forward"])
+def test_stage3_units_gathered_by_a_forward_do_not_outlive_a_load(grad: bool) -> None:
+    """Units a forward left gathered (reshard_after_forward=False; the root after a forward
+    with grad) were copies of the shards from before `load_shard_state` / `load_state_dict`:
+    the next forward computed with the old weights."""
+    x = torch.randn(8, 16)
+    src_model, src = _setup(seed=1, reshard_after_forward=False)
+    with torch.no_grad():
+        want = src_model(x)
+    for load in ("shard_state", "state_dict"):
+        model, opt = _setup(seed=0, reshard_after_forward=False)
+        with torch.set_grad_enabled(grad):
+            model(x)
+        assert any(s.name != "FREE" for s in opt.zero3.state), "the setup must gather units"
+        if load == "shard_state":
+            opt.load_shard_state(src.shard_state())
+        else:
+            opt.load_state_dict(src.state_dict())
+        with torch.no_grad():
+            assert torch.equal(model(x), want), load
+
+
+def test_stage3_root_stays_gathered_from_a_grad_forward_into_backward() -> None:
+    """Its backward comes first: freeing the root after forward only gathered it again. A
+    forward without grad still frees it."""
+    model, opt = _setup(trace=True)
+    x = torch.randn(8, 16)
+    z = opt.zero3
+    for _ in range(2):
+        del opt.trace[:]
+        loss = model(x).square().mean()
+        assert z.state[0].name == "GATHERED" and all(s.name == "FREE" for s in z.state[1:])
+        loss.backward()
+        opt.step()
+        gathers = [u for kind, u in opt.trace if kind == "gather"]
+        assert gathers.count(0) == 1 and all(gathers.count(u) == 2 for u in (1, 2, 3)), gathers
+        assert all(s.name == "FREE" for s in z.state)
+    with torch.no_grad():
+        model(x)
+    assert all(s.name == "FREE" for s in z.state)
