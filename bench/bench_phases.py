@@ -21,6 +21,8 @@ Hook host time: a chain of HOOK_LAYERS tiny layers (Linear(4, 4): 2 params each,
 backward is per-param host work) at world size 1; backward (and forward) with ZeroAdamW's hooks
 minus bare, over the number of params, in this thread's CPU time (autograd runs CPU graphs on
 the calling thread; other processes on shared cores do not count). Target: <= 10 us per param.
+Each Linear is a stage-3 unit there (2 params each), so stage 3's figure is mostly its cost per
+unit: a second chain with 10 Linear layers per unit separates the two (`stage 3 apart`).
 
     python bench/bench_phases.py [--full] [--model llama|gpt] [--steps N]
     pytest bench/bench_phases.py --benchmark-only
@@ -255,24 +257,42 @@ def profile_system(model: str, system: str, steps: int = 3) -> str:
 
 
 # -- hook host time -------------------------------------------------------------------------------
-def _chain() -> nn.Sequential:
+def _chain(per_unit: int = 1) -> nn.Sequential:
+    """HOOK_LAYERS x Linear(4, 4) in blocks of `per_unit` (each block one stage-3 unit)."""
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(HOOK_LAYERS)])
+    return nn.Sequential(*[nn.Sequential(*[nn.Linear(4, 4) for _ in range(per_unit)])
+                           for _ in range(HOOK_LAYERS // per_unit)])
+
+
+# Linear layers per unit in the second stage-3 chain (1 where the chain is too short for two).
+COARSE = max(1, min(10, HOOK_LAYERS // 2))
+
+
+def _is_block(root: nn.Module) -> Callable[[nn.Module], bool]:
+    return lambda m: isinstance(m, nn.Sequential) and m is not root
 
 
 def measure_hooks(stages: tuple[int, ...] = (0, 1, 2, 3), rounds: int = HOOK_ROUNDS
                   ) -> dict[str, dict[str, float]]:
     """Thread CPU seconds of forward and backward (medians), by system (`bare`, `fusedzero-S`),
-    on the CPU with one torch thread, plus the per-param overhead over bare in microseconds."""
+    on the CPU with one torch thread, plus the per-param overhead over bare in microseconds.
+    Stage 3 also on a chain of COARSE layers per unit (`fusedzero-3/10` over `bare/10`): from
+    the two, its cost per unit and per param apart (`*_us_per_unit`, `*_us_per_param_alone`)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         x = torch.randn(2, 4)
-        models = {"bare": (_chain(), None)}
+        models: dict[str, tuple[nn.Module, ZeroAdamW | None]] = {"bare": (_chain(), None)}
         for s in stages:
             m = _chain()
             models[f"fusedzero-{s}"] = (m, ZeroAdamW(m.parameters(), lr=LR, stage=s, module=m,
-                                                     unit_policy=nn.Linear))
+                                                     unit_policy=_is_block(m)))
+        split = 3 in stages and COARSE > 1
+        if split:
+            models[f"bare/{COARSE}"] = (_chain(COARSE), None)
+            m = _chain(COARSE)
+            models[f"fusedzero-3/{COARSE}"] = (m, ZeroAdamW(
+                m.parameters(), lr=LR, stage=3, module=m, unit_policy=_is_block(m)))
         t: dict[str, dict[str, list[float]]] = {k: {"forward": [], "backward": []}
                                                 for k in models}
         for r in range(3 + rounds):
@@ -290,12 +310,25 @@ def measure_hooks(stages: tuple[int, ...] = (0, 1, 2, 3), rounds: int = HOOK_ROU
                 if r >= 3:
                     t[name]["forward"].append(t1 - t0)
                     t[name]["backward"].append(t2 - t1)
-        n = sum(p.numel() > 0 for p in models["bare"][0].parameters())
+        # Params counted on the bare chains (a freed stage-3 param is empty).
+        count = {k: sum(p.numel() > 0 for p in m.parameters())
+                 for k, (m, _) in models.items() if k.startswith("bare")}
         med = {k: {p: statistics.median(v) for p, v in d.items()} for k, d in t.items()}
         for k, d in med.items():
-            d["params"] = n
+            base = f"bare/{COARSE}" if k.endswith(f"/{COARSE}") else "bare"
+            d["params"] = count[base]
             for p in ("forward", "backward"):
-                d[f"{p}_us_per_param"] = (d[p] - med["bare"][p]) / n * 1e6
+                d[f"{p}_us_per_param"] = (d[p] - med[base][p]) / count[base] * 1e6
+        if split:
+            # overhead = a * params + b * units, on both chains: solve for a and b.
+            fine, coarse = med["fusedzero-3"], med[f"fusedzero-3/{COARSE}"]
+            pf, pc = count["bare"], count[f"bare/{COARSE}"]
+            uf, uc = HOOK_LAYERS, HOOK_LAYERS // COARSE
+            for p in ("forward", "backward"):
+                of, oc = fine[f"{p}_us_per_param"] * pf, coarse[f"{p}_us_per_param"] * pc
+                b = (of * pc - oc * pf) / (uf * pc - uc * pf)
+                fine[f"{p}_us_per_unit"] = b
+                fine[f"{p}_us_per_param_alone"] = (of - b * uf) / pf
         for _, opt in models.values():
             if opt is not None:
                 opt.close()
@@ -341,6 +374,8 @@ def test_hook_host_time(benchmark, stage: int) -> None:
                                  "forward_us_per_param": d["forward_us_per_param"]})
     SUMMARY.append(f"hook host time stage {stage}: backward +{d['backward_us_per_param']:.1f} "
                    f"us/param, forward +{d['forward_us_per_param']:.1f} us/param over bare")
+    if stage == 3:
+        SUMMARY.append(per_unit_line(med))
 
 
 # -- command line ---------------------------------------------------------------------------------
@@ -369,7 +404,17 @@ def format_hooks(med: dict[str, dict[str, float]]) -> str:
     for k, d in med.items():
         lines.append(f"{k:<14}{d['forward'] * 1e3:>10.2f}{d['backward'] * 1e3:>10.2f}"
                      f"{d['forward_us_per_param']:>14.1f}{d['backward_us_per_param']:>14.1f}")
+    lines += [per_unit_line(med)] if "backward_us_per_unit" in med.get("fusedzero-3", {}) else []
     return "\n".join(lines)
+
+
+def per_unit_line(med: dict[str, dict[str, float]]) -> str:
+    """Stage 3's cost split into per unit and per param (from the 1- and COARSE-layer units)."""
+    d = med["fusedzero-3"]
+    return (f"stage 3 apart: backward {d['backward_us_per_unit']:.0f} us per unit + "
+            f"{d['backward_us_per_param_alone']:.1f} us per param, forward "
+            f"{d['forward_us_per_unit']:.0f} us per unit + {d['forward_us_per_param_alone']:.1f} "
+            f"us per param (1 and {COARSE} Linear layers per unit)")
 
 
 def main(argv: list[str] | None = None) -> int:
