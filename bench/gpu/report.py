@@ -237,7 +237,8 @@ def phases_section(d: dict[str, Any]) -> str:
                         "backward us/param"], rows)]
         s3 = h.get("fusedzero-3", {})
         if "backward_us_per_unit" in s3:  # since 2026-11-26: stage 3 per unit and per param
-            out += ["", f"Stage 3 apart (from units of 1 and 10 layers): backward "
+            coarse = next(k for k in h if k.startswith("fusedzero-3/")).split("/")[1]
+            out += ["", f"Stage 3 apart (from units of 1 and {coarse} layers): backward "
                     f"{s3['backward_us_per_unit']:.0f} us per unit + "
                     f"{s3['backward_us_per_param_alone']:.1f} us per param; forward "
                     f"{s3['forward_us_per_unit']:.0f} us per unit + "

@@ -102,9 +102,11 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
     phases = json.loads((out / "phases.json").read_text())
     assert set(phases["phases"]["gpt"]) >= {"bare", "fusedzero-2", "fusedzero-3"}
     assert set(phases["hooks"]) == {"bare", "fusedzero-0", "fusedzero-1", "fusedzero-2",
-                                    "fusedzero-3"}
+                                    "fusedzero-3", "bare/2", "fusedzero-3/2"}  # 4 layers: 2/unit
+    assert "backward_us_per_unit" in phases["hooks"]["fusedzero-3"]
     report = (out / "REPORT.md").read_text()
     assert "Forward, backward, step and zero_grad apart" in report
+    assert "Stage 3 apart (from units of 1 and " in report
     assert "Every stage at W = 1..N" in report and "Large world on one device" in report
     # The report regenerates from the results alone (docs/gpu.md's second command).
     again = subprocess.run([sys.executable, str(ROOT / "bench/gpu/report.py"), str(out)],
