@@ -34,7 +34,7 @@ import torch
 
 from fusedzero.emulate import LlamaShape, fake_group, meta_model, param_groups
 from fusedzero.optim import ZeroAdamW
-from fusedzero.zero3 import ShardInit
+from fusedzero.units import ShardInit
 
 SHARD = int(float(os.environ.get("FUSEDZERO_BENCH_SCALE_SHARD", "1.5e6")))
 ROUNDS = int(os.environ.get("FUSEDZERO_BENCH_SCALE_ROUNDS", "30"))

@@ -43,7 +43,7 @@ from fusedzero.memory_modes import MemoryModes
 from fusedzero.plan import Plan, PlanConfig, plan_model
 from fusedzero.stage import Stage
 from fusedzero.wire import WBLOCK, WireFormat
-from fusedzero.zero3 import ShardInit
+from fusedzero.units import ShardInit
 
 
 # -- model shapes (plain nn modules, Llama-style: no forward, they are only ever built) ----------

@@ -47,7 +47,8 @@ from fusedzero.scalars import GroupLr, LossScaler, StepScalars
 from fusedzero.shards import ShardAccess
 from fusedzero.stage import Stage
 from fusedzero.state import ParamInfo, ShardInfo, ShardState
-from fusedzero.zero3 import ParamInitFn, UnitPolicy, Zero3
+from fusedzero.units import ParamInitFn, UnitPolicy
+from fusedzero.zero3 import Zero3
 
 __all__ = ["MemoryReport", "Stage", "ZeroAdamW"]
 

@@ -36,7 +36,7 @@ from fusedzero.comm import CommContext, Handle
 from fusedzero.dtensor import local
 from fusedzero.flat import FlatBuffer
 from fusedzero.wire import WireFormat
-from fusedzero.zero3 import UnitPolicy, select_units
+from fusedzero.units import UnitPolicy, select_units
 
 # (id of a flat buffer, bucket index): one all-gather.
 BucketKey = tuple[int, int]

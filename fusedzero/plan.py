@@ -28,6 +28,7 @@ from fusedzero import dtypes, wire
 from fusedzero.layout import FlatLayout, build_layout, default_bucket_numel
 from fusedzero.memory_modes import MemoryModes, check_param_dtype
 from fusedzero.stage import Stage
+from fusedzero.units import select_units
 
 STAGES = (0, 1, 2, 3)
 # The global grad norm (clipping, non-finite skip) is one fp32 scalar all-reduced per step.
@@ -239,8 +240,6 @@ def _buffers_from_groups(groups: list[list[tuple[str, nn.Parameter]]], stage: in
 
 def _units(model: nn.Module, params: list[nn.Parameter], policy: Any) -> list[int]:
     """Stage-3 unit of each param, as `fusedzero.zero3.Zero3.assign` decides."""
-    from fusedzero.zero3 import select_units
-
     owner: dict[int, int] = {}
     for u, m in enumerate(select_units(model, policy), start=1):
         for p in m.parameters():

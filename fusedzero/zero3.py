@@ -29,81 +29,27 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Callable, Iterator
-from typing import Any, Union
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fusedzero import wire
 from fusedzero.comm import CommContext, Handle, eager
 from fusedzero.dtensor import local, set_local
 from fusedzero.flat import FlatBuffer
 from fusedzero.model_state_dict import UnitStateDict
+from fusedzero.units import ParamInitFn, ShardInit, UnitPolicy, select_units
 
-# How units are chosen (see `select_units`): None (every child of an nn.ModuleList), a module
-# class or tuple of classes, a predicate on modules, or a minimum element count.
-UnitPolicy = Union[None, type, tuple[type, ...], Callable[[nn.Module], bool], int]
 # Overwrite a tensor with group rank 0's value (over every group replicas span).
 Broadcast = Callable[[torch.Tensor], None]
-
-
-class ShardInit:
-    """A `param_init_fn` that initialises only this rank's elements of meta-device params:
-    `fn(name, out, start)` fills the 1-D tensor `out` with elements `[start, start + out.numel())`
-    of the flattened param `name`. No unit is ever gathered and nothing is broadcast, so the
-    values must depend on (name, element) alone, which also makes them the same at every world
-    size. Where a separate fp32 master exists it starts at the param dtype's cast of them."""
-
-    def __init__(self, fn: Callable[[str, torch.Tensor, int], None]) -> None:
-        self.fn = fn
-
-
-# `fn(name, module)` initialises the params a module owns directly, in full; or a ShardInit.
-ParamInitFn = Union[Callable[[str, nn.Module], None], ShardInit]
 
 
 class UnitState(enum.Enum):
     FREE = 0
     GATHERING = 1
     GATHERED = 2
-
-
-def default_policy(root: nn.Module) -> list[nn.Module]:
-    """Every child of an nn.ModuleList (transformer blocks, in the usual model layout)."""
-    return [m for mod in root.modules() if isinstance(mod, nn.ModuleList) for m in mod]
-
-
-def select_units(root: nn.Module, policy: UnitPolicy) -> list[nn.Module]:
-    """Units in forward (registration) order, from a policy: None (default), a module class or
-    tuple of classes, a callable(module) -> bool, or an int (modules with at least that many
-    param elements of their own subtree, innermost first)."""
-    if policy is None:
-        units = default_policy(root)
-    elif isinstance(policy, type) or (isinstance(policy, tuple)
-                                      and all(isinstance(c, type) for c in policy)):
-        units = [m for m in root.modules() if isinstance(m, policy) and m is not root]
-    elif isinstance(policy, int):
-        units = []
-        claimed: set[int] = set()
-        for m in reversed(list(root.modules())):
-            if m is root:
-                continue
-            own = [p for p in m.parameters() if id(p) not in claimed]
-            if sum(p.numel() for p in own) >= policy:
-                units.append(m)
-                claimed.update(id(p) for p in own)
-        order = {id(m): i for i, m in enumerate(root.modules())}
-        units.sort(key=lambda m: order[id(m)])
-    elif callable(policy):
-        units = [m for m in root.modules() if m is not root and policy(m)]
-    else:
-        raise TypeError(f"unit_policy must be None, a module class, a tuple of classes, a "
-                        f"callable or an int, got {policy!r}")
-    # Nested units: keep the outermost (a param belongs to one unit). One walk per unit, not
-    # one per pair of units (80 blocks of 10 modules: 1.5 s of the pairwise walk).
-    inner = {id(x) for o in units for x in o.modules() if x is not o}
-    return [m for m in units if id(m) not in inner]
 
 
 class Zero3:
@@ -139,6 +85,8 @@ class Zero3:
         self.gathered_numel = 0
         self.max_gathered_numel = 0
         self.hooks: list[Any] = []
+        # Units a backward left gathered to its end: freed once their inputs' grads are in.
+        self.late: set[int] = set()
         self.unit_of_param: dict[int, int] = {}
         self._meta_init = False  # params came on the meta device: `setup` initialises them
 
@@ -317,12 +265,15 @@ class Zero3:
         v = u + step
         return v if 1 <= v < len(self.modules) else None
 
-    def _make_pre_forward(self, u: int) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any) -> None:
+    def _make_pre_forward(self, u: int) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: Any) -> Any:
             self.wait(u)
             nxt = self._next_unit(u, +1) if u else self._next_unit(0, +1)
             if nxt is not None and not _in_backward():
                 self.gather(nxt)  # prefetch: overlaps this unit's compute
+            if u in self.late and torch.is_grad_enabled():
+                return _free_when_inputs_have_grads(args, lambda: self.free(u))
+            return None
         return _eager(hook)
 
     def _make_post_forward(self, u: int) -> Callable[..., Any]:
@@ -360,8 +311,47 @@ class Zero3:
             self.free(u)
 
     def end_backward(self) -> None:
+        # [Note: a unit with a param that got no grad]
+        self.late.update(u for u, s in enumerate(self.state) if s is not UnitState.FREE)
         self.free_all()
         self.pending = list(self.n_trainable)
+
+
+# Note: a unit with a param that got no grad
+# A unit is freed in backward when its last param's grad arrives. A param that gets no grad
+# (an unused branch, a conditional layer) kept its unit gathered to the end of backward, each
+# such unit one more gathered at once. A unit a backward left gathered to its end is marked
+# `late`; from then on its forward passes its tensor inputs through `_AfterBackward`, whose
+# backward runs when the grads of those inputs are complete: the unit's own backward is done,
+# so it is freed there (FSDP2 frees every unit that way). Autograd runs the ready nodes of a
+# graph latest-created first, so the unit's param-only nodes (created after its inputs) have
+# run by then. Grads that arrive later need no gathered params. Only late units pay for the
+# extra node, and a unit whose inputs need no grad keeps the end-of-backward free.
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; `done()` when their grads are complete."""
+
+    @staticmethod
+    def forward(ctx: Any, done: Callable[[], None], *xs: torch.Tensor) -> Any:
+        ctx.done = done
+        return xs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.done()
+        return (None, *grads)
+
+
+def _free_when_inputs_have_grads(args: Any, done: Callable[[], None]) -> Any:
+    """`args` with its tensors that need a grad passed through `_AfterBackward` (None: none)."""
+    flat, spec = tree_flatten(args)
+    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not idx:
+        return None
+    for i, t in zip(idx, _AfterBackward.apply(done, *(flat[i] for i in idx))):
+        flat[i] = t
+    return tree_unflatten(flat, spec)
 
 
 def _init_own_shard(buf: FlatBuffer, init: ShardInit) -> None:

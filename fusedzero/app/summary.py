@@ -60,6 +60,9 @@ def summarize(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device
         "world_size": world,
         "params": psi,
         "padded_params": sum(fg.layout.padded_numel for fg in opt.flat_groups),
+        # Stage 3: the root unit's share (gathered once a step; every other unit twice).
+        "padded_root_params": sum(fg.layout.padded_numel for fg in opt.flat_groups
+                                  if fg.unit == 0) if cfg.stage == 3 else None,
         "steps": list(log.steps),
         "train_loss": log.steps[-1]["loss"] if log.steps else None,
         "val_loss": log.val[-1]["val_loss"] if log.val else None,

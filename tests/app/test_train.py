@@ -137,9 +137,11 @@ def test_comm_bytes_match_ring_formulas(stage_runs: dict[int, dict]) -> None:
         elif stage in (1, 2):
             want = {"all_reduce": scalar, "reduce_scatter": (W - 1) * psi * 4 // W,
                     "all_gather": (W - 1) * psi * 4 // W}
-        else:  # ZeRO-3: params all-gathered in forward and again in backward
+        else:  # ZeRO-3: params all-gathered in forward and again in backward, but the root's
+            root = s["padded_root_params"]  # kept gathered from its forward into its backward
+            assert 0 < root < psi
             want = {"all_reduce": scalar, "reduce_scatter": (W - 1) * psi * 4 // W,
-                    "all_gather": 2 * (W - 1) * psi * 4 // W}
+                    "all_gather": (W - 1) * (2 * psi - root) * 4 // W}
         assert c == {**want, "all_to_all": 0}, f"stage {stage} with Psi_pad={psi}"
 
 

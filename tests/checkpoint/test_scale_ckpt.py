@@ -19,7 +19,7 @@ from fusedzero.emulate_ckpt import emulated_rank, save_emulated
 from fusedzero.layout import FlatLayout
 from fusedzero.optim import ZeroAdamW
 from fusedzero.plan import PlanConfig, model_layouts
-from fusedzero.zero3 import ShardInit
+from fusedzero.units import ShardInit
 
 SHAPE = LlamaShape(n_layer=2, d=64, ffn=128, vocab=256, n_head=4, n_kv_head=2)
 

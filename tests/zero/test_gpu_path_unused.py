@@ -67,3 +67,64 @@ def test_unused_param_holds_back_no_other_bucket(stage: int) -> None:
         for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
             torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=n)
     opt.close()
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.spare = nn.Linear(16, 16)  # registered, never called: no grad in any backward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+class WithSpares(nn.Module):
+    def __init__(self, checkpointing: str = "none") -> None:
+        super().__init__()
+        self.checkpointing = checkpointing  # each block recomputed in backward
+        self.inp = nn.Linear(16, 16)
+        self.blocks = nn.ModuleList(Block() for _ in range(4))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.blocks:
+            x = (torch.utils.checkpoint.checkpoint(
+                b, x, use_reentrant=self.checkpointing == "reentrant")
+                if self.checkpointing != "none" else b(x))
+        return self.out(x)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "reentrant", "non_reentrant"])
+def test_stage3_unit_with_an_unused_param_is_freed_when_its_backward_is_done(
+        checkpointing: str) -> None:
+    """The first backward finds each block still gathered at its end (`spare` got no grad):
+    all 4 at once. From the next backward on, each is freed when the grads of its inputs are in,
+    so at most the current block and the prefetched one are gathered, and the values still
+    equal torch.optim.AdamW's."""
+    torch.manual_seed(0)
+    ref_model = WithSpares()
+    torch.manual_seed(0)
+    model = WithSpares(checkpointing)
+    ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, stage=3, module=model)
+    z = opt.zero3
+    peaks = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+        z.max_gathered = 0
+        for m, o in ((model, opt), (ref_model, ref_opt)):
+            nn.functional.mse_loss(m(x), y).backward()
+            for p in ref_model.parameters():  # no grad is a zero grad (ZeroAdamW's rule)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            o.step()
+            o.zero_grad()
+        peaks.append(z.max_gathered)
+    assert peaks[0] == 4 and peaks[1:] == [2, 2], peaks
+    assert z.late == {1, 2, 3, 4}
+    with opt.gathered_params():
+        for (n, p), q in zip(model.named_parameters(), ref_model.parameters()):
+            torch.testing.assert_close(p, q, rtol=RTOL, atol=ATOL, msg=n)

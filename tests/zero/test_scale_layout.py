@@ -150,7 +150,7 @@ def test_shard_init_writes_only_the_local_shard_from_element_indices() -> None:
     # (bf16), and no unit was gathered to initialise them (materialize_peak stays 0).
     from fusedzero.emulate import LlamaShape, param_groups
     from fusedzero.optim import ZeroAdamW
-    from fusedzero.zero3 import ShardInit
+    from fusedzero.units import ShardInit
 
     def values(name: str, start: int, n: int) -> torch.Tensor:
         return torch.arange(start, start + n, dtype=torch.float32) * 1e-3 + len(name)
