@@ -118,6 +118,19 @@ class CommContext:
              host_blocking=self.host_blocking)
 
 
+def check_same_ranks(group: Group, like: Group, what: str) -> None:
+    """`group` spans the ranks of `like` in the same order (rank r of one is rank r of the
+    other): a second communicator over them. Raises ValueError naming `what` otherwise."""
+    def ranks(g: Group) -> list[int]:
+        if g is None and not dist.is_initialized():
+            return [0]
+        return dist.get_process_group_ranks(g if g is not None else dist.group.WORLD)
+    if ranks(group) != ranks(like):
+        raise ValueError(f"{what} must span the ranks of process_group in the same order "
+                         f"(a second group over them, e.g. dist.new_group(ranks)); it spans "
+                         f"{ranks(group)}, process_group {ranks(like)}")
+
+
 def group_size(group: Group) -> int:
     if group is None and not dist.is_initialized():
         return 1

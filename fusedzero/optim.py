@@ -44,16 +44,15 @@ from fusedzero.model_state_dict import FullParamsLoad
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
 from fusedzero.scalars import GroupLr, LossScaler, StepScalars
-from fusedzero.shards import ShardAccess
+from fusedzero.shards import ShardAccess, ShardStateMethods
 from fusedzero.stage import Stage
-from fusedzero.state import ParamInfo, ShardInfo, ShardState
 from fusedzero.units import ParamInitFn, UnitPolicy
 from fusedzero.zero3 import Zero3
 
 __all__ = ["MemoryReport", "Stage", "ZeroAdamW"]
 
 
-class ZeroAdamW(torch.optim.Optimizer):
+class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
     """AdamW with ZeRO sharding over a process group; one fused update launch per dtype combination.
 
     Args:
@@ -72,6 +71,11 @@ class ZeroAdamW(torch.optim.Optimizer):
             as soon as the bucket's reduction in `process_group` is complete, in every backward
             outside `no_sync` (fusedzero/reduce.py); everything else stays within
             `process_group`. Grads are averaged over both groups.
+        gather_group: a second group over the ranks of `process_group` (same order) for the
+            param all-gathers of stages 1-3: on NCCL a group is one communicator whose
+            collectives run in issue order on one stream, so a prefetch all-gather issued after
+            a reduce-scatter would wait for it. None: `process_group` (`fusedzero train` makes
+            one on GPUs). It costs that communicator's memory.
         param_dtype: dtype of the model's params (e.g. torch.bfloat16, with an fp32 master);
             default keeps each param's dtype (fp32 params are their own master).
         reduce_dtype: dtype grads are accumulated in and, without `wire`, reduced in.
@@ -122,6 +126,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         module: nn.Module | None = None,
         process_group: Group = None,
         replicate_group: Group = None,
+        gather_group: Group = None,
         param_dtype: torch.dtype | None = None,
         reduce_dtype: torch.dtype = torch.float32,
         wire: str | None = None,
@@ -181,6 +186,10 @@ class ZeroAdamW(torch.optim.Optimizer):
         # Tensor parallel: DTensor params on a tp mesh (None: a plain model).
         self.tp = tp_info(all_params, names, process_group, replicate_group)
         self._ctx = CommContext.of(process_group, self.comm, self.trace, self.device)
+        if gather_group is not None:
+            comm.check_same_ranks(gather_group, process_group, "gather_group")
+        self._gather_ctx = (self._ctx if gather_group is None else
+                            CommContext.of(gather_group, self.comm, self.trace, self.device))
         self._tp_ctx = (None if self.tp is None else
                         CommContext.of(self.tp.group, self.comm, self.trace, self.device))
         # No replicate group: a group of one (None would mean the world here).
@@ -197,7 +206,7 @@ class ZeroAdamW(torch.optim.Optimizer):
         units = [0] * len(all_params)
         if stage.shards_params:
             assert module is not None
-            self.zero3 = Zero3(module, unit_policy, reshard_after_forward, self._ctx,
+            self.zero3 = Zero3(module, unit_policy, reshard_after_forward, self._gather_ctx,
                                lambda t: broadcast_from_rank0(t, (self._ctx, self._replica_ctx)),
                                self.param_wire)
             units = self.zero3.assign(all_params)
@@ -218,8 +227,8 @@ class ZeroAdamW(torch.optim.Optimizer):
                                on_unit_grad=z.grad_ready if z is not None else None,
                                on_backward_end=z.end_backward if z is not None else None)
         self.param_sync = ParamSync(
-            self.flat_groups if stage.gathers_after_step else [], self._ctx, module, unit_policy,
-            self.param_wire)
+            self.flat_groups if stage.gathers_after_step else [], self._gather_ctx, module,
+            unit_policy, self.param_wire)
         self.shards = ShardAccess(self.flat_groups, self.scalars, self.param_sync,
                                   self.quiesce_params)
         self._build_update()
@@ -388,37 +397,3 @@ class ZeroAdamW(torch.optim.Optimizer):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Multiply the loss by the current loss scale (identity without loss scaling)."""
         return loss if self.scaler is None else loss * self.scaler.scale
-
-    # -- state dict (this rank's shard; `fusedzero.checkpoint` reshards) ----------------------
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's shard, loadable into an optimizer of the same layout only
-        (`fusedzero.checkpoint` reshards across world sizes and stages)."""
-        return self.shards.state_dict(self.param_groups, self.layout_key())
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.shards.load_state_dict(state_dict, self.param_groups, self.layout_key())
-
-    def layout_key(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "rank": self.rank, "stage": int(self.stage),
-                "bucket_numel": self.bucket_numel,
-                "flat": [(buf.group_index, str(buf.dtype), buf.unit, buf.layout.local_numel)
-                         for buf in self.flat_groups]}
-
-    # -- the typed interface of fusedzero/state.py (checkpoints, importers, plan) -------------
-    def shard_infos(self) -> list[ShardInfo]:
-        """What this rank holds, one record per flat buffer (the order of `shard_state()`)."""
-        return self.shards.shard_infos()
-
-    def param_infos(self) -> list[ParamInfo]:
-        """The trainable params in optimizer order."""
-        return self.shards.param_infos(self.param_groups)
-
-    def shard_state(self) -> ShardState:
-        """This rank's values: master as a local-shard tensor (a copy where the params are
-        their own master), the moments as live views. `step_count` is a host sync."""
-        return self.shards.shard_state()
-
-    def load_shard_state(self, st: ShardState) -> None:
-        """Write `st` back; None fields are left as they are. Writing master rewrites the
-        params derived from it and gathers them: a collective at stages 1-3."""
-        self.shards.load_shard_state(st)

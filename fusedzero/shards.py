@@ -155,3 +155,50 @@ class ShardAccess:
                 if k != "params":
                     mine[k] = v
         self.load_flat_state(state_dict["state"])
+
+
+class ShardStateMethods:
+    """ZeroAdamW's state dict and the typed interface of fusedzero/state.py (checkpoints,
+    importers, plan), delegated to its `ShardAccess`."""
+
+    shards: ShardAccess
+    param_groups: list[dict[str, Any]]
+    world_size: int
+    rank: int
+    stage: int
+    bucket_numel: int | None
+    flat_groups: list[FlatBuffer]
+
+    # -- state dict (this rank's shard; `fusedzero.checkpoint` reshards) ----------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard, loadable into an optimizer of the same layout only
+        (`fusedzero.checkpoint` reshards across world sizes and stages)."""
+        return self.shards.state_dict(self.param_groups, self.layout_key())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.shards.load_state_dict(state_dict, self.param_groups, self.layout_key())
+
+    def layout_key(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "rank": self.rank, "stage": int(self.stage),
+                "bucket_numel": self.bucket_numel,
+                "flat": [(buf.group_index, str(buf.dtype), buf.unit, buf.layout.local_numel)
+                         for buf in self.flat_groups]}
+
+    # -- the typed interface of fusedzero/state.py (checkpoints, importers, plan) -------------
+    def shard_infos(self) -> list[ShardInfo]:
+        """What this rank holds, one record per flat buffer (the order of `shard_state()`)."""
+        return self.shards.shard_infos()
+
+    def param_infos(self) -> list[ParamInfo]:
+        """The trainable params in optimizer order."""
+        return self.shards.param_infos(self.param_groups)
+
+    def shard_state(self) -> ShardState:
+        """This rank's values: master as a local-shard tensor (a copy where the params are
+        their own master), the moments as live views. `step_count` is a host sync."""
+        return self.shards.shard_state()
+
+    def load_shard_state(self, st: ShardState) -> None:
+        """Write `st` back; None fields are left as they are. Writing master rewrites the
+        params derived from it and gathers them: a collective at stages 1-3."""
+        self.shards.load_shard_state(st)

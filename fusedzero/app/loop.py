@@ -70,6 +70,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
     extra: dict[str, Any] = {}
     if cfg.bucket_numel is not None:
         extra["bucket_numel"] = cfg.bucket_numel
+    if device.type == "cuda":  # NCCL: param all-gathers on a communicator of their own
+        extra["gather_group"] = tp_plan.gather_group(mesh)
     opt = ZeroAdamW(gpt_param_groups(model, cfg.weight_decay), lr=cfg.lr,
                     betas=(cfg.beta1, cfg.beta2), stage=cfg.stage, module=model,
                     param_dtype=param_dtype, reduce_dtype=reduce_dtype,

@@ -115,6 +115,23 @@ def parallelize(model: nn.Module, tp: int, device: torch.device) -> Mesh:
                 dp_size=world // tp, tp=tp)
 
 
+def gather_group(mesh: Mesh) -> Group:
+    """A second group over this rank's dp group, for ZeroAdamW's param all-gathers
+    (`gather_group=`); None where the dp group is one rank. `new_group` is collective over the
+    world: every rank makes every dp group's, in the same order, and keeps its own. The dp
+    groups of the (dp, tp) mesh are its columns: ranks j, tp + j, 2 tp + j, ..."""
+    if mesh.dp_size == 1:
+        return None
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine: Group = None
+    for j in range(mesh.tp):
+        ranks = list(range(j, world, mesh.tp))
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
 def local_groups(model: nn.Module, tp: int, decay_split: bool = True
                  ) -> list[list[tuple[str, nn.Parameter]]]:
     """`fusedzero plan --tp`: the GPT (on the meta device) with every param replaced by one tp
