@@ -36,6 +36,20 @@ class TwoLinear(nn.Module):
         return self.b(torch.tanh(self.a(x)))
 
 
+class Stack(nn.Module):
+    """Three stage-3 units (the ModuleList children) and a root-owned head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.head(x)
+
+
 def make_gpt(cfg: GPTConfig, seed: int = 0) -> GPT:
     """The GPT of `cfg`, initialised from `seed` (the global RNG, as the ranks seed it)."""
     torch.manual_seed(seed)

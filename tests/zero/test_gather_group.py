@@ -10,20 +10,9 @@ import torch.distributed as dist
 from torch import nn
 
 import fusedzero.comm as comm
+from _helpers import Stack
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import fake_group, run_ranks
-
-
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return self.head(x)
 
 
 def _train(stage: int, gather_group: dist.ProcessGroup | None, rank: int
@@ -46,7 +35,7 @@ def _train(stage: int, gather_group: dist.ProcessGroup | None, rank: int
     comm._all_gather, comm._reduce_scatter = ag, rs
     try:
         torch.manual_seed(0)
-        model = Net()
+        model = Stack()
         opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, module=model,
                         gather_group=gather_group, bucket_numel=256, max_grad_norm=1.0)
         for step in range(3):

@@ -8,22 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from _helpers import run_forked
+from _helpers import Stack, run_forked
 from fusedzero.optim import ZeroAdamW
-
-
-class Stack(nn.Module):
-    """Three units (the ModuleList children) and a root-owned head."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
-        self.head = nn.Linear(16, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = torch.tanh(b(x))
-        return self.head(x)
 
 
 def _setup(seed: int = 0, **kw) -> tuple[Stack, ZeroAdamW]:
