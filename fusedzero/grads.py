@@ -60,6 +60,9 @@ class GradHooks:
         self._task_id = -1  # autograd graph task the end-of-backward callback is queued on
         self._grads_arrived = False  # a param grad came in the current backward
         self._no_grad: dict[int, torch.Tensor] = {}  # per param: its NoLocalGrad, built once
+        # The params whose .grad a placeholder was put on since the grads were last consumed,
+        # with what they hold then (their bucket view, or None): no walk over every param.
+        self._placed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         self._where: dict[int, tuple[FlatBuffer, int]] = {
             id(p): (buf, pos) for buf in schedule.buffers for pos, p in enumerate(buf.params)}
         self._names = {id(p): buf.layout.params[pos].name
@@ -141,7 +144,7 @@ class GradHooks:
         if view is None or grad.data_ptr() != view.data_ptr():
             # Not (or no longer: reduced, or the user reset .grad) a view of our bucket: put it in.
             self.schedule.add_grad(buf, pos, local_grad(p, grad))
-            p.grad = self.idle_grad(buf, pos, p)
+            self._set_idle(buf, pos, p)
         else:
             self.schedule.add_grad(buf, pos, None)
         if self.on_unit_grad is not None:
@@ -165,6 +168,11 @@ class GradHooks:
             ng = NoLocalGrad(p, self.stage, buf.layout.params[pos].name)
             self._no_grad[id(p)] = ng
         return ng
+
+    def _set_idle(self, buf: FlatBuffer, pos: int, p: torch.Tensor) -> None:
+        g = p.grad = self.idle_grad(buf, pos, p)
+        if type(g) is NoLocalGrad:
+            self._placed[id(p)] = (p, buf.param_grad_view(pos))
 
     def recover(self) -> None:
         """[Note: a backward that raised] autograd runs no final callback when a backward
@@ -197,12 +205,20 @@ class GradHooks:
     def reset_idle_grads(self) -> None:
         for buf in self.schedule.buffers:
             for pos, p in enumerate(buf.params):
-                p.grad = self.idle_grad(buf, pos, p)
+                self._set_idle(buf, pos, p)
 
     def drop_placeholders(self) -> None:
         """The grads are consumed: placeholders go (stage 1: autograd accumulates into the
-        bucket views again)."""
+        bucket views again). Only the params a placeholder was put on are visited."""
+        for p, view in self._placed.values():
+            if type(p.grad) is NoLocalGrad:
+                p.grad = view
+        self._placed.clear()
+
+    def reset_grads(self) -> None:
+        """zero_grad(): every param's .grad is its bucket view again (None where it has none),
+        whatever it held."""
         for buf in self.schedule.buffers:
             for pos, p in enumerate(buf.params):
-                if type(p.grad) is NoLocalGrad:
-                    p.grad = buf.param_grad_view(pos)
+                p.grad = buf.param_grad_view(pos)
+        self._placed.clear()

@@ -348,12 +348,10 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         `.grad` is None between backward passes."""
         self._check_open("zero_grad")
         self.grads.recover()
-        for buf in self.flat_groups:
-            for pos, p in enumerate(buf.params):
-                p.grad = buf.param_grad_view(pos)
+        self.grads.reset_grads()
         if not self.grads.in_backward:
             self.buckets.wait_all()
-            self._consume_grads()
+            self.buckets.reset_step()
 
     def quiesce_params(self) -> None:
         """Before this rank's param shards are rewritten (the update, a load): wait for the
