@@ -5,9 +5,9 @@
     fusedzero ckpt export DIR OUT [--dtype bf16|fp32] [--max-shard-size 5GB] [--hf-config C]
     fusedzero ckpt upgrade OLD NEW_ROOT         an older format version -> the current one
 
-DIR is a checkpoint directory or a root holding `latest`; `export` and `upgrade` also take a
-tensor-parallel root (it holds tensor_parallel.json: full tensors assembled from its tp folders,
-docs/tensor_parallel.md). Exit status: 0 ok; 1 `inspect` or `verify` found bad shard files
+DIR is a checkpoint directory, a root holding `latest`, or a tensor-parallel root (it holds
+tensor_parallel.json, docs/tensor_parallel.md): `inspect` and `verify` go through its tp folders
+(each bound to the record), `export` assembles full tensors from them. Exit status: 0 ok; 1 `inspect` or `verify` found bad shard files
 (one line per problem: which file, and why); 2 an error (no checkpoint there, a model mismatch,
 bad flags), reported as one line `fusedzero: error: ...`.
 
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fusedzero import checkpoint, dtypes
+from fusedzero.checkpoint.placements import check_bound, check_folder, folder
 from fusedzero.checkpoint.placements import read as tp_record
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
@@ -82,19 +83,14 @@ def _human(n: int) -> str:
 def run_ckpt(args: argparse.Namespace) -> int:
     """Handler for the parsed `ckpt` namespace; returns the exit status."""
     try:
-        if args.ckpt_command == "inspect":
-            return _inspect(args.dir)
-        if args.ckpt_command == "verify":
-            d = checkpoint.resolve(args.dir)
-            bad = checkpoint.problems(d)
-            for line in bad:
-                print(f"FAILED {line}")
-            n = len(checkpoint.read_manifest(d)["files"])
-            if bad:
-                print(f"{d}: {len(bad)} of {n} shard file(s) failed verification")
-                return 1
-            print(f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest")
-            return 0
+        if args.ckpt_command in ("inspect", "verify"):
+            one = _inspect if args.ckpt_command == "inspect" else _verify
+            status = 0
+            for label, d in _each_tp_folder(args.dir):
+                if label:
+                    print(f"== {label}: {d}")
+                status = max(status, one(d))
+            return status
         if args.ckpt_command == "upgrade" and tp_record(Path(args.dir)) is not None:
             from fusedzero.checkpoint.tp_upgrade import upgrade_tp
             print(f"wrote {upgrade_tp(args.dir, args.out)} (a tensor-parallel root, its tp "
@@ -134,6 +130,35 @@ def run_ckpt(args: argparse.Namespace) -> int:
         print(f"fusedzero: error: {msg}", file=sys.stderr)
         return 2
     raise AssertionError(args.ckpt_command)
+
+
+def _each_tp_folder(path: str) -> list[tuple[str, str]]:
+    """[("", path)] for a checkpoint directory or root; for a tensor-parallel root, each tp
+    folder (labelled), once every folder is bound to the record and its latest checkpoint
+    holds the local shapes the record's placements give (CheckpointError otherwise)."""
+    root = Path(path)
+    rec = tp_record(root)
+    if rec is None:
+        return [("", path)]
+    T = rec["tp"]
+    check_bound(root, rec)
+    for t in range(T):
+        d = checkpoint.resolve(folder(root, t, T))
+        check_folder(d, checkpoint.read_manifest(d), rec, t)
+    return [(f"tp rank {t} of {T}", str(folder(root, t, T))) for t in range(T)]
+
+
+def _verify(path: str) -> int:
+    d = checkpoint.resolve(path)
+    bad = checkpoint.problems(d)
+    for line in bad:
+        print(f"FAILED {line}")
+    n = len(checkpoint.read_manifest(d)["files"])
+    if bad:
+        print(f"{d}: {len(bad)} of {n} shard file(s) failed verification")
+        return 1
+    print(f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest")
+    return 0
 
 
 def _inspect(path: str) -> int:

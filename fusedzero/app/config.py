@@ -243,6 +243,13 @@ class TrainConfig:
     def warmup_steps(self) -> int:
         return max(1, self.steps // 20) if self.warmup is None else self.warmup
 
+    def params_dtype(self, cuda: bool) -> Any:
+        """The model params' dtype: --param-dtype, else bf16 on GPUs (fp32 master) and fp32 on
+        the CPU (whose GEMMs have no fast bf16)."""
+        if self.param_dtype:
+            return dtypes.SHORT_NAMES[self.param_dtype]
+        return dtypes.SHORT_NAMES["bf16" if cuda else "fp32"]
+
     def model_config(self) -> dict[str, Any]:
         """GPTConfig fields: the preset's (if any) under the four shape flags."""
         extra = {k: v for k, v in PRESETS[self.preset].items()} if self.preset else {}

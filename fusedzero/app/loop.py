@@ -56,8 +56,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
     so the launcher can name the step of a rank that dies."""
     rank, world = dist.get_rank(), dist.get_world_size()
     train_data, val_data = data
-    param_dtype = dtypes.SHORT_NAMES[cfg.param_dtype] if cfg.param_dtype else (
-        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    param_dtype = cfg.params_dtype(device.type == "cuda")
     reduce_dtype = dtypes.SHORT_NAMES[cfg.reduce_dtype]
 
     # Initialised on the CPU and moved: the same weights on every device (the CPU generator),

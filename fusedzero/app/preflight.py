@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from fusedzero import checkpoint, dtypes
+from fusedzero import checkpoint
 from fusedzero.app.config import VAL_FRACTION, TrainConfig, UsageError
 from fusedzero.app.data import Split, load_corpus, split_corpus
 from fusedzero.app import watch
@@ -93,9 +93,7 @@ def check_disk(cfg: TrainConfig, world: int, use_cuda: bool) -> None:
     first save (a run that cannot save loses everything after its last checkpoint)."""
     if cfg.ckpt_dir is None:
         return
-    param_dtype = torch.bfloat16 if use_cuda else torch.float32
-    if cfg.param_dtype:
-        param_dtype = dtypes.SHORT_NAMES[cfg.param_dtype]
+    param_dtype = cfg.params_dtype(use_cuda)
     try:
         need = checkpoint_bytes(cfg, world, param_dtype)
     except ValueError:

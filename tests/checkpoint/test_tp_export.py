@@ -244,3 +244,25 @@ def test_cli_export_of_a_tp_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "gpt2"
     with pytest.raises(CheckpointError, match="would replace the root's tensor_parallel.json"):
         checkpoint.export(root, root / "tensor_parallel.json")
+
+
+def test_ckpt_inspect_and_verify_take_a_tp_root(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Each tp folder inspected and verified, after the bindings; a damaged shard in one tp
+    folder fails verify (1), swapped folders are an error (2) before any shard is read."""
+    root = _root(tmp_path, _full())
+    for cmd in ("inspect", "verify"):
+        assert cli.main(["ckpt", cmd, str(root)]) == 0
+        out = capsys.readouterr().out
+        assert "== tp rank 0 of 2" in out and "== tp rank 1 of 2" in out, out
+    shard = next((root / "tp1of2").rglob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert cli.main(["ckpt", "verify", str(root)]) == 1
+    assert "FAILED" in capsys.readouterr().out
+    (root / "tp0of2").rename(root / "x")
+    (root / "tp1of2").rename(root / "tp0of2")
+    (root / "x").rename(root / "tp1of2")
+    assert cli.main(["ckpt", "verify", str(root)]) == 2
+    assert "tp_binding.json: does not match" in capsys.readouterr().err
