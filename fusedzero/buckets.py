@@ -106,14 +106,14 @@ class BucketSchedule:
         """A bucket holding param `pos` was reduced since the last step."""
         return any(b.status is not BucketStatus.EMPTY for b in self.buckets_of(buf, pos))
 
-    def add_grad(self, buf: FlatBuffer, pos: int, grad: torch.Tensor | None) -> None:
-        """Param `pos` of `buf` has its grad for this backward: put it in its buckets (None:
-        autograd already accumulated it into the bucket view) and launch what is complete."""
+    def add_grad(self, buckets: tuple[Bucket, ...], pos: int, grad: torch.Tensor | None) -> None:
+        """Param `pos` of a flat buffer, whose buckets are `buckets` (`buckets_of`), has its
+        grad for this backward: put it in them (None: autograd already accumulated it into the
+        bucket view) and launch what is complete."""
         # [Note: host cost per grad] This runs once per param per backward, on the host path
         # that feeds the device: each torch call or context manager here costs ~1 us. Backward
         # runs with grad mode off unless create_graph=True, so no_grad is entered only then; the
         # launch scan runs only when a bucket just became complete.
-        buckets = self._buckets_at[(id(buf), pos)]
         if grad is not None:
             accumulate, inv_world = self.reduction.accumulate, self.inv_world
             if torch.is_grad_enabled():

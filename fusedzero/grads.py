@@ -63,8 +63,10 @@ class GradHooks:
         # The params whose .grad a placeholder was put on since the grads were last consumed,
         # with what they hold then (their bucket view, or None): no walk over every param.
         self._placed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._where: dict[int, tuple[FlatBuffer, int]] = {
-            id(p): (buf, pos) for buf in schedule.buffers for pos, p in enumerate(buf.params)}
+        # Per param, what its grad hook needs: looked up once here, not on every grad.
+        self._where: dict[int, tuple[FlatBuffer, int, torch.Tensor | None, tuple]] = {
+            id(p): (buf, pos, buf.param_grad_view(pos), schedule.buckets_of(buf, pos))
+            for buf in schedule.buffers for pos, p in enumerate(buf.params)}
         self._names = {id(p): buf.layout.params[pos].name
                        for buf in schedule.buffers for pos, p in enumerate(buf.params)}
         self.hooks: list[Any] = []
@@ -123,32 +125,37 @@ class GradHooks:
         grad = p.grad  # read once: every attribute read is a call into torch
         if grad is None:
             return
-        if grad.is_sparse:
-            raise RuntimeError(f"param {self._names[id(p)]} got a sparse grad; "
-                               "sparse gradients are not supported")
-        task = torch._C._current_graph_task_id()
-        if task < self._task_id:
-            # Graph task ids grow: a grad from an older task than the one our callback is queued
-            # on means that one was a nested (reentrant) backward and the callback fired early.
+        if not self.in_backward:
+            self._first_grad()
+        self._grads_arrived = True
+        buf, pos, view, buckets = self._where[id(p)]
+        if view is not None and grad.data_ptr() == view.data_ptr():
+            self.schedule.add_grad(buckets, pos, None)  # accumulated into the bucket view
+        else:
+            # Not (or no longer: reduced, or the user reset .grad) a view of our bucket: put it in.
+            if grad.is_sparse:
+                raise RuntimeError(f"param {self._names[id(p)]} got a sparse grad; "
+                                   "sparse gradients are not supported")
+            self.schedule.add_grad(buckets, pos, local_grad(p, grad))
+            self._set_idle(buf, pos, p)
+        if self.on_unit_grad is not None:
+            self.on_unit_grad(buf)
+
+    def _first_grad(self) -> None:
+        """The first grad of a backward that no output-grad hook began (no `module`, or a
+        nested backward)."""
+        if torch._C._current_graph_task_id() < self._task_id:
+            # Graph task ids grow: a grad from an older task than the one our callback was
+            # queued on means that one was a nested (reentrant) backward and the callback
+            # fired early. (While in backward no such grad can come: a nested backward runs
+            # to its end, callback included, before its outer task goes on.)
             raise RuntimeError(
                 "ZeroAdamW: a grad arrived from an outer autograd graph task after the end-of-"
                 "backward callback ran on a nested one (reentrant activation checkpointing, "
                 "torch.utils.checkpoint(..., use_reentrant=True)). Pass module=model to "
                 "ZeroAdamW (the callback is then queued from the model output's grad) or use "
                 "use_reentrant=False")
-        if not self.in_backward:
-            self._begin_backward()
-        self._grads_arrived = True
-        buf, pos = self._where[id(p)]
-        view = buf.param_grad_view(pos)  # None for DTensor params
-        if view is None or grad.data_ptr() != view.data_ptr():
-            # Not (or no longer: reduced, or the user reset .grad) a view of our bucket: put it in.
-            self.schedule.add_grad(buf, pos, local_grad(p, grad))
-            self._set_idle(buf, pos, p)
-        else:
-            self.schedule.add_grad(buf, pos, None)
-        if self.on_unit_grad is not None:
-            self.on_unit_grad(buf)
+        self._begin_backward()
 
     def idle_grad(self, buf: FlatBuffer, pos: int, p: torch.Tensor) -> torch.Tensor | None:
         """What `p.grad` holds between backward passes. [Note: user grad clipping] A view of
