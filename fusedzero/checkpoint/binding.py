@@ -46,11 +46,14 @@ def _touched(m: dict[str, Any], e: dict[str, Any]) -> list[dict[str, Any]]:
 
 class Bound(NamedTuple):
     """One header row: `key` in the shard's `__metadata__`, its expected value from the manifest
-    `m` and the file's entry `e`, and the first format version whose shards carry it."""
+    `m` and the file's entry `e`, and the first format version whose shards carry it. An
+    `optional` row is there exactly when the manifest has the field of the same name: a
+    manifest that drops it, or gains it, no longer matches the digest of the rows."""
 
     key: str
     value: Callable[[dict[str, Any], dict[str, Any]], str]
     since: int
+    optional: bool = False
 
 
 BOUND: tuple[Bound, ...] = (
@@ -64,7 +67,13 @@ BOUND: tuple[Bound, ...] = (
     Bound("modes", lambda m, e: canonical(manifest_modes(m).to_json()), 3),
     Bound("params", lambda m, e: canonical(_touched(m, e)), 3),
     Bound("groups", lambda m, e: canonical(e["groups"]), 3),
+    # The tp rank and size of a tensor-parallel optimizer's checkpoint (its tp folder's).
+    Bound("tp", lambda m, e: canonical(m["tp"]), 3, optional=True),
 )
+
+
+def _bound(m: dict[str, Any]) -> list[Bound]:
+    return [b for b in BOUND if not b.optional or b.key in m]
 
 
 def _digest(rows: dict[str, str]) -> str:
@@ -73,8 +82,8 @@ def _digest(rows: dict[str, str]) -> str:
 
 def shard_metadata(m: dict[str, Any], e: dict[str, Any]) -> dict[str, str]:
     """The `__metadata__` of the shard file of entry `e` ({rank, groups}) of manifest `m`
-    (`m` needs world_size, stage, step, step_count, modes and params)."""
-    rows = {b.key: b.value(m, e) for b in BOUND}
+    (`m` needs world_size, stage, step, step_count, modes and params; tp where it has one)."""
+    rows = {b.key: b.value(m, e) for b in _bound(m)}
     return {**rows, "version": str(VERSION), DIGEST: _digest(rows)}
 
 
@@ -91,10 +100,10 @@ def header_problems(m: dict[str, Any], e: dict[str, Any], meta: dict[str, str]) 
     """Why the header `meta` of entry `e`'s file does not fit manifest `m`, or None. A manifest of
     version < 3 checks the rows its shards carry (`step_count` only when present)."""
     legacy = m["version"] < 3
-    want = {b.key: b.value(m, e) for b in BOUND
+    want = {b.key: b.value(m, e) for b in _bound(m)
             if not legacy or b.since == 1 or (b.key == "step_count" and b.key in meta)}
     if not legacy:
-        want[DIGEST] = _digest({b.key: want[b.key] for b in BOUND})
+        want[DIGEST] = _digest({b.key: want[b.key] for b in _bound(m)})
     bad = [k for k, v in want.items() if meta.get(k) != v]
     if not bad:
         return None

@@ -18,7 +18,7 @@ from fusedzero.checkpoint.collectives import agree
 from fusedzero.checkpoint.format import MANIFEST, Peak, ShardReaders
 from fusedzero.checkpoint.manifest import CheckpointError, manifest_modes
 from fusedzero.checkpoint.optview import group_names, param_table
-from fusedzero.checkpoint.placements import tp_directory
+from fusedzero.checkpoint.placements import check_origin, tp_directory
 from fusedzero.checkpoint.rank_state import check_rng_state, set_rng_state, unpack
 from fusedzero.checkpoint.reshard import Read, match_params, plan
 from fusedzero.checkpoint.saving import wait_pending
@@ -95,6 +95,9 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
         else:
             d = resolve(path)
             manifest = read_manifest(d)
+            tp = getattr(opt, "tp", None)
+            if tp is not None:
+                check_origin(d, manifest, tp.rank, tp.size)
             table = param_table(opt)
             reads = plan(infos, table, manifest, match_params(manifest, table, d))
             needed = sorted({r.file for rs in reads for r in rs})

@@ -191,6 +191,12 @@ def validate(m: Any, where: Path) -> None:
         c.int_(m["seed"], "seed", -(1 << 63), 1 << 63)
     if "created" in m:
         c.number(m["created"], "created")
+    if "tp" in m:  # saved by a tensor-parallel optimizer: its tp rank and size
+        tp = c.dict_(m["tp"], "tp")
+        size = c.int_(c.get(tp, "size", "tp"), "tp.size", 1, 1 << 20)
+        c.int_(c.get(tp, "rank", "tp"), "tp.rank", 0, size)
+        if set(tp) != {"rank", "size"}:
+            raise c.fail("tp", f"has keys {sorted(tp)}, expected ['rank', 'size']")
 
     params = c.list_(c.get(m, "params", ""), "params")
     numels: list[int] = []

@@ -8,6 +8,9 @@ A checkpoint root of an optimizer whose params are DTensors on a tp mesh of T ra
                                  along dp on load by the ordinary machinery
     root/tp0of2/tp_binding.json  the folder bound to the record: its tp rank and the sha256 of
                                  the record's canonical JSON (`binding`)
+    root/tp0of2/step-.../        each checkpoint's manifest names the tp rank and size that
+                                 saved it (`tp_origin`, bound to its shard headers): a step
+                                 folder moved into another tp folder is refused (`check_origin`)
 
 `save` and `load` route a tp optimizer into its `tp{t}of{T}` folder (`tp_directory`), after
 checking `tensor_parallel.json` against the live model; `export_tp` (fusedzero/checkpoint/
@@ -246,10 +249,31 @@ def tp_directory(opt: Any, path: str | os.PathLike[str], *, saving: bool) -> Pat
     return mine
 
 
+def tp_origin(opt: Any) -> dict[str, Any]:
+    """The manifest field naming the tp rank and size a tp optimizer saves from ({} without tp):
+    a step folder moved into another tp folder is refused (`check_origin`)."""
+    tp = getattr(opt, "tp", None)
+    return {} if tp is None else {"tp": {"rank": tp.rank, "size": tp.size}}
+
+
+def check_origin(d: Path, m: dict[str, Any], t: int, size: int) -> None:
+    """Checkpoint `d` (manifest `m`) sits in tp folder t of `size`: refuse it if its manifest
+    says another tp rank saved it (a checkpoint written before the field: nothing to check;
+    a removed field no longer matches the shard headers, binding.py)."""
+    got = m.get("tp")
+    if got is not None and got != {"rank": t, "size": size}:
+        raise CheckpointError(
+            f"{d}: saved by tp rank {got['rank']} of {got['size']}, but it sits in the folder "
+            f"of tp rank {t} of {size} (a step folder moved between tp folders); nothing was "
+            "read")
+
+
 def check_folder(d: Path, m: dict[str, Any], rec: dict[str, Any], t: int) -> None:
-    """Checkpoint `d` (manifest `m`) of tp folder t holds exactly the params of the record, each
-    in the local shape its placement gives on tp rank t; else CheckpointError."""
+    """Checkpoint `d` (manifest `m`) of tp folder t was saved there and holds exactly the
+    params of the record, each in the local shape its placement gives on tp rank t; else
+    CheckpointError."""
     T = rec["tp"]
+    check_origin(d, m, t, T)
     saved = {p["name"]: p for p in rec["params"]}
     for p in m["params"]:
         s = saved.get(p["name"])

@@ -27,7 +27,7 @@ from fusedzero.checkpoint.format import (LATEST, MANIFEST, SafetensorsWriter, fs
 from fusedzero.checkpoint.manifest import (FORMAT, MAX_MANIFEST, STEP_DIR, VERSION,
                                           CheckpointError)
 from fusedzero.checkpoint.optview import aliases, hyperparams
-from fusedzero.checkpoint.placements import tp_directory
+from fusedzero.checkpoint.placements import tp_directory, tp_origin
 from fusedzero.checkpoint.rank_state import pack, rng_state, unpack
 from fusedzero.comm import group_timeout
 
@@ -171,7 +171,8 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
     # writes must agree with it row by row, or nothing loads.
     meta = shard_metadata({"world_size": W, "stage": int(opt.stage), "step": step,
                            "step_count": step_count, "modes": st.modes.to_json()
-                           if st is not None else None, "params": param_entries(opt)},
+                           if st is not None else None, "params": param_entries(opt),
+                           **tp_origin(opt)},
                           {"rank": rank, "groups": groups_meta}) if writer else {}
     fname = shard_file_name(rank, W)
     writers = [e["rank"] for e in everyone if e["writer"]] if everyone is not None else []
@@ -300,6 +301,7 @@ def _manifest_base(opt: ZeroAdamW, step: int, step_count: float,
         "param_dtype": dtypes.name(opt.param_dtype) if opt.param_dtype is not None else None,
         "modes": st.modes.to_json(), "seed": opt.seed,
         "params": params, "param_groups": hyperparams(opt), "scaler": scaler,
+        **tp_origin(opt),
         # One entry per rank; with a replicate_group one per (rank, replica), "replica" added.
         "ranks": [{"rank": e["rank"], "state": packed} if len(e["states"]) == 1 else
                   {"rank": e["rank"], "replica": k, "state": packed}

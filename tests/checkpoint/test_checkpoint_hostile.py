@@ -136,6 +136,10 @@ HOSTILE: list[tuple[str, Callable[[dict[str, Any]], Any] | None, str | None, str
     ("bad sha", lambda m: m["files"][0].update(sha256="zz"), None, "files[0].sha256"),
     ("scaler NaN-free", lambda m: m.update(scaler={"scale": -1.0, "growth_tracker": 0}), None,
      "scaler.scale is -1.0, expected > 0"),
+    ("tp rank past its size", lambda m: m.update(tp={"rank": 2, "size": 2}), None,
+     "tp.rank is 2, expected 0 <= value < 2"),
+    ("tp with an extra key", lambda m: m.update(tp={"rank": 0, "size": 2, "x": 1}), None,
+     "tp has keys ['rank', 'size', 'x']"),
 ]
 
 

@@ -141,6 +141,8 @@ BINDING: list[tuple[str, Callable[[dict[str, Any]], Any], str]] = [
     ("names swapped", rename_pair, "'params'"),
     ("alias added", lambda m: m["params"][1].update(aliases=["extra.weight"]), "'params'"),
     ("param grown to 10**12 elements", grow, "'groups'"),
+    # A tp rank's checkpoint claimed for a plain one (or, removed, the other way round).
+    ("tp field added", lambda m: m.update(tp={"rank": 0, "size": 2}), "'tp'"),
 ]
 
 

@@ -198,6 +198,25 @@ def _load_side(rank: int, world: int, root: str, out: str) -> dict:
         hostile.append("no error")
     except CheckpointError as e:
         hostile.append(str(e))
+    # The step folders of the two tp folders swapped: every local shape is the same on both
+    # tp ranks and the folders' bindings are intact; only the manifests' tp field tells.
+    steps = [next(p for p in (Path(root) / f"tp{t}of2").iterdir() if p.name.startswith("step"))
+             for t in (0, 1)]
+    dist.barrier()
+
+    def swap() -> None:
+        if rank == 0:
+            steps[0].rename(steps[0].with_name("x"))
+            steps[1].rename(steps[0])
+            steps[0].with_name("x").rename(steps[1])
+        dist.barrier()
+    swap()
+    try:
+        checkpoint.load(opt, root)
+        hostile.append("no error")
+    except CheckpointError as e:
+        hostile.append(str(e))
+    swap()
     opt.close()
     opt1.close()
     m2, opt2, _ = build(1, 2, stage=2)  # (dp=2, tp=1)
@@ -251,10 +270,11 @@ def test_tp_checkpoint_reshard_matrix(tmp_path: Path) -> None:
     for r in b:
         for n, t in saved.items():
             assert torch.equal(r["dp2"][n], t), f"(dp=2, tp=1) import: {n}"
-        same, across, plain_save = r["hostile"]
+        same, across, plain_save, moved = r["hostile"]
         assert "was saved as" in same and "S(1)" in same, same
         assert "tp0of2/tp_binding.json: does not match tensor_parallel.json" in across, across
         assert "saves into another root" in plain_save, plain_save
+        assert "a step folder moved between tp folders" in moved, moved
     assert sorted(p.name for p in Path(root).iterdir()) == ["tensor_parallel.json",
                                                             "tp0of2", "tp1of2"]
 
