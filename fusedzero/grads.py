@@ -64,8 +64,9 @@ class GradHooks:
         # with what they hold then (their bucket view, or None): no walk over every param.
         self._placed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
         # Per param, what its grad hook needs: looked up once here, not on every grad.
-        self._where: dict[int, tuple[FlatBuffer, int, torch.Tensor | None, tuple]] = {
-            id(p): (buf, pos, buf.param_grad_view(pos), schedule.buckets_of(buf, pos))
+        # (buffer, position, its bucket view or None, its buckets, the param itself)
+        self._where: dict[int, tuple[FlatBuffer, int, torch.Tensor | None, tuple, Any]] = {
+            id(p): (buf, pos, buf.param_grad_view(pos), schedule.buckets_of(buf, pos), p)
             for buf in schedule.buffers for pos, p in enumerate(buf.params)}
         self._names = {id(p): buf.layout.params[pos].name
                        for buf in schedule.buffers for pos, p in enumerate(buf.params)}
@@ -128,16 +129,17 @@ class GradHooks:
         if not self.in_backward:
             self._first_grad()
         self._grads_arrived = True
-        buf, pos, view, buckets = self._where[id(p)]
+        key = id(p)
+        buf, pos, view, buckets, _ = self._where[key]
         if view is not None and grad.data_ptr() == view.data_ptr():
             self.schedule.add_grad(buckets, pos, None)  # accumulated into the bucket view
         else:
             # Not (or no longer: reduced, or the user reset .grad) a view of our bucket: put it in.
             if grad.is_sparse:
-                raise RuntimeError(f"param {self._names[id(p)]} got a sparse grad; "
+                raise RuntimeError(f"param {self._names[key]} got a sparse grad; "
                                    "sparse gradients are not supported")
             self.schedule.add_grad(buckets, pos, local_grad(p, grad))
-            self._set_idle(buf, pos, p)
+            self._set_idle(key)
         if self.on_unit_grad is not None:
             self.on_unit_grad(buf)
 
@@ -157,8 +159,8 @@ class GradHooks:
                 "use_reentrant=False")
         self._begin_backward()
 
-    def idle_grad(self, buf: FlatBuffer, pos: int, p: torch.Tensor) -> torch.Tensor | None:
-        """What `p.grad` holds between backward passes. [Note: user grad clipping] A view of
+    def _set_idle(self, key: int) -> None:
+        """Set `p.grad` (p the param of id `key`) to what it holds between backward passes. [Note: user grad clipping] A view of
         grad_flat where that view is this param's true grad: stage 0 with grads in the param
         dtype, where after backward it holds the grad averaged over ranks on every rank, so
         `torch.nn.utils.clip_grad_norm_` computes the true global norm and clips it in place,
@@ -167,19 +169,15 @@ class GradHooks:
         reduced grad (or a copy in another dtype), and a norm over `.grad` would be silently
         wrong or, over None, silently zero: `.grad` is then a placeholder that raises, naming
         `max_grad_norm` and `opt.grad_norm`, on any use."""
-        view = buf.param_grad_view(pos)
+        buf, pos, view, _, p = self._where[key]
         if view is not None and not self.schedule.was_reduced(buf, pos):
-            return view
-        ng = self._no_grad.get(id(p))
+            p.grad = view
+            return
+        ng = self._no_grad.get(key)
         if ng is None:
-            ng = NoLocalGrad(p, self.stage, buf.layout.params[pos].name)
-            self._no_grad[id(p)] = ng
-        return ng
-
-    def _set_idle(self, buf: FlatBuffer, pos: int, p: torch.Tensor) -> None:
-        g = p.grad = self.idle_grad(buf, pos, p)
-        if type(g) is NoLocalGrad:
-            self._placed[id(p)] = (p, buf.param_grad_view(pos))
+            ng = self._no_grad[key] = NoLocalGrad(p, self.stage, buf.layout.params[pos].name)
+        p.grad = ng
+        self._placed[key] = (p, view)  # what it holds again once the grads are consumed
 
     def recover(self) -> None:
         """[Note: a backward that raised] autograd runs no final callback when a backward
@@ -210,9 +208,8 @@ class GradHooks:
         self.ctx.record("backward_end", 0)
 
     def reset_idle_grads(self) -> None:
-        for buf in self.schedule.buffers:
-            for pos, p in enumerate(buf.params):
-                self._set_idle(buf, pos, p)
+        for key in self._where:
+            self._set_idle(key)
 
     def drop_placeholders(self) -> None:
         """The grads are consumed: placeholders go (stage 1: autograd accumulates into the
@@ -225,7 +222,6 @@ class GradHooks:
     def reset_grads(self) -> None:
         """zero_grad(): every param's .grad is its bucket view again (None where it has none),
         whatever it held."""
-        for buf in self.schedule.buffers:
-            for pos, p in enumerate(buf.params):
-                p.grad = buf.param_grad_view(pos)
+        for _, _, view, _, p in self._where.values():
+            p.grad = view
         self._placed.clear()
