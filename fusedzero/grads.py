@@ -68,8 +68,6 @@ class GradHooks:
         self._where: dict[int, tuple[FlatBuffer, int, torch.Tensor | None, tuple, Any]] = {
             id(p): (buf, pos, buf.param_grad_view(pos), schedule.buckets_of(buf, pos), p)
             for buf in schedule.buffers for pos, p in enumerate(buf.params)}
-        self._names = {id(p): buf.layout.params[pos].name
-                       for buf in schedule.buffers for pos, p in enumerate(buf.params)}
         self.hooks: list[Any] = []
         for p in params:
             self.hooks.append(p.register_hook(functools.partial(self._before_accumulate, p)))
@@ -136,7 +134,7 @@ class GradHooks:
         else:
             # Not (or no longer: reduced, or the user reset .grad) a view of our bucket: put it in.
             if grad.is_sparse:
-                raise RuntimeError(f"param {self._names[key]} got a sparse grad; "
+                raise RuntimeError(f"param {buf.layout.params[pos].name} got a sparse grad; "
                                    "sparse gradients are not supported")
             self.schedule.add_grad(buckets, pos, local_grad(p, grad))
             self._set_idle(key)
@@ -160,15 +158,15 @@ class GradHooks:
         self._begin_backward()
 
     def _set_idle(self, key: int) -> None:
-        """Set `p.grad` (p the param of id `key`) to what it holds between backward passes. [Note: user grad clipping] A view of
-        grad_flat where that view is this param's true grad: stage 0 with grads in the param
-        dtype, where after backward it holds the grad averaged over ranks on every rank, so
-        `torch.nn.utils.clip_grad_norm_` computes the true global norm and clips it in place,
-        identically on every replica (as with DDP); and stage 1 until its bucket is reduced
-        (local grads, as DDP's inside `no_sync`). Elsewhere this rank holds only a shard of the
-        reduced grad (or a copy in another dtype), and a norm over `.grad` would be silently
-        wrong or, over None, silently zero: `.grad` is then a placeholder that raises, naming
-        `max_grad_norm` and `opt.grad_norm`, on any use."""
+        """Set `p.grad` (p the param of id `key`) to what it holds between backward passes.
+        [Note: user grad clipping] A view of grad_flat where that view is this param's true
+        grad: stage 0 with grads in the param dtype, where after backward it holds the grad
+        averaged over ranks on every rank, so `torch.nn.utils.clip_grad_norm_` computes the
+        true global norm and clips it in place, identically on every replica (as with DDP); and
+        stage 1 until its bucket is reduced (local grads, as DDP's inside `no_sync`). Elsewhere
+        this rank holds only a shard of the reduced grad (or a copy in another dtype), and a
+        norm over `.grad` would be silently wrong or, over None, silently zero: `.grad` is then
+        a placeholder that raises, naming `max_grad_norm` and `opt.grad_norm`, on any use."""
         buf, pos, view, _, p = self._where[key]
         if view is not None and not self.schedule.was_reduced(buf, pos):
             p.grad = view

@@ -273,8 +273,8 @@ def _stage_plan(buffers: list[tuple[torch.dtype, list[Item], int]], stage: int,
         # One collective per bucket, counted as comm.CommCounter.add does (`_bucket_comm`); the
         # ring steps of each (an all-to-all, as a reduce-scatter, W-1) for the comm-time model.
         nb = L.num_buckets
-        comm += _bucket_comm(L, stage, cfg, dt, unit)
         gathers = Stage(stage).gathers_per_step(cfg.reshard_after_forward, unit)
+        comm += _bucket_comm(L, stage, cfg, dt, gathers)
         steps += nb * (2 if stage == 0 else 1 + gathers) * (W - 1)
     if stage > 0 and cfg.grad_norm:
         comm += 2 * (W - 1) * SCALAR_BYTES // W
@@ -286,8 +286,9 @@ def _stage_plan(buffers: list[tuple[torch.dtype, list[Item], int]], stage: int,
 
 
 def _bucket_comm(L: FlatLayout, stage: int, cfg: PlanConfig, dt: torch.dtype,
-                 unit: int) -> int:
-    """Bytes one flat buffer sends per step: one collective per bucket, counted as
+                 gathers: int) -> int:
+    """Bytes one flat buffer sends per step (`gathers`: param all-gathers of each bucket,
+    `Stage.gathers_per_step`): one collective per bucket, counted as
     comm.CommCounter.add does (ring formulas, integer division per call); over a wire format
     (fusedzero.wire) the packed chunks, scales included: an all-to-all sends W-1 of W chunks, a
     wire all-reduce (stage 0) adds an all-gather of the same W-1 chunks on a copy padded to
@@ -306,7 +307,6 @@ def _bucket_comm(L: FlatLayout, stage: int, cfg: PlanConfig, dt: torch.dtype,
           and wire.gathers_over_wire(cfg.param_wire, dt, W))
     gather = ((W - 1) * wire.chunk_bytes(cfg.param_wire, B // W) if pw  # type: ignore[arg-type]
               else (W - 1) * B * p // W)
-    gathers = Stage(stage).gathers_per_step(cfg.reshard_after_forward, unit)
     return nb * (grads + gathers * gather)
 
 

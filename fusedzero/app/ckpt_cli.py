@@ -7,9 +7,10 @@
 
 DIR is a checkpoint directory, a root holding `latest`, or a tensor-parallel root (it holds
 tensor_parallel.json, docs/tensor_parallel.md): `inspect` and `verify` go through its tp folders
-(each bound to the record), `export` assembles full tensors from them. Exit status: 0 ok; 1 `inspect` or `verify` found bad shard files
-(one line per problem: which file, and why); 2 an error (no checkpoint there, a model mismatch,
-bad flags), reported as one line `fusedzero: error: ...`.
+(each bound to the record), `export` assembles full tensors from them. Exit status: 0 ok; 1
+`inspect` or `verify` found bad shard files (one line per problem: which file, and why); 2 an
+error (no checkpoint there, a model mismatch, bad flags), reported as one line
+`fusedzero: error: ...`.
 
 The `fusedzero` CLI wires this in with `add_ckpt_subparser(subparsers)`; the parsed namespace
 carries `func=run_ckpt`. `python -m fusedzero.app.ckpt_cli ...` runs it alone.
@@ -142,10 +143,11 @@ def _each_tp_folder(path: str) -> list[tuple[str, str]]:
         return [("", path)]
     T = rec["tp"]
     check_bound(root, rec)
-    for t in range(T):
-        d = checkpoint.resolve(folder(root, t, T))
+    folders = [folder(root, t, T) for t in range(T)]
+    for t, f in enumerate(folders):
+        d = checkpoint.resolve(f)
         check_folder(d, checkpoint.read_manifest(d), rec, t)
-    return [(f"tp rank {t} of {T}", str(folder(root, t, T))) for t in range(T)]
+    return [(f"tp rank {t} of {T}", str(f)) for t, f in enumerate(folders)]
 
 
 def _verify(path: str) -> int:

@@ -100,10 +100,11 @@ def header_problems(m: dict[str, Any], e: dict[str, Any], meta: dict[str, str]) 
     """Why the header `meta` of entry `e`'s file does not fit manifest `m`, or None. A manifest of
     version < 3 checks the rows its shards carry (`step_count` only when present)."""
     legacy = m["version"] < 3
-    want = {b.key: b.value(m, e) for b in _bound(m)
+    rows = _bound(m)
+    want = {b.key: b.value(m, e) for b in rows
             if not legacy or b.since == 1 or (b.key == "step_count" and b.key in meta)}
     if not legacy:
-        want[DIGEST] = _digest({b.key: want[b.key] for b in _bound(m)})
+        want[DIGEST] = _digest({b.key: want[b.key] for b in rows})
     bad = [k for k, v in want.items() if meta.get(k) != v]
     if not bad:
         return None
