@@ -26,7 +26,8 @@ from fusedzero import comm
 from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
 from fusedzero.reduce import (MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish,
-                              ReplicaReduction, reduction_for)
+                              reduction_for)
+from fusedzero.replicas import ReplicaReduction
 from fusedzero.stage import Stage
 from fusedzero.wire import WireFormat
 
@@ -61,7 +62,7 @@ class BucketSchedule:
         self.buffers = buffers
         self.ctx = ctx
         # 2-D mesh: each bucket's shard is averaged over the replicas once its reduction is
-        # complete ([Note: replicas and accumulation] in fusedzero/reduce.py), over the wire too.
+        # complete ([Note: replicas and accumulation] in fusedzero/replicas.py), over the wire too.
         self.replicas = (ReplicaReduction(replicas, wire_format)
                          if replicas is not None and replicas.world_size > 1 else None)
         self.reduction = reduction_for(stage, wire_format, ctx.world_size)

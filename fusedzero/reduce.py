@@ -88,6 +88,11 @@ class BucketStatus(enum.Enum):
     REDUCED_CLEAN = enum.auto()  # stage 1: reduced, and the pieces other ranks own zeroed since
 
 
+# A piece of a stage 2-3 bucket ([Note: gathering a bucket at launch]): (start, end, start in
+# the param or -1 where the piece is whole, slot or -1 for a hole, zeros for a hole).
+Part = tuple[int, int, int, int, torch.Tensor | None]
+
+
 @dataclasses.dataclass(eq=False)
 class Bucket:
     buf: FlatBuffer
@@ -98,9 +103,9 @@ class Bucket:
     pending: int = 0  # grads still expected in this backward
     grad: torch.Tensor | None = None  # stages 2-3: the transient full-size buffer
     # Stages 2-3 ([Note: gathering a bucket at launch]): this backward's grads by slot, and the
-    # bucket's pieces in order, (start, end, start in the param, slot or -1 for a hole).
+    # bucket's pieces in order (`Part`) and where its tail padding starts.
     got: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
-    parts: tuple[list[tuple[int, int, int, int, torch.Tensor | None]], int] | None = None
+    parts: tuple[list[Part], int] | None = None
     # 2-D mesh: the shard holds a reduction the replicas have not averaged (stages 2-3 inside
     # no_sync); `ReplicaReduction.leftovers` averages it before the update.
     replica_stale: bool = False
@@ -228,10 +233,11 @@ class ReduceIntoShard(WireChoice):
         # exists only from the launch on; at the launch both exist for the length of the copy.
         b.got[pos] = grad
 
-    def _parts(self, b: Bucket) -> tuple[list[tuple[int, int, int, int, torch.Tensor | None]], int]:
-        """b's pieces in bucket order, (start, end, start in the param, slot, None) for a param
-        and (start, end, 0, -1, zeros) for an alignment hole (views of one shared zero tensor,
-        made once); and where the tail padding starts (zeroed in place, it can be long)."""
+    def _parts(self, b: Bucket) -> tuple[list[Part], int]:
+        """b's pieces in bucket order, (start, end, start in the param or -1 where the bucket
+        holds the whole param, slot, None) for a param and (start, end, -1, -1, zeros) for an
+        alignment hole (views of one shared zero tensor, made once); and where the tail padding
+        starts (zeroed apart, it can be long)."""
         if b.parts is None:
             L = b.buf.layout
             holes = list(b.holes)
@@ -243,35 +249,47 @@ class ReduceIntoShard(WireChoice):
             z = self._zeros.get(key)
             if z is None or z.numel() < need:
                 z = self._zeros[key] = torch.zeros(need, dtype=key[0], device=key[1])
-            spans = [(*L.overlap(pos, b.k), pos, None) for pos in b.slots]
-            spans += [(a, e, 0, -1, z[:e - a]) for a, e in holes]
+            spans: list[Part] = []
+            for pos in b.slots:
+                a, e, p = L.overlap(pos, b.k)
+                spans.append((a, e, -1 if e - a == L.params[pos].numel else p, pos, None))
+            spans += [(a, e, -1, -1, z[:e - a]) for a, e in holes]
             b.parts = (sorted(spans, key=lambda t: t[0]), tail)
         return b.parts
 
     def _gather(self, b: Bucket) -> torch.Tensor:
         """The transient bucket buffer: this backward's grads in bucket order, zeros elsewhere.
-        Grads in the bucket's dtype: one `torch.cat`. Grads to cast (bf16 params, fp32 reduce):
-        one `torch._foreach_copy_` into views of the bucket, since a mixed-dtype `cat` takes a
-        slow path (bench/gpu/bucket_gather.py: ~3x slower than a copy per grad on CPU)."""
+        A grad the bucket holds whole goes in as it is, in its own shape; the flattening and
+        the copies are one call into torch (no torch call per grad from Python: each costs a
+        few us of host, see [Note: host cost per grad] in fusedzero/buckets.py). Grads in the
+        bucket's dtype: one `cat` (`flatten_dense_tensors`). Grads to cast (bf16 params, fp32
+        reduce): one `torch._foreach_copy_` into views of the bucket, since a mixed-dtype `cat`
+        takes a slow path (bench/gpu/bucket_gather.py: `_foreach_copy_` 33 us, `cat` 80 us on an
+        H200)."""
         parts, tail = self._parts(b)
         dt, dev, got = b.buf.reduce_dtype, b.buf.device, b.got
+        B = b.buf.layout.bucket_numel
         pieces = []
         for a, e, p, pos, zeros in parts:
             g = zeros if pos < 0 else got.get(pos)
             if g is None:  # a param that got no grad this backward contributes zeros
                 g = torch.zeros(e - a, dtype=dt, device=dev)
-            elif pos >= 0:
-                g = g.reshape(-1)
-                if p != 0 or e - a != g.numel():
-                    g = g[p:p + e - a]
+            elif p >= 0:  # the part of a param that straddles buckets
+                g = g.reshape(-1)[p:p + e - a]
             pieces.append(g)
-        out = torch.empty(b.buf.layout.bucket_numel, dtype=dt, device=dev)
-        if b.buf.dtype != dt:  # grads come in the param dtype (autograd casts them to it)
-            torch._foreach_copy_([out[a:e] for a, e, *_ in parts], pieces)
-        else:
-            torch.cat(pieces, out=out[:tail])
-        out[tail:].zero_()
         got.clear()
+        if b.buf.dtype == dt:
+            if tail < B:
+                pieces.append(torch.zeros(B - tail, dtype=dt, device=dev))
+            # One piece would come back as a view of that grad: the collective writes into
+            # the bucket, so it is a copy.
+            out = (torch._C._nn.flatten_dense_tensors(pieces) if len(pieces) > 1
+                   else pieces[0].reshape(-1).clone())
+        else:  # grads come in the param dtype (autograd casts them to it)
+            out = torch.empty(B, dtype=dt, device=dev)
+            torch._foreach_copy_(torch._C._nn.unflatten_dense_tensors(out[:tail], pieces),
+                                 pieces)
+            out[tail:].zero_()
         b.grad = out
         return out
 
@@ -335,60 +353,3 @@ def reduction_for(stage: Stage, wire_format: WireFormat | None = None,
     if stage.keeps_full_grads:
         return ReduceScatterInPlace(wire_format, world_size)
     return ReduceIntoShard(wire_format, world_size)
-
-
-def shard_piece(b: Bucket) -> torch.Tensor:
-    """Bucket b's piece of this rank's reduced grads, where the kernel reads it."""
-    view, S = b.buf.grad_view(), b.buf.layout.shard_numel
-    if isinstance(view, torch.Tensor):
-        return view[b.k * S:(b.k + 1) * S]
-    lo = b.k * view.stride + view.base  # as FlatBuffer.pieces, for this bucket only
-    return view.tensor[lo:lo + S]
-
-
-class ReplicaReduction:
-    """2-D mesh (HSDP): average each bucket's reduced shard over the replicas that hold the same
-    shard (`ctx` is the replicate group), started per bucket as soon as its shard reduction is
-    complete, while backward goes on.
-
-    [Note: replicas and accumulation] The shard piece holds the step's accumulated average:
-    A (from earlier reducing backwards of this step, already averaged over replicas, so equal
-    on every replica) plus this backward's new part. Averaging it over the replicas again gives
-    A + the replicas' mean of the new part, by linearity, as stage 0 does across ranks: so every
-    reducing backward outside `no_sync` averages over replicas (FSDP2's default too), and a
-    backward inside it (stages 2-3 still reduce the shard) leaves the bucket stale, averaged
-    before the update. Replica all-reduces are issued in the launch order of the buckets (every
-    replica issues them in the same order)."""
-
-    def __init__(self, ctx: CommContext, wire_format: WireFormat | None = None) -> None:
-        self.ctx = ctx
-        self.wire = wire_format
-        self.handles: list[Handle] = []
-        # Over a wire format (docs/wire.md): what completes each started all-reduce, in start
-        # order (every replica completes them in the same order: their all-gathers match).
-        self.finishes: list[Callable[[], None]] = []
-
-    def start(self, b: Bucket) -> None:
-        piece = shard_piece(b)
-        self.ctx.record("replica_reduce", (b.buf.unit, b.buf.group_index, b.k))
-        if wire.uses_wire(self.wire, b.buf.reduce_dtype, self.ctx.world_size):
-            assert self.wire is not None  # every replica dequantizes the same bytes
-            self.finishes.append(
-                wire.all_reduce_start(piece, self.wire, self.ctx, 1.0 / self.ctx.world_size))
-        else:
-            self.handles.append(comm.all_reduce_mean(piece, self.ctx))
-        b.replica_stale = False
-
-    def leftovers(self, buckets: Iterable[Bucket]) -> None:
-        for b in buckets:
-            if b.replica_stale:
-                self.start(b)
-        self.wait()
-
-    def wait(self) -> None:
-        for h in self.handles:
-            self.ctx.wait(h, what="grad all-reduce across replicas")
-        self.handles.clear()
-        for finish in self.finishes:
-            finish()
-        self.finishes.clear()
