@@ -18,9 +18,10 @@ scaled down on CPU unless FUSEDZERO_BENCH_PHASES_FULL=1 (or `--full`): d 128, 4 
 (bench/_systems.py: FUSEDZERO_BENCH_MODEL, FUSEDZERO_BENCH_BATCH).
 
 Hook host time: a chain of HOOK_LAYERS tiny layers (Linear(4, 4): 2 params each, so nearly all of
-backward is per-param host work) at world size 1; backward (and forward) with ZeroAdamW's hooks
-minus bare, over the number of params, in this thread's CPU time (autograd runs CPU graphs on
-the calling thread; other processes on shared cores do not count). Target: <= 10 us per param.
+backward is per-param host work) at world size 1; backward (and forward, and backward plus
+zero_grad) with ZeroAdamW's hooks minus bare, over the number of params, in this thread's CPU
+time (autograd runs CPU graphs on the calling thread; other processes on shared cores do not
+count), the fastest of HOOK_ROUNDS rounds. Target: <= 10 us per param.
 Each Linear is a stage-3 unit there (2 params each), so stage 3's figure is mostly its cost per
 unit: a second chain with 10 Linear layers per unit separates the two (`stage 3 apart`).
 
@@ -274,10 +275,16 @@ def _is_block(root: nn.Module) -> Callable[[nn.Module], bool]:
 
 def measure_hooks(stages: tuple[int, ...] = (0, 1, 2, 3), rounds: int = HOOK_ROUNDS
                   ) -> dict[str, dict[str, float]]:
-    """Thread CPU seconds of forward and backward (medians), by system (`bare`, `fusedzero-S`),
-    on the CPU with one torch thread, plus the per-param overhead over bare in microseconds.
-    Stage 3 also on a chain of COARSE layers per unit (`fusedzero-3/10` over `bare/10`): from
-    the two, its cost per unit and per param apart (`*_us_per_unit`, `*_us_per_param_alone`)."""
+    """Thread CPU seconds of forward, backward and zero_grad, by system (`bare`, `fusedzero-S`),
+    on the CPU with one torch thread, the fastest of `rounds` rounds (thread CPU time: another
+    process on the core can only add to it, so the minimum is the cost itself; a median moved
+    by up to 2x between quiet and busy moments of a shared machine), plus the per-param overhead
+    over bare in microseconds: `forward_us_per_param`, `backward_us_per_param` and
+    `backward_zero_grad_us_per_param` (backward plus zero_grad: bare frees its grads in
+    `zero_grad(set_to_none=True)`, stages 2-3 free theirs in backward, once a bucket is built:
+    the same frees, counted on both sides). Stage 3 also on a chain of COARSE layers per unit
+    (`fusedzero-3/10` over `bare/10`): from the two, its cost per unit and per param apart
+    (`*_us_per_unit`, `*_us_per_param_alone`)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -293,8 +300,8 @@ def measure_hooks(stages: tuple[int, ...] = (0, 1, 2, 3), rounds: int = HOOK_ROU
             m = _chain(COARSE)
             models[f"fusedzero-3/{COARSE}"] = (m, ZeroAdamW(
                 m.parameters(), lr=LR, stage=3, module=m, unit_policy=_is_block(m)))
-        t: dict[str, dict[str, list[float]]] = {k: {"forward": [], "backward": []}
-                                                for k in models}
+        parts = ("forward", "backward", "zero_grad")
+        t: dict[str, dict[str, list[float]]] = {k: {p: [] for p in parts} for k in models}
         for r in range(3 + rounds):
             for name, (m, opt) in models.items():
                 t0 = time.thread_time()
@@ -304,20 +311,26 @@ def measure_hooks(stages: tuple[int, ...] = (0, 1, 2, 3), rounds: int = HOOK_ROU
                 t2 = time.thread_time()
                 if opt is not None:
                     opt.step()
+                    t3 = time.thread_time()
                     opt.zero_grad()
                 else:
+                    t3 = time.thread_time()
                     m.zero_grad(set_to_none=True)
+                t4 = time.thread_time()
                 if r >= 3:
-                    t[name]["forward"].append(t1 - t0)
-                    t[name]["backward"].append(t2 - t1)
+                    for p, dt in zip(parts, (t1 - t0, t2 - t1, t4 - t3)):
+                        t[name][p].append(dt)
         # Params counted on the bare chains (a freed stage-3 param is empty).
         count = {k: sum(p.numel() > 0 for p in m.parameters())
                  for k, (m, _) in models.items() if k.startswith("bare")}
-        med = {k: {p: statistics.median(v) for p, v in d.items()} for k, d in t.items()}
+        med = {k: {p: min(v) for p, v in d.items()} for k, d in t.items()}
+        for d in med.values():
+            d["backward_zero_grad"] = d["backward"] + d["zero_grad"]
         for k, d in med.items():
             base = f"bare/{COARSE}" if k.endswith(f"/{COARSE}") else "bare"
             d["params"] = count[base]
-            for p in ("forward", "backward"):
+            d["rounds"] = rounds
+            for p in ("forward", "backward", "backward_zero_grad"):
                 d[f"{p}_us_per_param"] = (d[p] - med[base][p]) / count[base] * 1e6
         if split:
             # overhead = a * params + b * units, on both chains: solve for a and b.
@@ -371,9 +384,12 @@ def test_hook_host_time(benchmark, stage: int) -> None:
     replay(benchmark, [d["backward"]])
     benchmark.extra_info.update({"subject": "hooks", "stage": stage, "params": d["params"],
                                  "backward_us_per_param": d["backward_us_per_param"],
+                                 "backward_zero_grad_us_per_param":
+                                     d["backward_zero_grad_us_per_param"],
                                  "forward_us_per_param": d["forward_us_per_param"]})
     SUMMARY.append(f"hook host time stage {stage}: backward +{d['backward_us_per_param']:.1f} "
-                   f"us/param, forward +{d['forward_us_per_param']:.1f} us/param over bare")
+                   f"us/param (with zero_grad +{d['backward_zero_grad_us_per_param']:.1f}), "
+                   f"forward +{d['forward_us_per_param']:.1f} us/param over bare")
     if stage == 3:
         SUMMARY.append(per_unit_line(med))
 
@@ -399,11 +415,15 @@ def format_phases(model: str, times: dict[str, dict[str, list[float]]]) -> str:
 def format_hooks(med: dict[str, dict[str, float]]) -> str:
     n = int(med["bare"]["params"])
     lines = [f"hook host time: {HOOK_LAYERS} x Linear(4, 4), {n} params, thread CPU time, "
-             f"medians of {HOOK_ROUNDS}",
-             f"{'system':<14}{'fwd ms':>10}{'bwd ms':>10}{'fwd us/param':>14}{'bwd us/param':>14}"]
+             f"fastest of {int(med['bare']['rounds'])} rounds; us/param over bare "
+             "(bwd+zg: backward plus zero_grad)",
+             f"{'system':<14}{'fwd ms':>9}{'bwd ms':>9}{'zg ms':>8}{'fwd us/p':>10}{'bwd us/p':>10}"
+             f"{'bwd+zg us/p':>13}"]
     for k, d in med.items():
-        lines.append(f"{k:<14}{d['forward'] * 1e3:>10.2f}{d['backward'] * 1e3:>10.2f}"
-                     f"{d['forward_us_per_param']:>14.1f}{d['backward_us_per_param']:>14.1f}")
+        lines.append(f"{k:<14}{d['forward'] * 1e3:>9.2f}{d['backward'] * 1e3:>9.2f}"
+                     f"{d['zero_grad'] * 1e3:>8.2f}{d['forward_us_per_param']:>10.1f}"
+                     f"{d['backward_us_per_param']:>10.1f}"
+                     f"{d['backward_zero_grad_us_per_param']:>13.1f}")
     lines += [per_unit_line(med)] if "backward_us_per_unit" in med.get("fusedzero-3", {}) else []
     return "\n".join(lines)
 

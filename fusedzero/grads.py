@@ -11,7 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from fusedzero.buckets import BucketSchedule
 from fusedzero.comm import CommContext
-from fusedzero.dtensor import local_grad
+from fusedzero.dtensor import is_dtensor, local_grad
 from fusedzero.flat import FlatBuffer
 from fusedzero.stage import Stage
 
@@ -87,15 +87,16 @@ class GradHooks:
         self.in_backward = False
         self._task_id = -1  # autograd graph task the end-of-backward callback is queued on
         self._grads_arrived = False  # a param grad came in the current backward
-        self._no_grad: dict[int, torch.Tensor] = {}  # per param: its NoLocalGrad, built once
-        # The params whose .grad a placeholder was put on since the grads were last consumed,
-        # with what they hold then (their bucket view, or None): no walk over every param.
-        self._placed: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        # Per param, what its grad hook needs: looked up once here, not on every grad.
-        # (buffer, position, its bucket view or None, its buckets, the param itself)
-        self._where: dict[int, tuple[FlatBuffer, int, torch.Tensor | None, tuple, Any]] = {
-            id(p): (buf, pos, buf.param_grad_view(pos), schedule.buckets_of(buf, pos), p)
+        # Per param, what its grad hook needs, looked up once here, not on every grad: [buffer,
+        # position, its bucket view or None, its buckets, the param, its placeholder (built on
+        # first use: a stage-3 param has its full shape only while gathered), is a DTensor].
+        self._where: dict[int, list[Any]] = {
+            id(p): [buf, pos, buf.param_grad_view(pos), schedule.buckets_of(buf, pos), p, None,
+                    is_dtensor(p)]
             for buf in schedule.buffers for pos, p in enumerate(buf.params)}
+        # The records of the params whose .grad a placeholder was put on since the grads were
+        # last consumed: no walk over every param to take them off.
+        self._placed: dict[int, list[Any]] = {}
         self.hooks: list[Any] = []
         for p in params:
             self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -150,8 +151,8 @@ class GradHooks:
         if not self.in_backward:
             self._first_grad()
         self._grads_arrived = True
-        key = id(p)
-        buf, pos, view, buckets, _ = self._where[key]
+        rec = self._where[id(p)]
+        buf, pos, view, buckets, _, _, is_dtensor = rec
         if view is not None and grad.data_ptr() == view.data_ptr():
             self.schedule.add_grad(buckets, pos, None)  # accumulated into the bucket view
         else:
@@ -159,8 +160,8 @@ class GradHooks:
             if grad.is_sparse:
                 raise RuntimeError(f"param {buf.layout.params[pos].name} got a sparse grad; "
                                    "sparse gradients are not supported")
-            self.schedule.add_grad(buckets, pos, local_grad(p, grad))
-            self._set_idle(key)
+            self.schedule.add_grad(buckets, pos, local_grad(p, grad) if is_dtensor else grad)
+            self._set_idle(rec)
         if self.on_unit_grad is not None:
             self.on_unit_grad(buf)
 
@@ -180,8 +181,8 @@ class GradHooks:
                 "use_reentrant=False")
         self._begin_backward()
 
-    def _set_idle(self, key: int) -> None:
-        """Set `p.grad` (p the param of id `key`) to what it holds between backward passes.
+    def _set_idle(self, rec: list[Any]) -> None:
+        """Set `p.grad` (p the param of record `rec`) to what it holds between backward passes.
         [Note: user grad clipping] A view of grad_flat where that view is this param's true
         grad: stage 0 with grads in the param dtype, where after backward it holds the grad
         averaged over ranks on every rank, so `torch.nn.utils.clip_grad_norm_` computes the
@@ -190,15 +191,17 @@ class GradHooks:
         this rank holds only a shard of the reduced grad (or a copy in another dtype), and a
         norm over `.grad` would be silently wrong or, over None, silently zero: `.grad` is then
         a placeholder that raises, naming `max_grad_norm` and `opt.grad_norm`, on any use."""
-        buf, pos, view, _, p = self._where[key]
+        buf, pos, view, _, p, ng, _ = rec
         if view is not None and not self.schedule.was_reduced(buf, pos):
             p.grad = view
             return
-        ng = self._no_grad.get(key)
-        if ng is None:
-            ng = self._no_grad[key] = NoLocalGrad(p, self.stage, buf.layout.params[pos].name)
-        p.grad = ng
-        self._placed[key] = (p, view)  # what it holds again once the grads are consumed
+        p.grad = ng if ng is not None else self._placeholder(rec)
+        self._placed[id(p)] = rec  # what it holds again once the grads are consumed: rec[2]
+
+    def _placeholder(self, rec: list[Any]) -> NoLocalGrad:
+        buf, pos, _, _, p, _, _ = rec
+        rec[5] = ng = NoLocalGrad(p, self.stage, buf.layout.params[pos].name)
+        return ng
 
     def recover(self) -> None:
         """[Note: a backward that raised] autograd runs no final callback when a backward
@@ -229,20 +232,25 @@ class GradHooks:
         self.ctx.record("backward_end", 0)
 
     def reset_idle_grads(self) -> None:
-        for key in self._where:
-            self._set_idle(key)
+        """Stage 1 after a reducing backward: every bucket was reduced, so every param's .grad
+        is its placeholder (a loop of assignments: this runs once per param per backward)."""
+        for rec in self._where.values():
+            ng = rec[5]
+            rec[4].grad = ng if ng is not None else self._placeholder(rec)
+        self._placed = dict(self._where)
 
     def drop_placeholders(self) -> None:
         """The grads are consumed: placeholders go (stage 1: autograd accumulates into the
         bucket views again). Only the params a placeholder was put on are visited."""
-        for p, view in self._placed.values():
+        for rec in self._placed.values():
+            p = rec[4]
             if type(p.grad) is NoLocalGrad:
-                p.grad = view
+                p.grad = rec[2]
         self._placed.clear()
 
     def reset_grads(self) -> None:
         """zero_grad(): every param's .grad is its bucket view again (None where it has none),
         whatever it held."""
-        for _, _, view, _, p in self._where.values():
-            p.grad = view
+        for rec in self._where.values():
+            rec[4].grad = rec[2]
         self._placed.clear()
