@@ -85,6 +85,8 @@ class Zero3:
         self.gathered_numel = 0
         self.max_gathered_numel = 0
         self.hooks: list[Any] = []
+        self._numel = [0] * n  # per unit: elements of its gathered storage (`unit_numel`)
+        self._pre_backward: list[Callable[[Any], None]] = []  # per unit, made once
         # Units a backward left gathered to its end: freed once their inputs' grads are in.
         self.late: set[int] = set()
         self.unit_of_param: dict[int, int] = {}
@@ -114,6 +116,8 @@ class Zero3:
         buffer), initialise params on the meta device unit by unit, install the hooks."""
         for buf in buffers:
             self.buffers[buf.unit].append(buf)
+            self._numel[buf.unit] += buf.layout.padded_numel
+        self._pre_backward = [self._make_pre_backward(u) for u in range(len(self.modules))]
         if self._meta_init:
             self._materialize(param_init_fn)
         for u, m in enumerate(self.modules):
@@ -189,13 +193,18 @@ class Zero3:
 
     # -- gather / free --------------------------------------------------------------------------
     def gather(self, u: int) -> None:
-        """Issue unit u's all-gather (async); no-op if it is gathered or on its way."""
-        if self.state[u] != UnitState.FREE or not self.buffers[u]:
+        """Issue unit u's all-gather (async); no-op if it is gathered or on its way.
+        [Note: host cost per unit] gather, wait and free run a few times per unit per step on
+        the host path that feeds the device (forward, backward, prefetch): each Python call
+        here costs ~0.2-1 us, so they look nothing up that setup could have."""
+        if self.state[u] is not UnitState.FREE or not self.buffers[u]:
             return
         ctx = self.ctx
-        ctx.record("gather", u)
-        self.gathered_numel += self.unit_numel(u)
-        self.max_gathered_numel = max(self.max_gathered_numel, self.gathered_numel)
+        if ctx.trace is not None:
+            ctx.record("gather", u)
+        self.gathered_numel += self._numel[u]
+        if self.gathered_numel > self.max_gathered_numel:
+            self.max_gathered_numel = self.gathered_numel
         for buf in self.buffers[u]:
             buf.allocate_full()  # values land when the handles are waited on
         views = self._gather_views[u]
@@ -204,39 +213,50 @@ class Zero3:
         handles = self.handles[u]
         for buf, pairs in views:
             for full, own in pairs:
-                handles.append(wire.all_gather(full, own, self.param_wire, ctx, buf.shard_rank))
+                h = wire.all_gather(full, own, self.param_wire, ctx, buf.shard_rank)
+                if h is not None:
+                    handles.append(h)
         self.state[u] = UnitState.GATHERING
         if u != 0:
             self.gathered_now += 1
             self.max_gathered = max(self.max_gathered, self.gathered_now)
-        live = self.gathered_now + (self.state[0] != UnitState.FREE)
-        self.max_gathered_with_root = max(self.max_gathered_with_root, live)
+        live = self.gathered_now + (self.state[0] is not UnitState.FREE)
+        if live > self.max_gathered_with_root:
+            self.max_gathered_with_root = live
 
     def wait(self, u: int) -> None:
-        self.gather(u)
-        if self.state[u] == UnitState.GATHERING:
-            for h in self.handles[u]:
-                self.ctx.wait(h, what=f"all-gather of unit {u} params (stage 3)")
-            self.handles[u].clear()
+        state = self.state[u]
+        if state is UnitState.GATHERED:
+            return
+        if state is UnitState.FREE:
+            self.gather(u)
+        if self.state[u] is UnitState.GATHERING:
+            self._wait_handles(u)
             self.state[u] = UnitState.GATHERED
 
+    def _wait_handles(self, u: int) -> None:
+        handles = self.handles[u]
+        if handles:
+            for h in handles:
+                self.ctx.wait(h, what=f"all-gather of unit {u} params (stage 3)")
+            handles.clear()
+
     def free(self, u: int) -> None:
-        if self.state[u] == UnitState.FREE:
+        if self.state[u] is UnitState.FREE:
             return
-        for h in self.handles[u]:  # never release memory a collective is still writing
-            self.ctx.wait(h, what=f"all-gather of unit {u} params (stage 3)")
-        self.handles[u].clear()
+        self._wait_handles(u)  # never release memory a collective is still writing
         for buf in self.buffers[u]:
             buf.release_full()
         self.state[u] = UnitState.FREE
-        self.gathered_numel -= self.unit_numel(u)
+        self.gathered_numel -= self._numel[u]
         if u != 0:
             self.gathered_now -= 1
-        self.ctx.record("free", u)
+        if self.ctx.trace is not None:
+            self.ctx.record("free", u)
 
     def unit_numel(self, u: int) -> int:
         """Elements of unit u's gathered storage (padded: what `gather` allocates)."""
-        return sum(buf.layout.padded_numel for buf in self.buffers[u])
+        return self._numel[u]
 
     def unit_params(self, u: int) -> list[nn.Parameter]:
         return [p for buf in self.buffers[u] for p in buf.params]
@@ -278,13 +298,22 @@ class Zero3:
 
     def _make_post_forward(self, u: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            self.ctx.record("forward_end", u)
-            tensors = [t for t in tree_flatten(output)[0]
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if self.ctx.trace is not None:
+                self.ctx.record("forward_end", u)
+            tensors = ([output] if output.requires_grad else []) \
+                if isinstance(output, torch.Tensor) else \
+                [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)
+                 and t.requires_grad]
             if torch.is_grad_enabled() and tensors:
                 # Re-gather before this unit's backward: the grad of its output arrives first.
+                # A pre-hook on the node that made the output runs then (before that node, the
+                # unit's last op, computes anything), for less host time than a tensor hook.
+                pre_backward = self._pre_backward[u]
                 for t in tensors:
-                    t.register_hook(self._make_pre_backward(u))
+                    if t.grad_fn is not None:
+                        t.grad_fn.register_prehook(pre_backward)
+                    else:
+                        t.register_hook(pre_backward)
             # The root's backward comes first, right after this: freeing it would only
             # gather it again (one all-gather of the root per step saved, as FSDP2's root).
             keep = u == 0 and torch.is_grad_enabled() and tensors
@@ -293,8 +322,8 @@ class Zero3:
             return None
         return _eager(hook)
 
-    def _make_pre_backward(self, u: int) -> Callable[[torch.Tensor], None]:
-        def hook(grad: torch.Tensor) -> None:
+    def _make_pre_backward(self, u: int) -> Callable[[Any], None]:
+        def hook(grads: Any) -> None:  # a tensor's grad, or a node's grad outputs
             if self.pending[u] == 0:
                 return  # this unit's grads are already complete for this backward
             self.wait(u)
