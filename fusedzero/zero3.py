@@ -33,13 +33,14 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch.utils._pytree import tree_flatten
 
 from fusedzero import wire
 from fusedzero.comm import CommContext, Handle, eager
 from fusedzero.dtensor import local, set_local
 from fusedzero.flat import FlatBuffer
 from fusedzero.model_state_dict import UnitStateDict
+from fusedzero.after_backward import free_when_inputs_have_grads
 from fusedzero.units import ParamInitFn, ShardInit, UnitPolicy, select_units
 
 # Overwrite a tensor with group rank 0's value (over every group replicas span).
@@ -292,7 +293,7 @@ class Zero3:
             if nxt is not None and not _in_backward():
                 self.gather(nxt)  # prefetch: overlaps this unit's compute
             if u in self.late and torch.is_grad_enabled():
-                return _free_when_inputs_have_grads(args, lambda: self.free(u))
+                return free_when_inputs_have_grads(args, lambda: self.free(u))
             return None
         return _eager(hook)
 
@@ -340,47 +341,10 @@ class Zero3:
             self.free(u)
 
     def end_backward(self) -> None:
-        # [Note: a unit with a param that got no grad]
+        # [Note: a unit with a param that got no grad] (fusedzero/after_backward.py)
         self.late.update(u for u, s in enumerate(self.state) if s is not UnitState.FREE)
         self.free_all()
         self.pending = list(self.n_trainable)
-
-
-# Note: a unit with a param that got no grad
-# A unit is freed in backward when its last param's grad arrives. A param that gets no grad
-# (an unused branch, a conditional layer) kept its unit gathered to the end of backward, each
-# such unit one more gathered at once. A unit a backward left gathered to its end is marked
-# `late`; from then on its forward passes its tensor inputs through `_AfterBackward`, whose
-# backward runs when the grads of those inputs are complete: the unit's own backward is done,
-# so it is freed there (FSDP2 frees every unit that way). Autograd runs the ready nodes of a
-# graph latest-created first, so the unit's param-only nodes (created after its inputs) have
-# run by then. Grads that arrive later need no gathered params. Only late units pay for the
-# extra node, and a unit whose inputs need no grad keeps the end-of-backward free.
-
-
-class _AfterBackward(torch.autograd.Function):
-    """Identity on a unit's inputs; `done()` when their grads are complete."""
-
-    @staticmethod
-    def forward(ctx: Any, done: Callable[[], None], *xs: torch.Tensor) -> Any:
-        ctx.done = done
-        return xs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        ctx.done()
-        return (None, *grads)
-
-
-def _free_when_inputs_have_grads(args: Any, done: Callable[[], None]) -> Any:
-    """`args` with its tensors that need a grad passed through `_AfterBackward` (None: none)."""
-    flat, spec = tree_flatten(args)
-    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not idx:
-        return None
-    for i, t in zip(idx, _AfterBackward.apply(done, *(flat[i] for i in idx))):
-        flat[i] = t
-    return tree_unflatten(flat, spec)
 
 
 def _init_own_shard(buf: FlatBuffer, init: ShardInit) -> None:
