@@ -329,7 +329,6 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         # Stage 0 grads are replicated: the local sum of squares is already global.
         s = self.scalars
         s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None, self._tp_ctx)
-        s.advance()
         lrs = self.group_lr.update(self.param_groups)
         self._update.step(lrs, s.step, s.grad_scale, s.skip)
         s.finish()

@@ -13,6 +13,7 @@ from fusedzero import comm
 from fusedzero.comm import CommContext
 from fusedzero.kernels import Hyper
 from fusedzero.kernels._launch import copy_from_host
+from fusedzero.kernels.step_scalars import step_scalars
 
 
 class LossScaler:
@@ -70,46 +71,34 @@ class StepScalars:
         self.skip = torch.zeros(1, **f32)
         self.grad_scale = torch.ones(1, **f32)
         self.norm = torch.zeros(1, **f32)
-        self._one = torch.ones(1, **f32)
         self.max_grad_norm = max_grad_norm
+        # On the device, as the kernel reads it (no Python number in a launch).
+        self._max_norm = None if max_grad_norm is None else torch.full(
+            (1,), float(max_grad_norm), **f32)
         self.skip_nonfinite = skip_nonfinite
         self.scaler = scaler
 
     def prepare(self, sumsq: Callable[[], torch.Tensor], ctx: CommContext | None,
                 tp_ctx: CommContext | None = None) -> None:
         """Norm, clip coefficient, skip flag and grad scale from this rank's reduced grad
-        shards; `sumsq()` is their sum of squares (the grouped launch over all of them). `ctx`
-        is the group whose ranks hold the other shards (None: the local grads are already
-        global, stage 0); `tp_ctx` the tensor-parallel group whose ranks hold the other tp
-        shards (`sumsq()` then counts each replicated param on one tp rank only). One
-        all-reduce of one scalar per group; no host sync."""
+        shards, and the step counted (only a step that is taken counts); `sumsq()` is their
+        sum of squares (the grouped launch over all of them). `ctx` is the group whose ranks
+        hold the other shards (None: the local grads are already global, stage 0); `tp_ctx`
+        the tensor-parallel group whose ranks hold the other tp shards (`sumsq()` then counts
+        each replicated param on one tp rank only). One all-reduce of one scalar per group,
+        then one launch for every scalar ([Note: one launch for the step's scalars]); no host
+        sync."""
         need_norm = self.max_grad_norm is not None or self.skip_nonfinite or self.scaler
-        inv = self._one if self.scaler is None else self._one / self.scaler.scale
-        if not need_norm:
-            self.grad_scale.copy_(inv)
-            self.skip.zero_()
-            return
-        total = sumsq()
-        for c in (ctx, tp_ctx):
-            if c is not None:
-                c.wait(comm.all_reduce(total, c.group, c.world_size, c.counter),
-                       what="grad-norm all-reduce")
-        finite = torch.isfinite(total)
-        torch.mul(total.sqrt(), inv, out=self.norm)
-        scale = inv
-        if self.max_grad_norm is not None:
-            # torch.nn.utils.clip_grad_norm_: coef = max_norm / (norm + 1e-6), clamped to 1.
-            coef = (self.max_grad_norm / (self.norm + 1e-6)).clamp_(max=1.0)
-            scale = inv * torch.where(finite, coef, torch.ones_like(coef))
-        self.grad_scale.copy_(scale)
-        if self.skip_nonfinite or self.scaler is not None:
-            self.skip.copy_(~finite)
-        else:
-            self.skip.zero_()
-
-    def advance(self) -> None:
-        """The step counter advances only for steps that are taken."""
-        self.step.add_(1.0 - self.skip)
+        total = None
+        if need_norm:
+            total = sumsq()
+            for c in (ctx, tp_ctx):
+                if c is not None:
+                    c.wait(comm.all_reduce(total, c.group, c.world_size, c.counter),
+                           what="grad-norm all-reduce")
+        step_scalars(total, None if self.scaler is None else self.scaler.scale, self.norm,
+                     self.grad_scale, self.skip, self.step, max_grad_norm=self._max_norm,
+                     skip_nonfinite=self.skip_nonfinite or self.scaler is not None)
 
     def finish(self) -> None:
         if self.scaler is not None:

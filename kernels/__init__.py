@@ -6,7 +6,9 @@ its torch path for CPU tensors (`adamw_torch.py` for AdamW) and a grouped launch
 launchers share (argument checks, the backend choice `_launch.use_triton`, device guard) is
 `_launch.py`. The memory modes (`memory_modes.py`: bf16 masters, bf16/int8 states) are constexpr
 variants of the same grouped AdamW kernel (torch path: `memory_modes_torch.py`); `adamw_single.py`
-updates one buffer through it (`AdamWPlan`: planned once, launched per call).
+updates one buffer through it (`AdamWPlan`: planned once, launched per call). The step's scalars
+(norm, clip, skip, grad scale, step count: `step_scalars.py`) and the update's per-group rows
+(`rows.py`) are one small launch each.
 """
 from fusedzero.kernels._launch import LAUNCHES, Strided, backend, use_triton
 from fusedzero.kernels.adamw import AdamWBuffer, GroupedAdamW, Hyper

@@ -7,8 +7,9 @@ Grouped launch. `GroupedAdamW` is built once over every flat buffer of a rank (a
 all stage-3 units, all buckets) and updates them all with one launch per (grad dtype, output
 dtype): a piece table (kernels/table.py) tells each program which piece it updates and which
 hyper-parameter row it reads. The rows (one per param group, `rows.RowCol`) are computed once per
-step on the device from the lr vector, the step count and the grad scale by a few vectorised
-torch ops (`rows.adamw_rows`, in fp64 there), so the kernel itself has no fp64 instruction.
+step on the device from the lr vector, the step count and the grad scale, in fp64 (by one small
+launch with the Triton kernels, by torch ops on the torch path: kernels/rows.py), so the update
+kernel itself has no fp64 instruction.
 Nothing is read back to the host: a step has no host sync and can be captured in a CUDA graph.
 
 Memory modes (kernels/memory_modes.py: bf16 masters with Kahan comp or stochastic rounding, bf16 or

@@ -1,9 +1,12 @@
 """The per-step hyper-parameter rows of the grouped AdamW launch, one per param group.
 
-Computed once per step on the device from the lr vector, the step count and the grad scale by a
-few vectorised torch ops (fp64 there, rounded once to fp32), so no kernel and no torch path has an
-fp64 operation per element, and every path (kernel, interpreter, the memory modes' torch path)
-reads the same fp32 values. Nothing is read back to the host.
+Computed once per step on the device from the lr vector, the step count and the grad scale, in
+fp64 rounded once to fp32, so no update kernel and no torch path has an fp64 operation per
+element. With the Triton kernels that is one small launch (`_adamw_rows_kernel`: one program,
+a lane per group); on the torch path a few vectorised torch ops (`adamw_rows`), each of which
+would be a launch and ~15-25 us of host on CUDA ([Note: one launch for the step's scalars],
+kernels/step_scalars.py). Both compute the same fp64 values up to a few fp64 ulps (the kernel's
+expm1 is Kahan's, from exp and log), so the same fp32 rows. Nothing is read back to the host.
 """
 from __future__ import annotations
 
@@ -11,8 +14,11 @@ import math
 from enum import IntEnum
 
 import torch
+import triton
+import triton.language as tl
 
-from fusedzero.kernels._launch import Hyper, copy_from_host
+from fusedzero.kernels._launch import (ENABLE_FP_FUSION, Hyper, copy_from_host, count_launch,
+                                       device_guard, use_triton)
 
 
 
@@ -72,7 +78,20 @@ class Rows:
             copy_from_host(self.c64, [[wd, -1.0 if mx else 1.0, _log(b1), _log(b2)]  # _C64
                                       for b1, b2, _, wd, mx in hyper.consts])
             self.consts = hyper.consts
-        adamw_rows(hyper.lr, self.c64, step, grad_scale, self.rows)
+        if use_triton(self.rows.device):
+            n = self.rows.shape[0]
+            count_launch("rows")
+            with device_guard(self.rows.device):
+                _adamw_rows_kernel[(1,)](
+                    hyper.lr, self.c64, step, grad_scale, self.rows, n, NCOLS=NCOLS,
+                    NC64=len(_C64), BLOCK=max(16, triton.next_power_of_2(n)),
+                    STEP_SIZE=int(RowCol.STEP_SIZE), BC2_SQRT=int(RowCol.BC2_SQRT),
+                    DECAY=int(RowCol.DECAY), GRAD_MULT=int(RowCol.GRAD_MULT),
+                    WD=int(_C64.WEIGHT_DECAY), SIGN=int(_C64.SIGN),
+                    LOG_BETA1=int(_C64.LOG_BETA1), LOG_BETA2=int(_C64.LOG_BETA2),
+                    num_warps=1, enable_fp_fusion=ENABLE_FP_FUSION)
+        else:
+            adamw_rows(hyper.lr, self.c64, step, grad_scale, self.rows)
         return self.rows
 
 
@@ -88,3 +107,40 @@ def adamw_rows(lr: torch.Tensor, c64: torch.Tensor, step: torch.Tensor,
     rows[:, RowCol.BC2_SQRT].copy_(bc2.sqrt())
     rows[:, RowCol.DECAY].copy_(1.0 - lr64 * c64[:, _C64.WEIGHT_DECAY])
     rows[:, RowCol.GRAD_MULT].copy_(c64[:, _C64.SIGN] * grad_scale.double())
+
+
+@triton.jit
+def _expm1_f64(x):
+    """expm1 in fp64 from exp and log (Kahan): exact where exp(x) rounds to 1, a few ulps
+    elsewhere (no expm1 in the interpreter); nan and -inf as torch.expm1."""
+    u = tl.exp(x)
+    um1 = u - 1.0
+    # Where u is 1 (x) or 0 (-1), the log is not taken: no 0/0 or log(0) even in a lane whose
+    # value is not used (numpy warns in the interpreter).
+    ok = (u != 1.0) & (u != 0.0)
+    return tl.where(u == 1.0, x, tl.where(ok, um1 * x / tl.log(tl.where(ok, u, 2.0)), um1))
+
+
+@triton.jit
+def _adamw_rows_kernel(lr_ptr, c64_ptr, step_ptr, grad_scale_ptr, rows_ptr, n,
+                       NCOLS: tl.constexpr, NC64: tl.constexpr, BLOCK: tl.constexpr,
+                       STEP_SIZE: tl.constexpr, BC2_SQRT: tl.constexpr, DECAY: tl.constexpr,
+                       GRAD_MULT: tl.constexpr, WD: tl.constexpr, SIGN: tl.constexpr,
+                       LOG_BETA1: tl.constexpr, LOG_BETA2: tl.constexpr):
+    """`adamw_rows` in one program, a lane per group: the same fp64 operations in the same
+    order, each rounded once to fp32."""
+    r = tl.arange(0, BLOCK)
+    m = r < n
+    lr = tl.load(lr_ptr + r, mask=m, other=0.0).to(tl.float64)
+    step = tl.load(step_ptr).to(tl.float64)
+    c = c64_ptr + r * NC64
+    # Lanes past the last group get log(beta) = -1: no 0/0 there (their rows are not stored).
+    bc1 = -_expm1_f64(step * tl.load(c + LOG_BETA1, mask=m, other=-1.0))
+    bc2 = -_expm1_f64(step * tl.load(c + LOG_BETA2, mask=m, other=-1.0))
+    out = rows_ptr + r * NCOLS
+    tl.store(out + STEP_SIZE, (lr / bc1).to(tl.float32), mask=m)
+    tl.store(out + BC2_SQRT, tl.sqrt(bc2).to(tl.float32), mask=m)
+    tl.store(out + DECAY, (1.0 - lr * tl.load(c + WD, mask=m, other=0.0)).to(tl.float32),
+             mask=m)
+    gs = tl.load(grad_scale_ptr).to(tl.float64)
+    tl.store(out + GRAD_MULT, (tl.load(c + SIGN, mask=m, other=0.0) * gs).to(tl.float32), mask=m)

@@ -5,6 +5,7 @@ Library-side helpers (ranks on gloo, a fake process group) are `fusedzero.testin
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -172,3 +173,15 @@ def run_forked(body: Callable[[], None], out_dir: Path, timeout: float = 120.0,
                                        os.waitstatus_to_exitcode(done[1]),
                                        out.read_text(errors="replace"),
                                        err.read_text(errors="replace"))
+
+
+def compile_offline(module: str, out: Path, *args: str, timeout: float = 300) -> list[dict]:
+    """Run `python -m fusedzero.kernels.<module> --json OUT [args]` (an offline compile for a
+    CUDA target, no GPU) in a child process without the interpreter (this process imported
+    triton with it, where nothing compiles); its JSON rows."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-m", f"fusedzero.kernels.{module}", "--json",
+                           str(out), *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"offline compile failed:\n{proc.stderr[-4000:]}"
+    return json.loads(out.read_text())

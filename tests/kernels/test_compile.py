@@ -100,8 +100,8 @@ def test_adamw_ptx_streams_are_vectors_128bit_for_fp32(compiled, g, o, cap):
 @pytest.mark.parametrize("g,o,cap", ADAMW_VARIANTS, ids=str)
 def test_adamw_has_no_shared_memory_and_no_fp64(compiled, g, o, cap):
     # 4 elements per thread for every stream (BLOCK 1024, 8 warps): 16-bit streams get the fp32
-    # streams' layout, so no conversion through shared memory; the per-step scalars are computed
-    # in fp64 by torch ops before the launch (adamw_rows), none in the kernel.
+    # streams' layout, so no conversion through shared memory; the per-step rows are computed
+    # in fp64 before the launch (kernels/rows.py), none in this kernel.
     row = _row(compiled, "adamw", cap, g, o)
     assert not any(".shared" in a for a in row["accesses"]), row["accesses"]
     assert row["shared_bytes"] == 0 and row["f64_instructions"] == 0, row

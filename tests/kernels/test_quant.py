@@ -5,14 +5,10 @@ quantization bound (tests/zero/test_wire.py derives it): int8 |deq - x| <= absma
 (W - 1) u of the sum of |values|, u = 2^-24, plus one rounding for the scale and the store."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from _helpers import compile_offline
 from fusedzero.kernels import LAUNCHES
 from fusedzero.kernels.quant import (WBLOCK, WireFormat, chunk_bytes, dequant_sum_into,
                                      dequantize_into, new_packed, quantize_into, unpack)
@@ -154,12 +150,7 @@ def test_one_launch_each_way_and_errors_name_the_sizes(monkeypatch):
 def test_offline_compile_for_sm90_vectorises_and_never_spills(tmp_path) -> None:
     """The kernels compiled for sm_90 as the launchers build them: no spills, no fp64, and the
     int8 codes and fp32 values move in 128-bit vectors."""
-    path = tmp_path / "quant.json"
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-m", "fusedzero.kernels.compile_quant", "--json",
-                           str(path)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    rows = json.loads(path.read_text())
+    rows = compile_offline("compile_quant", tmp_path / "quant.json")
     assert {(r["kernel"], r["wire"]) for r in rows} >= {
         (k, f.value) for k in ("quantize", "dequant_sum", "dequantize") for f in WireFormat}
     for r in rows:

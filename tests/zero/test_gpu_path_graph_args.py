@@ -1,8 +1,8 @@
 """A CUDA graph replays a step with the launch arguments it captured: whatever changes per step
 (lr from a scheduler, the step count, the clip coefficient, the skip flag) must reach the
 kernels through device memory, never as a Python number in the launch. Proven on CPU through
-the Triton interpreter (FUSEDZERO_BACKEND=triton): every launch of the fused update and of the
-sum of squares gets the same host arguments at every step (equal integers and flags, no float
+the Triton interpreter (FUSEDZERO_BACKEND=triton): every launch of the fused update, the sum of
+squares, the step's scalars and the AdamW rows gets the same host arguments at every step (equal integers and flags, no float
 at all, tensors of the same dtype and shape) while lr changes each step. Tensor addresses may
 differ: a buffer allocated inside the step (the sum of squares' partials) comes from the graph's
 own pool under capture, at one address for every replay."""
@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 import fusedzero.kernels.adamw as adamw
+import fusedzero.kernels.rows as rows
+import fusedzero.kernels.step_scalars as step_scalars
 import fusedzero.kernels.sum_of_squares as sumsq
 from fusedzero.optim import ZeroAdamW
 
@@ -48,6 +50,10 @@ def test_launch_arguments_do_not_change_between_steps(monkeypatch: pytest.Monkey
                         Recorder(adamw._grouped_adamw_kernel, log, "adamw"))
     monkeypatch.setattr(sumsq, "_grouped_sumsq_kernel",
                         Recorder(sumsq._grouped_sumsq_kernel, log, "sumsq"))
+    monkeypatch.setattr(rows, "_adamw_rows_kernel",
+                        Recorder(rows._adamw_rows_kernel, log, "rows"))
+    monkeypatch.setattr(step_scalars, "_step_scalars_kernel",
+                        Recorder(step_scalars._step_scalars_kernel, log, "step_scalars"))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, module=model, max_grad_norm=0.5)
@@ -59,6 +65,7 @@ def test_launch_arguments_do_not_change_between_steps(monkeypatch: pytest.Monkey
         opt.step()
         opt.zero_grad()
         per_step.append([(n, _key(a), {k: _key(v) for k, v in kw.items()}) for n, a, kw in log])
-    assert {n for n, _, _ in per_step[0]} == {"adamw", "sumsq"}, per_step[0]
+    assert {n for n, _, _ in per_step[0]} == {"adamw", "sumsq", "rows", "step_scalars"}, \
+        per_step[0]
     assert per_step[1] == per_step[0] and per_step[2] == per_step[0]
     assert float(opt.step_count) == 3.0

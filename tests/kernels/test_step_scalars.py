@@ -1,0 +1,103 @@
+"""The per-step scalar kernels (kernels/step_scalars.py, kernels/rows.py): one launch each, the
+same bits as their torch paths ([Note: one launch for the step's scalars]), and compiled for
+sm_80/sm_90 with IEEE fp32 division and square root.
+
+The `_interpreter` tests run the kernel code through Triton's interpreter (CPU tensors)."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from _helpers import compile_offline
+from fusedzero.kernels import LAUNCHES
+from fusedzero.kernels.rows import NCOLS, Rows, RowCol
+from fusedzero.kernels._launch import Hyper
+from fusedzero.kernels.step_scalars import step_scalars
+
+INF, NAN = math.inf, math.nan
+# Sums of squares: ordinary, tiny and huge (the clip coefficient saturates at 1 or goes to ~0),
+# zero, and the non-finite ones a step must skip.
+TOTALS = (3.7, 1e-12, 2.5e9, 0.0, INF, NAN)
+
+
+def _run(backend: str, monkeypatch: pytest.MonkeyPatch, total: float | None,
+         loss_scale: float | None, clip: float | None, skip_nonfinite: bool
+         ) -> tuple[torch.Tensor, ...]:
+    monkeypatch.setenv("FUSEDZERO_BACKEND", backend)
+    t = lambda v: torch.tensor([v], dtype=torch.float32)  # noqa: E731
+    out = (t(-1.0), t(-1.0), t(-1.0), t(41.0))  # norm, grad_scale, skip, step
+    step_scalars(None if total is None else t(total), None if loss_scale is None else
+                 t(loss_scale), *out, max_grad_norm=None if clip is None else t(clip),
+                 skip_nonfinite=skip_nonfinite)
+    return out
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("loss_scale", [None, 65536.0, 3.0])
+@pytest.mark.parametrize("clip", [None, 1.0, 0.37])
+@pytest.mark.parametrize("skip_nonfinite", [False, True])
+def test_step_scalars_kernel_equals_torch_path_bitwise_interpreter(monkeypatch, loss_scale, clip,
+                                                                  skip_nonfinite) -> None:
+    for total in (None, *TOTALS) if clip is None else TOTALS:
+        want = _run("torch", monkeypatch, total, loss_scale, clip, skip_nonfinite)
+        got = _run("triton", monkeypatch, total, loss_scale, clip, skip_nonfinite)
+        for name, g, w in zip(("norm", "grad_scale", "skip", "step"), got, want):
+            assert torch.equal(g.view(torch.int32), w.view(torch.int32)), (name, total, g, w)
+        if total is not None and not math.isfinite(total) and skip_nonfinite:
+            assert got[2].item() == 1.0 and got[3].item() == 41.0, "skipped, not counted"
+        else:
+            assert got[3].item() == 42.0
+
+
+def _rows(backend: str, monkeypatch: pytest.MonkeyPatch, hyper: Hyper, step: float,
+          grad_scale: float) -> torch.Tensor:
+    monkeypatch.setenv("FUSEDZERO_BACKEND", backend)
+    rows = Rows(len(hyper.consts), torch.device("cpu"))
+    return rows.update(hyper, torch.tensor([step]), torch.tensor([grad_scale])).clone()
+
+
+@pytest.mark.interpreter
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # no 0/0 or log(0), even in a dead lane
+def test_rows_kernel_equals_torch_rows_bitwise_interpreter(monkeypatch) -> None:
+    """The rows of 20 groups (betas from 0 to 0.99999, decay, maximize) at steps from 1 to 1e7:
+    the kernel's fp64 expm1 (from exp and log) is within a few fp64 ulps of torch.expm1, so
+    every rounded fp32 value is the same."""
+    gen = torch.Generator().manual_seed(0)
+    betas = (0.0, 0.5, 0.9, 0.95, 0.99, 0.999, 0.9999, 0.99999)
+    consts = tuple((b1, b2, 1e-8, wd, mx) for (b1, b2), wd, mx in zip(
+        itertools.product(betas[:4], betas[3:]), itertools.cycle((0.0, 0.1, 0.01)),
+        itertools.cycle((False, False, True))))
+    lr = torch.rand(len(consts), generator=gen) * 1e-2
+    hyper = Hyper(lr, consts)
+    before = LAUNCHES["rows"]
+    for step in (1.0, 2.0, 3.0, 10.0, 999.0, 1e4, 123457.0, 1e7):
+        for grad_scale in (1.0, 0.3125, 1.7e-5):
+            want = _rows("torch", monkeypatch, hyper, step, grad_scale)
+            got = _rows("triton", monkeypatch, hyper, step, grad_scale)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (
+                step, grad_scale, (got - want).abs().max())
+    assert LAUNCHES["rows"] - before == 8 * 3, "one launch per update"
+    assert not torch.isnan(got[:, RowCol.STEP_SIZE]).any() and got.shape[1] == NCOLS
+
+
+@pytest.mark.slow
+def test_scalar_kernels_compile_with_ieee_fp32_for_sm80_and_sm90(tmp_path) -> None:
+    """Offline (no GPU): each variant compiles; the scalar kernel's fp32 division and square
+    root are the round-to-nearest forms (as torch computes them: the same bits), with no
+    approximate form and no FMA contraction; the rows' fp64 divisions and square root too."""
+    rows = compile_offline("compile_scalars", tmp_path / "scalars.json")
+    assert {(r["kernel"], r["capability"]) for r in rows} == {
+        (k, c) for k in ("step_scalars", "rows") for c in (80, 90)}
+    for r in rows:
+        a = r["arithmetic"]
+        assert r["usage"]["LOCAL"] == 0, r
+        if r["kernel"] == "step_scalars":
+            assert not any("approx" in k or k.startswith("fma") for k in a), r
+            if r["flags"][2]:  # the clip: 1 / (norm + 1e-6), sqrt(total)
+                assert a.get("div.rn.f32", 0) >= 1 and a.get("sqrt.rn.f32") == 1, r
+        else:
+            assert a.get("div.rn.f64") == 3 and a.get("sqrt.rn.f64") == 1, r
+            assert not any(k.endswith(".f32") and "approx" in k for k in a), r
