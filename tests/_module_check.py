@@ -46,6 +46,8 @@ SLOW_ONLY = {
                                        "tests/kernels/test_compile.py",
     "kernels/compile_quant.py": "offline compilation of the wire kernels (a child without the "
                                 "interpreter): tests/kernels/test_quant.py",
+    "kernels/compile_scalars.py": "offline compilation of the step's scalar kernels (a child "
+                                  "without the interpreter): tests/kernels/test_step_scalars.py",
 }
 
 _ran: set[str] = set()
