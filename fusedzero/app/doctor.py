@@ -4,7 +4,8 @@
     fusedzero doctor --json     # the same rows as JSON, with per-variant data, for scripts
 
 Checks, in order: versions; the device and the kernel backend used on it; every kernel variant
-on this device against the float64 reference (`kernel_checks.py`; on CPU: the torch path here,
+on this device against the float64 reference, and the step's scalar kernels bitwise against
+their torch path (`kernel_checks.py`; on CPU: the torch path here,
 the Triton kernel code through the interpreter in a child, the offline sm_90 compile in another
 child when ptxas is there; on a GPU: the compiled kernels, for real); the update's GB/s beside a
 plain device copy of the same bytes (`fusedzero.bandwidth`); a 1-rank process group (nccl on a
@@ -100,6 +101,8 @@ def _summary(results: list[kernel_checks.VariantResult]) -> tuple[str, dict[str,
         rs = [r for r in results if r.kernel == kernel]
         worst = max(r.worst_ulps / r.bound_ulps for r in rs)
         parts.append(f"{kernel} {len(rs)}/{len(rs)} ok (worst error {worst:.0%} of its bound)")
+    if any(r.kernel == "scalars" for r in results):
+        parts.append("step scalars and rows bitwise as the torch path")
     return (f"{', '.join(parts)}; {kernel_checks.NUMEL} elements vs float64", data)
 
 

@@ -53,7 +53,7 @@ def sumsq_ulps(n: int) -> float:
 
 @dataclasses.dataclass
 class VariantResult:
-    kernel: str  # "adamw" or "sumsq"
+    kernel: str  # "adamw", "sumsq" or "scalars" (the step's scalars and rows, bitwise)
     grad_dtype: str
     out_dtype: str  # "none" where there is no output
     maximize: bool
@@ -131,10 +131,54 @@ def check_sumsq(device: torch.device, dtype: torch.dtype, seed: int = 0) -> Vari
     return VariantResult("sumsq", _short(dtype), "none", False, not error, worst, bound, error)
 
 
+def check_scalars(device: torch.device) -> VariantResult:
+    """The step's scalar kernels (kernels/step_scalars.py, kernels/rows.py) on `device` against
+    their torch paths on CPU tensors, bitwise ([Note: one launch for the step's scalars]): the
+    scalars over finite, zero, huge, inf and nan sums of squares with and without clip, loss
+    scale and skip; the rows of 8 groups at 4 step counts. `worst_ulps` counts the values that
+    differ (the bound is 0)."""
+    from fusedzero.kernels import rows as rows_mod
+    from fusedzero.kernels import step_scalars as sc
+
+    def one(v: float, dev: torch.device) -> torch.Tensor:
+        return torch.tensor([v], dtype=torch.float32, device=dev)
+
+    bad = 0
+    for total, scale, clip, skip in [(t, s, c, k) for t in (3.7, 0.0, 2.5e9, math.inf, math.nan)
+                                     for s in (None, 65536.0) for c in (None, 0.37)
+                                     for k in (False, True)]:
+        got, want = [], []
+        for dev, out, run in ((device, got, sc.step_scalars), (torch.device("cpu"), want,
+                                                               sc._step_scalars_torch)):
+            out += [one(-1.0, dev), one(-1.0, dev), one(-1.0, dev), one(41.0, dev)]
+            run(one(total, dev), None if scale is None else one(scale, dev), *out,
+                max_grad_norm=None if clip is None else one(clip, dev), skip_nonfinite=skip)
+        bad += sum(not torch.equal(g.cpu().view(torch.int32), w.view(torch.int32))
+                   for g, w in zip(got, want))
+    gen = torch.Generator().manual_seed(1)
+    consts = tuple((b1, b2, 1e-8, wd, i % 3 == 2) for i, (b1, b2, wd) in enumerate(
+        [(0.9, 0.95, 0.1), (0.9, 0.999, 0.0), (0.0, 0.9999, 0.01), (0.5, 0.99, 0.1)] * 2))
+    lr = torch.rand(len(consts), generator=gen) * 1e-2
+    for step in (1.0, 2.0, 1000.0, 1e6):
+        got = rows_mod.Rows(len(consts), device).update(
+            kernels.Hyper(lr.to(device), consts), one(step, device), one(0.3125, device))
+        want = rows_mod.Rows(len(consts), torch.device("cpu"))
+        want.update(kernels.Hyper(lr, consts), one(step, torch.device("cpu")),
+                    one(0.3125, torch.device("cpu")))  # consts columns
+        rows_mod.adamw_rows(lr, want.c64, one(step, torch.device("cpu")),
+                            one(0.3125, torch.device("cpu")), want.rows)  # the torch path
+        bad += int((got.cpu().view(torch.int32) != want.rows.view(torch.int32)).sum())
+    error = f"{bad} values differ from the torch path" if bad else ""
+    return VariantResult("scalars", "fp32", "none", False, not bad, float(bad), 0.0, error)
+
+
 def _guarded(fn, *args) -> VariantResult:  # type: ignore[no-untyped-def]
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001 - a crash is this variant's failure, the rest still run
+        if fn is check_scalars:
+            return VariantResult("scalars", "fp32", "none", False, False, math.inf, 0.0,
+                                 f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
         kernel = "adamw" if fn is check_adamw else "sumsq"
         out = _short(args[2]) if kernel == "adamw" else "none"
         maximize = bool(args[3]) if kernel == "adamw" else False
@@ -148,6 +192,7 @@ def run_all(device: torch.device) -> list[VariantResult]:
                for i, (g, o, mx) in enumerate((g, o, mx) for g in GRAD_DTYPES
                                               for o in OUT_DTYPES for mx in (False, True))]
     results += [_guarded(check_sumsq, device, g, i) for i, g in enumerate(GRAD_DTYPES)]
+    results.append(_guarded(check_scalars, device))
     return results
 
 

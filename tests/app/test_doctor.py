@@ -35,8 +35,10 @@ def _check_green(report: dict, rc: int, gpu: bool) -> None:
         assert by_check["offline compile sm_90"]["status"] == "skipped"
     for check in [here] if gpu else [here, "kernels, Triton interpreter"]:
         variants = by_check[check]["data"]["variants"]
-        # grad fp32/bf16/fp16 x out none/bf16/fp16 x maximize, and sumsq per dtype
-        assert len(variants) == 3 * 3 * 2 + 3 and all(v["ok"] for v in variants), check
+        # grad fp32/bf16/fp16 x out none/bf16/fp16 x maximize, sumsq per dtype, and the step's
+        # scalars and rows against their torch path (bitwise)
+        assert len(variants) == 3 * 3 * 2 + 3 + 1 and all(v["ok"] for v in variants), check
+        assert variants[-1]["kernel"] == "scalars" and variants[-1]["worst_ulps"] == 0.0
     if by_check["offline compile sm_90"]["status"] == "ok":  # skipped (with why) without ptxas
         assert all(v["spill_bytes"] == 0 for v in by_check["offline compile sm_90"]["data"]
                    ["variants"])
@@ -80,7 +82,7 @@ def test_doctor_fails_when_a_kernel_disagrees_with_the_reference(capsys, monkeyp
     rc, report = _doctor(capsys, "--checks", "kernels")
     (row,) = report["rows"]
     assert rc == 1 and not report["ok"]
-    assert row["status"] == "FAIL" and "18/21 variants wrong" in row["detail"], row["detail"]
+    assert row["status"] == "FAIL" and "18/22 variants wrong" in row["detail"], row["detail"]
 
 
 def test_doctor_fails_on_a_bad_backend_knob(capsys, monkeypatch):
