@@ -512,7 +512,11 @@ def _killed_save_child(root: str, marker: str) -> None:
                Path(root) / "expected.pt")
 
     def hang(path: Path, n: int) -> None:
-        Path(marker).write_text(str(path))
+        # Written whole, then renamed: the parent polls for the marker and kills at once, and
+        # a marker it could see between its creation and its write read as '' (a flaky CI run).
+        part = Path(marker + ".part")
+        part.write_text(str(path))
+        os.replace(part, marker)
         time.sleep(120)
 
     ckformat._write_hook = hang
