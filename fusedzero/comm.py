@@ -260,6 +260,18 @@ def nccl_watchdog_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     return added
 
 
+# gloo's words for a collective past the group's timeout: "Timed out waiting ..." from the op
+# that ran out of time, "Application timeout caused pair closure" from one whose connection that
+# timeout closed (which of the two a stalled peer gives depends on which wait fires first).
+_TIMEOUT_WORDS = ("timed out", "timeout caused pair closure")
+
+
+def is_timeout(error: BaseException | str) -> bool:
+    """A collective's error (or its message) that says it ran out of time."""
+    msg = str(error).lower()
+    return any(w in msg for w in _TIMEOUT_WORDS)
+
+
 def group_timeout(group: Group = None) -> float:
     """Seconds a wait on `group` may take: the group's timeout if it was set explicitly at
     `init_process_group`/`new_group`, else DEFAULT_TIMEOUT_S (never torch's 30-minute default)."""
@@ -355,7 +367,7 @@ def wait(handle: Handle, what: str = "a collective", group: Group = None,
         msg = " ".join(str(e).split())
         # gloo reports its own transport timeout ("Timed out waiting ...") when the group's
         # timeout is the shorter one; either way the cause is a rank that did not join.
-        if elapsed >= 0.9 * limit or "timed out" in msg.lower():
+        if elapsed >= 0.9 * limit or is_timeout(msg):
             raise CollectiveTimeout(
                 f"rank {rank}: timed out after {elapsed:.0f}s (limit {limit:g}s) waiting for "
                 f"{what}; another rank stalled or ran a different collective (rank-dependent "

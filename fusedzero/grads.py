@@ -152,7 +152,7 @@ class GradHooks:
             self._first_grad()
         self._grads_arrived = True
         rec = self._where[id(p)]
-        buf, pos, view, buckets, _, _, is_dtensor = rec
+        buf, pos, view, buckets, _, _, dtensor = rec
         if view is not None and grad.data_ptr() == view.data_ptr():
             self.schedule.add_grad(buckets, pos, None)  # accumulated into the bucket view
         else:
@@ -160,7 +160,7 @@ class GradHooks:
             if grad.is_sparse:
                 raise RuntimeError(f"param {buf.layout.params[pos].name} got a sparse grad; "
                                    "sparse gradients are not supported")
-            self.schedule.add_grad(buckets, pos, local_grad(p, grad) if is_dtensor else grad)
+            self.schedule.add_grad(buckets, pos, local_grad(p, grad) if dtensor else grad)
             self._set_idle(rec)
         if self.on_unit_grad is not None:
             self.on_unit_grad(buf)

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fusedzero.comm import CollectiveTimeout
+from fusedzero.comm import CollectiveTimeout, group_rank, group_timeout, is_timeout
 
 @contextlib.contextmanager
 def waiting_for(what: str) -> Iterator[None]:
@@ -22,11 +22,12 @@ def waiting_for(what: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as e:
-        if isinstance(e, CollectiveTimeout) or "timed out" not in str(e).lower():
+        if isinstance(e, CollectiveTimeout) or not is_timeout(e):
             raise
-        raise CollectiveTimeout(f"rank {dist.get_rank()}: timed out waiting for {what} "
-                                f"({' '.join(str(e).split())}); another rank stalled or "
-                                "crashed (raise --timeout if it is just slow)") from None
+        raise CollectiveTimeout(f"rank {group_rank(None)}: timed out (limit {group_timeout():g}s) "
+                                f"waiting for {what} ({' '.join(str(e).split())}); another rank "
+                                "stalled or crashed (raise --timeout if it is just slow)"
+                                ) from None
 
 
 class PendingStep(NamedTuple):
