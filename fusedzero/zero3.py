@@ -36,11 +36,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fusedzero import wire
+from fusedzero.after_backward import free_when_inputs_have_grads
 from fusedzero.comm import CommContext, Handle, eager
 from fusedzero.dtensor import local, set_local
 from fusedzero.flat import FlatBuffer
 from fusedzero.model_state_dict import UnitStateDict
-from fusedzero.after_backward import free_when_inputs_have_grads
 from fusedzero.units import ParamInitFn, ShardInit, UnitPolicy, select_units
 
 # Overwrite a tensor with group rank 0's value (over every group replicas span).
@@ -201,8 +201,7 @@ class Zero3:
         if self.state[u] is not UnitState.FREE or not self.buffers[u]:
             return
         ctx = self.ctx
-        if ctx.trace is not None:
-            ctx.record("gather", u)
+        ctx.record("gather", u)
         self.gathered_numel += self._numel[u]
         if self.gathered_numel > self.max_gathered_numel:
             self.max_gathered_numel = self.gathered_numel
@@ -252,8 +251,7 @@ class Zero3:
         self.gathered_numel -= self._numel[u]
         if u != 0:
             self.gathered_now -= 1
-        if self.ctx.trace is not None:
-            self.ctx.record("free", u)
+        self.ctx.record("free", u)
 
     def unit_numel(self, u: int) -> int:
         """Elements of unit u's gathered storage (padded: what `gather` allocates)."""
@@ -299,8 +297,7 @@ class Zero3:
 
     def _make_post_forward(self, u: int) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
-            if self.ctx.trace is not None:
-                self.ctx.record("forward_end", u)
+            self.ctx.record("forward_end", u)
             tensors = ([output] if output.requires_grad else []) \
                 if isinstance(output, torch.Tensor) else \
                 [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)

@@ -70,7 +70,8 @@ class Rows:
         self.c64 = torch.zeros(n, len(_C64), dtype=torch.float64, device=device)
         self.consts: tuple | None = None
 
-    def update(self, hyper: Hyper, step: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tensor:
+    def write_consts(self, hyper: Hyper) -> None:
+        """The constant columns and the fp64 per-group constants, where they changed."""
         if hyper.consts != self.consts:
             check_consts(hyper.consts)
             copy_from_host(self.rows[:, _CONSTS[0]:_CONSTS[-1] + 1],
@@ -78,6 +79,9 @@ class Rows:
             copy_from_host(self.c64, [[wd, -1.0 if mx else 1.0, _log(b1), _log(b2)]  # _C64
                                       for b1, b2, _, wd, mx in hyper.consts])
             self.consts = hyper.consts
+
+    def update(self, hyper: Hyper, step: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tensor:
+        self.write_consts(hyper)
         if use_triton(self.rows.device):
             n = self.rows.shape[0]
             count_launch("rows")

@@ -7,15 +7,11 @@ its output.
 """
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 import triton
 
+from _helpers import compile_offline
 from fusedzero.kernels import adamw, memory_modes as modes, sum_of_squares
 from fusedzero.kernels.compile import compile_for
 
@@ -36,13 +32,8 @@ ADAMW_VARIANTS = [(g, o, cap) for g in DTYPES for o in OUTS for cap in CAPABILIT
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict]:
-    path = tmp_path_factory.mktemp("compile") / "variants.json"
-    env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-m", "fusedzero.kernels.compile", "--json", str(path),
-                           "--capability", *map(str, CAPABILITIES)], env=env,
-                          capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, f"offline compile failed:\n{proc.stderr[-4000:]}"
-    rows = json.loads(path.read_text())
+    rows = compile_offline("compile", tmp_path_factory.mktemp("compile") / "variants.json",
+                           "--capability", *map(str, CAPABILITIES), timeout=240)
     return {(r["kernel"], r["capability"], r["grad_dtype"], r["out_dtype"], r["master_mode"],
              r["states"]): r for r in rows}
 
