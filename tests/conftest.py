@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 pytest_addoption = _module_check.pytest_addoption
 pytest_runtestloop = _module_check.pytest_runtestloop
+pytest_runtest_logfinish = _module_check.pytest_runtest_logfinish
 pytest_sessionfinish = _module_check.pytest_sessionfinish
 
 CUDA_VISIBLE = torch.cuda.is_available()
