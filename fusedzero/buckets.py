@@ -85,6 +85,7 @@ class BucketSchedule:
         self.max_live_buckets = 0  # most transient bucket buffers alive at once (stages 2-3)
         self._next = 0
         self._zeroed_at: dict[int, int] = {}  # id(buf) -> grad_flat._version after its zero_
+        self._reduced_into: set[int] = set()  # id(buf) of buffers a reduction wrote since
         self._order_agreed = False  # see [Note: buckets with unused params]
         self.reset_pending()
 
@@ -142,6 +143,7 @@ class BucketSchedule:
             if self.replicas is not None:
                 self._poll_replicas()
             self.ctx.record("reduce", (b.buf.unit, b.buf.group_index, b.k))
+            self._reduced_into.add(id(b.buf))  # [Note: zeroing once]
             with torch.no_grad():
                 h, finish = self.reduction.launch(b, self.ctx, self.inv_world)
             if self.replicas is not None:
@@ -273,16 +275,21 @@ class BucketSchedule:
 
         [Note: zeroing once] `step()` then `zero_grad()`, the usual loop, would zero each full
         grad buffer twice. A buffer is skipped when its version counter (shared by every view:
-        `.grad`, bucket slices) has not moved since it was last zeroed here. Every write that
-        puts grads in (autograd's accumulation into `.grad` views, `add_`/`mul_`/`copy_` by the
-        reductions, a user's in-place op on `.grad`) bumps it; a collective writing in place
-        does not, but one never runs on a buffer no op touched since it was zeroed (grads
-        arrive, or `mul_` pre-divides, before any launch)."""
+        `.grad`, bucket slices) has not moved since it was last zeroed here and no reduction
+        was launched on it since. Every torch op that puts grads in bumps the counter
+        (autograd's accumulation into `.grad` views, `add_`/`mul_`/`copy_` by the reductions,
+        a user's in-place op on `.grad`); a collective writing in place does not, nor does a
+        Triton kernel (the wire formats), and on NCCL no `mul_` runs before or after one (the
+        1/W is the collective's premul_sum): a buffer that got no local grad but the other
+        ranks' average (a param group this rank's batch did not use) would keep that average
+        into the next step. So every launch marks its buffer (`_reduced_into`)."""
         for buf in self.buffers:
             g = buf.grad_flat
-            if g is not None and self._zeroed_at.get(id(buf)) != g._version:
+            if g is not None and (self._zeroed_at.get(id(buf)) != g._version
+                                  or id(buf) in self._reduced_into):
                 g.zero_()
                 self._zeroed_at[id(buf)] = g._version
+        self._reduced_into.clear()
         for b in self.buckets:
             b.status = BucketStatus.EMPTY
             b.replica_stale = False

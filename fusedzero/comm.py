@@ -15,6 +15,7 @@ import dataclasses
 import datetime
 import enum
 import functools
+import math
 import time
 from collections.abc import Callable
 from typing import Any, Optional, ParamSpec, TypeVar
@@ -192,8 +193,9 @@ def all_reduce(t: torch.Tensor, group: Group, world_size: int, counter: CommCoun
 
 def all_reduce_mean(t: torch.Tensor, ctx: CommContext) -> Handle:
     """Average `t` over the ranks of `ctx`'s group in place (as DDP: each rank's value is
-    multiplied by 1/W before the sum). On NCCL the multiplication is the collective's own
-    (premul_sum: no pass over `t` before the send); elsewhere a `mul_` first. Same values."""
+    multiplied by 1/W before the sum). Where NCCL serves the device and the factor is safe
+    there (`premul_sum_op`) the multiplication is the collective's own (no pass over `t`
+    before the send); elsewhere a `mul_` first."""
     if ctx.world_size == 1:
         return None
     inv = 1.0 / ctx.world_size
@@ -207,7 +209,7 @@ def all_reduce_mean(t: torch.Tensor, ctx: CommContext) -> Handle:
 
 def reduce_scatter_mean(out: torch.Tensor, inp: torch.Tensor, ctx: CommContext) -> Handle:
     """`reduce_scatter` of the ranks' `inp` multiplied by 1/W (the average), as `all_reduce_mean`:
-    inside the collective on NCCL, a `mul_` of `inp` first elsewhere."""
+    inside the collective where `premul_sum_op` allows, a `mul_` of `inp` first elsewhere."""
     if ctx.world_size == 1:
         return reduce_scatter(out, inp, ctx.group, 1, ctx.counter)
     op = premul_sum_op(ctx, inp, 1.0 / ctx.world_size)
@@ -221,13 +223,24 @@ def reduce_scatter_mean(out: torch.Tensor, inp: torch.Tensor, ctx: CommContext) 
 
 def premul_sum_op(ctx: CommContext, t: torch.Tensor, factor: float) -> Any:
     """A reduce op that multiplies each rank's input by `factor` inside the collective, where
-    the backend serving `t`'s device has one (NCCL, floating dtypes); else None. The factor is
-    a Python float: NCCL bakes it into the op (no device read, no extra kernel)."""
+    the backend serving `t`'s device has one (NCCL) and it gives what a `mul_` before the
+    collective would; else None. The factor is a Python float: NCCL bakes it into the op (no
+    device read, no extra kernel), as a scalar of `t`'s dtype.
+
+    [Note: premul_sum dtypes] fp32 only, and fp16 where `factor` is exact in fp16 (a power of
+    two). NCCL multiplies by the factor rounded to the data's dtype: in bf16, 1/W for W = 24 is
+    0.19% too large, a bias on every grad of every step where DDP's `div_` rounds each quotient
+    on its own. And torch builds before pytorch/pytorch#190747 (2026-07) passed NCCL a 4-byte
+    float where it reads 2 bytes for bf16: every power-of-two factor became 0, all-zero grads
+    (pytorch/pytorch#190745). fp32's rounding of 1/W is the last bit, as close as `div_`."""
     make = getattr(dist, "_make_nccl_premul_sum", None)
-    if (make is None or t.device.type == "cpu" or not t.is_floating_point()
+    if (make is None or t.device.type == "cpu"
             or serving_backend(ctx.group, t.device.type) != "nccl"):
         return None
-    return make(factor)
+    if t.dtype == torch.float32 or (t.dtype == torch.float16
+                                    and math.frexp(factor)[0] == 0.5 and factor >= 2.0 ** -14):
+        return make(factor)
+    return None
 
 
 def all_reduce_uncounted(t: torch.Tensor, group: Group, world_size: int) -> Handle:

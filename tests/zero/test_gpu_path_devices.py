@@ -99,6 +99,25 @@ def test_premul_sum_where_nccl_serves_the_device(mixed_group: None) -> None:
     assert comm.premul_sum_op(ctx, torch.ones(2, dtype=torch.int32), 0.5) is None
 
 
+def test_premul_sum_only_where_the_factor_is_what_a_mul_would_use(mixed_group: None) -> None:
+    """[Note: premul_sum dtypes] NCCL multiplies by the factor in the data's dtype: never for
+    bf16 (1/24 in bf16 is 0.19% large; torch builds before pytorch#190747 made every
+    power-of-two bf16 factor 0), fp16 only where the factor is exact in fp16, fp32 always. A
+    `mul_` before the collective otherwise (None here). Before: any floating dtype."""
+    ctx = comm.CommContext.of(None, comm.CommCounter(), device=torch.device("cuda", 0))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        t = {dt: torch.empty(4, device="cuda:0", dtype=dt)
+             for dt in (torch.float32, torch.float16, torch.bfloat16)}
+    for factor in (0.5, 0.25, 1 / 1024):
+        assert comm.premul_sum_op(ctx, t[torch.float32], factor) is not None
+        assert comm.premul_sum_op(ctx, t[torch.float16], factor) is not None
+        assert comm.premul_sum_op(ctx, t[torch.bfloat16], factor) is None
+    for factor in (1 / 3, 1 / 24, 2.0 ** -15):  # not exact in fp16 (2^-15: subnormal)
+        assert comm.premul_sum_op(ctx, t[torch.float32], factor) is not None
+        assert comm.premul_sum_op(ctx, t[torch.float16], factor) is None
+        assert comm.premul_sum_op(ctx, t[torch.bfloat16], factor) is None
+
+
 def test_nccl_watchdog_env_keeps_what_the_user_set() -> None:
     env = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     added = comm.nccl_watchdog_env(env)
