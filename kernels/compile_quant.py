@@ -74,6 +74,9 @@ def main(argv: list[str] | None = None) -> None:
                     rows.append({"kernel": kernel, "wire": wire, "capability": cap,
                                  "out_dtype": str(dt), "usage": resource_usage(k),
                                  "f64_instructions": len(re.findall(r"\.f64\b", ptx)),
+                                 # Scalar int32 products (offsets that wrap past 2^31).
+                                 "i32_multiplies": len(re.findall(r"arith\.muli [^\n]*: i32\b",
+                                                                  k.asm["ttir"])),
                                  "accesses": acc})
                     print(f"sm_{cap} {kernel:11s} {wire} {dt}: {rows[-1]['usage']} "
                           f"{ {a: n for a, n in acc.items() if '.global' in a} }",

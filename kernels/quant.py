@@ -115,9 +115,14 @@ def _quantize_kernel(x_ptr, v_ptr, s_ptr, numel, total_blocks, chunk_numel, chun
     if FMT == 2:
         r = idx // chunk_numel
         a = tl.max(tl.abs(x), axis=1)
-        d = tl.div_rn(a, 127.0)
+        # [Note: a NaN on the wire] tl.max drops NaNs (maxnum): a block holding one would get
+        # a finite scale and arrive finite. The sum of its NaNs (0.0 where it has none, so
+        # `+` leaves the scale's bits as they are) makes the scale NaN, as torch's amax does:
+        # every value of the block dequantizes to NaN and the step's non-finite check sees it.
+        d = tl.div_rn(a, 127.0) + tl.sum(tl.where(x != x, x, 0.0), axis=1)
         inv = tl.where(d > 0, tl.div_rn(1.0, tl.where(d > 0, d, 1.0)), 0.0)
-        c = tl.minimum(tl.abs(x) * inv[:, None] + 0.5, 127.0).to(tl.int32)  # floor: c >= 0
+        c = tl.minimum(tl.abs(x) * inv[:, None] + 0.5, 127.0)  # floor: c >= 0
+        c = tl.where(x == x, c, 0.0).to(tl.int32)  # a NaN's code: 0 (no NaN-to-int cast)
         q = tl.where(x < 0, -c, c).to(tl.int8)
         tl.store(v_ptr + r * chunk_v + (idx - r * chunk_numel), q, mask=live)
         rb = blk // (chunk_numel // _WBLOCK)
@@ -143,13 +148,18 @@ def _dequant_sum_kernel(v_ptr, s_ptr, out_ptr, n_out, chunks, chunk_numel, chunk
     blk = pid * ROWS + tl.arange(0, ROWS)
     mask = idx < n_out
     acc = tl.zeros((ROWS * _WBLOCK,), dtype=tl.float32)
+    # Chunk r's offsets advance by chunk_v / chunk_s per chunk, in int64 (r * chunk_v would be
+    # an int32 product, past 2^31 in a bucket of 2^31 elements or more).
+    at_v = idx
+    at_s = blk + chunk_numel // 4
     for r in range(chunks):
-        v = tl.load(v_ptr + r * chunk_v + idx, mask=mask, other=0).to(tl.float32)
+        v = tl.load(v_ptr + at_v, mask=mask, other=0).to(tl.float32)
         if FMT == 2:
-            d = tl.load(s_ptr + r * chunk_s + chunk_numel // 4 + blk,
-                        mask=blk * _WBLOCK < n_out, other=0.0)
+            d = tl.load(s_ptr + at_s, mask=blk * _WBLOCK < n_out, other=0.0)
             v = tl.reshape(tl.reshape(v, (ROWS, _WBLOCK)) * d[:, None], (ROWS * _WBLOCK,))
         acc = acc + v
+        at_v += chunk_v
+        at_s += chunk_s
     acc = acc * scale
     if ACCUMULATE:
         acc = tl.load(out_ptr + idx, mask=mask, other=0.0).to(tl.float32) + acc
@@ -256,9 +266,10 @@ def dequantize_into(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, ch
 def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes and fp32 scales of fp32 `x` (a multiple of WBLOCK): the kernel's ops."""
     xb = x.view(-1, WBLOCK)
-    d = xb.abs().amax(dim=1) / QMAX
+    d = xb.abs().amax(dim=1) / QMAX  # NaN where the block holds one ([Note: a NaN on the wire])
     inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, 1.0), 0.0)
-    c = torch.clamp(xb.abs() * inv[:, None] + 0.5, max=QMAX).to(torch.int32)
+    c = torch.clamp(xb.abs() * inv[:, None] + 0.5, max=QMAX)
+    c = torch.where(xb == xb, c, 0.0).to(torch.int32)
     return torch.where(xb < 0, -c, c).to(torch.int8).view(-1), d
 
 

@@ -110,6 +110,46 @@ def test_quantize_and_dequant_sum_match_float64_within_the_bound(fmt, monkeypatc
         assert (err <= tol).all(), (fmt, out_dtype, (err - tol).max())
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=str)
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_a_nan_arrives_as_nan_never_as_a_finite_value(fmt, backend, monkeypatch):
+    """[Note: a NaN on the wire] One NaN (no inf) in a block of rank 0's chunk 1: after the
+    quantize and the dequantize-sum, the NaN's place is NaN (int8: its whole block, whose scale
+    is NaN) and nothing else is, on both paths, which agree. Before: the kernel's
+    `tl.max` dropped the NaN (maxnum), and the block arrived finite (int8: about +absmax), which
+    the step's non-finite check cannot see."""
+    chunks, S = 2, 2 * WBLOCK
+    x = _x(chunks * S)
+    nan_at = S + WBLOCK + 5  # chunk 1, its second block
+    x[nan_at] = float("nan")
+    packed = {}
+    for be in ("triton", "torch"):
+        _backend(be, monkeypatch)
+        packed[be] = new_packed(fmt, chunks, S, x.device)
+        quantize_into(x, packed[be], fmt, chunks, S)
+    if fmt is WireFormat.INT8:  # codes and scales bitwise (a NaN's code is 0 on both)
+        assert torch.equal(packed["triton"], packed["torch"])
+    else:  # values, NaN for NaN (torch's cast writes bf16 NaN as 0xFFFF, the kernel 0x7FC0)
+        torch.testing.assert_close(unpack(packed["triton"], fmt, S)[0],
+                                   unpack(packed["torch"], fmt, S)[0], rtol=0, atol=0,
+                                   equal_nan=True)
+    _backend(backend, monkeypatch)
+    recv = new_packed(fmt, chunks, S, x.device)  # chunk 1 of this rank and of a finite one
+    cb = chunk_bytes(fmt, S)
+    recv[:cb] = packed[backend][cb:]
+    quantize_into(_x(chunks * S, seed=5), packed["torch"], fmt, chunks, S)
+    recv[cb:] = packed["torch"][cb:]
+    out = torch.empty(S)
+    dequant_sum_into(out, recv, fmt, chunks, S, scale=0.5)
+    nan = torch.zeros(S, dtype=torch.bool)
+    if fmt is WireFormat.INT8:
+        nan[WBLOCK:2 * WBLOCK] = True
+    else:
+        nan[nan_at - S] = True
+    assert torch.equal(out.isnan(), nan), out.isnan().nonzero().flatten().tolist()
+    assert out[~nan].isfinite().all()
+
+
 def test_accumulate_adds_into_the_shard_and_dequantize_keeps_the_own_chunk(monkeypatch):
     _backend("torch", monkeypatch)
     fmt, chunks, S = WireFormat.INT8, 2, WBLOCK
@@ -148,8 +188,8 @@ def test_one_launch_each_way_and_errors_name_the_sizes(monkeypatch):
 
 @pytest.mark.slow  # compiles in a child process
 def test_offline_compile_for_sm90_vectorises_and_never_spills(tmp_path) -> None:
-    """The kernels compiled for sm_90 as the launchers build them: no spills, no fp64, and the
-    int8 codes and fp32 values move in 128-bit vectors."""
+    """The kernels compiled for sm_90 as the launchers build them: no spills, no fp64, no int32
+    offset products, and the int8 codes and fp32 values move in 128-bit vectors."""
     rows = compile_offline("compile_quant", tmp_path / "quant.json")
     assert {(r["kernel"], r["wire"]) for r in rows} >= {
         (k, f.value) for k in ("quantize", "dequant_sum", "dequantize") for f in WireFormat}
@@ -157,6 +197,9 @@ def test_offline_compile_for_sm90_vectorises_and_never_spills(tmp_path) -> None:
         what = (r["kernel"], r["wire"], r["out_dtype"])
         assert r["usage"]["LOCAL"] == 0 and r["usage"]["STACK"] == 0, what
         assert r["f64_instructions"] == 0, what
+        # Offsets in int64: dequant_sum's chunk r at r * chunk_stride was an int32 product,
+        # wrapping in a bucket of 2^31 elements or more (before: 1-2 per variant there).
+        assert r["i32_multiplies"] == 0, what
         assert r["usage"]["REG"] <= 64, what
         acc = r["accesses"]
         if r["kernel"] == "dequant_sum" and r["wire"] == "fp32":
