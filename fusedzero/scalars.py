@@ -109,11 +109,14 @@ class GroupLr:
     """Per param group hyper-parameters as the grouped AdamW launch reads them; owns the lr
     vector on the device (one entry per param group).
 
-    A tensor lr is copied in with a device op every step. A float lr (what schedulers write) is
-    compared on the host with the value last sent, and only when some group's float lr changed
-    is the vector sent again: one small host-to-device copy, from a freshly allocated pinned
-    tensor on CUDA (the caching host allocator keeps it alive until the copy has run), with no
-    host sync and nothing a CUDA graph replay would bake in (no `fill_` of a host value).
+    A float lr (what schedulers write) is compared on the host with the value last sent, and
+    only when some group's float lr changed is the vector sent again: one small host-to-device
+    copy, from a freshly allocated pinned tensor on CUDA (the caching host allocator keeps it
+    alive until the copy has run), with no host sync and nothing a CUDA graph replay would bake
+    in (no `fill_` of a host value). A CPU tensor lr is read on the host and goes the same way:
+    copying it into a CUDA tensor would be a pageable host-to-device copy, which waits for the
+    device (a host sync in every step). A tensor lr on the device is copied in with a device op
+    every step (a CUDA graph replays that copy and sees the lr as it is then).
     """
 
     def __init__(self, num_groups: int, device: torch.device) -> None:
@@ -126,6 +129,9 @@ class GroupLr:
         changed, tensors, consts = False, [], []
         for i, g in enumerate(param_groups):
             lr = g["lr"]
+            if (isinstance(lr, torch.Tensor) and lr.device.type == "cpu"
+                    and self.lr.device.type != "cpu"):
+                lr = lr.item()  # host memory: no wait on the device
             if isinstance(lr, torch.Tensor):
                 tensors.append((i, lr))
                 self._sent[i] = None

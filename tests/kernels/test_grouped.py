@@ -221,3 +221,24 @@ def test_group_lr_follows_float_and_tensor_lrs_and_sends_floats_only_when_change
     assert g.update(groups).lr[0].item() == float(torch.tensor(3e-4)) and len(sent) == 2
     g.update(groups)
     assert len(sent) == 2, "an unchanged float lr is not sent again"
+
+
+def test_group_lr_reads_a_cpu_tensor_lr_on_the_host_for_a_device_vector(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU tensor lr (`lr=torch.tensor(1e-3)`, which schedulers fill) for an lr vector on
+    another device (meta stands in for CUDA here) is read with `.item()` and sent as a float
+    lr is, when it changes. Before: copied into the device vector every step, which on CUDA is
+    a pageable host-to-device copy: the host waits for the device, a sync in every step()."""
+    from fusedzero import scalars
+    sent: list[list] = []
+    real = scalars.copy_from_host
+    monkeypatch.setattr(scalars, "copy_from_host", lambda dst, v: (sent.append(v), real(dst, v)))
+    lr_t = torch.tensor(2e-3)
+    groups = [dict(lr=lr_t, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, maximize=False)]
+    g = scalars.GroupLr(1, torch.device("meta"))
+    g.update(groups)
+    g.update(groups)
+    assert sent == [[float(lr_t)]]
+    lr_t.fill_(5e-4)
+    g.update(groups)
+    assert sent == [[float(torch.tensor(2e-3))], [float(torch.tensor(5e-4))]]

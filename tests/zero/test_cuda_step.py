@@ -44,3 +44,31 @@ def test_one_rank_step_on_cuda_matches_torch_adamw(stage: int) -> None:
             # fp32 on both sides; the two differ in operation order (fused kernel vs torch's
             # foreach), a few ulps per step over 10 steps.
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("lr", ["float", "cpu_tensor"])
+def test_backward_step_and_zero_grad_make_no_host_sync(stage: int, lr: str) -> None:
+    """Zero host syncs in step() (and in backward and zero_grad) once warm, with an lr that a
+    scheduler changes every step, as a float or as a CPU tensor (read on the host: copying it
+    into a CUDA tensor would wait for the device). torch raises on any synchronizing CUDA call
+    under `set_sync_debug_mode("error")`. The first backward and step have documented one-off
+    syncs (the buckets' order agreement, the first launch's setup): two warm-up steps."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    m = _model(0, dev)
+    opt = ZeroAdamW(m.parameters(), lr=1e-2 if lr == "float" else torch.tensor(1e-2),
+                    weight_decay=0.05, stage=stage, module=m, bucket_numel=256,
+                    unit_policy=nn.Linear, max_grad_norm=0.5)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    x = torch.randn(8, 17, device=dev)
+    for step in range(5):
+        if step >= 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            m(x).square().mean().backward()
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    opt.close()
