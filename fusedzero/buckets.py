@@ -140,8 +140,6 @@ class BucketSchedule:
             b = self.buckets[self._next]
             if b.pending > 0 and not force:
                 return
-            if self.replicas is not None:
-                self._poll_replicas()
             self.ctx.record("reduce", (b.buf.unit, b.buf.group_index, b.k))
             self._reduced_into.add(id(b.buf))  # [Note: zeroing once]
             with torch.no_grad():
@@ -156,6 +154,7 @@ class BucketSchedule:
                 # Only an unfinished reduction holds a transient bucket buffer (`b.grad`).
                 live = sum(x.grad is not None for _, x in self._unfinished)
                 self.max_live_buckets = max(self.max_live_buckets, live)
+            if self.reduction.transient or self.replicas is not None:
                 self._bound_inflight()
 
     def _then_replicas(self, b: Bucket, finish: Finish | None) -> Finish:
@@ -172,24 +171,17 @@ class BucketSchedule:
                 b.replica_stale = True
         return then
 
-    def _poll_replicas(self) -> None:
-        """Finish, in launch order, the reductions that are complete, so their replica
-        all-reduces start during backward (`is_completed` does not block: on NCCL it queries an
-        event)."""
-        while self._unfinished:
-            i = self._unfinished[0][0]
-            h, finish = self._handles[i]
-            if h is not None and not h.is_completed():
-                return
-            self._unfinished.popleft()
-            assert finish is not None
-            with torch.no_grad():
-                finish()
-            self._handles[i] = (None, None)
-
     def _bound_inflight(self) -> None:
-        """Finish the oldest transient reductions beyond MAX_INFLIGHT_BUCKETS: their buffers
-        are freed as backward goes on. (On NCCL the wait orders streams; it does not block.)"""
+        """Finish the oldest reductions beyond MAX_INFLIGHT_BUCKETS: transient buffers are
+        freed as backward goes on, and a replica all-reduce (HSDP) starts when the bucket
+        MAX_INFLIGHT_BUCKETS launches later is launched. (On NCCL the wait orders streams; it
+        does not block the host.)
+
+        [Note: one order across communicators] The replica all-reduces start at fixed points of
+        the launch order, the same on every rank, never when a reduction happens to be complete
+        (an `is_completed()` poll): NCCL requires the collectives of two communicators to be
+        issued in the same order on every rank, or a rank whose kernels cannot run at once (one
+        hardware queue, e.g. CUDA_DEVICE_MAX_CONNECTIONS=1) waits on the other forever."""
         while len(self._unfinished) > MAX_INFLIGHT_BUCKETS:
             i = self._unfinished.popleft()[0]
             h, finish = self._handles[i]

@@ -68,8 +68,9 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
             mesh (fusedzero/dtensor.py, docs/tensor_parallel.md).
         replicate_group: for a 2-D mesh (shard within a node, replicate across nodes): the group
             of ranks that hold the same shard. Each bucket's grad shard is all-reduced over it
-            as soon as the bucket's reduction in `process_group` is complete, in every backward
-            outside `no_sync` (fusedzero/reduce.py); everything else stays within
+            once the bucket's reduction in `process_group` is complete, when the bucket two
+            launches later goes out (one order on every rank), in every backward outside
+            `no_sync` (fusedzero/replicas.py); everything else stays within
             `process_group`. Grads are averaged over both groups.
         gather_group: a second group over the ranks of `process_group` (same order) for the
             param all-gathers of stages 1-3: on NCCL a group is one communicator whose

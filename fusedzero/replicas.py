@@ -23,8 +23,9 @@ def shard_piece(b: Bucket) -> torch.Tensor:
 
 class ReplicaReduction:
     """2-D mesh (HSDP): average each bucket's reduced shard over the replicas that hold the same
-    shard (`ctx` is the replicate group), started per bucket as soon as its shard reduction is
-    complete, while backward goes on.
+    shard (`ctx` is the replicate group), started per bucket once its shard reduction is
+    complete, at a fixed point of the launch order ([Note: one order across communicators] in
+    fusedzero/buckets.py), while backward goes on.
 
     [Note: replicas and accumulation] The shard piece holds the step's accumulated average:
     A (from earlier reducing backwards of this step, already averaged over replicas, so equal
