@@ -235,49 +235,85 @@ def _spawn_entry(rank: int, world: int, port: int, q: Queue[Report], use_cuda: b
 
 
 def _run_in_group(cfg: TrainConfig) -> dict[str, Any]:
-    """Under torchrun (or inside an initialised group): this process is one rank."""
-    use_cuda = _use_cuda(cfg)
+    """Under torchrun (or inside an initialised group): this process is one rank.
+
+    [Note: a rank that raises in a group] The end-of-run barrier and the group's destruction
+    come after a successful run only. A rank that raises (a usage error only rank 0 sees, an
+    out-of-memory) leaves at once with its own error: the other ranks are then in some other
+    collective, which a barrier would not match (on NCCL: a hang until the watchdog's abort,
+    the real error never printed). torchrun ends the other ranks when one exits with an error."""
     own_group = not dist.is_initialized()
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    world = int(os.environ["WORLD_SIZE"]) if own_group else dist.get_world_size()
-    device = _setup_device(use_cuda, local, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
     if own_group:
+        use_cuda = _use_cuda(cfg)
+        world = int(os.environ["WORLD_SIZE"])
+        device = _setup_device(use_cuda, int(os.environ.get("LOCAL_RANK", "0")),
+                               int(os.environ.get("LOCAL_WORLD_SIZE", world)))
         if use_cuda:  # a hung collective ends in a report ([Note: a hung NCCL collective])
             comm.nccl_watchdog_env()
+        # device_id: the communicator is made now, bound to this rank's GPU (barriers too).
         dist.init_process_group("nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=cfg.timeout))
-    try:
-        check_tp_world(cfg, dist.get_world_size())
-        preflight.check_batch(cfg, dist.get_world_size())
-        # One rank checks the shared paths and holds the folder's lock; all learn the outcome.
-        box: list[Any] = [None]
-        lock = contextlib.ExitStack()
-        if dist.get_rank() == 0:
-            try:
-                preflight.check_outputs_writable(cfg)
-                lock.enter_context(preflight.run_folder_lock(cfg))
-                preflight.check_run_folder(cfg)
-                preflight.check_disk(cfg, dist.get_world_size(), use_cuda)
-            except UsageError as e:
-                lock.close()
-                box[0] = str(e)
-        dist.broadcast_object_list(box, src=0)
-        if box[0] is not None:
-            raise UsageError(box[0])
-        with lock:
-            from fusedzero.app.loop import train_rank
-            summary = train_rank(cfg, device, preflight.load_data(cfg))
-    finally:
-        if own_group:
-            dist.barrier()
-            dist.destroy_process_group()
+                                timeout=datetime.timedelta(seconds=cfg.timeout),
+                                **({"device_id": device} if use_cuda else {}))
+    else:
+        use_cuda, device = _device_in_group(cfg)
+    summary = _train_in_group(cfg, device, use_cuda)
+    if own_group:
+        dist.barrier()
+        dist.destroy_process_group()
     return summary
+
+
+def _device_in_group(cfg: TrainConfig) -> tuple[bool, torch.device]:
+    """A group the caller initialised: CUDA where the flags allow it and the group serves CUDA
+    tensors with NCCL; its GPU is LOCAL_RANK's under torchrun, else the caller's current one
+    (set_device before calling), never GPU 0 for every rank."""
+    nccl = comm.serving_backend(None, "cuda") == "nccl"
+    if cfg.device == "cuda" and not nccl:
+        raise UsageError(f"--device cuda in a process group whose backend is "
+                         f"{dist.get_backend()!r}: its collectives cannot take CUDA tensors; "
+                         "initialise it with nccl (or 'cpu:gloo,cuda:nccl'), or use --device cpu")
+    use_cuda = _use_cuda(cfg) and nccl
+    if not use_cuda:
+        return False, _setup_device(False, 0, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    local = os.environ.get("LOCAL_RANK")
+    index = int(local) if local is not None else torch.cuda.current_device()
+    return True, _setup_device(True, index, 1)
+
+
+def _train_in_group(cfg: TrainConfig, device: torch.device, use_cuda: bool) -> dict[str, Any]:
+    check_tp_world(cfg, dist.get_world_size())
+    preflight.check_batch(cfg, dist.get_world_size())
+    # One rank checks the shared paths and holds the folder's lock; all learn the outcome.
+    box: list[Any] = [None]
+    lock = contextlib.ExitStack()
+    if dist.get_rank() == 0:
+        try:
+            preflight.check_outputs_writable(cfg)
+            lock.enter_context(preflight.run_folder_lock(cfg))
+            preflight.check_run_folder(cfg)
+            preflight.check_disk(cfg, dist.get_world_size(), use_cuda)
+        except Exception as e:  # noqa: BLE001 - every rank must reach the broadcast
+            lock.close()
+            box[0] = str(e) if isinstance(e, UsageError) else f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise UsageError(box[0])
+    with lock:
+        from fusedzero.app.loop import train_rank
+        return train_rank(cfg, device, preflight.load_data(cfg))
 
 
 def _setup_device(use_cuda: bool, local_rank: int, local_world: int) -> torch.device:
     if use_cuda:
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        # A scheduler that shows each process its own GPU only (CUDA_VISIBLE_DEVICES per task):
+        # that one is device 0, whatever the local rank.
+        visible = torch.cuda.device_count()
+        index = 0 if visible == 1 else local_rank
+        if index >= visible:
+            raise UsageError(f"local rank {local_rank} has no GPU of its own: torch sees "
+                             f"{visible}; run one process per visible GPU")
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     # Ranks share the cores: oversubscribing threads makes every rank slower.
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch.set_num_threads(max(1, (cores or 1) // max(1, local_world)))

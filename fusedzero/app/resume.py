@@ -204,7 +204,8 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
                             f"--resume: {box[0].path} holds another model: {other}; pass the "
                             "model flags it was trained with (--n-layer, --n-head, --n-embd, "
                             "--block-size)")
-            except checkpoint.CheckpointError as e:
+            # Whatever rank 0 meets reaches the broadcast, which every rank waits in.
+            except (checkpoint.CheckpointError, OSError, ValueError, KeyError, RuntimeError) as e:
                 box[0] = e
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], Exception):

@@ -22,7 +22,7 @@ def rng_state() -> dict[str, Any]:
     st: dict[str, Any] = {"torch": torch.get_rng_state(),
                           "python": (version, torch.tensor(words, dtype=torch.int64), gauss)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = torch.cuda.get_rng_state_all()
+        st["cuda"] = torch.cuda.get_rng_state()  # [Note: one GPU's RNG state per rank]
     np = sys.modules.get("numpy")
     if np is not None:
         name, keys, pos, has_gauss, cached = np.random.get_state()
@@ -35,13 +35,30 @@ def set_rng_state(st: dict[str, Any]) -> None:
     torch.set_rng_state(st["torch"])
     py = st["python"]
     random.setstate((py[0], _words(py[1]), py[2]))
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+    cuda = _own_cuda_state(st)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
     np = sys.modules.get("numpy")
     if "numpy" in st and np is not None:
         name, keys, pos, has_gauss, cached = st["numpy"]
         np.random.set_state((name, np.array(_words(keys), dtype=np.uint32), pos, has_gauss,
                              cached))
+
+
+def _own_cuda_state(st: dict[str, Any]) -> torch.Tensor | None:
+    """[Note: one GPU's RNG state per rank] A rank draws from its own GPU's generator only: a
+    state holds that one (the current device's), restored into the current device. States
+    saved before held every visible GPU's (`get_rng_state_all`), whose restore indexed GPUs
+    the resuming machine may not have (fewer GPUs, one visible per process: an IndexError
+    after the optimizer was loaded): the entry of the current device is taken, where there
+    is one."""
+    saved = st.get("cuda")
+    if saved is None or not torch.cuda.is_available():
+        return None
+    if isinstance(saved, torch.Tensor):
+        return saved
+    i = torch.cuda.current_device()
+    return saved[i] if i < len(saved) else None
 
 
 def _words(x: Any) -> tuple[int, ...]:
@@ -76,6 +93,11 @@ def check_rng_state(st: Any, where: str) -> None:
         torch.Generator().set_state(st["torch"])
         py = st["python"]
         random.Random().setstate((py[0], _words(py[1]), py[2]))
+        cuda = st.get("cuda")
+        for t in (cuda if isinstance(cuda, (list, tuple)) else [] if cuda is None else [cuda]):
+            if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
+                raise TypeError(f"a CUDA generator state is a 1-D uint8 tensor, got "
+                                f"{type(t).__name__} {getattr(t, 'dtype', '')}")
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{where}: RNG state is malformed ({type(e).__name__}: {e})"
                               ) from None

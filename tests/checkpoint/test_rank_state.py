@@ -42,3 +42,45 @@ def test_rng_state_saved_as_lists_still_restores() -> None:
     check_rng_state(st, "here")
     set_rng_state(st)
     assert _draws() == want
+
+
+def test_cuda_state_is_the_own_gpus_and_one_saved_for_8_gpus_restores_on_2(monkeypatch) -> None:
+    """[Note: one GPU's RNG state per rank], on a stand-in for torch.cuda: 2 visible GPUs, this
+    rank on GPU 1. A state holds GPU 1's generator only and restores into it; a state saved
+    before, with every GPU of an 8-GPU machine, restores its entry 1 (before: IndexError on
+    GPU 2, after the optimizer was loaded). A malformed CUDA state fails the check."""
+    import pytest
+
+    from fusedzero.checkpoint.manifest import CheckpointError
+    gens = {0: torch.zeros(16, dtype=torch.uint8), 1: torch.full((16,), 7, dtype=torch.uint8)}
+
+    def index(device: object) -> int:
+        i = 1 if device == "cuda" else int(device)  # type: ignore[call-overload]
+        if i not in gens:
+            raise IndexError("tuple index out of range")  # torch's default_generators[i]
+        return i
+
+    def get_gpu_state(device: object = "cuda") -> torch.Tensor:
+        return gens[index(device)].clone()
+
+    def set_gpu_state(state: torch.Tensor, device: object = "cuda") -> None:
+        gens[index(device)] = state.clone()
+
+    for mod in (torch.cuda, torch.cuda.random):
+        monkeypatch.setattr(mod, "get_rng_state", get_gpu_state)
+        monkeypatch.setattr(mod, "set_rng_state", set_gpu_state)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    st = unpack(pack(rng_state()))
+    assert torch.equal(st["cuda"], torch.full((16,), 7, dtype=torch.uint8))
+    gens[1] = torch.zeros(16, dtype=torch.uint8)
+    check_rng_state(st, "here")
+    set_rng_state(st)
+    assert gens[1].eq(7).all() and gens[0].eq(0).all()
+    old = dict(st, cuda=[torch.full((16,), g, dtype=torch.uint8) for g in range(8)])
+    check_rng_state(old, "here")
+    set_rng_state(old)
+    assert gens[1].eq(1).all() and gens[0].eq(0).all()
+    with pytest.raises(CheckpointError, match="CUDA generator state"):
+        check_rng_state(dict(st, cuda="not a state"), "here")
