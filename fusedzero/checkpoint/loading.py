@@ -76,10 +76,6 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     with `check_caller`, this rank's caller state (None where the saving run had no such rank):
     it raises (ValueError, TypeError, CheckpointError) to refuse it, on every rank.
     """
-    across = across_tp(opt, path)  # a tp root saved at another tp size (tp_reshard.py)
-    if across is None:
-        path = tp_directory(opt, path, saving=False)  # tp: this tp rank's folder
-    wait_pending(opt)
     W, rank, group = opt.world_size, opt.rank, opt.process_group
     err: BaseException | None = None
     d = Path(path)
@@ -89,7 +85,11 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     groups: list[dict[str, Any]] | None = None
     state: dict[str, Any] | None = None
     peak = Peak()
-    try:
+    try:  # everything before `agree`: an error on some ranks only reaches every rank there
+        across = across_tp(opt, path)  # a tp root saved at another tp size (tp_reshard.py)
+        if across is None:
+            path = tp_directory(opt, path, saving=False)  # tp: this tp rank's folder
+        wait_pending(opt)
         if across is not None:
             d, manifest, staged = read_across(opt, Path(path), across, peak, verify)
         else:

@@ -91,14 +91,23 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
             process group's timeout, see `fusedzero.comm.group_timeout`). It bounds the save
             thread, which the interpreter waits for at exit: a dead peer ends it with an error.
     """
-    directory = tp_directory(opt, directory, saving=True)  # tp: this tp rank's folder
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    wait_pending(opt)
-    root = Path(directory)
     W, rank, group = opt.world_size, opt.rank, opt.process_group
+    # [Note: a failure before the first gather] What fails on some ranks only before the
+    # first collective (the previous async save's error, which only its failing ranks hold;
+    # this tp rank's folder; the host copies of the shard) is carried by that gather, and rank
+    # 0 raises it for every rank through `agree`: a rank that raised here alone would leave the
+    # others waiting in the gather until the group's timeout.
+    failed: str | None = None
+    try:
+        directory = tp_directory(opt, directory, saving=True)  # tp: this tp rank's folder
+        wait_pending(opt)
+    except Exception as e:  # noqa: BLE001
+        failed = f"rank {rank}: {type(e).__name__}: {' '.join(str(e).split())}"
+    root = Path(directory)
     if timeout is None:
         timeout = group_timeout(group)
     name = step_dir_name(step)
@@ -117,6 +126,8 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
     if replicas > 1:
         states = gather_to_first((packed, bad_state), opt.replicate_group, replicas, replica)
     if replica != 0:
+        if failed is not None:  # (after the replicate group's gather, which it took part in)
+            raise CheckpointError(failed)
         return SaveHandle(root / name)
     assert states is not None
     staging = root / f".{name}.tmp"
@@ -128,23 +139,30 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
 
     tensors: dict[str, torch.Tensor] = {}
     groups_meta: list[dict[str, Any]] = []
-    if st is not None:
-        for i, info in enumerate(infos):
-            # Each state in its own dtype (fusedzero/memory_modes.py), int8 codes with their scales.
-            for kind, t in st.tensors(i).items():
-                t = t.detach()
-                # Async: a private copy, so training may go on updating the live buffers.
-                t = t.to("cpu", copy=True) if async_ else t.cpu()
-                tensors[f"fg{i}.{kind}"] = t.reshape(-1).contiguous()
-            groups_meta.append({
-                "key": f"fg{i}", "group_index": info.group_index,
-                "dtype": dtypes.name(info.dtype), "unit": info.unit,
-                "local_numel": info.local_numel,
-                "segments": [[s.param, s.start, s.length, s.local] for s in info.segments()]})
+    if st is not None and failed is None:
+        try:
+            for i, info in enumerate(infos):
+                # Each state in its own dtype (fusedzero/memory_modes.py), int8 codes with
+                # their scales.
+                for kind, t in st.tensors(i).items():
+                    t = t.detach()
+                    # Async: a private copy, so training may go on updating the live buffers.
+                    t = t.to("cpu", copy=True) if async_ else t.cpu()
+                    tensors[f"fg{i}.{kind}"] = t.reshape(-1).contiguous()
+                groups_meta.append({
+                    "key": f"fg{i}", "group_index": info.group_index,
+                    "dtype": dtypes.name(info.dtype), "unit": info.unit,
+                    "local_numel": info.local_numel,
+                    "segments": [[s.param, s.start, s.length, s.local]
+                                 for s in info.segments()]})
+        except Exception as e:  # noqa: BLE001 - [Note: a failure before the first gather]
+            tensors.clear()
+            failed = f"rank {rank}: copying its shard to the host: {type(e).__name__}: {e}"
     errors = [f"replica {k} {b}" if replicas > 1 else b for k, (_, b) in enumerate(states)
               if b is not None]
     local = {"rank": rank, "writer": writer, "groups": groups_meta,
-             "states": [packed for packed, _ in states], "error": "\n".join(errors) or None}
+             "states": [packed for packed, _ in states], "error": "\n".join(errors) or None,
+             "failed": failed}
     everyone = gather_to_first(local, group, W, rank)
 
     base: dict[str, Any] | None = None
@@ -152,6 +170,9 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
     if rank == 0:
         assert everyone is not None
         try:
+            failures = [e["failed"] for e in everyone if e["failed"] is not None]
+            if failures:
+                raise CheckpointError("\n".join(failures))
             bad = [e["error"] for e in everyone if e["error"] is not None]
             if bad:
                 raise ValueError("\n".join(bad))

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from fusedzero import checkpoint as ck
 from fusedzero.checkpoint import format as ckformat
+from fusedzero.checkpoint import saving as cksaving
 from fusedzero.app.ckpt_cli import main as cli_main
 from fusedzero.app.model import GPT
 from fusedzero.optim import ZeroAdamW
@@ -415,6 +416,28 @@ def w_cross_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     ck.load(opt, Path(root) / "a")
     out["reloaded"] = same(snapshot(opt), saved)
 
+    # -- 10: the previous async save failed on rank 1 only ([Note: a failure before the first
+    # gather]): the next save, and a load, raise its error on every rank. Before: rank 1 alone
+    # raised, and rank 0 waited in the first gather until the group's timeout.
+    class FailedSave:
+        _reported = False
+
+        def wait(self) -> None:
+            raise ck.CheckpointError("disk full on rank 1")
+
+    out["pending"] = []
+    for what in ("save", "load"):
+        if rank == 1:
+            cksaving._pending[opt] = FailedSave()
+        try:
+            if what == "save":
+                ck.save(opt, Path(root) / "b", step=3)
+            else:
+                ck.load(opt, Path(root) / "a")
+            out["pending"].append(None)
+        except ck.CheckpointError as e:
+            out["pending"].append(str(e))
+
     # -- 9: HSDP, shard group {rank} x replicate group {0, 1}: each replica's RNG and caller
     # state come back to that replica.
     groups = [dist.new_group([r]) for r in range(world)]
@@ -440,6 +463,9 @@ def test_load_is_transactional_and_hsdp_state_is_per_replica(tmp_path: Path) -> 
     assert SHARD.replace("00001", "00002") in errors[0] or "rank0000" in errors[0]
     for r in res:
         assert r["untouched"] and r["reloaded"], r
+    for k in range(2):  # the same error on both ranks, for the save and for the load
+        got = [r["pending"][k] for r in res]
+        assert got[0] is not None and got[0] == got[1] and "disk full on rank 1" in got[0], got
     manifest = ck.read_manifest(tmp_path / "hsdp")
     assert sorted((e["rank"], e.get("replica")) for e in manifest["ranks"]) == [(0, 0), (0, 1)]
     for rank, r in enumerate(res):
