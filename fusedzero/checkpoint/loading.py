@@ -18,7 +18,7 @@ from fusedzero.checkpoint.collectives import agree
 from fusedzero.checkpoint.format import MANIFEST, Peak, ShardReaders
 from fusedzero.checkpoint.manifest import CheckpointError, manifest_modes
 from fusedzero.checkpoint.optview import group_names, param_table
-from fusedzero.checkpoint.placements import check_origin, tp_directory
+from fusedzero.checkpoint.placements import check_origin, common_step, tp_directory
 from fusedzero.checkpoint.rank_state import check_rng_state, set_rng_state, unpack
 from fusedzero.checkpoint.reshard import Read, match_params, plan
 from fusedzero.checkpoint.saving import wait_pending
@@ -89,6 +89,8 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
         across = across_tp(opt, path)  # a tp root saved at another tp size (tp_reshard.py)
         if across is None:
             path = tp_directory(opt, path, saving=False)  # tp: this tp rank's folder
+            if getattr(opt, "tp", None) is not None:  # [Note: one step across tp folders]
+                path = common_step(opt, Path(path))
         wait_pending(opt)
         if across is not None:
             d, manifest, staged = read_across(opt, Path(path), across, peak, verify)

@@ -36,14 +36,16 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fusedzero.checkpoint.binding import canonical
-from fusedzero.checkpoint.catalog import list_checkpoints
+from fusedzero.checkpoint.catalog import list_checkpoints, resolve
 from fusedzero.checkpoint.format import write_text_atomic
 from fusedzero.checkpoint.manifest import CheckpointError
 
@@ -342,3 +344,38 @@ def tp_source(opt: Any, source: Any) -> Any:
             t = local_of(t, p["placement"], tp.rank, tp.size)
         out[n] = t
     return out
+
+
+def common_step(opt: Any, mine: Path) -> Path:
+    """Collective over the tp group: the checkpoint of tp folder `mine` that every tp rank
+    loads. [Note: one step across tp folders] Each tp folder is saved by its own dp group; a
+    save killed or failed after some folders committed leaves their `latest` at different
+    steps, and each tp rank resolving its own would load a model whose tp slices come from
+    different steps, silently. Where the folders' newest steps differ, every tp rank takes the
+    newest step all folders hold (a warning names it), or raises where they share none.
+    Never raises before its collective; after it, every tp rank raises alike (same data)."""
+    tp = opt.tp
+    newest: Path | None = None
+    payload: Any = None
+    try:
+        newest = resolve(mine)
+        payload = (newest.name, sorted(p.name for p in list_checkpoints(mine)))
+    except (CheckpointError, OSError):
+        pass  # its own error, on the ranks that meet it, comes through load's agree
+    everyone: list[Any] = [None] * tp.size
+    dist.all_gather_object(everyone, payload, group=tp.group)
+    if newest is None or any(p is None for p in everyone):
+        return mine
+    if len({p[0] for p in everyone}) == 1:
+        return newest
+    shared = set.intersection(*(set(p[1]) for p in everyone))
+    where = ", ".join(f"tp{t}: {p[0]}" for t, p in enumerate(everyone))
+    if not shared:
+        raise CheckpointError(f"{mine.parent}: the tp folders' newest checkpoints differ "
+                              f"({where}) and no step is in every folder")
+    pick = max(shared, key=lambda n: int(n.split("-")[1]))
+    if tp.rank == 0 and opt.rank == 0:
+        warnings.warn(f"{mine.parent}: the tp folders' newest checkpoints differ ({where}; a "
+                      f"save that did not finish in every folder): loading {pick}, the newest "
+                      "in every folder", stacklevel=3)
+    return mine / pick

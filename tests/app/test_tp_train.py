@@ -90,10 +90,15 @@ def test_train_tp2_checkpoint_resume(tmp_path: Path) -> None:
     whole = run(base)
     assert_as_planned(whole, stage=3)
     ckpt = tmp_path / "ckpt"
-    stopped = run(base + ["--ckpt-dir", str(ckpt), "--stop-at", "2"])
+    stopped = run(base + ["--ckpt-dir", str(ckpt), "--save-every", "1", "--stop-at", "2"])
     assert sorted(p.name for p in ckpt.iterdir()) == ["tensor_parallel.json", "tp0of2", "tp1of2"]
     assert stopped["steps"] == whole["steps"][:2]
-    resumed = run(base + ["--ckpt-dir", str(ckpt), "--resume"])
+    # The save of step 2 as if killed after tp0's folder committed, before tp1's: resume loads
+    # step 1, the newest in both folders, on both tp ranks ([Note: one step across tp folders]).
+    # Before: tp0 loaded step 2 and tp1 step 1, and the run went on from the mix.
+    shutil.rmtree(ckpt / "tp1of2" / "step-00000002")
+    (ckpt / "tp1of2" / "latest").write_text("step-00000001\n")
+    resumed = run(base + ["--ckpt-dir", str(ckpt), "--resume"])  # (rank 0 warns: its stderr)
     assert resumed["steps"] == whole["steps"]  # bitwise: loss, grad norm and lr
     assert resumed["val_loss"] == whole["val_loss"]
     with pytest.raises(UsageError, match="saved at --tp 2, this run has --tp 1"):
