@@ -253,21 +253,17 @@ def import_weights(opt: ZeroAdamW, source: str | os.PathLike[str] | Mapping[str,
     With `strict`, tensors in the source that are no param of the model are an error. Optimizer
     moments and the step count are left as they are (start of fine-tuning: zero).
     """
-    source = tp_source(opt, source)  # tp: full tensors sliced to this rank's shards
     W, group = opt.world_size, opt.process_group
     err: BaseException | None = None
     src: _WeightSource | None = None
-    found: dict[int, str] = {}
+    masters: list[torch.Tensor] = []
+    # Everything that can fail on some ranks only (the source, the match, this rank's reads)
+    # comes before `agree`, so no rank is left waiting in load_shard_state's collectives.
     try:
+        source = tp_source(opt, source)  # tp: full tensors sliced to this rank's shards
         src = _WeightSource(source)
         found = _match_weights(opt, src, strict, str(source) if not isinstance(source, Mapping)
                                else "state dict")
-    except Exception as e:  # noqa: BLE001
-        err = e
-    try:
-        agree(err, group, W, "import_weights")
-        assert src is not None
-        masters = []
         with torch.no_grad():
             for info in opt.shard_infos():
                 buf = torch.zeros(info.local_numel, dtype=torch.float32)
@@ -275,6 +271,10 @@ def import_weights(opt: ZeroAdamW, source: str | os.PathLike[str] | Mapping[str,
                     buf[s.local:s.local + s.length].copy_(
                         src.read_flat(found[s.param], s.start, s.start + s.length))
                 masters.append(buf)
+    except Exception as e:  # noqa: BLE001
+        err = e
+    try:
+        agree(err, group, W, "import_weights")
         opt.load_shard_state(ShardState(master=masters))  # collective at stages 1-3
     finally:
         if src is not None:

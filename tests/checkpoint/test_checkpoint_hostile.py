@@ -438,6 +438,25 @@ def w_cross_rank(rank: int, world: int, root: str) -> dict[str, Any]:
         except ck.CheckpointError as e:
             out["pending"].append(str(e))
 
+    # -- 11: import_weights, a read of the source fails on rank 1 only: every rank raises the
+    # same error (before: after the ranks agreed, so rank 0 waited in load_shard_state).
+    from fusedzero.checkpoint import weights as ckweights
+    full = {n: p.detach().clone() for n, p in model.named_parameters()}
+    real_read = ckweights._WeightSource.read_flat
+
+    def unreadable(self: Any, name: str, a: int, b: int) -> torch.Tensor:
+        raise OSError(5, "Input/output error", "weights.safetensors")
+
+    if rank == 1:
+        ckweights._WeightSource.read_flat = unreadable  # type: ignore[method-assign]
+    try:
+        ck.import_weights(opt, full)
+        out["import"] = None
+    except ck.CheckpointError as e:
+        out["import"] = str(e)
+    finally:
+        ckweights._WeightSource.read_flat = real_read  # type: ignore[method-assign]
+
     # -- 9: HSDP, shard group {rank} x replicate group {0, 1}: each replica's RNG and caller
     # state come back to that replica.
     groups = [dist.new_group([r]) for r in range(world)]
@@ -463,6 +482,9 @@ def test_load_is_transactional_and_hsdp_state_is_per_replica(tmp_path: Path) -> 
     assert SHARD.replace("00001", "00002") in errors[0] or "rank0000" in errors[0]
     for r in res:
         assert r["untouched"] and r["reloaded"], r
+    imports = [r["import"] for r in res]
+    assert imports[0] is not None and imports[0] == imports[1], imports
+    assert "rank 1: [Errno 5] Input/output error" in imports[0], imports
     for k in range(2):  # the same error on both ranks, for the save and for the load
         got = [r["pending"][k] for r in res]
         assert got[0] is not None and got[0] == got[1] and "disk full on rank 1" in got[0], got
