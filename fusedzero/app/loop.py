@@ -91,6 +91,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
         return _nothing_to_train(cfg, opt, world, device, param_dtype, reduce_dtype, log, start)
     A = cfg.grad_accum
     tokens_per_step = cfg.batch_size * cfg.block_size
+    micro_rows = cfg.batch_size // (dpw * A)  # evaluate in training-sized forwards
 
     bar = None
     if rank == 0 and cfg.progress:
@@ -114,7 +115,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
     except ValueError as e:  # the launcher ends the other ranks, waiting in the first eval
         raise UsageError(str(e)) from None
     if start == 0 or not log.val:
-        log.val.append({"step": start, "val_loss": evaluate(model, val, dpr, dpw)})
+        log.val.append({"step": start,
+                        "val_loss": evaluate(model, val, dpr, dpw, micro_rows)})
         if metrics is not None:  # the untrained model's: where the curve starts
             metrics.write(start, val_loss=log.val[-1]["val_loss"])
         say(f"step {start:5d}: val loss {log.val[-1]['val_loss']:.4f}")
@@ -155,8 +157,7 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
         before = dict(opt.comm.bytes)
         loss_sum = torch.zeros((), dtype=torch.float32, device=device)
         for m in range(A):
-            x, y = sampler.batch(step - 1, dpr, dpw, m, A)
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            x, y = (to_device(t, device) for t in sampler.batch(step - 1, dpr, dpw, m, A))
             with opt.no_sync() if m < A - 1 else contextlib.nullcontext():
                 _, loss = model(x, y)
                 (loss / A).backward()
@@ -195,7 +196,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
         if bar is not None:
             bar.update(1)
         if is_eval:
-            log.val.append({"step": step, "val_loss": evaluate(model, val, dpr, dpw)})
+            log.val.append({"step": step,
+                            "val_loss": evaluate(model, val, dpr, dpw, micro_rows)})
             if metrics is not None:
                 metrics.write(step, val_loss=log.val[-1]["val_loss"])
             say(f"step {step:5d}: val loss {log.val[-1]['val_loss']:.4f}  "
@@ -212,7 +214,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
 
     final_step = max(stop, start)
     if not log.val or log.val[-1]["step"] != final_step:
-        log.val.append({"step": final_step, "val_loss": evaluate(model, val, dpr, dpw)})
+        log.val.append({"step": final_step,
+                        "val_loss": evaluate(model, val, dpr, dpw, micro_rows)})
         if metrics is not None:
             metrics.write(final_step, val_loss=log.val[-1]["val_loss"])
     if metrics is not None:
@@ -264,27 +267,42 @@ def finish_watch(cfg: TrainConfig, model: torch.nn.Module, log: RunLog, rank: in
         say(f"sample ({cfg.sample_tokens} bytes, {how}, after a newline):\n" + text.strip("\n"))
 
 
-@torch.no_grad()
-def evaluate(model: torch.nn.Module, val: Split, rank: int,
-             world: int) -> float:
-    """Mean next-byte cross-entropy over the fixed validation windows, split over ranks (with
-    --tp, the dp ranks: a replica's tp ranks score the same slice, which scales both sums alike).
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch onto the device without a host wait: from pinned memory on CUDA (a copy from
+    pageable memory may wait for the device however `non_blocking` is set)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
-    Every rank runs the same number of forwards (ZeRO-3 gathers params collectively), possibly on
-    an empty slice.
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, val: Split, rank: int, world: int,
+             rows: int | None = None) -> float:
+    """Mean next-byte cross-entropy over the fixed validation windows, split over ranks (with
+    --tp, the dp ranks: a replica's tp ranks score the same slice, which scales both sums alike),
+    `rows` windows per forward (a training micro-batch: all of a rank's at once held logits 16x
+    a training step's at --grad-accum 16; None: all at once).
+
+    Every rank runs the same number of forwards (ZeRO-3 gathers params collectively, tp ranks
+    meet in every layer): the largest slice's count, padded on the others with a window whose
+    loss is not counted.
     """
     was_training = model.training
     model.eval()
     device = next(iter(model.parameters())).device
     x, y = val[0][rank::world], val[1][rank::world]
+    most = -(-val[0].shape[0] // world)  # rank 0's slice, the largest
+    rows = max(1, rows or most)
     totals = torch.zeros(2, dtype=torch.float64, device=device)
-    if x.shape[0]:
-        logits, _ = model(x.to(device))
+    for lo in range(0, max(most, 1), rows):
+        if lo >= x.shape[0]:
+            model(to_device(val[0][:1], device))  # keep collective forwards in step
+            continue
+        logits, _ = model(to_device(x[lo:lo + rows], device))
+        yy = to_device(y[lo:lo + rows], device)
         totals[0] += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                     y.to(device).reshape(-1), reduction="sum").double()
-        totals[1] += y.numel()
-    else:
-        model(val[0][:1].to(device))  # keep collective forwards in step across ranks
+                                     yy.reshape(-1), reduction="sum").double()
+        totals[1] += yy.numel()
     with waiting_for("the all-reduce of the validation loss"):
         dist.all_reduce(totals)
     model.train(was_training)

@@ -254,7 +254,9 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             # reshape, not view: targets sliced from a larger buffer need not be contiguous.
-            loss = F.cross_entropy(logits.reshape(B * T, -1), targets.reshape(B * T))
+            # In fp32 whatever the params' dtype: a bf16 cross-entropy rounds inside its
+            # softmax, and its loss sits on the bf16 grid (1/32 apart at 4-8).
+            loss = F.cross_entropy(logits.float().reshape(B * T, -1), targets.reshape(B * T))
         return logits, loss
 
 

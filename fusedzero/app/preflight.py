@@ -24,10 +24,14 @@ from fusedzero.checkpoint.placements import read as tp_record
 
 
 def check_batch(cfg: TrainConfig, world: int) -> None:
-    parts = world * cfg.grad_accum
+    """The global batch splits over the data-parallel ranks (world / --tp: a replica's tp
+    ranks share its rows) and the micro-batches."""
+    dp = world // cfg.tp
+    parts = dp * cfg.grad_accum
     if cfg.batch_size % parts:
-        raise UsageError(f"--batch-size {cfg.batch_size} is not divisible by ranks*grad_accum = "
-                         f"{world}*{cfg.grad_accum} = {parts}; use a multiple of {parts}")
+        raise UsageError(f"--batch-size {cfg.batch_size} is not divisible by data-parallel "
+                         f"ranks*grad_accum = {dp}*{cfg.grad_accum} = {parts}; use a multiple "
+                         f"of {parts}")
 
 
 def load_data(cfg: TrainConfig) -> Split:

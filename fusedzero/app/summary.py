@@ -18,10 +18,11 @@ from fusedzero.app.model import GPTConfig, flops_per_token
 from fusedzero.optim import ZeroAdamW
 
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from NVIDIA's datasheets, matched in order
-# against torch.cuda.get_device_name (first match wins: the PCIe/NVL H100s before the SXM one).
+# against torch.cuda.get_device_name (first match wins: each variant before the name it
+# contains: "H200 NVL" before "H200", "L40S" and "L40" before "L4").
 BF16_PEAKS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
-    ("A100", 312e12), ("L40S", 362e12), ("L4", 121e12),
+    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12),
+    ("H200", 989e12), ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12),
 )
 
 
@@ -31,7 +32,12 @@ def bf16_peak(device: torch.device) -> tuple[float | None, str]:
     if device.type != "cuda":
         return None, device.type
     name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in BF16_PEAKS if key in name), None), name
+    return peak_of(name), name
+
+
+def peak_of(name: str) -> float | None:
+    """The dense bf16 peak of a device named `name` (BF16_PEAKS, first match), or None."""
+    return next((peak for key, peak in BF16_PEAKS if key in name), None)
 
 
 def mfu(tokens_per_s: float, flops: int, world: int, peak: float | None) -> float | None:

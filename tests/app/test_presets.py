@@ -94,8 +94,12 @@ def test_flops_per_token_is_6_per_matmul_weight_plus_attention(name: str) -> Non
 
 def test_mfu_against_a_known_peak_and_n_a_elsewhere(monkeypatch) -> None:
     cuda = torch.device("cuda", 0)
+    # Each variant before the name it contains (before: "H200 NVL" took the H200's 989 and
+    # "L40" the L4's 121).
     for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
-                       ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce GTX 1080", None)):
+                       ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce GTX 1080", None),
+                       ("NVIDIA H200 NVL", 835e12), ("NVIDIA H200", 989e12),
+                       ("NVIDIA L40", 181e12), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12)):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda d, name=name: name)
         assert summary.bf16_peak(cuda) == (peak, name)
     assert summary.bf16_peak(torch.device("cpu")) == (None, "cpu")
@@ -107,3 +111,17 @@ def test_mfu_against_a_known_peak_and_n_a_elsewhere(monkeypatch) -> None:
     row = summary._mfu_text({"mfu": 0.4123, "device": "cuda", "world_size": 8,
                              "device_name": "NVIDIA H100 80GB HBM3", "bf16_peak_flops": 989e12})
     assert row == "MFU 41.2% of 8 x NVIDIA H100 80GB HBM3 at 989 TFLOP/s bf16"
+
+
+def test_loss_is_fp32_from_bf16_params() -> None:
+    """The training loss in fp32 whatever the params' dtype (bf16 on GPUs): the cross-entropy of
+    the fp32 logits. Before: computed in bf16, rounded inside the softmax and onto the bf16
+    grid (7.4375 for 7.4639 in a 256-byte vocabulary)."""
+    torch.manual_seed(0)
+    m = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16)).to(torch.bfloat16)
+    x = torch.randint(0, 256, (2, 16))
+    y = torch.randint(0, 256, (2, 16))
+    logits, loss = m(x, y)
+    assert logits.dtype == torch.bfloat16 and loss.dtype == torch.float32
+    want = F.cross_entropy(logits.float().reshape(32, -1), y.reshape(32))
+    assert torch.equal(loss, want)

@@ -199,7 +199,7 @@ def _cli_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     (["train", "--bogus"], "unrecognized arguments: --bogus"),
     (["train", "--n-embd", "30", "--n-head", "4"], "not divisible by --n-head 4"),
     (["train", "--batch-size", "6", "--nproc", "4", "--device", "cpu"],
-     "not divisible by ranks*grad_accum"),
+     "not divisible by data-parallel ranks*grad_accum"),
     (["train", "--resume"], "--resume needs --ckpt-dir"),
     (["train", "--stop-at", "9", "--steps", "5", "--ckpt-dir", "x"], "--stop-at must be in"),
     (["nope"], "invalid choice: 'nope'"),
