@@ -278,14 +278,18 @@ class ReduceIntoShard(WireChoice):
                 g = g.reshape(-1)[p:p + e - a]
             pieces.append(g)
         got.clear()
-        if b.buf.dtype == dt:
+        # One `cat` only where every piece is in the reduce dtype: a grad in another dtype than
+        # its param's buffer (a DTensor param whose local tensor was cast to param_dtype keeps
+        # its outer dtype, and autograd casts its grad to that) would promote the whole bucket
+        # to it, and the collective would move that dtype's bytes.
+        if all(g.dtype == dt for g in pieces):
             if tail < B:
                 pieces.append(torch.zeros(B - tail, dtype=dt, device=dev))
             # One piece would come back as a view of that grad: the collective writes into
             # the bucket, so it is a copy.
             out = (torch._C._nn.flatten_dense_tensors(pieces) if len(pieces) > 1
                    else pieces[0].reshape(-1).clone())
-        else:  # grads come in the param dtype (autograd casts them to it)
+        else:  # grads to cast (bf16 params, fp32 reduce): one copy with a cast per piece
             out = torch.empty(B, dtype=dt, device=dev)
             torch._foreach_copy_(torch._C._nn.unflatten_dense_tensors(out[:tail], pieces),
                                  pieces)
