@@ -31,6 +31,8 @@ def _rank(rank: int, port: int, q: Any) -> None:
     import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # a fork of this process: libgomp's pool is not fork-safe
+
     import fusedzero.app.loop as loop
     from fusedzero.app import launch
     from fusedzero.app.config import UsageError, parse_args
@@ -52,7 +54,10 @@ def _rank(rank: int, port: int, q: Any) -> None:
 
 
 def test_a_rank_that_raises_leaves_with_its_own_error() -> None:
-    ctx = mp.get_context("spawn")
+    import torch
+    # Forks of this process (which imported torch already: no seconds of imports per rank),
+    # but where torch sees a GPU, whose state a fork would share.
+    ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, port, q), daemon=True) for r in range(2)]
