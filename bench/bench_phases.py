@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _common import SUMMARY, add_stats, replay  # noqa: E402
 from fusedzero import ZeroAdamW  # noqa: E402
 from fusedzero.app.model import GPT, PRESETS, GPTConfig, gpt_param_groups  # noqa: E402
-from fusedzero.spawn import free_port  # noqa: E402
+from fusedzero.spawn import reserved_port  # noqa: E402
 
 FULL = os.environ.get("FUSEDZERO_BENCH_PHASES_FULL", "0") == "1"
 STEPS = int(os.environ.get("FUSEDZERO_BENCH_PHASES_STEPS", "10"))
@@ -89,9 +89,10 @@ def one_rank_group() -> Iterator[None]:
         yield
         return
     cuda = device().type == "cuda"
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
-                            rank=0, world_size=1, timeout=datetime.timedelta(seconds=120),
-                            **({"device_id": device()} if cuda else {}))
+    with reserved_port() as port:  # held until the store listens on it
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=120),
+                                **({"device_id": device()} if cuda else {}))
     try:
         yield
     finally:

@@ -7,6 +7,7 @@ exit, instead of after the whole timeout; ranks still alive when the parent leav
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import os
 import queue as queue_mod
@@ -14,7 +15,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from multiprocessing.queues import Queue
 from types import TracebackType
 from typing import Any, NamedTuple, NoReturn
@@ -44,7 +45,32 @@ class Report(NamedTuple):
     value: Any
 
 
+def reserve_port() -> socket.socket:
+    """[Note: a port held for the ranks] A socket bound to a free local port, never listening,
+    with SO_REUSEADDR: while it is open no other bind takes the port (the kernel hands port 0
+    out only where nothing is bound, and a plain bind to it fails), yet rank 0's store, which
+    binds with SO_REUSEADDR too, can listen on it. A port found free and released (`free_port`)
+    could be taken by another process before rank 0 bound it: a CI run's `fusedzero train`
+    ended with EADDRINUSE while another test's ranks started. Close it once the ranks are done
+    (or their group is up)."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A port held (`reserve_port`) for the duration of the block."""
+    s = reserve_port()
+    try:
+        yield s.getsockname()[1]
+    finally:
+        s.close()
+
+
 def free_port() -> int:
+    """A port free now, released: only for a use that cannot race (see `reserve_port`)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -143,7 +169,8 @@ class SpawnedRanks:
         self.world_size = world_size
         self.queue = ctx.Queue()
         self.exit_grace_s = exit_grace_s
-        port = free_port()
+        self._port = reserve_port()  # held until close(): [Note: a port held for the ranks]
+        port = self._port.getsockname()[1]
         if preload is not None:  # the server's environment and stdio are its start's
             args = (target, dict(os.environ), _Stdio(), *args)
             target = _in_env
@@ -171,6 +198,7 @@ class SpawnedRanks:
         # warns about them as leaked.
         self.queue.close()
         self.queue.join_thread()
+        self._port.close()
 
     def next_report(self, waiting_on: Collection[int], deadline: float = float("inf"),
                     timeout: float | None = None) -> Report | None:

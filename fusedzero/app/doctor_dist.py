@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fusedzero.app.doctor_rows import Row, Status, row
-from fusedzero.spawn import free_port
+from fusedzero.spawn import reserved_port
 
 # --checks names that stand for several checks.
 GROUPS = {"distributed": ("process-group", "zero-step", "checkpoint")}
@@ -29,8 +29,9 @@ def one_rank_group(device: torch.device) -> Iterator[str]:
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
-                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    with reserved_port() as port:  # held until the store listens on it
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                                world_size=1, timeout=datetime.timedelta(seconds=60))
     try:
         yield backend
     finally:

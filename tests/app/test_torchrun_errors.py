@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from fusedzero.spawn import free_port
+from fusedzero.spawn import reserve_port
 
 pytestmark = pytest.mark.slow  # two processes
 
@@ -59,7 +59,8 @@ def test_a_rank_that_raises_leaves_with_its_own_error() -> None:
     # but where torch sees a GPU, whose state a fork would share.
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")
     q = ctx.Queue()
-    port = free_port()
+    held = reserve_port()  # until the ranks are done: no other test's bind takes it
+    port = held.getsockname()[1]
     procs = [ctx.Process(target=_rank, args=(r, port, q), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
@@ -72,3 +73,4 @@ def test_a_rank_that_raises_leaves_with_its_own_error() -> None:
         for p in procs:
             p.kill()
             p.join(10)
+        held.close()

@@ -270,10 +270,11 @@ def test_async_save_with_a_dead_peer_ends(tmp_path: Path) -> None:
     """Before: rank 0's (non-daemon) save thread waited 1800 s for the dead rank's shard."""
     import multiprocessing
 
-    from fusedzero.spawn import free_port
+    from fusedzero.spawn import reserve_port
 
     ctx = multiprocessing.get_context("spawn")
-    port, result = free_port(), tmp_path / "rank0.txt"
+    held = reserve_port()  # until the ranks are done: no other test's bind takes it
+    port, result = held.getsockname()[1], tmp_path / "rank0.txt"
     procs = [ctx.Process(target=_async_save_with_dead_peer,
                          args=(r, port, str(tmp_path / "ckpt"), str(result)))
              for r in range(2)]
@@ -290,3 +291,4 @@ def test_async_save_with_a_dead_peer_ends(tmp_path: Path) -> None:
             if p.is_alive():
                 p.kill()
             p.join()
+        held.close()
