@@ -20,7 +20,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -171,27 +173,25 @@ def check_scalars(device: torch.device) -> VariantResult:
     return VariantResult("scalars", "fp32", "none", False, not bad, float(bad), 0.0, error)
 
 
-def _guarded(fn, *args) -> VariantResult:  # type: ignore[no-untyped-def]
+def _guarded(variant: tuple[str, str, str, bool], fn: Callable[..., VariantResult],
+             *args: Any) -> VariantResult:
+    """`fn(*args)`, or where it raises the failure of `variant` (kernel, grad dtype, out dtype,
+    maximize): a crash is this variant's failure, the rest still run."""
     try:
         return fn(*args)
-    except Exception as e:  # noqa: BLE001 - a crash is this variant's failure, the rest still run
-        if fn is check_scalars:
-            return VariantResult("scalars", "fp32", "none", False, False, math.inf, 0.0,
-                                 f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
-        kernel = "adamw" if fn is check_adamw else "sumsq"
-        out = _short(args[2]) if kernel == "adamw" else "none"
-        maximize = bool(args[3]) if kernel == "adamw" else False
-        return VariantResult(kernel, _short(args[1]), out, maximize, False, math.inf, 0.0,
+    except Exception as e:  # noqa: BLE001
+        return VariantResult(*variant, False, math.inf, 0.0,
                              f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
 
 
 def run_all(device: torch.device) -> list[VariantResult]:
-    """adamw: grad dtype x out (none/bf16/fp16) x maximize; sumsq: per dtype."""
-    results = [_guarded(check_adamw, device, g, o, mx, i)
+    """adamw: grad dtype x out (none/bf16/fp16) x maximize; sumsq: per dtype; the scalars."""
+    results = [_guarded(("adamw", _short(g), _short(o), mx), check_adamw, device, g, o, mx, i)
                for i, (g, o, mx) in enumerate((g, o, mx) for g in GRAD_DTYPES
                                               for o in OUT_DTYPES for mx in (False, True))]
-    results += [_guarded(check_sumsq, device, g, i) for i, g in enumerate(GRAD_DTYPES)]
-    results.append(_guarded(check_scalars, device))
+    results += [_guarded(("sumsq", _short(g), "none", False), check_sumsq, device, g, i)
+                for i, g in enumerate(GRAD_DTYPES)]
+    results.append(_guarded(("scalars", "fp32", "none", False), check_scalars, device))
     return results
 
 

@@ -24,6 +24,8 @@ from fusedzero.comm import CollectiveTimeout
 if TYPE_CHECKING:  # the launcher imports this module; only ranks build an optimizer
     from fusedzero.optim import ZeroAdamW
 
+# What loading a checkpoint may raise besides CheckpointError: a usage error for the user.
+_LOAD_ERRORS = (OSError, ValueError, KeyError, RuntimeError)
 # Hyper-parameter flags a resume may change (the others must match the checkpoint's run).
 _HPARAMS = ("lr", "beta1", "beta2", "weight_decay", "clip", "warmup")
 
@@ -205,7 +207,7 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
                             "model flags it was trained with (--n-layer, --n-head, --n-embd, "
                             "--block-size)")
             # Whatever rank 0 meets reaches the broadcast, which every rank waits in.
-            except (checkpoint.CheckpointError, OSError, ValueError, KeyError, RuntimeError) as e:
+            except (checkpoint.CheckpointError, *_LOAD_ERRORS) as e:
                 box[0] = e
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], Exception):
@@ -221,7 +223,7 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
                                  check_caller=lambda st: check_caller_state(cfg, sched, rank, st))
     except (CollectiveTimeout, UsageError):
         raise
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+    except _LOAD_ERRORS as e:
         msg = " ".join(str(e).split())
         raise UsageError(f"--resume: cannot load a checkpoint from {cfg.ckpt_dir!r}: "
                          f"{type(e).__name__}: {msg}") from None

@@ -32,12 +32,7 @@ def bf16_peak(device: torch.device) -> tuple[float | None, str]:
     if device.type != "cuda":
         return None, device.type
     name = torch.cuda.get_device_name(device)
-    return peak_of(name), name
-
-
-def peak_of(name: str) -> float | None:
-    """The dense bf16 peak of a device named `name` (BF16_PEAKS, first match), or None."""
-    return next((peak for key, peak in BF16_PEAKS if key in name), None)
+    return next((peak for key, peak in BF16_PEAKS if key in name), None), name
 
 
 def mfu(tokens_per_s: float, flops: int, world: int, peak: float | None) -> float | None:

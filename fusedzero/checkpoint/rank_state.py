@@ -93,8 +93,8 @@ def check_rng_state(st: Any, where: str) -> None:
         torch.Generator().set_state(st["torch"])
         py = st["python"]
         random.Random().setstate((py[0], _words(py[1]), py[2]))
-        cuda = st.get("cuda")
-        for t in (cuda if isinstance(cuda, (list, tuple)) else [] if cuda is None else [cuda]):
+        cuda = st.get("cuda", [])  # one state, or (saved before) one per visible GPU
+        for t in cuda if isinstance(cuda, (list, tuple)) else [cuda]:
             if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
                 raise TypeError(f"a CUDA generator state is a 1-D uint8 tensor, got "
                                 f"{type(t).__name__} {getattr(t, 'dtype', '')}")
