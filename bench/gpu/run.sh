@@ -109,8 +109,11 @@ if [[ $DRY == 0 ]]; then
     > "$R/pytest_cuda.txt" 2>&1
   rc_cuda=$? rc_suite=null rc_interpreter=null
   if [[ "${FUSEDZERO_GPU_SUITE:-all}" == all ]]; then
-    (cd "$ROOT/tests" && env -u TRITON_INTERPRET "$PY" -m pytest -q -p no:cacheprovider .) \
-      > "$R/pytest_suite.txt" 2>&1
+    # FUSEDZERO_GPU_SUITE_ARGS: extra pytest arguments for the whole suite, e.g. "-n 12 --dist
+    # loadfile" to fit a lease of minutes (a file per worker: a docs page's blocks run in order).
+    # shellcheck disable=SC2086
+    (cd "$ROOT/tests" && env -u TRITON_INTERPRET "$PY" -m pytest -q -p no:cacheprovider \
+       ${FUSEDZERO_GPU_SUITE_ARGS:-} .) > "$R/pytest_suite.txt" 2>&1
     rc_suite=$?
     (cd "$ROOT/tests" && CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1 "$PY" -m pytest -m interpreter \
        -q -p no:cacheprovider .) > "$R/pytest_interpreter.txt" 2>&1
