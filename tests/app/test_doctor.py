@@ -110,3 +110,24 @@ def test_table_says_fail():
 
 def test_sumsq_bound_is_ulps_of_a_tree_sum():
     assert kernel_checks.sumsq_ulps(kernel_checks.NUMEL) == 2 * (math.ceil(math.log2(8315)) + 1)
+
+
+def test_scalar_check_takes_any_nan_for_any_nan(monkeypatch) -> None:
+    """A GPU returns the canonical NaN (0x7fffffff) where the CPU keeps the input's payload: the
+    scalar check compares NaNs as NaNs (it failed the first H200 doctor run on the 8 cases with
+    a NaN sum of squares). Stand-in for the GPU: the CPU path with its NaNs rewritten."""
+    from fusedzero.kernels import step_scalars as sc
+
+    def gpu_like(*args, **kwargs) -> None:
+        sc._step_scalars_torch(*args, **kwargs)
+        for t in args[2:6]:  # norm, grad_scale, skip, step
+            t.view(torch.int32)[torch.isnan(t)] = 0x7FFFFFFF
+
+    monkeypatch.setattr(sc, "step_scalars", gpu_like)
+    result = kernel_checks.check_scalars(torch.device("cpu"))
+    assert result.ok, result.error
+    nan_a = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)
+    nan_b = torch.tensor([0x7FC00000], dtype=torch.int32).view(torch.float32)
+    assert kernel_checks.differing_bits(nan_a, nan_b) == 0
+    assert kernel_checks.differing_bits(torch.tensor([-0.0]), torch.tensor([0.0])) == 1
+    assert kernel_checks.differing_bits(nan_a, torch.tensor([1.0])) == 1
