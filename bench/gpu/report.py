@@ -12,7 +12,7 @@ import json
 import re
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 BENCH = Path(__file__).resolve().parents[1]
 
@@ -139,6 +139,90 @@ def step_section(runs: list[dict[str, Any]]) -> str:
         out += [_table(["system", "precision", "stages", "reduce", "stage-3 policy",
                         "median ms", "rounds' range", "overhead ms", "ours vs best peer"],
                        table), ""]
+        if d.get("errors"):
+            out += [f"Not run: {k}: {v}" for k, v in d["errors"].items()] + [""]
+    return "\n".join(out)
+
+
+# Issue 40 item 5's targets: see bench/gpu/shape_systems.py, [Note: the update's memory-traffic
+# limit] (stages 0-2 within 1.2x the limit over bare; stage 3 within 1 ms of stage 2; rounds'
+# range within 10% of their median).
+LIMIT_FACTOR, STAGE3_OVER_STAGE2_S, MAX_RANGE = 1.2, 1e-3, 0.10
+
+
+class StepCheck(NamedTuple):
+    """One target of a step-rows run, measured: what is compared, the figures, met or not."""
+
+    what: str
+    measured: str
+    target: str
+    met: bool
+
+
+def step_rows_checks(d: dict[str, Any]) -> list[StepCheck]:
+    """Issue 40 item 5's targets on one shape's step rows (bench/gpu/step_overhead.py --shape):
+    stages 0-2 total <= bare + 1.2 x the update's memory-traffic limit, stage 3 <= stage 2 +
+    1 ms, each stage faster than DDP + autocast and than FSDP2 (the faster of its two policies),
+    and every row's rounds' range <= 10% of its median. A row that did not run is left out."""
+    med = {r["system"]: r["median_s"] for r in d["rows"]}
+    limit = d["traffic"]["limit_s"]
+    out = []
+    bare = med.get("bare")
+    for s in range(4):
+        ours = med.get(f"fusedzero-{s}")
+        if ours is None:
+            continue
+        if s < 3 and bare is not None:
+            target = bare + LIMIT_FACTOR * limit
+            out.append(StepCheck(f"stage {s} total <= bare + {LIMIT_FACTOR} x limit",
+                                 f"{ours * 1e3:.2f} ms", f"{target * 1e3:.2f} ms",
+                                 ours <= target))
+        if s == 3 and "fusedzero-2" in med:
+            target = med["fusedzero-2"] + STAGE3_OVER_STAGE2_S
+            out.append(StepCheck("stage 3 total <= stage 2 + 1 ms", f"{ours * 1e3:.2f} ms",
+                                 f"{target * 1e3:.2f} ms", ours <= target))
+        for peer in ("ddp-autocast", "fsdp2"):
+            times = [t for n, t in med.items() if n == peer or n.startswith(peer + "-")]
+            if times:
+                out.append(StepCheck(f"stage {s} faster than {peer}", f"{ours * 1e3:.2f} ms",
+                                     f"< {min(times) * 1e3:.2f} ms", ours < min(times)))
+    if d["rows"]:
+        worst = max(d["rows"], key=lambda r: r["range_over_median"])
+        spread = worst["range_over_median"]
+        out.append(StepCheck("every row's rounds' range / median",
+                             f"{spread:.1%} at worst ({worst['system']})", f"<= {MAX_RANGE:.0%}",
+                             spread <= MAX_RANGE))
+    return out
+
+
+def step_rows_section(runs: list[dict[str, Any]]) -> str:
+    """bench/gpu/step_overhead.py --shape, one JSON per shape."""
+    out = ["## Step rows at W=1: GPT-2 124M and the 255M Llama (`bench/gpu/step_overhead.py "
+           "--shape`)", ""]
+    for d in runs:
+        m, t = d["model"], d["traffic"]
+        streams = " + ".join(f"{k} {v:g}" for k, v in t["streams"].items())
+        bare = {r["system"]: r["median_s"] for r in d["rows"]}.get("bare")
+        out += [f"**{d['shape']}**{' (tiny: the dry run)' if d.get('tiny') else ''}: "
+                f"{m['n_layer']} x {m['n_embd']}, vocab {m['vocab_size']}, {d['batch']} x "
+                f"{m['block_size']} tokens, {t['params'] / 1e6:.1f}M params, clip {d['clip']}; "
+                f"{d['rounds']} interleaved rounds of {d['steps_per_round']} steps after "
+                f"{d['warmup']} warm-up steps, world of one; {d['device']}, torch {d['torch']}.",
+                "", f"The update's memory-traffic limit = params x bytes per param / device copy "
+                f"bandwidth = {t['params']:,} x {t['bytes_per_param']:g} B ({streams}) / "
+                f"{t['copy_gbps']:.0f} GB/s = {t['limit_s'] * 1e3:.3f} ms.", ""]
+        rows = []
+        for r in d["rows"]:
+            over = "" if bare is None else f"{(r['median_s'] - bare) * 1e3:.2f}"
+            ratio = "" if bare is None else f"{r['median_s'] / bare:.3f}"
+            rows.append([r["system"], f"{r['median_s'] * 1e3:.2f}",
+                         f"{r['min_s'] * 1e3:.2f}-{r['max_s'] * 1e3:.2f}",
+                         f"{r['range_over_median']:.1%}", ratio, over, r["note"]])
+        out += [_table(["system", "median ms", "rounds' range ms", "range / median",
+                        "total / bare", "over bare ms", "what it runs"], rows), ""]
+        checks = [[c.what, c.measured, c.target, "met" if c.met else "MISSED"]
+                  for c in step_rows_checks(d)]
+        out += [_table(["target (issue 40)", "measured", "target", "verdict"], checks), ""]
         if d.get("errors"):
             out += [f"Not run: {k}: {v}" for k, v in d["errors"].items()] + [""]
     return "\n".join(out)
@@ -336,6 +420,10 @@ def command(folder: Path) -> str:
     return f"python bench/gpu/report.py {rel} -o {out}"
 
 
+# The step rows' files, one per shape (run.sh and lease.sh write them), in the report's order.
+STEP_ROWS = ("step_gpt2-124m.json", "step_llama-255m.json", "step_graph_gpt2-124m.json")
+
+
 def render(folder: Path) -> str:
     meta = _read(folder, "meta.json") or {}
     parts = ["# GPU results", "",
@@ -348,6 +436,9 @@ def render(folder: Path) -> str:
         d = _read(folder, name)
         if d is not None:
             parts += ["", fn(d)]
+    shapes = [d for n in STEP_ROWS if (d := _read(folder, n))]
+    if shapes:
+        parts += ["", step_rows_section(shapes)]
     steps = [d for n in ("step_fp32.json", "step_bf16.json") if (d := _read(folder, n))]
     if steps:
         parts += ["", step_section(steps)]
