@@ -14,7 +14,7 @@ size) is the dry run: the code runs, nothing is measured.
 pools, cuBLAS heuristics), then timed in ROUNDS rounds of STEPS steps each, device-synchronised
 around each round; round r starts at system r mod n, so drift (clocks, another process on the
 host) hits all alike. Python's garbage collector runs between rounds, never inside one (a
-collection in a round costs a host-bound step milliseconds). Each row reports its rounds' range
+collection inside a round costs a host-bound step milliseconds). Each row reports its rounds' range
 over their median, which issue 40 wants at most 10% for the bf16 rows. A world of one has no
 collective traffic worth the name: this measures what each system adds on one device (hooks,
 copies, casts, the update, clipping), not communication.
@@ -71,8 +71,11 @@ def sync(dev: torch.device) -> None:
 
 
 def time_rounds(steps: dict[str, Callable[[], object]], dev: torch.device, *, rounds: int,
-                steps_per_round: int, warmup: int) -> dict[str, list[float]]:
-    """Seconds per step of each system, one entry per round. See [Note: stable rounds]."""
+                steps_per_round: int, warmup: int,
+                after_round: Callable[[dict[str, list[float]]], None] = lambda t: None
+                ) -> dict[str, list[float]]:
+    """Seconds per step of each system, one entry per round; `after_round` sees the times so
+    far after each round (a run cut short keeps them). See [Note: stable rounds]."""
     for step in steps.values():
         for _ in range(warmup):
             step()
@@ -81,16 +84,17 @@ def time_rounds(steps: dict[str, Callable[[], object]], dev: torch.device, *, ro
     enabled = gc.isenabled()
     try:
         for r in range(rounds):
+            gc.collect()
+            gc.disable()
             for n in names[r % len(names):] + names[:r % len(names)]:
-                gc.collect()
-                gc.disable()
                 sync(dev)
                 t0 = time.perf_counter()
                 for _ in range(steps_per_round):
                     steps[n]()
                 sync(dev)
                 times[n].append((time.perf_counter() - t0) / steps_per_round)
-                gc.enable()
+            gc.enable()
+            after_round(times)
     finally:
         if enabled:
             gc.enable()
@@ -130,7 +134,8 @@ def bench_systems(names: list[str], out: Path) -> None:
             "world_size": 1, "rows": rows, "errors": errors}, indent=1) + "\n")
 
 
-def _timed(steps: dict[str, Callable[[], object]], errors: dict[str, str], dev: torch.device
+def _timed(steps: dict[str, Callable[[], object]], errors: dict[str, str], dev: torch.device,
+           after_round: Callable[[dict[str, list[float]]], None] = lambda t: None
            ) -> dict[str, list[float]]:
     """Warm each system up alone (one that fails is reported and dropped), then time them."""
     for n in list(steps):
@@ -139,7 +144,8 @@ def _timed(steps: dict[str, Callable[[], object]], errors: dict[str, str], dev: 
         except Exception as e:  # noqa: BLE001
             errors[n] = f"{type(e).__name__}: {e}"[:300]
             del steps[n]
-    return time_rounds(steps, dev, rounds=ROUNDS, steps_per_round=STEPS, warmup=WARMUP)
+    return time_rounds(steps, dev, rounds=ROUNDS, steps_per_round=STEPS, warmup=WARMUP,
+                       after_round=after_round)
 
 
 def bench_shape(name: str, systems: list[str], out: Path, cpu: bool) -> None:
@@ -160,17 +166,24 @@ def bench_shape(name: str, systems: list[str], out: Path, cpu: bool) -> None:
                 built[s] = SH.build(s, sh, x, y)
             except Exception as e:  # noqa: BLE001 - a system that cannot run here is reported
                 errors[s] = f"{type(e).__name__}: {e}"[:300]
-        times = _timed({s: b.step for s, b in built.items()}, errors, dev)
-        rows = [{"system": s, "note": built[s].note, **row_stats(t)} for s, t in times.items()]
+        record = {
+            "subject": "step_rows", "shape": name, "tiny": cpu,
+            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (dry run)",
+            "torch": torch.__version__, "model": dataclasses.asdict(sh.config),
+            "batch": sh.batch, "clip": SH.CLIP, "warmup": WARMUP, "steps_per_round": STEPS,
+            "rounds": ROUNDS, "world_size": 1, "traffic": limit, "rows": [], "errors": errors}
+
+        def write(times: dict[str, list[float]]) -> None:
+            record["rounds_done"] = min(len(t) for t in times.values()) if times else 0
+            record["rows"] = [{"system": s, "note": built[s].note, **row_stats(t)}
+                              for s, t in times.items() if t]
+            out.write_text(json.dumps(record, indent=1) + "\n")
+
+        write({})  # what was built, and what failed to, before minutes of stepping
+        write(_timed({s: b.step for s, b in built.items()}, errors, dev, after_round=write))
         for b in built.values():
             if isinstance(b.opt, SH.ZeroAdamW):
                 b.opt.close()
-    out.write_text(json.dumps({
-        "subject": "step_rows", "shape": name, "tiny": cpu,
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (dry run)",
-        "torch": torch.__version__, "model": dataclasses.asdict(sh.config), "batch": sh.batch,
-        "clip": SH.CLIP, "warmup": WARMUP, "steps_per_round": STEPS, "rounds": ROUNDS,
-        "world_size": 1, "traffic": limit, "rows": rows, "errors": errors}, indent=1) + "\n")
 
 
 def _count_params(sh: SH.Shape) -> int:
