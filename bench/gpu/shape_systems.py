@@ -51,6 +51,8 @@ from fusedzero.kernels.memory_modes import stream_bytes
 
 LR, WD, CLIP = 1e-3, 0.1, 1.0
 BF16 = torch.bfloat16
+# fusedzero-S's dtypes as configured (ZeroAdamW's defaults but param_dtype): what its update moves.
+MASTER, STATES, GRAD_DTYPE, PARAM_DTYPE = "fp32", "fp32", torch.float32, BF16
 # Each system's step: forward, backward, optimizer (or none), ready for the next step.
 StepFn = Callable[[torch.Tensor, torch.Tensor], object]
 
@@ -210,12 +212,10 @@ _STEPS: dict[str, Callable[[str, GPT], tuple[StepFn, object, str]]] = {
 
 
 # -- the update's memory-traffic limit -------------------------------------------------------------
-def update_streams(param_dtype: torch.dtype = BF16,
-                   reduce_dtype: torch.dtype = torch.float32) -> dict[str, float]:
-    """Bytes per param of each stream of our update for fusedzero-S's configured dtypes (fp32
-    master and moments, grads in `reduce_dtype`, params out in `param_dtype`). See [Note: the
-    update's memory-traffic limit]."""
-    return stream_bytes("fp32", "fp32", reduce_dtype, param_dtype)
+def update_streams() -> dict[str, float]:
+    """Bytes per param of each stream of fusedzero-S's update (MASTER, STATES, GRAD_DTYPE,
+    PARAM_DTYPE). See [Note: the update's memory-traffic limit]."""
+    return stream_bytes(MASTER, STATES, GRAD_DTYPE, PARAM_DTYPE)
 
 
 def copy_gbps(nbytes: int, device: torch.device, rounds: int = 3) -> float:
@@ -227,10 +227,12 @@ def copy_gbps(nbytes: int, device: torch.device, rounds: int = 3) -> float:
 def traffic_limit(params: int, device: torch.device) -> dict[str, object]:
     """The record step_overhead.py writes: params, streams, B, copy GB/s, the limit in s."""
     streams = update_streams()
-    per_param = bytes_per_param("fp32", "fp32", torch.float32, BF16)
+    per_param = bytes_per_param(MASTER, STATES, GRAD_DTYPE, PARAM_DTYPE)
     assert per_param == sum(streams.values()), (per_param, streams)
     nbytes = int(params * per_param)
     gbps = copy_gbps(nbytes, device)
     return {"params": params, "streams": streams, "bytes_per_param": per_param,
+            "dtypes": {"master": MASTER, "states": STATES, "grad": str(GRAD_DTYPE),
+                       "param": str(PARAM_DTYPE)},
             "bytes": nbytes, "copy_gbps": gbps, "limit_s": nbytes / (gbps * 1e9),
             "formula": "params x bytes_per_param / copy_gbps"}
