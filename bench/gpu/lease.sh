@@ -16,6 +16,8 @@
 #                run twice, under the math and the default attention kernels, and the CUDA graph
 #                of a step beside eager vs eager (multi_w1.json)
 #   step_graph   bare and stage 2 as CUDA graphs beside eager on GPT-2 124M (step_graph_*.json)
+#   update       bench/bench_update.py's CUDA rows at 64M params: the kernel vs a device copy
+#                (update.json; needs pytest-benchmark)
 # then bench/gpu/report.py RESULTS_DIR -o RESULTS_DIR/REPORT.md. A real run names the commit:
 # FUSEDZERO_COMMIT, or a clean git tree. ROUNDS / STEPS / WARMUP override the step rows'.
 set -euo pipefail
@@ -91,6 +93,11 @@ step_rows() {  # step_rows SHAPE [--systems A,B]: one JSON per shape, named as r
   "$PY" "$ROOT/bench/gpu/step_overhead.py" --shape "$shape" "$R/$name.json" $CPU "$@"
 }
 
+update_kernel() {  # bench_update.py's CUDA rows at 64M params only (run.sh runs 64M-256M)
+  cd "$ROOT/bench" && FUSEDZERO_BENCH_UPDATE_CUDA_SIZES=67108864 "$PY" -m pytest bench_update.py \
+    -k cuda --benchmark-only -p no:cacheprovider -q --benchmark-json "$R/update.json"
+}
+
 controls() {
   FUSEDZERO_BENCH_MODEL=$BENCH_MODEL FUSEDZERO_BENCH_BATCH=$BENCH_BATCH \
   FUSEDZERO_BENCH_BUCKET=$BENCH_BUCKET FUSEDZERO_MULTI_SECTIONS=parity,graph \
@@ -101,7 +108,7 @@ controls() {
 }
 
 export R ROOT PY CPU BENCH_MODEL BENCH_BATCH BENCH_BUCKET
-export -f cuda_tests step_rows controls
+export -f cuda_tests step_rows controls update_kernel
 cd "$RUNDIR"  # nothing below may import ./fusedzero of the source tree by accident
 if [[ $DRY == 0 ]]; then
   piece install "$PY" -m pip install -q --no-deps --no-build-isolation -e "$ROOT"
@@ -115,6 +122,7 @@ piece controls controls
 if [[ $DRY == 0 ]]; then
   piece step_graph step_rows gpt2-124m --graph \
     --systems bare,bare+graph,fusedzero-2,fusedzero-2+graph
+  piece update update_kernel
 fi
 "$PY" "$ROOT/bench/gpu/report.py" "$R" -o "$R/REPORT.md"
 echo "lease.sh: ${SECONDS}s; results in $R, report $R/REPORT.md"
