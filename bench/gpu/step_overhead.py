@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shape_systems as SH  # noqa: E402  (bench/ is a folder of scripts)
 
+from fusedzero import ZeroAdamW  # noqa: E402
+from fusedzero.app.model import GPT  # noqa: E402
 from fusedzero.spawn import reserved_port  # noqa: E402
 
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
@@ -182,14 +184,14 @@ def bench_shape(name: str, systems: list[str], out: Path, cpu: bool) -> None:
         write({})  # what was built, and what failed to, before minutes of stepping
         write(_timed({s: b.step for s, b in built.items()}, errors, dev, after_round=write))
         for b in built.values():
-            if isinstance(b.opt, SH.ZeroAdamW):
+            if isinstance(b.opt, ZeroAdamW):
                 b.opt.close()
 
 
 def _count_params(sh: SH.Shape) -> int:
     """Params of the shape's model, built on the meta device (no memory, no init)."""
     with torch.device("meta"):
-        return sum(p.numel() for p in SH.GPT(sh.config).parameters())
+        return sum(p.numel() for p in GPT(sh.config).parameters())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -3,6 +3,7 @@ limit (bench/gpu/shape_systems.py), the targets report.py judges them by, the pa
 checks' noise floor (bench/gpu/multi.py), and `bash bench/gpu/lease.sh --dry-run` end to end."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import os
@@ -53,6 +54,23 @@ def test_shapes_are_the_issue_shapes_and_the_limit_counts_the_kernels_bytes() ->
         sh.parse("fusedzero-4")
 
 
+def test_rounds_rotate_systems_and_keep_the_collector_out_of_them() -> None:
+    so = _gpu_script("step_overhead")
+    calls: list[tuple[str, bool]] = []
+    seen: list[int] = []
+
+    def step(name: str):
+        return lambda: calls.append((name, gc.isenabled()))
+    times = so.time_rounds({n: step(n) for n in "abc"}, torch.device("cpu"), rounds=3,
+                           steps_per_round=2, warmup=1,
+                           after_round=lambda t: seen.append(len(t["c"])))
+    assert [n for n, _ in calls] == list("abc") + list("aabbcc") + list("bbccaa") \
+        + list("ccaabb")  # warm-up, then round r starts at system r mod 3
+    assert [on for _, on in calls[3:]] == [False] * 18 and gc.isenabled()
+    assert seen == [1, 2, 3] and {n: len(t) for n, t in times.items()} == dict.fromkeys("abc", 3)
+    assert so.row_stats([1.0, 3.0, 2.0])["range_over_median"] == 1.0
+
+
 def _rows(**ms: float) -> list[dict[str, object]]:
     return [{"system": k.replace("_", "-"), "median_s": v * 1e-3, "range_over_median": 0.02}
             for k, v in ms.items()]
@@ -81,6 +99,21 @@ def test_step_rows_targets_are_judged_as_issue_40_states() -> None:
         "stage 3 faster than fsdp2": False,
         "every row's rounds' range / median": False,  # bare's 11%
     }
+
+
+def test_step_rows_section_states_the_limit_formula_with_its_numbers() -> None:
+    report = _gpu_script("report")
+    rows = [dict(r, min_s=r["median_s"], max_s=r["median_s"], note="n")
+            for r in _rows(bare=20.0, fusedzero_2=21.0)]
+    d = {"shape": "gpt2-124m", "batch": 8, "clip": 1.0, "rounds": 7, "rounds_done": 3,
+         "steps_per_round": 10, "warmup": 5, "device": "H", "torch": "t", "rows": rows,
+         "model": {"n_layer": 12, "n_embd": 768, "vocab_size": 50257, "block_size": 1024},
+         "traffic": {"params": 1000, "bytes_per_param": 30.0, "copy_gbps": 4000.0,
+                     "limit_s": 7.5e-9, "streams": {"master": 8.0, "grad": 4.0}}}
+    text = report.step_rows_section([d])
+    assert ("= 1,000 x 30 B (master 8 + grad 4) / 4000 GB/s = 0.000 ms" in text
+            and "3 (of 7: cut short) interleaved rounds" in text)
+    assert "| fusedzero-2 | 21.00 | 21.00-21.00 | 2.0% | 1.050 | 1.00 | n |" in text
 
 
 def test_noise_verdict_is_k_times_the_control_above_the_floor() -> None:
