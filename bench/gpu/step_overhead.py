@@ -109,10 +109,10 @@ def row_stats(t: list[float]) -> dict[str, object]:
             "range_over_median": (max(t) - min(t)) / med}
 
 
-def bench_systems(names: list[str], out: Path) -> None:
-    """The first form: bench/_systems.py's systems on cuda:0."""
+def bench_systems(names: list[str], out: Path, cpu: bool) -> None:
+    """The first form: bench/_systems.py's systems on cuda:0 (`cpu`: gloo on the CPU)."""
     import _systems as S
-    dev = torch.device("cuda", 0)
+    dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
     with one_rank_group(dev):
         gen = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, S.CFG.vocab_size, (S.BATCH, S.CFG.block_size + 1),
@@ -130,7 +130,7 @@ def bench_systems(names: list[str], out: Path) -> None:
         rows = [{"system": n, **dataclasses.asdict(S.SYSTEMS[n]), **row_stats(t)}
                 for n, t in times.items()]
         out.write_text(json.dumps({
-            "device": torch.cuda.get_device_name(dev), "torch": torch.__version__,
+            "device": _device_name(dev), "torch": torch.__version__,
             "model": dataclasses.asdict(S.CFG), "batch": S.BATCH, "bucket_numel": S.BUCKET,
             "clip": S.CLIP, "warmup": WARMUP, "steps_per_round": STEPS, "rounds": ROUNDS,
             "world_size": 1, "rows": rows, "errors": errors}, indent=1) + "\n")
@@ -170,7 +170,7 @@ def bench_shape(name: str, systems: list[str], out: Path, cpu: bool) -> None:
                 errors[s] = f"{type(e).__name__}: {e}"[:300]
         record = {
             "subject": "step_rows", "shape": name, "tiny": cpu,
-            "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (dry run)",
+            "device": _device_name(dev),
             "torch": torch.__version__, "model": dataclasses.asdict(sh.config),
             "batch": sh.batch, "clip": SH.CLIP, "warmup": WARMUP, "steps_per_round": STEPS,
             "rounds": ROUNDS, "world_size": 1, "traffic": limit, "rows": [], "errors": errors}
@@ -188,6 +188,10 @@ def bench_shape(name: str, systems: list[str], out: Path, cpu: bool) -> None:
                 b.opt.close()
 
 
+def _device_name(dev: torch.device) -> str:
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu (dry run)"
+
+
 def _count_params(sh: SH.Shape) -> int:
     """Params of the shape's model, built on the meta device (no memory, no init)."""
     with torch.device("meta"):
@@ -201,7 +205,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--shape", choices=("gpt2-124m", "llama-255m"))
     ap.add_argument("--systems", default=",".join(SHAPE_SYSTEMS),
                     help=f"with --shape (default {','.join(SHAPE_SYSTEMS)})")
-    ap.add_argument("--cpu", action="store_true", help="with --shape: gloo, tiny (the dry run)")
+    ap.add_argument("--cpu", action="store_true",
+                    help="gloo on the CPU (the dry run; with --shape at a tiny size)")
     args = ap.parse_args(argv)
     if args.shape:
         if args.out is not None:
@@ -210,7 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         if args.out is None:
             ap.error("give SYSTEM,SYSTEM,... OUT.json (or --shape NAME OUT.json)")
-        bench_systems(args.systems_or_out.split(","), args.out)
+        bench_systems(args.systems_or_out.split(","), args.out, args.cpu)
 
 
 if __name__ == "__main__":
