@@ -143,7 +143,15 @@ def attention_kernels(dev: torch.device, which: str) -> contextlib.AbstractConte
     return contextlib.nullcontext()
 
 
-def parity(dev: torch.device, pairs: list[tuple[str, str, str]], attention: str = "math"
+class Pair(NamedTuple):
+    """One parity row: our system against a reference, compared as `kind` (fp32 or bf16)."""
+
+    ours: str
+    ref: str
+    kind: str
+
+
+def parity(dev: torch.device, pairs: list[Pair], attention: str = "math"
            ) -> list[dict[str, Any]]:
     with attention_kernels(dev, attention):
         rows = _parity(dev, pairs)
@@ -174,7 +182,7 @@ def _compare(a: Run, b: Run) -> dict[str, float]:
     return out
 
 
-def _parity(dev: torch.device, pairs: list[tuple[str, str, str]]) -> list[dict[str, Any]]:
+def _parity(dev: torch.device, pairs: list[Pair]) -> list[dict[str, Any]]:
     """Each system runs once (a system in two pairs is reused); each reference runs a second
     time from the same seed, the control ([Note: a check's noise floor])."""
     runs: dict[str, Run] = {}
@@ -316,11 +324,13 @@ def main() -> None:
     dev = setup(args.cpu)
     W = dist.get_world_size()
     rounds, steps = int(os.environ.get("ROUNDS", "5")), int(os.environ.get("STEPS", "10"))
-    pairs = {"fp32": [(f"fusedzero-{s}", "ddp+adamw", "fp32") for s in range(4)]
-             + [("fusedzero-2", "ddp+adamw_fused", "fp32")],
-             "bf16": [(f"fusedzero-{s}-bf16-r32", "fsdp2-keep-bf16-r32", "bf16")
+    pairs = {"fp32": [Pair(f"fusedzero-{s}", "ddp+adamw", "fp32") for s in range(4)]
+             + [Pair("fusedzero-2", "ddp+adamw_fused", "fp32")],
+             "bf16": [Pair(f"fusedzero-{s}-bf16-r32", "fsdp2-keep-bf16-r32", "bf16")
                       for s in range(4)]}
     kinds = _listed("FUSEDZERO_PARITY_KINDS", "fp32,bf16")
+    if not set(kinds) <= set(pairs):
+        ap.error(f"FUSEDZERO_PARITY_KINDS={','.join(kinds)}: expected a list of fp32, bf16")
     chosen = [p for k in kinds for p in pairs[k]]
     names = ["bare", *(f"fusedzero-{s}" for s in range(4)), "fusedzero-3-keep",
              "ddp+adamw_fused", "fsdp2-keep", "fsdp2-reshard"]
