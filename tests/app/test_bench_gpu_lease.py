@@ -116,6 +116,29 @@ def test_step_rows_section_states_the_limit_formula_with_its_numbers() -> None:
     assert "| fusedzero-2 | 21.00 | 21.00-21.00 | 2.0% | 1.050 | 1.00 | n |" in text
 
 
+def test_cuda_only_results_render_beside_their_controls(tmp_path: Path) -> None:
+    """What only a GPU writes (the graph check's rows, the graph step rows) renders; the dry
+    run cannot show it."""
+    report = _gpu_script("report")
+    graph = {"system": "fusedzero-2", "attention": "default", "replays": 5,
+             "max_abs_diff_vs_eager": 1.95e-4, "control_max_abs_diff_eager_vs_eager": 1e-4,
+             "tolerance": 3e-4, "ok_bit_exact": False, "ok": True}
+    (tmp_path / "multi_w1.json").write_text(json.dumps(
+        {"world_size": 1, "graph": [graph], "errors": {}}))
+    rows = [dict(r, min_s=r["median_s"], max_s=r["median_s"], note="n", times_s=[])
+            for r in _rows(bare=20.0, bare_graph=19.0)]
+    rows[1]["system"] = "bare+graph"
+    (tmp_path / "step_graph_gpt2-124m.json").write_text(json.dumps(
+        {"shape": "gpt2-124m", "batch": 8, "clip": 1.0, "rounds": 7, "steps_per_round": 10,
+         "warmup": 5, "device": "H", "torch": "t", "rows": rows, "errors": {},
+         "model": {"n_layer": 12, "n_embd": 768, "vocab_size": 50257, "block_size": 1024},
+         "traffic": {"params": 1, "bytes_per_param": 30.0, "copy_gbps": 1.0, "limit_s": 1.0,
+                     "streams": {"master": 8.0}}}))
+    text = report.render(tmp_path)
+    assert "| 1 | fusedzero-2 | default | 5 | 1.95e-04 | 1.00e-04 | 3.00e-04 | no | ok |" in text
+    assert "| bare+graph | 19.00 |" in text
+
+
 def test_noise_verdict_is_k_times_the_control_above_the_floor() -> None:
     multi = _gpu_script("multi")
     assert multi.noise_verdict(0.9, 0.0, 1.0) == multi.Verdict(0.9, 0.0, 1.0, True)
