@@ -12,9 +12,11 @@
 #   step_gpt2    bench/gpu/step_overhead.py --shape gpt2-124m: bare, stages 0-3, DDP + autocast,
 #                FSDP2, bf16 (step_gpt2-124m.json); rows are written after every round
 #   step_llama   the same on the 255M Llama (step_llama-255m.json)
-#   controls     bench/gpu/multi.py at W=1: fp32 parity at the bench shape beside the reference
-#                run twice, under the math and the default attention kernels, and the CUDA graph
-#                of a step beside eager vs eager (multi_w1.json)
+#   controls_default  bench/gpu/multi.py at W=1 under the default attention kernels: fp32
+#                parity at the bench shape beside the reference run twice, and the CUDA graph of
+#                a step beside eager vs eager (multi_w1_default.json); where both "failed" at
+#                4c9e4f5 without a control
+#   controls_math     the same under the math attention kernel (multi_w1.json)
 #   step_graph   bare and stage 2 as CUDA graphs beside eager on GPT-2 124M (step_graph_*.json)
 #   update       bench/bench_update.py's CUDA rows at 64M params: the kernel vs a device copy
 #                (update.json; needs pytest-benchmark)
@@ -48,7 +50,8 @@ if [[ $DRY == 1 ]]; then
 else
   CPU=
   export TRITON_INTERPRET=0
-  export ROUNDS=${ROUNDS:-7} STEPS=${STEPS:-10} WARMUP=${WARMUP:-5}
+  # Fewer than run.sh's 7 rounds after 5 warm-up steps: the lease's minutes (docs/gpu.md).
+  export ROUNDS=${ROUNDS:-5} STEPS=${STEPS:-10} WARMUP=${WARMUP:-3}
   BENCH_MODEL=12,768,12,1024 BENCH_BATCH=8 BENCH_BUCKET=16777216  # run.sh's bench shape
 fi
 commit=${FUSEDZERO_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -98,13 +101,12 @@ update_kernel() {  # bench_update.py's CUDA rows at 64M params only (run.sh runs
     -k cuda --benchmark-only -p no:cacheprovider -q --benchmark-json "$R/update.json"
 }
 
-controls() {
+controls() {  # controls ATTENTION OUT.json: one process per attention kernel, each capped
   FUSEDZERO_BENCH_MODEL=$BENCH_MODEL FUSEDZERO_BENCH_BATCH=$BENCH_BATCH \
   FUSEDZERO_BENCH_BUCKET=$BENCH_BUCKET FUSEDZERO_MULTI_SECTIONS=parity,graph \
-  FUSEDZERO_PARITY_KINDS=fp32 FUSEDZERO_PARITY_ATTENTION=math,default \
-  FUSEDZERO_GRAPH_ATTENTION=math,default STEPS=5 \
-    "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
-    "$ROOT/bench/gpu/multi.py" "$R/multi_w1.json" $CPU
+  FUSEDZERO_PARITY_KINDS=fp32 FUSEDZERO_PARITY_ATTENTION=$1 FUSEDZERO_GRAPH_ATTENTION=$1 \
+  STEPS=5 "$PY" -m torch.distributed.run --standalone --nproc_per_node 1 \
+    "$ROOT/bench/gpu/multi.py" "$R/$2" $CPU
 }
 
 export R ROOT PY CPU BENCH_MODEL BENCH_BATCH BENCH_BUCKET
@@ -118,7 +120,8 @@ else
 fi
 piece step_gpt2 step_rows gpt2-124m
 piece step_llama step_rows llama-255m
-piece controls controls
+piece controls_default controls default multi_w1_default.json
+piece controls_math controls math multi_w1.json
 if [[ $DRY == 0 ]]; then
   piece step_graph step_rows gpt2-124m --graph \
     --systems bare,bare+graph,fusedzero-2,fusedzero-2+graph

@@ -509,7 +509,8 @@ def render(folder: Path) -> str:
     steps = [d for n in ("step_fp32.json", "step_bf16.json") if (d := _read(folder, n))]
     if steps:
         parts += ["", step_section(steps)]
-    multi = sorted((json.loads(p.read_text()) for p in folder.glob("multi_w*.json")),
+    # By name, then W (stable): multi_wW.json, then lease.sh's multi_w1_default.json.
+    multi = sorted((json.loads(p.read_text()) for p in sorted(folder.glob("multi_w*.json"))),
                    key=lambda d: d["world_size"])
     if multi:
         parts += ["", multi_section(multi)]
