@@ -27,7 +27,8 @@ if [[ $DRY == 1 ]]; then
   export FUSEDZERO_BENCH_MODEL=${FUSEDZERO_BENCH_MODEL:-1,32,2,16}
   export FUSEDZERO_BENCH_BATCH=${FUSEDZERO_BENCH_BATCH:-4}
   export FUSEDZERO_BENCH_BUCKET=${FUSEDZERO_BENCH_BUCKET:-4096}
-  export ROUNDS=${ROUNDS:-1} STEPS=${STEPS:-2} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+  export ROUNDS=${ROUNDS:-1} STEPS=${STEPS:-2} WARMUP=${WARMUP:-1}
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   REPORT=$R/REPORT.md
 else
   R=${1:-$ROOT/bench/gpu/results}
@@ -74,7 +75,8 @@ if [[ $DRY == 0 ]]; then
   (cd "$ROOT/bench" && piece update "$PY" -m pytest bench_update.py -k cuda --benchmark-only \
      -p no:cacheprovider -q --benchmark-json "$R/update.json")
 else
-  echo "run.sh: dry run: doctor, the kernel benchmark, probe, step overhead and pytest skipped"
+  echo "run.sh: dry run: doctor, the kernel benchmark, probe, fp32 step overhead and pytest" \
+       "skipped"
   export FUSEDZERO_BENCH_PHASES_STEPS=1 FUSEDZERO_BENCH_PHASES_HOOK_LAYERS=4
   export FUSEDZERO_BENCH_PHASES_HOOK_ROUNDS=1
 fi
@@ -89,13 +91,17 @@ piece fake_world "$PY" "$ROOT/bench/gpu/fake_world.py" "$R/fake_world.json" --wo
 # hooks' host time per param (CPU).
 piece phases "$PY" "$ROOT/bench/bench_phases.py" --model "$([[ $DRY == 1 ]] && echo gpt || echo both)" \
   --json "$R/phases.json"
+# Issue 40's step rows: bf16 GPT-2 124M and the 255M Llama, stages 0-3 beside bare, DDP +
+# autocast and FSDP2 (bench/gpu/shape_systems.py); on CPU at a tiny size. They replace the bf16
+# rows of the step bench's GPT (vocab 256), which were bound by the host and ranged 12-70%.
+for shape in gpt2-124m llama-255m; do
+  piece "step_$shape" env ROUNDS="${ROUNDS:-7}" STEPS="${STEPS:-10}" \
+    "$PY" "$ROOT/bench/gpu/step_overhead.py" --shape "$shape" "$R/step_$shape.json" $CPU
+done
 if [[ $DRY == 0 ]]; then
-  # bf16 steps are bound by the host: more rounds and steps than fp32, so that a 10% change
-  # stands out of the rounds' spread (ROUNDS / STEPS in the environment override both).
-  piece step_bf16 env ROUNDS="${ROUNDS:-9}" STEPS="${STEPS:-20}" \
-    "$PY" "$ROOT/bench/gpu/step_overhead.py" \
-    bare-bf16,fusedzero-0-bf16-r32,fusedzero-1-bf16-r32,fusedzero-2-bf16-r32,fusedzero-3-bf16-r32,fusedzero-0-bf16-r16,fusedzero-2-bf16-r16,fusedzero-3-bf16-r16,fusedzero-3-keep-bf16-r16,fsdp2-keep-bf16-r32,fsdp2-reshard-bf16-r32,fsdp2-keep-bf16-r16,fsdp2-reshard-bf16-r16 \
-    "$R/step_bf16.json"
+  piece step_graph env ROUNDS="${ROUNDS:-7}" STEPS="${STEPS:-10}" \
+    "$PY" "$ROOT/bench/gpu/step_overhead.py" --shape gpt2-124m \
+    "$R/step_graph_gpt2-124m.json" --systems bare,bare+graph,fusedzero-2,fusedzero-2+graph
   piece step_fp32 "$PY" "$ROOT/bench/gpu/step_overhead.py" \
     bare,fusedzero-0,fusedzero-1,fusedzero-2,fusedzero-3,fusedzero-3-keep,ddp+adamw_fused,torch_zero1,fsdp2-keep,fsdp2-reshard \
     "$R/step_fp32.json"

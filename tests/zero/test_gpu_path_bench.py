@@ -1,6 +1,7 @@
 """The GPU proof's pieces that run anywhere: the exposed-communication measure on a synthetic
 timeline (exact), and `bash bench/gpu/run.sh --dry-run` end to end on CPU (every script of the
-proof runs: multi.py at W=1..2 under torchrun with gloo, fake_world.py at W=8, the report)."""
+proof runs: multi.py at W=1..2 under torchrun with gloo, fake_world.py at W=8, the step rows at
+a tiny size, the report). bench/gpu/lease.sh: tests/app/test_bench_gpu_lease.py."""
 from __future__ import annotations
 
 import importlib.util
@@ -85,6 +86,7 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
         assert len(d["parity"]) == 9
         for row in d["parity"]:
             assert "error" not in row and row["ok"], row
+            assert row["control"]["loss_rel_diff"] == 0.0, row  # the reference repeats on CPU
         assert {r["system"] for r in d["timing"]["rows"]} >= {"bare", "fusedzero-2",
                                                               "ddp+adamw_fused"}
         if w == 1:
@@ -99,6 +101,9 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
     assert [r["impl"] for r in numerics["update"]] == ["forloop", "foreach", "fused", "fusedzero"]
     for r in numerics["update"]:  # fp32 rounding over 5 steps, far from a wrong update (~1e-3)
         assert "error" not in r and r["worst_rel"] < 1e-4, r
+    for shape in ("gpt2-124m", "llama-255m"):  # issue 40's step rows, tiny on CPU
+        d = json.loads((out / f"step_{shape}.json").read_text())
+        assert not d["errors"] and d["tiny"] and len(d["rows"]) == 9, d["errors"]
     phases = json.loads((out / "phases.json").read_text())
     assert set(phases["phases"]["gpt"]) >= {"bare", "fusedzero-2", "fusedzero-3"}
     assert set(phases["hooks"]) == {"bare", "fusedzero-0", "fusedzero-1", "fusedzero-2",
@@ -108,6 +113,7 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
     assert "Forward, backward, step and zero_grad apart" in report
     assert "Stage 3 apart (from units of 1 and " in report
     assert "Every stage at W = 1..N" in report and "Large world on one device" in report
+    assert "## Step rows at W=1" in report
     # The report regenerates from the results alone (docs/gpu.md's second command).
     again = subprocess.run([sys.executable, str(ROOT / "bench/gpu/report.py"), str(out)],
                            capture_output=True, text=True, timeout=300, env=env)
