@@ -127,9 +127,9 @@ def check_same_ranks(group: Group, like: Group, what: str) -> None:
             return [0]
         return dist.get_process_group_ranks(g if g is not None else dist.group.WORLD)
     if ranks(group) != ranks(like):
-        raise ValueError(f"{what} must span the ranks of process_group in the same order "
+        raise ValueError(f"{what} must span the ranks of Groups(shard=...) in the same order "
                          f"(a second group over them, e.g. dist.new_group(ranks)); it spans "
-                         f"{ranks(group)}, process_group {ranks(like)}")
+                         f"{ranks(group)}, the shard group {ranks(like)}")
 
 
 def group_size(group: Group) -> int:
