@@ -224,7 +224,7 @@ def import_dcp(dcp_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
                    **{k: (tuple(g[k]) if k == "betas" else g[k]) for k in HYPER if k in g}}
                   for g in groups]
     # One rank, stage 1: its local shard is every param; checkpoint.save writes the manifest.
-    opt = ZeroAdamW(opt_groups, stage=1, module=module, process_group=None)
+    opt = ZeroAdamW(opt_groups, stage=1, module=module)
     if opt.world_size != 1:
         raise RuntimeError("import_dcp runs offline: call it with no process group initialised")
     index = {n: i for i, n in enumerate(names)}
