@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.optim import ZeroAdamW
+from fusedzero import Groups, Precision, Sharding, Wire, ZeroAdamW
 
 _L, _D, _H, _T = (int(x) for x in os.environ.get("FUSEDZERO_BENCH_MODEL", "4,256,4,128").split(","))
 CFG = GPTConfig(n_layer=_L, n_embd=_D, n_head=_H, block_size=_T, vocab_size=256)
@@ -208,10 +208,13 @@ def build(name: str, world: int) -> System:
         bf16 = spec.precision == "bf16"
         pg = None
         opt = ZeroAdamW(gpt_param_groups(model, WD), lr=LR, stage=spec.stages[0], module=model,
-                        process_group=pg, bucket_numel=BUCKET, max_grad_norm=CLIP or None,
-                        skip_nonfinite=bool(CLIP), param_dtype=BF16 if bf16 else None,
-                        reduce_dtype=BF16 if spec.reduce == "bf16" else F32,
-                        reshard_after_forward=spec.regather != "keep", wire=spec.wire)
+                        max_grad_norm=CLIP or None,
+                        precision=Precision(skip_nonfinite=bool(CLIP),
+                                            param_dtype=BF16 if bf16 else None,
+                                            reduce_dtype=BF16 if spec.reduce == "bf16" else F32),
+                        wire=Wire(grads=spec.wire), groups=Groups(shard=pg),
+                        sharding=Sharding(bucket_numel=BUCKET,
+                                          reshard_after_forward=spec.regather != "keep"))
         return System(name, _train_step(model, opt), [model, opt], params,
                       own_comm=lambda: dict(opt.comm.bytes),
                       memory=lambda: opt.memory()._asdict(), reset_comm=opt.comm.reset)

@@ -32,7 +32,7 @@ import torch
 
 from _common import SUMMARY, replay
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.optim import ZeroAdamW
+from fusedzero import Precision, Sharding, ZeroAdamW
 from fusedzero.testing import run_ranks
 
 _L, _D, _H, _T = (int(x) for x in
@@ -99,8 +99,10 @@ def worker(rank: int, world: int, stages: list[int]) -> dict[int, Any]:
         model = GPT(CFG)
         try:
             opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-3, stage=stage, module=model,
-                            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                            bucket_numel=BUCKET, max_grad_norm=1.0)
+                            max_grad_norm=1.0,
+                            precision=Precision(param_dtype=torch.bfloat16,
+                                                reduce_dtype=torch.bfloat16),
+                            sharding=Sharding(bucket_numel=BUCKET))
         except Exception as e:  # noqa: BLE001 - stage 3 may not exist yet
             out[stage] = {"error": f"{type(e).__name__}: {e}"}
             continue

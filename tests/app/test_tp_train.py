@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedzero import cli
+from fusedzero import Precision, cli
 from fusedzero.app.launch import run
 from fusedzero.app.model import GPT, GPTConfig
 from fusedzero.app.tp_plan import local_groups, local_shape
@@ -47,7 +47,7 @@ def assert_as_planned(result: dict, stage: int) -> None:
     `plan --tp 2 -W 2` computes for `stage`, to the byte."""
     with torch.device("meta"):
         meta = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=32))
-    cfg = PlanConfig(world_size=2, tp=2, param_dtype=torch.float32, reduce_dtype=torch.float32)
+    cfg = PlanConfig(world_size=2, tp=2, precision=Precision(param_dtype=torch.float32))
     want = plan_groups(local_groups(meta, 2), cfg, model=meta).stages[stage]
     got = result["resident_bytes"]
     assert (got["params"], got["grads"], got["optimizer"]) == (

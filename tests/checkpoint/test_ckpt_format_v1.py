@@ -23,7 +23,7 @@ import torch
 from _helpers import refused_then_upgraded
 from fusedzero import checkpoint as ck
 from fusedzero.app.ckpt_cli import main as ckpt_main
-from fusedzero.optim import ZeroAdamW
+from fusedzero import Precision, Sharding, ZeroAdamW
 
 FIXTURE = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURE))
@@ -58,7 +58,8 @@ def test_v1_checkpoint_loads(tmp_path: Path, stage: int) -> None:
 
     model = gen.make_model()
     opt = ZeroAdamW(gen.param_groups(model, lr=0.5), stage=stage, module=model,
-                    param_dtype=torch.bfloat16, loss_scale="dynamic", bucket_numel=64)
+                    precision=Precision(param_dtype=torch.bfloat16, loss_scale="dynamic"),
+                    sharding=Sharding(bucket_numel=64))
     got = ck.load(opt, refused_then_upgraded(old, opt, 1, tmp_path / "root"))
 
     assert got.step == values["step"]
