@@ -141,7 +141,7 @@ def worker(rank: int, world: int, names: list[str]) -> dict[str, Any]:
         _measure.COUNTING[0] = i < WARMUP
         last_bare = float("nan")
         for j, name in enumerate(order[k:] + order[:k]):
-            # [Note: overhead] bare runs again before every BARE_EVERY systems; a system's step
+            # See [Note: overhead]: bare runs again before every BARE_EVERY systems; a system's step
             # is paired with the bare step just before it, so both see the same load.
             runs = [bare, name] if bare is not None and j % BARE_EVERY == 0 else [name]
             for nm in runs:

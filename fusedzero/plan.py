@@ -15,6 +15,17 @@ Defaults are the ZeRO paper's mixed-precision Adam: bf16 params, bf16 grads, fp3
 fp32 moments (K = 12 bytes per param of optimizer state; `PLAN_PRECISION`). Note that `ZeroAdamW`
 itself defaults to fp32 grad reduction: pass `--reduce-dtype fp32` (`Precision(reduce_dtype=
 torch.float32)`) to plan for that.
+
+[Note: alpha-beta ring model] A model of one step's communication time, not a measurement: every
+collective is a ring over the W ranks, (W-1) steps for a reduce-scatter or an all-gather and 2(W-1)
+for an all-reduce; each ring step costs `latency` (alpha) and moves 1/W of the collective over this
+rank's link at `bandwidth` (beta). So one step takes
+
+    ring_steps * latency + comm_bytes_per_step / bandwidth
+
+with comm_bytes_per_step the plan's exact bytes sent. Left out: overlap with compute (a
+real step hides much of it behind backward), tree and NVLS algorithms, contention, the NIC/NVLink
+split of a multi-node ring (give the slowest link).
 """
 from __future__ import annotations
 
@@ -110,16 +121,8 @@ class PlanConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LinkModel:
-    """[Note: alpha-beta ring model] A model of one step's communication time, not a
-    measurement: every collective is a ring over the W ranks, (W-1) steps for a reduce-scatter
-    or an all-gather and 2(W-1) for an all-reduce; each ring step costs `latency` (alpha) and
-    moves 1/W of the collective over this rank's link at `bandwidth` (beta). So one step takes
-
-        ring_steps * latency + comm_bytes_per_step / bandwidth
-
-    with comm_bytes_per_step the plan's exact bytes sent. Left out: overlap with compute (a
-    real step hides much of it behind backward), tree and NVLS algorithms, contention, the
-    NIC/NVLink split of a multi-node ring (give the slowest link)."""
+    """One step's communication time as a model, not a measurement: see
+    [Note: alpha-beta ring model]."""
 
     bandwidth: float = 25e9
     """Bytes per second one rank sends (25 GB/s: a 200 Gb/s NIC per GPU)."""

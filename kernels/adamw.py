@@ -23,6 +23,14 @@ Layout. A buffer's streams each cover `num_buckets` pieces of `shard_numel` elem
 shard is `stride=shard_numel, base=0`; a rank's pieces of a full bucketed buffer (the model's
 param buffer, an in-place reduce-scattered grad buffer) are `stride=bucket_numel,
 base=rank*shard_numel`. exp_avg and exp_avg_sq are always local.
+
+[Note: GPU vs interpreter numerics] Compiled with FMA contraction off (_launch.ENABLE_FP_FUSION,
+free in a memory-bound kernel) and sqrt_rn/div_rn, every fp32 operation of the update is one IEEE
+round-to-nearest op, as numpy does it in the interpreter: the two agree bitwise. The per-step row
+(step size, bias correction) is computed by torch ops in fp64 and rounded once to fp32, the same on
+every path. Not measured on a GPU here; the PTX is checked for the exact forms
+(tests/kernels/test_compile.py). The torch path (torch._fused_adamw_) orders the math differently:
+within 2 * 8 ulps of the interpreter (tests/kernels/test_kernels.py).
 """
 from __future__ import annotations
 
@@ -54,13 +62,7 @@ from fusedzero.kernels.table import (ADAMW_MODE_WIDTH, ADAMW_WIDTH, AdamWCol, Bu
 # (tests/kernels/test_compile.py checks the PTX for st.shared).
 BLOCK = 1024
 NUM_WARPS = 8
-# [Note: GPU vs interpreter numerics] Compiled with FMA contraction off (_launch.ENABLE_FP_FUSION,
-# free in a memory-bound kernel) and sqrt_rn/div_rn, every fp32 operation of the update is one IEEE
-# round-to-nearest op, as numpy does it in the interpreter: the two agree bitwise. The per-step
-# row (step size, bias correction) is computed by torch ops in fp64 and rounded once to fp32, the
-# same on every path. Not measured on a GPU here; the PTX is checked for the exact forms
-# (tests/kernels/test_compile.py). The torch path (torch._fused_adamw_) orders the math differently:
-# within 2 * 8 ulps of the interpreter (tests/kernels/test_kernels.py).
+# The kernel and the interpreter agree bitwise: see [Note: GPU vs interpreter numerics].
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The default mode's streams (a launch without an output has OUT's column, at 0) and a memory
 # mode's; the int8 scales (one per QBLOCK elements) need not be 16-element aligned.
@@ -232,7 +234,7 @@ class GroupedAdamW:
     A "launch" is one `_grouped_adamw_kernel` launch on CUDA (and in the interpreter); on the
     torch path (CPU) it is one grouped call: in the default mode one `torch._fused_adamw_` per
     row with tensor lists over all its buffers and pieces, in a memory mode one vectorised pass
-    per row over all its pieces (modes_torch.py). `LAUNCHES["adamw"]` counts them. The memory
+    per row over all its pieces (memory_modes_torch.py). `LAUNCHES["adamw"]` counts them. The memory
     mode (`master_mode`, `states`, bf16-sr's `seed`) is the optimizer's: one for every buffer.
     Every check of the streams is done here, once; `require_aligned` refuses tables the kernel
     could not access with 128-bit vectors (what the optimizer's layout guarantees).

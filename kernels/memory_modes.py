@@ -63,7 +63,7 @@ QBLOCK = 128
 # The constexpr codes the kernel is specialised on (MASTER_MODE, STATE_MODE).
 MASTER_CODE = {m: i for i, m in enumerate(MASTER_MODES)}
 STATE_CODE = {s: i for i, s in enumerate(STATE_MODES)}
-# Largest code magnitude of each int8 map (module docstring, [Note: the int8 map]).
+# Largest code magnitude of each int8 map (module docstring, see [Note: the int8 map]).
 SIGNED_QMAX = 127.0
 UNSIGNED_QMAX = 255.0
 STATE_DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.bfloat16),

@@ -36,7 +36,7 @@ def bf16_round_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_exact(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 maps of [Note: the int8 map] on exact values: (codes as int64, absmax scales)."""
+    """The int8 maps (see [Note: the int8 map]) on exact values: (codes as int64, absmax scales)."""
     xb = x.double().view(-1, QBLOCK)
     a = xb.abs().amax(dim=1)
     y = xb.abs() / torch.where(a > 0, a, 1.0)[:, None]

@@ -135,7 +135,7 @@ def check_sumsq(device: torch.device, dtype: torch.dtype, seed: int = 0) -> Vari
 
 def check_scalars(device: torch.device) -> VariantResult:
     """The step's scalar kernels (kernels/step_scalars.py, kernels/rows.py) on `device` against
-    their torch paths on CPU tensors, bitwise ([Note: one launch for the step's scalars]): the
+    their torch paths on CPU tensors, bitwise (see [Note: one launch for the step's scalars]): the
     scalars over finite, zero, huge, inf and nan sums of squares with and without clip, loss
     scale and skip; the rows of 8 groups at 4 step counts. `worst_ulps` counts the values that
     differ (the bound is 0)."""

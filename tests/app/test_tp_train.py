@@ -94,7 +94,7 @@ def test_train_tp2_checkpoint_resume(tmp_path: Path) -> None:
     assert sorted(p.name for p in ckpt.iterdir()) == ["tensor_parallel.json", "tp0of2", "tp1of2"]
     assert stopped["steps"] == whole["steps"][:2]
     # The save of step 2 as if killed after tp0's folder committed, before tp1's: resume loads
-    # step 1, the newest in both folders, on both tp ranks ([Note: one step across tp folders]).
+    # step 1, the newest in both folders, on both tp ranks (see [Note: one step across tp folders]).
     # Before: tp0 loaded step 2 and tp1 step 1, and the run went on from the mix.
     shutil.rmtree(ckpt / "tp1of2" / "step-00000002")
     (ckpt / "tp1of2" / "latest").write_text("step-00000001\n")

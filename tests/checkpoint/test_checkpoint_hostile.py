@@ -416,7 +416,7 @@ def w_cross_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     ck.load(opt, Path(root) / "a")
     out["reloaded"] = same(snapshot(opt), saved)
 
-    # -- 10: the previous async save failed on rank 1 only ([Note: a failure before the first
+    # -- 10: the previous async save failed on rank 1 only (see [Note: a failure before the first
     # gather]): the next save, and a load, raise its error on every rank. Before: rank 1 alone
     # raised, and rank 0 waited in the first gather until the group's timeout.
     class FailedSave:

@@ -1,5 +1,5 @@
-"""The CPU torch path's cache-blocked passes (kernels/adamw_torch.py's [Note: cache-blocked
-update], kernels/sum_of_squares.py's chunks) at sizes that hit every chunk edge, with a small
+"""The CPU torch path's cache-blocked passes (see [Note: cache-blocked
+update] in kernels/adamw_torch.py; kernels/sum_of_squares.py's chunks) at sizes that hit every chunk edge, with a small
 chunk so that pieces straddle chunks and chunks hold several pieces: against float64, against
 the unblocked pass bit for bit, and with exact call counts."""
 from __future__ import annotations

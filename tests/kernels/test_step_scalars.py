@@ -1,5 +1,5 @@
 """The per-step scalar kernels (kernels/step_scalars.py, kernels/rows.py): one launch each, the
-same bits as their torch paths ([Note: one launch for the step's scalars]), and compiled for
+same bits as their torch paths (see [Note: one launch for the step's scalars]), and compiled for
 sm_80/sm_90 with IEEE fp32 division and square root.
 
 The `_interpreter` tests run the kernel code through Triton's interpreter (CPU tensors)."""

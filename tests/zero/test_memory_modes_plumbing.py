@@ -219,7 +219,7 @@ def test_load_converts_states_fp32_to_int8_and_back(tmp_path: Path) -> None:
 
 def test_load_converts_fp32_master_to_kahan_and_back(tmp_path: Path) -> None:
     """fp32 -> bf16-kahan: param = rne(master), comp = rne(master - param); back: master =
-    param + comp (fusedzero/memory_modes.py, [Note: converting masters])."""
+    param + comp (fusedzero/memory_modes.py, see [Note: converting masters])."""
     src = _fp32_checkpoint(tmp_path / "f32")
     optk = _loaded(tmp_path / "f32", "bf16-kahan", "fp32", seed=5)
     kah = _state(optk)

@@ -206,7 +206,7 @@ def test_step_without_backward_sees_zero_grads(stage: int) -> None:
 
 @pytest.mark.parametrize("stage", [0, 1])
 def test_zero_grad_after_step_zeroes_once_and_still_clears_user_writes(stage: int) -> None:
-    """[Note: zeroing once] `step()` consumes (zeroes) the full grad buffers; the usual
+    """See [Note: zeroing once]: `step()` consumes (zeroes) the full grad buffers; the usual
     `zero_grad()` right after must not make a second pass over them, yet a write into `.grad`
     in between is still cleared."""
     m = make()

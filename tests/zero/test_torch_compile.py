@@ -32,7 +32,7 @@ DOCUMENTED = {
     # skipped function by its module and qualname.
     "wait": "module: fusedzero.comm, qualname: wait,",
     # stage 3: a unit's forward hooks (gather, prefetch, free: collectives, storage resizes and
-    # `.data` re-pointing) run eagerly ([Note: stage 3 under torch.compile] in zero3.py)
+    # `.data` re-pointing) run eagerly (see [Note: stage 3 under torch.compile] in zero3.py)
     "unit": "fusedzero stage 3: a unit's gather/free hook runs eagerly",
 }
 
