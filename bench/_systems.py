@@ -27,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero import Groups, Precision, Sharding, Wire, ZeroAdamW
+from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 
 _L, _D, _H, _T = (int(x) for x in os.environ.get("FUSEDZERO_BENCH_MODEL", "4,256,4,128").split(","))
 CFG = GPTConfig(n_layer=_L, n_embd=_D, n_head=_H, block_size=_T, vocab_size=256)

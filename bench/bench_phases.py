@@ -47,10 +47,11 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import SUMMARY, add_stats, replay  # noqa: E402
 from fusedzero import Precision, Sharding, ZeroAdamW  # noqa: E402
 from fusedzero.app.model import GPT, PRESETS, GPTConfig, gpt_param_groups  # noqa: E402
 from fusedzero.spawn import reserved_port  # noqa: E402
+
+from _common import SUMMARY, add_stats, replay  # noqa: E402
 
 FULL = os.environ.get("FUSEDZERO_BENCH_PHASES_FULL", "0") == "1"
 STEPS = int(os.environ.get("FUSEDZERO_BENCH_PHASES_STEPS", "10"))
@@ -121,7 +122,8 @@ class Phased:
             self.clip = lambda: nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
         elif name == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+            mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16
+                  else MixedPrecisionPolicy())
             for block in model.blocks:
                 fully_shard(block, mp_policy=mp)
             fully_shard(model, mp_policy=mp)

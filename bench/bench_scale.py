@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from fusedzero.emulate import LlamaShape, fake_group, meta_model, param_groups
 from fusedzero import Precision, Sharding, ZeroAdamW
+from fusedzero.emulate import LlamaShape, fake_group, meta_model, param_groups
 from fusedzero.units import ShardInit
 
 SHARD = int(float(os.environ.get("FUSEDZERO_BENCH_SCALE_SHARD", "1.5e6")))
@@ -85,7 +85,7 @@ def bench_step() -> dict:
     info = {}
     # One fake group at a time: each W is built, warmed up and timed in turn, ROUNDS steps per
     # visit, visiting the W values round-robin three times to spread machine drift.
-    for visit in range(3):
+    for _visit in range(3):
         for W in WORLDS:
             r = Rank(W)
             for _ in range(2):

@@ -69,10 +69,22 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fusedzero.testing import run_ranks
+
 import _measure
 from _common import SUMMARY, percentiles, replay
-from _systems import BATCH, BF16_MATMUL, BUCKET, CFG, CLIP, SYSTEMS, System, build, make_model, unavailable
-from fusedzero.testing import run_ranks
+from _systems import (
+    BATCH,
+    BF16_MATMUL,
+    BUCKET,
+    CFG,
+    CLIP,
+    SYSTEMS,
+    System,
+    build,
+    make_model,
+    unavailable,
+)
 
 STEPS = int(os.environ.get("FUSEDZERO_BENCH_STEPS", "16"))
 WARMUP = int(os.environ.get("FUSEDZERO_BENCH_WARMUP", "3"))

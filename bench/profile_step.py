@@ -33,10 +33,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.distributed as dist  # noqa: E402
+from bench_step import RANK_ENV, batch  # noqa: E402
+
+from fusedzero.testing import run_ranks  # noqa: E402
 
 from _systems import BATCH, CFG, SYSTEMS, build  # noqa: E402
-from bench_step import RANK_ENV, batch  # noqa: E402
-from fusedzero.testing import run_ranks  # noqa: E402
 
 CATEGORIES = ("model", "comm wait", "comm launch", "update", "norm", "grad passes", "python")
 _COMM = ("allreduce", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "_reduce_scatter",

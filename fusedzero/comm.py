@@ -33,7 +33,7 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Optional, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -41,9 +41,9 @@ import torch.distributed as dist
 P = ParamSpec("P")
 T = TypeVar("T")
 # A process group, or None for the default (world) group.
-Group = Optional[dist.ProcessGroup]
+Group = dist.ProcessGroup | None
 # What an async collective returns: a work handle, or None where nothing was sent (1 rank).
-Handle = Optional[dist.Work]
+Handle = dist.Work | None
 
 
 

@@ -24,13 +24,12 @@ table of docs/scale.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -43,8 +42,8 @@ from fusedzero.kernels.quant import new_packed
 from fusedzero.plan import PLAN_PRECISION, Plan, PlanConfig, plan_model
 from fusedzero.policy import Precision, Sharding, Wire
 from fusedzero.stage import Stage
-from fusedzero.wire import WBLOCK, WireFormat
 from fusedzero.units import ShardInit
+from fusedzero.wire import WBLOCK, WireFormat
 
 
 # -- model shapes (plain nn modules, Llama-style: no forward, they are only ever built) ----------
@@ -239,7 +238,7 @@ class Emulation:
                 and self.comm_bytes_per_step == self.plan_comm_bytes)
 
 
-ModelSource = Union[LlamaShape, str, Callable[[], nn.Module]]
+ModelSource = LlamaShape | str | Callable[[], nn.Module]
 
 
 def _build(model: ModelSource) -> nn.Module:

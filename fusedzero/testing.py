@@ -38,8 +38,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fusedzero.spawn import (REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks, context,
-                             leave, set_rank_env)
+from fusedzero.spawn import (
+    REPORTED_ERROR_EXIT,
+    Report,
+    ReportKind,
+    SpawnedRanks,
+    context,
+    leave,
+    set_rank_env,
+)
 
 # What the fork server imports once for every rank it starts (fusedzero/spawn.py `forkserver`).
 PRELOAD = ["fusedzero.testing", "fusedzero.optim", "torch._dynamo"]

@@ -74,7 +74,7 @@ def trainable(params: Any) -> list[Any]:
 
 def check_groups(param_groups: list[dict[str, Any]]) -> list[nn.Parameter]:
     """Every param once; returns them in optimizer order."""
-    for gi, g in enumerate(param_groups):
+    for g in param_groups:
         check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
     for gi, g in enumerate(param_groups):
         if len({id(p) for p in g["params"]}) != len(g["params"]):

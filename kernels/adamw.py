@@ -40,20 +40,43 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedzero.kernels import adamw_torch
-from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Hyper, Strided,
-                                       as_strided, check_stream, count_launch, device_guard,
-                                       use_triton)
-from fusedzero.kernels.memory_modes import (MASTER_CODE, QBLOCK, STATE_CODE, STATE_DTYPES,
-                                     check_mode_buffers, check_modes, load_master, load_state,
-                                     store_master, store_state)
-from fusedzero.kernels.memory_modes import round_to_bf16 as _round_to_bf16
+from fusedzero.kernels import adamw_torch, rows as hp_rows, table
+from fusedzero.kernels._launch import (
+    ENABLE_FP_FUSION,
+    GRAD_DTYPES,
+    Hyper,
+    Strided,
+    as_strided,
+    check_stream,
+    count_launch,
+    device_guard,
+    use_triton,
+)
+from fusedzero.kernels.memory_modes import (
+    MASTER_CODE,
+    QBLOCK,
+    STATE_CODE,
+    STATE_DTYPES,
+    check_mode_buffers,
+    check_modes,
+    load_master,
+    load_state,
+    round_to_bf16 as _round_to_bf16,
+    store_master,
+    store_state,
+)
 from fusedzero.kernels.memory_modes_torch import ModeCombo
-from fusedzero.kernels import rows as hp_rows
-from fusedzero.kernels import table
 from fusedzero.kernels.rows import Rows, check_consts
-from fusedzero.kernels.table import (ADAMW_MODE_WIDTH, ADAMW_WIDTH, AdamWCol, Buffer, Piece,
-                                     Table, build_table, pieces_of)
+from fusedzero.kernels.table import (
+    ADAMW_MODE_WIDTH,
+    ADAMW_WIDTH,
+    AdamWCol,
+    Buffer,
+    Piece,
+    Table,
+    build_table,
+    pieces_of,
+)
 
 # 1024 elements per program with 8 warps: 4 elements per thread, one 128-bit access per fp32
 # stream. With 4 warps (8 per thread) Triton gives 16-bit streams an 8-element layout and fp32
@@ -76,9 +99,10 @@ _QBLOCK = tl.constexpr(QBLOCK)
 assert BLOCK % QBLOCK == 0  # a program's scales are whole quantization blocks
 
 
-# Loads and stores of master and the moments are the memory modes' helpers (kernels/memory_modes.py):
-# a mode (a bf16 master, bf16 or blockwise-int8 moments) is a constexpr variant of them, local to
-# them. In the default mode (0, 0) they are one plain load/store per stream.
+# Loads and stores of master and the moments are the memory modes' helpers
+# (kernels/memory_modes.py): a mode (a bf16 master, bf16 or blockwise-int8 moments) is a constexpr
+# variant of them, local to them. In the default mode (0, 0) they are one plain load/store per
+# stream.
 @triton.jit
 def _store_out(ptr, idx, p, mask, OUT_BF16: tl.constexpr):
     if OUT_BF16:
@@ -186,8 +210,9 @@ def _qblocks(blk, BLOCK: tl.constexpr):
 
 class AdamWBuffer(NamedTuple):
     """One buffer for `GroupedAdamW`: its streams, layout and hyper-parameter row (param group),
-    and a memory mode's own buffers (kernels/memory_modes.py): the Kahan comp (local layout), the int8
-    scales (one fp32 per QBLOCK local elements) and the buffer's offset in bf16-sr's stream."""
+    and a memory mode's own buffers (kernels/memory_modes.py): the Kahan comp (local layout), the
+    int8 scales (one fp32 per QBLOCK local elements) and the buffer's offset in bf16-sr's
+    stream."""
 
     master: torch.Tensor | Strided
     grad: torch.Tensor | Strided

@@ -349,8 +349,9 @@ def check_mode_buffers(master_mode: str, states: str, *, out: object, exp_avg_sc
     scales = {"exp_avg_scale": exp_avg_scale, "exp_avg_sq_scale": exp_avg_sq_scale}
     for name, t in scales.items():
         if (t is not None) != (states == "int8"):
+            given = "a tensor" if t is not None else None
             raise ValueError(f"{name} is needed by, and only by, states='int8'; got "
-                             f"states={states!r} with {name}={'a tensor' if t is not None else None}")
+                             f"states={states!r} with {name}={given}")
     if states == "int8":
         if shard_numel % QBLOCK:
             raise ValueError(f"states='int8' quantizes blocks of {QBLOCK} elements: shard_numel "

@@ -156,7 +156,7 @@ def _dequant_sum_kernel(v_ptr, s_ptr, out_ptr, n_out, chunks, chunk_numel, chunk
     # an int32 product, past 2^31 in a bucket of 2^31 elements or more).
     at_v = idx
     at_s = blk + chunk_numel // 4
-    for r in range(chunks):
+    for _ in range(chunks):
         v = tl.load(v_ptr + at_v, mask=mask, other=0).to(tl.float32)
         if FMT == 2:
             d = tl.load(s_ptr + at_s, mask=blk * _WBLOCK < n_out, other=0.0)

@@ -17,9 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedzero.kernels._launch import (ENABLE_FP_FUSION, Hyper, copy_from_host, count_launch,
-                                       device_guard, use_triton)
-
+from fusedzero.kernels._launch import (
+    ENABLE_FP_FUSION,
+    Hyper,
+    copy_from_host,
+    count_launch,
+    device_guard,
+    use_triton,
+)
 
 
 class RowCol(IntEnum):

@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
-from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero import Groups, Sharding, ZeroAdamW
+from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 
 
 class TwoLinear(nn.Module):

@@ -43,9 +43,12 @@ def _name(raw: str) -> str:
 
 
 def mentions(path: Path, text: str) -> list[Mention]:
+    """Every `[Note: X]` in `text`; `[Note: ...]` is the notation itself, not a note."""
     rel = path.relative_to(ROOT).as_posix()
     out = []
     for m in _NOTE.finditer(text):
+        if m.group(1) == "...":
+            continue
         before = " ".join(text[max(0, m.start() - 40):m.start()].replace("#", " ").split())
         out.append(Mention(rel, text.count("\n", 0, m.start()) + 1, _name(m.group(1)),
                            bool(_SEE.search(before))))
@@ -128,7 +131,8 @@ def test_every_note_is_defined_once_at_a_module_top_and_every_use_resolves() -> 
 
 def test_the_checker_tells_definitions_from_references(tmp_path: Path) -> None:
     text = ('"""Doc.\n\n[Note: alpha] What it is.\n"""\n# [Note: beta\n# split] More.\n'
-            'import os\n\n\ndef f() -> None:\n    # See [Note: alpha]; see\n    # [Note: beta split]\n'
+            'import os\n\n\ndef f() -> None:\n'
+            '    # See [Note: alpha]; see\n    # [Note: beta split]\n'
             '    # [Note: gamma] defined in a body\n    pass\n')
     found = mentions(ROOT / "x.py", text)
     assert [(m.name, m.see, m.line) for m in found] == [

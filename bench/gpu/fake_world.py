@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import _systems as S  # noqa: E402  (bench/ is a folder of scripts)
-
-from fusedzero.app.model import GPT, gpt_param_groups  # noqa: E402
 from fusedzero import Sharding, ZeroAdamW  # noqa: E402
+from fusedzero.app.model import GPT, gpt_param_groups  # noqa: E402
+
+import _systems as S  # noqa: E402  (bench/ is a folder of scripts)
 
 STEPS = 3
 

@@ -11,8 +11,8 @@ import math
 from typing import Any
 
 from fusedzero import dtypes
-from fusedzero.app.tp_plan import check_tp
 from fusedzero.app.model import PRESETS, GPTConfig
+from fusedzero.app.tp_plan import check_tp
 from fusedzero.comm import DEFAULT_TIMEOUT_S
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES
 from fusedzero.policy import Precision, Sharding, Wire

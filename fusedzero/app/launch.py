@@ -29,17 +29,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fusedzero import comm
 from fusedzero.app import preflight
-from fusedzero.app.config import (HelpFormatter, StalledError, TrainConfig, UsageError,
-                                  add_arguments, config_from_args, parse_args)
+from fusedzero.app.config import (
+    HelpFormatter,
+    StalledError,
+    TrainConfig,
+    UsageError,
+    add_arguments,
+    config_from_args,
+    parse_args,
+)
 from fusedzero.app.data import Split
-from fusedzero.app.preload import RANK_PRELOAD, TORCHRUN_ENV
 from fusedzero.app.lifecycle import die_with_parent, sigterm_as_interrupt
 from fusedzero.app.log import waiting_for
-from fusedzero import comm
+from fusedzero.app.preload import RANK_PRELOAD, TORCHRUN_ENV
 from fusedzero.comm import CollectiveTimeout
-from fusedzero.spawn import (LAST_WORDS_S, REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks,
-                             context, exit_description, leave, set_rank_env)
+from fusedzero.spawn import (
+    LAST_WORDS_S,
+    REPORTED_ERROR_EXIT,
+    Report,
+    ReportKind,
+    SpawnedRanks,
+    context,
+    exit_description,
+    leave,
+    set_rank_env,
+)
 
 # After the first rank reports a stall, how long the launcher waits for the other ranks' own
 # reports (they hit the same timeout at about the same moment) before it ends them.

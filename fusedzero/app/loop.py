@@ -20,17 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fusedzero import dtypes
-from fusedzero.app import resume as resume_mod
-from fusedzero.app import tp_plan
-from fusedzero.app import watch
+from fusedzero import Groups, ZeroAdamW, dtypes
+from fusedzero.app import resume as resume_mod, tp_plan, watch
 from fusedzero.app.config import MIN_LR_RATIO, TrainConfig, UsageError
 from fusedzero.app.data import BatchSampler, Split, eval_batches
 from fusedzero.app.log import PendingStep, RunLog, waiting_for
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.app.summary import format_table, summarize
 from fusedzero.kernels import LAUNCHES
-from fusedzero import Groups, ZeroAdamW
 
 
 def lr_lambda_for(cfg: TrainConfig) -> Callable[[int], float]:

@@ -15,13 +15,18 @@ from torch import nn
 
 from fusedzero import dtypes, plan
 from fusedzero.app import tp_plan
-from fusedzero.app.config import (DEFAULT_BLOCK, DEFAULT_N_EMBD, DEFAULT_N_HEAD, DEFAULT_N_LAYER,
-                                  UsageError)
+from fusedzero.app.config import (
+    DEFAULT_BLOCK,
+    DEFAULT_N_EMBD,
+    DEFAULT_N_HEAD,
+    DEFAULT_N_LAYER,
+    UsageError,
+)
 from fusedzero.app.model import GPT, GPTConfig
+from fusedzero.emulate import SHAPES, Emulation, emulate, meta_model
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES
 from fusedzero.plan import STAGES, LinkModel, PlanConfig, plan_model, plan_params
 from fusedzero.policy import Precision, Sharding, Wire
-from fusedzero.emulate import SHAPES, Emulation, emulate, meta_model
 from fusedzero.wire import WIRES
 
 

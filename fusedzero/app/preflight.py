@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 
 from fusedzero import checkpoint
+from fusedzero.app import watch
 from fusedzero.app.config import VAL_FRACTION, TrainConfig, UsageError
 from fusedzero.app.data import Split, load_corpus, split_corpus
-from fusedzero.app import watch
 from fusedzero.app.resume import latest_checkpoint
 from fusedzero.app.runlock import RunFolderError, RunLock, check_ckpt_dir, check_writable
 from fusedzero.checkpoint.placements import read as tp_record

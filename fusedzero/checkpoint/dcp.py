@@ -113,10 +113,10 @@ def read_dcp_metadata(d: Path) -> Any:
 def read_dcp(dcp_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The full (unsharded) state dict of a DCP folder, in this process (no process group),
     running no code from it (see [Note: no code from a DCP folder])."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     d = Path(dcp_dir)

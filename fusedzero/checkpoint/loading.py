@@ -13,8 +13,8 @@ shard buffers, as saved, are held on the host at once (`peak_buffer_bytes` repor
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -63,9 +63,10 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     All or nothing on every rank: see [Note: transactional load].
 
     Memory modes: the states are read in the modes they were saved in and converted into this
-    optimizer's (`ZeroAdamW(master=, states=)`; see [Note: converting masters] in
-    fusedzero/memory_modes.py): the same modes load bit-exactly, others through fp32 (fp32 master into
-    bf16-kahan: param = rne(master), comp = rne(master - param); back: master = param + comp).
+    optimizer's (`Precision(master=, states=)`; see [Note: converting masters] in
+    fusedzero/memory_modes.py): the same modes load bit-exactly, others through fp32 (fp32
+    master into bf16-kahan: param = rne(master), comp = rne(master - param); back: master =
+    param + comp).
 
     Restores master (and the params), exp_avg, exp_avg_sq, the step count, the loss scaler, and
     (with `load_hyperparams`, when the param groups hold the same params) the hyper-parameters;

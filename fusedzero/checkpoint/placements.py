@@ -17,8 +17,8 @@ checking `tensor_parallel.json` against the live model; `export_tp` (fusedzero/c
 tp_export.py, also reached by `checkpoint.export` and `fusedzero ckpt export`) writes one
 consolidated safetensors file of full tensors (loadable into the unparallelized model, or into
 any (dp, tp) layout with `import_weights`, which slices the full tensors by the live
-placements: `tp_source`). `load` at another tp size (tp=1, a plain model, included) assembles the full
-optimizer state from every tp folder: fusedzero/checkpoint/tp_reshard.py.
+placements: `tp_source`). `load` at another tp size (tp=1, a plain model, included) assembles
+the full optimizer state from every tp folder: fusedzero/checkpoint/tp_reshard.py.
 
 `tensor_parallel.json` is untrusted input: it is parsed against a strict schema (sizes bounded,
 placements from a small grammar) and compared with the live model, never used to index files.

@@ -27,11 +27,18 @@ import torch
 from fusedzero import dtypes
 from fusedzero.checkpoint.binding import shard_metadata
 from fusedzero.checkpoint.collectives import agree, gather_to_first
-from fusedzero.checkpoint.format import (LATEST, MANIFEST, SafetensorsWriter, fsync_dir, named,
-                                         remove, shard_file_name, step_dir_name,
-                                         write_text_atomic)
-from fusedzero.checkpoint.manifest import (FORMAT, MAX_MANIFEST, STEP_DIR, VERSION,
-                                          CheckpointError)
+from fusedzero.checkpoint.format import (
+    LATEST,
+    MANIFEST,
+    SafetensorsWriter,
+    fsync_dir,
+    named,
+    remove,
+    shard_file_name,
+    step_dir_name,
+    write_text_atomic,
+)
+from fusedzero.checkpoint.manifest import FORMAT, MAX_MANIFEST, STEP_DIR, VERSION, CheckpointError
 from fusedzero.checkpoint.optview import aliases, hyperparams
 from fusedzero.checkpoint.placements import tp_directory, tp_origin
 from fusedzero.checkpoint.rank_state import pack, rng_state, unpack

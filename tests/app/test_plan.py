@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedzero.cli import main
-from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero import Precision, Sharding, ZeroAdamW
+from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.app.plan_cli import preset_model
+from fusedzero.cli import main
 from fusedzero.emulate import meta_model
 from fusedzero.plan import PlanConfig, plan_model, plan_params
 from fusedzero.testing import fake_group

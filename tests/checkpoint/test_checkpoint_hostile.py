@@ -21,16 +21,21 @@ import torch
 import torch.distributed as dist
 
 from fusedzero import checkpoint as ck
-from fusedzero.checkpoint import format as ckformat
-from fusedzero.checkpoint import saving as cksaving
 from fusedzero.app.ckpt_cli import main as cli_main
+from fusedzero.app.launch import run as train_run
 from fusedzero.app.model import GPT
+from fusedzero.checkpoint import format as ckformat, saving as cksaving
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
-from fusedzero.app.launch import run as train_run
 
-from _helpers import (TINY_CKPT, copy_root as copy, fast_only, tiny_ckpt_opt, tiny_train,
-                      two_step_root)
+from _helpers import (
+    TINY_CKPT,
+    copy_root as copy,
+    fast_only,
+    tiny_ckpt_opt,
+    tiny_train,
+    two_step_root,
+)
 
 CFG = dataclasses.replace(TINY_CKPT, dropout=0.1)
 SHARD = "rank00000-of-00001.safetensors"

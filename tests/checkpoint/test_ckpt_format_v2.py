@@ -20,10 +20,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from _helpers import refused_then_upgraded
-from fusedzero import checkpoint as ck
+from fusedzero import Precision, ZeroAdamW, checkpoint as ck
 from fusedzero.memory_modes import QBLOCK
-from fusedzero import Precision, ZeroAdamW
+
+from _helpers import refused_then_upgraded
 
 FIXTURE = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURE))

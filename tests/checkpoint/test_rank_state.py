@@ -8,8 +8,7 @@ import random
 import numpy as np
 import torch
 
-from fusedzero.checkpoint.rank_state import (check_rng_state, pack, rng_state, set_rng_state,
-                                             unpack)
+from fusedzero.checkpoint.rank_state import check_rng_state, pack, rng_state, set_rng_state, unpack
 
 
 def _draws() -> tuple:

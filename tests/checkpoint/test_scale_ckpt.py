@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from fusedzero import Precision, Sharding, ZeroAdamW
 from fusedzero.checkpoint import catalog, loading, manifest as manifest_format
 from fusedzero.emulate import LlamaShape, meta_model, param_groups
 from fusedzero.emulate_ckpt import emulated_rank, save_emulated
 from fusedzero.layout import FlatLayout
-from fusedzero import Precision, Sharding, ZeroAdamW
 from fusedzero.plan import PlanConfig, model_layouts
 from fusedzero.units import ShardInit
 

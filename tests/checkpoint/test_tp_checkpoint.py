@@ -37,8 +37,11 @@ def build(tp: int, dp: int, stage: int):
     group = None
     if tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         group, rank = mesh["dp"].get_group(), mesh["dp"].get_local_rank()
@@ -262,7 +265,7 @@ def test_tp_checkpoint_reshard_matrix(tmp_path: Path) -> None:
                 assert torch.equal(r["loaded"][n], t), f"{where} load: {n}"
                 # Two more steps: the uninterrupted run's up to the order of the sums.
                 torch.testing.assert_close(r["after"][n], after[n], rtol=1e-5, atol=1e-6,
-                                           msg=lambda m, n=n: f"{where} {n}: {m}")
+                                           msg=lambda m, n=n, where=where: f"{where} {n}: {m}")
         # The global batch's loss: the mean over the dp shards (tp ranks report the same).
         for i, step in enumerate((2, 3)):
             mean = sum(r["losses"][i] for r in rs) / len(rs)
@@ -280,9 +283,9 @@ def test_tp_checkpoint_reshard_matrix(tmp_path: Path) -> None:
 
 
 def _gpt(tp: int):
+    from fusedzero import Groups, ZeroAdamW
     from fusedzero.app import tp_plan
     from fusedzero.app.model import GPT, GPTConfig
-    from fusedzero import Groups, ZeroAdamW
     torch.manual_seed(0)
     m = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8))
     mesh = tp_plan.parallelize(m, tp, torch.device("cpu"))
@@ -337,8 +340,7 @@ def test_gpt_strided_qkv_reshards_to_tp1(tmp_path: Path) -> None:
 def _one_folder_root(root: Path, states: str):
     """A tensor-parallel root of one tp rank written offline (one process): a plain optimizer
     stepped once and saved into `tp0of1`, with the record (and binding) of a tp=1 mesh."""
-    from fusedzero import checkpoint
-    from fusedzero import Precision, ZeroAdamW
+    from fusedzero import Precision, ZeroAdamW, checkpoint
     m = make()
     opt = ZeroAdamW(m.parameters(), lr=LR, weight_decay=WD, module=m,
                     precision=Precision(states=states))

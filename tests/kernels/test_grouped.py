@@ -13,8 +13,16 @@ import torch
 
 from fusedzero import Precision, ZeroAdamW
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.kernels import (LAUNCHES, AdamWBuffer, GroupedAdamW, GroupedSumsq, Hyper,
-                               Strided, SumsqView, adamw_reference)
+from fusedzero.kernels import (
+    LAUNCHES,
+    AdamWBuffer,
+    GroupedAdamW,
+    GroupedSumsq,
+    Hyper,
+    Strided,
+    SumsqView,
+    adamw_reference,
+)
 
 from _helpers import fast_only
 

@@ -8,8 +8,15 @@ import torch
 
 from fusedzero import Precision, ZeroAdamW
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.kernels import (LAUNCHES, QBLOCK, AdamWBuffer, GroupedAdamW, Hyper, Strided,
-                               adamw_step)
+from fusedzero.kernels import (
+    LAUNCHES,
+    QBLOCK,
+    AdamWBuffer,
+    GroupedAdamW,
+    Hyper,
+    Strided,
+    adamw_step,
+)
 from fusedzero.kernels.memory_modes import STATE_DTYPES
 
 from _helpers import fast_only

@@ -8,10 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import compile_offline
 from fusedzero.kernels import LAUNCHES
-from fusedzero.kernels.quant import (WBLOCK, WireFormat, chunk_bytes, dequant_sum_into,
-                                     dequantize_into, new_packed, quantize_into, unpack)
+from fusedzero.kernels.quant import (
+    WBLOCK,
+    WireFormat,
+    chunk_bytes,
+    dequant_sum_into,
+    dequantize_into,
+    new_packed,
+    quantize_into,
+    unpack,
+)
+
+from _helpers import compile_offline
 
 U32 = 2.0 ** -24
 FORMATS = list(WireFormat)

@@ -11,11 +11,12 @@ import math
 import pytest
 import torch
 
-from _helpers import compile_offline
 from fusedzero.kernels import LAUNCHES
-from fusedzero.kernels.rows import NCOLS, Rows, RowCol
 from fusedzero.kernels._launch import Hyper
+from fusedzero.kernels.rows import NCOLS, RowCol, Rows
 from fusedzero.kernels.step_scalars import step_scalars
+
+from _helpers import compile_offline
 
 INF, NAN = math.inf, math.nan
 # Sums of squares: ordinary, tiny and huge (the clip coefficient saturates at 1 or goes to ~0),

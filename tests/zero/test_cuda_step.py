@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from fusedzero.kernels import LAUNCHES
 from fusedzero import Sharding, ZeroAdamW
+from fusedzero.kernels import LAUNCHES
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedzero import reduce
-from fusedzero import Precision, Sharding, ZeroAdamW
+from fusedzero import Precision, Sharding, ZeroAdamW, reduce
 from fusedzero.testing import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns ranks or the CLI
@@ -51,7 +50,7 @@ def worker(rank: int, world: int) -> dict:
     for stage, dt in CASES:
         calls: list[bool] = []
 
-        def spy(b, inv_world):
+        def spy(b, inv_world, calls=calls):
             calls.append(real(b, inv_world))
             return calls[-1]
         try:

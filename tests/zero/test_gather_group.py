@@ -10,9 +10,10 @@ import torch.distributed as dist
 from torch import nn
 
 import fusedzero.comm as comm
-from _helpers import Stack
 from fusedzero import Groups, Sharding, ZeroAdamW
 from fusedzero.testing import fake_group, run_ranks
+
+from _helpers import Stack
 
 
 def _train(stage: int, gather_group: dist.ProcessGroup | None, rank: int

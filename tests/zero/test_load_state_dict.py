@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from fusedzero import Precision, ZeroAdamW
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.checkpoint import import_weights
-from fusedzero import Precision, ZeroAdamW
 from fusedzero.testing import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns ranks or the CLI

@@ -12,9 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from fusedzero import checkpoint as ck
+from fusedzero import Precision, Sharding, ZeroAdamW, checkpoint as ck
 from fusedzero.kernels.memory_modes import dequantize_blockwise, quantize_blockwise
-from fusedzero import Precision, Sharding, ZeroAdamW
 from fusedzero.testing import fake_group, run_ranks
 
 MASTERS = ("fp32", "bf16-kahan", "bf16-sr", "bf16")
@@ -91,7 +90,7 @@ def test_resident_optimizer_bytes_equal_the_formula_in_every_mode(stage: int) ->
             opt.close()
 
 
-# -- every stage in a mode: one process, then two ranks ---------------------------------------------
+# -- every stage in a mode: one process, then two ranks ------------------------------------------
 @pytest.mark.parametrize("master,states", [("bf16-kahan", "int8"), ("bf16-sr", "bf16"),
                                            ("bf16", "int8")])
 def test_stages_agree_bitwise_in_a_mode(master: str, states: str) -> None:

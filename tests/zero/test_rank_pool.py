@@ -17,7 +17,6 @@ from fusedzero import testing
 from fusedzero.testing import run_ranks
 
 
-
 def _pid_and_sum(rank: int, world: int) -> tuple[int, float]:
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)

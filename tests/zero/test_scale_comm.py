@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fusedzero.emulate import param_groups, step_comm
 from fusedzero import Precision, Sharding, Wire, ZeroAdamW
+from fusedzero.emulate import param_groups, step_comm
 from fusedzero.stage import Stage
 from fusedzero.testing import fake_group
 

@@ -16,8 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fusedzero import ZeroAdamW
-from fusedzero.kernels import LAUNCHES
-from fusedzero.kernels import adamw, rows, step_scalars, sum_of_squares
+from fusedzero.kernels import LAUNCHES, adamw, rows, step_scalars, sum_of_squares
 
 pytestmark = pytest.mark.interpreter  # FUSEDZERO_BACKEND=triton on CPU tensors
 

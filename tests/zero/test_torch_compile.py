@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW

@@ -79,8 +79,12 @@ def make(kind: str) -> nn.Module:
 
 def parallelize(m: nn.Module, kind: str, tp_mesh) -> None:
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
     if kind == "sp":
         plan = {"norm": SequenceParallel()}
         for i in range(len(m.blocks)):
@@ -218,7 +222,7 @@ def _train(rank: int, world: int, kind: str, stages: tuple[int, ...],
             full = {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
                     for n, p in m.named_parameters()}
             kinds = {n: type(p).__name__ for n, p in m.named_parameters()}
-        nonfinite = _nonfinite_step(m, opt, PLANT[kind], lambda: _local_loss(
+        nonfinite = _nonfinite_step(m, opt, PLANT[kind], lambda m=m: _local_loss(
             m, kind, STEPS, dp_rank, dp, tp_rank))
         opt.close()
         out[stage] = {"params": full, "losses": losses, "norms": norms,

@@ -17,18 +17,17 @@ W u sum_r |deq_r| / W: the tests assert both, on data whose magnitudes span six 
 from __future__ import annotations
 
 import contextlib
-import json
 import functools
+import json
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from fusedzero import comm, wire
+from fusedzero import Groups, Precision, Sharding, Wire, ZeroAdamW, comm, wire
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.comm import CommContext, CommCounter
 from fusedzero.kernels.quant import WBLOCK, WireFormat, dequantize_into, new_packed
-from fusedzero import Groups, Precision, Sharding, Wire, ZeroAdamW
 from fusedzero.plan import PlanConfig, plan_model, plan_params
 from fusedzero.testing import fake_group, run_ranks
 
@@ -107,7 +106,7 @@ def _check_rank_results(results: list[dict], W: int) -> None:
             assert r[fmt.value]["bytes"]["bytes"]["all_to_all"] == 2 * want, fmt
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _results(W: int) -> list[dict]:
     """One spawn per world size, shared by the tests that read it."""
     return run_ranks(_rs_worker, W)

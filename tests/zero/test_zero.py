@@ -6,15 +6,14 @@ import functools
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from fusedzero import checkpoint as ckpt
-from fusedzero.layout import build_layout
+from fusedzero import Groups, Precision, Sharding, ZeroAdamW, checkpoint as ckpt
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero import Groups, Precision, Sharding, ZeroAdamW
+from fusedzero.layout import build_layout
 from fusedzero.testing import run_ranks
 
 from _helpers import gpt_batch, make_gpt
-from torch.utils.checkpoint import checkpoint
 
 pytestmark = pytest.mark.slow  # spawns ranks or the CLI
 

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from _helpers import Stack, run_forked
 from fusedzero import Sharding, ZeroAdamW
+
+from _helpers import Stack, run_forked
 
 
 def _setup(seed: int = 0, **kw) -> tuple[Stack, ZeroAdamW]:
