@@ -45,6 +45,9 @@ from fusedzero.stage import Stage
 from fusedzero.units import ShardInit
 from fusedzero.wire import WBLOCK, WireFormat
 
+__all__ = ["SHAPES", "TABLE_ROWS", "Emulation", "LlamaShape", "ModelSource", "emulate",
+           "fake_group", "meta_model", "param_groups", "step_comm", "table"]
+
 
 # -- model shapes (plain nn modules, Llama-style: no forward, they are only ever built) ----------
 @dataclass(frozen=True, kw_only=True)

@@ -43,6 +43,9 @@ from fusedzero.policy import Precision, Sharding, Wire, check_record
 from fusedzero.stage import Stage
 from fusedzero.units import select_units
 
+__all__ = ["PLAN_PRECISION", "STAGES", "LinkModel", "Plan", "PlanConfig", "StagePlan",
+           "model_layouts", "plan_groups", "plan_model", "plan_params"]
+
 STAGES = (0, 1, 2, 3)
 # The global grad norm (clipping, non-finite skip) is one fp32 scalar all-reduced per step.
 SCALAR_BYTES = 4

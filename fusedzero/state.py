@@ -22,6 +22,8 @@ import torch
 from fusedzero.layout import FlatLayout, Segment
 from fusedzero.memory_modes import MemoryModes, decode_master, decode_state, encode_master, encode_state
 
+__all__ = ["ParamInfo", "ShardInfo", "ShardState"]
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ShardInfo:

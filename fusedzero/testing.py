@@ -48,6 +48,8 @@ from fusedzero.spawn import (
     set_rank_env,
 )
 
+__all__ = ["fake_group", "reuse_ranks", "run_ranks"]
+
 # What the fork server imports once for every rank it starts (fusedzero/spawn.py `forkserver`).
 PRELOAD = ["fusedzero.testing", "fusedzero.optim", "torch._dynamo"]
 

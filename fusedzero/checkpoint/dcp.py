@@ -44,6 +44,8 @@ from fusedzero.checkpoint.catalog import read_manifest
 from fusedzero.checkpoint.saving import save
 from fusedzero.state import ShardState
 
+__all__ = ["import_dcp", "read_dcp", "read_dcp_metadata"]
+
 # The AdamW hyper-parameters ZeroAdamW has; other keys of torch's param groups (foreach, fused,
 # capturable, differentiable, initial_lr) only choose torch's implementation.
 HYPER = ("lr", "betas", "eps", "weight_decay", "maximize")
