@@ -71,7 +71,7 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     Restores master (and the params), exp_avg, exp_avg_sq, the step count, the loss scaler, and
     (with `load_hyperparams`, when the param groups hold the same params) the hyper-parameters;
     with `restore_rng`, this rank's saved RNG states if the saving run had this rank (with a
-    `replicate_group`, this rank of this replica).
+    `Groups(replicate=)`, this rank of this replica).
 
     Everything is checked before anything is written, on every rank: the saved
     hyper-parameters with the constructor's rules (`fusedzero.validate.check_hyper`), and,

@@ -90,7 +90,7 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
     """Save a sharded checkpoint of `opt` (a `ZeroAdamW`) as `directory/step-{step:08d}`.
 
     Collective: every rank of the optimizer's process group calls it with the same arguments
-    (with a `replicate_group`, only the first replica writes; the others return at once)
+    (with `Groups(replicate=)`, only the first replica writes; the others return at once)
     except `caller_state`, which is per rank (e.g. lr scheduler state, data position); each rank's
     RNG states (torch CPU[, CUDA], python `random`[, numpy]) are saved with it.
 

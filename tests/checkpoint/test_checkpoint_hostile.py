@@ -2,7 +2,7 @@
 
 Hostile manifests and planted files are built from a real 1-rank checkpoint of a tiny model
 in this process (milliseconds each); the cross-rank cases (a read failing on one rank during
-`load`, per-replica RNG with a `replicate_group`) share one spawn of 2 gloo ranks.
+`load`, per-replica RNG with `Groups(replicate=)`) share one spawn of 2 gloo ranks.
 """
 from __future__ import annotations
 
