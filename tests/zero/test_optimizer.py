@@ -304,6 +304,20 @@ def test_bad_policy_fields_raise_naming_the_value(build: Any, match: str) -> Non
         build()
 
 
+def test_the_literal_choices_are_the_kernels_and_wire_formats() -> None:
+    """The records' Literal types and the tuples the kernels and wire formats accept agree: a
+    mode added to one and not the other would be refused, or reach a kernel unchecked."""
+    from typing import get_args
+
+    from fusedzero import policy
+    from fusedzero.kernels import MASTER_MODES, STATE_MODES
+    from fusedzero.wire import WIRES
+
+    assert get_args(policy.MasterMode) == MASTER_MODES
+    assert get_args(policy.StateMode) == STATE_MODES
+    assert get_args(policy.WireFormatName) == WIRES
+
+
 def test_groups_refuse_what_is_not_a_process_group() -> None:
     with pytest.raises(TypeError, match=r"Groups\(shard=2\): expected a torch.distributed"):
         Groups(shard=2)  # type: ignore[arg-type]
