@@ -4,6 +4,16 @@ A system is one way to train the same GPT on the same per-rank batch: fusedzero 
 or a peer (DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed), in fp32 or bf16. `bare` is the
 model alone (forward + backward, grads dropped): no optimizer, no hook, no wrapper. What a
 system spends beyond `bare` in the same round is its overhead.
+
+[Note: bf16 matmuls on CPUs without bf16 units] A CPU without AVX-512 (this machine: AVX2) has
+no bf16 GEMM: torch runs bf16 linears 7-100x slower than fp32 ones (bare bf16 forward + backward
+3.5 s vs 0.19 s here), which buries any optimizer's overhead in fwd/bwd noise and ran the bf16
+session past its time limit. "fp32" computes every linear of the bench model from its bf16 operands
+in fp32 and rounds the result to bf16: bf16 x bf16 products are exact in fp32, so this is a bf16
+GEMM with fp32 accumulation, what native bf16 GEMMs do, up to the order of the sum. Params, grads
+and everything the optimizers see stay bf16. Every system gets the same model, so the comparison is
+unchanged. FUSEDZERO_BENCH_BF16_MATMUL=native|fp32 overrides the choice (default: native only where
+torch reports AVX-512).
 """
 from __future__ import annotations
 
@@ -17,8 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fusedzero import Groups, Precision, Sharding, Wire, ZeroAdamW
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.optim import ZeroAdamW
 
 _L, _D, _H, _T = (int(x) for x in os.environ.get("FUSEDZERO_BENCH_MODEL", "4,256,4,128").split(","))
 CFG = GPTConfig(n_layer=_L, n_embd=_D, n_head=_H, block_size=_T, vocab_size=256)
@@ -34,15 +44,8 @@ BF16, F32 = torch.bfloat16, torch.float32
 
 
 def _bf16_matmul_mode() -> str:
-    """[Note: bf16 matmuls on CPUs without bf16 units] A CPU without AVX-512 (this machine: AVX2)
-    has no bf16 GEMM: torch runs bf16 linears 7-100x slower than fp32 ones (bare bf16 forward +
-    backward 3.5 s vs 0.19 s here), which buries any optimizer's overhead in fwd/bwd noise and
-    ran the bf16 session past its time limit. "fp32" computes every linear of the bench model
-    from its bf16 operands in fp32 and rounds the result to bf16: bf16 x bf16 products are exact
-    in fp32, so this is a bf16 GEMM with fp32 accumulation, what native bf16 GEMMs do, up to the
-    order of the sum. Params, grads and everything the optimizers see stay bf16. Every system
-    gets the same model, so the comparison is unchanged. FUSEDZERO_BENCH_BF16_MATMUL=native|fp32
-    overrides the choice (default: native only where torch reports AVX-512)."""
+    """How the bench model's bf16 linears multiply: "native" or "fp32" (see
+    [Note: bf16 matmuls on CPUs without bf16 units])."""
     mode = os.environ.get("FUSEDZERO_BENCH_BF16_MATMUL", "auto")
     if mode == "auto":
         mode = "native" if torch.backends.cpu.get_cpu_capability().startswith("AVX512") else "fp32"
@@ -56,7 +59,7 @@ BF16_MATMUL = _bf16_matmul_mode()
 
 class Fp32AccumLinear(torch.nn.Linear):
     """nn.Linear whose bf16/fp16 inputs are multiplied in fp32 and rounded back
-    ([Note: bf16 matmuls on CPUs without bf16 units]); fp32 inputs take nn.Linear's path."""
+    (see [Note: bf16 matmuls on CPUs without bf16 units]); fp32 inputs take nn.Linear's path."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == F32:
@@ -208,10 +211,13 @@ def build(name: str, world: int) -> System:
         bf16 = spec.precision == "bf16"
         pg = None
         opt = ZeroAdamW(gpt_param_groups(model, WD), lr=LR, stage=spec.stages[0], module=model,
-                        process_group=pg, bucket_numel=BUCKET, max_grad_norm=CLIP or None,
-                        skip_nonfinite=bool(CLIP), param_dtype=BF16 if bf16 else None,
-                        reduce_dtype=BF16 if spec.reduce == "bf16" else F32,
-                        reshard_after_forward=spec.regather != "keep", wire=spec.wire)
+                        max_grad_norm=CLIP or None,
+                        precision=Precision(skip_nonfinite=bool(CLIP),
+                                            param_dtype=BF16 if bf16 else None,
+                                            reduce_dtype=BF16 if spec.reduce == "bf16" else F32),
+                        wire=Wire(grads=spec.wire), groups=Groups(shard=pg),
+                        sharding=Sharding(bucket_numel=BUCKET,
+                                          reshard_after_forward=spec.regather != "keep"))
         return System(name, _train_step(model, opt), [model, opt], params,
                       own_comm=lambda: dict(opt.comm.bytes),
                       memory=lambda: opt.memory()._asdict(), reset_comm=opt.comm.reset)

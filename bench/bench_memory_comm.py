@@ -5,7 +5,8 @@ fp32 master + exp_avg + exp_avg_sq (12 bytes per param). With Psi the padded ele
 all flat buffers (padding is resident, so it is counted; it is reported separately):
 
   stage 0   2Psi + 2Psi + 12Psi           comm: all-reduce 2(W-1)/W * 2Psi
-  stage 1   2Psi + 2Psi + 12Psi/W         comm: reduce-scatter (W-1)/W * 2Psi + all-gather (W-1)/W * 2Psi
+  stage 1   2Psi + 2Psi + 12Psi/W         comm: reduce-scatter (W-1)/W * 2Psi
+                                              + all-gather (W-1)/W * 2Psi
   stage 2   2Psi + (2 + 12)Psi/W          comm: as stage 1
   stage 3   (2 + 2 + 12)Psi/W             comm: as stage 1 + one more all-gather in backward of
                                           every unit but the root (Psi - Psi_root), which stays
@@ -30,10 +31,11 @@ from typing import Any
 import pytest
 import torch
 
-from _common import SUMMARY, replay
+from fusedzero import Precision, Sharding, ZeroAdamW
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
+
+from _common import SUMMARY, replay
 
 _L, _D, _H, _T = (int(x) for x in
                   os.environ.get("FUSEDZERO_BENCH_MEM_MODEL", "4,256,4,64").split(","))
@@ -99,8 +101,10 @@ def worker(rank: int, world: int, stages: list[int]) -> dict[int, Any]:
         model = GPT(CFG)
         try:
             opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-3, stage=stage, module=model,
-                            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                            bucket_numel=BUCKET, max_grad_norm=1.0)
+                            max_grad_norm=1.0,
+                            precision=Precision(param_dtype=torch.bfloat16,
+                                                reduce_dtype=torch.bfloat16),
+                            sharding=Sharding(bucket_numel=BUCKET))
         except Exception as e:  # noqa: BLE001 - stage 3 may not exist yet
             out[stage] = {"error": f"{type(e).__name__}: {e}"}
             continue

@@ -47,10 +47,11 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _common import SUMMARY, add_stats, replay  # noqa: E402
-from fusedzero import ZeroAdamW  # noqa: E402
+from fusedzero import Precision, Sharding, ZeroAdamW  # noqa: E402
 from fusedzero.app.model import GPT, PRESETS, GPTConfig, gpt_param_groups  # noqa: E402
 from fusedzero.spawn import reserved_port  # noqa: E402
+
+from _common import SUMMARY, add_stats, replay  # noqa: E402
 
 FULL = os.environ.get("FUSEDZERO_BENCH_PHASES_FULL", "0") == "1"
 STEPS = int(os.environ.get("FUSEDZERO_BENCH_PHASES_STEPS", "10"))
@@ -121,7 +122,8 @@ class Phased:
             self.clip = lambda: nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
         elif name == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-            mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+            mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16
+                  else MixedPrecisionPolicy())
             for block in model.blocks:
                 fully_shard(block, mp_policy=mp)
             fully_shard(model, mp_policy=mp)
@@ -133,7 +135,7 @@ class Phased:
             stage = int(name.rsplit("-", 1)[1])
             self.opt = ZeroAdamW(gpt_param_groups(model, WD), lr=LR, stage=stage, module=model,
                                  max_grad_norm=CLIP,
-                                 param_dtype=torch.bfloat16 if bf16 else None)
+                                 precision=Precision(param_dtype=torch.bfloat16 if bf16 else None))
         self.name = name
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -294,13 +296,14 @@ def measure_hooks(stages: tuple[int, ...] = (0, 1, 2, 3), rounds: int = HOOK_ROU
         for s in stages:
             m = _chain()
             models[f"fusedzero-{s}"] = (m, ZeroAdamW(m.parameters(), lr=LR, stage=s, module=m,
-                                                     unit_policy=_is_block(m)))
+                                                     sharding=Sharding(units=_is_block(m))))
         split = 3 in stages and COARSE > 1
         if split:
             models[f"bare/{COARSE}"] = (_chain(COARSE), None)
             m = _chain(COARSE)
-            models[f"fusedzero-3/{COARSE}"] = (m, ZeroAdamW(
-                m.parameters(), lr=LR, stage=3, module=m, unit_policy=_is_block(m)))
+            models[f"fusedzero-3/{COARSE}"] = (m, ZeroAdamW(m.parameters(), lr=LR, stage=3,
+                                                            module=m,
+                                                            sharding=Sharding(units=_is_block(m))))
         parts = ("forward", "backward", "zero_grad")
         t: dict[str, dict[str, list[float]]] = {k: {p: [] for p in parts} for k in models}
         for r in range(3 + rounds):

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
+from fusedzero import Precision, Sharding, ZeroAdamW
 from fusedzero.emulate import LlamaShape, fake_group, meta_model, param_groups
-from fusedzero.optim import ZeroAdamW
 from fusedzero.units import ShardInit
 
 SHARD = int(float(os.environ.get("FUSEDZERO_BENCH_SCALE_SHARD", "1.5e6")))
@@ -63,9 +63,10 @@ class Rank:
         model = meta_model(self.shape)
         t = time.perf_counter()
         self.opt = ZeroAdamW(param_groups(model), stage=3, module=model, lr=1e-4,
-                             param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                             max_grad_norm=1.0, param_init_fn=ShardInit(_rand_init),
-                             device="cpu")
+                             max_grad_norm=1.0, device="cpu",
+                             precision=Precision(param_dtype=torch.bfloat16,
+                                                 reduce_dtype=torch.bfloat16),
+                             sharding=Sharding(param_init_fn=ShardInit(_rand_init)))
         self.construct_s = time.perf_counter() - t
         self.local = sum(b.layout.local_numel for b in self.opt.flat_groups)
 
@@ -84,7 +85,7 @@ def bench_step() -> dict:
     info = {}
     # One fake group at a time: each W is built, warmed up and timed in turn, ROUNDS steps per
     # visit, visiting the W values round-robin three times to spread machine drift.
-    for visit in range(3):
+    for _visit in range(3):
         for W in WORLDS:
             r = Rank(W)
             for _ in range(2):
@@ -130,8 +131,9 @@ CKPT_SHAPE = LlamaShape(n_layer=2, d=64, ffn=128, vocab=256, n_head=4, n_kv_head
 
 def _ckpt_opt() -> ZeroAdamW:
     model = meta_model(CKPT_SHAPE)
-    return ZeroAdamW(param_groups(model), stage=3, module=model, param_dtype=torch.bfloat16,
-                     param_init_fn=ShardInit(_rand_init), device="cpu")
+    return ZeroAdamW(param_groups(model), stage=3, module=model, device="cpu",
+                     precision=Precision(param_dtype=torch.bfloat16),
+                     sharding=Sharding(param_init_fn=ShardInit(_rand_init)))
 
 
 def bench_ckpt(W: int = 1024, load_world: int = 8) -> dict:

@@ -69,10 +69,22 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from fusedzero.testing import run_ranks
+
 import _measure
 from _common import SUMMARY, percentiles, replay
-from _systems import BATCH, BF16_MATMUL, BUCKET, CFG, CLIP, SYSTEMS, System, build, make_model, unavailable
-from fusedzero.testing import run_ranks
+from _systems import (
+    BATCH,
+    BF16_MATMUL,
+    BUCKET,
+    CFG,
+    CLIP,
+    SYSTEMS,
+    System,
+    build,
+    make_model,
+    unavailable,
+)
 
 STEPS = int(os.environ.get("FUSEDZERO_BENCH_STEPS", "16"))
 WARMUP = int(os.environ.get("FUSEDZERO_BENCH_WARMUP", "3"))
@@ -141,7 +153,7 @@ def worker(rank: int, world: int, names: list[str]) -> dict[str, Any]:
         _measure.COUNTING[0] = i < WARMUP
         last_bare = float("nan")
         for j, name in enumerate(order[k:] + order[:k]):
-            # [Note: overhead] bare runs again before every BARE_EVERY systems; a system's step
+            # See [Note: overhead]: bare runs again before every BARE_EVERY systems; a system's step
             # is paired with the bare step just before it, so both see the same load.
             runs = [bare, name] if bare is not None and j % BARE_EVERY == 0 else [name]
             for nm in runs:

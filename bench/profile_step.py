@@ -4,7 +4,7 @@
     python bench/profile_step.py --systems bare-bf16,fusedzero-2-bf16-r16,deepspeed-2-bf16
 
 Same model, batch, bucket size and clip as `bench_step.py` (`_systems.py`), W gloo ranks. First
-every system is stepped round-robin with bare forward+backward before each (as bench_step's
+every system is stepped round-robin with bare forward+backward before each (bench_step.py's, see
 [Note: overhead]) and the overhead median printed; then each system's steps run under cProfile
 in rank 0 and the profile's own time (tottime) is summed per category, in ms per step:
 
@@ -33,10 +33,11 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.distributed as dist  # noqa: E402
+from bench_step import RANK_ENV, batch  # noqa: E402
+
+from fusedzero.testing import run_ranks  # noqa: E402
 
 from _systems import BATCH, CFG, SYSTEMS, build  # noqa: E402
-from bench_step import RANK_ENV, batch  # noqa: E402
-from fusedzero.testing import run_ranks  # noqa: E402
 
 CATEGORIES = ("model", "comm wait", "comm launch", "update", "norm", "grad passes", "python")
 _COMM = ("allreduce", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "_reduce_scatter",

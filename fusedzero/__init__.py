@@ -2,20 +2,30 @@
 
 The public names are imported on first use (PEP 562), so `import fusedzero.app` (the CLI) can set
 its own warning policy before torch is first imported; a library never changes its host's.
+docs/api.md lists the public API.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["MemoryReport", "Stage", "ZeroAdamW", "__version__"]
+__all__ = ["Groups", "MemoryReport", "Precision", "Sharding", "ShardInit", "Stage", "Wire",
+           "ZeroAdamW", "__version__"]
 
 if TYPE_CHECKING:
     from fusedzero.optim import MemoryReport, Stage, ZeroAdamW
+    from fusedzero.policy import Groups, Precision, Sharding, Wire
+    from fusedzero.units import ShardInit
+
+# Public name -> the module that defines it, imported on first use.
+_HOMES = {"MemoryReport": "optim", "Stage": "optim", "ZeroAdamW": "optim",
+          "Groups": "policy", "Precision": "policy", "Sharding": "policy", "Wire": "policy",
+          "ShardInit": "units"}
 
 
 def __getattr__(name: str) -> Any:
-    if name in ("MemoryReport", "Stage", "ZeroAdamW"):
-        from fusedzero import optim
-        return getattr(optim, name)
+    if name in _HOMES:
+        import importlib
+
+        return getattr(importlib.import_module(f"fusedzero.{_HOMES[name]}"), name)
     raise AttributeError(f"module 'fusedzero' has no attribute {name!r}")

@@ -8,6 +8,21 @@ blocks the host. torch.distributed is the only transport, as in every peer we co
 Bytes are counted per rank by the ring formulas, with n the full (unsharded) element count of the
 collective and b its element size: all-reduce 2(W-1)/W*n*b, reduce-scatter and all-gather
 (W-1)/W*n*b. These are exact integers because n is a multiple of W for every sharded buffer.
+
+[Note: premul_sum dtypes] fp32 only, and fp16 where `factor` is exact in fp16 (a power of two).
+NCCL multiplies by the factor rounded to the data's dtype: in bf16, 1/W for W = 24 is 0.19% too
+large, a bias on every grad of every step where DDP's `div_` rounds each quotient on its own. And
+torch builds before pytorch/pytorch#190747 (2026-07) passed NCCL a 4-byte float where it reads 2
+bytes for bf16: every power-of-two factor became 0, all-zero grads (pytorch/pytorch#190745). fp32's
+rounding of 1/W is the last bit, as close as `div_`.
+
+[Note: a hung NCCL collective] A wait on NCCL does not block the host, so no timeout of ours can
+see a stalled collective. NCCL's watchdog does: after the group's timeout (the `timeout=` of
+init_process_group; `fusedzero train --timeout`) it aborts the communicator and ends the process
+with an error naming the rank, the collective (e.g. `OpType=_ALLGATHER_BASE`) and its sequence
+number, when asynchronous error handling is on (torch's default, 3, since 2.2; an inherited 0 would
+hang silently instead). The flight recorder keeps the last collectives of every rank for that
+report (`TORCH_NCCL_TRACE_BUFFER_SIZE`), dumped on a timeout.
 """
 from __future__ import annotations
 
@@ -18,7 +33,7 @@ import functools
 import math
 import time
 from collections.abc import Callable
-from typing import Any, Optional, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -26,9 +41,9 @@ import torch.distributed as dist
 P = ParamSpec("P")
 T = TypeVar("T")
 # A process group, or None for the default (world) group.
-Group = Optional[dist.ProcessGroup]
+Group = dist.ProcessGroup | None
 # What an async collective returns: a work handle, or None where nothing was sent (1 rank).
-Handle = Optional[dist.Work]
+Handle = dist.Work | None
 
 
 
@@ -127,9 +142,9 @@ def check_same_ranks(group: Group, like: Group, what: str) -> None:
             return [0]
         return dist.get_process_group_ranks(g if g is not None else dist.group.WORLD)
     if ranks(group) != ranks(like):
-        raise ValueError(f"{what} must span the ranks of process_group in the same order "
+        raise ValueError(f"{what} must span the ranks of Groups(shard=...) in the same order "
                          f"(a second group over them, e.g. dist.new_group(ranks)); it spans "
-                         f"{ranks(group)}, process_group {ranks(like)}")
+                         f"{ranks(group)}, the shard group {ranks(like)}")
 
 
 def group_size(group: Group) -> int:
@@ -226,13 +241,7 @@ def premul_sum_op(ctx: CommContext, t: torch.Tensor, factor: float) -> Any:
     the backend serving `t`'s device has one (NCCL) and it gives what a `mul_` before the
     collective would; else None. The factor is a Python float: NCCL bakes it into the op (no
     device read, no extra kernel), as a scalar of `t`'s dtype.
-
-    [Note: premul_sum dtypes] fp32 only, and fp16 where `factor` is exact in fp16 (a power of
-    two). NCCL multiplies by the factor rounded to the data's dtype: in bf16, 1/W for W = 24 is
-    0.19% too large, a bias on every grad of every step where DDP's `div_` rounds each quotient
-    on its own. And torch builds before pytorch/pytorch#190747 (2026-07) passed NCCL a 4-byte
-    float where it reads 2 bytes for bf16: every power-of-two factor became 0, all-zero grads
-    (pytorch/pytorch#190745). fp32's rounding of 1/W is the last bit, as close as `div_`."""
+    fp32 only, and fp16 where `factor` is exact in fp16: see [Note: premul_sum dtypes]."""
     make = getattr(dist, "_make_nccl_premul_sum", None)
     if (make is None or t.device.type == "cpu"
             or serving_backend(ctx.group, t.device.type) != "nccl"):
@@ -251,13 +260,7 @@ def all_reduce_uncounted(t: torch.Tensor, group: Group, world_size: int) -> Hand
     return dist.all_reduce(t, group=group, async_op=True)
 
 
-# [Note: a hung NCCL collective] A wait on NCCL does not block the host, so no timeout of ours
-# can see a stalled collective. NCCL's watchdog does: after the group's timeout (the `timeout=`
-# of init_process_group; `fusedzero train --timeout`) it aborts the communicator and ends the
-# process with an error naming the rank, the collective (e.g. `OpType=_ALLGATHER_BASE`) and its
-# sequence number, when asynchronous error handling is on (torch's default, 3, since 2.2; an
-# inherited 0 would hang silently instead). The flight recorder keeps the last collectives of
-# every rank for that report (`TORCH_NCCL_TRACE_BUFFER_SIZE`), dumped on a timeout.
+# See [Note: a hung NCCL collective].
 NCCL_WATCHDOG_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
                      "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
                      "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}

@@ -16,7 +16,7 @@ above this module knows a param is a DTensor except through the helpers here.
   once: tp rank 0 contributes its Replicate buffers, the other tp ranks weigh them 0
   (`TpInfo.replica_weight`).
 
-The data-parallel group (`process_group=`) and the tp mesh must be orthogonal: every dp group
+The data-parallel group (`Groups(shard=)`) and the tp mesh must be orthogonal: every dp group
 holds one rank of each tp group. See docs/tensor_parallel.md.
 """
 from __future__ import annotations
@@ -110,7 +110,7 @@ def tp_info(params: Iterable[torch.Tensor], names: list[str], dp_group: Group,
             raise ValueError(
                 f"param {n} is a DTensor on a {p.device_mesh.ndim}-D mesh {p.device_mesh}: "
                 "parallelize the model on the 1-D tensor-parallel sub-mesh (mesh['tp']) and "
-                "pass the data-parallel group as process_group=mesh['dp'].get_group()")
+                "pass the data-parallel group as groups=Groups(shard=mesh['dp'].get_group())")
         for pl in p.placements:
             # _StridedShard: a strided split of one dim (e.g. a fused qkv split by heads).
             if not isinstance(pl, (Shard, _StridedShard, Replicate)) or isinstance(pl, Partial):
@@ -120,9 +120,9 @@ def tp_info(params: Iterable[torch.Tensor], names: list[str], dp_group: Group,
             raise ValueError(f"param {n} is a DTensor on the meta device: with tensor "
                              "parallelism, materialise the model before parallelize_module")
     group = mesh.get_group()
-    _check_orthogonal(group, dp_group, "process_group")
+    _check_orthogonal(group, dp_group, "Groups(shard=)")
     if replicate_group is not None:
-        _check_orthogonal(group, replicate_group, "replicate_group")
+        _check_orthogonal(group, replicate_group, "Groups(replicate=)")
     return TpInfo(mesh=mesh, group=group, size=mesh.size(), rank=mesh.get_local_rank(),
                   placements={id(p): tuple(p.placements) for p, _ in found})
 

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Union
 
 import torch
 import torch.distributed as dist
@@ -39,11 +39,14 @@ from fusedzero import comm, wire
 from fusedzero.comm import CommCounter
 from fusedzero.flat import FlatBuffer
 from fusedzero.kernels.quant import new_packed
-from fusedzero.memory_modes import MemoryModes
-from fusedzero.plan import Plan, PlanConfig, plan_model
+from fusedzero.plan import PLAN_PRECISION, Plan, PlanConfig, plan_model
+from fusedzero.policy import Precision, Sharding, Wire
 from fusedzero.stage import Stage
-from fusedzero.wire import WBLOCK, WireFormat
 from fusedzero.units import ShardInit
+from fusedzero.wire import WBLOCK, WireFormat
+
+__all__ = ["SHAPES", "TABLE_ROWS", "Emulation", "LlamaShape", "ModelSource", "emulate",
+           "fake_group", "meta_model", "param_groups", "step_comm", "table"]
 
 
 # -- model shapes (plain nn modules, Llama-style: no forward, they are only ever built) ----------
@@ -154,7 +157,7 @@ def step_comm(buffers: list[FlatBuffer], stage: Stage, reshard_after_forward: bo
     """One step's collectives of these buffers (one micro-batch), issued through
     `fusedzero.comm` on meta tensors of each bucket's shape: what the optimizer's counter
     records on a real step (tests/zero/test_scale_comm.py checks it against one). Over a wire
-    format (`fusedzero.wire`, ZeroAdamW's `wire=` / `param_wire=`) the packed uint8 buffers
+    format (`fusedzero.wire`, ZeroAdamW's `Wire(grads=, params=)`) the packed uint8 buffers
     its paths send: the quantized bucket all-to-all'd (stage 0: a copy padded to W * WBLOCK,
     then its summed chunks all-gathered), packed param pieces all-gathered. Needs a (fake)
     default group of `world_size` ranks."""
@@ -238,7 +241,7 @@ class Emulation:
                 and self.comm_bytes_per_step == self.plan_comm_bytes)
 
 
-ModelSource = Union[LlamaShape, str, Callable[[], nn.Module]]
+ModelSource = LlamaShape | str | Callable[[], nn.Module]
 
 
 def _build(model: ModelSource) -> nn.Module:
@@ -246,18 +249,16 @@ def _build(model: ModelSource) -> nn.Module:
 
 
 def emulate(model: ModelSource, *, world_size: int, rank: int = 0, stage: int = 3,
-            param_dtype: torch.dtype = torch.bfloat16,
-            reduce_dtype: torch.dtype = torch.bfloat16, bucket_numel: int | None = None,
-            reshard_after_forward: bool = True, modes: MemoryModes = MemoryModes(),
-            wire: str | WireFormat | None = None, param_wire: str | WireFormat | None = None,
-            decay_split: bool = True, materialize: bool | None = None,
-            plan: Plan | None = None) -> Emulation:
+            precision: Precision = PLAN_PRECISION, wire: Wire = Wire(),
+            sharding: Sharding = Sharding(), decay_split: bool = True,
+            materialize: bool | None = None, plan: Plan | None = None) -> Emulation:
     """Build `ZeroAdamW` as `rank` of `world_size` under the fake backend and report it.
 
     `model`: a name in SHAPES, a LlamaShape, or a function returning a model on the meta
     device (called twice: once for the optimizer, once for the plan it is compared with).
     Param groups as `fusedzero plan` makes them (`decay_split`: >= 2-D params and the rest).
-    `wire`, `param_wire`: ZeroAdamW's (what grads and gathered params cross the network as).
+    `precision`, `wire`, `sharding`: ZeroAdamW's (fusedzero/policy.py); by default the plan's
+    bf16 params and grads. `sharding.param_init_fn` is replaced (stage 3 materialised: zeros).
     `materialize` (default: stage 3) puts the local shard in CPU memory; stages 0-2 hold the
     full params and cannot, they are built on the meta device. `plan`: the plan to compare
     with (`fusedzero plan` passes the one it prints); default: `plan_model` of the same
@@ -278,25 +279,22 @@ def emulate(model: ModelSource, *, world_size: int, rank: int = 0, stage: int = 
     with fake_group(rank, world_size):
         rss0 = rss_bytes()
         t0 = time.perf_counter()
-        opt = ZeroAdamW(groups, stage=st, module=m, param_dtype=param_dtype,
-                        reduce_dtype=reduce_dtype, bucket_numel=bucket_numel,
-                        reshard_after_forward=reshard_after_forward, max_grad_norm=1.0,
-                        master=modes.master, states=modes.states, wire=wire,
-                        param_wire=param_wire,
-                        param_init_fn=ShardInit(_zero_init) if materialize else None,
-                        device="cpu" if materialize else "meta")
+        opt = ZeroAdamW(groups, stage=st, module=m, max_grad_norm=1.0,
+                        device="cpu" if materialize else "meta",
+                        precision=precision, wire=wire,
+                        sharding=dataclasses.replace(
+                            sharding,
+                            param_init_fn=ShardInit(_zero_init) if materialize else None))
         construct_s = time.perf_counter() - t0
         rss = rss_bytes() - rss0
         mem = opt.memory()
-        sent = step_comm(opt.flat_groups, st, reshard_after_forward, world_size,
-                         wire_format=opt.wire, param_wire=opt.param_wire)
+        sent = step_comm(opt.flat_groups, st, sharding.reshard_after_forward, world_size,
+                         wire_format=opt.grad_wire, param_wire=opt.param_wire)
         # Not closed: close() gathers every unit (the full model). The model is dropped.
         del opt
     if plan is None:
-        cfg = PlanConfig(world_size=world_size, param_dtype=param_dtype,
-                         reduce_dtype=reduce_dtype, bucket_numel=bucket_numel,
-                         reshard_after_forward=reshard_after_forward, modes=modes, wire=wire,
-                         param_wire=param_wire)
+        cfg = PlanConfig(world_size=world_size, precision=precision, wire=wire,
+                         sharding=sharding)
         plan = plan_model(_build(model), cfg, decay_split=decay_split)
     planned = plan.stages[int(st)]
     return Emulation(shape=name, world_size=world_size, rank=rank, stage=int(st),

@@ -21,6 +21,8 @@ from unittest import mock
 from fusedzero.checkpoint import loading, saving
 from fusedzero.emulate import fake_group, rss_bytes
 
+__all__ = ["SavedEmulated", "emulated_rank", "save_emulated"]
+
 MakeOpt = Callable[[], Any]  # builds this rank's ZeroAdamW under the current (fake) group
 
 

@@ -1,6 +1,7 @@
 """ZeroAdamW: data-parallel AdamW over flat sharded buffers, ZeRO stages 0 to 3.
 
-    opt = ZeroAdamW(model.parameters(), lr=3e-4, stage=2, module=model, max_grad_norm=1.0)
+    opt = ZeroAdamW(model.parameters(), lr=3e-4, stage=2, module=model, max_grad_norm=1.0,
+                    precision=Precision(param_dtype=torch.bfloat16))
     loss = model(x).loss; loss.backward(); opt.step(); opt.zero_grad()
 
 Stage 0: plain data parallelism (bucketed all-reduce, full optimizer state on every rank).
@@ -35,18 +36,17 @@ from torch import nn
 from fusedzero import comm, validate
 from fusedzero import wire as wire_mod
 from fusedzero.buckets import BucketSchedule
-from fusedzero.comm import CommContext, CommCounter, Group
+from fusedzero.comm import CommContext, CommCounter
 from fusedzero.dtensor import grouped_sumsq, tp_info
 from fusedzero.flat import FlatBuffer, MemoryReport, build_buffers, memory_report
 from fusedzero.grads import GradHooks
 from fusedzero.kernels import AdamWBuffer, GroupedAdamW
 from fusedzero.model_state_dict import FullParamsLoad
-from fusedzero.memory_modes import MemoryModes
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
+from fusedzero.policy import Groups, Precision, Sharding, Wire, check_record, moved_keywords
 from fusedzero.scalars import GroupLr, LossScaler, StepScalars
 from fusedzero.shards import ShardAccess, ShardStateMethods
 from fusedzero.stage import Stage
-from fusedzero.units import ParamInitFn, UnitPolicy
 from fusedzero.zero3 import Zero3
 
 __all__ = ["MemoryReport", "Stage", "ZeroAdamW"]
@@ -62,58 +62,27 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
             but eps must be > 0 and lr, eps, weight_decay finite in fp32 (`validate.check_hyper`).
         stage: 0 (DP), 1 (optimizer state), 2 (+ grads), 3 (+ params; needs `module`).
         module: the model; gives parameter names (checkpoints) and, for stage 3, the units.
-        process_group: the group params, grads and state are sharded over (default: the world;
-            none initialised = 1 rank). Params may be DTensors on a tensor-parallel mesh
-            (`parallelize_module`): pass the dp group here; `self.tp` then describes the tp
-            mesh (fusedzero/dtensor.py, docs/tensor_parallel.md).
-        replicate_group: for a 2-D mesh (shard within a node, replicate across nodes): the group
-            of ranks that hold the same shard. Each bucket's grad shard is all-reduced over it
-            once the bucket's reduction in `process_group` is complete, when the bucket two
-            launches later goes out (one order on every rank), in every backward outside
-            `no_sync` (fusedzero/replicas.py); everything else stays within
-            `process_group`. Grads are averaged over both groups.
-        gather_group: a second group over the ranks of `process_group` (same order) for the
-            param all-gathers of stages 1-3: on NCCL a group is one communicator whose
-            collectives run in issue order on one stream, so a prefetch all-gather issued after
-            a reduce-scatter would wait for it. None: `process_group` (`fusedzero train` makes
-            one on GPUs). It costs that communicator's memory.
-        param_dtype: dtype of the model's params (e.g. torch.bfloat16, with an fp32 master);
-            default keeps each param's dtype (fp32 params are their own master).
-        reduce_dtype: dtype grads are accumulated in and, without `wire`, reduced in.
-        wire: grads cross the network as None (reduce_dtype), "fp32", "bf16" or "int8" (fp32
-            scale per 128), summed in fp32 on arrival, replica all-reduce too (docs/wire.md).
-        param_wire: stages 1-3 param all-gathers as None (param dtype), "bf16" or "int8"; a
-            rank's own piece and the masters stay exact.
-        bucket_numel: elements per bucket, all ranks' shards together (rounded so buckets are
-            equal and divide by W*ALIGN); None: chosen per rank, at least 1 MiB of each
-            rank's shard per bucket (`fusedzero.layout.default_bucket_numel`).
         max_grad_norm: clip the global grad norm to this (None: no clipping).
-        skip_nonfinite: skip the whole step (on the device, no sync) when a grad is inf/nan.
-        loss_scale: "dynamic" for fp16 dynamic loss scaling, a float for a static scale, None.
-        unit_policy: stage 3 units: None (each child of an nn.ModuleList), a module class or
-            tuple of classes, a callable(module) -> bool, or a minimum element count. Stages
-            1-2: a module's forward waits for its subtree's params except those of units,
-            which wait for their own (see fusedzero/param_sync.py).
-        reshard_after_forward: stage 3: free a unit after its forward and gather it again for
-            backward (3 Psi of traffic per step, less the root unit's Psi: the root stays
-            gathered into its backward); False keeps every unit until backward (2 Psi).
-        param_init_fn: stage 3 with params on the meta device: `fn(name, module)` initialises the
-            params a module owns directly (default: `module.reset_parameters()`).
-        master: how the master weights are held (`fusedzero.memory_modes`): "fp32" (an fp32 master;
-            fp32 params are their own), or, with bf16 params only, no fp32 master at all:
-            "bf16-kahan" (the bf16 param plus a bf16 Kahan compensation), "bf16-sr" (updates
-            stochastically rounded onto the param) or "bf16" (round to nearest).
-        states: exp_avg / exp_avg_sq as "fp32", "bf16" or "int8" (blockwise quantized, one
-            fp32 scale per 128 elements and state).
-        seed: the random stream of master="bf16-sr" (bits from (seed, step, element)): the same
-            seed makes a run and its resume bit-exact.
-        device: where meta-device params are materialised (default: cuda if present, else cpu).
+        precision: dtypes, master and state modes, loss scaling, non-finite skip
+            (`fusedzero.Precision`; default: fp32 throughout).
+        wire: what grads and gathered params cross the network as (`fusedzero.Wire`).
+        groups: the process groups to shard over, replicate over and all-gather on
+            (`fusedzero.Groups`; default: the world, no replicas). Params may be DTensors on a
+            tensor-parallel mesh (`parallelize_module`): pass the dp group as `shard`; `self.tp`
+            then describes the tp mesh (fusedzero/dtensor.py, docs/tensor_parallel.md).
+        sharding: bucket size and stage-3 units (`fusedzero.Sharding`).
+        device: where meta-device params are materialised (default: cuda if present, else cpu);
+            otherwise it must be the params' device. "meta" with meta params: a dry build.
         trace: record the order of collectives and unit events in `self.trace` (tests).
+
+    The records are described in docs/api.md. A keyword of the old flat signature
+    (`param_dtype=`, `process_group=`, ...) raises a TypeError naming its record.
 
     One live optimizer per model: `close()` detaches it (hooks removed, params left as plain
     tensors) before another is built on the same params.
     """
 
+    @moved_keywords
     def __init__(
         self,
         params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
@@ -125,36 +94,31 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         *,
         stage: int | Stage = 1,
         module: nn.Module | None = None,
-        process_group: Group = None,
-        replicate_group: Group = None,
-        gather_group: Group = None,
-        param_dtype: torch.dtype | None = None,
-        reduce_dtype: torch.dtype = torch.float32,
-        wire: str | None = None,
-        param_wire: str | None = None,
-        bucket_numel: int | None = None,
         max_grad_norm: float | None = None,
-        skip_nonfinite: bool = True,
-        loss_scale: str | float | None = None,
-        unit_policy: UnitPolicy = None,
-        reshard_after_forward: bool = True,
-        param_init_fn: ParamInitFn | None = None,
-        master: str = "fp32",
-        states: str = "fp32",
-        seed: int = 0,
+        precision: Precision = Precision(),
+        wire: Wire = Wire(),
+        groups: Groups = Groups(),
+        sharding: Sharding = Sharding(),
         device: torch.device | str | None = None,
         trace: bool = False,
     ) -> None:
         validate.check_hyper(lr, betas, eps, weight_decay)
-        self.modes = MemoryModes(master, states)
+        self.precision = check_record("precision", precision, Precision)
+        self.wire = check_record("wire", wire, Wire)
+        self.groups = check_record("groups", groups, Groups)
+        self.sharding = check_record("sharding", sharding, Sharding)
+        self.modes = precision.modes
         try:
             stage = Stage(stage)
         except ValueError:
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}") from None
-        validate.check_options(reduce_dtype=reduce_dtype, param_dtype=param_dtype,
-                               max_grad_norm=max_grad_norm, bucket_numel=bucket_numel)
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
         if stage.shards_params and module is None:
             raise ValueError("stage 3 needs module=model: units are modules")
+        process_group, replicate_group = groups.shard, groups.replicate
+        param_dtype, reduce_dtype = precision.param_dtype, precision.reduce_dtype
+        bucket_numel, seed = sharding.bucket_numel, precision.seed
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         maximize=maximize)
         super().__init__(validate.trainable(params), defaults)
@@ -168,12 +132,12 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         self.replicas = 1 if replicate_group is None else comm.group_size(replicate_group)
         self.replica_rank = 0 if replicate_group is None else comm.group_rank(replicate_group)
         self.reduce_dtype = reduce_dtype
-        self.wire = wire_mod.parse_wire(wire, "wire")
-        self.param_wire = wire_mod.parse_wire(param_wire, "param_wire")
+        self.grad_wire = wire_mod.parse_wire(wire.grads, "Wire.grads")
+        self.param_wire = wire_mod.parse_wire(wire.params, "Wire.params")
         self.param_dtype = param_dtype
         self.bucket_numel = bucket_numel
         self.max_grad_norm = max_grad_norm
-        self.skip_nonfinite = skip_nonfinite
+        self.skip_nonfinite = precision.skip_nonfinite
         self.comm = CommCounter()
         self.trace: list[tuple[str, Any]] | None = [] if trace else None
         self.module = module
@@ -187,8 +151,9 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         # Tensor parallel: DTensor params on a tp mesh (None: a plain model).
         self.tp = tp_info(all_params, names, process_group, replicate_group)
         self._ctx = CommContext.of(process_group, self.comm, self.trace, self.device)
+        gather_group = groups.gather
         if gather_group is not None:
-            comm.check_same_ranks(gather_group, process_group, "gather_group")
+            comm.check_same_ranks(gather_group, process_group, "Groups(gather=...)")
         self._gather_ctx = (self._ctx if gather_group is None else
                             CommContext.of(gather_group, self.comm, self.trace, self.device))
         self._tp_ctx = (None if self.tp is None else
@@ -200,14 +165,16 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
                                          trace=self.trace))
         start_from_rank0(validate.replicated(all_params, module), (self._ctx, self._replica_ctx))
 
-        self.scaler = LossScaler(loss_scale, self.device) if loss_scale is not None else None
+        ls = precision.loss_scale
+        self.scaler = LossScaler(ls, self.device) if ls is not None else None
         self.scalars = StepScalars(self.device, max_grad_norm=max_grad_norm,
-                                   skip_nonfinite=skip_nonfinite, scaler=self.scaler)
+                                   skip_nonfinite=precision.skip_nonfinite, scaler=self.scaler)
         self.zero3: Zero3 | None = None
         units = [0] * len(all_params)
         if stage.shards_params:
             assert module is not None
-            self.zero3 = Zero3(module, unit_policy, reshard_after_forward, self._gather_ctx,
+            self.zero3 = Zero3(module, sharding.units, sharding.reshard_after_forward,
+                               self._gather_ctx,
                                lambda t: broadcast_from_rank0(t, (self._ctx, self._replica_ctx)),
                                self.param_wire)
             units = self.zero3.assign(all_params)
@@ -219,17 +186,17 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
                                                         for p in all_params])
         self.seed = seed
         if self.zero3 is not None:
-            self.zero3.setup(self.flat_groups, param_init_fn)
+            self.zero3.setup(self.flat_groups, sharding.param_init_fn)
         order = list(module.parameters()) if module is not None else all_params
         self.buckets = BucketSchedule(self.flat_groups, stage, self._ctx, order, self._replica_ctx,
-                                      self.wire)
+                                      self.grad_wire)
         z = self.zero3
         self.grads = GradHooks(self.buckets, stage, self._ctx, module, all_params,
                                on_unit_grad=z.grad_ready if z is not None else None,
                                on_backward_end=z.end_backward if z is not None else None)
         self.param_sync = ParamSync(
             self.flat_groups if stage.gathers_after_step else [], self._gather_ctx, module,
-            unit_policy, self.param_wire)
+            sharding.units, self.param_wire)
         self.shards = ShardAccess(self.flat_groups, self.scalars, self.param_sync,
                                   self.quiesce_params)
         self._build_update()

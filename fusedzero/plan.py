@@ -12,8 +12,20 @@ buffers of stages 2-3 (at most `MAX_INFLIGHT_BUCKETS` buckets) and the gathered 
 are not resident state and are not counted (neither does `memory()`).
 
 Defaults are the ZeRO paper's mixed-precision Adam: bf16 params, bf16 grads, fp32 master and two
-fp32 moments (K = 12 bytes per param of optimizer state). Note that `ZeroAdamW` itself defaults to
-fp32 grad reduction: pass `--reduce-dtype fp32` to plan for that.
+fp32 moments (K = 12 bytes per param of optimizer state; `PLAN_PRECISION`). Note that `ZeroAdamW`
+itself defaults to fp32 grad reduction: pass `--reduce-dtype fp32` (`Precision(reduce_dtype=
+torch.float32)`) to plan for that.
+
+[Note: alpha-beta ring model] A model of one step's communication time, not a measurement: every
+collective is a ring over the W ranks, (W-1) steps for a reduce-scatter or an all-gather and 2(W-1)
+for an all-reduce; each ring step costs `latency` (alpha) and moves 1/W of the collective over this
+rank's link at `bandwidth` (beta). So one step takes
+
+    ring_steps * latency + comm_bytes_per_step / bandwidth
+
+with comm_bytes_per_step the plan's exact bytes sent. Left out: overlap with compute (a
+real step hides much of it behind backward), tree and NVLS algorithms, contention, the NIC/NVLink
+split of a multi-node ring (give the slowest link).
 """
 from __future__ import annotations
 
@@ -26,9 +38,13 @@ from torch import nn
 
 from fusedzero import dtypes, wire
 from fusedzero.layout import FlatLayout, build_layout, default_bucket_numel
-from fusedzero.memory_modes import MemoryModes, check_param_dtype
+from fusedzero.memory_modes import MemoryModes
+from fusedzero.policy import Precision, Sharding, Wire, check_record
 from fusedzero.stage import Stage
 from fusedzero.units import select_units
+
+__all__ = ["PLAN_PRECISION", "STAGES", "LinkModel", "Plan", "PlanConfig", "StagePlan",
+           "model_layouts", "plan_groups", "plan_model", "plan_params"]
 
 STAGES = (0, 1, 2, 3)
 # The global grad norm (clipping, non-finite skip) is one fp32 scalar all-reduced per step.
@@ -45,66 +61,71 @@ class StagePlan(NamedTuple):
     comm_bytes_per_step: int
 
 
-@dataclass(kw_only=True)
+# The ZeRO paper's mixed-precision Adam: bf16 params, bf16 grads, fp32 master and moments.
+PLAN_PRECISION = Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanConfig:
-    """What the optimizer would be built with. Validated at construction."""
+    """What the optimizer would be built with: the same policy records as `ZeroAdamW` takes
+    (fusedzero/policy.py; only the fields that change bytes are read). Validated at
+    construction."""
 
     world_size: int
-    """Ranks the state is sharded over (ZeroAdamW's process_group size)."""
-    param_dtype: torch.dtype | None = torch.bfloat16
-    """Model param dtype (ZeroAdamW's param_dtype); None keeps each param's own dtype."""
-    reduce_dtype: torch.dtype = torch.bfloat16
-    """Dtype grads are reduced and kept in (ZeroAdamW's reduce_dtype)."""
-    bucket_numel: int | None = None
-    """Elements per bucket, as ZeroAdamW's bucket_numel (None: chosen per rank, as there)."""
-    reshard_after_forward: bool = True
-    """Stage 3: re-gather every unit but the root for backward (3 Psi of traffic, less the
-    root's Psi) or keep it (2 Psi)."""
+    """Ranks the state is sharded over (the size of ZeroAdamW's `Groups(shard=)`)."""
+    precision: Precision = PLAN_PRECISION
+    """Param and grad dtypes, master and state modes (ZeroAdamW's precision=). Default: the
+    ZeRO paper's bf16 params and grads (ZeroAdamW's own default reduces in fp32)."""
+    wire: Wire = Wire()
+    """What grads and gathered params cross the network as (ZeroAdamW's wire=)."""
+    sharding: Sharding = Sharding()
+    """Bucket size and stage-3 units (ZeroAdamW's sharding=; units only read when planning
+    from a model)."""
     grad_norm: bool = True
-    """The step all-reduces the grad norm (max_grad_norm, skip_nonfinite=True: the default)."""
-    unit_policy: Any = None
-    """Stage 3 units, as ZeroAdamW's unit_policy (only used when planning from a model)."""
-    modes: MemoryModes = MemoryModes()
-    """How master and moments are held (ZeroAdamW's master= and states=)."""
+    """The step all-reduces the grad norm (max_grad_norm, Precision(skip_nonfinite=True): the
+    default)."""
     tp: int = 1
     """Tensor-parallel ranks per replica: the params planned are one tp rank's local shards
     (fusedzero/app/tp_plan.py), and the grad norm is all-reduced over tp as well."""
-    wire: wire.WireFormat | str | None = None
-    """What grads cross the network as (ZeroAdamW's wire=; None: the reduce dtype)."""
-    param_wire: wire.WireFormat | str | None = None
-    """What the param all-gathers send (ZeroAdamW's param_wire=; None: the param dtype)."""
 
     def __post_init__(self) -> None:
-        self.wire = wire.parse_wire(self.wire, "wire")
-        self.param_wire = wire.parse_wire(self.param_wire, "param_wire")
-        if self.param_dtype is not None:
-            check_param_dtype(self.modes, self.param_dtype, "param_dtype")
-        elif not self.modes.fp32_master:
-            raise ValueError(f"master={self.modes.master!r} needs param_dtype=bf16")
+        for name, cls in (("precision", Precision), ("wire", Wire), ("sharding", Sharding)):
+            check_record(name, getattr(self, name), cls)
         if self.world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {self.world_size}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
-        if self.bucket_numel is not None and self.bucket_numel < 1:
-            raise ValueError(f"bucket_numel must be >= 1, got {self.bucket_numel}")
-        for name in ("param_dtype", "reduce_dtype"):
-            dt = getattr(self, name)
-            if dt is not None and dt not in dtypes.FLOAT_DTYPES:
-                raise ValueError(f"{name}={dt} is not one of {list(dtypes.FLOAT_DTYPES)}")
+
+    # The fields the planner reads, by the optimizer's names.
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        return self.precision.param_dtype
+
+    @property
+    def reduce_dtype(self) -> torch.dtype:
+        return self.precision.reduce_dtype
+
+    @property
+    def modes(self) -> MemoryModes:
+        return self.precision.modes
+
+    @property
+    def bucket_numel(self) -> int | None:
+        return self.sharding.bucket_numel
+
+    @property
+    def grad_wire(self) -> wire.WireFormat | None:
+        return wire.parse_wire(self.wire.grads, "Wire.grads")
+
+    @property
+    def param_wire(self) -> wire.WireFormat | None:
+        return wire.parse_wire(self.wire.params, "Wire.params")
 
 
 @dataclass(frozen=True, kw_only=True)
 class LinkModel:
-    """[Note: alpha-beta ring model] A model of one step's communication time, not a
-    measurement: every collective is a ring over the W ranks, (W-1) steps for a reduce-scatter
-    or an all-gather and 2(W-1) for an all-reduce; each ring step costs `latency` (alpha) and
-    moves 1/W of the collective over this rank's link at `bandwidth` (beta). So one step takes
-
-        ring_steps * latency + comm_bytes_per_step / bandwidth
-
-    with comm_bytes_per_step the plan's exact bytes sent. Left out: overlap with compute (a
-    real step hides much of it behind backward), tree and NVLS algorithms, contention, the
-    NIC/NVLink split of a multi-node ring (give the slowest link)."""
+    """One step's communication time as a model, not a measurement: see
+    [Note: alpha-beta ring model]."""
 
     bandwidth: float = 25e9
     """Bytes per second one rank sends (25 GB/s: a 200 Gb/s NIC per GPU)."""
@@ -173,9 +194,9 @@ class Plan:
             what = "fp32 master + exp_avg + exp_avg_sq"
         lines = [f"{self.source}: {self.params:,} params (Psi), world size W={W}",
                  f"params {pdt}, grads {dtypes.short_name(c.reduce_dtype)}"
-                 + (f" (wire {c.wire.value})" if isinstance(c.wire, wire.WireFormat) else "")
-                 + (f", params gathered in {c.param_wire.value}"
-                    if isinstance(c.param_wire, wire.WireFormat) else "") + ", optimizer "
+                 + (f" (wire {c.wire.grads})" if c.wire.grads is not None else "")
+                 + (f", params gathered in {c.wire.params}"
+                    if c.wire.params is not None else "") + ", optimizer "
                  f"{what}: K={k:g} bytes/param", ""]
         where = {0: ("full", "full", "full"), 1: ("full", "full", "1/W"),
                  2: ("full", "1/W", "1/W"), 3: ("1/W", "1/W", "1/W")}
@@ -191,7 +212,7 @@ class Plan:
             lines.append("  ".join(x.ljust(w) if i < 4 else x.rjust(w)
                                    for i, (x, w) in enumerate(zip(r, widths))).rstrip())
         ag = ("2 x all-gather (1 of the root unit, kept from forward into backward)"
-              if c.reshard_after_forward else "1 x all-gather")
+              if c.sharding.reshard_after_forward else "1 x all-gather")
         lines += ["",
                   "KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12 bytes, resident per rank (as "
                   "ZeroAdamW.memory()), padding included.",
@@ -273,7 +294,7 @@ def _stage_plan(buffers: list[tuple[torch.dtype, list[Item], int]], stage: int,
         # One collective per bucket, counted as comm.CommCounter.add does (`_bucket_comm`); the
         # ring steps of each (an all-to-all, as a reduce-scatter, W-1) for the comm-time model.
         nb = L.num_buckets
-        gathers = Stage(stage).gathers_per_step(cfg.reshard_after_forward, unit)
+        gathers = Stage(stage).gathers_per_step(cfg.sharding.reshard_after_forward, unit)
         comm += _bucket_comm(L, stage, cfg, dt, gathers)
         steps += nb * (2 if stage == 0 else 1 + gathers) * (W - 1)
     if stage > 0 and cfg.grad_norm:
@@ -295,17 +316,17 @@ def _bucket_comm(L: FlatLayout, stage: int, cfg: PlanConfig, dt: torch.dtype,
     W * WBLOCK."""
     W, B, nb = cfg.world_size, L.bucket_numel, L.num_buckets
     g, p = cfg.reduce_dtype.itemsize, dt.itemsize
-    gw = isinstance(cfg.wire, wire.WireFormat) and wire.uses_wire(cfg.wire, cfg.reduce_dtype, W)
+    gf, pf = cfg.grad_wire, cfg.param_wire
     if stage == 0:
-        if gw:
+        if gf is not None and wire.uses_wire(gf, cfg.reduce_dtype, W):
             S = -(-B // (W * wire.WBLOCK)) * wire.WBLOCK
-            return nb * 2 * (W - 1) * wire.chunk_bytes(cfg.wire, S)  # type: ignore[arg-type]
+            return nb * 2 * (W - 1) * wire.chunk_bytes(gf, S)
         return nb * (2 * (W - 1) * B * g // W)
-    grads = ((W - 1) * wire.chunk_bytes(cfg.wire, B // W) if gw  # type: ignore[arg-type]
+    grads = ((W - 1) * wire.chunk_bytes(gf, B // W)
+             if gf is not None and wire.uses_wire(gf, cfg.reduce_dtype, W)
              else (W - 1) * B * g // W)
-    pw = (isinstance(cfg.param_wire, wire.WireFormat)
-          and wire.gathers_over_wire(cfg.param_wire, dt, W))
-    gather = ((W - 1) * wire.chunk_bytes(cfg.param_wire, B // W) if pw  # type: ignore[arg-type]
+    gather = ((W - 1) * wire.chunk_bytes(pf, B // W)
+              if pf is not None and wire.gathers_over_wire(pf, dt, W)
               else (W - 1) * B * p // W)
     return nb * (grads + gathers * gather)
 
@@ -318,14 +339,15 @@ def plan_groups(groups: list[list[tuple[str, nn.Parameter]]], cfg: PlanConfig, *
     that is not the root, as in a model whose blocks hold nearly all of it: 3 Psi per step).
     `by_wire`: also the comm of every stage under every grad wire choice (`Plan.comm_by_wire`)."""
     flat = [p for grp in groups for _, p in grp]
-    units = _units(model, flat, cfg.unit_policy) if model is not None else [1] * len(flat)
+    units = _units(model, flat, cfg.sharding.units) if model is not None else [1] * len(flat)
     done = {s: _stage_plan(_buffers_from_groups(groups, s, cfg, units), s, cfg)
             for s in STAGES}
     result = Plan(sum(p.numel() for p in flat), cfg.world_size, {s: d[0] for s, d in done.items()},
                   cfg, source, ring_steps={s: d[1] for s, d in done.items()})
     if by_wire:
         for name in ("native", *wire.WIRES):
-            c = dataclasses.replace(cfg, wire=None if name == "native" else name)
+            grads = None if name == "native" else name
+            c = dataclasses.replace(cfg, wire=dataclasses.replace(cfg.wire, grads=grads))
             result.comm_by_wire[name] = {
                 s: _stage_plan(_buffers_from_groups(groups, s, c, units), s, c)[0]
                 .comm_bytes_per_step for s in STAGES}
@@ -356,7 +378,7 @@ def model_layouts(model: nn.Module, cfg: PlanConfig, stage: int, *,
     element lives, so the segments a checkpoint's manifest lists (`FlatLayout.segments`)."""
     groups = _model_groups(model, decay_split)
     flat = [p for grp in groups for _, p in grp]
-    units = _units(model, flat, cfg.unit_policy) if stage == 3 else None
+    units = _units(model, flat, cfg.sharding.units) if stage == 3 else None
     return [_layout(items, dt, stage, cfg)
             for dt, items, _ in _buffers_from_groups(groups, stage, cfg, units)]
 

@@ -4,6 +4,13 @@
 A rank sends one `Report` through a queue. The parent polls it, so a rank that dies without
 reporting (segfault, abort, an OOM kill) fails the run within POLL_S, naming the rank and its
 exit, instead of after the whole timeout; ranks still alive when the parent leaves are killed.
+
+[Note: a port held for the ranks] A socket bound to a free local port, never listening, with
+SO_REUSEADDR: while it is open no other bind takes the port (the kernel hands port 0 out only where
+nothing is bound, and a plain bind to it fails), yet rank 0's store, which binds with SO_REUSEADDR
+too, can listen on it. A port found free and released (`free_port`) could be taken by another
+process before rank 0 bound it: a CI run's `fusedzero train` ended with EADDRINUSE while another
+test's ranks started. Close it once the ranks are done (or their group is up).
 """
 from __future__ import annotations
 
@@ -46,13 +53,9 @@ class Report(NamedTuple):
 
 
 def reserve_port() -> socket.socket:
-    """[Note: a port held for the ranks] A socket bound to a free local port, never listening,
-    with SO_REUSEADDR: while it is open no other bind takes the port (the kernel hands port 0
-    out only where nothing is bound, and a plain bind to it fails), yet rank 0's store, which
-    binds with SO_REUSEADDR too, can listen on it. A port found free and released (`free_port`)
-    could be taken by another process before rank 0 bound it: a CI run's `fusedzero train`
-    ended with EADDRINUSE while another test's ranks started. Close it once the ranks are done
-    (or their group is up)."""
+    """A socket bound to a free local port, never listening, with SO_REUSEADDR (see
+    [Note: a port held for the ranks]). Close it once the ranks are done (or their group is
+    up)."""
     s = socket.socket()
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     s.bind(("127.0.0.1", 0))
@@ -169,7 +172,7 @@ class SpawnedRanks:
         self.world_size = world_size
         self.queue = ctx.Queue()
         self.exit_grace_s = exit_grace_s
-        self._port = reserve_port()  # held until close(): [Note: a port held for the ranks]
+        self._port = reserve_port()  # held until close(): see [Note: a port held for the ranks]
         port = self._port.getsockname()[1]
         if preload is not None:  # the server's environment and stdio are its start's
             args = (target, dict(os.environ), _Stdio(), *args)

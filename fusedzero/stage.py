@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import enum
 
+__all__ = ["Stage"]
+
 
 class Stage(enum.IntEnum):
     DP = 0  # plain data parallelism: everything replicated, grads all-reduced

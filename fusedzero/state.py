@@ -20,7 +20,15 @@ import dataclasses
 import torch
 
 from fusedzero.layout import FlatLayout, Segment
-from fusedzero.memory_modes import MemoryModes, decode_master, decode_state, encode_master, encode_state
+from fusedzero.memory_modes import (
+    MemoryModes,
+    decode_master,
+    decode_state,
+    encode_master,
+    encode_state,
+)
+
+__all__ = ["ParamInfo", "ShardInfo", "ShardState"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,7 +40,7 @@ class ShardInfo:
     unit: int  # stage-3 unit (0: the root; always 0 below stage 3)
     layout: FlatLayout
     shard_rank: int  # whose piece of every bucket this rank holds (0 at stage 0: replicated)
-    modes: MemoryModes = MemoryModes()  # how master and moments are held (fusedzero/memory_modes.py)
+    modes: MemoryModes = MemoryModes()  # how master and moments are held (memory_modes.py)
 
     @property
     def local_numel(self) -> int:
@@ -97,7 +105,8 @@ def fields_of(modes: MemoryModes) -> tuple[str, ...]:
                  if (f != "comp" or modes.kahan) and (not f.endswith("_scale") or modes.quantized))
 
 
-def convert(t: dict[str, torch.Tensor], src: MemoryModes, dst: MemoryModes) -> dict[str, torch.Tensor]:
+def convert(t: dict[str, torch.Tensor], src: MemoryModes,
+            dst: MemoryModes) -> dict[str, torch.Tensor]:
     """One buffer's tensors held in `src` modes, as `dst` holds them (only the fields present:
     a master without its comp is taken as the effective master; states are converted only
     when both the values and, for int8, their scales are given)."""

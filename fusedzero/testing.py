@@ -14,6 +14,13 @@ next run of the same (world size, env, group timeout) too. Between runs they pas
 a run that leaves the ranks out of step fails there. Any failure (an error report, a death, a
 timeout) kills the pool; the next run starts fresh ones. A body that needs a process of its own
 (process-lifetime peaks such as ru_maxrss, import side effects) passes `fresh=True`.
+
+[Note: a body that leaves the group] A body may destroy the group and join another (a test of init
+and teardown). Its peers learn that only when gloo notices the closed connection in their next
+collective, and that notice has not always come: on a loaded CI machine a peer waited in the
+barrier until the run's timeout. So each rank reports its result, and whether its group is still
+the one it joined, before the barrier; the parent kills a pool where any rank's is not, and no
+rank's result waits on a peer's socket.
 """
 from __future__ import annotations
 
@@ -31,8 +38,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fusedzero.spawn import (REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks, context,
-                             leave, set_rank_env)
+from fusedzero.spawn import (
+    REPORTED_ERROR_EXIT,
+    Report,
+    ReportKind,
+    SpawnedRanks,
+    context,
+    leave,
+    set_rank_env,
+)
+
+__all__ = ["fake_group", "reuse_ranks", "run_ranks"]
 
 # What the fork server imports once for every rank it starts (fusedzero/spawn.py `forkserver`).
 PRELOAD = ["fusedzero.testing", "fusedzero.optim", "torch._dynamo"]
@@ -159,7 +175,7 @@ def _pool_entry(rank: int, world_size: int, port: int, queue: Queue[Report],
                 tasks: list[Queue[Any]], env: dict[str, str]) -> None:
     """A reused rank: join the group, then run each task until a None. Each OK report's value
     is (result bytes, whether this rank still has the group it joined), sent before the barrier
-    between runs ([Note: a body that leaves the group])."""
+    between runs (see [Note: a body that leaves the group])."""
     try:
         _join(rank, world_size, port, env, None)
         joined = dist.group.WORLD
@@ -181,13 +197,7 @@ def _pool_entry(rank: int, world_size: int, port: int, queue: Queue[Report],
     leave(queue, 0)
 
 
-# Note: a body that leaves the group
-# A body may destroy the group and join another (a test of init and teardown). Its peers
-# learn that only when gloo notices the closed connection in their next collective, and that
-# notice has not always come: on a loaded CI machine a peer waited in the barrier until the
-# run's timeout. So each rank reports its result, and whether its group is still the one it
-# joined, before the barrier; the parent kills a pool where any rank's is not, and no rank's
-# result waits on a peer's socket.
+# See [Note: a body that leaves the group].
 
 class _Pool:
     """`world_size` ranks with their group joined, each taking runs from its own task queue."""

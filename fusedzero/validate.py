@@ -55,18 +55,6 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
                          f"at most {_FP32.max:.4g})")
 
 
-def check_options(*, reduce_dtype: torch.dtype, param_dtype: torch.dtype | None,
-                  max_grad_norm: float | None, bucket_numel: int | None) -> None:
-    if reduce_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"reduce_dtype {reduce_dtype} not in {FLOAT_DTYPES}")
-    if param_dtype is not None and param_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"param_dtype {param_dtype} not in {FLOAT_DTYPES}")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
-    if bucket_numel is not None and bucket_numel < 1:
-        raise ValueError(f"bucket_numel must be >= 1, got {bucket_numel}")
-
-
 def trainable(params: Any) -> list[Any]:
     """Params or param-group dicts with frozen params left out."""
     params = list(params)
@@ -86,7 +74,7 @@ def trainable(params: Any) -> list[Any]:
 
 def check_groups(param_groups: list[dict[str, Any]]) -> list[nn.Parameter]:
     """Every param once; returns them in optimizer order."""
-    for gi, g in enumerate(param_groups):
+    for g in param_groups:
         check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
     for gi, g in enumerate(param_groups):
         if len({id(p) for p in g["params"]}) != len(g["params"]):

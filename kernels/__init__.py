@@ -18,7 +18,7 @@ from fusedzero.kernels.memory_modes import (MASTER_MODES, QBLOCK, STATE_MODES, b
 from fusedzero.kernels.memory_modes_reference import adamw_reference_mode
 from fusedzero.kernels.sum_of_squares import GroupedSumsq, SumsqView, sumsq
 
-__all__ = ["LAUNCHES", "MASTER_MODES", "QBLOCK", "STATE_MODES", "AdamWBuffer", "AdamWPlan", "GroupedAdamW",
-           "GroupedSumsq", "Hyper", "Strided", "SumsqView", "adamw_reference",
+__all__ = ["LAUNCHES", "MASTER_MODES", "QBLOCK", "STATE_MODES", "AdamWBuffer", "AdamWPlan",
+           "GroupedAdamW", "GroupedSumsq", "Hyper", "Strided", "SumsqView", "adamw_reference",
            "adamw_reference_mode", "adamw_step", "backend", "bytes_per_param",
            "dequantize_blockwise", "quantize_blockwise", "sumsq", "use_triton"]

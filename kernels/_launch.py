@@ -9,6 +9,11 @@ that decides; nothing else in the library knows which ran.
 Streams. A param group's flat buffer is cut into `num_buckets` equal buckets; a rank owns the
 same `shard_numel`-element piece of every bucket. Each stream a kernel reads or writes is a
 `Strided(tensor, stride, base)`: piece k lives at `tensor[k * stride + base :][:shard_numel]`.
+
+[Note: the interpreter is for CPU tensors] It copies each argument's storage to the host, runs
+there and copies it back whole; our tables address every buffer of a launch by its element offset
+from one base tensor (table.py), and an offset between two CUDA allocations lands in arbitrary host
+memory in those copies: heap corruption (glibc's `free(): invalid size`), not an error.
 """
 from __future__ import annotations
 
@@ -29,7 +34,7 @@ _VALID = ("auto", "triton", "torch")
 # Grads (and anything reduced for the norm) come in every float dtype the library handles.
 GRAD_DTYPES: tuple[torch.dtype, ...] = dtypes.FLOAT_DTYPES
 # Compiled with FMA contraction off: free in a memory-bound kernel, and every fp32 operation is
-# then one IEEE round-to-nearest op, as numpy does it in the interpreter (see adamw.py's
+# then one IEEE round-to-nearest op, as numpy does it in the interpreter (adamw.py, see
 # [Note: GPU vs interpreter numerics]).
 ENABLE_FP_FUSION = False
 
@@ -56,11 +61,7 @@ def use_triton(device: torch.device) -> bool:
         return False
     if device.type == "cuda":
         if interpreting():
-            # [Note: the interpreter is for CPU tensors] It copies each argument's storage to
-            # the host, runs there and copies it back whole; our tables address every buffer of
-            # a launch by its element offset from one base tensor (table.py), and an offset
-            # between two CUDA allocations lands in arbitrary host memory in those copies: heap
-            # corruption (glibc's `free(): invalid size`), not an error.
+            # See [Note: the interpreter is for CPU tensors].
             raise RuntimeError(f"tensors on {device} reached the Triton interpreter "
                                "(TRITON_INTERPRET=1 is set): it runs on CPU tensors only; "
                                "unset TRITON_INTERPRET (or set it to 0) before fusedzero.kernels "

@@ -23,6 +23,14 @@ Layout. A buffer's streams each cover `num_buckets` pieces of `shard_numel` elem
 shard is `stride=shard_numel, base=0`; a rank's pieces of a full bucketed buffer (the model's
 param buffer, an in-place reduce-scattered grad buffer) are `stride=bucket_numel,
 base=rank*shard_numel`. exp_avg and exp_avg_sq are always local.
+
+[Note: GPU vs interpreter numerics] Compiled with FMA contraction off (_launch.ENABLE_FP_FUSION,
+free in a memory-bound kernel) and sqrt_rn/div_rn, every fp32 operation of the update is one IEEE
+round-to-nearest op, as numpy does it in the interpreter: the two agree bitwise. The per-step row
+(step size, bias correction) is computed by torch ops in fp64 and rounded once to fp32, the same on
+every path. Not measured on a GPU here; the PTX is checked for the exact forms
+(tests/kernels/test_compile.py). The torch path (torch._fused_adamw_) orders the math differently:
+within 2 * 8 ulps of the interpreter (tests/kernels/test_kernels.py).
 """
 from __future__ import annotations
 
@@ -32,20 +40,43 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedzero.kernels import adamw_torch
-from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Hyper, Strided,
-                                       as_strided, check_stream, count_launch, device_guard,
-                                       use_triton)
-from fusedzero.kernels.memory_modes import (MASTER_CODE, QBLOCK, STATE_CODE, STATE_DTYPES,
-                                     check_mode_buffers, check_modes, load_master, load_state,
-                                     store_master, store_state)
-from fusedzero.kernels.memory_modes import round_to_bf16 as _round_to_bf16
+from fusedzero.kernels import adamw_torch, rows as hp_rows, table
+from fusedzero.kernels._launch import (
+    ENABLE_FP_FUSION,
+    GRAD_DTYPES,
+    Hyper,
+    Strided,
+    as_strided,
+    check_stream,
+    count_launch,
+    device_guard,
+    use_triton,
+)
+from fusedzero.kernels.memory_modes import (
+    MASTER_CODE,
+    QBLOCK,
+    STATE_CODE,
+    STATE_DTYPES,
+    check_mode_buffers,
+    check_modes,
+    load_master,
+    load_state,
+    round_to_bf16 as _round_to_bf16,
+    store_master,
+    store_state,
+)
 from fusedzero.kernels.memory_modes_torch import ModeCombo
-from fusedzero.kernels import rows as hp_rows
-from fusedzero.kernels import table
 from fusedzero.kernels.rows import Rows, check_consts
-from fusedzero.kernels.table import (ADAMW_MODE_WIDTH, ADAMW_WIDTH, AdamWCol, Buffer, Piece,
-                                     Table, build_table, pieces_of)
+from fusedzero.kernels.table import (
+    ADAMW_MODE_WIDTH,
+    ADAMW_WIDTH,
+    AdamWCol,
+    Buffer,
+    Piece,
+    Table,
+    build_table,
+    pieces_of,
+)
 
 # 1024 elements per program with 8 warps: 4 elements per thread, one 128-bit access per fp32
 # stream. With 4 warps (8 per thread) Triton gives 16-bit streams an 8-element layout and fp32
@@ -54,13 +85,7 @@ from fusedzero.kernels.table import (ADAMW_MODE_WIDTH, ADAMW_WIDTH, AdamWCol, Bu
 # (tests/kernels/test_compile.py checks the PTX for st.shared).
 BLOCK = 1024
 NUM_WARPS = 8
-# [Note: GPU vs interpreter numerics] Compiled with FMA contraction off (_launch.ENABLE_FP_FUSION,
-# free in a memory-bound kernel) and sqrt_rn/div_rn, every fp32 operation of the update is one IEEE
-# round-to-nearest op, as numpy does it in the interpreter: the two agree bitwise. The per-step
-# row (step size, bias correction) is computed by torch ops in fp64 and rounded once to fp32, the
-# same on every path. Not measured on a GPU here; the PTX is checked for the exact forms
-# (tests/kernels/test_compile.py). The torch path (torch._fused_adamw_) orders the math differently:
-# within 2 * 8 ulps of the interpreter (tests/kernels/test_kernels.py).
+# The kernel and the interpreter agree bitwise: see [Note: GPU vs interpreter numerics].
 OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The default mode's streams (a launch without an output has OUT's column, at 0) and a memory
 # mode's; the int8 scales (one per QBLOCK elements) need not be 16-element aligned.
@@ -74,9 +99,10 @@ _QBLOCK = tl.constexpr(QBLOCK)
 assert BLOCK % QBLOCK == 0  # a program's scales are whole quantization blocks
 
 
-# Loads and stores of master and the moments are the memory modes' helpers (kernels/memory_modes.py):
-# a mode (a bf16 master, bf16 or blockwise-int8 moments) is a constexpr variant of them, local to
-# them. In the default mode (0, 0) they are one plain load/store per stream.
+# Loads and stores of master and the moments are the memory modes' helpers
+# (kernels/memory_modes.py): a mode (a bf16 master, bf16 or blockwise-int8 moments) is a constexpr
+# variant of them, local to them. In the default mode (0, 0) they are one plain load/store per
+# stream.
 @triton.jit
 def _store_out(ptr, idx, p, mask, OUT_BF16: tl.constexpr):
     if OUT_BF16:
@@ -184,8 +210,9 @@ def _qblocks(blk, BLOCK: tl.constexpr):
 
 class AdamWBuffer(NamedTuple):
     """One buffer for `GroupedAdamW`: its streams, layout and hyper-parameter row (param group),
-    and a memory mode's own buffers (kernels/memory_modes.py): the Kahan comp (local layout), the int8
-    scales (one fp32 per QBLOCK local elements) and the buffer's offset in bf16-sr's stream."""
+    and a memory mode's own buffers (kernels/memory_modes.py): the Kahan comp (local layout), the
+    int8 scales (one fp32 per QBLOCK local elements) and the buffer's offset in bf16-sr's
+    stream."""
 
     master: torch.Tensor | Strided
     grad: torch.Tensor | Strided
@@ -232,7 +259,7 @@ class GroupedAdamW:
     A "launch" is one `_grouped_adamw_kernel` launch on CUDA (and in the interpreter); on the
     torch path (CPU) it is one grouped call: in the default mode one `torch._fused_adamw_` per
     row with tensor lists over all its buffers and pieces, in a memory mode one vectorised pass
-    per row over all its pieces (modes_torch.py). `LAUNCHES["adamw"]` counts them. The memory
+    per row over all its pieces (memory_modes_torch.py). `LAUNCHES["adamw"]` counts them. The memory
     mode (`master_mode`, `states`, bf16-sr's `seed`) is the optimizer's: one for every buffer.
     Every check of the streams is done here, once; `require_aligned` refuses tables the kernel
     could not access with 128-bit vectors (what the optimizer's layout guarantees).

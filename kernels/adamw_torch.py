@@ -5,6 +5,14 @@ once. fp32 grads without an output: one `torch._fused_adamw_` per hyper-paramete
 group) over all its pieces, one pass. bf16/fp16 grads or a low-precision output: the pieces are
 cut into cache-sized chunks, and each chunk is cast into a small fp32 workspace, updated and
 copied into the output while it is still in cache (see [Note: cache-blocked update]).
+
+[Note: cache-blocked update] A chunk touches 20 bytes per element with bf16 grads and a bf16 output
+(master, workspace, exp_avg, exp_avg_sq in fp32; grad and output in bf16): 2**15 elements are 640
+KiB, well inside a core's L2 (2 MiB on the machine this was measured on; 1-2 MiB on current x86
+server cores). Whole-buffer passes instead write the fp32 workspace to memory, read it back, and
+read the master a second time for the output copy (bench/README.md, "Where the overhead goes").
+Each chunk costs three small foreach calls on the host: at 2**15 elements that is a few
+microseconds per 100 KiB of grads.
 """
 from __future__ import annotations
 
@@ -15,13 +23,7 @@ import torch
 from fusedzero.kernels._launch import Hyper
 from fusedzero.kernels.table import AdamWCol, Piece
 
-# [Note: cache-blocked update] A chunk touches 20 bytes per element with bf16 grads and a bf16
-# output (master, workspace, exp_avg, exp_avg_sq in fp32; grad and output in bf16): 2**15
-# elements are 640 KiB, well inside a core's L2 (2 MiB on the machine this was measured on;
-# 1-2 MiB on current x86 server cores). Whole-buffer passes instead write the fp32 workspace to
-# memory, read it back, and read the master a second time for the output copy (bench/README.md,
-# "Where the overhead goes"). Each chunk costs three small foreach calls on the host: at
-# 2**15 elements that is a few microseconds per 100 KiB of grads.
+# Elements per chunk: see [Note: cache-blocked update].
 CHUNK = 1 << 15
 
 

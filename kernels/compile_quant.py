@@ -5,7 +5,7 @@ spills and global access forms per variant (tests/kernels/test_quant.py reads th
 Arguments are declared as the launchers pass them: pointers 16-byte aligned (tensor starts) and
 the sizes and chunk strides multiples of 16, as the runtime specialises int arguments that are
 (the optimizer's shards are multiples of 128; an int8 chunk stride S + S/32 bytes is one when S
-is a multiple of 512), [Note: wire vector widths] in quant.py.
+is a multiple of 512), see [Note: wire vector widths] in quant.py.
 """
 from __future__ import annotations
 

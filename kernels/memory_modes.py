@@ -63,7 +63,7 @@ QBLOCK = 128
 # The constexpr codes the kernel is specialised on (MASTER_MODE, STATE_MODE).
 MASTER_CODE = {m: i for i, m in enumerate(MASTER_MODES)}
 STATE_CODE = {s: i for i, s in enumerate(STATE_MODES)}
-# Largest code magnitude of each int8 map (module docstring, [Note: the int8 map]).
+# Largest code magnitude of each int8 map (module docstring, see [Note: the int8 map]).
 SIGNED_QMAX = 127.0
 UNSIGNED_QMAX = 255.0
 STATE_DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.bfloat16),
@@ -349,8 +349,9 @@ def check_mode_buffers(master_mode: str, states: str, *, out: object, exp_avg_sc
     scales = {"exp_avg_scale": exp_avg_scale, "exp_avg_sq_scale": exp_avg_sq_scale}
     for name, t in scales.items():
         if (t is not None) != (states == "int8"):
+            given = "a tensor" if t is not None else None
             raise ValueError(f"{name} is needed by, and only by, states='int8'; got "
-                             f"states={states!r} with {name}={'a tensor' if t is not None else None}")
+                             f"states={states!r} with {name}={given}")
     if states == "int8":
         if shard_numel % QBLOCK:
             raise ValueError(f"states='int8' quantizes blocks of {QBLOCK} elements: shard_numel "

@@ -1,16 +1,16 @@
 """Float64 reference of the memory-mode update, for tests.
 
-The same algorithm as the kernel (kernels/memory_modes.py), computed exactly where the kernel rounds to
-fp32: the update in float64 from the stored state, then the roundings the algorithm itself makes
-(to bf16, stochastic rounding with the kernel's random bits, the int8 maps on the exact values
-with round-half-up) done exactly in float64. It shares with the kernel only the definition of
-the random bits (`modes.sr_bits`), which are an input of the algorithm, not math to check.
+The same algorithm as the kernel (kernels/memory_modes.py), computed exactly where the kernel rounds
+to fp32: the update in float64 from the stored state, then the roundings the algorithm itself makes
+(to bf16, stochastic rounding with the kernel's random bits, the int8 maps on the exact values with
+round-half-up) done exactly in float64. It shares with the kernel only the definition of the random
+bits (`modes.sr_bits`), which are an input of the algorithm, not math to check.
 """
 from __future__ import annotations
 
 import torch
 
-from fusedzero.kernels.memory_modes import (QBLOCK, SIGNED_QMAX, UNSIGNED_QMAX, check_modes, sr_bits)
+from fusedzero.kernels.memory_modes import QBLOCK, SIGNED_QMAX, UNSIGNED_QMAX, check_modes, sr_bits
 
 
 def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
@@ -36,7 +36,7 @@ def bf16_round_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_exact(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 maps of [Note: the int8 map] on exact values: (codes as int64, absmax scales)."""
+    """The int8 maps (see [Note: the int8 map]) on exact values: (codes as int64, absmax scales)."""
     xb = x.double().view(-1, QBLOCK)
     a = xb.abs().amax(dim=1)
     y = xb.abs() / torch.where(a > 0, a, 1.0)[:, None]

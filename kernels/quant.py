@@ -15,6 +15,15 @@ One launch per bucket each way. `quantize_into` pads the tail past `x.numel()` w
 1/W) and the accumulation into an existing grad shard, and casts once at the store. CPU tensors
 take a torch path with the same fp32 operations in the same order (bitwise equal to the
 interpreted kernels); `_launch.use_triton` decides.
+
+[Note: a NaN on the wire] tl.max drops NaNs (maxnum): a block holding one would get a finite scale
+and arrive finite. The sum of its NaNs (0.0 where it has none, so `+` leaves the scale's bits as
+they are) makes the scale NaN, as torch's amax does: every value of the block dequantizes to NaN
+and the step's non-finite check sees it.
+
+[Note: wire vector widths] The runtime specialises int arguments that are multiples of 16 (n_out,
+chunk_v: the optimizer's shards are multiples of 128) as such, which makes the masks uniform over a
+vector: 128-bit accesses (compile_quant.py).
 """
 from __future__ import annotations
 
@@ -115,10 +124,7 @@ def _quantize_kernel(x_ptr, v_ptr, s_ptr, numel, total_blocks, chunk_numel, chun
     if FMT == 2:
         r = idx // chunk_numel
         a = tl.max(tl.abs(x), axis=1)
-        # [Note: a NaN on the wire] tl.max drops NaNs (maxnum): a block holding one would get
-        # a finite scale and arrive finite. The sum of its NaNs (0.0 where it has none, so
-        # `+` leaves the scale's bits as they are) makes the scale NaN, as torch's amax does:
-        # every value of the block dequantizes to NaN and the step's non-finite check sees it.
+        # + the sum of the block's NaNs: see [Note: a NaN on the wire].
         d = tl.div_rn(a, 127.0) + tl.sum(tl.where(x != x, x, 0.0), axis=1)
         inv = tl.where(d > 0, tl.div_rn(1.0, tl.where(d > 0, d, 1.0)), 0.0)
         c = tl.minimum(tl.abs(x) * inv[:, None] + 0.5, 127.0)  # floor: c >= 0
@@ -140,9 +146,7 @@ def _dequant_sum_kernel(v_ptr, s_ptr, out_ptr, n_out, chunks, chunk_numel, chunk
                         OUT_BF16: tl.constexpr, ROWS: tl.constexpr):
     # out[i] = (out[i] if ACCUMULATE) + scale * sum_r value(chunk r, i), summed in fp32 in chunk
     # order, cast once at the store. 1-D offsets, the int8 rows reshaped to (ROWS, WBLOCK) to
-    # meet their scales. [Note: wire vector widths] The runtime specialises int arguments that
-    # are multiples of 16 (n_out, chunk_v: the optimizer's shards are multiples of 128) as
-    # such, which makes the masks uniform over a vector: 128-bit accesses (compile_quant.py).
+    # meet their scales. See [Note: wire vector widths].
     pid = tl.program_id(0).to(tl.int64)
     idx = pid * (ROWS * _WBLOCK) + tl.arange(0, ROWS * _WBLOCK)
     blk = pid * ROWS + tl.arange(0, ROWS)
@@ -152,7 +156,7 @@ def _dequant_sum_kernel(v_ptr, s_ptr, out_ptr, n_out, chunks, chunk_numel, chunk
     # an int32 product, past 2^31 in a bucket of 2^31 elements or more).
     at_v = idx
     at_s = blk + chunk_numel // 4
-    for r in range(chunks):
+    for _ in range(chunks):
         v = tl.load(v_ptr + at_v, mask=mask, other=0).to(tl.float32)
         if FMT == 2:
             d = tl.load(s_ptr + at_s, mask=blk * _WBLOCK < n_out, other=0.0)
@@ -266,7 +270,7 @@ def dequantize_into(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, ch
 def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 codes and fp32 scales of fp32 `x` (a multiple of WBLOCK): the kernel's ops."""
     xb = x.view(-1, WBLOCK)
-    d = xb.abs().amax(dim=1) / QMAX  # NaN where the block holds one ([Note: a NaN on the wire])
+    d = xb.abs().amax(dim=1) / QMAX  # NaN where the block holds one (see [Note: a NaN on the wire])
     inv = torch.where(d > 0, 1.0 / torch.where(d > 0, d, 1.0), 0.0)
     c = torch.clamp(xb.abs() * inv[:, None] + 0.5, max=QMAX)
     c = torch.where(xb == xb, c, 0.0).to(torch.int32)

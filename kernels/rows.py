@@ -4,7 +4,7 @@ Computed once per step on the device from the lr vector, the step count and the 
 fp64 rounded once to fp32, so no update kernel and no torch path has an fp64 operation per
 element. With the Triton kernels that is one small launch (`_adamw_rows_kernel`: one program,
 a lane per group); on the torch path a few vectorised torch ops (`adamw_rows`), each of which
-would be a launch and ~15-25 us of host on CUDA ([Note: one launch for the step's scalars],
+would be a launch and ~15-25 us of host on CUDA (see [Note: one launch for the step's scalars],
 kernels/step_scalars.py). Both compute the same fp64 values up to a few fp64 ulps (the kernel's
 expm1 is Kahan's, from exp and log), so the same fp32 rows. Nothing is read back to the host.
 """
@@ -17,9 +17,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedzero.kernels._launch import (ENABLE_FP_FUSION, Hyper, copy_from_host, count_launch,
-                                       device_guard, use_triton)
-
+from fusedzero.kernels._launch import (
+    ENABLE_FP_FUSION,
+    Hyper,
+    copy_from_host,
+    count_launch,
+    device_guard,
+    use_triton,
+)
 
 
 class RowCol(IntEnum):

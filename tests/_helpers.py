@@ -20,8 +20,8 @@ import pytest
 import torch
 from torch import nn
 
+from fusedzero import Groups, Sharding, ZeroAdamW
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.optim import ZeroAdamW
 
 
 class TwoLinear(nn.Module):
@@ -83,7 +83,7 @@ def tiny_ckpt_opt(cfg: GPTConfig = TINY_CKPT, stage: int = 1, pg: Any = None,
     torch.manual_seed(0)
     model = GPT(cfg)
     opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-2, stage=stage, module=model,
-                    bucket_numel=700, process_group=pg, replicate_group=rep)
+                    groups=Groups(shard=pg, replicate=rep), sharding=Sharding(bucket_numel=700))
     return model, opt
 
 

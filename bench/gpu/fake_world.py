@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import _systems as S  # noqa: E402  (bench/ is a folder of scripts)
-
+from fusedzero import Sharding, ZeroAdamW  # noqa: E402
 from fusedzero.app.model import GPT, gpt_param_groups  # noqa: E402
-from fusedzero.optim import ZeroAdamW  # noqa: E402
+
+import _systems as S  # noqa: E402  (bench/ is a folder of scripts)
 
 STEPS = 3
 
@@ -43,7 +43,7 @@ def one(dev: torch.device, rank: int, world: int, stage: int) -> dict[str, Any]:
         with torch.device(dev):
             model = GPT(S.CFG)
         opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-3, stage=stage, module=model,
-                        bucket_numel=S.BUCKET, max_grad_norm=1.0, trace=True)
+                        max_grad_norm=1.0, trace=True, sharding=Sharding(bucket_numel=S.BUCKET))
         t = torch.randint(0, S.CFG.vocab_size, (S.BATCH, S.CFG.block_size + 1),
                           generator=torch.Generator().manual_seed(0))
         x, y = t[:, :-1].to(dev), t[:, 1:].to(dev)

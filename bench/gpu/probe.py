@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
-from fusedzero import ZeroAdamW
+from fusedzero import Precision, Sharding, ZeroAdamW
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.spawn import free_port
 
@@ -57,7 +57,7 @@ def parity(stage: int) -> dict:
     cfg = GPTConfig(n_layer=2, n_embd=64, n_head=4, block_size=32)
     model, ref = _model(cfg), _model(cfg)
     opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=3e-3, betas=(0.9, 0.95), stage=stage,
-                    module=model, max_grad_norm=1.0, bucket_numel=4096)
+                    module=model, max_grad_norm=1.0, sharding=Sharding(bucket_numel=4096))
     ref_opt = torch.optim.AdamW(gpt_param_groups(ref, 0.1), lr=3e-3, betas=(0.9, 0.95))
     _train(model, opt, cfg, 5, 2)
     _train(ref, ref_opt, cfg, 5, 2, clip_ref=True)
@@ -74,8 +74,9 @@ def step_facts(stage: int, master: str, states: str) -> dict:
     gc.collect()
     before = torch.cuda.memory_allocated(DEV)
     opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=3e-3, stage=stage, module=model,
-                    max_grad_norm=1.0, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                    master=master, states=states)
+                    max_grad_norm=1.0,
+                    precision=Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                        master=master, states=states))
     _train(model, opt, cfg, 3, 1)
     torch.cuda.synchronize()
     added, mem = torch.cuda.memory_allocated(DEV) - before, opt.memory()

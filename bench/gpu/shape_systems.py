@@ -12,7 +12,7 @@ d 64, vocab 512, 2 x 32 tokens: the code runs, nothing is measured.
 Systems (clip 1.0 everywhere, lr 1e-3, weight decay 0.1 on matrices):
   bare             bf16 params: forward + backward, grads dropped (no optimizer, no hook)
   bare-autocast    fp32 params under torch.autocast(bf16): forward + backward, grads dropped
-  fusedzero-S      ZeroAdamW(stage=S, param_dtype=bf16) with its other defaults: fp32 master and
+  fusedzero-S      ZeroAdamW(stage=S, precision=Precision(param_dtype=bf16)) with its other defaults: fp32 master and
                    moments, grads reduced in fp32 (the update reads fp32 grads), bf16 params out
   ddp-autocast     what most users run (nanoGPT's loop): DDP(model) on fp32 params, forward under
                    torch.autocast(bf16), torch.optim.AdamW(fused=True), clip_grad_norm_(1.0),
@@ -43,7 +43,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fusedzero import ZeroAdamW
+from fusedzero import Precision, ZeroAdamW
 from fusedzero.app.model import GPT, PRESETS, GPTConfig, gpt_param_groups
 from fusedzero.bandwidth import copy_op, time_ops
 from fusedzero.kernels import bytes_per_param
@@ -156,9 +156,8 @@ def _bare(base: str, model: GPT) -> tuple[StepFn, None, str]:
 
 
 def _fusedzero(base: str, model: GPT) -> tuple[StepFn, ZeroAdamW, str]:
-    # param_dtype: see the report (a keyword the constructor rewrite will port).
     opt = ZeroAdamW(gpt_param_groups(model, WD), lr=LR, stage=int(base.rsplit("-", 1)[1]),
-                    module=model, max_grad_norm=CLIP, param_dtype=BF16)
+                    module=model, max_grad_norm=CLIP, precision=Precision(param_dtype=BF16))
 
     def step(x: torch.Tensor, y: torch.Tensor) -> object:
         loss = model(x, y)[1]

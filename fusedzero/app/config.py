@@ -11,10 +11,11 @@ import math
 from typing import Any
 
 from fusedzero import dtypes
-from fusedzero.app.tp_plan import check_tp
 from fusedzero.app.model import PRESETS, GPTConfig
+from fusedzero.app.tp_plan import check_tp
 from fusedzero.comm import DEFAULT_TIMEOUT_S
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES
+from fusedzero.policy import Precision, Sharding, Wire
 from fusedzero.wire import WIRES
 
 # Defaults for the 2-rank CPU run: measured 77 s wall on an idle 2-core machine including
@@ -132,15 +133,15 @@ class TrainConfig:
     param_dtype: str | None = None
     """fp32 / bf16 / fp16 (None: bf16 on CUDA, fp32 on CPU)."""
     wire: str | None = None
-    """fp32 / bf16 / int8: what grads cross the network as, summed in fp32 (ZeroAdamW's wire=;
+    """fp32 / bf16 / int8: what grads cross the network as, summed in fp32 (Wire(grads=);
     None: a reduce-scatter in --reduce-dtype). docs/wire.md."""
     param_wire: str | None = None
     """fp32 / bf16 / int8: what the param all-gathers send (None: the param dtype)."""
     master: str = "fp32"
-    """Master weights (ZeroAdamW's master=): fp32, or with --param-dtype bf16 no fp32 master:
+    """Master weights (Precision(master=)): fp32, or with --param-dtype bf16 no fp32 master:
     bf16-kahan, bf16-sr or bf16 (fusedzero/memory_modes.py)."""
     states: str = "fp32"
-    """exp_avg / exp_avg_sq storage (ZeroAdamW's states=): fp32, bf16 or int8."""
+    """exp_avg / exp_avg_sq storage (Precision(states=)): fp32, bf16 or int8."""
     device: str = "auto"
     """auto (CUDA if available), cpu or cuda."""
     progress: bool = True
@@ -249,6 +250,22 @@ class TrainConfig:
         if self.param_dtype:
             return dtypes.SHORT_NAMES[self.param_dtype]
         return dtypes.SHORT_NAMES["bf16" if cuda else "fp32"]
+
+    def precision(self, cuda: bool) -> Precision:
+        """ZeroAdamW's `Precision` from --param-dtype (see `params_dtype`), --reduce-dtype,
+        --master, --states and --seed (the stream of --master bf16-sr)."""
+        return Precision(param_dtype=self.params_dtype(cuda),
+                         reduce_dtype=dtypes.SHORT_NAMES[self.reduce_dtype],
+                         master=self.master, states=self.states,  # type: ignore[arg-type]
+                         seed=self.seed)
+
+    def wire_policy(self) -> Wire:
+        """ZeroAdamW's `Wire` from --wire and --param-wire."""
+        return Wire(grads=self.wire, params=self.param_wire)  # type: ignore[arg-type]
+
+    def sharding(self) -> Sharding:
+        """ZeroAdamW's `Sharding` from --bucket-numel (units: the GPT's blocks, the default)."""
+        return Sharding(bucket_numel=self.bucket_numel)
 
     def model_config(self) -> dict[str, Any]:
         """GPTConfig fields: the preset's (if any) under the four shape flags."""

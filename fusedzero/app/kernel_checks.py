@@ -39,9 +39,9 @@ HP = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
 LR, STEP, SCALE = float(torch.tensor(3e-3)), 7, float(torch.tensor(0.37))
 U32 = 2.0**-24  # unit roundoff of fp32
 # AdamW: ~10 fp32 operations per element, each within 1/2 ulp of its result; the paths measure at
-# most ~4 ulps of the magnitudes involved (see `_magnitudes`): 8 is 2x that (tests/kernels/test_kernels.py
-# uses the same bound), while a wrong bias correction, eps inside the sqrt or a lost weight decay
-# or grad scale is off by orders of magnitude more.
+# most ~4 ulps of the magnitudes involved (see `_magnitudes`): 8 is 2x that
+# (tests/kernels/test_kernels.py uses the same bound), while a wrong bias correction, eps inside the
+# sqrt or a lost weight decay or grad scale is off by orders of magnitude more.
 ADAMW_ULPS = 8.0
 
 
@@ -147,12 +147,11 @@ def differing_bits(got: torch.Tensor, want: torch.Tensor) -> int:
 
 def check_scalars(device: torch.device) -> VariantResult:
     """The step's scalar kernels (kernels/step_scalars.py, kernels/rows.py) on `device` against
-    their torch paths on CPU tensors, bitwise ([Note: one launch for the step's scalars]): the
+    their torch paths on CPU tensors, bitwise (see [Note: one launch for the step's scalars]): the
     scalars over finite, zero, huge, inf and nan sums of squares with and without clip, loss
     scale and skip; the rows of 8 groups at 4 step counts. `worst_ulps` counts the values that
     differ (the bound is 0; any two NaNs are equal: `differing_bits`)."""
-    from fusedzero.kernels import rows as rows_mod
-    from fusedzero.kernels import step_scalars as sc
+    from fusedzero.kernels import rows as rows_mod, step_scalars as sc
 
     def one(v: float, dev: torch.device) -> torch.Tensor:
         return torch.tensor([v], dtype=torch.float32, device=dev)

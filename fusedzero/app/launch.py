@@ -5,6 +5,12 @@
     torchrun --nproc-per-node 8 -m fusedzero.cli train --stage 2     # joins torchrun's group
 
 The python API is `run(argv) -> summary dict` (what `--out-json` writes), used by the tests.
+
+[Note: a rank that raises in a group] The end-of-run barrier and the group's destruction come after
+a successful run only. A rank that raises (a usage error only rank 0 sees, an out-of-memory) leaves
+at once with its own error: the other ranks are then in some other collective, which a barrier
+would not match (on NCCL: a hang until the watchdog's abort, the real error never printed).
+torchrun ends the other ranks when one exits with an error.
 """
 from __future__ import annotations
 
@@ -23,17 +29,33 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fusedzero import comm
 from fusedzero.app import preflight
-from fusedzero.app.config import (HelpFormatter, StalledError, TrainConfig, UsageError,
-                                  add_arguments, config_from_args, parse_args)
+from fusedzero.app.config import (
+    HelpFormatter,
+    StalledError,
+    TrainConfig,
+    UsageError,
+    add_arguments,
+    config_from_args,
+    parse_args,
+)
 from fusedzero.app.data import Split
-from fusedzero.app.preload import RANK_PRELOAD, TORCHRUN_ENV
 from fusedzero.app.lifecycle import die_with_parent, sigterm_as_interrupt
 from fusedzero.app.log import waiting_for
-from fusedzero import comm
+from fusedzero.app.preload import RANK_PRELOAD, TORCHRUN_ENV
 from fusedzero.comm import CollectiveTimeout
-from fusedzero.spawn import (LAST_WORDS_S, REPORTED_ERROR_EXIT, Report, ReportKind, SpawnedRanks,
-                             context, exit_description, leave, set_rank_env)
+from fusedzero.spawn import (
+    LAST_WORDS_S,
+    REPORTED_ERROR_EXIT,
+    Report,
+    ReportKind,
+    SpawnedRanks,
+    context,
+    exit_description,
+    leave,
+    set_rank_env,
+)
 
 # After the first rank reports a stall, how long the launcher waits for the other ranks' own
 # reports (they hit the same timeout at about the same moment) before it ends them.
@@ -204,7 +226,7 @@ def _spawn_entry(rank: int, world: int, port: int, q: Queue[Report], use_cuda: b
     code = REPORTED_ERROR_EXIT
     try:
         device = _setup_device(use_cuda, rank, world)
-        if use_cuda:  # a hung collective ends in a report ([Note: a hung NCCL collective])
+        if use_cuda:  # a hung collective ends in a report (see [Note: a hung NCCL collective])
             comm.nccl_watchdog_env()
         # The group's timeout bounds every wait (fusedzero.comm.wait reads it back).
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
@@ -235,20 +257,15 @@ def _spawn_entry(rank: int, world: int, port: int, q: Queue[Report], use_cuda: b
 
 
 def _run_in_group(cfg: TrainConfig) -> dict[str, Any]:
-    """Under torchrun (or inside an initialised group): this process is one rank.
-
-    [Note: a rank that raises in a group] The end-of-run barrier and the group's destruction
-    come after a successful run only. A rank that raises (a usage error only rank 0 sees, an
-    out-of-memory) leaves at once with its own error: the other ranks are then in some other
-    collective, which a barrier would not match (on NCCL: a hang until the watchdog's abort,
-    the real error never printed). torchrun ends the other ranks when one exits with an error."""
+    """Under torchrun (or inside an initialised group): this process is one rank. A rank that
+    raises leaves at once (see [Note: a rank that raises in a group])."""
     own_group = not dist.is_initialized()
     if own_group:
         use_cuda = _use_cuda(cfg)
         world = int(os.environ["WORLD_SIZE"])
         device = _setup_device(use_cuda, int(os.environ.get("LOCAL_RANK", "0")),
                                int(os.environ.get("LOCAL_WORLD_SIZE", world)))
-        if use_cuda:  # a hung collective ends in a report ([Note: a hung NCCL collective])
+        if use_cuda:  # a hung collective ends in a report (see [Note: a hung NCCL collective])
             comm.nccl_watchdog_env()
         # device_id: the communicator is made now, bound to this rank's GPU (barriers too).
         dist.init_process_group("nccl" if use_cuda else "gloo",

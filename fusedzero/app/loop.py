@@ -20,17 +20,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fusedzero import dtypes
-from fusedzero.app import resume as resume_mod
-from fusedzero.app import tp_plan
-from fusedzero.app import watch
+from fusedzero import Groups, ZeroAdamW, dtypes
+from fusedzero.app import resume as resume_mod, tp_plan, watch
 from fusedzero.app.config import MIN_LR_RATIO, TrainConfig, UsageError
 from fusedzero.app.data import BatchSampler, Split, eval_batches
 from fusedzero.app.log import PendingStep, RunLog, waiting_for
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.app.summary import format_table, summarize
 from fusedzero.kernels import LAUNCHES
-from fusedzero.optim import ZeroAdamW
 
 
 def lr_lambda_for(cfg: TrainConfig) -> Callable[[int], float]:
@@ -66,17 +63,13 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
     # --tp: the (dp, tp) mesh; data and ZeroAdamW follow the dp group (the world at --tp 1).
     mesh = tp_plan.parallelize(model, cfg.tp, device)
     dpr, dpw = mesh.dp_rank, mesh.dp_size
-    extra: dict[str, Any] = {}
-    if cfg.bucket_numel is not None:
-        extra["bucket_numel"] = cfg.bucket_numel
-    if device.type == "cuda":  # NCCL: param all-gathers on a communicator of their own
-        extra["gather_group"] = tp_plan.gather_group(mesh)
+    # NCCL: param all-gathers on a communicator of their own.
+    gather = tp_plan.gather_group(mesh) if device.type == "cuda" else None
     opt = ZeroAdamW(gpt_param_groups(model, cfg.weight_decay), lr=cfg.lr,
                     betas=(cfg.beta1, cfg.beta2), stage=cfg.stage, module=model,
-                    param_dtype=param_dtype, reduce_dtype=reduce_dtype,
-                    max_grad_norm=cfg.clip or None, master=cfg.master, states=cfg.states,
-                    wire=cfg.wire, param_wire=cfg.param_wire,
-                    seed=cfg.seed, process_group=mesh.dp_group, **extra)
+                    max_grad_norm=cfg.clip or None, precision=cfg.precision(device.type == "cuda"),
+                    wire=cfg.wire_policy(), groups=Groups(shard=mesh.dp_group, gather=gather),
+                    sharding=cfg.sharding())
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_for(cfg))
     sampler = BatchSampler(train_data, cfg.block_size, cfg.batch_size, cfg.seed)
     val = eval_batches(val_data, cfg.block_size, cfg.eval_seqs, 1)[0]

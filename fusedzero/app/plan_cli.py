@@ -15,12 +15,18 @@ from torch import nn
 
 from fusedzero import dtypes, plan
 from fusedzero.app import tp_plan
-from fusedzero.app.config import (DEFAULT_BLOCK, DEFAULT_N_EMBD, DEFAULT_N_HEAD, DEFAULT_N_LAYER,
-                                  UsageError)
+from fusedzero.app.config import (
+    DEFAULT_BLOCK,
+    DEFAULT_N_EMBD,
+    DEFAULT_N_HEAD,
+    DEFAULT_N_LAYER,
+    UsageError,
+)
 from fusedzero.app.model import GPT, GPTConfig
-from fusedzero.memory_modes import MASTER_MODES, STATE_MODES, MemoryModes
-from fusedzero.plan import STAGES, LinkModel, PlanConfig, plan_model, plan_params
 from fusedzero.emulate import SHAPES, Emulation, emulate, meta_model
+from fusedzero.memory_modes import MASTER_MODES, STATE_MODES
+from fusedzero.plan import STAGES, LinkModel, PlanConfig, plan_model, plan_params
+from fusedzero.policy import Precision, Sharding, Wire
 from fusedzero.wire import WIRES
 
 
@@ -92,14 +98,14 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
                    help="grad reduction dtype (default bf16, the ZeRO paper's; ZeroAdamW's "
                         "own default is fp32)")
     p.add_argument("--master", choices=MASTER_MODES, default="fp32",
-                   help="master weights (ZeroAdamW's master=; bf16 modes need bf16 params)")
+                   help="master weights (Precision(master=); bf16 modes need bf16 params)")
     p.add_argument("--states", choices=STATE_MODES, default="fp32",
-                   help="exp_avg / exp_avg_sq storage (ZeroAdamW's states=)")
+                   help="exp_avg / exp_avg_sq storage (Precision(states=))")
     p.add_argument("--wire", choices=(*WIRES, "all"), default=None,
-                   help="what grads cross the network as (ZeroAdamW's wire=), summed in fp32; "
+                   help="what grads cross the network as (Wire(grads=)), summed in fp32; "
                         "all: the main table native, plus comm/step of every stage by wire")
     p.add_argument("--param-wire", choices=WIRES, default=None,
-                   help="what the param all-gathers send (ZeroAdamW's param_wire=)")
+                   help="what the param all-gathers send (Wire(params=))")
     p.add_argument("--bucket-numel", type=int, default=None,
                    help="elements per bucket, all ranks together (default: chosen per rank, "
                         "as ZeroAdamW's; see docs/scale.md)")
@@ -137,14 +143,14 @@ def _cli_plan(args: argparse.Namespace) -> int:
             raise ValueError("--emulate builds a data-parallel ZeroAdamW only, not a tensor-"
                              f"parallel one: drop --tp {args.tp} or --emulate")
         link = LinkModel(bandwidth=args.link_gbps * 1e9, latency=args.link_latency_us * 1e-6)
-        cfg = PlanConfig(world_size=args.world_size,
-                         param_dtype=dtypes.SHORT_NAMES[args.param_dtype],
-                         reduce_dtype=dtypes.SHORT_NAMES[args.reduce_dtype],
-                         bucket_numel=args.bucket_numel,
-                         reshard_after_forward=args.reshard,
-                         modes=MemoryModes(args.master, args.states), tp=args.tp,
-                         wire=None if args.wire == "all" else args.wire,
-                         param_wire=args.param_wire)
+        cfg = PlanConfig(world_size=args.world_size, tp=args.tp,
+                         precision=Precision(param_dtype=dtypes.SHORT_NAMES[args.param_dtype],
+                                             reduce_dtype=dtypes.SHORT_NAMES[args.reduce_dtype],
+                                             master=args.master, states=args.states),
+                         wire=Wire(grads=None if args.wire == "all" else args.wire,
+                                   params=args.param_wire),
+                         sharding=Sharding(bucket_numel=args.bucket_numel,
+                                           reshard_after_forward=args.reshard))
         by_wire = args.wire == "all"
         if args.tp > 1:
             result = _plan_tp(args, cfg)
@@ -221,10 +227,8 @@ def _emulate(args: argparse.Namespace, printed: plan.Plan) -> Emulation:
         raise ValueError(f"--rank must be in [0, {args.world_size}), got {args.rank}")
     cfg = printed.config
     return emulate(_model_source(args), world_size=args.world_size, rank=args.rank,
-                   stage=args.stage, param_dtype=cfg.param_dtype or torch.float32,
-                   reduce_dtype=cfg.reduce_dtype, bucket_numel=cfg.bucket_numel,
-                   reshard_after_forward=cfg.reshard_after_forward, modes=cfg.modes,
-                   wire=cfg.wire, param_wire=cfg.param_wire, decay_split=not args.one_group,
+                   stage=args.stage, precision=cfg.precision, wire=cfg.wire,
+                   sharding=cfg.sharding, decay_split=not args.one_group,
                    materialize=args.stage == 3 and not args.meta, plan=printed)
 
 

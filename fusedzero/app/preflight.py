@@ -5,6 +5,7 @@ its lock, held for the run's life), and the corpus.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import stat
@@ -15,9 +16,9 @@ from pathlib import Path
 import torch
 
 from fusedzero import checkpoint
+from fusedzero.app import watch
 from fusedzero.app.config import VAL_FRACTION, TrainConfig, UsageError
 from fusedzero.app.data import Split, load_corpus, split_corpus
-from fusedzero.app import watch
 from fusedzero.app.resume import latest_checkpoint
 from fusedzero.app.runlock import RunFolderError, RunLock, check_ckpt_dir, check_writable
 from fusedzero.checkpoint.placements import read as tp_record
@@ -80,15 +81,14 @@ def checkpoint_bytes(cfg: TrainConfig, world: int, param_dtype: torch.dtype) -> 
     write it (stage 0: rank 0 alone). A lower bound: fp32 params, their own master in memory,
     are stored as the master too, and each shard adds its header."""
     from fusedzero.app.model import GPT, GPTConfig
-    from fusedzero.memory_modes import MemoryModes
-    from fusedzero.plan import PlanConfig, plan_model
+    from fusedzero.plan import PLAN_PRECISION, PlanConfig, plan_model
 
     with torch.device("meta"):
         model = GPT(GPTConfig(**cfg.model_config()))
-    extra = {"bucket_numel": cfg.bucket_numel} if cfg.bucket_numel is not None else {}
-    plan = plan_model(model, PlanConfig(world_size=world, param_dtype=param_dtype,
-                                        modes=MemoryModes(master=cfg.master, states=cfg.states),
-                                        **extra))
+    precision = dataclasses.replace(PLAN_PRECISION, param_dtype=param_dtype, master=cfg.master,
+                                    states=cfg.states)
+    plan = plan_model(model, PlanConfig(world_size=world, precision=precision,
+                                        sharding=cfg.sharding()))
     return plan.stages[cfg.stage].optimizer_bytes * (1 if cfg.stage == 0 else world)
 
 

@@ -117,7 +117,7 @@ def parallelize(model: nn.Module, tp: int, device: torch.device) -> Mesh:
 
 def gather_group(mesh: Mesh) -> Group:
     """A second group over this rank's dp group, for ZeroAdamW's param all-gathers
-    (`gather_group=`); None where the dp group is one rank. `new_group` is collective over the
+    (`Groups(gather=)`); None where the dp group is one rank. `new_group` is collective over the
     world: every rank makes every dp group's, in the same order, and keeps its own. The dp
     groups of the (dp, tp) mesh are its columns: ranks j, tp + j, 2 tp + j, ..."""
     if mesh.dp_size == 1:

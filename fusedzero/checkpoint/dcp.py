@@ -44,6 +44,8 @@ from fusedzero.checkpoint.catalog import read_manifest
 from fusedzero.checkpoint.saving import save
 from fusedzero.state import ShardState
 
+__all__ = ["import_dcp", "read_dcp", "read_dcp_metadata"]
+
 # The AdamW hyper-parameters ZeroAdamW has; other keys of torch's param groups (foreach, fused,
 # capturable, differentiable, initial_lr) only choose torch's implementation.
 HYPER = ("lr", "betas", "eps", "weight_decay", "maximize")
@@ -113,10 +115,10 @@ def read_dcp_metadata(d: Path) -> Any:
 def read_dcp(dcp_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """The full (unsharded) state dict of a DCP folder, in this process (no process group),
     running no code from it (see [Note: no code from a DCP folder])."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     d = Path(dcp_dir)
@@ -224,7 +226,7 @@ def import_dcp(dcp_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
                    **{k: (tuple(g[k]) if k == "betas" else g[k]) for k in HYPER if k in g}}
                   for g in groups]
     # One rank, stage 1: its local shard is every param; checkpoint.save writes the manifest.
-    opt = ZeroAdamW(opt_groups, stage=1, module=module, process_group=None)
+    opt = ZeroAdamW(opt_groups, stage=1, module=module)
     if opt.world_size != 1:
         raise RuntimeError("import_dcp runs offline: call it with no process group initialised")
     index = {n: i for i, n in enumerate(names)}

@@ -31,6 +31,8 @@ from fusedzero.checkpoint.format import check_replaceable, write_text_atomic
 from fusedzero.checkpoint.tp_export import export, saved_params
 from fusedzero.checkpoint.weights import Exported
 
+__all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "check_against_config", "export_hf", "read_hf_config"]
+
 WEIGHTS_NAME = "model.safetensors"  # transformers' SAFE_WEIGHTS_NAME; shards add -0000k-of-n
 CONFIG_NAME = "config.json"
 

@@ -2,12 +2,19 @@
 
 Plan (`reshard.plan`), read every slice into host staging buffers, agree across ranks, and only
 then write the optimizer through `opt.load_shard_state` (see [Note: transactional load]).
+
+[Note: transactional load] Every rank first reads all it needs (master, exp_avg, exp_avg_sq, its
+caller and RNG state, the hyper-parameters) into staging buffers on the host, then the ranks agree
+on success in one collective, and only then is the optimizer written. So a read error on any rank
+(a corrupt slice, a file gone after planning) raises the same error on every rank, nobody is left
+waiting in a later collective, and the optimizer is untouched everywhere. The cost: this rank's
+shard buffers, as saved, are held on the host at once (`peak_buffer_bytes` reports it).
 """
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -53,23 +60,18 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     Each rank opens only the shard files that hold its new segments, verifies them (size and
     header always; sha256 with `verify`), and reads only the overlapping slices.
 
-    [Note: transactional load] Every rank first reads all it needs (master, exp_avg,
-    exp_avg_sq, its caller and RNG state, the hyper-parameters) into staging buffers on the
-    host, then the ranks agree on success in one collective, and only then is the optimizer
-    written. So a read error on any rank (a corrupt slice, a file gone after planning) raises
-    the same error on every rank, nobody is left waiting in a later collective, and the
-    optimizer is untouched everywhere. The cost: this rank's shard buffers, as saved, are held
-    on the host at once (`peak_buffer_bytes` reports it).
+    All or nothing on every rank: see [Note: transactional load].
 
     Memory modes: the states are read in the modes they were saved in and converted into this
-    optimizer's (`ZeroAdamW(master=, states=)`; see [Note: converting masters] in
-    fusedzero/memory_modes.py): the same modes load bit-exactly, others through fp32 (fp32 master into
-    bf16-kahan: param = rne(master), comp = rne(master - param); back: master = param + comp).
+    optimizer's (`Precision(master=, states=)`; see [Note: converting masters] in
+    fusedzero/memory_modes.py): the same modes load bit-exactly, others through fp32 (fp32
+    master into bf16-kahan: param = rne(master), comp = rne(master - param); back: master =
+    param + comp).
 
     Restores master (and the params), exp_avg, exp_avg_sq, the step count, the loss scaler, and
     (with `load_hyperparams`, when the param groups hold the same params) the hyper-parameters;
     with `restore_rng`, this rank's saved RNG states if the saving run had this rank (with a
-    `replicate_group`, this rank of this replica).
+    `Groups(replicate=)`, this rank of this replica).
 
     Everything is checked before anything is written, on every rank: the saved
     hyper-parameters with the constructor's rules (`fusedzero.validate.check_hyper`), and,
@@ -89,7 +91,7 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
         across = across_tp(opt, path)  # a tp root saved at another tp size (tp_reshard.py)
         if across is None:
             path = tp_directory(opt, path, saving=False)  # tp: this tp rank's folder
-            if getattr(opt, "tp", None) is not None:  # [Note: one step across tp folders]
+            if getattr(opt, "tp", None) is not None:  # See [Note: one step across tp folders]
                 path = common_step(opt, Path(path))
         wait_pending(opt)
         if across is not None:

@@ -17,8 +17,8 @@ checking `tensor_parallel.json` against the live model; `export_tp` (fusedzero/c
 tp_export.py, also reached by `checkpoint.export` and `fusedzero ckpt export`) writes one
 consolidated safetensors file of full tensors (loadable into the unparallelized model, or into
 any (dp, tp) layout with `import_weights`, which slices the full tensors by the live
-placements: `tp_source`). `load` at another tp size (tp=1, a plain model, included) assembles the full
-optimizer state from every tp folder: fusedzero/checkpoint/tp_reshard.py.
+placements: `tp_source`). `load` at another tp size (tp=1, a plain model, included) assembles
+the full optimizer state from every tp folder: fusedzero/checkpoint/tp_reshard.py.
 
 `tensor_parallel.json` is untrusted input: it is parsed against a strict schema (sizes bounded,
 placements from a small grammar) and compared with the live model, never used to index files.
@@ -29,6 +29,13 @@ rank and the digest of the record it was saved with, and `check_bound` compares 
 with the record before any data is read (as binding.py binds a manifest to its shard headers).
 A root of record version 1 (before the binding) is refused with the way to convert it:
 `fusedzero ckpt upgrade ROOT NEW_ROOT` (fusedzero/checkpoint/tp_upgrade.py).
+
+[Note: one step across tp folders] Each tp folder is saved by its own dp group; a save killed or
+failed after some folders committed leaves their `latest` at different steps, and each tp rank
+resolving its own would load a model whose tp slices come from different steps, silently. Where the
+folders' newest steps differ, every tp rank takes the newest step all folders hold (a warning names
+it), or raises where they share none. Never raises before its collective; after it, every tp rank
+raises alike (same data).
 """
 from __future__ import annotations
 
@@ -348,12 +355,7 @@ def tp_source(opt: Any, source: Any) -> Any:
 
 def common_step(opt: Any, mine: Path) -> Path:
     """Collective over the tp group: the checkpoint of tp folder `mine` that every tp rank
-    loads. [Note: one step across tp folders] Each tp folder is saved by its own dp group; a
-    save killed or failed after some folders committed leaves their `latest` at different
-    steps, and each tp rank resolving its own would load a model whose tp slices come from
-    different steps, silently. Where the folders' newest steps differ, every tp rank takes the
-    newest step all folders hold (a warning names it), or raises where they share none.
-    Never raises before its collective; after it, every tp rank raises alike (same data)."""
+    loads. See [Note: one step across tp folders]."""
     tp = opt.tp
     newest: Path | None = None
     payload: Any = None

@@ -1,6 +1,13 @@
 """Per-rank state a checkpoint carries besides the optimizer: the caller's state and the RNG
 states, packed with torch.save and read back with weights_only=True (a manifest is data: it must
-never run code when read)."""
+never run code when read).
+
+[Note: one GPU's RNG state per rank] A rank draws from its own GPU's generator only: a state
+holds that one (the current device's), restored into the current device. States saved before held
+every visible GPU's (`get_rng_state_all`), whose restore indexed GPUs the resuming machine may not
+have (fewer GPUs, one visible per process: an IndexError after the optimizer was loaded): the entry
+of the current device is taken, where there is one.
+"""
 from __future__ import annotations
 
 import base64
@@ -22,7 +29,7 @@ def rng_state() -> dict[str, Any]:
     st: dict[str, Any] = {"torch": torch.get_rng_state(),
                           "python": (version, torch.tensor(words, dtype=torch.int64), gauss)}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        st["cuda"] = torch.cuda.get_rng_state()  # [Note: one GPU's RNG state per rank]
+        st["cuda"] = torch.cuda.get_rng_state()  # See [Note: one GPU's RNG state per rank]
     np = sys.modules.get("numpy")
     if np is not None:
         name, keys, pos, has_gauss, cached = np.random.get_state()
@@ -46,12 +53,8 @@ def set_rng_state(st: dict[str, Any]) -> None:
 
 
 def _own_cuda_state(st: dict[str, Any]) -> torch.Tensor | None:
-    """[Note: one GPU's RNG state per rank] A rank draws from its own GPU's generator only: a
-    state holds that one (the current device's), restored into the current device. States
-    saved before held every visible GPU's (`get_rng_state_all`), whose restore indexed GPUs
-    the resuming machine may not have (fewer GPUs, one visible per process: an IndexError
-    after the optimizer was loaded): the entry of the current device is taken, where there
-    is one."""
+    """This rank's GPU's entry of a saved CUDA RNG state (see
+    [Note: one GPU's RNG state per rank])."""
     saved = st.get("cuda")
     if saved is None or not torch.cuda.is_available():
         return None

@@ -4,6 +4,12 @@
 packed caller and RNG state) before anything is written, so a bad caller_state or a root that is
 itself a checkpoint fails on every rank at once. An async save copies the shards off the live
 buffers first and needs no collective off the main thread (see the sidecar note in `format`).
+
+[Note: a failure before the first gather] What fails on some ranks only before the first collective
+(the previous async save's error, which only its failing ranks hold; this tp rank's folder; the
+host copies of the shard) is carried by that gather, and rank 0 raises it for every rank through
+`agree`: a rank that raised here alone would leave the others waiting in the gather until the
+group's timeout.
 """
 from __future__ import annotations
 
@@ -21,11 +27,18 @@ import torch
 from fusedzero import dtypes
 from fusedzero.checkpoint.binding import shard_metadata
 from fusedzero.checkpoint.collectives import agree, gather_to_first
-from fusedzero.checkpoint.format import (LATEST, MANIFEST, SafetensorsWriter, fsync_dir, named,
-                                         remove, shard_file_name, step_dir_name,
-                                         write_text_atomic)
-from fusedzero.checkpoint.manifest import (FORMAT, MAX_MANIFEST, STEP_DIR, VERSION,
-                                          CheckpointError)
+from fusedzero.checkpoint.format import (
+    LATEST,
+    MANIFEST,
+    SafetensorsWriter,
+    fsync_dir,
+    named,
+    remove,
+    shard_file_name,
+    step_dir_name,
+    write_text_atomic,
+)
+from fusedzero.checkpoint.manifest import FORMAT, MAX_MANIFEST, STEP_DIR, VERSION, CheckpointError
 from fusedzero.checkpoint.optview import aliases, hyperparams
 from fusedzero.checkpoint.placements import tp_directory, tp_origin
 from fusedzero.checkpoint.rank_state import pack, rng_state, unpack
@@ -77,7 +90,7 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
     """Save a sharded checkpoint of `opt` (a `ZeroAdamW`) as `directory/step-{step:08d}`.
 
     Collective: every rank of the optimizer's process group calls it with the same arguments
-    (with a `replicate_group`, only the first replica writes; the others return at once)
+    (with `Groups(replicate=)`, only the first replica writes; the others return at once)
     except `caller_state`, which is per rank (e.g. lr scheduler state, data position); each rank's
     RNG states (torch CPU[, CUDA], python `random`[, numpy]) are saved with it.
 
@@ -96,11 +109,7 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
     W, rank, group = opt.world_size, opt.rank, opt.process_group
-    # [Note: a failure before the first gather] What fails on some ranks only before the
-    # first collective (the previous async save's error, which only its failing ranks hold;
-    # this tp rank's folder; the host copies of the shard) is carried by that gather, and rank
-    # 0 raises it for every rank through `agree`: a rank that raised here alone would leave the
-    # others waiting in the gather until the group's timeout.
+    # See [Note: a failure before the first gather].
     failed: str | None = None
     try:
         directory = tp_directory(opt, directory, saving=True)  # tp: this tp rank's folder
@@ -155,7 +164,7 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
                     "local_numel": info.local_numel,
                     "segments": [[s.param, s.start, s.length, s.local]
                                  for s in info.segments()]})
-        except Exception as e:  # noqa: BLE001 - [Note: a failure before the first gather]
+        except Exception as e:  # noqa: BLE001 - see [Note: a failure before the first gather]
             tensors.clear()
             failed = f"rank {rank}: copying its shard to the host: {type(e).__name__}: {e}"
     errors = [f"replica {k} {b}" if replicas > 1 else b for k, (_, b) in enumerate(states)

@@ -41,9 +41,9 @@ def test_readme_states_the_cli_and_library_defaults(monkeypatch: pytest.MonkeyPa
     ranks = _claim("README.md", r"a small GPT pretrained on (\d) local CPU ranks")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert local_ranks(parse_args([])) == (False, int(ranks.group(1)))
-    # "param_dtype=torch.bfloat16 for bf16 params": by default the params keep their dtype.
-    _claim("README.md", r"param_dtype=torch\.bfloat16 for bf16 params")
-    assert inspect.signature(ZeroAdamW).parameters["param_dtype"].default is None
+    # "bf16 params: precision=Precision(param_dtype=...)": by default the params keep their dtype.
+    _claim("README.md", r"bf16 params: precision=Precision\(param_dtype=\.\.\.\)")
+    assert inspect.signature(ZeroAdamW).parameters["precision"].default.param_dtype is None
 
 
 def test_train_md_states_the_train_defaults(one_gpu: None, tmp_path: Path,

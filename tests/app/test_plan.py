@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedzero.cli import main
+from fusedzero import Precision, Sharding, ZeroAdamW
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.memory_modes import MemoryModes
-from fusedzero.optim import ZeroAdamW
 from fusedzero.app.plan_cli import preset_model
+from fusedzero.cli import main
 from fusedzero.emulate import meta_model
 from fusedzero.plan import PlanConfig, plan_model, plan_params
 from fusedzero.testing import fake_group
@@ -81,8 +80,8 @@ def test_plan_equals_memory_and_comm_of_a_real_optimizer(W, rank, pdt, rdt, buck
     with torch.device("meta"):  # the plan's model: shapes only, nothing allocated
         meta = GPT(GPTConfig(**CFG))
     for reshard in (True, False):
-        cfg = PlanConfig(world_size=W, param_dtype=pdt, reduce_dtype=rdt, bucket_numel=bucket,
-                         reshard_after_forward=reshard)
+        cfg = PlanConfig(world_size=W, precision=Precision(param_dtype=pdt, reduce_dtype=rdt),
+                         sharding=Sharding(bucket_numel=bucket, reshard_after_forward=reshard))
         plan = plan_model(meta, cfg)
         assert plan.params == sum(p.numel() for p in meta.parameters())
         for stage in (0, 1, 2, 3) if reshard else (3,):
@@ -90,8 +89,10 @@ def test_plan_equals_memory_and_comm_of_a_real_optimizer(W, rank, pdt, rdt, buck
                 torch.manual_seed(0)
                 model = GPT(GPTConfig(**CFG))
                 opt = ZeroAdamW(gpt_param_groups(model, 0.1), stage=stage, module=model,
-                                param_dtype=pdt, reduce_dtype=rdt, bucket_numel=bucket,
-                                reshard_after_forward=reshard, max_grad_norm=1.0)
+                                max_grad_norm=1.0,
+                                precision=Precision(param_dtype=pdt, reduce_dtype=rdt),
+                                sharding=Sharding(bucket_numel=bucket,
+                                                  reshard_after_forward=reshard))
                 x = torch.randint(0, CFG["vocab_size"], (2, CFG["block_size"]))
                 _, loss = model(x, x)
                 loss.backward()
@@ -117,15 +118,19 @@ def test_plan_equals_memory_in_every_memory_mode(master: str, states: str) -> No
     W, rank, bucket = 3, 1, 5000
     with torch.device("meta"):
         meta = GPT(GPTConfig(**CFG))
-    cfg = PlanConfig(world_size=W, param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                     bucket_numel=bucket, modes=MemoryModes(master, states))
+    cfg = PlanConfig(world_size=W, precision=Precision(param_dtype=torch.bfloat16,
+                                                       reduce_dtype=torch.bfloat16,
+                                                       master=master, states=states),
+                     sharding=Sharding(bucket_numel=bucket))
     plan = plan_model(meta, cfg)
     for stage in (0, 1, 3):
         with fake_group(rank, W):
             model = GPT(GPTConfig(**CFG))
             opt = ZeroAdamW(gpt_param_groups(model, 0.1), stage=stage, module=model,
-                            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
-                            bucket_numel=bucket, master=master, states=states)
+                            precision=Precision(param_dtype=torch.bfloat16,
+                                                reduce_dtype=torch.bfloat16, master=master,
+                                                states=states),
+                            sharding=Sharding(bucket_numel=bucket))
             mem, want = opt.memory(), plan.stages[stage]
             assert (mem.params, mem.grads, mem.optimizer) == (
                 want.params_bytes, want.grads_bytes, want.optimizer_bytes), (master, states, stage)
@@ -174,7 +179,8 @@ def test_hf_config_plan_equals_real_hf_model(tmp_path: Path,
     for stage in (0, 3):
         with fake_group(0, 2):
             opt = ZeroAdamW(real.parameters(), stage=stage, module=real,
-                            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+                            precision=Precision(param_dtype=torch.bfloat16,
+                                                reduce_dtype=torch.bfloat16))
             mem = opt.memory()
             assert mem.total == got["stages"][str(stage)]["total_bytes"], stage
             assert mem.params == got["stages"][str(stage)]["params_bytes"], stage

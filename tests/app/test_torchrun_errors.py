@@ -1,5 +1,5 @@
 """`fusedzero train` under torchrun (its ranks in a group of their own): a rank that raises
-leaves at once with its own error ([Note: a rank that raises in a group] in
+leaves at once with its own error (see [Note: a rank that raises in a group] in
 fusedzero/app/launch.py). Before: its `finally` entered the end-of-run barrier while the other
 rank was in a training collective, and the run ended, after the group's timeout, with a timeout
 on both ranks instead of rank 0's error.

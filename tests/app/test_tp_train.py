@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedzero import cli
+from fusedzero import Precision, cli
 from fusedzero.app.launch import run
 from fusedzero.app.model import GPT, GPTConfig
 from fusedzero.app.tp_plan import local_groups, local_shape
@@ -47,7 +47,7 @@ def assert_as_planned(result: dict, stage: int) -> None:
     `plan --tp 2 -W 2` computes for `stage`, to the byte."""
     with torch.device("meta"):
         meta = GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=32))
-    cfg = PlanConfig(world_size=2, tp=2, param_dtype=torch.float32, reduce_dtype=torch.float32)
+    cfg = PlanConfig(world_size=2, tp=2, precision=Precision(param_dtype=torch.float32))
     want = plan_groups(local_groups(meta, 2), cfg, model=meta).stages[stage]
     got = result["resident_bytes"]
     assert (got["params"], got["grads"], got["optimizer"]) == (
@@ -94,7 +94,7 @@ def test_train_tp2_checkpoint_resume(tmp_path: Path) -> None:
     assert sorted(p.name for p in ckpt.iterdir()) == ["tensor_parallel.json", "tp0of2", "tp1of2"]
     assert stopped["steps"] == whole["steps"][:2]
     # The save of step 2 as if killed after tp0's folder committed, before tp1's: resume loads
-    # step 1, the newest in both folders, on both tp ranks ([Note: one step across tp folders]).
+    # step 1, the newest in both folders, on both tp ranks (see [Note: one step across tp folders]).
     # Before: tp0 loaded step 2 and tp1 step 1, and the run went on from the mix.
     shutil.rmtree(ckpt / "tp1of2" / "step-00000002")
     (ckpt / "tp1of2" / "latest").write_text("step-00000001\n")

@@ -25,11 +25,10 @@ import safetensors.torch
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from fusedzero import checkpoint as ck
-from fusedzero.checkpoint import format as ckformat
+from fusedzero import Precision, Sharding, ZeroAdamW, checkpoint as ck
 from fusedzero.app.ckpt_cli import main as cli_main
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.optim import ZeroAdamW
+from fusedzero.checkpoint import format as ckformat
 from fusedzero.testing import run_ranks
 
 from _helpers import gpt_batch, make_gpt
@@ -65,10 +64,11 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def build(cfg: dict[str, Any], stage: int | None = None, seed: int = 0, bucket: int = BUCKET
           ) -> tuple[GPT, ZeroAdamW, LambdaLR]:
     model = make_model(seed)
-    opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, module=model, bucket_numel=bucket,
-                    stage=cfg["stage"] if stage is None else stage,
-                    param_dtype=cfg.get("param_dtype"), loss_scale=cfg.get("loss_scale"),
-                    max_grad_norm=1.0)
+    opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, module=model,
+                    stage=cfg["stage"] if stage is None else stage, max_grad_norm=1.0,
+                    precision=Precision(param_dtype=cfg.get("param_dtype"),
+                                        loss_scale=cfg.get("loss_scale")),
+                    sharding=Sharding(bucket_numel=bucket))
     sched = LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.25 * s))
     return model, opt, sched
 
@@ -415,7 +415,7 @@ def _small_ckpt(root: Path, steps: int = 1, cfg: GPTConfig = CFG, stage: int = 1
     torch.manual_seed(0)
     model = GPT(cfg)
     opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, stage=stage, module=model,
-                    bucket_numel=BUCKET)
+                    sharding=Sharding(bucket_numel=BUCKET))
     x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size + 1))
     for _ in range(steps):
         model(x[:, :-1], x[:, 1:])[1].backward()

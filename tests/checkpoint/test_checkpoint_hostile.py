@@ -2,7 +2,7 @@
 
 Hostile manifests and planted files are built from a real 1-rank checkpoint of a tiny model
 in this process (milliseconds each); the cross-rank cases (a read failing on one rank during
-`load`, per-replica RNG with a `replicate_group`) share one spawn of 2 gloo ranks.
+`load`, per-replica RNG with `Groups(replicate=)`) share one spawn of 2 gloo ranks.
 """
 from __future__ import annotations
 
@@ -21,16 +21,21 @@ import torch
 import torch.distributed as dist
 
 from fusedzero import checkpoint as ck
-from fusedzero.checkpoint import format as ckformat
-from fusedzero.checkpoint import saving as cksaving
 from fusedzero.app.ckpt_cli import main as cli_main
+from fusedzero.app.launch import run as train_run
 from fusedzero.app.model import GPT
+from fusedzero.checkpoint import format as ckformat, saving as cksaving
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
-from fusedzero.app.launch import run as train_run
 
-from _helpers import (TINY_CKPT, copy_root as copy, fast_only, tiny_ckpt_opt, tiny_train,
-                      two_step_root)
+from _helpers import (
+    TINY_CKPT,
+    copy_root as copy,
+    fast_only,
+    tiny_ckpt_opt,
+    tiny_train,
+    two_step_root,
+)
 
 CFG = dataclasses.replace(TINY_CKPT, dropout=0.1)
 SHARD = "rank00000-of-00001.safetensors"
@@ -416,7 +421,7 @@ def w_cross_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     ck.load(opt, Path(root) / "a")
     out["reloaded"] = same(snapshot(opt), saved)
 
-    # -- 10: the previous async save failed on rank 1 only ([Note: a failure before the first
+    # -- 10: the previous async save failed on rank 1 only (see [Note: a failure before the first
     # gather]): the next save, and a load, raise its error on every rank. Before: rank 1 alone
     # raised, and rank 0 waited in the first gather until the group's timeout.
     class FailedSave:

@@ -1,9 +1,10 @@
 """Checkpoints written before the checkpoint subpackage still load, once converted.
 
-tests/checkpoint/fixtures/ckpt_v1 was written once by tests/checkpoint/fixtures/make_ckpt_v1.py with the code of that
-time: 2 gloo ranks, stage 2, bf16 params + fp32 master, dynamic loss scale, two param groups,
-caller state. Its `expected/` holds what the saving ranks had in memory. Here it is loaded in this
-process (one rank, no process group) at stages 2 and 1 and compared exactly, param by param.
+tests/checkpoint/fixtures/ckpt_v1 was written once by tests/checkpoint/fixtures/make_ckpt_v1.py with
+the code of that time: 2 gloo ranks, stage 2, bf16 params + fp32 master, dynamic loss scale, two
+param groups, caller state. Its `expected/` holds what the saving ranks had in memory. Here it is
+loaded in this process (one rank, no process group) at stages 2 and 1 and compared exactly, param by
+param.
 
 Format version 3 binds each shard's header to the manifest; older checkpoints are refused by
 every load with a message naming the converter, `fusedzero ckpt upgrade`, which checks them and
@@ -20,10 +21,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from _helpers import refused_then_upgraded
-from fusedzero import checkpoint as ck
+from fusedzero import Precision, Sharding, ZeroAdamW, checkpoint as ck
 from fusedzero.app.ckpt_cli import main as ckpt_main
-from fusedzero.optim import ZeroAdamW
+
+from _helpers import refused_then_upgraded
 
 FIXTURE = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURE))
@@ -58,7 +59,8 @@ def test_v1_checkpoint_loads(tmp_path: Path, stage: int) -> None:
 
     model = gen.make_model()
     opt = ZeroAdamW(gen.param_groups(model, lr=0.5), stage=stage, module=model,
-                    param_dtype=torch.bfloat16, loss_scale="dynamic", bucket_numel=64)
+                    precision=Precision(param_dtype=torch.bfloat16, loss_scale="dynamic"),
+                    sharding=Sharding(bucket_numel=64))
     got = ck.load(opt, refused_then_upgraded(old, opt, 1, tmp_path / "root"))
 
     assert got.step == values["step"]

@@ -20,10 +20,10 @@ import pytest
 import safetensors.torch
 import torch
 
-from _helpers import refused_then_upgraded
-from fusedzero import checkpoint as ck
+from fusedzero import Precision, ZeroAdamW, checkpoint as ck
 from fusedzero.memory_modes import QBLOCK
-from fusedzero.optim import ZeroAdamW
+
+from _helpers import refused_then_upgraded
 
 FIXTURE = Path(__file__).parent / "fixtures"
 sys.path.insert(0, str(FIXTURE))
@@ -73,8 +73,8 @@ def upgraded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     old = tmp / "old"
     shutil.copytree(FIXTURE / "ckpt_v2" / "root", old)
     model = gen.make_model()
-    opt = ZeroAdamW(gen.param_groups(model), stage=2, module=model, param_dtype=torch.bfloat16,
-                    **gen.MODES)
+    opt = ZeroAdamW(gen.param_groups(model), stage=2, module=model,
+                    precision=Precision(param_dtype=torch.bfloat16, **gen.MODES))
     root = refused_then_upgraded(old, opt, 2, tmp / "root")
     assert ck.read_manifest(root)["modes"] == gen.MODES
     return root
@@ -83,7 +83,7 @@ def upgraded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _load(root: Path, **modes: str) -> tuple[torch.nn.Module, ZeroAdamW, ck.Loaded]:
     model = gen.make_model()
     opt = ZeroAdamW(gen.param_groups(model, lr=0.5), stage=2, module=model,
-                    param_dtype=torch.bfloat16, **modes)
+                    precision=Precision(param_dtype=torch.bfloat16, **modes))
     got = ck.load(opt, root)
     values = json.loads((FIXTURE / "ckpt_v2" / "expected" / "values.json").read_text())
     assert got.step == values["step"] and got.rng_restored

@@ -58,6 +58,7 @@ def batch(step: int) -> torch.Tensor:
 
 
 def train_ranks(rank: int, world: int, ckpt_dir: str) -> list[dict[str, Any]]:
+    from fusedzero import Precision
     from fusedzero.plan import PlanConfig, plan_model
 
     out = []
@@ -76,8 +77,7 @@ def train_ranks(rank: int, world: int, ckpt_dir: str) -> list[dict[str, Any]]:
         # The plan of this very run (fp32 params and reduction, one group) on real gloo ranks.
         with torch.device("meta"):
             meta = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG))
-        want = plan_model(meta, PlanConfig(world_size=world, param_dtype=None,
-                                           reduce_dtype=torch.float32),
+        want = plan_model(meta, PlanConfig(world_size=world, precision=Precision()),
                           decay_split=False).stages[stage]
         comm = opt.comm.total_bytes  # before the gathers of save / gathered_params below
         if stage == 3:

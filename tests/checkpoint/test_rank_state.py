@@ -8,8 +8,7 @@ import random
 import numpy as np
 import torch
 
-from fusedzero.checkpoint.rank_state import (check_rng_state, pack, rng_state, set_rng_state,
-                                             unpack)
+from fusedzero.checkpoint.rank_state import check_rng_state, pack, rng_state, set_rng_state, unpack
 
 
 def _draws() -> tuple:
@@ -45,7 +44,7 @@ def test_rng_state_saved_as_lists_still_restores() -> None:
 
 
 def test_cuda_state_is_the_own_gpus_and_one_saved_for_8_gpus_restores_on_2(monkeypatch) -> None:
-    """[Note: one GPU's RNG state per rank], on a stand-in for torch.cuda: 2 visible GPUs, this
+    """See [Note: one GPU's RNG state per rank], on a stand-in for torch.cuda: 2 visible GPUs, this
     rank on GPU 1. A state holds GPU 1's generator only and restores into it; a state saved
     before, with every GPU of an 8-GPU machine, restores its entry 1 (before: IndexError on
     GPU 2, after the optimizer was loaded). A malformed CUDA state fails the check."""

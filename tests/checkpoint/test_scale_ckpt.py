@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from fusedzero import Precision, Sharding, ZeroAdamW
 from fusedzero.checkpoint import catalog, loading, manifest as manifest_format
 from fusedzero.emulate import LlamaShape, meta_model, param_groups
 from fusedzero.emulate_ckpt import emulated_rank, save_emulated
 from fusedzero.layout import FlatLayout
-from fusedzero.optim import ZeroAdamW
 from fusedzero.plan import PlanConfig, model_layouts
 from fusedzero.units import ShardInit
 
@@ -36,8 +36,9 @@ def _init(name: str, out: torch.Tensor, start: int) -> None:
 
 def _make() -> ZeroAdamW:
     model = meta_model(SHAPE)
-    return ZeroAdamW(param_groups(model), stage=3, module=model, param_dtype=torch.bfloat16,
-                     param_init_fn=ShardInit(_init), device="cpu")
+    return ZeroAdamW(param_groups(model), stage=3, module=model, device="cpu",
+                     precision=Precision(param_dtype=torch.bfloat16),
+                     sharding=Sharding(param_init_fn=ShardInit(_init)))
 
 
 def _moments(opt: ZeroAdamW) -> None:
@@ -175,7 +176,8 @@ def test_manifest_cap_fits_70b_at_1024_ranks_and_no_more() -> None:
     need = {}
     for dt in (torch.bfloat16, torch.float32):
         for stage in (1, 2, 3):
-            layouts = model_layouts(model, PlanConfig(world_size=1024, param_dtype=dt), stage)
+            cfg = PlanConfig(world_size=1024, precision=Precision(param_dtype=dt))
+            layouts = model_layouts(model, cfg, stage)
             need[dt, stage] = _manifest_bound(layouts, 1024, n, manifest_format._RANK_BYTES)
     worst = max(need.values())
     assert worst == need[torch.float32, 3], need  # the case manifest.py counts

@@ -32,20 +32,23 @@ def batch(step: int, rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def build(tp: int, dp: int, stage: int):
-    from fusedzero.optim import ZeroAdamW
+    from fusedzero import Groups, ZeroAdamW
     m = make()
     group = None
     if tp > 1:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                       parallelize_module)
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         group, rank = mesh["dp"].get_group(), mesh["dp"].get_local_rank()
     else:
         rank = dist.get_rank()
     opt = ZeroAdamW(m.parameters(), lr=LR, weight_decay=WD, stage=stage, module=m,
-                    process_group=group, max_grad_norm=CLIP)
+                    max_grad_norm=CLIP, groups=Groups(shard=group))
     return m, opt, rank
 
 
@@ -262,7 +265,7 @@ def test_tp_checkpoint_reshard_matrix(tmp_path: Path) -> None:
                 assert torch.equal(r["loaded"][n], t), f"{where} load: {n}"
                 # Two more steps: the uninterrupted run's up to the order of the sums.
                 torch.testing.assert_close(r["after"][n], after[n], rtol=1e-5, atol=1e-6,
-                                           msg=lambda m, n=n: f"{where} {n}: {m}")
+                                           msg=lambda m, n=n, where=where: f"{where} {n}: {m}")
         # The global batch's loss: the mean over the dp shards (tp ranks report the same).
         for i, step in enumerate((2, 3)):
             mean = sum(r["losses"][i] for r in rs) / len(rs)
@@ -280,14 +283,14 @@ def test_tp_checkpoint_reshard_matrix(tmp_path: Path) -> None:
 
 
 def _gpt(tp: int):
+    from fusedzero import Groups, ZeroAdamW
     from fusedzero.app import tp_plan
     from fusedzero.app.model import GPT, GPTConfig
-    from fusedzero.optim import ZeroAdamW
     torch.manual_seed(0)
     m = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8))
     mesh = tp_plan.parallelize(m, tp, torch.device("cpu"))
-    opt = ZeroAdamW(m.parameters(), lr=LR, weight_decay=WD, stage=1, module=m,
-                    process_group=mesh.dp_group, max_grad_norm=CLIP)
+    opt = ZeroAdamW(m.parameters(), lr=LR, weight_decay=WD, stage=1, module=m, max_grad_norm=CLIP,
+                    groups=Groups(shard=mesh.dp_group))
     return m, opt, mesh
 
 
@@ -337,11 +340,10 @@ def test_gpt_strided_qkv_reshards_to_tp1(tmp_path: Path) -> None:
 def _one_folder_root(root: Path, states: str):
     """A tensor-parallel root of one tp rank written offline (one process): a plain optimizer
     stepped once and saved into `tp0of1`, with the record (and binding) of a tp=1 mesh."""
-    from fusedzero import checkpoint
-    from fusedzero.optim import ZeroAdamW
+    from fusedzero import Precision, ZeroAdamW, checkpoint
     m = make()
-    opt = ZeroAdamW(m.parameters(), lr=LR, weight_decay=WD, module=m, states=states,
-                    process_group=None)
+    opt = ZeroAdamW(m.parameters(), lr=LR, weight_decay=WD, module=m,
+                    precision=Precision(states=states))
     x, y = batch(0, 0, 1)
     ((m(x) - y) ** 2).mean().backward()
     opt.step()
@@ -362,7 +364,7 @@ def test_plain_optimizer_loads_a_tp_root_exactly(tmp_path: Path) -> None:
     from fusedzero.optim import ZeroAdamW
     opt, rec = _one_folder_root(tmp_path / "a", "fp32")
     m2 = make()
-    opt2 = ZeroAdamW(m2.parameters(), lr=LR, weight_decay=WD, module=m2, process_group=None)
+    opt2 = ZeroAdamW(m2.parameters(), lr=LR, weight_decay=WD, module=m2)
     checkpoint.load(opt2, tmp_path / "a")
     want, got = opt.shard_state(), opt2.shard_state()
     assert got.step_count == want.step_count == 1

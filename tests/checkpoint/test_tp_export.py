@@ -60,7 +60,7 @@ def _root(tmp_path: Path, full: dict[str, torch.Tensor], version: int = TP_VERSI
         if version >= 2:
             write_binding(root, rec, t)
         m = _tp_module(full, t)
-        opt = ZeroAdamW(m.parameters(), lr=1e-2, module=m, process_group=None)
+        opt = ZeroAdamW(m.parameters(), lr=1e-2, module=m)
         checkpoint.save(opt, root / f"tp{t}of{T}", step=1).wait()
     (root / "tensor_parallel.json").write_text(json.dumps(rec))
     return root
@@ -100,7 +100,7 @@ def _plain_model() -> nn.Module:
 
 def _load_plain(root: Path) -> nn.Module:
     m = _plain_model()
-    opt = ZeroAdamW(m.parameters(), lr=1e-2, module=m, process_group=None)
+    opt = ZeroAdamW(m.parameters(), lr=1e-2, module=m)
     checkpoint.load(opt, root)  # across tp sizes: tp_reshard.read_across
     opt.close()
     return m
@@ -115,7 +115,7 @@ def _fake_tp_opt(full: dict[str, torch.Tensor], t: int) -> SimpleNamespace:
 
     from fusedzero.dtensor import TpInfo
     m = _tp_module(full, t)
-    infos = ZeroAdamW(m.parameters(), lr=1e-2, module=m, process_group=None).param_infos()
+    infos = ZeroAdamW(m.parameters(), lr=1e-2, module=m).param_infos()
     parse = {"R": Replicate(), "S(0)": Shard(0), "S(1)": Shard(1),
              "SS(0,3)": _StridedShard(0, split_factor=3)}
     params = [torch.empty(PARAMS[i.name][0], device="meta") for i in infos]

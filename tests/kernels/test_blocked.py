@@ -1,7 +1,7 @@
-"""The CPU torch path's cache-blocked passes (kernels/adamw_torch.py's [Note: cache-blocked
-update], kernels/sum_of_squares.py's chunks) at sizes that hit every chunk edge, with a small
-chunk so that pieces straddle chunks and chunks hold several pieces: against float64, against
-the unblocked pass bit for bit, and with exact call counts."""
+"""The CPU torch path's cache-blocked passes (see [Note: cache-blocked update] in
+kernels/adamw_torch.py; kernels/sum_of_squares.py's chunks) at sizes that hit every chunk edge,
+with a small chunk so that pieces straddle chunks and chunks hold several pieces: against
+float64, against the unblocked pass bit for bit, and with exact call counts."""
 from __future__ import annotations
 
 import math
@@ -9,9 +9,16 @@ import math
 import pytest
 import torch
 
-from fusedzero.kernels import AdamWBuffer, GroupedAdamW, GroupedSumsq, Hyper, SumsqView
-from fusedzero.kernels import adamw_reference, adamw_torch
-from fusedzero.kernels import sum_of_squares as sumsq_mod
+from fusedzero.kernels import (
+    AdamWBuffer,
+    GroupedAdamW,
+    GroupedSumsq,
+    Hyper,
+    SumsqView,
+    adamw_reference,
+    adamw_torch,
+    sum_of_squares as sumsq_mod,
+)
 
 U32 = 2.0**-24
 CH = 64

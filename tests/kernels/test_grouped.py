@@ -11,10 +11,18 @@ import math
 import pytest
 import torch
 
-from fusedzero import ZeroAdamW
+from fusedzero import Precision, ZeroAdamW
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.kernels import (LAUNCHES, AdamWBuffer, GroupedAdamW, GroupedSumsq, Hyper,
-                               Strided, SumsqView, adamw_reference)
+from fusedzero.kernels import (
+    LAUNCHES,
+    AdamWBuffer,
+    GroupedAdamW,
+    GroupedSumsq,
+    Hyper,
+    Strided,
+    SumsqView,
+    adamw_reference,
+)
 
 from _helpers import fast_only
 
@@ -172,7 +180,8 @@ def _backward(model: GPT, seed: int) -> None:
 def test_launches_per_step_for_a_2_group_8_block_gpt(stage: int, dtypes: tuple) -> None:
     model = _gpt()
     opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-3, stage=stage, module=model,
-                    param_dtype=dtypes[0], reduce_dtype=dtypes[1], max_grad_norm=1.0)
+                    max_grad_norm=1.0,
+                    precision=Precision(param_dtype=dtypes[0], reduce_dtype=dtypes[1]))
     if stage == 3:
         assert len(opt.flat_groups) == 18, "2 groups x 8 units + the rest: 18 buffers"
     _backward(model, 0)

@@ -6,10 +6,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusedzero import ZeroAdamW
+from fusedzero import Precision, ZeroAdamW
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.kernels import (LAUNCHES, QBLOCK, AdamWBuffer, GroupedAdamW, Hyper, Strided,
-                               adamw_step)
+from fusedzero.kernels import (
+    LAUNCHES,
+    QBLOCK,
+    AdamWBuffer,
+    GroupedAdamW,
+    Hyper,
+    Strided,
+    adamw_step,
+)
 from fusedzero.kernels.memory_modes import STATE_DTYPES
 
 from _helpers import fast_only
@@ -29,9 +36,9 @@ def backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 def test_bf16_kahan_int8_stage3_one_adamw_and_one_sumsq_launch_per_step(backend) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=4, n_embd=16, n_head=2, block_size=8, vocab_size=32))
-    opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-3, stage=3, module=model,
-                    param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, max_grad_norm=1.0,
-                    master="bf16-kahan", states="int8")
+    opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-3, stage=3, module=model, max_grad_norm=1.0,
+                    precision=Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
+                                        master="bf16-kahan", states="int8"))
     assert len(opt.flat_groups) == 10, "2 groups x 4 units + the rest: 10 buffers"
     for step in range(2):
         x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(step))

@@ -8,10 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from _helpers import compile_offline
 from fusedzero.kernels import LAUNCHES
-from fusedzero.kernels.quant import (WBLOCK, WireFormat, chunk_bytes, dequant_sum_into,
-                                     dequantize_into, new_packed, quantize_into, unpack)
+from fusedzero.kernels.quant import (
+    WBLOCK,
+    WireFormat,
+    chunk_bytes,
+    dequant_sum_into,
+    dequantize_into,
+    new_packed,
+    quantize_into,
+    unpack,
+)
+
+from _helpers import compile_offline
 
 U32 = 2.0 ** -24
 FORMATS = list(WireFormat)
@@ -113,7 +122,7 @@ def test_quantize_and_dequant_sum_match_float64_within_the_bound(fmt, monkeypatc
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_a_nan_arrives_as_nan_never_as_a_finite_value(fmt, backend, monkeypatch):
-    """[Note: a NaN on the wire] One NaN (no inf) in a block of rank 0's chunk 1: after the
+    """See [Note: a NaN on the wire]. One NaN (no inf) in a block of rank 0's chunk 1: after the
     quantize and the dequantize-sum, the NaN's place is NaN (int8: its whole block, whose scale
     is NaN) and nothing else is, on both paths, which agree. Before: the kernel's
     `tl.max` dropped the NaN (maxnum), and the block arrived finite (int8: about +absmax), which

@@ -1,5 +1,5 @@
 """The per-step scalar kernels (kernels/step_scalars.py, kernels/rows.py): one launch each, the
-same bits as their torch paths ([Note: one launch for the step's scalars]), and compiled for
+same bits as their torch paths (see [Note: one launch for the step's scalars]), and compiled for
 sm_80/sm_90 with IEEE fp32 division and square root.
 
 The `_interpreter` tests run the kernel code through Triton's interpreter (CPU tensors)."""
@@ -11,11 +11,12 @@ import math
 import pytest
 import torch
 
-from _helpers import compile_offline
 from fusedzero.kernels import LAUNCHES
-from fusedzero.kernels.rows import NCOLS, Rows, RowCol
 from fusedzero.kernels._launch import Hyper
+from fusedzero.kernels.rows import NCOLS, RowCol, Rows
 from fusedzero.kernels.step_scalars import step_scalars
+
+from _helpers import compile_offline
 
 INF, NAN = math.inf, math.nan
 # Sums of squares: ordinary, tiny and huge (the clip coefficient saturates at 1 or goes to ~0),

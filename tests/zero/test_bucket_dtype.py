@@ -9,14 +9,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fusedzero.optim import ZeroAdamW
+from fusedzero import Precision, Sharding, ZeroAdamW
 
 
 def test_fp32_grads_build_a_bf16_bucket_for_a_bf16_reduce() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
-    opt = ZeroAdamW(model.parameters(), lr=1e-3, stage=2, param_dtype=torch.bfloat16,
-                    reduce_dtype=torch.bfloat16, bucket_numel=1 << 12)
+    opt = ZeroAdamW(model.parameters(), lr=1e-3, stage=2,
+                    precision=Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
+                    sharding=Sharding(bucket_numel=1 << 12))
     b = opt.buckets.buckets[0]
     L = b.buf.layout
     grads = {pos: torch.randn(L.params[pos].numel) for pos in b.slots}  # fp32, as such a DTensor

@@ -9,8 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedzero import reduce
-from fusedzero.optim import ZeroAdamW
+from fusedzero import Precision, Sharding, ZeroAdamW, reduce
 from fusedzero.testing import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns ranks or the CLI
@@ -23,8 +22,9 @@ def _model() -> nn.Module:
 
 def _train(rank: int, stage: int, reduce_dtype: torch.dtype) -> list[torch.Tensor]:
     m = _model()
-    opt = ZeroAdamW(m.parameters(), lr=1e-2, stage=stage, module=m, bucket_numel=256,
-                    unit_policy=nn.Linear, reduce_dtype=reduce_dtype, max_grad_norm=1.0)
+    opt = ZeroAdamW(m.parameters(), lr=1e-2, stage=stage, module=m, max_grad_norm=1.0,
+                    precision=Precision(reduce_dtype=reduce_dtype),
+                    sharding=Sharding(bucket_numel=256, units=nn.Linear))
     for step in range(3):
         for micro in range(2):
             g = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
@@ -50,7 +50,7 @@ def worker(rank: int, world: int) -> dict:
     for stage, dt in CASES:
         calls: list[bool] = []
 
-        def spy(b, inv_world):
+        def spy(b, inv_world, calls=calls):
             calls.append(real(b, inv_world))
             return calls[-1]
         try:

@@ -10,9 +10,10 @@ import torch.distributed as dist
 from torch import nn
 
 import fusedzero.comm as comm
-from _helpers import Stack
-from fusedzero.optim import ZeroAdamW
+from fusedzero import Groups, Sharding, ZeroAdamW
 from fusedzero.testing import fake_group, run_ranks
+
+from _helpers import Stack
 
 
 def _train(stage: int, gather_group: dist.ProcessGroup | None, rank: int
@@ -36,8 +37,8 @@ def _train(stage: int, gather_group: dist.ProcessGroup | None, rank: int
     try:
         torch.manual_seed(0)
         model = Stack()
-        opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, module=model,
-                        gather_group=gather_group, bucket_numel=256, max_grad_norm=1.0)
+        opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, module=model, max_grad_norm=1.0,
+                        groups=Groups(gather=gather_group), sharding=Sharding(bucket_numel=256))
         for step in range(3):
             g = torch.Generator().manual_seed(100 * step + rank)
             x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
@@ -76,8 +77,9 @@ def test_a_gather_group_over_other_ranks_is_refused() -> None:
     with fake_group(0, 4):
         other = dist.new_group([0, 1])
         model = nn.Linear(4, 4)
-        with pytest.raises(ValueError, match="gather_group must span the ranks of process_"):
-            ZeroAdamW(model.parameters(), stage=2, module=model, gather_group=other)
+        with pytest.raises(ValueError,
+                           match=r"Groups\(gather=...\) must span the ranks of Groups\(shard="):
+            ZeroAdamW(model.parameters(), stage=2, module=model, groups=Groups(gather=other))
 
 
 def _train_mesh_groups(rank: int, world: int) -> list[int]:
@@ -92,8 +94,8 @@ def _train_mesh_groups(rank: int, world: int) -> list[int]:
                             dp_size=2, tp=2)
     group = tp_plan.gather_group(mesh)
     # ZeroAdamW checks it spans the dp group's ranks in order; a collective over it works.
-    opt = ZeroAdamW(model.parameters(), stage=2, module=model, process_group=mesh.dp_group,
-                    gather_group=group)
+    opt = ZeroAdamW(model.parameters(), stage=2, module=model,
+                    groups=Groups(shard=mesh.dp_group, gather=group))
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=group)
     opt.close()

@@ -100,7 +100,7 @@ def test_premul_sum_where_nccl_serves_the_device(mixed_group: None) -> None:
 
 
 def test_premul_sum_only_where_the_factor_is_what_a_mul_would_use(mixed_group: None) -> None:
-    """[Note: premul_sum dtypes] NCCL multiplies by the factor in the data's dtype: never for
+    """See [Note: premul_sum dtypes]: NCCL multiplies by the factor in the data's dtype: never for
     bf16 (1/24 in bf16 is 0.19% large; torch builds before pytorch#190747 made every
     power-of-two bf16 factor 0), fp16 only where the factor is exact in fp16, fp32 always. A
     `mul_` before the collective otherwise (None here). Before: any floating dtype."""

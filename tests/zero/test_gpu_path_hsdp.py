@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedzero.optim import ZeroAdamW
+from fusedzero import Groups, Sharding, ZeroAdamW
 from fusedzero.testing import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns 4 ranks
@@ -76,8 +76,8 @@ def train(rank: int, world: int, stage: int, quiet: bool, cond: bool) -> dict:
     torch.manual_seed(0)
     model = Branchy()
     opt = ZeroAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, stage=stage, module=model,
-                    bucket_numel=256, unit_policy=nn.Linear, process_group=shard,
-                    replicate_group=rep, trace=True)
+                    trace=True, groups=Groups(shard=shard, replicate=rep),
+                    sharding=Sharding(bucket_numel=256, units=nn.Linear))
     n = GLOBAL // (world * ACCUM)
     events = []
     for step in range(STEPS):

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedzero.optim import ZeroAdamW
+from fusedzero import Sharding, ZeroAdamW
 
 RTOL, ATOL = 1e-6, 1e-6
 
@@ -42,7 +42,7 @@ def test_unused_param_holds_back_no_other_bucket(stage: int) -> None:
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
     # 256 elements: each weight (and the biases) in buckets of their own.
     opt = ZeroAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, stage=stage, module=model,
-                    bucket_numel=256, unit_policy=nn.Linear, trace=True)
+                    trace=True, sharding=Sharding(bucket_numel=256, units=nn.Linear))
     deferred: set[tuple[int, int, int]] = set()  # (unit, group, bucket), agreed at the first
     for step in range(3):
         g = torch.Generator().manual_seed(step)

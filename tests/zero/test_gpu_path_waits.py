@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import fusedzero.comm as comm
-from fusedzero.optim import ZeroAdamW
+from fusedzero import Sharding, ZeroAdamW
 
 STEPS = 3
 RTOL, ATOL = 1e-6, 1e-6
@@ -126,7 +126,7 @@ def test_forward_reads_wait_for_children(deferred: list[str], stage: int, kind: 
                                               weight_decay=0.1))
     # bucket_numel 256: in_proj, out_proj and the head land in different buckets.
     opt = ZeroAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, stage=stage, module=model,
-                    bucket_numel=256)
+                    sharding=Sharding(bucket_numel=256))
     got = _train(model, opt)
     if stage:
         assert "issue" in deferred and "wait" in deferred  # the fake was on the path
@@ -160,7 +160,8 @@ def test_gather_in_forward_order(deferred: list[str]) -> None:
     model = Blocks()
     groups = [{"params": [m.weight for m in model.h]},
               {"params": [m.bias for m in model.h], "weight_decay": 0.0}]
-    opt = ZeroAdamW(groups, lr=1e-2, stage=1, module=model, bucket_numel=256, trace=True)
+    opt = ZeroAdamW(groups, lr=1e-2, stage=1, module=model, trace=True,
+                    sharding=Sharding(bucket_numel=256))
     x = torch.randn(3, 16)
     for _ in range(2):
         assert opt.trace is not None

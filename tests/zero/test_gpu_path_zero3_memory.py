@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fusedzero.optim import ZeroAdamW
+from fusedzero import Sharding, ZeroAdamW
 
 
 class Net(nn.Module):
@@ -29,7 +29,8 @@ def _trained() -> tuple[Net, Net, ZeroAdamW]:
     ref = Net()
     torch.manual_seed(0)
     model = Net()
-    opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=3, module=model, bucket_numel=256)
+    opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=3, module=model,
+                    sharding=Sharding(bucket_numel=256))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     x, y = torch.randn(4, 8), torch.randn(4, 2)
     for m, o in ((model, opt), (ref, ref_opt)):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fusedzero import ZeroAdamW
+from fusedzero import Precision, Sharding, ZeroAdamW
 
 
 class _Count(TorchDispatchMode):
@@ -32,7 +32,8 @@ def _backward_ops(layers: int, stage: int | None, dtype: torch.dtype = torch.flo
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]).to(dtype)
     opt = None if stage is None else ZeroAdamW(model.parameters(), lr=1e-3, stage=stage,
-                                               module=model, reduce_dtype=torch.float32)
+                                               module=model,
+                                               precision=Precision(reduce_dtype=torch.float32))
     x = torch.randn(2, 4, dtype=dtype)
     for _ in range(2):
         loss = model(x).square().sum()
@@ -75,7 +76,8 @@ def test_bucket_launches_do_not_walk_every_bucket_stage3(units: int) -> None:
     list a fixed number of times, however many buckets launch."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(units)])
-    opt = ZeroAdamW(model.parameters(), lr=1e-3, stage=3, module=model, unit_policy=nn.Linear)
+    opt = ZeroAdamW(model.parameters(), lr=1e-3, stage=3, module=model,
+                    sharding=Sharding(units=nn.Linear))
     x = torch.randn(2, 4)
     model(x).square().sum().backward()
     opt.step()
@@ -99,8 +101,8 @@ def _python_calls(layers: int, stage: int) -> dict[str, int]:
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]).to(torch.bfloat16)
-    opt = ZeroAdamW(model.parameters(), lr=1e-3, stage=stage, module=model,
-                    param_dtype=torch.bfloat16, max_grad_norm=1.0)
+    opt = ZeroAdamW(model.parameters(), lr=1e-3, stage=stage, module=model, max_grad_norm=1.0,
+                    precision=Precision(param_dtype=torch.bfloat16))
     x = torch.randn(2, 4, dtype=torch.bfloat16)
     out: dict[str, int] = {}
     for _ in range(3):

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedzero import ZeroAdamW
+from fusedzero import Groups, Sharding, ZeroAdamW
 from fusedzero.testing import fake_group
 
 
@@ -20,7 +20,8 @@ def test_replica_average_bytes_per_step_fake_world_of_4(stage: int) -> None:
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
         opt = ZeroAdamW(model.parameters(), lr=1e-3, stage=stage, module=model,
-                        process_group=shard, replicate_group=rep, bucket_numel=256)
+                        groups=Groups(shard=shard, replicate=rep),
+                        sharding=Sharding(bucket_numel=256))
         x = torch.randn(4, 16)
         model(x).square().sum().backward()  # the first agrees on the bucket order, once
         opt.step()

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedzero import ZeroAdamW, comm
+from fusedzero import Groups, Sharding, ZeroAdamW, comm
 from fusedzero.testing import fake_group
 
 
@@ -42,9 +42,9 @@ def issued(stage: int, done: bool, monkeypatch: pytest.MonkeyPatch) -> list[tupl
         shard, rep = dist.new_group([0, 1]), dist.new_group([0, 2])
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
-        opt = ZeroAdamW(model.parameters(), lr=1e-3, stage=stage, module=model,
-                        process_group=shard, replicate_group=rep, bucket_numel=256,
-                        unit_policy=nn.Linear, trace=True)
+        opt = ZeroAdamW(model.parameters(), lr=1e-3, stage=stage, module=model, trace=True,
+                        groups=Groups(shard=shard, replicate=rep),
+                        sharding=Sharding(bucket_numel=256, units=nn.Linear))
         x = torch.randn(4, 16)
         for _ in range(2):  # the first backward agrees on the bucket order, once
             assert opt.trace is not None

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from fusedzero import Precision, ZeroAdamW
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.checkpoint import import_weights
-from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns ranks or the CLI
@@ -66,7 +66,7 @@ def _ranks(rank: int, world: int) -> dict[int, dict[str, Any]]:
         for how in ("load_state_dict", "import_weights"):
             model = _gpt(0)
             opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-2, stage=stage, module=model,
-                            param_dtype=torch.bfloat16)
+                            precision=Precision(param_dtype=torch.bfloat16))
             model(x[:, :-1], x[:, 1:])[1].backward()
             opt.step()  # at stages 1-2 the param all-gather is left in flight
             if how == "load_state_dict":

@@ -1,4 +1,4 @@
-"""Memory modes through the optimizer (`ZeroAdamW(master=, states=)`): validation, resident bytes
+"""Memory modes through the optimizer (`Precision(master=, states=)`): validation, resident bytes
 against the formula, stages and ranks agreeing in a mode, and checkpoints that keep each state in
 its own dtype, reshard it and convert between modes. The kernel numerics of every mode are
 tests/kernels/test_kernels.py's (and the modes helper's); here the plumbing around them.
@@ -12,9 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-from fusedzero import checkpoint as ck
+from fusedzero import Precision, Sharding, ZeroAdamW, checkpoint as ck
 from fusedzero.kernels.memory_modes import dequantize_blockwise, quantize_blockwise
-from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import fake_group, run_ranks
 
 MASTERS = ("fp32", "bf16-kahan", "bf16-sr", "bf16")
@@ -36,9 +35,12 @@ def _groups(m: nn.Module) -> list[dict]:
             {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0, "lr": 5e-3}]
 
 
-def _opt(m: nn.Module, master: str, states: str, stage: int = 1, **kw) -> ZeroAdamW:
-    return ZeroAdamW(_groups(m), lr=1e-2, stage=stage, module=m, param_dtype=torch.bfloat16,
-                     master=master, states=states, max_grad_norm=0.5, bucket_numel=600, **kw)
+def _opt(m: nn.Module, master: str, states: str, stage: int = 1,
+         seed: int = 0) -> ZeroAdamW:
+    return ZeroAdamW(_groups(m), lr=1e-2, stage=stage, module=m, max_grad_norm=0.5,
+                     precision=Precision(param_dtype=torch.bfloat16, master=master, states=states,
+                                         seed=seed),
+                     sharding=Sharding(bucket_numel=600))
 
 
 def _train(m: nn.Module, opt: ZeroAdamW, steps: int, seed: int = 1, accum: int = 2) -> None:
@@ -55,15 +57,16 @@ def _train(m: nn.Module, opt: ZeroAdamW, steps: int, seed: int = 1, accum: int =
 def test_bf16_master_modes_need_bf16_params_and_names_are_checked() -> None:
     m = _model()
     with pytest.raises(ValueError, match="param_dtype=torch.bfloat16"):
-        ZeroAdamW(m.parameters(), master="bf16-kahan")  # fp32 params
+        ZeroAdamW(m.parameters(), precision=Precision(master="bf16-kahan"))  # fp32 params
     with pytest.raises(ValueError, match="param_dtype is torch.float16"):
-        ZeroAdamW(m.parameters(), master="bf16-sr", param_dtype=torch.float16)
+        ZeroAdamW(m.parameters(), precision=Precision(master="bf16-sr", param_dtype=torch.float16))
     with pytest.raises(ValueError, match="master='kahan'"):
-        ZeroAdamW(m.parameters(), master="kahan")
+        ZeroAdamW(m.parameters(), precision=Precision(master="kahan"))
     with pytest.raises(ValueError, match="states='int4'"):
-        ZeroAdamW(m.parameters(), states="int4")
+        ZeroAdamW(m.parameters(), precision=Precision(states="int4"))
     # bf16 params without param_dtype are their own master: allowed.
-    ZeroAdamW(_model().bfloat16().parameters(), master="bf16-kahan", states="int8").close()
+    ZeroAdamW(_model().bfloat16().parameters(),
+              precision=Precision(master="bf16-kahan", states="int8")).close()
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
@@ -87,7 +90,7 @@ def test_resident_optimizer_bytes_equal_the_formula_in_every_mode(stage: int) ->
             opt.close()
 
 
-# -- every stage in a mode: one process, then two ranks ---------------------------------------------
+# -- every stage in a mode: one process, then two ranks ------------------------------------------
 @pytest.mark.parametrize("master,states", [("bf16-kahan", "int8"), ("bf16-sr", "bf16"),
                                            ("bf16", "int8")])
 def test_stages_agree_bitwise_in_a_mode(master: str, states: str) -> None:
@@ -215,7 +218,7 @@ def test_load_converts_states_fp32_to_int8_and_back(tmp_path: Path) -> None:
 
 def test_load_converts_fp32_master_to_kahan_and_back(tmp_path: Path) -> None:
     """fp32 -> bf16-kahan: param = rne(master), comp = rne(master - param); back: master =
-    param + comp (fusedzero/memory_modes.py, [Note: converting masters])."""
+    param + comp (fusedzero/memory_modes.py, see [Note: converting masters])."""
     src = _fp32_checkpoint(tmp_path / "f32")
     optk = _loaded(tmp_path / "f32", "bf16-kahan", "fp32", seed=5)
     kah = _state(optk)

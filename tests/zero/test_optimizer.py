@@ -1,13 +1,17 @@
 """The single-process optimizer contract (world size 1: the degenerate case of the same code)."""
 from __future__ import annotations
 
+import dataclasses
+import inspect
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fusedzero import Groups, Precision, Sharding, Wire, ZeroAdamW
 from fusedzero.kernels import LAUNCHES
-from fusedzero.optim import ZeroAdamW
 
 from _helpers import TwoLinear
 
@@ -44,7 +48,7 @@ def test_matches_torch_adamw_25_steps_two_groups_with_scheduler(stage: int) -> N
     ref_m, m = make(), make()
     ref = torch.optim.AdamW(groups(ref_m), lr=1e-3, weight_decay=0.05)
     opt = ZeroAdamW(groups(m), lr=1e-3, weight_decay=0.05, stage=stage, module=m,
-                    bucket_numel=200, unit_policy=nn.Linear)
+                    sharding=Sharding(bucket_numel=200, units=nn.Linear))
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (ref, opt)]
     for step in range(25):
         for model, o in ((ref_m, ref), (m, opt)):
@@ -61,7 +65,8 @@ def test_matches_torch_adamw_25_steps_two_groups_with_scheduler(stage: int) -> N
 
 def test_bf16_params_equal_cast_of_master_after_every_step() -> None:
     m = make()
-    opt = ZeroAdamW(m.parameters(), lr=1e-2, param_dtype=torch.bfloat16, bucket_numel=200)
+    opt = ZeroAdamW(m.parameters(), lr=1e-2, precision=Precision(param_dtype=torch.bfloat16),
+                    sharding=Sharding(bucket_numel=200))
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
     (fg,) = opt.flat_groups
     for step in range(5):
@@ -77,7 +82,7 @@ def test_bf16_params_equal_cast_of_master_after_every_step() -> None:
 def test_one_kernel_launch_per_dtype_combination_not_per_group_or_buffer() -> None:
     m = make()
     m.b.to(torch.bfloat16)  # two dtypes in each of the two groups
-    opt = ZeroAdamW(groups(m), lr=1e-3, bucket_numel=64, max_grad_norm=1.0)
+    opt = ZeroAdamW(groups(m), lr=1e-3, max_grad_norm=1.0, sharding=Sharding(bucket_numel=64))
     assert len(opt.flat_groups) == 4
     assert sum(fg.layout.num_buckets for fg in opt.flat_groups) > 4  # several buckets each
     x = batch(0)
@@ -96,8 +101,9 @@ def test_triton_interpreter_step_matches_torch_path_interpreter_only(monkeypatch
     for backend in ("torch", "triton"):
         monkeypatch.setenv("FUSEDZERO_BACKEND", backend)
         m = make()
-        opt = ZeroAdamW(groups(m), lr=1e-3, param_dtype=torch.bfloat16, bucket_numel=200,
-                        max_grad_norm=0.5)
+        opt = ZeroAdamW(groups(m), lr=1e-3, max_grad_norm=0.5,
+                        precision=Precision(param_dtype=torch.bfloat16),
+                        sharding=Sharding(bucket_numel=200))
         for step in range(3):
             m(batch(step).bfloat16()).float().square().mean().backward()
             opt.step()
@@ -129,7 +135,8 @@ def test_step_reads_no_tensor_value_on_host_triton_interpreter_only(monkeypatch,
         monkeypatch.setenv("FUSEDZERO_BACKEND", backend)
         m = make()
         opt = ZeroAdamW(m.parameters(), lr=1e-3, stage=stage, module=m, max_grad_norm=1.0,
-                        loss_scale="dynamic", unit_policy=nn.Linear)
+                        precision=Precision(loss_scale="dynamic"),
+                        sharding=Sharding(units=nn.Linear))
         opt.scale_loss(m(batch(0)).square().mean()).backward()
         with _ScalarReads() as mode:
             opt.step()
@@ -140,13 +147,15 @@ def test_step_reads_no_tensor_value_on_host_triton_interpreter_only(monkeypatch,
 
 def test_state_dict_round_trip_continues_identically() -> None:
     m1 = make()
-    o1 = ZeroAdamW(groups(m1), lr=1e-3, param_dtype=torch.bfloat16, bucket_numel=200)
+    o1 = ZeroAdamW(groups(m1), lr=1e-3, precision=Precision(param_dtype=torch.bfloat16),
+                   sharding=Sharding(bucket_numel=200))
     for step in range(3):
         m1(batch(step).bfloat16()).float().square().mean().backward()
         o1.step()
     sd = o1.state_dict()
     m2 = make(seed=1)
-    o2 = ZeroAdamW(groups(m2), lr=5.0, param_dtype=torch.bfloat16, bucket_numel=200)
+    o2 = ZeroAdamW(groups(m2), lr=5.0, precision=Precision(param_dtype=torch.bfloat16),
+                   sharding=Sharding(bucket_numel=200))
     o2.load_state_dict(sd)
     assert o2.param_groups[1]["lr"] == 3e-3
     for step in range(3, 6):
@@ -155,7 +164,7 @@ def test_state_dict_round_trip_continues_identically() -> None:
             o.step()
     for p, q in zip(m1.parameters(), m2.parameters()):
         assert torch.equal(p, q)
-    other = ZeroAdamW(make().parameters(), lr=1e-3, bucket_numel=100)
+    other = ZeroAdamW(make().parameters(), lr=1e-3, sharding=Sharding(bucket_numel=100))
     with pytest.raises(ValueError, match="layout"):
         other.load_state_dict(sd)
 
@@ -165,7 +174,7 @@ def test_maximize_and_zero_grad_drop_a_micro_batch(stage: int) -> None:
     ref_m, m = make(), make()
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3, maximize=True)
     opt = ZeroAdamW(m.parameters(), lr=1e-3, maximize=True, stage=stage, module=m,
-                    bucket_numel=200, unit_policy=nn.Linear)
+                    sharding=Sharding(bucket_numel=200, units=nn.Linear))
     for step in range(3):
         m(batch(99)).square().mean().backward()
         opt.zero_grad()  # dropped: must not reach the update
@@ -183,8 +192,8 @@ def test_step_without_backward_sees_zero_grads(stage: int) -> None:
     grads (Adam moves by its moments only), never the previous step's grads again."""
     ref_m, m = make(), make()
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3)
-    opt = ZeroAdamW(m.parameters(), lr=1e-3, stage=stage, module=m, bucket_numel=200,
-                    unit_policy=nn.Linear)
+    opt = ZeroAdamW(m.parameters(), lr=1e-3, stage=stage, module=m,
+                    sharding=Sharding(bucket_numel=200, units=nn.Linear))
     for model, o in ((ref_m, ref), (m, opt)):
         model(batch(0)).square().mean().backward()
         o.step()
@@ -197,11 +206,12 @@ def test_step_without_backward_sees_zero_grads(stage: int) -> None:
 
 @pytest.mark.parametrize("stage", [0, 1])
 def test_zero_grad_after_step_zeroes_once_and_still_clears_user_writes(stage: int) -> None:
-    """[Note: zeroing once] `step()` consumes (zeroes) the full grad buffers; the usual
+    """See [Note: zeroing once]: `step()` consumes (zeroes) the full grad buffers; the usual
     `zero_grad()` right after must not make a second pass over them, yet a write into `.grad`
     in between is still cleared."""
     m = make()
-    opt = ZeroAdamW(m.parameters(), lr=1e-3, stage=stage, module=m, bucket_numel=200)
+    opt = ZeroAdamW(m.parameters(), lr=1e-3, stage=stage, module=m,
+                    sharding=Sharding(bucket_numel=200))
     flats = [b.grad_flat for b in opt.flat_groups]
     m(batch(0)).square().mean().backward()
     assert any(bool(g.ne(0).any()) for g in flats)
@@ -218,7 +228,7 @@ def test_zero_grad_after_step_zeroes_once_and_still_clears_user_writes(stage: in
 
 def test_dynamic_loss_scale_skips_inf_step_and_backs_off() -> None:
     m = make()
-    opt = ZeroAdamW(m.parameters(), lr=1e-3, loss_scale="dynamic")
+    opt = ZeroAdamW(m.parameters(), lr=1e-3, precision=Precision(loss_scale="dynamic"))
     before = [p.detach().clone() for p in m.parameters()]
     scale0 = opt.scaler.scale.item()
     (opt.scale_loss(m(batch(0)).square().mean()) * float("inf")).backward()
@@ -267,15 +277,86 @@ def test_unused_frozen_and_zero_size_params() -> None:
     ({"betas": (0.9, -0.1)}, "beta parameter at index 1"),
     ({"weight_decay": -0.1}, "weight_decay"),
     ({"stage": 4}, "stage must be"),
-    ({"reduce_dtype": torch.int32}, "reduce_dtype"),
     ({"max_grad_norm": 0.0}, "max_grad_norm"),
-    ({"bucket_numel": 0}, "bucket_numel"),
-    ({"loss_scale": -2.0}, "loss_scale"),
     ({"stage": 3}, "module=model"),
 ])
 def test_bad_hyper_parameters_raise(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ZeroAdamW(make().parameters(), **kwargs)
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: Precision(reduce_dtype=torch.int32), r"Precision\(reduce_dtype=torch.int32\)"),
+    (lambda: Precision(param_dtype=torch.float64), "param_dtype=torch.float64"),
+    (lambda: Precision(master="kahan"), r"Precision\(master='kahan'\): expected one of"),
+    (lambda: Precision(states="int4"), r"Precision\(states='int4'\)"),
+    (lambda: Precision(loss_scale=-2.0), r"Precision\(loss_scale=-2.0\)"),
+    (lambda: Precision(loss_scale="static"), "loss_scale='static'"),
+    (lambda: Precision(master="bf16-sr", param_dtype=torch.float16), "param_dtype=torch.bfloat16"),
+    (lambda: Wire(grads="int4"), r"Wire\(grads='int4'\): expected None or one of \['fp32'"),
+    (lambda: Wire(params="fp8"), r"Wire\(params='fp8'\)"),
+    (lambda: Sharding(bucket_numel=0), r"Sharding\(bucket_numel=0\)"),
+    (lambda: Sharding(units=0), r"Sharding\(units=0\)"),
+])
+def test_bad_policy_fields_raise_naming_the_value(build: Any, match: str) -> None:
+    """The records validate themselves when built: the message names the field and value."""
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_the_literal_choices_are_the_kernels_and_wire_formats() -> None:
+    """The records' Literal types and the tuples the kernels and wire formats accept agree: a
+    mode added to one and not the other would be refused, or reach a kernel unchecked."""
+    from typing import get_args
+
+    from fusedzero import policy
+    from fusedzero.kernels import MASTER_MODES, STATE_MODES
+    from fusedzero.wire import WIRES
+
+    assert get_args(policy.MasterMode) == MASTER_MODES
+    assert get_args(policy.StateMode) == STATE_MODES
+    assert get_args(policy.WireFormatName) == WIRES
+
+
+def test_groups_refuse_what_is_not_a_process_group() -> None:
+    with pytest.raises(TypeError, match=r"Groups\(shard=2\): expected a torch.distributed"):
+        Groups(shard=2)  # type: ignore[arg-type]
+
+
+def test_policy_records_are_frozen_and_keyword_only() -> None:
+    p = Precision(master="bf16-kahan")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.master = "fp32"  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        Precision(torch.bfloat16)  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"param_dtype": torch.bfloat16},
+     r"^param_dtype= moved: use precision=Precision\(param_dtype=...\)$"),
+    ({"process_group": None}, r"^process_group= moved: use groups=Groups\(shard=...\)$"),
+    ({"replicate_group": None}, r"groups=Groups\(replicate=...\)"),
+    ({"gather_group": None}, r"groups=Groups\(gather=...\)"),
+    ({"param_wire": "int8"}, r"wire=Wire\(params=...\)"),
+    ({"unit_policy": nn.Linear}, r"sharding=Sharding\(units=...\)"),
+    ({"bucket_numel": 64}, r"sharding=Sharding\(bucket_numel=...\)"),
+    ({"loss_scale": "dynamic"}, r"precision=Precision\(loss_scale=...\)"),
+    ({"wire": "int8"}, r"wire='int8': expected a fusedzero.Wire record; "
+                       r"use wire=Wire\(grads='int8'\)"),
+    ({"precision": torch.bfloat16}, r"use precision=Precision\(...\)"),
+])
+def test_a_removed_keyword_names_its_new_place(kwargs: dict, match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        ZeroAdamW(make().parameters(), **kwargs)
+
+
+def test_the_constructor_takes_at_most_15_parameters() -> None:
+    """The options beyond AdamW's own live in the policy records (fusedzero/policy.py)."""
+    params = inspect.signature(ZeroAdamW.__init__).parameters
+    assert len(params) - 1 <= 15, list(params)
+    for kept in ("params", "lr", "betas", "eps", "weight_decay", "maximize", "stage", "module",
+                 "max_grad_norm", "precision", "wire", "groups", "sharding"):
+        assert kept in params
 
 
 def test_eps_zero_refused_in_a_param_group() -> None:
@@ -315,8 +396,8 @@ def test_shard_state_round_trips_into_a_fresh_optimizer(stage: int) -> None:
     puts back (params rewritten from master, moments, step count, loss scale); None fields are
     left as they are."""
     m, m2 = make(), make(seed=1)
-    kw = dict(lr=1e-2, stage=stage, bucket_numel=200, unit_policy=nn.Linear,
-              loss_scale="dynamic")
+    kw = dict(lr=1e-2, stage=stage, sharding=Sharding(bucket_numel=200, units=nn.Linear),
+              precision=Precision(loss_scale="dynamic"))
     opt, opt2 = ZeroAdamW(groups(m), module=m, **kw), ZeroAdamW(groups(m2), module=m2, **kw)
     for step in range(3):
         opt.scale_loss(m(batch(step)).square().mean()).backward()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fusedzero.optim import ZeroAdamW
+from fusedzero import Precision, Sharding, ZeroAdamW
 from fusedzero.testing import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns ranks or the CLI
@@ -110,8 +110,8 @@ def train(rank: int, world: int, case: dict) -> dict:
     if case.get("reentrant"):  # the last layer first: its grads come from the nested backward
         for m in (model.c, model.b):
             m.forward = functools.partial(checkpoint, m.forward, use_reentrant=True)
-    opt = ZeroAdamW(model.parameters(), lr=LR, weight_decay=0.1, stage=case["stage"],
-                    module=model, bucket_numel=256, unit_policy=nn.Linear, trace=True)
+    opt = ZeroAdamW(model.parameters(), lr=LR, weight_decay=0.1, stage=case["stage"], module=model,
+                    trace=True, sharding=Sharding(bucket_numel=256, units=nn.Linear))
     accum = case["accum"]
     try:
         for step in range(STEPS):
@@ -181,7 +181,8 @@ class Linear1(nn.Module):
 def train_fp16(rank: int, world: int, case: dict) -> dict:
     model = Linear1()
     opt = ZeroAdamW(model.parameters(), lr=LR, stage=case["stage"], module=model,
-                    reduce_dtype=torch.float16, unit_policy=nn.Linear)
+                    precision=Precision(reduce_dtype=torch.float16),
+                    sharding=Sharding(units=nn.Linear))
     for _ in range(2):
         model(fp16_grads(world)[rank]).backward()
         opt.step()

@@ -17,7 +17,6 @@ from fusedzero import testing
 from fusedzero.testing import run_ranks
 
 
-
 def _pid_and_sum(rank: int, world: int) -> tuple[int, float]:
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
@@ -61,7 +60,7 @@ def test_ranks_are_reused_and_a_failure_starts_fresh_ones() -> None:
 @pytest.mark.parametrize("hold", [False, True], ids=["closed", "sockets_open"])
 def test_a_body_that_breaks_the_group_returns_and_is_not_reused(hold: bool) -> None:
     """Whether or not the peers' gloo notices that rank 0 left, every rank's result comes back
-    and the pool is replaced ([Note: a body that leaves the group])."""
+    and the pool is replaced (see [Note: a body that leaves the group])."""
     before = {p for p, _ in run_ranks(_pid_and_sum, 2)}
     assert run_ranks(_leave_the_group, 2, hold, timeout=60) == [0, 1]
     after = {p for p, _ in run_ranks(_pid_and_sum, 2)}

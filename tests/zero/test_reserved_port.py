@@ -1,4 +1,4 @@
-"""[Note: a port held for the ranks] (fusedzero/spawn.py): while a port is reserved no other
+"""See [Note: a port held for the ranks] (fusedzero/spawn.py): while a port is reserved no other
 bind takes it, and rank 0's store still listens on it. Before: `SpawnedRanks` (every
 `fusedzero train` and test pool) chose a port free at that moment and released it, and a CI
 run's `fusedzero train` failed with EADDRINUSE when another test's process bound it first."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fusedzero import Precision, Sharding, Wire, ZeroAdamW
 from fusedzero.emulate import param_groups, step_comm
-from fusedzero.optim import ZeroAdamW
 from fusedzero.stage import Stage
 from fusedzero.testing import fake_group
 
@@ -53,16 +53,17 @@ def test_step_comm_equals_a_real_steps_counter() -> None:
             with fake_group(rank, W):
                 torch.manual_seed(rank)
                 model = Net()
-                opt = ZeroAdamW(param_groups(model), stage=stage, module=model, param_dtype=pdt,
-                                reduce_dtype=rdt, bucket_numel=BUCKET, wire=wire,
-                                param_wire=param_wire, reshard_after_forward=reshard,
-                                max_grad_norm=1.0)
+                opt = ZeroAdamW(param_groups(model), stage=stage, module=model, max_grad_norm=1.0,
+                                precision=Precision(param_dtype=pdt, reduce_dtype=rdt),
+                                wire=Wire(grads=wire, params=param_wire),
+                                sharding=Sharding(bucket_numel=BUCKET,
+                                                  reshard_after_forward=reshard))
                 model(torch.randn(3, D, dtype=pdt)).float().square().mean().backward()
                 opt.step()
                 opt.zero_grad()
                 counted = opt.comm.snapshot()
                 issued = step_comm(opt.flat_groups, Stage(stage), reshard, W,
-                                   wire_format=opt.wire, param_wire=opt.param_wire).snapshot()
+                                   wire_format=opt.grad_wire, param_wire=opt.param_wire).snapshot()
                 opt.close()
             assert counted["bytes"]["all_gather"] > 0 or stage == 0, what
             assert issued == counted, (what, issued, counted)

@@ -11,8 +11,13 @@ import torch
 from fusedzero.emulate import meta_model
 from fusedzero.flat import FlatBuffer
 from fusedzero.kernels import Strided, _launch, table
-from fusedzero.layout import (ALIGN, DEFAULT_BUCKET_NUMEL, MIN_SHARD_BYTES, build_layout,
-                              default_bucket_numel)
+from fusedzero.layout import (
+    ALIGN,
+    DEFAULT_BUCKET_NUMEL,
+    MIN_SHARD_BYTES,
+    build_layout,
+    default_bucket_numel,
+)
 from fusedzero.plan import LinkModel, PlanConfig, plan_model
 from fusedzero.stage import Stage
 
@@ -148,17 +153,18 @@ def test_shard_init_writes_only_the_local_shard_from_element_indices() -> None:
     # Stage 3 from the meta device with a ShardInit: the values are a function of (name,
     # element), written segment by segment; gathered, every param holds the formula's values
     # (bf16), and no unit was gathered to initialise them (materialize_peak stays 0).
+    from fusedzero import Precision, Sharding, ZeroAdamW
     from fusedzero.emulate import LlamaShape, param_groups
-    from fusedzero.optim import ZeroAdamW
     from fusedzero.units import ShardInit
 
     def values(name: str, start: int, n: int) -> torch.Tensor:
         return torch.arange(start, start + n, dtype=torch.float32) * 1e-3 + len(name)
 
     model = meta_model(LlamaShape(n_layer=2, d=32, ffn=64, vocab=48, n_head=4, n_kv_head=2))
-    opt = ZeroAdamW(param_groups(model), stage=3, module=model, param_dtype=torch.bfloat16,
-                    param_init_fn=ShardInit(lambda n, out, s: out.copy_(values(n, s, out.numel()))),
-                    device="cpu", bucket_numel=1000)
+    opt = ZeroAdamW(param_groups(model), stage=3, module=model, device="cpu",
+                    precision=Precision(param_dtype=torch.bfloat16),
+                    sharding=Sharding(param_init_fn=ShardInit(
+                        lambda n, out, s: out.copy_(values(n, s, out.numel()))), bucket_numel=1000))
     assert opt.zero3 is not None and opt.zero3.materialize_peak == 0
     with opt.gathered_params():
         for name, p in model.named_parameters():

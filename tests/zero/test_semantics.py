@@ -9,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from fusedzero.optim import ZeroAdamW
+from fusedzero import Sharding, ZeroAdamW
 
 from _helpers import TwoLinear
 
@@ -35,8 +35,8 @@ def loss(m: nn.Module, step: int) -> torch.Tensor:
 
 
 def build(m: Net, stage: int, **kw) -> ZeroAdamW:
-    return ZeroAdamW(m.parameters(), lr=LR, stage=stage, module=m, bucket_numel=128,
-                     unit_policy=nn.Linear, **kw)
+    return ZeroAdamW(m.parameters(), lr=LR, stage=stage, module=m,
+                     sharding=Sharding(bucket_numel=128, units=nn.Linear), **kw)
 
 
 def hooks_left(m: nn.Module) -> int:
@@ -113,7 +113,7 @@ def test_reentrant_checkpointing_without_module_is_refused_clearly(stage: int) -
     `module=` it works: test_parity.py::test_reentrant_activation_checkpointing_at_every_stage.)"""
     m = make()
     m.b.forward = functools.partial(checkpoint, m.b.forward, use_reentrant=True)
-    ZeroAdamW(m.parameters(), lr=LR, stage=stage, bucket_numel=128)
+    ZeroAdamW(m.parameters(), lr=LR, stage=stage, sharding=Sharding(bucket_numel=128))
     with pytest.raises(RuntimeError, match="use_reentrant.*module=model|module=model.*"
                                            "use_reentrant"):
         loss(m, 0).backward()

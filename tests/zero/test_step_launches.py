@@ -1,7 +1,7 @@
 """What `step()` issues on the Triton path (CUDA's): four kernel launches (sum of squares, the
 step's scalars, the AdamW rows, the update) and two torch ops (the partial sums' buffer and their
 sum), where the scalars and rows were ~35 torch ops, each a launch and host time on CUDA
-([Note: one launch for the step's scalars] in kernels/step_scalars.py).
+(see [Note: one launch for the step's scalars] in kernels/step_scalars.py).
 
 The kernels are stubbed out (nothing runs: what is counted is what the host issues), so the
 count is exact and the same on any machine; their arithmetic is tested against the torch path
@@ -16,8 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fusedzero import ZeroAdamW
-from fusedzero.kernels import LAUNCHES
-from fusedzero.kernels import adamw, rows, step_scalars, sum_of_squares
+from fusedzero.kernels import LAUNCHES, adamw, rows, step_scalars, sum_of_squares
 
 pytestmark = pytest.mark.interpreter  # FUSEDZERO_BACKEND=triton on CPU tensors
 

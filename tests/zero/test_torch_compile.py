@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
@@ -32,7 +31,7 @@ DOCUMENTED = {
     # skipped function by its module and qualname.
     "wait": "module: fusedzero.comm, qualname: wait,",
     # stage 3: a unit's forward hooks (gather, prefetch, free: collectives, storage resizes and
-    # `.data` re-pointing) run eagerly ([Note: stage 3 under torch.compile] in zero3.py)
+    # `.data` re-pointing) run eagerly (see [Note: stage 3 under torch.compile] in zero3.py)
     "unit": "fusedzero stage 3: a unit's gather/free hook runs eagerly",
 }
 

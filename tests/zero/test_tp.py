@@ -1,6 +1,6 @@
 """Tensor parallelism x ZeRO on a (dp=2, tp=2) mesh of 4 gloo ranks: DTensor params from
-`parallelize_module` train under ZeroAdamW(process_group=<dp group>) at every stage and match a
-single-process torch.optim.AdamW + clip_grad_norm_ on the same global batch.
+`parallelize_module` train under ZeroAdamW(groups=Groups(shard=<dp group>)) at every stage and
+match a single-process torch.optim.AdamW + clip_grad_norm_ on the same global batch.
 
 Two models: "sp" (sequence parallel: LayerNorms under SequenceParallel are Replicate DTensors
 whose grads come back Partial) and "mlp" (Colwise then Rowwise, a plain LayerNorm after: plain
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedzero.optim import ZeroAdamW
+from fusedzero import Groups, ZeroAdamW
 from fusedzero.testing import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns 4 ranks
@@ -79,8 +79,12 @@ def make(kind: str) -> nn.Module:
 
 def parallelize(m: nn.Module, kind: str, tp_mesh) -> None:
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
     if kind == "sp":
         plan = {"norm": SequenceParallel()}
         for i in range(len(m.blocks)):
@@ -192,8 +196,9 @@ def _train(rank: int, world: int, kind: str, stages: tuple[int, ...],
         m = make(kind)
         parallelize(m, kind, mesh["tp"])
         opt = ZeroAdamW(m.parameters(), lr=LR, weight_decay=WD, stage=stage, module=m,
-                        process_group=dp_groups[0], max_grad_norm=CLIP,
-                        replicate_group=dp_groups[1] if replicas > 1 else None)
+                        max_grad_norm=CLIP,
+                        groups=Groups(shard=dp_groups[0],
+                                      replicate=dp_groups[1] if replicas > 1 else None))
         losses, norms, replicated = [], [], []
         for step in range(STEPS):
             loss = _local_loss(m, kind, step, dp_rank, dp, tp_rank)
@@ -217,7 +222,7 @@ def _train(rank: int, world: int, kind: str, stages: tuple[int, ...],
             full = {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
                     for n, p in m.named_parameters()}
             kinds = {n: type(p).__name__ for n, p in m.named_parameters()}
-        nonfinite = _nonfinite_step(m, opt, PLANT[kind], lambda: _local_loss(
+        nonfinite = _nonfinite_step(m, opt, PLANT[kind], lambda m=m: _local_loss(
             m, kind, STEPS, dp_rank, dp, tp_rank))
         opt.close()
         out[stage] = {"params": full, "losses": losses, "norms": norms,

@@ -17,18 +17,17 @@ W u sum_r |deq_r| / W: the tests assert both, on data whose magnitudes span six 
 from __future__ import annotations
 
 import contextlib
-import json
 import functools
+import json
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from fusedzero import comm, wire
+from fusedzero import Groups, Precision, Sharding, Wire, ZeroAdamW, comm, wire
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.comm import CommContext, CommCounter
 from fusedzero.kernels.quant import WBLOCK, WireFormat, dequantize_into, new_packed
-from fusedzero.optim import ZeroAdamW
 from fusedzero.plan import PlanConfig, plan_model, plan_params
 from fusedzero.testing import fake_group, run_ranks
 
@@ -107,7 +106,7 @@ def _check_rank_results(results: list[dict], W: int) -> None:
             assert r[fmt.value]["bytes"]["bytes"]["all_to_all"] == 2 * want, fmt
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _results(W: int) -> list[dict]:
     """One spawn per world size, shared by the tests that read it."""
     return run_ranks(_rs_worker, W)
@@ -154,8 +153,8 @@ def test_plan_wire_bytes_follow_the_formulas() -> None:
     per = {None: Sh * 2, "fp32": Sh * 4, "bf16": Sh * 2, "int8": Sh + 4 * Sh // 128}
     for w in per:
         for pw in (None, "int8"):
-            cfg = PlanConfig(world_size=W, bucket_numel=B, wire=w, param_wire=pw,
-                             grad_norm=False)
+            cfg = PlanConfig(world_size=W, wire=Wire(grads=w, params=pw),
+                             sharding=Sharding(bucket_numel=B), grad_norm=False)
             st = plan_params(n, cfg).stages
             gather = (W - 1) * (per["int8"] if pw else Sh * 2)
             assert st[0].comm_bytes_per_step == nb * 2 * (W - 1) * per[w], w
@@ -163,8 +162,8 @@ def test_plan_wire_bytes_follow_the_formulas() -> None:
             assert st[3].comm_bytes_per_step == nb * ((W - 1) * per[w] + 2 * gather), (w, pw)
     # int8 sends 1 + 4/128 bytes per element against bf16's 2.
     assert per["int8"] / per["bf16"] == pytest.approx(33 / 64)
-    with pytest.raises(ValueError, match="wire='fp8'"):
-        PlanConfig(world_size=2, wire="fp8")
+    with pytest.raises(TypeError, match=r"use wire=Wire\(grads='fp8'\)"):
+        PlanConfig(world_size=2, wire="fp8")  # type: ignore[arg-type]
 
 
 @pytest.mark.slow  # ~1 s per optimizer under load
@@ -176,15 +175,16 @@ def test_counter_equals_plan_for_every_stage_and_wire(W, rank) -> None:
         for w, pw, rdt in ((None, None, torch.bfloat16), ("fp32", None, torch.float32),
                            ("fp32", "int8", torch.bfloat16), ("bf16", None, torch.float32),
                            ("int8", "int8", torch.float32), ("int8", "bf16", torch.bfloat16)):
-            cfg = PlanConfig(world_size=W, param_dtype=torch.float32, reduce_dtype=rdt,
-                             bucket_numel=5000, wire=w, param_wire=pw)
+            cfg = PlanConfig(world_size=W,
+                             precision=Precision(param_dtype=torch.float32, reduce_dtype=rdt),
+                             wire=Wire(grads=w, params=pw), sharding=Sharding(bucket_numel=5000))
             want = plan_model(meta, cfg).stages[stage].comm_bytes_per_step
             with fake_group(rank, W):
                 torch.manual_seed(0)
                 model = GPT(GPTConfig(**CFG))
                 opt = ZeroAdamW(gpt_param_groups(model, 0.1), stage=stage, module=model,
-                                reduce_dtype=rdt, bucket_numel=5000, wire=w, param_wire=pw,
-                                max_grad_norm=1.0)
+                                max_grad_norm=1.0, precision=Precision(reduce_dtype=rdt),
+                                wire=Wire(grads=w, params=pw), sharding=Sharding(bucket_numel=5000))
                 x = torch.randint(0, CFG["vocab_size"], (2, CFG["block_size"]))
                 model(x, x)[1].backward()
                 opt.step()
@@ -195,10 +195,10 @@ def test_counter_equals_plan_for_every_stage_and_wire(W, rank) -> None:
 
 def test_bad_wire_is_refused_with_the_choices() -> None:
     p = torch.nn.Parameter(torch.randn(3))
-    with pytest.raises(ValueError, match=r"wire='int4': expected None or one of \['fp32'"):
-        ZeroAdamW([p], wire="int4")
-    with pytest.raises(ValueError, match="param_wire='x'"):
-        ZeroAdamW([p], param_wire="x")
+    with pytest.raises(ValueError, match=r"Wire\(grads='int4'\): expected None or one of \['fp32'"):
+        ZeroAdamW([p], wire=Wire(grads="int4"))
+    with pytest.raises(ValueError, match=r"Wire\(params='x'\)"):
+        ZeroAdamW([p], wire=Wire(params="x"))
     assert wire.uses_wire(WireFormat.INT8, torch.float32, 1) is False  # nothing on a wire
     assert wire.uses_wire(WireFormat.FP32, torch.float32, 4) is False  # fp32 RS sums in fp32
     assert wire.uses_wire(WireFormat.FP32, torch.bfloat16, 4) is True
@@ -221,8 +221,9 @@ def _grads_worker(rank: int, world: int, configs: dict[str, dict]) -> dict:
         torch.manual_seed(0)
         model = GPT(GPTConfig(**CFG))
         opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-2, stage=c["stage"], module=model,
-                        process_group=pg, replicate_group=rep, bucket_numel=1500,
-                        wire=c.get("wire"), param_wire=c.get("param_wire"))
+                        wire=Wire(grads=c.get("wire"), params=c.get("param_wire")),
+                        groups=Groups(shard=pg, replicate=rep),
+                        sharding=Sharding(bucket_numel=1500))
         g = torch.Generator().manual_seed(7)
         x = torch.randint(0, CFG["vocab_size"], (2 * world * 2, CFG["block_size"] + 1),
                           generator=g)

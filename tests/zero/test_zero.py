@@ -6,15 +6,14 @@ import functools
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
-from fusedzero import checkpoint as ckpt
-from fusedzero.layout import build_layout
+from fusedzero import Groups, Precision, Sharding, ZeroAdamW, checkpoint as ckpt
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.optim import ZeroAdamW
+from fusedzero.layout import build_layout
 from fusedzero.testing import run_ranks
 
 from _helpers import gpt_batch, make_gpt
-from torch.utils.checkpoint import checkpoint
 
 pytestmark = pytest.mark.slow  # spawns ranks or the CLI
 
@@ -69,13 +68,15 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
         for blk in model.blocks:
             blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
     opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, stage=opts["stage"], module=model,
-                    reshard_after_forward=opts.get("reshard", True), process_group=pg,
-                    replicate_group=rep,
-                    param_init_fn=model.init_module if opts.get("meta") else None,
+                    max_grad_norm=opts.get("clip"),
+                    precision=Precision(param_dtype=opts.get("param_dtype"),
+                                        reduce_dtype=opts.get("reduce_dtype", torch.float32)),
+                    groups=Groups(shard=pg, replicate=rep),
+                    sharding=Sharding(
+                        bucket_numel=opts.get("bucket", BUCKET),
+                        reshard_after_forward=opts.get("reshard", True),
+                        param_init_fn=model.init_module if opts.get("meta") else None),
                     device="cpu",  # gloo ranks: meta params materialise on the CPU, GPU or not
-                    bucket_numel=opts.get("bucket", BUCKET),
-                    max_grad_norm=opts.get("clip"), param_dtype=opts.get("param_dtype"),
-                    reduce_dtype=opts.get("reduce_dtype", torch.float32),
                     trace=opts.get("trace", False))
     accum = opts.get("accum", 1)
     norms, comm, skipped = [], [], []
@@ -174,13 +175,13 @@ def test_stages_0_to_3_match_torch_adamw(world: int, tmp_path) -> None:
         configs.update({f"mesh{s}": {"stage": s, "clip": 1.0, "hsdp": True,
                                      "save": str(tmp_path / f"mesh{s}")} for s in (1, 3)})
     outs = run_ranks(train_many, world, configs)
-    if world == 4:  # process_group=: two groups of 2 ranks train independently, each like W=2
+    if world == 4:  # Groups(shard=): two groups of 2 ranks train independently, each like W=2
         for r, o in enumerate(outs):
             sub = o["subgroups"]
             assert_params_close(sub["params"], ref, RTOL, ATOL, f"subgroup rank {r}")
             assert sub["comm"][-1]["bytes"]["reduce_scatter"] == \
                 sum(sub["padded"]) * 4 // 2  # (W-1)/W with W = 2, fp32
-            # replicate_group=: shard over 2, replicate over 2, the batch split 4 ways; the
+            # Groups(replicate=): shard over 2, replicate over 2, the batch split 4 ways; the
             # replicas all-reduce their grad shard (Psi/2 elements) once: 2(R-1)/R * Psi/2 * 4.
             for h in (o["mesh1"], o["mesh3"]):
                 assert_params_close(h["params"], ref, RTOL, ATOL, f"2-D mesh rank {r}")
@@ -191,7 +192,7 @@ def test_stages_0_to_3_match_torch_adamw(world: int, tmp_path) -> None:
         for s in (1, 3):
             model = make_model(seed=1)
             opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, stage=s, module=model,
-                            bucket_numel=BUCKET)
+                            sharding=Sharding(bucket_numel=BUCKET))
             ckpt.load(opt, tmp_path / f"mesh{s}")
             with opt.gathered_params():
                 for n, p in model.named_parameters():
@@ -376,8 +377,8 @@ def train_branchy(rank: int, world: int, stages: tuple[int, ...]) -> list[dict]:
         torch.manual_seed(0)
         m = _Branchy()
         # Stage 3 with one unit per Linear: the `unused` unit is never called.
-        opt = ZeroAdamW(m.parameters(), lr=LR, stage=stage, module=m, bucket_numel=256,
-                        unit_policy=torch.nn.Linear)
+        opt = ZeroAdamW(m.parameters(), lr=LR, stage=stage, module=m,
+                        sharding=Sharding(bucket_numel=256, units=torch.nn.Linear))
         for step in range(3):
             x = torch.randn(8, 9, generator=torch.Generator().manual_seed(step))
             m(rank_slice(x, rank, world)).square().mean().backward()

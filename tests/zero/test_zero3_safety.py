@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
+
+from fusedzero import Sharding, ZeroAdamW
 
 from _helpers import Stack, run_forked
-from fusedzero.optim import ZeroAdamW
 
 
 def _setup(seed: int = 0, **kw) -> tuple[Stack, ZeroAdamW]:
@@ -104,11 +104,11 @@ def test_stage3_units_gathered_by_a_forward_do_not_outlive_a_load(grad: bool) ->
     with grad) were copies of the shards from before `load_shard_state` / `load_state_dict`:
     the next forward computed with the old weights."""
     x = torch.randn(8, 16)
-    src_model, src = _setup(seed=1, reshard_after_forward=False)
+    src_model, src = _setup(seed=1, sharding=Sharding(reshard_after_forward=False))
     with torch.no_grad():
         want = src_model(x)
     for load in ("shard_state", "state_dict"):
-        model, opt = _setup(seed=0, reshard_after_forward=False)
+        model, opt = _setup(seed=0, sharding=Sharding(reshard_after_forward=False))
         with torch.set_grad_enabled(grad):
             model(x)
         assert any(s.name != "FREE" for s in opt.zero3.state), "the setup must gather units"

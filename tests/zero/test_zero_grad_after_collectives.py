@@ -4,7 +4,7 @@ On NCCL the average's 1/W is the collective's own (premul_sum): no local `mul_` 
 collective writes its result in place without moving the tensor's version counter. A buffer
 that got no local grad this step (a param group this rank's batch does not use) but received
 the other ranks' average from its reduction was then left holding that average: `reset_step`
-skipped buffers whose version had not moved since their last zeroing ([Note: zeroing once]),
+skipped buffers whose version had not moved since their last zeroing (see [Note: zeroing once]),
 and the next step reduced the stale average again. Played here as rank 1 of a fake world of 2,
 its collectives writing as NCCL's do (through `.data`: no version bump).
 """
