@@ -5,7 +5,7 @@
 
 - parity: every stage against DDP + torch.optim.AdamW (fp32: params within max(3 x the
   reference's own run-to-run difference, 1e-6 relative + 1e-6 absolute, the tolerance
-  tests/zero/test_parity.py derives): [Note: a check's noise floor]; torch's default foreach
+  tests/zero/test_parity.py derives): see [Note: a check's noise floor]; torch's default foreach
   AdamW, and stage 2 once more against the fused one, whose CUDA kernel differs from float64
   by more: bench/gpu/numerics.py), and in bf16 against FSDP2
   with MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32) (losses within 2^-7 relative:
@@ -184,7 +184,7 @@ def _compare(a: Run, b: Run) -> dict[str, float]:
 
 def _parity(dev: torch.device, pairs: list[Pair]) -> list[dict[str, Any]]:
     """Each system runs once (a system in two pairs is reused); each reference runs a second
-    time from the same seed, the control ([Note: a check's noise floor])."""
+    time from the same seed, the control (see [Note: a check's noise floor])."""
     runs: dict[str, Run] = {}
     controls: dict[str, dict[str, float]] = {}
     rows = []
