@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fusedzero import dtypes
+from fusedzero import dtypes, safe_paths
 from fusedzero.app import resume as resume_mod
 from fusedzero.app import tp_plan
 from fusedzero.app import watch
@@ -230,7 +230,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
         print(format_table(summary, stopped=cfg.stop_at is not None and stop < cfg.steps))
         if cfg.out_json:
             Path(cfg.out_json).parent.mkdir(parents=True, exist_ok=True)
-            Path(cfg.out_json).write_text(json.dumps(summary, indent=1) + "\n")
+            text = (json.dumps(summary, indent=1) + "\n").encode()
+            safe_paths.replace_file(cfg.out_json, lambda f: f.write(text), "--out-json")
     return summary
 
 

@@ -16,12 +16,13 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import nn
+
+from fusedzero import safe_paths
 
 # Every record has every key (null where unknown), so a reader gets one fixed schema. `run_id`
 # tells the runs apart in a file that several runs appended to (a resume keeps its run's id).
@@ -38,19 +39,6 @@ def _json_value(v: Any) -> Any:
     return v
 
 
-def _replace_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write ``path`` through a temporary beside it and a rename: a crash never leaves a torn
-    file under the name. Not mkstemp: its 0600 mode would make a plot or log private to us;
-    "x" (exclusive create) honours the umask and never writes through an existing file."""
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _unwritable(flag: str, path: str | os.PathLike[str], e: OSError) -> ValueError:
     return ValueError(f"{flag} {str(path)!r}: cannot write there ({e.strerror or e}); "
                       f"pass a file path in a writable folder")
@@ -59,7 +47,8 @@ def _unwritable(flag: str, path: str | os.PathLike[str], e: OSError) -> ValueErr
 def check_writable(path: str | os.PathLike[str], flag: str) -> None:
     """Raise ValueError naming ``flag`` unless a file can be written at ``path``. Creates missing
     parent folders and nothing else, so a launcher can call it before training: a bad
-    ``--log-jsonl`` or ``--plot`` path then fails in seconds, not after the run."""
+    ``--log-jsonl`` or ``--plot`` path then fails in seconds, not after the run. A link or
+    anything but a regular file there is refused (safe_paths.UnsafePath, a ValueError)."""
     p = Path(path)
     try:
         if p.is_dir():
@@ -69,6 +58,7 @@ def check_writable(path: str | os.PathLike[str], flag: str) -> None:
             pass
     except OSError as e:
         raise _unwritable(flag, path, e) from e
+    safe_paths.check_output(p, flag)
 
 
 def new_run_id() -> str:
@@ -94,10 +84,11 @@ class MetricsLog:
         self.run_id = new_run_id() if run_id is None else run_id
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            safe_paths.check_output(self.path, "--log-jsonl")  # never read or write a link
             if self.path.exists():
                 self._drop_stale(start_step)
-            # buffering=0: a raw FileIO, so write() below is the write(2) system call itself.
-            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed in close())
+            # Unbuffered: write() below is the write(2) system call itself.
+            self._file = safe_paths.open_append(self.path, "--log-jsonl")
         except OSError as e:
             raise _unwritable("--log-jsonl", path, e) from e
 
@@ -115,8 +106,9 @@ class MetricsLog:
             r for r in records
             if r.get("run_id") not in (self.run_id, None) or r["step"] <= start_step]
         if len(keep) < len(records) or (data and not data.endswith(b"\n")):
-            _replace_atomically(self.path,
-                                lambda f: f.write(b"".join(self._line(r) for r in keep)))
+            safe_paths.replace_file(self.path,
+                                    lambda f: f.write(b"".join(self._line(r) for r in keep)),
+                                    "--log-jsonl")
 
     @staticmethod
     def _line(record: dict[str, Any]) -> bytes:
@@ -209,7 +201,7 @@ def plot_losses(records: list[dict[str, Any]], out_png: str | os.PathLike[str],
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _replace_atomically(out, lambda f: fig.savefig(f, format="png"))
+    safe_paths.replace_file(out, lambda f: fig.savefig(f, format="png"), "--plot")
 
 
 @torch.no_grad()
