@@ -1,11 +1,15 @@
-"""Paths given on the command line, written so that no write goes through a link.
+"""Paths given on the command line, read and written so that no write goes through a link and no
+read waits on a FIFO or reads a device.
 
     check_output(path, what)            refuse a link, FIFO, device, socket or folder there
     replace_file(path, write, what)     a fresh temporary beside `path`, renamed over it
     open_append(path, what)             append to a regular file (or a new one), never a link
+    check_input(path, what)             a regular file (or folder), never a FIFO or device
+    read_bytes(path, what, limit=None)  a regular file's bytes, at most `limit` of them
+    read_json(path, what, limit)        ... parsed
 
-`what` names the path in errors, as the user gave it (`--out-json`). Every refusal is an
-UnsafePath (a ValueError): one line naming `what`, the path, what is there and the fix.
+`what` names the path in errors, as the user gave it (`--out-json`, `--data`). Every refusal is
+an UnsafePath (a ValueError): one line naming `what`, the path, what is there and the fix.
 
 [Note: no write through a link] An output path is lstat-ed before anything is written: a
 symlink (dangling or not) is refused, and so is anything but a regular file (a FIFO, whose open
@@ -17,16 +21,24 @@ target untouched. An appended file is opened with O_NOFOLLOW|O_NONBLOCK (a link 
 the check fails the open, a FIFO opens without waiting) and fstat-ed: only a regular file is
 written to. The temporary is `fusedzero ckpt export`'s (checkpoint.format.create_temp), which
 refuses its OUT the same way.
+
+[Note: no read from a FIFO or device] An input path is followed (a link to a regular file is
+read as that file) and must end at a regular file (or, where a folder is asked for, a folder):
+reading a FIFO waits for a writer forever, /dev/zero never ends (a `*.txt -> /dev/zero` link in a
+corpus folder read until memory ran out), a socket cannot be opened. The check is made on the
+opened file (O_NONBLOCK, so a FIFO opens at once; then fstat), not on the name before it, so a
+FIFO swapped in between is refused too.
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import stat
 from collections.abc import Callable
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 from fusedzero.checkpoint.format import create_temp
 
@@ -38,9 +50,16 @@ _KINDS = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIF
           (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
           (stat.S_ISSOCK, "a socket"))
 
+# Why each kind is refused, as the error says it.
+_WHY_NOT_READ = {"a FIFO": "a read would wait for a writer forever",
+                 "a character device": "a device is not a file: /dev/zero never ends",
+                 "a block device": "a device is not a file",
+                 "a socket": "a socket cannot be read as a file"}
+
 
 class UnsafePath(ValueError):
-    """A path the CLI refuses: an output that is a link or not a regular file."""
+    """A path the CLI refuses: an output that is a link or not a regular file, an input that is
+    a FIFO, a device or a socket, or a file too large to read."""
 
 
 def kind(mode: int) -> str:
@@ -111,3 +130,54 @@ def open_append(path: str | os.PathLike[str], what: str) -> BinaryIO:
         raise _refuse_output(path, mode, what)
     os.set_blocking(fd, True)
     return os.fdopen(fd, "ab", buffering=0)
+
+
+# -- inputs: See [Note: no read from a FIFO or device] --------------------------------------------
+def _refuse_input(path: str | os.PathLike[str], mode: int, what: str, folder: bool) -> UnsafePath:
+    k = kind(mode)
+    want = "a regular file or a folder" if folder else "a regular file"
+    why = _WHY_NOT_READ.get(k, f"not {want}")
+    return UnsafePath(f"{what} {_show(path)} is {k}; refusing to read it ({why}): pass {want}")
+
+
+def check_input(path: str | os.PathLike[str], what: str, *, folder: bool = False) -> None:
+    """Raise UnsafePath unless `path` (links followed) is a regular file, or with `folder` a
+    folder. A path that does not exist passes: the caller says what it needs there."""
+    try:
+        st = os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    if not (stat.S_ISREG(st.st_mode) or (folder and stat.S_ISDIR(st.st_mode))):
+        raise _refuse_input(path, st.st_mode, what, folder)
+
+
+def read_bytes(path: str | os.PathLike[str], what: str, limit: int | None = None) -> bytes:
+    """The bytes of the regular file at `path` (links followed); UnsafePath for a FIFO, a device
+    or a socket, or for a file of more than `limit` bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _NONBLOCK | _CLOEXEC)  # a FIFO opens without a writer
+    except OSError as e:
+        if e.errno == errno.ENXIO:  # a socket (or a device with no driver behind it)
+            raise _refuse_input(path, os.stat(path).st_mode, what, folder=False) from None
+        raise
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _refuse_input(path, st.st_mode, what, folder=False)
+        if limit is None:
+            return f.read()
+        data = f.read(limit + 1)  # the size read, not the size stat says (it may grow)
+    if len(data) > limit:
+        raise UnsafePath(f"{what} {_show(path)} holds more than {limit} bytes; refusing to read "
+                         "it (no such file is that large): pass the right file")
+    return data
+
+
+def read_json(path: str | os.PathLike[str], what: str, limit: int) -> Any:
+    """A JSON file of at most `limit` bytes, parsed; a file that is not JSON is a ValueError
+    naming `what` and the path."""
+    data = read_bytes(path, what, limit)
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} {_show(path)} is not JSON ({e}); pass a JSON file") from None

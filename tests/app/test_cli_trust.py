@@ -81,3 +81,58 @@ def test_replace_file_replaces_a_link_planted_after_the_check(tmp_path: Path,
     with pytest.raises(safe_paths.UnsafePath, match="is a symlink"):  # O_NOFOLLOW
         safe_paths.open_append(out, "--log-jsonl")
     assert target.read_text() == "keep"
+
+
+# -- inputs: See [Note: no read from a FIFO or device] --------------------------------------------
+def _corpus_folder(tmp_path: Path) -> Path:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("some text to train on\n" * 40)
+    return folder
+
+
+@pytest.mark.timeout(60)  # before the fix: the read of the FIFO waited forever
+def test_data_folder_holding_a_fifo_or_a_device_link_is_refused(
+        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """Before: a FIFO in a --data folder hung the launcher; a `*.txt -> /dev/zero` link read
+    until MemoryError. Both are one line naming --data and the file (exit 2)."""
+    folder = _corpus_folder(tmp_path)
+    os.mkfifo(folder / "b.txt")
+    line = _error(capsys, [*T, "--data", str(folder)])
+    assert "--data" in line and "b.txt" in line and "is a FIFO" in line, line
+    (folder / "b.txt").unlink()
+    os.symlink("/dev/zero", folder / "b.txt")
+    line = _error(capsys, [*T, "--data", str(folder)])
+    assert "--data" in line and "b.txt" in line and "is a character device" in line, line
+
+
+@pytest.mark.timeout(60)
+def test_hf_config_fifo_is_refused_by_plan_and_export(capsys: pytest.CaptureFixture[str],
+                                                      tmp_path: Path) -> None:
+    """`ckpt export ... --hf-config FIFO` hung; `plan --hf-config FIFO` said "no config.json
+    there". Both name --hf-config and the FIFO, before any checkpoint is read."""
+    fifo = tmp_path / "config.json"
+    os.mkfifo(fifo)
+    for argv in (["plan", "-W", "2", "--hf-config", str(fifo)],
+                 ["plan", "-W", "2", "--hf-config", str(tmp_path)],  # the folder holding it
+                 ["ckpt", "export", str(tmp_path / "ckpt"), str(tmp_path / "out"),
+                  "--hf-config", str(fifo)]):
+        line = _error(capsys, argv)
+        assert "--hf-config" in line and "is a FIFO" in line, line
+
+
+def test_read_bytes_refuses_sockets_and_files_over_the_limit(tmp_path: Path) -> None:
+    import socket
+
+    sock_path = tmp_path / "s"
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(sock_path))
+        for read in (lambda: safe_paths.read_bytes(sock_path, "--data"),
+                     lambda: safe_paths.check_input(sock_path, "--data")):
+            with pytest.raises(safe_paths.UnsafePath, match=r"--data .*is a socket"):
+                read()
+    f = tmp_path / "f.json"
+    f.write_bytes(b"[1]" + b" " * 97)
+    assert safe_paths.read_json(f, "--hf-config", limit=100) == [1]
+    with pytest.raises(safe_paths.UnsafePath, match=r"holds more than 99 bytes"):
+        safe_paths.read_bytes(f, "--hf-config", limit=99)
