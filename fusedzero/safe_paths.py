@@ -6,7 +6,8 @@ read waits on a FIFO or reads a device.
     open_append(path, what)             append to a regular file (or a new one), never a link
     check_input(path, what)             a regular file (or folder), never a FIFO or device
     read_bytes(path, what, limit=None)  a regular file's bytes, at most `limit` of them
-    read_json(path, what, limit)        ... parsed
+    read_json(path, what, limit)        ... parsed; nesting too deep is an error, not a crash
+    parse_json(text, where)             json.loads with that error
 
 `what` names the path in errors, as the user gave it (`--out-json`, `--data`). Every refusal is
 an UnsafePath (a ValueError): one line naming `what`, the path, what is there and the fix.
@@ -59,7 +60,7 @@ _WHY_NOT_READ = {"a FIFO": "a read would wait for a writer forever",
 
 class UnsafePath(ValueError):
     """A path the CLI refuses: an output that is a link or not a regular file, an input that is
-    a FIFO, a device or a socket, or a file too large to read."""
+    a FIFO, a device or a socket, or a file too large or too deeply nested to read."""
 
 
 def kind(mode: int) -> str:
@@ -173,11 +174,21 @@ def read_bytes(path: str | os.PathLike[str], what: str, limit: int | None = None
     return data
 
 
+def parse_json(text: str | bytes, where: str) -> Any:
+    """json.loads, with nesting too deep for Python's parser (a RecursionError, say 100000
+    nested lists) raised as UnsafePath naming `where`. Malformed JSON stays a JSONDecodeError."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise UnsafePath(f"{where}: JSON nested too deeply to parse (Python's parser recurses "
+                         "once per level); pass a real JSON file") from None
+
+
 def read_json(path: str | os.PathLike[str], what: str, limit: int) -> Any:
-    """A JSON file of at most `limit` bytes, parsed; a file that is not JSON is a ValueError
-    naming `what` and the path."""
+    """A JSON file of at most `limit` bytes, parsed (read_bytes, then parse_json); a file that
+    is not JSON is a ValueError naming `what` and the path."""
     data = read_bytes(path, what, limit)
     try:
-        return json.loads(data)
+        return parse_json(data, f"{what} {_show(path)}")
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{what} {_show(path)} is not JSON ({e}); pass a JSON file") from None

@@ -95,7 +95,7 @@ class MetricsLog:
     def _drop_stale(self, start_step: int) -> None:
         """Rewrite the log without a torn tail and without this run's records after
         ``start_step``, atomically (temp + rename); untouched when there is nothing to drop."""
-        data = self.path.read_bytes()
+        data = safe_paths.read_bytes(self.path, "--log-jsonl")
         try:
             records = read_jsonl(self.path)
         except ValueError as e:
@@ -143,7 +143,7 @@ class MetricsLog:
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a metrics log, in file order. A last line without its newline is a write
     torn by a machine crash and is left out; any other line that is not a JSON object raises."""
-    data = Path(path).read_bytes()
+    data = safe_paths.read_bytes(path, "metrics log")
     lines = data.split(b"\n")
     records = []
     # split() leaves "" after a final newline, or the torn tail: either way not a record.
@@ -151,7 +151,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         if not raw.strip():
             continue
         try:
-            rec = json.loads(raw)
+            rec = safe_paths.parse_json(raw, f"{path}: line {n}")  # too deep: one line
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: line {n} is not JSON ({e.msg}): {raw[:80]!r}") from e
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):

@@ -136,3 +136,20 @@ def test_read_bytes_refuses_sockets_and_files_over_the_limit(tmp_path: Path) -> 
     assert safe_paths.read_json(f, "--hf-config", limit=100) == [1]
     with pytest.raises(safe_paths.UnsafePath, match=r"holds more than 99 bytes"):
         safe_paths.read_bytes(f, "--hf-config", limit=99)
+
+
+def test_deeply_nested_json_is_one_line_naming_the_file(capsys: pytest.CaptureFixture[str],
+                                                        tmp_path: Path) -> None:
+    """100000-deep JSON in --hf-config or in an existing --log-jsonl raised RecursionError (exit
+    1, no file named); now one line naming the file (plan: exit 2; the log: a ValueError, which
+    rank 0 reports as a usage error)."""
+    deep = "[" * 100_000 + "]" * 100_000
+    (tmp_path / "config.json").write_text(deep)
+    line = _error(capsys, ["plan", "-W", "2", "--hf-config", str(tmp_path / "config.json")])
+    assert "--hf-config" in line and "config.json" in line and "nested too deeply" in line, line
+    log = tmp_path / "m.jsonl"
+    log.write_text('{"step": 0, "loss": 1.0}\n{"step": 1, "x": ' + deep + "}\n")
+    with pytest.raises(ValueError, match=r"--log-jsonl .*m\.jsonl.*line 2: JSON nested too "):
+        MetricsLog(log)
+    assert log.read_text().endswith("}\n")  # left as it was
+
