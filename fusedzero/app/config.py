@@ -34,6 +34,11 @@ DEFAULT_LOG_EVERY = 10
 # for its sample.py (greedy decoding of a small byte model repeats its likeliest byte, a space).
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_K = 40
+# --timeout's range in seconds. Below 1 s the ranks' own start-up (a TCP connect, gloo's
+# handshake) times out ("timed out after 0ms" at 0.0004); above 1e9 s (31 years: no limit in
+# practice) the process group's timeout, milliseconds held as int64 nanoseconds in C++,
+# overflows (1e10: C++ frames; 1e30: OverflowError).
+TIMEOUT_MIN_S, TIMEOUT_MAX_S = 1.0, 1e9
 # Fraction of the corpus (its tail) held out for validation.
 VAL_FRACTION = 0.05
 # The cosine decays to this fraction of --lr (as in nanoGPT / Chinchilla-style schedules).
@@ -207,8 +212,10 @@ class TrainConfig:
         need(math.isfinite(self.temperature) and self.temperature >= 0,
              f"--temperature must be >= 0 (0: greedy), got {self.temperature}")
         need(self.top_k >= 0, f"--top-k must be >= 0 (0: all bytes), got {self.top_k}")
-        need(math.isfinite(self.timeout) and self.timeout > 0,
-             f"--timeout must be > 0 seconds, got {self.timeout}")
+        need(TIMEOUT_MIN_S <= self.timeout <= TIMEOUT_MAX_S,
+             f"--timeout must be in [{TIMEOUT_MIN_S:g}, {TIMEOUT_MAX_S:g}] seconds (less: the "
+             f"ranks' start-up alone times out; {TIMEOUT_MAX_S:g} s is 31 years, no limit in "
+             f"practice), got {self.timeout:g}")
         need(not (self.resume and self.overwrite),
              "--resume and --overwrite exclude each other: continue the run in --ckpt-dir, or "
              "start over in it")
@@ -307,7 +314,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--out-json", default=None, metavar="FILE", help="write the run summary as JSON")
     a("--timeout", type=float, default=d.timeout, metavar="SECONDS",
       help="end the run with an error naming the rank and the operation when any rank waits "
-           "on the others longer than this (default %(default)g = 10 minutes)")
+           f"on the others longer than this, {TIMEOUT_MIN_S:g} to {TIMEOUT_MAX_S:g} "
+           "(default %(default)g = 10 minutes)")
     a("--bucket-numel", type=int, default=None, help="elements per bucket")
     a("--reduce-dtype", choices=sorted(dtypes.SHORT_NAMES), default="fp32",
       help="dtype grads are reduced in (default %(default)s)")

@@ -153,3 +153,22 @@ def test_deeply_nested_json_is_one_line_naming_the_file(capsys: pytest.CaptureFi
         MetricsLog(log)
     assert log.read_text().endswith("}\n")  # left as it was
 
+
+
+# -- flags out of range: refused up front, naming the flag -----------------------------------------
+@pytest.mark.parametrize("value", ["1e10", "0.0004", "1e-9", "1e30", "inf", "nan", "0"])
+def test_timeout_out_of_range_is_refused_naming_the_flag(capsys: pytest.CaptureFixture[str],
+                                                         value: str) -> None:
+    """Before: 1e10, 0.0004 and 1e-9 failed on the ranks with 30 lines of C++ frames or "timed
+    out after 0ms"; 1e30 with an OverflowError naming no flag."""
+    line = _error(capsys, [*T, "--timeout", value])
+    assert "--timeout must be in [1, 1e+09] seconds" in line, line
+
+
+def test_timeout_range_is_in_the_help() -> None:
+    from fusedzero.app.config import add_arguments, ArgParser
+
+    p = ArgParser(prog="fusedzero train")
+    add_arguments(p)
+    timeout = next(a for a in p._actions if "--timeout" in a.option_strings)  # noqa: SLF001
+    assert "1 to 1e+09" in (timeout.help or "")
