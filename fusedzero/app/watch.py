@@ -29,6 +29,11 @@ from fusedzero import safe_paths
 FIELDS = ("run_id", "step", "loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "skipped",
           "step_ms")
 PLOT_INSTALL_HINT = "pip install 'fusedzero[plot]'"
+# The sample's temperature, besides 0 (greedy). Below 1e-3 the sample is the greedy one in all
+# but name, and logits / T leaves fp32's range (1e-300 is 0 there: the softmax is NaN and the
+# draw fails, after the whole run); above 1e3 it is uniform noise (past fp32's max T is inf,
+# and a top-k-masked -inf / inf is NaN again).
+TEMPERATURE_RANGE = (1e-3, 1e3)
 
 
 def _json_value(v: Any) -> Any:
@@ -204,6 +209,15 @@ def plot_losses(records: list[dict[str, Any]], out_png: str | os.PathLike[str],
     safe_paths.replace_file(out, lambda f: fig.savefig(f, format="png"), "--plot")
 
 
+def check_temperature(temperature: float, name: str = "temperature") -> None:
+    """Raise ValueError naming `name` unless `temperature` is 0 or in TEMPERATURE_RANGE."""
+    lo, hi = TEMPERATURE_RANGE
+    if not (temperature == 0.0 or lo <= temperature <= hi):
+        raise ValueError(f"{name} must be 0 (greedy) or in [{lo:g}, {hi:g}] (below, the sample "
+                         f"is greedy in all but name and logits / T overflow fp32; above, it "
+                         f"is uniform noise), got {temperature:g}")
+
+
 @torch.no_grad()
 def sample_text(model: nn.Module, prompt: bytes, max_new_tokens: int, *,
                 temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> str:
@@ -223,8 +237,7 @@ def sample_text(model: nn.Module, prompt: bytes, max_new_tokens: int, *,
         raise ValueError("prompt is empty: the model needs at least one byte, e.g. b'\\n'")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if not temperature >= 0.0 or math.isinf(temperature):
-        raise ValueError(f"temperature must be finite and >= 0 (0: greedy), got {temperature}")
+    check_temperature(temperature)
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0: every byte), got {top_k}")
     block_size: int = model.config.block_size

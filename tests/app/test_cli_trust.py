@@ -6,6 +6,7 @@ Every case here fails before the ranks start: nothing is spawned.
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -172,3 +173,31 @@ def test_timeout_range_is_in_the_help() -> None:
     add_arguments(p)
     timeout = next(a for a in p._actions if "--timeout" in a.option_strings)  # noqa: SLF001
     assert "1 to 1e+09" in (timeout.help or "")
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    # Before: checked on the ranks (exit 1) or not at all.
+    ("--seed", "100000000000000000000000", "--seed must be in [0, 4294967295]"),
+    ("--seed", "-1", "--seed must be in [0, 4294967295]"),
+    ("--weight-decay", "inf", "--weight-decay must be in [0, 3.403e+38]"),
+    ("--weight-decay", "1e39", "--weight-decay must be in [0, 3.403e+38]"),
+    ("--lr", "1e39", "--lr must be in [1.175e-38, 3.403e+38], a normal fp32 number"),
+    ("--lr", "1e-46", "--lr must be in [1.175e-38, 3.403e+38], a normal fp32 number"),  # 0 in fp32
+    ("--clip", "1e39", "--clip must be >= 0 (0 disables) and within fp32's range"),
+    # Before: refused after the whole run, when the sample was drawn.
+    ("--temperature", "1e-300", "--temperature must be 0 (greedy) or in [0.001, 1000]"),
+])
+def test_hyper_parameters_out_of_range_are_refused_up_front(
+        capsys: pytest.CaptureFixture[str], flag: str, value: str, words: str) -> None:
+    line = _error(capsys, [*T, flag, value])
+    assert words in line, line
+
+
+def test_edges_of_the_ranges_are_accepted() -> None:
+    from fusedzero.app.config import FP32, SEED_MAX, TrainConfig
+
+    for kw in (dict(lr=FP32.tiny), dict(lr=FP32.max), dict(seed=SEED_MAX), dict(seed=0),
+               dict(weight_decay=FP32.max), dict(clip=math.inf), dict(temperature=0.0),
+               dict(temperature=1e-3), dict(temperature=1e3), dict(timeout=1.0),
+               dict(timeout=1e9)):
+        TrainConfig(**kw)  # type: ignore[arg-type]
