@@ -201,3 +201,16 @@ def test_edges_of_the_ranges_are_accepted() -> None:
                dict(temperature=1e-3), dict(temperature=1e3), dict(timeout=1.0),
                dict(timeout=1e9)):
         TrainConfig(**kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("var, value", [("WORLD_SIZE", "abc"), ("WORLD_SIZE", "0"),
+                                        ("RANK", "x"), ("RANK", "2"), ("LOCAL_RANK", "-1"),
+                                        ("LOCAL_WORLD_SIZE", "1.5")])
+def test_bad_torchrun_variable_is_one_line_naming_it(capsys: pytest.CaptureFixture[str],
+                                                     monkeypatch: pytest.MonkeyPatch, var: str,
+                                                     value: str) -> None:
+    """Before: WORLD_SIZE=abc gave a bare "ValueError: invalid literal for int()" (exit 1)."""
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", var: value}.items():
+        monkeypatch.setenv(k, v)
+    line = _error(capsys, T)
+    assert f"environment variable {var}={value!r}" in line or f"{var}={value}" in line, line
