@@ -42,6 +42,9 @@ def _gpt_presets() -> dict[str, dict[str, int]]:
 
 
 PRESETS = ("train", "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+# --params's largest value: one flat fp32 buffer of it is 4e18 bytes, within the int64 byte
+# counts of torch's storage (9.2e18); 1e30 failed inside torch with C++ frames in the message.
+PARAMS_MAX = 10**18
 # A Hugging Face config.json is kilobytes (megabytes with a large label map): a bigger file is
 # not one, and is refused before it is read into memory.
 HF_CONFIG_MAX_BYTES = 64 << 20
@@ -163,6 +166,9 @@ def _cli_plan(args: argparse.Namespace) -> int:
         elif args.params is not None:
             if not (math.isfinite(args.params) and args.params == int(args.params)):
                 raise ValueError(f"--params must be a whole number, got {args.params}")
+            if args.params > PARAMS_MAX:
+                raise ValueError(f"--params must be at most {PARAMS_MAX:.0e} (its bytes must "
+                                 f"fit the int64 sizes torch counts in), got {args.params:g}")
             result = plan_params(int(args.params), cfg, by_wire=by_wire)
         elif args.preset is not None:
             result = plan_model(preset_model(args.preset), cfg, decay_split=not args.one_group,

@@ -214,3 +214,12 @@ def test_bad_torchrun_variable_is_one_line_naming_it(capsys: pytest.CaptureFixtu
         monkeypatch.setenv(k, v)
     line = _error(capsys, T)
     assert f"environment variable {var}={value!r}" in line or f"{var}={value}" in line, line
+
+
+@pytest.mark.parametrize("value", ["1e30", "1e19", "9.2e18"])
+def test_plan_params_too_large_is_one_line(capsys: pytest.CaptureFixture[str],
+                                           value: str) -> None:
+    """Before: a TypeError or RuntimeError from torch with C++ frame text (exit 1)."""
+    line = _error(capsys, ["plan", "--params", value, "-W", "2"])
+    assert "--params must be at most 1e+18" in line and "frame" not in line, line
+    assert cli.main(["plan", "--params", "1e18", "-W", "2", "--json"]) == 0
