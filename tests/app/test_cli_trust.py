@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fusedzero import cli, safe_paths
+from fusedzero import safe_paths
+from fusedzero.app import cli  # the CLI proper: no fork server for ranks that never start
 from fusedzero.app.watch import MetricsLog
 
 T = ["train", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
