@@ -10,9 +10,12 @@ import dataclasses
 import math
 from typing import Any
 
+import torch
+
 from fusedzero import dtypes
 from fusedzero.app.model import PRESETS, GPTConfig
 from fusedzero.app.tp_plan import check_tp
+from fusedzero.app.watch import check_temperature
 from fusedzero.comm import DEFAULT_TIMEOUT_S
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES
 from fusedzero.policy import Precision, Sharding, Wire
@@ -35,6 +38,18 @@ DEFAULT_LOG_EVERY = 10
 # for its sample.py (greedy decoding of a small byte model repeats its likeliest byte, a space).
 DEFAULT_TEMPERATURE = 0.8
 DEFAULT_TOP_K = 40
+# --timeout's range in seconds. Below 1 s the ranks' own start-up (a TCP connect, gloo's
+# handshake) times out ("timed out after 0ms" at 0.0004); above 1e9 s (31 years: no limit in
+# practice) the process group's timeout, milliseconds held as int64 nanoseconds in C++,
+# overflows (1e10: C++ frames; 1e30: OverflowError).
+TIMEOUT_MIN_S, TIMEOUT_MAX_S = 1.0, 1e9
+# --lr and --weight-decay are used in fp32 (the kernel's arithmetic, ZeroAdamW's checks): an lr
+# under fp32's smallest normal number is subnormal or 0 there (1e-46 is 0: the run trains
+# nothing), over its max inf (1e39: the ranks refuse it after start-up).
+FP32 = torch.finfo(torch.float32)
+# --seed: data order (BatchSampler seeds a generator with seed * 1_000_003 + step, which must fit
+# 64 bits), model init and bf16-sr's stream; the range numpy and most tools take.
+SEED_MAX = 2**32 - 1
 # Fraction of the corpus (its tail) held out for validation.
 VAL_FRACTION = 0.05
 # The cosine decays to this fraction of --lr (as in nanoGPT / Chinchilla-style schedules).
@@ -176,9 +191,17 @@ class TrainConfig:
         need(self.nproc is None or self.nproc >= 1, f"--nproc must be >= 1, got {self.nproc}")
         need(self.n_embd % self.n_head == 0,
              f"--n-embd {self.n_embd} is not divisible by --n-head {self.n_head}")
-        need(math.isfinite(self.lr) and self.lr > 0, f"--lr must be > 0, got {self.lr}")
-        need(self.clip >= 0, f"--clip must be >= 0 (0 disables), got {self.clip}")
-        need(self.weight_decay >= 0, f"--weight-decay must be >= 0, got {self.weight_decay}")
+        need(FP32.tiny <= self.lr <= FP32.max,
+             f"--lr must be in [{FP32.tiny:.4g}, {FP32.max:.4g}], a normal fp32 number (the "
+             "update is computed in fp32, where a smaller lr is 0 or subnormal and trains "
+             f"nothing, a larger one inf), got {self.lr:g}")
+        need(self.clip >= 0 and (self.clip <= FP32.max or self.clip == math.inf),
+             f"--clip must be >= 0 (0 disables) and within fp32's range, got {self.clip:g}")
+        need(0 <= self.weight_decay <= FP32.max,
+             f"--weight-decay must be in [0, {FP32.max:.4g}] (finite in fp32, the kernel's "
+             f"arithmetic), got {self.weight_decay:g}")
+        need(0 <= self.seed <= SEED_MAX,
+             f"--seed must be in [0, {SEED_MAX}] (2**32 - 1), got {self.seed}")
         need(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1,
              f"--beta1/--beta2 must be in [0, 1), got {self.beta1}, {self.beta2}")
         need(self.warmup is None or 0 <= self.warmup <= self.steps,
@@ -205,11 +228,15 @@ class TrainConfig:
              f"it needs --param-dtype bf16, got {self.param_dtype or 'the device default'}")
         need(self.sample_tokens >= 0,
              f"--sample-tokens must be >= 0 (0 disables), got {self.sample_tokens}")
-        need(math.isfinite(self.temperature) and self.temperature >= 0,
-             f"--temperature must be >= 0 (0: greedy), got {self.temperature}")
+        try:  # checked now, not when the sample is drawn after the whole run
+            check_temperature(self.temperature, "--temperature")
+        except ValueError as e:
+            raise UsageError(str(e)) from None
         need(self.top_k >= 0, f"--top-k must be >= 0 (0: all bytes), got {self.top_k}")
-        need(math.isfinite(self.timeout) and self.timeout > 0,
-             f"--timeout must be > 0 seconds, got {self.timeout}")
+        need(TIMEOUT_MIN_S <= self.timeout <= TIMEOUT_MAX_S,
+             f"--timeout must be in [{TIMEOUT_MIN_S:g}, {TIMEOUT_MAX_S:g}] seconds (less: the "
+             f"ranks' start-up alone times out; {TIMEOUT_MAX_S:g} s is 31 years, no limit in "
+             f"practice), got {self.timeout:g}")
         need(not (self.resume and self.overwrite),
              "--resume and --overwrite exclude each other: continue the run in --ckpt-dir, or "
              "start over in it")
@@ -324,7 +351,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--out-json", default=None, metavar="FILE", help="write the run summary as JSON")
     a("--timeout", type=float, default=d.timeout, metavar="SECONDS",
       help="end the run with an error naming the rank and the operation when any rank waits "
-           "on the others longer than this (default %(default)g = 10 minutes)")
+           f"on the others longer than this, {TIMEOUT_MIN_S:g} to {TIMEOUT_MAX_S:g} "
+           "(default %(default)g = 10 minutes)")
     a("--bucket-numel", type=int, default=None, help="elements per bucket")
     a("--reduce-dtype", choices=sorted(dtypes.SHORT_NAMES), default="fp32",
       help="dtype grads are reduced in (default %(default)s)")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from fusedzero.safe_paths import check_input, read_bytes
+
 # Enough text for a small model to learn from, small enough to read in well under a second.
 DEFAULT_CORPUS_MAX_BYTES = 8_000_000
 # Standard library folders left out of the default corpus: test suites (large, repetitive, and
@@ -62,8 +64,9 @@ def default_corpus_files(max_bytes: int = DEFAULT_CORPUS_MAX_BYTES) -> list[Path
 
 
 def _read_text_file(path: Path) -> bytes | None:
-    """Return the file's bytes, or None if its first 8 KB contain a NUL byte (binary)."""
-    data = path.read_bytes()
+    """Return the file's bytes, or None if its first 8 KB contain a NUL byte (binary); a FIFO
+    or a device (a `*.txt -> /dev/zero` link) is refused (safe_paths.UnsafePath)."""
+    data = read_bytes(path, "corpus file")
     return None if b"\0" in data[:_BINARY_SNIFF_BYTES] else data
 
 
@@ -94,8 +97,9 @@ def load_corpus(path: str | Path | None = None, block_size: int = 128) -> bytes:
             supply one ``block_size + 1`` window.
 
     Raises:
-        ValueError: if the path does not exist, is not a regular file or folder, is not
-            readable, holds no text, or is too small.
+        ValueError: if the path does not exist, is not a regular file or folder (or a file in
+            it is a FIFO or a device: safe_paths.UnsafePath), is not readable, holds no text,
+            or is too small.
     """
     if path is None:
         data = b"".join(p.read_bytes() for p in default_corpus_files())
@@ -103,13 +107,13 @@ def load_corpus(path: str | Path | None = None, block_size: int = 128) -> bytes:
     else:
         p = Path(path)
         where = f"corpus {str(p)!r}"
-        if p.is_file():
-            try:
-                data = p.read_bytes()
-            except PermissionError:
-                raise ValueError(f"{where} is not readable (permission denied); pass a file "
-                                 "you can read") from None
-        elif p.is_dir():
+        if not p.exists():
+            raise ValueError(
+                f"{where} does not exist; pass an existing text file or folder, "
+                f"or no path for the default corpus"
+            )
+        check_input(p, "corpus", folder=True)  # See [Note: no read from a FIFO or device]
+        if p.is_dir():
             texts = [t for t in map(_read_text_file, _folder_text_files(p)) if t is not None]
             if not texts:
                 raise ValueError(
@@ -117,17 +121,12 @@ def load_corpus(path: str | Path | None = None, block_size: int = 128) -> bytes:
                     f"pass a text file or a folder of text files"
                 )
             data = b"".join(texts)
-        elif p.exists():
-            # /dev/null, a FIFO, a socket: reading it would give nothing or block forever.
-            raise ValueError(
-                f"{where} is not a regular file or folder (a device, pipe or socket); pass a "
-                f"text file or a folder of text files"
-            )
         else:
-            raise ValueError(
-                f"{where} does not exist; pass an existing text file or folder, "
-                f"or no path for the default corpus"
-            )
+            try:
+                data = read_bytes(p, "corpus")
+            except PermissionError:
+                raise ValueError(f"{where} is not readable (permission denied); pass a file "
+                                 "you can read") from None
     need = 2 * block_size + 2
     if len(data) < need:
         raise ValueError(

@@ -24,7 +24,7 @@ import sys
 import time
 import traceback
 from multiprocessing.queues import Queue
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -261,10 +261,9 @@ def _run_in_group(cfg: TrainConfig) -> dict[str, Any]:
     raises leaves at once (see [Note: a rank that raises in a group])."""
     own_group = not dist.is_initialized()
     if own_group:
+        env = torchrun_env()
         use_cuda = _use_cuda(cfg)
-        world = int(os.environ["WORLD_SIZE"])
-        device = _setup_device(use_cuda, int(os.environ.get("LOCAL_RANK", "0")),
-                               int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        device = _setup_device(use_cuda, env.local_rank, env.local_world)
         if use_cuda:  # a hung collective ends in a report (see [Note: a hung NCCL collective])
             comm.nccl_watchdog_env()
         # device_id: the communicator is made now, bound to this rank's GPU (barriers too).
@@ -291,10 +290,46 @@ def _device_in_group(cfg: TrainConfig) -> tuple[bool, torch.device]:
                          "initialise it with nccl (or 'cpu:gloo,cuda:nccl'), or use --device cpu")
     use_cuda = _use_cuda(cfg) and nccl
     if not use_cuda:
-        return False, _setup_device(False, 0, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    local = os.environ.get("LOCAL_RANK")
-    index = int(local) if local is not None else torch.cuda.current_device()
+        return False, _setup_device(False, 0, _env_int("LOCAL_WORLD_SIZE", 1, 1))
+    local = _env_int("LOCAL_RANK", -1, 0)
+    index = local if local >= 0 else torch.cuda.current_device()
     return True, _setup_device(True, index, 1)
+
+
+class TorchrunEnv(NamedTuple):
+    """This process's place in a torchrun job, from the variables torchrun sets."""
+
+    rank: int
+    world: int
+    local_rank: int
+    local_world: int
+
+
+def _env_int(name: str, default: int, minimum: int) -> int:
+    """The environment variable `name` as an int >= minimum (`default` when unset); a
+    UsageError naming the variable otherwise (int("abc") names none)."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise UsageError(f"environment variable {name}={raw!r} is not an integer >= {minimum} "
+                         "(torchrun sets it; unset it to spawn local ranks)")
+    return value
+
+
+def torchrun_env() -> TorchrunEnv:
+    """RANK, WORLD_SIZE, LOCAL_RANK and LOCAL_WORLD_SIZE, checked (one line naming a bad
+    one, exit 2) before init_process_group parses them itself."""
+    world = _env_int("WORLD_SIZE", 1, 1)
+    rank = _env_int("RANK", 0, 0)
+    if rank >= world:
+        raise UsageError(f"environment variable RANK={rank} is not below WORLD_SIZE={world}")
+    local_world = _env_int("LOCAL_WORLD_SIZE", world, 1)
+    return TorchrunEnv(rank, world, _env_int("LOCAL_RANK", 0, 0), local_world)
 
 
 def _train_in_group(cfg: TrainConfig, device: torch.device, use_cuda: bool) -> dict[str, Any]:

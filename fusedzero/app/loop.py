@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fusedzero import Groups, ZeroAdamW, dtypes
+from fusedzero import Groups, ZeroAdamW, dtypes, safe_paths
 from fusedzero.app import resume as resume_mod, tp_plan, watch
 from fusedzero.app.config import MIN_LR_RATIO, TrainConfig, UsageError
 from fusedzero.app.data import BatchSampler, Split, eval_batches
@@ -223,7 +223,8 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
         print(format_table(summary, stopped=cfg.stop_at is not None and stop < cfg.steps))
         if cfg.out_json:
             Path(cfg.out_json).parent.mkdir(parents=True, exist_ok=True)
-            Path(cfg.out_json).write_text(json.dumps(summary, indent=1) + "\n")
+            text = (json.dumps(summary, indent=1) + "\n").encode()
+            safe_paths.replace_file(cfg.out_json, lambda f: f.write(text), "--out-json")
     return summary
 
 

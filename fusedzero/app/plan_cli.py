@@ -27,6 +27,7 @@ from fusedzero.emulate import SHAPES, Emulation, emulate, meta_model
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES
 from fusedzero.plan import STAGES, LinkModel, PlanConfig, plan_model, plan_params
 from fusedzero.policy import Precision, Sharding, Wire
+from fusedzero.safe_paths import read_json
 from fusedzero.wire import WIRES
 
 
@@ -47,6 +48,12 @@ def _gpt_presets() -> dict[str, dict[str, int]]:
 
 
 PRESETS = ("train", "tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+# --params's largest value: one flat fp32 buffer of it is 4e18 bytes, within the int64 byte
+# counts of torch's storage (9.2e18); 1e30 failed inside torch with C++ frames in the message.
+PARAMS_MAX = 10**18
+# A Hugging Face config.json is kilobytes (megabytes with a large label map): a bigger file is
+# not one, and is refused before it is read into memory.
+HF_CONFIG_MAX_BYTES = 64 << 20
 
 
 # -- models on the meta device ----------------------------------------------------------------
@@ -59,21 +66,29 @@ def preset_model(name: str) -> nn.Module:
         return GPT(GPTConfig(**presets[name]))
 
 
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """`--hf-config`: a config.json, or the folder holding one, as a dict that names its
+    `model_type`. A FIFO or a device there is refused, not read (See [Note: no read from a
+    FIFO or device]); so is a file over HF_CONFIG_MAX_BYTES."""
+    p = Path(path)
+    f = p / "config.json" if p.is_dir() else p
+    if not f.exists():
+        raise FileNotFoundError(f"{path}: no config.json there")
+    d = read_json(f, "--hf-config", HF_CONFIG_MAX_BYTES)
+    if not isinstance(d, dict) or "model_type" not in d:
+        raise ValueError(f"{f}: no 'model_type' key; is it a Hugging Face config.json?")
+    return d
+
+
 def hf_model_from_config(path: str | Path) -> nn.Module:
     """A transformers causal LM built from a config.json (or a folder holding one) on the meta
     device: shapes only, nothing downloaded, no weights allocated."""
+    d = read_hf_config(path)  # a bad path fails before the seconds of this import
     try:
         import transformers
     except ImportError:
         raise ImportError("--hf-config needs the transformers package: "
                           "pip install 'fusedzero[hf]'") from None
-    p = Path(path)
-    f = p / "config.json" if p.is_dir() else p
-    if not f.is_file():
-        raise FileNotFoundError(f"{path}: no config.json there")
-    d = json.loads(f.read_text())
-    if "model_type" not in d:
-        raise ValueError(f"{f}: no 'model_type' key; is it a Hugging Face config.json?")
     config = transformers.AutoConfig.for_model(**d)
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(config)
@@ -157,6 +172,9 @@ def _cli_plan(args: argparse.Namespace) -> int:
         elif args.params is not None:
             if not (math.isfinite(args.params) and args.params == int(args.params)):
                 raise ValueError(f"--params must be a whole number, got {args.params}")
+            if args.params > PARAMS_MAX:
+                raise ValueError(f"--params must be at most {PARAMS_MAX:.0e} (its bytes must "
+                                 f"fit the int64 sizes torch counts in), got {args.params:g}")
             result = plan_params(int(args.params), cfg, by_wire=by_wire)
         elif args.preset is not None:
             result = plan_model(preset_model(args.preset), cfg, decay_split=not args.one_group,

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fusedzero import safe_paths
+
 LOCK_NAME = ".fusedzero.lock"
 
 try:
@@ -186,10 +188,9 @@ def check_writable(ckpt_dir: str | os.PathLike[str] | None,
         if out.is_dir():
             raise RunFolderError(f"--out-json {str(out)!r} is a folder; pass a file path")
         _probe(out.parent, "--out-json")
-        if out.exists():
-            try:
-                with open(out, "a"):  # opens for writing without truncating the old summary
-                    pass
-            except OSError as e:
-                raise RunFolderError(f"--out-json: cannot write {str(out)!r}: "
-                                     f"{e.strerror or e}; pass a writable file") from None
+        # The summary replaces the file by a rename (safe_paths.replace_file): the folder's
+        # write permission is what counts, and a link there is refused, not written through.
+        try:
+            safe_paths.check_output(out, "--out-json")
+        except safe_paths.UnsafePath as e:
+            raise RunFolderError(str(e)) from None

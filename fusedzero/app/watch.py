@@ -16,18 +16,24 @@ import os
 import tempfile
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 from torch import nn
+
+from fusedzero import safe_paths
 
 # Every record has every key (null where unknown), so a reader gets one fixed schema. `run_id`
 # tells the runs apart in a file that several runs appended to (a resume keeps its run's id).
 FIELDS = ("run_id", "step", "loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "skipped",
           "step_ms")
 PLOT_INSTALL_HINT = "pip install 'fusedzero[plot]'"
+# The sample's temperature, besides 0 (greedy). Below 1e-3 the sample is the greedy one in all
+# but name, and logits / T leaves fp32's range (1e-300 is 0 there: the softmax is NaN and the
+# draw fails, after the whole run); above 1e3 it is uniform noise (past fp32's max T is inf,
+# and a top-k-masked -inf / inf is NaN again).
+TEMPERATURE_RANGE = (1e-3, 1e3)
 
 
 def _json_value(v: Any) -> Any:
@@ -38,19 +44,6 @@ def _json_value(v: Any) -> Any:
     return v
 
 
-def _replace_atomically(path: Path, write: Callable[[BinaryIO], object]) -> None:
-    """Write ``path`` through a temporary beside it and a rename: a crash never leaves a torn
-    file under the name. Not mkstemp: its 0600 mode would make a plot or log private to us;
-    "x" (exclusive create) honours the umask and never writes through an existing file."""
-    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
-    try:
-        with open(tmp, "xb") as f:
-            write(f)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _unwritable(flag: str, path: str | os.PathLike[str], e: OSError) -> ValueError:
     return ValueError(f"{flag} {str(path)!r}: cannot write there ({e.strerror or e}); "
                       f"pass a file path in a writable folder")
@@ -59,7 +52,8 @@ def _unwritable(flag: str, path: str | os.PathLike[str], e: OSError) -> ValueErr
 def check_writable(path: str | os.PathLike[str], flag: str) -> None:
     """Raise ValueError naming ``flag`` unless a file can be written at ``path``. Creates missing
     parent folders and nothing else, so a launcher can call it before training: a bad
-    ``--log-jsonl`` or ``--plot`` path then fails in seconds, not after the run."""
+    ``--log-jsonl`` or ``--plot`` path then fails in seconds, not after the run. A link or
+    anything but a regular file there is refused (safe_paths.UnsafePath, a ValueError)."""
     p = Path(path)
     try:
         if p.is_dir():
@@ -69,6 +63,7 @@ def check_writable(path: str | os.PathLike[str], flag: str) -> None:
             pass
     except OSError as e:
         raise _unwritable(flag, path, e) from e
+    safe_paths.check_output(p, flag)
 
 
 def new_run_id() -> str:
@@ -94,17 +89,18 @@ class MetricsLog:
         self.run_id = new_run_id() if run_id is None else run_id
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            safe_paths.check_output(self.path, "--log-jsonl")  # never read or write a link
             if self.path.exists():
                 self._drop_stale(start_step)
-            # buffering=0: a raw FileIO, so write() below is the write(2) system call itself.
-            self._file = open(self.path, "ab", buffering=0)  # noqa: SIM115 (closed in close())
+            # Unbuffered: write() below is the write(2) system call itself.
+            self._file = safe_paths.open_append(self.path, "--log-jsonl")
         except OSError as e:
             raise _unwritable("--log-jsonl", path, e) from e
 
     def _drop_stale(self, start_step: int) -> None:
         """Rewrite the log without a torn tail and without this run's records after
         ``start_step``, atomically (temp + rename); untouched when there is nothing to drop."""
-        data = self.path.read_bytes()
+        data = safe_paths.read_bytes(self.path, "--log-jsonl")
         try:
             records = read_jsonl(self.path)
         except ValueError as e:
@@ -115,8 +111,9 @@ class MetricsLog:
             r for r in records
             if r.get("run_id") not in (self.run_id, None) or r["step"] <= start_step]
         if len(keep) < len(records) or (data and not data.endswith(b"\n")):
-            _replace_atomically(self.path,
-                                lambda f: f.write(b"".join(self._line(r) for r in keep)))
+            safe_paths.replace_file(self.path,
+                                    lambda f: f.write(b"".join(self._line(r) for r in keep)),
+                                    "--log-jsonl")
 
     @staticmethod
     def _line(record: dict[str, Any]) -> bytes:
@@ -151,7 +148,7 @@ class MetricsLog:
 def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     """The records of a metrics log, in file order. A last line without its newline is a write
     torn by a machine crash and is left out; any other line that is not a JSON object raises."""
-    data = Path(path).read_bytes()
+    data = safe_paths.read_bytes(path, "metrics log")
     lines = data.split(b"\n")
     records = []
     # split() leaves "" after a final newline, or the torn tail: either way not a record.
@@ -159,7 +156,7 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         if not raw.strip():
             continue
         try:
-            rec = json.loads(raw)
+            rec = safe_paths.parse_json(raw, f"{path}: line {n}")  # too deep: one line
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: line {n} is not JSON ({e.msg}): {raw[:80]!r}") from e
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
@@ -209,7 +206,16 @@ def plot_losses(records: list[dict[str, Any]], out_png: str | os.PathLike[str],
     fig.tight_layout()
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
-    _replace_atomically(out, lambda f: fig.savefig(f, format="png"))
+    safe_paths.replace_file(out, lambda f: fig.savefig(f, format="png"), "--plot")
+
+
+def check_temperature(temperature: float, name: str = "temperature") -> None:
+    """Raise ValueError naming `name` unless `temperature` is 0 or in TEMPERATURE_RANGE."""
+    lo, hi = TEMPERATURE_RANGE
+    if not (temperature == 0.0 or lo <= temperature <= hi):
+        raise ValueError(f"{name} must be 0 (greedy) or in [{lo:g}, {hi:g}] (below, the sample "
+                         f"is greedy in all but name and logits / T overflow fp32; above, it "
+                         f"is uniform noise), got {temperature:g}")
 
 
 @torch.no_grad()
@@ -231,8 +237,7 @@ def sample_text(model: nn.Module, prompt: bytes, max_new_tokens: int, *,
         raise ValueError("prompt is empty: the model needs at least one byte, e.g. b'\\n'")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    if not temperature >= 0.0 or math.isinf(temperature):
-        raise ValueError(f"temperature must be finite and >= 0 (0: greedy), got {temperature}")
+    check_temperature(temperature)
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0: every byte), got {top_k}")
     block_size: int = model.config.block_size

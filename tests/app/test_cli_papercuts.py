@@ -52,7 +52,7 @@ def test_sample_flags_have_documented_defaults() -> None:
     assert "--top-k K sample among the K likeliest bytes, 0: all (default 40)" in text
     cfg = TrainConfig()
     assert (cfg.temperature, cfg.top_k) == (0.8, 40)
-    for field, value, words in (("temperature", -1.0, "--temperature must be >= 0"),
+    for field, value, words in (("temperature", -1.0, "--temperature must be 0 .greedy. or"),
                                 ("top_k", -2, "--top-k must be >= 0")):
         with pytest.raises(UsageError, match=words):
             TrainConfig(**{field: value})

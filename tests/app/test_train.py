@@ -218,7 +218,7 @@ def test_bad_data_paths_give_one_line(capsys: pytest.CaptureFixture[str], tmp_pa
                         (tmp_path / "empty", "no text files"),
                         (tmp_path / "bin", "no text files"),
                         (tmp_path / "tiny.txt", "fewer than 2*block_size+2"),
-                        (Path("/dev/null"), "not a regular file or folder")]:
+                        (Path("/dev/null"), "is a character device; refusing to read it")]:
         line = _cli_error(capsys, ["train", "--data", str(path), "--nproc", "1",
                                    "--device", "cpu"])
         assert "--data" in line and words in line, line
