@@ -1,0 +1,201 @@
+"""Stage 3 from the meta device with the model's own init, run on this rank's elements only
+(fusedzero/shard_init.py): values independent of the world size, nothing gathered, the refusals.
+
+Ranks of W = 8 and 1024 are emulated one at a time on torch's fake process group (each builds
+its own shard; the collectives move nothing) and compared element-wise with a W = 1 build.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from fusedzero.emulate import fake_group
+from fusedzero.layout import ALIGN
+from fusedzero.optim import ZeroAdamW
+from fusedzero.shard_init import BLOCK, block_seed
+from fusedzero.units import FullUnitInit
+
+V, D, F = 50, 24, 40
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.up = nn.Linear(D, F)
+        self.down = nn.Linear(F, D, bias=False)
+        self.rms = nn.RMSNorm(D)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D, padding_idx=3)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.conv = nn.Conv1d(D, 8, 3)  # fan-in over a receptive field (dim 3)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.embed.weight  # tied: one param, the root unit's
+
+
+def _meta_net() -> Net:
+    with torch.device("meta"):
+        return Net()
+
+
+def hf_init(name: str, m: nn.Module) -> None:
+    """What a transformers `_init_weights` does, `.data` and all (the tied head skipped)."""
+    if name == "head":
+        return
+    if isinstance(m, nn.Linear):
+        m.weight.data.normal_(mean=0.0, std=0.02)
+        if m.bias is not None:
+            m.bias.data.zero_()
+    elif isinstance(m, nn.Embedding):
+        m.weight.data.normal_(mean=0.0, std=0.02)
+        m.weight.data[m.padding_idx].zero_()
+    elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+        m.weight.data.fill_(1.0)
+        if getattr(m, "bias", None) is not None:
+            m.bias.data.zero_()
+    elif isinstance(m, nn.Conv1d):
+        nn.init.trunc_normal_(m.weight, std=0.02, a=-0.03, b=0.03)
+        nn.init.constant_(m.bias, 0.5)
+
+
+Init = Callable[[str, nn.Module], None] | FullUnitInit | None
+
+
+def _build(W: int, rank: int, init: Init, dtype: torch.dtype | None = None
+           ) -> tuple[Net, ZeroAdamW]:
+    model = _meta_net()
+    # bucket_numel: the smallest bucket, so that many ranks hold a few pieces of every param.
+    kw = dict(stage=3, module=model, param_init_fn=init, device="cpu", param_dtype=dtype,
+              bucket_numel=W * ALIGN)
+    if W == 1:
+        return model, ZeroAdamW(model.parameters(), **kw)
+    with fake_group(rank, W):
+        return model, ZeroAdamW(model.parameters(), **kw)
+
+
+def _full(init: Init) -> dict[str, torch.Tensor]:
+    model, opt = _build(1, 0, init)
+    with opt.gathered_params():
+        return {n: p.detach().reshape(-1).clone() for n, p in model.named_parameters()}
+
+
+def _assert_shard_is(opt: ZeroAdamW, ref: dict[str, torch.Tensor], where: str) -> int:
+    """Every element this rank holds equals the W = 1 value; returns how many there were."""
+    held = 0
+    for buf in opt.flat_groups:
+        assert buf.param_shard is not None
+        for seg in buf.layout.segments(buf.shard_rank):
+            name = next(s.name for s in buf.layout.params if s.index == seg.param)
+            got = buf.param_shard[seg.local:seg.local + seg.length]
+            want = ref[name][seg.start:seg.start + seg.length].to(buf.dtype)
+            assert torch.equal(got, want), (where, name, seg)
+            held += seg.length
+        if buf.master is not None:
+            assert torch.equal(buf.master, buf.param_shard.float()), where
+    return held
+
+
+@pytest.mark.parametrize("init", [None, hf_init], ids=["reset_parameters", "hf_init"])
+def test_values_are_the_same_at_w_1_8_and_1024(init: Init) -> None:
+    torch.manual_seed(1234)
+    ref = _full(init)
+    total = sum(p.numel() for p in _meta_net().parameters())
+    held = 0
+    for r in range(8):
+        _, opt = _build(8, r, init)
+        held += _assert_shard_is(opt, ref, f"W=8 rank {r}")
+    assert held == total  # the 8 ranks hold every element once
+    # W = 1024, 128 elements per rank per bucket: the first, the middle, the last holding data,
+    # the last rank (padding only); and bf16 params, which hold the cast of the same draws.
+    last = (total + 2 * ALIGN) // ALIGN
+    for r in (0, 1, last // 2, last - 1, 1023):
+        _assert_shard_is(_build(1024, r, init)[1], ref, f"W=1024 rank {r}")
+    _assert_shard_is(_build(8, 5, init, torch.bfloat16)[1], ref, "W=8 rank 5, bf16")
+
+
+def test_reset_parameters_on_local_elements_keeps_torch_s_distributions() -> None:
+    torch.manual_seed(0)
+    v = _full(None)
+    # kaiming_uniform_(a=sqrt(5)) bounds from the full fan-in (conv: in_channels * kernel).
+    for name, fan_in in (("blocks.0.up.weight", D), ("blocks.1.down.weight", F),
+                         ("conv.weight", D * 3)):
+        bound = 1 / math.sqrt(fan_in)
+        assert v[name].abs().max() <= bound and v[name].abs().max() > 0.9 * bound, name
+    assert torch.equal(v["blocks.0.norm.weight"], torch.ones(D))
+    assert torch.equal(v["blocks.1.rms.weight"], torch.ones(D))
+    # The embedding's normal_, then the tied head's kaiming_uniform_ over it (module order).
+    assert v["embed.weight"].abs().max() <= 1 / math.sqrt(D)
+
+
+def test_hf_init_padding_row_trunc_normal_and_seed() -> None:
+    torch.manual_seed(7)
+    v = _full(hf_init)
+    assert torch.equal(v["embed.weight"].view(V, D)[3], torch.zeros(D))
+    w = v["blocks.0.up.weight"]
+    assert abs(w.std().item() - 0.02) < 0.003  # 960 draws: the std's error is ~2.3%
+    assert torch.equal(v["blocks.0.up.bias"], torch.zeros(F))
+    c = v["conv.weight"]
+    assert c.abs().max() <= 0.03 and torch.equal(v["conv.bias"], torch.full((8,), 0.5))
+    # The stream is keyed by torch.initial_seed(): another seed, other values; the same, same.
+    torch.manual_seed(8)
+    assert not torch.equal(_full(hf_init)["blocks.0.up.weight"], w)
+    torch.manual_seed(7)
+    assert torch.equal(_full(hf_init)["blocks.0.up.weight"], w)
+    # One block's values are torch's normal_ from the documented seed (see the module's note).
+    g = torch.Generator().manual_seed(block_seed(7, "blocks.0.up.weight", 0, 0))
+    assert torch.equal(w, torch.empty(D * F).normal_(0.0, 0.02, generator=g))
+
+
+def test_nothing_gathered_and_one_block_of_scratch() -> None:
+    model, opt = _build(8, 3, None)
+    z = opt.zero3
+    assert z is not None and z.init_stats is not None
+    assert z.materialize_peak == 0 and z.max_gathered_numel == 0
+    # Scratch: one random block, at most min(BLOCK, largest param) elements.
+    largest = max(p.numel() for p in _meta_net().parameters())
+    assert z.init_stats.scratch_peak <= min(BLOCK, largest)
+    # Random fills at W=1: embedding normal_; each Linear/Conv weight and bias uniform_ (the
+    # tied head's weight once more); every param is < BLOCK: one block per fill.
+    _, one = _build(1, 0, None)
+    assert one.zero3 is not None and one.zero3.init_stats is not None
+    assert one.zero3.init_stats.blocks_drawn == 1 + 2 * (2 + 1) + 2 + 1
+    assert one.zero3.init_stats.scratch_peak == largest
+
+
+def _refused(fn: Callable[[nn.Module], None], match: str) -> None:
+    def init(name: str, m: nn.Module) -> None:
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            fn(m)
+    with pytest.raises((NotImplementedError, RuntimeError), match=match):
+        _build(1, 0, init)
+
+
+def test_refusals_name_the_op_and_the_fallback() -> None:
+    _refused(lambda m: nn.init.orthogonal_(m.weight), r"aten\.new_empty.*FullUnitInit")
+    _refused(lambda m: m.weight.t().zero_(), r"strided view \(shape \(24, 40\).*FullUnitInit")
+    _refused(lambda m: m.weight.add_(m.weight.sum()), r"aten\.sum.*FullUnitInit")
+    _refused(lambda m: setattr(m, "weight", nn.Parameter(torch.ones(F, D))),
+             r"assigned new tensors to \['blocks.0.up.weight'.*FullUnitInit")
+    # The fallback takes any init: every rank builds each unit in full, as an eager build.
+    _, opt = _build(1, 0, FullUnitInit(lambda n, m: nn.init.orthogonal_(m.weight)
+                                       if isinstance(m, nn.Linear) else None))
+    assert opt.zero3 is not None and opt.zero3.materialize_peak > 0
+
+
+def test_full_unit_init_equals_the_eager_build() -> None:
+    torch.manual_seed(0)
+    eager = {n: p.detach().reshape(-1).clone() for n, p in Net().named_parameters()}
+    torch.manual_seed(0)
+    full = _full(FullUnitInit())
+    # The tied weight: eager keeps the embedding's draw, reset_parameters of the head (called
+    # by the meta build, in module order) overwrites it; the RNG stream is the same.
+    for n, t in full.items():
+        assert torch.equal(eager[n], t) != (n in ("embed.weight", "head.weight")), n
