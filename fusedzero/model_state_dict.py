@@ -6,11 +6,14 @@ free, and free it again after).
 - state_dict: the full values, copied off the gathered storage (freed after, rewritten by every
   step). Without this it held the empty params, and torch.save wrote tensors that cannot be
   loaded back.
-- load_state_dict: torch checks names and shapes against, and copies into, the gathered full
-  params; then each rank writes its own shard: the fp32 master straight from the given values
-  (not from their cast to a bf16 param), and the param shard as the cast of that master, which
-  is what the next gather reads. Without this torch refused the empty params (size mismatch).
-  Each rank keeps its shard of the values *it* was given: give every rank the same state dict.
+- load_state_dict: torch checks names and shapes against, and copies into, `LocalParam`s that
+  write each rank's own runs (See [Note: loading into LocalParams] in fusedzero/shard_init.py):
+  the fp32 master straight from the given values (not from their cast to a bf16 param), and
+  the param shard as the cast of that master, which is what the next gather reads. Nothing is
+  gathered (it gathered the whole model on every rank). Without this torch refused the empty
+  params (size mismatch). Tensor-parallel (DTensor) params still gather every unit, torch
+  copies into the gathered params and each rank writes its shard from the given values. Each
+  rank keeps its shard of the values *it* was given: give every rank the same state dict.
 
 Stages 0-2 keep full params, so torch's load needs no gather; `FullParamsLoad` only waits for a
 param all-gather still in flight (it would land on the loaded values) and rewrites a separate
@@ -20,6 +23,7 @@ back over what was loaded.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -27,6 +31,7 @@ from torch import nn
 
 from fusedzero.dtensor import local
 from fusedzero.flat import FlatBuffer
+from fusedzero.shard_init import ShardLoad, applies
 
 
 class Units(Protocol):
@@ -41,13 +46,23 @@ class Units(Protocol):
     def unit_params(self, u: int) -> list[nn.Parameter]: ...
 
 
+@dataclass(slots=True)
+class _Load:
+    """One `load_state_dict` in progress at stage 3."""
+
+    shards: ShardLoad | None  # the LocalParams standing in for plain params
+    regather: list[int] = field(default_factory=list)  # units gathered when it began
+    given: dict[int, torch.Tensor] = field(default_factory=dict)  # DTensor path: id -> value
+
+
 class UnitStateDict:
     """The state-dict hooks of stage 3, over the units of a `Zero3`."""
 
     def __init__(self, zero3: Units) -> None:
         self.z = zero3
         self._freed: list[list[int]] = []  # per nested call: the units to free again after
-        self._sources: list[dict[int, torch.Tensor]] = []  # per load: id(param) -> given value
+        self._loads: list[_Load] = []  # per load in progress (nested loads: a stack)
+        self.last_load: ShardLoad | None = None  # the last LocalParam load's counts (tests)
 
     def install(self, root: nn.Module) -> list[Any]:
         """Register the hooks on `root`; returns their handles."""
@@ -101,11 +116,26 @@ class UnitStateDict:
                 "model.load_state_dict(..., assign=True) under ZeroAdamW at stage 3 would replace "
                 "the params it shards; call it without assign=, or set the weights with "
                 "fusedzero.checkpoint.import_weights(opt, state_dict)")
+        buffers = [b for bufs in self.z.buffers for b in bufs]
+        if applies(buffers):
+            free = set(self.z.free_units())
+            gathered = [u for u in range(len(self.z.modules)) if u not in free]
+            for u in gathered:
+                self.z.free(u)  # stale after the load; one still gathering reads the shards
+            self._loads.append(_Load(ShardLoad(module, buffers), gathered))
+            return
         self._gather_all()
-        self._sources.append(given_values(module, state_dict, prefix))
+        self._loads.append(_Load(None, given=given_values(module, state_dict, prefix)))
 
     def _load_post(self, module: nn.Module, incompatible_keys: Any) -> None:
-        write_given((b for bufs in self.z.buffers for b in bufs), self._sources.pop())
+        load = self._loads.pop()
+        if load.shards is not None:
+            load.shards.close()
+            self.last_load = load.shards
+            for u in load.regather:
+                self.z.wait(u)
+            return
+        write_given((b for bufs in self.z.buffers for b in bufs), load.given)
         self._free_again()
 
 

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from fusedzero.dtensor import local
 from fusedzero.flat import FlatBuffer
 
 aten = torch.ops.aten
@@ -248,14 +249,34 @@ def _copy(view: LocalParam, runs: list[_Run], src: torch.Tensor, load: bool) -> 
     flat = src.detach().expand(view.shape).reshape(-1)
     for r in runs:
         values = flat[r.pos:r.pos + r.b - r.a]
-        p = r.piece
-        if load and p.master is not None:
-            p.master[r.a:r.b].copy_(values)
-            p.param[r.a:r.b].copy_(p.master[r.a:r.b])
+        if load:
+            _load_run(r.piece, r.a, r.b, values)
         else:
-            p.param[r.a:r.b].copy_(values)
-        if load and p.comp is not None:
-            p.comp[r.a:r.b].zero_()
+            r.piece.param[r.a:r.b].copy_(values)
+
+
+def _load_run(p: Piece, a: int, b: int, values: torch.Tensor) -> None:
+    """Loaded values of `p.param[a:b]`: the master from them, the param as the master's cast,
+    the Kahan compensation zero (what `FlatBuffer.write_master` does to a whole buffer)."""
+    if p.master is not None:
+        p.master[a:b].copy_(values)
+        p.param[a:b].copy_(p.master[a:b])
+    else:
+        p.param[a:b].copy_(values)
+    if p.comp is not None:
+        p.comp[a:b].zero_()
+
+
+def write_runs(buffers: list[FlatBuffer], params: list[nn.Parameter],
+               read: Callable[[int, int, int], torch.Tensor]) -> None:
+    """Load every run this rank holds: `read(i, a, b)` gives elements [a, b) of the flattened
+    full value of `params[i]` (None-free: every param is read). One run read at a time."""
+    targets = targets_of(buffers)
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            for piece in targets[id(p)].pieces:
+                _load_run(piece, 0, piece.length,
+                          read(i, piece.start, piece.start + piece.length))
 
 
 def block_seed(seed: int, name: str, draw: int, block: int) -> int:
@@ -347,8 +368,7 @@ def _swap_out(swapped: list[_Swap]) -> None:
 
 
 def applies(buffers: list[FlatBuffer]) -> bool:
-    """Whether the local init can run: plain (not DTensor) params on real storage."""
-    from fusedzero.dtensor import local
+    """Whether LocalParams can stand in: plain (not DTensor) params."""
     return all(local(p) is p for b in buffers for p in b.params)
 
 

@@ -6,12 +6,17 @@ its own shard; the collectives move nothing) and compared element-wise with a W 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from fusedzero.checkpoint import import_weights
 
 from fusedzero.emulate import fake_group
 from fusedzero.layout import ALIGN
@@ -87,8 +92,10 @@ def _full(init: Init) -> dict[str, torch.Tensor]:
         return {n: p.detach().reshape(-1).clone() for n, p in model.named_parameters()}
 
 
-def _assert_shard_is(opt: ZeroAdamW, ref: dict[str, torch.Tensor], where: str) -> int:
-    """Every element this rank holds equals the W = 1 value; returns how many there were."""
+def _assert_shard_is(opt: ZeroAdamW, ref: dict[str, torch.Tensor], where: str,
+                     master_is_cast: bool = True) -> int:
+    """Every element this rank holds equals the W = 1 value (an init: a separate master holds
+    its cast); returns how many there were."""
     held = 0
     for buf in opt.flat_groups:
         assert buf.param_shard is not None
@@ -98,7 +105,7 @@ def _assert_shard_is(opt: ZeroAdamW, ref: dict[str, torch.Tensor], where: str) -
             want = ref[name][seg.start:seg.start + seg.length].to(buf.dtype)
             assert torch.equal(got, want), (where, name, seg)
             held += seg.length
-        if buf.master is not None:
+        if buf.master is not None and master_is_cast:
             assert torch.equal(buf.master, buf.param_shard.float()), where
     return held
 
@@ -199,3 +206,66 @@ def test_full_unit_init_equals_the_eager_build() -> None:
     # by the meta build, in module order) overwrites it; the RNG stream is the same.
     for n, t in full.items():
         assert torch.equal(eager[n], t) != (n in ("embed.weight", "head.weight")), n
+
+
+# -- loading at stage 3: straight into the shards, unit storage never gathered --------------------
+class _NewBytes(TorchDispatchMode):
+    """Bytes of every new (not view, not in-place) real tensor an op makes: an upper bound on
+    what a call holds above the state it writes into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and not func._schema.is_mutable:
+            self.bytes += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
+                              if isinstance(t, torch.Tensor) and t.device.type != "meta")
+        return out
+
+
+def _given(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return Net().state_dict()
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "import_weights"])
+def test_load_at_stage_3_writes_the_shards_and_gathers_nothing(how: str) -> None:
+    sd = _given(5)
+    ref = {k: v.reshape(-1) for k, v in sd.items()}
+    for W, rank in ((1, 0), (8, 3)):
+        model, opt = _build(W, rank, None, torch.bfloat16)
+        z = opt.zero3
+        assert z is not None
+        unit_bytes = min(z.unit_numel(u) for u in range(len(z.modules))) * 2
+        with fake_group(rank, W) if W > 1 else contextlib.nullcontext():
+            with _NewBytes() as count:
+                if how == "load_state_dict":
+                    model.load_state_dict(sd)
+                else:
+                    import_weights(opt, sd)
+        # Before: every unit gathered at once (and a copy of the whole local master staged).
+        assert z.max_gathered_numel == 0 and count.bytes <= unit_bytes, count.bytes
+        # Each rank's runs: the master from the given fp32 values, the param as its cast.
+        _assert_shard_is(opt, ref, f"{how} W={W} rank {rank}", master_is_cast=False)
+        for buf in opt.flat_groups:
+            assert buf.master is not None
+            for seg in buf.layout.segments(buf.shard_rank):
+                name = next(s.name for s in buf.layout.params if s.index == seg.param)
+                got = buf.master[seg.local:seg.local + seg.length]
+                assert torch.equal(got, ref[name][seg.start:seg.start + seg.length]), name
+    if how == "load_state_dict":  # torch's own checks still run, and name the param
+        bad = dict(sd, **{"blocks.1.up.bias": torch.zeros(3)})
+        with pytest.raises(RuntimeError, match="size mismatch for blocks.1.up.bias"):
+            model.load_state_dict(bad)
+        assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+
+
+def test_load_state_dict_regathers_a_unit_that_was_gathered() -> None:
+    model, opt = _build(1, 0, None)
+    sd = _given(6)
+    with opt.gathered_params():
+        model.load_state_dict(sd)
+        assert torch.equal(model.blocks[0].up.weight, sd["blocks.0.up.weight"])
+    assert opt.zero3 is not None and all(s.name == "FREE" for s in opt.zero3.state)
