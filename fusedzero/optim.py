@@ -98,7 +98,9 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
             backward (3 Psi of traffic per step, less the root unit's Psi: the root stays
             gathered into its backward); False keeps every unit until backward (2 Psi).
         param_init_fn: stage 3 with params on the meta device: `fn(name, module)` initialises the
-            params a module owns directly (default: `module.reset_parameters()`).
+            params a module owns directly (default: `module.reset_parameters()`), run on this
+            rank's elements only (fusedzero/shard_init.py); `FullUnitInit(fn)` builds each unit
+            in full instead, `ShardInit` writes local segments (fusedzero/units.py).
         master: how the master weights are held (`fusedzero.memory_modes`): "fp32" (an fp32 master;
             fp32 params are their own), or, with bf16 params only, no fp32 master at all:
             "bf16-kahan" (the bf16 param plus a bf16 Kahan compensation), "bf16-sr" (updates

@@ -12,6 +12,7 @@ from fusedzero.layout import build_layout
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
+from fusedzero.units import FullUnitInit
 
 from _helpers import gpt_batch, make_gpt
 from torch.utils.checkpoint import checkpoint
@@ -71,7 +72,7 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
     opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, stage=opts["stage"], module=model,
                     reshard_after_forward=opts.get("reshard", True), process_group=pg,
                     replicate_group=rep,
-                    param_init_fn=model.init_module if opts.get("meta") else None,
+                    param_init_fn=FullUnitInit(model.init_module) if opts.get("meta") else None,
                     device="cpu",  # gloo ranks: meta params materialise on the CPU, GPU or not
                     bucket_numel=opts.get("bucket", BUCKET),
                     max_grad_norm=opts.get("clip"), param_dtype=opts.get("param_dtype"),
