@@ -201,6 +201,8 @@ def _dispatch(func: torch._ops.OpOverload, args: Any, kwargs: dict[str, Any]) ->
     ctx = self._ctx
     ctx.stats.ops += 1
     if packet in _RANDOM:
+        if any(isinstance(a, torch.Tensor) and a.dim() > 0 for a in args[1:]):
+            raise _unsupported(func, "draws with per-element parameters")
         _random(func, self, runs, args[1:], kwargs)
     elif packet is aten.copy_:
         _copy(self, runs, args[1], ctx.load)

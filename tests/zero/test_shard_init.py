@@ -195,6 +195,8 @@ def test_refusals_name_the_op_and_the_fallback() -> None:
     _refused(lambda m: nn.init.orthogonal_(m.weight), r"aten\.new_empty.*FullUnitInit")
     _refused(lambda m: m.weight.t().zero_(), r"strided view \(shape \(24, 40\).*FullUnitInit")
     _refused(lambda m: m.weight.add_(m.weight.sum()), r"aten\.sum.*FullUnitInit")
+    _refused(lambda m: m.weight.bernoulli_(torch.full((F, D), 0.5)),
+             r"bernoulli_\.Tensor draws with per-element parameters.*FullUnitInit")
     _refused(lambda m: setattr(m, "weight", nn.Parameter(torch.ones(F, D))),
              r"assigned new tensors to \['blocks.0.up.weight'.*FullUnitInit")
     # The fallback takes any init: every rank builds each unit in full, as an eager build.
