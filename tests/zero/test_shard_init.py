@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 
 from fusedzero.checkpoint import import_weights
 
-from fusedzero.emulate import fake_group
+from fusedzero.emulate import emulate, fake_group
 from fusedzero.layout import ALIGN
 from fusedzero.optim import ZeroAdamW
 from fusedzero.shard_init import BLOCK, block_seed
@@ -277,3 +277,11 @@ def test_load_state_dict_regathers_a_unit_that_was_gathered() -> None:
         model.load_state_dict(sd)
         assert torch.equal(model.blocks[0].up.weight, sd["blocks.0.up.weight"])
     assert opt.zero3 is not None and all(s.name == "FREE" for s in opt.zero3.state)
+
+
+def test_emulate_with_the_model_s_own_init() -> None:
+    # bench/bench_shard_init.py's 70B at W=1024, in miniature: the same bytes as the plan.
+    e = emulate("tiny", world_size=64, rank=63, init="model")
+    assert e.materialized and e.equals_plan
+    with pytest.raises(ValueError, match="init must be 'zeros' or 'model', got 'ones'"):
+        emulate("tiny", world_size=64, rank=63, init="ones")  # type: ignore[arg-type]
