@@ -285,3 +285,22 @@ def test_emulate_with_the_model_s_own_init() -> None:
     assert e.materialized and e.equals_plan
     with pytest.raises(ValueError, match="init must be 'zeros' or 'model', got 'ones'"):
         emulate("tiny", world_size=64, rank=63, init="ones")  # type: ignore[arg-type]
+
+
+def _gloo_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(100 + rank)  # each rank its own seed: rank 0's keys every rank's stream
+    model = _meta_net()
+    opt = ZeroAdamW(model.parameters(), stage=3, module=model, device="cpu",
+                    bucket_numel=world * ALIGN)
+    with opt.gathered_params():
+        return {n: p.detach().reshape(-1).clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow  # spawns ranks
+def test_two_gloo_ranks_with_their_own_seeds_build_the_w_1_model() -> None:
+    from fusedzero.testing import run_ranks
+    torch.manual_seed(100)
+    ref = _full(None)
+    for rank, got in enumerate(run_ranks(_gloo_rank, 2)):
+        for n, v in ref.items():
+            assert torch.equal(got[n], v), (rank, n)
