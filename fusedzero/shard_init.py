@@ -7,12 +7,12 @@ An init written against full tensors (`reset_parameters`, `nn.init.*`, a transfo
 replaced, in its module's `_parameters`, by a `LocalParam`: a tensor of the param's full shape
 and dtype that owns no storage. Its in-place ops are applied to the runs of the param this rank
 holds (`Piece`s: views of the param shard), nothing else:
-- views (`w[i]`, `w.data`, `w.view(...)`, `w.detach()`) are new `LocalParam`s over the same
-  pieces; their geometry is computed on a meta tensor. Writing to a view is supported when its
-  elements are one contiguous run of the flattened param (rows, slices of the first dim);
+- views (`w[i]`, `w.data`, `w[:, :k]`, `w.t()`, `w.detach()`) are new `LocalParam`s over the
+  same pieces; their geometry is computed on a meta tensor. A write to a view goes run by run
+  (its contiguous innermost dims; up to MAX_RUNS runs), in the view's element order;
 - fills (`fill_`, `zero_`) and every pointwise in-place op (`mul_`, `add_`, `clamp_`,
-  `erfinv_`: what `trunc_normal_` is made of) with scalar, 0-dim or same-shape arguments;
-- `copy_` from a full plain tensor: each piece takes its own elements of it;
+  `erfinv_`: what `trunc_normal_` is made of) with scalars or tensors that broadcast to it;
+- `copy_` from a plain tensor that broadcasts to it: each run takes its own elements of it;
 - random fills (`uniform_`, `normal_`, `bernoulli_`, `exponential_`, `log_normal_`, `cauchy_`,
   `geometric_`): see [Note: init random stream].
 Fan-in and fan-out (`kaiming_*`, `xavier_*`) come from the shape, which is the full one. Any
@@ -43,7 +43,10 @@ when the load began is gathered again from the new shards after it.
 """
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
+import math
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -63,6 +66,9 @@ aten = torch.ops.aten
 # 4096 keeps a 70B model at W=1024 (69M local elements, 17K blocks) well under a second of
 # seeding; torch's vectorised normal_ needs >= 16.
 BLOCK = 4096
+# A strided view (a column, `w[:, :k]`, `w.t()`) is written run by run, each a Python step; past
+# this many runs it is refused (a transposed 8192 x 128256 head is 1G runs of one element).
+MAX_RUNS = 1 << 16
 
 _RANDOM = {aten.uniform_, aten.normal_, aten.bernoulli_, aten.exponential_, aten.log_normal_,
            aten.cauchy_, aten.geometric_}
@@ -147,6 +153,8 @@ def targets_of(buffers: list[FlatBuffer]) -> dict[int, ParamTarget]:
                 seg.start, seg.length, buf.param_shard[lo:hi],
                 None if buf.master is None else buf.master[lo:hi],
                 None if buf.comp is None else buf.comp[lo:hi]))
+    for t in out.values():
+        t.pieces.sort(key=lambda p: p.start)  # (`_runs` bisects them)
     return out
 
 
@@ -222,35 +230,68 @@ def _refuse(func: torch._ops.OpOverload, args: Any, kwargs: dict[str, Any]) -> A
 
 
 def _runs(view: LocalParam, func: torch._ops.OpOverload) -> list[_Run]:
-    """This rank's part of a view whose elements are one contiguous run of the param."""
+    """This rank's part of a view, in the view's (row-major) order: the view is cut into runs
+    of the param (its innermost dims that are contiguous), each run into the pieces it meets."""
     g = view._geom
-    if not g.is_contiguous():
-        raise _unsupported(func, f"writes a strided view (shape {tuple(g.shape)}, stride "
-                                 f"{g.stride()}) of {view._target.name}")
-    lo, hi = g.storage_offset(), g.storage_offset() + g.numel()
+    if g.numel() == 0:
+        return []
+    dims = [(n, st) for n, st in zip(g.shape, g.stride()) if n != 1]
+    inner, k = 1, len(dims)
+    while k > 0 and dims[k - 1][1] == inner:
+        inner *= dims[k - 1][0]
+        k -= 1
+    outer = dims[:k]
+    where = f"a view (shape {tuple(g.shape)}, stride {g.stride()}) of {view._target.name}"
+    if any(st == 0 for _, st in outer):
+        raise _unsupported(func, f"writes {where} whose elements overlap")
+    n_runs = math.prod(n for n, _ in outer)
+    if n_runs > MAX_RUNS:
+        raise _unsupported(func, f"writes {where} in {n_runs} runs (more than {MAX_RUNS})")
+    pieces = view._target.pieces
+    first = [p.start for p in pieces]
     out = []
-    for p in view._target.pieces:
-        a, b = max(lo, p.start), min(hi, p.start + p.length)
-        if a < b:
-            out.append(_Run(p, a - p.start, b - p.start, a - lo))
+    for j, idx in enumerate(itertools.product(*(range(n) for n, _ in outer))):
+        lo = g.storage_offset() + sum(i * st for i, (_, st) in zip(idx, outer))
+        hi = lo + inner
+        for p in pieces[max(0, bisect.bisect_right(first, lo) - 1):]:
+            if p.start >= hi:
+                break
+            a, b = max(lo, p.start), min(hi, p.start + p.length)
+            if a < b:
+                out.append(_Run(p, a - p.start, b - p.start, j * inner + a - lo))
     return out
 
 
 def _same_run(arg: Any, view: LocalParam, r: _Run, func: torch._ops.OpOverload) -> Any:
-    """An argument as the run needs it: scalars and 0-dim tensors as they are, a tensor of the
-    view's shape as its elements at the run."""
+    """An argument as the run needs it: scalars and 0-dim tensors as they are, a tensor that
+    broadcasts to the view as its elements at the run."""
     if not isinstance(arg, torch.Tensor) or arg.dim() == 0:
         return arg.to(view.device) if isinstance(arg, torch.Tensor) else arg
-    if arg.shape != view.shape:
-        raise _unsupported(func, f"takes a tensor of shape {tuple(arg.shape)} (broadcast to "
-                                 f"{tuple(view.shape)})")
-    return arg.reshape(-1)[r.pos:r.pos + r.b - r.a].to(view.device)
+    try:
+        torch.broadcast_shapes(arg.shape, view.shape)
+    except RuntimeError:
+        raise _unsupported(func, f"takes a tensor of shape {tuple(arg.shape)}, which does not "
+                                 f"broadcast to {tuple(view.shape)}") from None
+    return _elements(arg, view.shape, r.pos, r.b - r.a).to(view.device)
+
+
+def _elements(t: torch.Tensor, shape: torch.Size, pos: int, n: int) -> torch.Tensor:
+    """Elements [pos, pos + n) of `t` broadcast to `shape`, in row-major order, without making
+    the broadcast (or a non-contiguous `t`) whole: one run's indices at most."""
+    ex = t.detach().expand(shape)
+    if ex.is_contiguous():
+        return ex.reshape(-1)[pos:pos + n]
+    idx = torch.arange(pos, pos + n, device=t.device)
+    off = torch.full((n,), ex.storage_offset(), dtype=torch.int64, device=t.device)
+    for size, stride in reversed(list(zip(ex.shape, ex.stride()))):
+        off += (idx % size) * stride
+        idx = idx // size
+    return ex.as_strided((ex.untyped_storage().nbytes() // ex.element_size(),), (1,), 0)[off]
 
 
 def _copy(view: LocalParam, runs: list[_Run], src: torch.Tensor, load: bool) -> None:
-    flat = src.detach().expand(view.shape).reshape(-1)
     for r in runs:
-        values = flat[r.pos:r.pos + r.b - r.a]
+        values = _elements(src, view.shape, r.pos, r.b - r.a)
         if load:
             _load_run(r.piece, r.a, r.b, values)
         else:

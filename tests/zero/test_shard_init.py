@@ -193,7 +193,9 @@ def _refused(fn: Callable[[nn.Module], None], match: str) -> None:
 
 def test_refusals_name_the_op_and_the_fallback() -> None:
     _refused(lambda m: nn.init.orthogonal_(m.weight), r"aten\.new_empty.*FullUnitInit")
-    _refused(lambda m: m.weight.t().zero_(), r"strided view \(shape \(24, 40\).*FullUnitInit")
+    _refused(lambda m: m.bias.view(1, F).expand(3, F).zero_(),
+             r"view \(shape \(3, 40\), stride \(0, 1\)\) of blocks.0.up.bias whose elements "
+             r"overlap.*FullUnitInit")
     _refused(lambda m: m.weight.add_(m.weight.sum()), r"aten\.sum.*FullUnitInit")
     _refused(lambda m: m.weight.bernoulli_(torch.full((F, D), 0.5)),
              r"bernoulli_\.Tensor draws with per-element parameters.*FullUnitInit")
@@ -203,6 +205,31 @@ def test_refusals_name_the_op_and_the_fallback() -> None:
     _, opt = _build(1, 0, FullUnitInit(lambda n, m: nn.init.orthogonal_(m.weight)
                                        if isinstance(m, nn.Linear) else None))
     assert opt.zero3 is not None and opt.zero3.materialize_peak > 0
+
+
+def strided_init(name: str, m: nn.Module) -> None:
+    """Writes through views that are not one run of the param: columns, a transpose."""
+    if isinstance(m, nn.Linear) and m.bias is not None:  # up: (F, D)
+        m.weight.t()[12].normal_(0.0, 1.0)  # column 12: F runs of one element
+        m.weight[:, :5].fill_(3.0)
+        m.weight[:, 7].copy_(torch.arange(F, dtype=torch.float32))
+        m.weight[:, 8:10].mul_(torch.full((F, 2), 0.0)).add_(torch.arange(2.0))
+
+
+def test_writes_through_strided_views_are_the_same_at_w_1_and_8(monkeypatch) -> None:
+    torch.manual_seed(2)
+    ref = _full(strided_init)
+    w = ref["blocks.1.up.weight"].view(F, D)
+    assert torch.equal(w[:, :5], torch.full((F, 5), 3.0))
+    assert torch.equal(w[:, 7], torch.arange(F, dtype=torch.float32))
+    assert torch.equal(w[:, 8:10], torch.arange(2.0).expand(F, 2))
+    assert w[:, 12].std() > 0.5  # N(0, 1), drawn column-wise
+    for r in range(8):
+        _assert_shard_is(_build(8, r, strided_init)[1], ref, f"W=8 rank {r}")
+    from fusedzero import shard_init
+    monkeypatch.setattr(shard_init, "MAX_RUNS", 4)  # a column is F = 40 runs
+    with pytest.raises(NotImplementedError, match=r"in 40 runs \(more than 4\).*FullUnitInit"):
+        _build(1, 0, strided_init)
 
 
 def test_full_unit_init_equals_the_eager_build() -> None:
