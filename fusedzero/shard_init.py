@@ -253,12 +253,13 @@ def _runs(view: LocalParam, func: torch._ops.OpOverload) -> list[_Run]:
     for j, idx in enumerate(itertools.product(*(range(n) for n, _ in outer))):
         lo = g.storage_offset() + sum(i * st for i, (_, st) in zip(idx, outer))
         hi = lo + inner
-        for p in pieces[max(0, bisect.bisect_right(first, lo) - 1):]:
-            if p.start >= hi:
-                break
+        i = max(0, bisect.bisect_right(first, lo) - 1)
+        while i < len(pieces) and pieces[i].start < hi:
+            p = pieces[i]
             a, b = max(lo, p.start), min(hi, p.start + p.length)
             if a < b:
                 out.append(_Run(p, a - p.start, b - p.start, j * inner + a - lo))
+            i += 1
     return out
 
 
