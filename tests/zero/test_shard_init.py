@@ -331,3 +331,15 @@ def test_two_gloo_ranks_with_their_own_seeds_build_the_w_1_model() -> None:
     for rank, got in enumerate(run_ranks(_gloo_rank, 2)):
         for n, v in ref.items():
             assert torch.equal(got[n], v), (rank, n)
+
+
+def test_import_weights_at_stage_3_from_safetensors_files(tmp_path) -> None:
+    import safetensors.torch
+    sd = {k: v.contiguous() for k, v in _given(9).items() if k != "head.weight"}  # tied
+    safetensors.torch.save_file(sd, tmp_path / "model.safetensors")
+    ref = {k: v.reshape(-1) for k, v in sd.items()}
+    for r in (0, 3):
+        _, opt = _build(8, r, None, torch.bfloat16)
+        with fake_group(r, 8):
+            import_weights(opt, tmp_path)  # each rank reads the rows covering its runs
+        _assert_shard_is(opt, ref, f"safetensors, W=8 rank {r}", master_is_cast=False)
