@@ -19,7 +19,8 @@ Fan-in and fan-out (`kaiming_*`, `xavier_*`) come from the shape, which is the f
 other op raises one line naming it and the fallback, `FullUnitInit` (fusedzero/units.py: every
 rank builds each unit in full, rank 0's values are broadcast). Memory beyond the shard: one
 random block (`BLOCK` fp32 elements) at a time, and nothing is gathered or broadcast but the
-seed. Tensor-parallel (DTensor) params take the `FullUnitInit` path.
+seed. (Tensor-parallel params on the meta device are refused before this: docs/
+tensor_parallel.md; `applies` keeps DTensor params off the LocalParam paths all the same.)
 
 [Note: init random stream]
 A random fill of param `name` draws its element i (of the flattened param) as element

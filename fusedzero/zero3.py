@@ -154,12 +154,11 @@ class Zero3:
     def _materialize(self, init_fn: ParamInitFn | None) -> None:
         """Initialise meta-device params: a `ShardInit` writes each local segment; a plain
         `fn(name, module)` or None (`reset_parameters`) runs on this rank's elements only
-        (See [Note: local-shard init] in fusedzero/shard_init.py; DTensor params excepted).
-        `FullUnitInit` (and DTensor params) go module by module, in `named_modules()` order
-        (the order an eager build draws its random numbers in, so both give the same values). A
-        unit's full buffer lives only while its modules are being initialised: the whole model
-        never exists on one rank. Each rank computes the same full values and keeps its own
-        shard."""
+        (See [Note: local-shard init] in fusedzero/shard_init.py). `FullUnitInit` goes module
+        by module, in `named_modules()` order (the order an eager build draws its random
+        numbers in, so both give the same values). A unit's full buffer lives only while its
+        modules are being initialised: the whole model never exists on one rank. Each rank
+        computes the same full values and keeps its own shard."""
         if isinstance(init_fn, ShardInit):
             for bufs in self.buffers:
                 for buf in bufs:
