@@ -214,9 +214,9 @@ def _dispatch(func: torch._ops.OpOverload, args: Any, kwargs: dict[str, Any]) ->
             raise _unsupported(func, "draws with per-element parameters")
         _random(func, self, runs, args[1:], kwargs)
     elif packet is aten.copy_:
-        _copy(self, runs, args[1], ctx.load)
+        _copy(self, _bounded(runs, args[1:], self.shape), args[1], ctx.load)
     elif packet in _FILL or torch.Tag.pointwise in func.tags:
-        for r in runs:
+        for r in _bounded(runs, args[1:], self.shape):
             rest = [_same_run(a, self, r, func) for a in args[1:]]
             func(r.piece.param[r.a:r.b], *rest, **kwargs)
     else:
@@ -279,7 +279,7 @@ def _same_run(arg: Any, view: LocalParam, r: _Run, func: torch._ops.OpOverload) 
 
 def _elements(t: torch.Tensor, shape: torch.Size, pos: int, n: int) -> torch.Tensor:
     """Elements [pos, pos + n) of `t` broadcast to `shape`, in row-major order, without making
-    the broadcast (or a non-contiguous `t`) whole: one run's indices at most."""
+    the broadcast (or a non-contiguous `t`) whole: n indices (`_bounded` keeps n <= BLOCK)."""
     ex = t.detach().expand(shape)
     if ex.is_contiguous():
         return ex.reshape(-1)[pos:pos + n]
@@ -289,6 +289,22 @@ def _elements(t: torch.Tensor, shape: torch.Size, pos: int, n: int) -> torch.Ten
         off += (idx % size) * stride
         idx = idx // size
     return ex.as_strided((ex.untyped_storage().nbytes() // ex.element_size(),), (1,), 0)[off]
+
+
+def _bounded(runs: list[_Run], args: Any, shape: torch.Size) -> list[_Run]:
+    """The runs cut to at most BLOCK elements where an argument is read by gathered indices
+    (`_elements`: broadcast or non-contiguous), so its scratch stays one block."""
+    def direct(t: Any) -> bool:  # read as a slice, or refused by `_same_run`
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return True
+        try:
+            return t.expand(shape).is_contiguous()
+        except RuntimeError:
+            return True
+    if all(direct(t) for t in args):
+        return runs
+    return [_Run(r.piece, a, min(a + BLOCK, r.b), r.pos + a - r.a)
+            for r in runs for a in range(r.a, r.b, BLOCK)]
 
 
 def _copy(view: LocalParam, runs: list[_Run], src: torch.Tensor, load: bool) -> None:

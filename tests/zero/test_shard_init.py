@@ -193,6 +193,9 @@ def _refused(fn: Callable[[nn.Module], None], match: str) -> None:
 
 def test_refusals_name_the_op_and_the_fallback() -> None:
     _refused(lambda m: nn.init.orthogonal_(m.weight), r"aten\.new_empty.*FullUnitInit")
+    _refused(lambda m: m.weight.mul_(torch.ones(3)),
+             r"aten\.mul_\.Tensor takes a tensor of shape \(3,\), which does not broadcast to "
+             r"\(40, 24\).*FullUnitInit")
     _refused(lambda m: m.bias.view(1, F).expand(3, F).zero_(),
              r"view \(shape \(3, 40\), stride \(0, 1\)\) of blocks.0.up.bias whose elements "
              r"overlap.*FullUnitInit")
