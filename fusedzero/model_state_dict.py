@@ -11,9 +11,8 @@ free, and free it again after).
   the fp32 master straight from the given values (not from their cast to a bf16 param), and
   the param shard as the cast of that master, which is what the next gather reads. Nothing is
   gathered (it gathered the whole model on every rank). Without this torch refused the empty
-  params (size mismatch). Tensor-parallel (DTensor) params still gather every unit, torch
-  copies into the gathered params and each rank writes its shard from the given values. Each
-  rank keeps its shard of the values *it* was given: give every rank the same state dict.
+  params (size mismatch). Each rank keeps its shard of the values *it* was given: give every
+  rank the same state dict.
 
 Stages 0-2 keep full params, so torch's load needs no gather; `FullParamsLoad` only waits for a
 param all-gather still in flight (it would land on the loaded values) and rewrites a separate
@@ -23,15 +22,14 @@ back over what was loaded.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 
 from fusedzero.dtensor import local
 from fusedzero.flat import FlatBuffer
-from fusedzero.shard_init import ShardLoad, applies
+from fusedzero.shard_init import ShardLoad
 
 
 class Units(Protocol):
@@ -46,13 +44,11 @@ class Units(Protocol):
     def unit_params(self, u: int) -> list[nn.Parameter]: ...
 
 
-@dataclass(slots=True)
-class _Load:
+class _Load(NamedTuple):
     """One `load_state_dict` in progress at stage 3."""
 
-    shards: ShardLoad | None  # the LocalParams standing in for plain params
-    regather: list[int] = field(default_factory=list)  # units gathered when it began
-    given: dict[int, torch.Tensor] = field(default_factory=dict)  # DTensor path: id -> value
+    shards: ShardLoad  # the LocalParams standing in for the params
+    regather: list[int]  # units gathered when it began
 
 
 class UnitStateDict:
@@ -60,9 +56,7 @@ class UnitStateDict:
 
     def __init__(self, zero3: Units) -> None:
         self.z = zero3
-        self._freed: list[list[int]] = []  # per nested call: the units to free again after
         self._loads: list[_Load] = []  # per load in progress (nested loads: a stack)
-        self.last_load: ShardLoad | None = None  # the last LocalParam load's counts (tests)
 
     def install(self, root: nn.Module) -> list[Any]:
         """Register the hooks on `root`; returns their handles."""
@@ -71,15 +65,6 @@ class UnitStateDict:
                 root.register_state_dict_post_hook(lambda *a: self._save_post(*a)),
                 root.register_load_state_dict_pre_hook(lambda *a: self._load_pre(*a)),
                 root.register_load_state_dict_post_hook(lambda *a: self._load_post(*a))]
-
-    def _gather_all(self) -> None:
-        self._freed.append(self.z.free_units())
-        for u in range(len(self.z.modules)):
-            self.z.wait(u)
-
-    def _free_again(self) -> None:
-        for u in self._freed.pop():
-            self.z.free(u)
 
     # -- state_dict -------------------------------------------------------------------------------
     def _save_pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -116,27 +101,18 @@ class UnitStateDict:
                 "model.load_state_dict(..., assign=True) under ZeroAdamW at stage 3 would replace "
                 "the params it shards; call it without assign=, or set the weights with "
                 "fusedzero.checkpoint.import_weights(opt, state_dict)")
+        free = set(self.z.free_units())
+        gathered = [u for u in range(len(self.z.modules)) if u not in free]
+        for u in gathered:
+            self.z.free(u)  # stale after the load; one still gathering reads the shards
         buffers = [b for bufs in self.z.buffers for b in bufs]
-        if applies(buffers):
-            free = set(self.z.free_units())
-            gathered = [u for u in range(len(self.z.modules)) if u not in free]
-            for u in gathered:
-                self.z.free(u)  # stale after the load; one still gathering reads the shards
-            self._loads.append(_Load(ShardLoad(module, buffers), gathered))
-            return
-        self._gather_all()
-        self._loads.append(_Load(None, given=given_values(module, state_dict, prefix)))
+        self._loads.append(_Load(ShardLoad(module, buffers), gathered))
 
     def _load_post(self, module: nn.Module, incompatible_keys: Any) -> None:
         load = self._loads.pop()
-        if load.shards is not None:
-            load.shards.close()
-            self.last_load = load.shards
-            for u in load.regather:
-                self.z.wait(u)
-            return
-        write_given((b for bufs in self.z.buffers for b in bufs), load.given)
-        self._free_again()
+        load.shards.close()
+        for u in load.regather:
+            self.z.wait(u)
 
 
 def given_values(module: nn.Module, state_dict: dict[str, Any], prefix: str

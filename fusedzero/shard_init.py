@@ -38,9 +38,11 @@ values an eager build draws from torch's global generator (`FullUnitInit` gives 
 `model.load_state_dict(sd)` at stage 3 runs torch's own load (its name and shape checks, its
 error messages) against `LocalParam`s in load mode: torch's `param.copy_(value)` writes this
 rank's runs of `value` into the fp32 master and the param shard as its cast (the bf16-kahan
-compensation of those runs is zeroed), as `import_weights` does. Nothing is gathered: memory
-beyond the shard is what torch's copy reads of the given tensors. A unit that was gathered
-when the load began is gathered again from the new shards after it.
+compensation of those runs is zeroed), as `import_weights` does. A tensor-parallel (DTensor)
+param keeps its place and global shape; its local tensor is the LocalParam (torch's DTensor
+`copy_` copies local into local). Nothing is gathered: memory beyond the shard is what torch's
+copy reads of the given tensors. A unit that was gathered when the load began is gathered
+again from the new shards after it.
 """
 from __future__ import annotations
 
@@ -57,7 +59,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from fusedzero.dtensor import local
+from fusedzero.dtensor import local, set_local
 from fusedzero.flat import FlatBuffer
 
 aten = torch.ops.aten
@@ -429,7 +431,8 @@ def _swap_out(swapped: list[_Swap]) -> None:
 
 
 def applies(buffers: list[FlatBuffer]) -> bool:
-    """Whether LocalParams can stand in: plain (not DTensor) params."""
+    """Whether the local init can run: plain (not DTensor) params (tp params on the meta
+    device are refused before, docs/tensor_parallel.md: this keeps it so)."""
     return all(local(p) is p for b in buffers for p in b.params)
 
 
@@ -471,13 +474,22 @@ def init_local(root: nn.Module, buffers: list[FlatBuffer], fn: ModuleInit | None
 
 
 class ShardLoad:
-    """The LocalParams of one `load_state_dict` (See [Note: loading into LocalParams])."""
+    """The LocalParams of one `load_state_dict` (See [Note: loading into LocalParams]): in the
+    modules for plain params; as the local tensor of a DTensor param (torch's DTensor `copy_`
+    copies local into local), whose global shape torch's checks keep seeing."""
 
     def __init__(self, root: nn.Module, buffers: list[FlatBuffer]) -> None:
         self.stats = LocalInitStats()
-        self._swapped = _swap_in(root, targets_of(buffers), _Context(load=True,
-                                                                     stats=self.stats))
+        targets = targets_of(buffers)
+        ctx = _Context(load=True, stats=self.stats)
+        self._locals = [(p, local(p)) for b in buffers for p in b.params if local(p) is not p]
+        for p, _ in self._locals:
+            set_local(p, LocalParam.of(targets[id(p)], ctx))
+        tp = {id(p) for p, _ in self._locals}
+        self._swapped = _swap_in(root, {k: t for k, t in targets.items() if k not in tp}, ctx)
 
     def close(self) -> None:
+        for p, t in self._locals:
+            set_local(p, t)
         _swap_out(self._swapped)
 
