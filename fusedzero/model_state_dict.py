@@ -1,8 +1,9 @@
 """`model.state_dict()` and `model.load_state_dict()` under ZeroAdamW.
 
-At stage 3 a freed unit's params are empty tensors (fusedzero/zero3.py). There both are
-collectives, as FSDP's full state dict: every rank calls them (they gather every unit that is
-free, and free it again after).
+At stage 3 a freed unit's params are empty tensors (fusedzero/zero3.py). There state_dict is a
+collective, as FSDP's full state dict: every rank calls it (it gathers each unit that is free,
+and frees it again after); load_state_dict writes each rank's shard alone (a collective only
+when a unit was gathered as it began: it is gathered again after).
 - state_dict: the full values, copied off the gathered storage (freed after, rewritten by every
   step). Without this it held the empty params, and torch.save wrote tensors that cannot be
   loaded back.
