@@ -332,8 +332,8 @@ def _load_run(p: Piece, a: int, b: int, values: torch.Tensor) -> None:
 
 def write_runs(buffers: list[FlatBuffer], params: list[nn.Parameter],
                read: Callable[[int, int, int], torch.Tensor]) -> None:
-    """Load every run this rank holds: `read(i, a, b)` gives elements [a, b) of the flattened
-    full value of `params[i]` (None-free: every param is read). One run read at a time."""
+    """Load every run this rank holds of every param: `read(i, a, b)` gives elements [a, b) of
+    the flattened full value of `params[i]`. One run is read (and held) at a time."""
     targets = targets_of(buffers)
     with torch.no_grad():
         for i, p in enumerate(params):
