@@ -30,6 +30,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -251,7 +252,8 @@ def _build(model: ModelSource) -> nn.Module:
 def emulate(model: ModelSource, *, world_size: int, rank: int = 0, stage: int = 3,
             precision: Precision = PLAN_PRECISION, wire: Wire = Wire(),
             sharding: Sharding = Sharding(), decay_split: bool = True,
-            materialize: bool | None = None, plan: Plan | None = None) -> Emulation:
+            materialize: bool | None = None, plan: Plan | None = None,
+            init: Literal["zeros", "model"] = "zeros") -> Emulation:
     """Build `ZeroAdamW` as `rank` of `world_size` under the fake backend and report it.
 
     `model`: a name in SHAPES, a LlamaShape, or a function returning a model on the meta
@@ -262,7 +264,11 @@ def emulate(model: ModelSource, *, world_size: int, rank: int = 0, stage: int = 
     `materialize` (default: stage 3) puts the local shard in CPU memory; stages 0-2 hold the
     full params and cannot, they are built on the meta device. `plan`: the plan to compare
     with (`fusedzero plan` passes the one it prints); default: `plan_model` of the same
-    model and options."""
+    model and options. `init` (stage 3, materialised): "zeros" writes each local segment
+    (a `ShardInit`), "model" runs the model's own `reset_parameters` on this rank's elements
+    (fusedzero/shard_init.py), what a user's build does."""
+    if init not in ("zeros", "model"):
+        raise ValueError(f"init must be 'zeros' or 'model', got {init!r}")
     st = Stage(stage)
     if materialize is None:
         materialize = st.shards_params
@@ -284,7 +290,8 @@ def emulate(model: ModelSource, *, world_size: int, rank: int = 0, stage: int = 
                         precision=precision, wire=wire,
                         sharding=dataclasses.replace(
                             sharding,
-                            param_init_fn=ShardInit(_zero_init) if materialize else None))
+                            param_init_fn=ShardInit(_zero_init) if materialize and init == "zeros"
+                            else None))
         construct_s = time.perf_counter() - t0
         rss = rss_bytes() - rss0
         mem = opt.memory()

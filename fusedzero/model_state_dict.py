@@ -1,16 +1,19 @@
 """`model.state_dict()` and `model.load_state_dict()` under ZeroAdamW.
 
-At stage 3 a freed unit's params are empty tensors (fusedzero/zero3.py). There both are
-collectives, as FSDP's full state dict: every rank calls them (they gather every unit that is
-free, and free it again after).
+At stage 3 a freed unit's params are empty tensors (fusedzero/zero3.py). There state_dict is a
+collective, as FSDP's full state dict: every rank calls it (it gathers each unit that is free,
+and frees it again after); load_state_dict writes each rank's shard alone (a collective only
+when a unit was gathered as it began: it is gathered again after).
 - state_dict: the full values, copied off the gathered storage (freed after, rewritten by every
   step). Without this it held the empty params, and torch.save wrote tensors that cannot be
   loaded back.
-- load_state_dict: torch checks names and shapes against, and copies into, the gathered full
-  params; then each rank writes its own shard: the fp32 master straight from the given values
-  (not from their cast to a bf16 param), and the param shard as the cast of that master, which
-  is what the next gather reads. Without this torch refused the empty params (size mismatch).
-  Each rank keeps its shard of the values *it* was given: give every rank the same state dict.
+- load_state_dict: torch checks names and shapes against, and copies into, `LocalParam`s that
+  write each rank's own runs (See [Note: loading into LocalParams] in fusedzero/shard_init.py):
+  the fp32 master straight from the given values (not from their cast to a bf16 param), and
+  the param shard as the cast of that master, which is what the next gather reads. Nothing is
+  gathered (it gathered the whole model on every rank). Without this torch refused the empty
+  params (size mismatch). Each rank keeps its shard of the values *it* was given: give every
+  rank the same state dict.
 
 Stages 0-2 keep full params, so torch's load needs no gather; `FullParamsLoad` only waits for a
 param all-gather still in flight (it would land on the loaded values) and rewrites a separate
@@ -20,13 +23,14 @@ back over what was loaded.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch
 from torch import nn
 
 from fusedzero.dtensor import local
 from fusedzero.flat import FlatBuffer
+from fusedzero.shard_init import ShardLoad
 
 
 class Units(Protocol):
@@ -41,13 +45,19 @@ class Units(Protocol):
     def unit_params(self, u: int) -> list[nn.Parameter]: ...
 
 
+class _Load(NamedTuple):
+    """One `load_state_dict` in progress at stage 3."""
+
+    shards: ShardLoad  # the LocalParams standing in for the params
+    regather: list[int]  # units gathered when it began
+
+
 class UnitStateDict:
     """The state-dict hooks of stage 3, over the units of a `Zero3`."""
 
     def __init__(self, zero3: Units) -> None:
         self.z = zero3
-        self._freed: list[list[int]] = []  # per nested call: the units to free again after
-        self._sources: list[dict[int, torch.Tensor]] = []  # per load: id(param) -> given value
+        self._loads: list[_Load] = []  # per load in progress (nested loads: a stack)
 
     def install(self, root: nn.Module) -> list[Any]:
         """Register the hooks on `root`; returns their handles."""
@@ -56,15 +66,6 @@ class UnitStateDict:
                 root.register_state_dict_post_hook(lambda *a: self._save_post(*a)),
                 root.register_load_state_dict_pre_hook(lambda *a: self._load_pre(*a)),
                 root.register_load_state_dict_post_hook(lambda *a: self._load_post(*a))]
-
-    def _gather_all(self) -> None:
-        self._freed.append(self.z.free_units())
-        for u in range(len(self.z.modules)):
-            self.z.wait(u)
-
-    def _free_again(self) -> None:
-        for u in self._freed.pop():
-            self.z.free(u)
 
     # -- state_dict -------------------------------------------------------------------------------
     def _save_pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
@@ -101,12 +102,18 @@ class UnitStateDict:
                 "model.load_state_dict(..., assign=True) under ZeroAdamW at stage 3 would replace "
                 "the params it shards; call it without assign=, or set the weights with "
                 "fusedzero.checkpoint.import_weights(opt, state_dict)")
-        self._gather_all()
-        self._sources.append(given_values(module, state_dict, prefix))
+        free = set(self.z.free_units())
+        gathered = [u for u in range(len(self.z.modules)) if u not in free]
+        for u in gathered:
+            self.z.free(u)  # stale after the load; one still gathering reads the shards
+        buffers = [b for bufs in self.z.buffers for b in bufs]
+        self._loads.append(_Load(ShardLoad(module, buffers), gathered))
 
     def _load_post(self, module: nn.Module, incompatible_keys: Any) -> None:
-        write_given((b for bufs in self.z.buffers for b in bufs), self._sources.pop())
-        self._free_again()
+        load = self._loads.pop()
+        load.shards.close()
+        for u in load.regather:
+            self.z.wait(u)
 
 
 def given_values(module: nn.Module, state_dict: dict[str, Any], prefix: str

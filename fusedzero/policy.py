@@ -160,7 +160,9 @@ class Sharding:
     traffic per step, less the root unit's Psi); False keeps every unit until backward (2 Psi)."""
     param_init_fn: ParamInitFn | None = None
     """Stage 3 with params on the meta device: `fn(name, module)` initialises the params a
-    module owns directly (default: `module.reset_parameters()`), or a `ShardInit`."""
+    module owns directly (default: `module.reset_parameters()`), run on this rank's elements
+    only (fusedzero/shard_init.py); `FullUnitInit(fn)` builds each unit in full instead (values
+    of an eager build), `ShardInit` writes local segments (fusedzero/units.py)."""
 
     def __post_init__(self) -> None:
         b = self.bucket_numel

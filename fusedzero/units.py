@@ -1,5 +1,5 @@
 """What a stage-3 unit is: the policy that picks the modules (`select_units`), and how params
-on the meta device are initialised (`ShardInit`, `ParamInitFn`). Stages 1-2 use the same units
+on the meta device are initialised (`ShardInit`, `FullUnitInit`, `ParamInitFn`). Stages 1-2 use the same units
 for their forward waits (fusedzero/param_sync.py); fusedzero/zero3.py gathers and frees them."""
 from __future__ import annotations
 
@@ -25,8 +25,21 @@ class ShardInit:
         self.fn = fn
 
 
-# `fn(name, module)` initialises the params a module owns directly, in full; or a ShardInit.
-ParamInitFn = Union[Callable[[str, nn.Module], None], ShardInit]
+class FullUnitInit:
+    """A `param_init_fn` that builds each unit in full on every rank: `fn(name, module)`
+    (default: `module.reset_parameters()`) on real full tensors, unit by unit, then rank 0's
+    values are broadcast and each rank keeps its shard. The values equal an eager build's with
+    the same seed; the cost is every rank initialising the whole model and holding one unit
+    (and the root) in full. The fallback for inits the local path refuses (See [Note:
+    local-shard init] in fusedzero/shard_init.py)."""
+
+    def __init__(self, fn: Callable[[str, nn.Module], None] | None = None) -> None:
+        self.fn = fn
+
+
+# `fn(name, module)` initialises the params a module owns directly, written against full
+# tensors and run on this rank's elements only (fusedzero/shard_init.py); or one of the above.
+ParamInitFn = Union[Callable[[str, nn.Module], None], ShardInit, FullUnitInit]
 
 
 def default_policy(root: nn.Module) -> list[nn.Module]:

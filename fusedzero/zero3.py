@@ -41,7 +41,8 @@ from fusedzero.comm import CommContext, Handle, eager
 from fusedzero.dtensor import local, set_local
 from fusedzero.flat import FlatBuffer
 from fusedzero.model_state_dict import UnitStateDict
-from fusedzero.units import ParamInitFn, ShardInit, UnitPolicy, select_units
+from fusedzero import shard_init
+from fusedzero.units import FullUnitInit, ParamInitFn, ShardInit, UnitPolicy, select_units
 
 # Overwrite a tensor with group rank 0's value (over every group replicas span).
 Broadcast = Callable[[torch.Tensor], None]
@@ -92,6 +93,7 @@ class Zero3:
         self.late: set[int] = set()
         self.unit_of_param: dict[int, int] = {}
         self._meta_init = False  # params came on the meta device: `setup` initialises them
+        self.init_stats: shard_init.LocalInitStats | None = None  # the local init's counts
 
     # -- construction -------------------------------------------------------------------------
     def assign(self, params: list[nn.Parameter]) -> list[int]:
@@ -150,15 +152,27 @@ class Zero3:
                 set_local(p, t)
 
     def _materialize(self, init_fn: ParamInitFn | None) -> None:
-        """Initialise meta-device params module by module, in `named_modules()` order (the order
-        an eager build draws its random numbers in, so both give the same values). A unit's
-        full buffer lives only while its modules are being initialised: the whole model never
-        exists on one rank. Each rank computes the same full values and keeps its own shard."""
+        """Initialise meta-device params: a `ShardInit` writes each local segment; a plain
+        `fn(name, module)` or None (`reset_parameters`) runs on this rank's elements only
+        (See [Note: local-shard init] in fusedzero/shard_init.py). `FullUnitInit` goes module
+        by module, in `named_modules()` order (the order an eager build draws its random
+        numbers in, so both give the same values). A unit's full buffer lives only while its
+        modules are being initialised: the whole model never exists on one rank. Each rank
+        computes the same full values and keeps its own shard."""
         if isinstance(init_fn, ShardInit):
             for bufs in self.buffers:
                 for buf in bufs:
                     _init_own_shard(buf, init_fn)
             return
+        # -- shard_init: the model's own init on this rank's elements (issue 43) --
+        all_bufs = [buf for bufs in self.buffers for buf in bufs]
+        if not isinstance(init_fn, FullUnitInit) and shard_init.applies(all_bufs):
+            self.init_stats = shard_init.init_local(self.root, all_bufs, init_fn,
+                                                    self._broadcast)
+            return
+        if isinstance(init_fn, FullUnitInit):
+            init_fn = init_fn.fn
+        # -- end shard_init --
         if init_fn is None:
             def init_fn(name: str, m: nn.Module) -> None:
                 if hasattr(m, "reset_parameters"):

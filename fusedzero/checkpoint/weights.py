@@ -23,6 +23,7 @@ from fusedzero.checkpoint.format import (LATEST, MANIFEST, Peak, SafetensorsWrit
 from fusedzero.checkpoint.manifest import STEP_DIR, CheckpointError
 from fusedzero.checkpoint.optview import aliases, param_table
 from fusedzero.checkpoint.placements import tp_source
+from fusedzero.shard_init import write_runs
 from fusedzero.state import ShardState
 
 if TYPE_CHECKING:
@@ -251,7 +252,10 @@ def import_weights(opt: ZeroAdamW, source: str | os.PathLike[str] | Mapping[str,
     directory holding `model.safetensors` or one index. Each rank reads only the slices of its
     own segments. Names are the model's (a tied param may be found under any of its names).
     With `strict`, tensors in the source that are no param of the model are an error. Optimizer
-    moments and the step count are left as they are (start of fine-tuning: zero).
+    moments and the step count are left as they are (start of fine-tuning: zero). At stage 3
+    each segment is read and written into the shards at once, nothing staged beyond it (stages
+    1-2 read this rank's whole fp32 master first, then write it; a failed read leaves the
+    params as they were there, partly written at stage 3).
     """
     W, group = opt.world_size, opt.process_group
     err: BaseException | None = None
@@ -264,8 +268,15 @@ def import_weights(opt: ZeroAdamW, source: str | os.PathLike[str] | Mapping[str,
         src = _WeightSource(source)
         found = _match_weights(opt, src, strict, str(source) if not isinstance(source, Mapping)
                                else "state dict")
+        if opt.zero3 is not None:
+            # Stage 3: each segment read and written into the shards at once, nothing staged.
+            # A read failing on one rank still fails every rank (`agree`), with the params
+            # partly written: import again.
+            opt.quiesce_params()
+            read = src.read_flat
+            write_runs(opt.flat_groups, opt.params, lambda i, a, b: read(found[i], a, b))
         with torch.no_grad():
-            for info in opt.shard_infos():
+            for info in ([] if opt.zero3 is not None else opt.shard_infos()):
                 buf = torch.zeros(info.local_numel, dtype=torch.float32)
                 for s in info.segments():
                     buf[s.local:s.local + s.length].copy_(
@@ -275,7 +286,7 @@ def import_weights(opt: ZeroAdamW, source: str | os.PathLike[str] | Mapping[str,
         err = e
     try:
         agree(err, group, W, "import_weights")
-        opt.load_shard_state(ShardState(master=masters))  # collective at stages 1-3
+        opt.load_shard_state(ShardState(master=masters or None))  # collective at stages 1-2
     finally:
         if src is not None:
             src.close()

@@ -12,6 +12,7 @@ from fusedzero import Groups, Precision, Sharding, ZeroAdamW, checkpoint as ckpt
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 from fusedzero.layout import build_layout
 from fusedzero.testing import run_ranks
+from fusedzero.units import FullUnitInit
 
 from _helpers import gpt_batch, make_gpt
 
@@ -75,7 +76,8 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
                     sharding=Sharding(
                         bucket_numel=opts.get("bucket", BUCKET),
                         reshard_after_forward=opts.get("reshard", True),
-                        param_init_fn=model.init_module if opts.get("meta") else None),
+                        param_init_fn=FullUnitInit(model.init_module) if opts.get("meta")
+                        else None),
                     device="cpu",  # gloo ranks: meta params materialise on the CPU, GPU or not
                     trace=opts.get("trace", False))
     accum = opts.get("accum", 1)

@@ -1,0 +1,348 @@
+"""Stage 3 from the meta device with the model's own init, run on this rank's elements only
+(fusedzero/shard_init.py): values independent of the world size, nothing gathered, the refusals.
+
+Ranks of W = 8 and 1024 are emulated one at a time on torch's fake process group (each builds
+its own shard; the collectives move nothing) and compared element-wise with a W = 1 build.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from fusedzero.checkpoint import import_weights
+
+from fusedzero.emulate import emulate, fake_group
+from fusedzero.layout import ALIGN
+from fusedzero import Precision, Sharding, ZeroAdamW
+from fusedzero.shard_init import BLOCK, block_seed
+from fusedzero.units import FullUnitInit
+
+V, D, F = 50, 24, 40
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.up = nn.Linear(D, F)
+        self.down = nn.Linear(F, D, bias=False)
+        self.rms = nn.RMSNorm(D)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D, padding_idx=3)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.conv = nn.Conv1d(D, 8, 3)  # fan-in over a receptive field (dim 3)
+        self.head = nn.Linear(D, V, bias=False)
+        self.head.weight = self.embed.weight  # tied: one param, the root unit's
+
+
+def _meta_net() -> Net:
+    with torch.device("meta"):
+        return Net()
+
+
+def hf_init(name: str, m: nn.Module) -> None:
+    """What a transformers `_init_weights` does, `.data` and all (the tied head skipped)."""
+    if name == "head":
+        return
+    if isinstance(m, nn.Linear):
+        m.weight.data.normal_(mean=0.0, std=0.02)
+        if m.bias is not None:
+            m.bias.data.zero_()
+    elif isinstance(m, nn.Embedding):
+        m.weight.data.normal_(mean=0.0, std=0.02)
+        m.weight.data[m.padding_idx].zero_()
+    elif isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+        m.weight.data.fill_(1.0)
+        if getattr(m, "bias", None) is not None:
+            m.bias.data.zero_()
+    elif isinstance(m, nn.Conv1d):
+        nn.init.trunc_normal_(m.weight, std=0.02, a=-0.03, b=0.03)
+        nn.init.constant_(m.bias, 0.5)
+
+
+Init = Callable[[str, nn.Module], None] | FullUnitInit | None
+
+
+def _build(W: int, rank: int, init: Init, dtype: torch.dtype | None = None
+           ) -> tuple[Net, ZeroAdamW]:
+    model = _meta_net()
+    # bucket_numel: the smallest bucket, so that many ranks hold a few pieces of every param.
+    kw = dict(stage=3, module=model, device="cpu", precision=Precision(param_dtype=dtype),
+              sharding=Sharding(param_init_fn=init, bucket_numel=W * ALIGN))
+    if W == 1:
+        return model, ZeroAdamW(model.parameters(), **kw)
+    with fake_group(rank, W):
+        return model, ZeroAdamW(model.parameters(), **kw)
+
+
+def _full(init: Init) -> dict[str, torch.Tensor]:
+    model, opt = _build(1, 0, init)
+    with opt.gathered_params():
+        return {n: p.detach().reshape(-1).clone() for n, p in model.named_parameters()}
+
+
+def _assert_shard_is(opt: ZeroAdamW, ref: dict[str, torch.Tensor], where: str,
+                     master_is_cast: bool = True) -> int:
+    """Every element this rank holds equals the W = 1 value (an init: a separate master holds
+    its cast); returns how many there were."""
+    held = 0
+    for buf in opt.flat_groups:
+        assert buf.param_shard is not None
+        for seg in buf.layout.segments(buf.shard_rank):
+            name = next(s.name for s in buf.layout.params if s.index == seg.param)
+            got = buf.param_shard[seg.local:seg.local + seg.length]
+            want = ref[name][seg.start:seg.start + seg.length].to(buf.dtype)
+            assert torch.equal(got, want), (where, name, seg)
+            held += seg.length
+        if buf.master is not None and master_is_cast:
+            assert torch.equal(buf.master, buf.param_shard.float()), where
+    return held
+
+
+@pytest.mark.parametrize("init", [None, hf_init], ids=["reset_parameters", "hf_init"])
+def test_values_are_the_same_at_w_1_and_8(init: Init) -> None:
+    torch.manual_seed(1234)
+    ref = _full(init)
+    held = sum(_assert_shard_is(_build(8, r, init)[1], ref, f"W=8 rank {r}") for r in range(8))
+    assert held == sum(p.numel() for p in _meta_net().parameters())  # every element once
+    # bf16 params hold the cast of the same draws.
+    _assert_shard_is(_build(8, 5, init, torch.bfloat16)[1], ref, "W=8 rank 5, bf16")
+
+
+@pytest.mark.parametrize("init", [None, hf_init], ids=["reset_parameters", "hf_init"])
+def test_values_are_the_same_at_w_1_and_1024(init: Init) -> None:
+    # 128 elements per rank per bucket: the first rank, the middle, the last holding data,
+    # and the last rank (padding only).
+    torch.manual_seed(1234)
+    ref = _full(init)
+    first = _build(1024, 0, init)[1]
+    _assert_shard_is(first, ref, "W=1024 rank 0")
+    last = max(math.ceil(b.layout.numel / ALIGN) for b in first.flat_groups)  # ranks with data
+    for r in (last // 2, last - 1, 1023):
+        held = _assert_shard_is(_build(1024, r, init)[1], ref, f"W=1024 rank {r}")
+        assert (held > 0) == (r < last), (r, held)
+
+
+def test_reset_parameters_on_local_elements_keeps_torch_s_distributions() -> None:
+    torch.manual_seed(0)
+    v = _full(None)
+    # kaiming_uniform_(a=sqrt(5)) bounds from the full fan-in (conv: in_channels * kernel).
+    for name, fan_in in (("blocks.0.up.weight", D), ("blocks.1.down.weight", F),
+                         ("conv.weight", D * 3)):
+        bound = 1 / math.sqrt(fan_in)
+        assert v[name].abs().max() <= bound and v[name].abs().max() > 0.9 * bound, name
+    assert torch.equal(v["blocks.0.norm.weight"], torch.ones(D))
+    assert torch.equal(v["blocks.1.rms.weight"], torch.ones(D))
+    # The embedding's normal_, then the tied head's kaiming_uniform_ over it (module order).
+    assert v["embed.weight"].abs().max() <= 1 / math.sqrt(D)
+
+
+def test_hf_init_padding_row_trunc_normal_and_seed() -> None:
+    torch.manual_seed(7)
+    v = _full(hf_init)
+    assert torch.equal(v["embed.weight"].view(V, D)[3], torch.zeros(D))
+    w = v["blocks.0.up.weight"]
+    assert abs(w.std().item() - 0.02) < 0.003  # 960 draws: the std's error is ~2.3%
+    assert torch.equal(v["blocks.0.up.bias"], torch.zeros(F))
+    c = v["conv.weight"]
+    assert c.abs().max() <= 0.03 and torch.equal(v["conv.bias"], torch.full((8,), 0.5))
+    # The stream is keyed by torch.initial_seed(): another seed, other values; the same, same.
+    torch.manual_seed(8)
+    assert not torch.equal(_full(hf_init)["blocks.0.up.weight"], w)
+    torch.manual_seed(7)
+    assert torch.equal(_full(hf_init)["blocks.0.up.weight"], w)
+    # One block's values are torch's normal_ from the documented seed (see the module's note).
+    g = torch.Generator().manual_seed(block_seed(7, "blocks.0.up.weight", 0, 0))
+    assert torch.equal(w, torch.empty(D * F).normal_(0.0, 0.02, generator=g))
+
+
+def test_nothing_gathered_and_one_block_of_scratch() -> None:
+    model, opt = _build(8, 3, None)
+    z = opt.zero3
+    assert z is not None and z.init_stats is not None
+    assert z.materialize_peak == 0 and z.max_gathered_numel == 0
+    # Scratch: one random block, at most min(BLOCK, largest param) elements.
+    largest = max(p.numel() for p in _meta_net().parameters())
+    assert z.init_stats.scratch_peak <= min(BLOCK, largest)
+    # Random fills at W=1: embedding normal_; each Linear/Conv weight and bias uniform_ (the
+    # tied head's weight once more); every param is < BLOCK: one block per fill.
+    _, one = _build(1, 0, None)
+    assert one.zero3 is not None and one.zero3.init_stats is not None
+    assert one.zero3.init_stats.blocks_drawn == 1 + 2 * (2 + 1) + 2 + 1
+    assert one.zero3.init_stats.scratch_peak == largest
+
+
+def _refused(fn: Callable[[nn.Module], None], match: str) -> None:
+    def init(name: str, m: nn.Module) -> None:
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            fn(m)
+    with pytest.raises((NotImplementedError, RuntimeError), match=match):
+        _build(1, 0, init)
+
+
+def test_refusals_name_the_op_and_the_fallback() -> None:
+    _refused(lambda m: nn.init.orthogonal_(m.weight), r"aten\.new_empty.*FullUnitInit")
+    _refused(lambda m: m.weight.mul_(torch.ones(3)),
+             r"aten\.mul_\.Tensor takes a tensor of shape \(3,\), which does not broadcast to "
+             r"\(40, 24\).*FullUnitInit")
+    _refused(lambda m: m.bias.view(1, F).expand(3, F).zero_(),
+             r"view \(shape \(3, 40\), stride \(0, 1\)\) of blocks.0.up.bias whose elements "
+             r"overlap.*FullUnitInit")
+    _refused(lambda m: m.weight.add_(m.weight.sum()), r"aten\.sum.*FullUnitInit")
+    _refused(lambda m: m.weight.bernoulli_(torch.full((F, D), 0.5)),
+             r"bernoulli_\.Tensor draws with per-element parameters.*FullUnitInit")
+    _refused(lambda m: setattr(m, "weight", nn.Parameter(torch.ones(F, D))),
+             r"assigned new tensors to \['blocks.0.up.weight'.*FullUnitInit")
+    # The fallback takes any init: every rank builds each unit in full, as an eager build.
+    _, opt = _build(1, 0, FullUnitInit(lambda n, m: nn.init.orthogonal_(m.weight)
+                                       if isinstance(m, nn.Linear) else None))
+    assert opt.zero3 is not None and opt.zero3.materialize_peak > 0
+
+
+def strided_init(name: str, m: nn.Module) -> None:
+    """Writes through views that are not one run of the param: columns, a transpose."""
+    if isinstance(m, nn.Linear) and m.bias is not None:  # up: (F, D)
+        m.weight.t()[12].normal_(0.0, 1.0)  # column 12: F runs of one element
+        m.weight[:, :5].fill_(3.0)
+        m.weight[:, 7].copy_(torch.arange(F, dtype=torch.float32))
+        m.weight[:, 8:10].mul_(torch.full((F, 2), 0.0)).add_(torch.arange(2.0))
+
+
+def test_writes_through_strided_views_are_the_same_at_w_1_and_8(monkeypatch) -> None:
+    torch.manual_seed(2)
+    ref = _full(strided_init)
+    w = ref["blocks.1.up.weight"].view(F, D)
+    assert torch.equal(w[:, :5], torch.full((F, 5), 3.0))
+    assert torch.equal(w[:, 7], torch.arange(F, dtype=torch.float32))
+    assert torch.equal(w[:, 8:10], torch.arange(2.0).expand(F, 2))
+    assert w[:, 12].std() > 0.5  # N(0, 1), drawn column-wise
+    for r in range(8):
+        _assert_shard_is(_build(8, r, strided_init)[1], ref, f"W=8 rank {r}")
+    from fusedzero import shard_init
+    monkeypatch.setattr(shard_init, "MAX_RUNS", 4)  # a column is F = 40 runs
+    with pytest.raises(NotImplementedError, match=r"in 40 runs \(more than 4\).*FullUnitInit"):
+        _build(1, 0, strided_init)
+
+
+def test_full_unit_init_equals_the_eager_build() -> None:
+    torch.manual_seed(0)
+    eager = {n: p.detach().reshape(-1).clone() for n, p in Net().named_parameters()}
+    torch.manual_seed(0)
+    full = _full(FullUnitInit())
+    # The tied weight: eager keeps the embedding's draw, reset_parameters of the head (called
+    # by the meta build, in module order) overwrites it; the RNG stream is the same.
+    for n, t in full.items():
+        assert torch.equal(eager[n], t) != (n in ("embed.weight", "head.weight")), n
+
+
+# -- loading at stage 3: straight into the shards, unit storage never gathered --------------------
+class _NewBytes(TorchDispatchMode):
+    """Bytes of every new (not view, not in-place) real tensor an op makes: an upper bound on
+    what a call holds above the state it writes into."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and not func._schema.is_mutable:
+            self.bytes += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
+                              if isinstance(t, torch.Tensor) and t.device.type != "meta")
+        return out
+
+
+def _given(seed: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(seed)
+    return Net().state_dict()
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "import_weights"])
+def test_load_at_stage_3_writes_the_shards_and_gathers_nothing(how: str) -> None:
+    sd = _given(5)
+    ref = {k: v.reshape(-1) for k, v in sd.items()}
+    for W, rank in ((1, 0), (8, 3)):
+        model, opt = _build(W, rank, None, torch.bfloat16)
+        z = opt.zero3
+        assert z is not None
+        unit_bytes = min(z.unit_numel(u) for u in range(len(z.modules))) * 2
+        with fake_group(rank, W) if W > 1 else contextlib.nullcontext():
+            with _NewBytes() as count:
+                if how == "load_state_dict":
+                    model.load_state_dict(sd)
+                else:
+                    import_weights(opt, sd)
+        # Before: every unit gathered at once (and a copy of the whole local master staged).
+        assert z.max_gathered_numel == 0 and count.bytes <= unit_bytes, count.bytes
+        # Each rank's runs: the master from the given fp32 values, the param as its cast.
+        _assert_shard_is(opt, ref, f"{how} W={W} rank {rank}", master_is_cast=False)
+        for buf in opt.flat_groups:
+            assert buf.master is not None
+            for seg in buf.layout.segments(buf.shard_rank):
+                name = next(s.name for s in buf.layout.params if s.index == seg.param)
+                got = buf.master[seg.local:seg.local + seg.length]
+                assert torch.equal(got, ref[name][seg.start:seg.start + seg.length]), name
+    if how == "load_state_dict":  # torch's own checks still run, and name the param
+        bad = dict(sd, **{"blocks.1.up.bias": torch.zeros(3)})
+        with pytest.raises(RuntimeError, match="size mismatch for blocks.1.up.bias"):
+            model.load_state_dict(bad)
+        assert all(isinstance(p, nn.Parameter) for p in model.parameters())
+
+
+def test_load_state_dict_regathers_a_unit_that_was_gathered() -> None:
+    model, opt = _build(1, 0, None)
+    sd = _given(6)
+    with opt.gathered_params():
+        model.load_state_dict(sd)
+        assert torch.equal(model.blocks[0].up.weight, sd["blocks.0.up.weight"])
+    assert opt.zero3 is not None and all(s.name == "FREE" for s in opt.zero3.state)
+
+
+def test_emulate_with_the_model_s_own_init() -> None:
+    # bench/bench_shard_init.py's 70B at W=1024, in miniature: the same bytes as the plan.
+    e = emulate("tiny", world_size=64, rank=63, init="model")
+    assert e.materialized and e.equals_plan
+    with pytest.raises(ValueError, match="init must be 'zeros' or 'model', got 'ones'"):
+        emulate("tiny", world_size=64, rank=63, init="ones")  # type: ignore[arg-type]
+
+
+def _gloo_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(100 + rank)  # each rank its own seed: rank 0's keys every rank's stream
+    model = _meta_net()
+    opt = ZeroAdamW(model.parameters(), stage=3, module=model, device="cpu",
+                    sharding=Sharding(bucket_numel=world * ALIGN))
+    with opt.gathered_params():
+        return {n: p.detach().reshape(-1).clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow  # spawns ranks
+def test_two_gloo_ranks_with_their_own_seeds_build_the_w_1_model() -> None:
+    from fusedzero.testing import run_ranks
+    torch.manual_seed(100)
+    ref = _full(None)
+    for rank, got in enumerate(run_ranks(_gloo_rank, 2)):
+        for n, v in ref.items():
+            assert torch.equal(got[n], v), (rank, n)
+
+
+def test_import_weights_at_stage_3_from_safetensors_files(tmp_path) -> None:
+    import safetensors.torch
+    sd = {k: v.contiguous() for k, v in _given(9).items() if k != "head.weight"}  # tied
+    safetensors.torch.save_file(sd, tmp_path / "model.safetensors")
+    ref = {k: v.reshape(-1) for k, v in sd.items()}
+    for r in (0, 3):
+        _, opt = _build(8, r, None, torch.bfloat16)
+        with fake_group(r, 8):
+            import_weights(opt, tmp_path)  # each rank reads the rows covering its runs
+        _assert_shard_is(opt, ref, f"safetensors, W=8 rank {r}", master_is_cast=False)

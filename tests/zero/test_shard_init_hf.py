@@ -1,0 +1,66 @@
+"""A transformers model from the meta device, initialised by its own `_init_weights` at stage 3
+on each rank's elements only (fusedzero/shard_init.py): the same values at W = 1 and on each of
+4 emulated ranks, with the config's distributions."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusedzero.emulate import fake_group
+from fusedzero.layout import ALIGN
+from fusedzero import Sharding, ZeroAdamW
+
+transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra")
+pytestmark = pytest.mark.slow  # importing transformers takes seconds
+
+CONFIGS = {
+    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)),
+}
+
+
+def _shards(kind: str, W: int, rank: int) -> tuple[dict[str, torch.Tensor], list]:
+    """(full values at W=1, or {}), and this rank's (name, start, values) runs."""
+    with torch.device("meta"):
+        model = CONFIGS[kind]()
+    kw = dict(stage=3, module=model, device="cpu",
+              sharding=Sharding(bucket_numel=W * ALIGN,
+                                param_init_fn=lambda name, m: model._init_weights(m)))
+    torch.manual_seed(3)
+    if W == 1:
+        opt = ZeroAdamW(model.parameters(), **kw)
+    else:
+        with fake_group(rank, W):
+            opt = ZeroAdamW(model.parameters(), **kw)
+    runs = []
+    for buf in opt.flat_groups:
+        for seg in buf.layout.segments(buf.shard_rank):
+            name = next(s.name for s in buf.layout.params if s.index == seg.param)
+            runs.append((name, seg.start, buf.param_shard[seg.local:seg.local + seg.length]))
+    full = {}
+    if W == 1:
+        with opt.gathered_params():
+            full = {n: p.detach().reshape(-1).clone() for n, p in model.named_parameters()}
+    return full, runs
+
+
+@pytest.mark.parametrize("kind", sorted(CONFIGS))
+def test_hf_init_weights_on_local_shards_is_the_same_at_w_1_and_4(kind: str) -> None:
+    full, _ = _shards(kind, 1, 0)
+    std = 0.02  # both configs' initializer_range
+    for name, v in full.items():
+        if name.endswith(("norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
+            assert torch.equal(v, torch.ones_like(v)), name
+        elif name.endswith("bias"):
+            assert torch.equal(v, torch.zeros_like(v)), name
+        elif v.numel() >= 1024 and "c_proj" not in name:  # GPT-2 scales c_proj down
+            assert abs(v.std().item() - std) < 0.15 * std, name
+    held = 0
+    for r in range(4):
+        for name, start, got in _shards(kind, 4, r)[1]:
+            assert torch.equal(got, full[name][start:start + got.numel()]), (kind, r, name)
+            held += got.numel()
+    assert held == sum(v.numel() for v in full.values())
