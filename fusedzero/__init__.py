@@ -9,18 +9,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["Groups", "MemoryReport", "Precision", "Sharding", "ShardInit", "Stage", "Wire",
-           "ZeroAdamW", "__version__"]
+__all__ = ["FullUnitInit", "Groups", "MemoryReport", "Precision", "Sharding", "ShardInit",
+           "Stage", "Wire", "ZeroAdamW", "__version__"]
 
 if TYPE_CHECKING:
     from fusedzero.optim import MemoryReport, Stage, ZeroAdamW
     from fusedzero.policy import Groups, Precision, Sharding, Wire
-    from fusedzero.units import ShardInit
+    from fusedzero.units import FullUnitInit, ShardInit
 
 # Public name -> the module that defines it, imported on first use.
 _HOMES = {"MemoryReport": "optim", "Stage": "optim", "ZeroAdamW": "optim",
           "Groups": "policy", "Precision": "policy", "Sharding": "policy", "Wire": "policy",
-          "ShardInit": "units"}
+          "ShardInit": "units", "FullUnitInit": "units"}
 
 
 def __getattr__(name: str) -> Any:

@@ -194,7 +194,8 @@ class LocalParam(torch.Tensor):
 def _unsupported(func: torch._ops.OpOverload, what: str) -> NotImplementedError:
     return NotImplementedError(
         f"{func} {what} on a stage-3 param initialised on this rank's elements only; pass "
-        "sharding=Sharding(param_init_fn=fusedzero.units.FullUnitInit(fn)) to build each unit in full instead")
+        "sharding=Sharding(param_init_fn=fusedzero.FullUnitInit(fn)) to build each unit in full "
+        "instead")
 
 
 def _dispatch(func: torch._ops.OpOverload, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -427,7 +428,8 @@ def _swap_out(swapped: list[_Swap]) -> None:
         raise RuntimeError(
             f"the init assigned new tensors to {replaced[:4]} instead of writing into them: "
             "at stage 3 on the meta device a param is written in place (w.copy_(t), "
-            "nn.init.*_); or pass sharding=Sharding(param_init_fn=fusedzero.units.FullUnitInit(fn))")
+            "nn.init.*_); or pass "
+            "sharding=Sharding(param_init_fn=fusedzero.FullUnitInit(fn))")
 
 
 def applies(buffers: list[FlatBuffer]) -> bool:
