@@ -1,0 +1,138 @@
+"""fusedzero.integrations.lightning.ZeroStrategy against strategy="ddp" on 2 gloo ranks, stages
+0-3, in one launch of the ranks: a LightningModule (a tiny Llama) whose configure_optimizers
+returns torch.optim.AdamW with two param groups and a per-step lr schedule, trained with
+gradient clipping and accumulate_grad_batches=2. Every micro-batch's loss, the full params from
+`lightning_module_state_dict()` (during fit) and the module after fit equal DDP's within fp32
+noise; a fit resumed from a ModelCheckpoint folder (at another stage) ends where DDP's resumed
+fit ends. Skipped without the 'lightning' extra."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fusedzero.testing import run_ranks
+
+pytestmark = pytest.mark.slow  # spawns ranks
+
+L = pytest.importorskip("lightning.pytorch", reason="needs the 'lightning' extra: "
+                        "pip install 'fusedzero[lightning]'")
+transformers = pytest.importorskip("transformers", reason="the module is a transformers Llama: "
+                                   "pip install 'fusedzero[hf]'")
+
+W, SEQ, VOCAB, N_SEQS = 2, 16, 64, 16  # an epoch: 16 / (2 ranks x 2 seqs x 2 micro) = 2 steps
+EPOCHS, LR = 2, 3e-3
+CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
+              tie_word_embeddings=False)
+# As tests/integrations/test_hf_trainer.py: fp32 on both sides, summation order apart.
+RTOL, ATOL = 1e-5, 1e-3 * LR
+STAGES = (0, 1, 2, 3)
+
+
+class Llama(L.LightningModule):
+    """A user's module as written for DDP: nothing in it knows of fusedzero."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+        self.losses: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.net(input_ids=batch, labels=batch).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
+        no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                 {"params": no_decay, "weight_decay": 0.0, "lr": LR / 2}],
+                                lr=LR, betas=(0.9, 0.95), eps=1e-8)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self) -> Any:
+        g = torch.Generator().manual_seed(7)
+        data = torch.randint(0, VOCAB, (N_SEQS, SEQ), generator=g)
+        return torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
+
+
+class FullParams(L.Callback):
+    """`lightning_module_state_dict()` at the end of the last epoch, while the optimizer is live."""
+
+    def __init__(self) -> None:
+        self.sd: dict[str, torch.Tensor] = {}
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.current_epoch == EPOCHS - 1:
+            sd = trainer.strategy.lightning_module_state_dict()
+            self.sd = {k: v.detach().clone() for k, v in sd.items()}
+
+
+def fit(root: str, strategy: Any, epochs: int = EPOCHS, ckpt_path: str | None = None,
+        save: bool = False) -> tuple[Llama, FullParams]:
+    module, full = Llama(), FullParams()
+    callbacks: list[Any] = [full]
+    if save:
+        callbacks.append(L.callbacks.ModelCheckpoint(dirpath=f"{root}/ckpts", save_top_k=-1,
+                                                     every_n_epochs=1))
+    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=W, max_epochs=epochs,
+                        accumulate_grad_batches=2, gradient_clip_val=0.5, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=save, callbacks=callbacks, default_root_dir=root,
+                        num_sanity_val_steps=0)
+    trainer.fit(module, ckpt_path=ckpt_path)
+    return module, full
+
+
+def params(module: Llama) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    from fusedzero.integrations.lightning import ZeroStrategy
+
+    out: dict[str, Any] = {}
+    ddp, full = fit(f"{root}/ddp", L.strategies.DDPStrategy(process_group_backend="gloo"),
+                    save=True)
+    out["ddp"] = (ddp.losses, params(ddp), full.sd)
+    ckpt = next(Path(f"{root}/ddp/ckpts").glob("epoch=0-*.ckpt"))
+    resumed, _ = fit(f"{root}/ddp_r", L.strategies.DDPStrategy(process_group_backend="gloo"),
+                     ckpt_path=str(ckpt))
+    out["ddp_resumed"] = (resumed.losses, params(resumed))
+    for stage in STAGES:
+        module, full = fit(f"{root}/s{stage}", ZeroStrategy(stage=stage), save=stage == 2)
+        out[f"s{stage}"] = (module.losses, params(module), full.sd)
+    ckpt = next(Path(f"{root}/s2/ckpts").glob("epoch=0-*.ckpt"))
+    assert ckpt.is_dir(), ckpt
+    resumed, _ = fit(f"{root}/s3_r", ZeroStrategy(stage=3), ckpt_path=str(ckpt))
+    out["resumed"] = (resumed.losses, params(resumed))
+    return out
+
+
+def test_zero_strategy_matches_ddp(tmp_path: Path) -> None:
+    got = run_ranks(two_ranks, W, str(tmp_path), timeout=600)[0]
+    ref_losses, ref_params, ref_full = got["ddp"]
+    assert len(ref_losses) == 2 * 2 * EPOCHS  # micro-batches
+
+    def close(have: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
+        assert have.keys() == want.keys(), what
+        for k in want:
+            torch.testing.assert_close(have[k], want[k], rtol=RTOL, atol=ATOL,
+                                       msg=lambda m: f"{what} {k}: {m}")
+
+    for stage in STAGES:
+        losses, p, full = got[f"s{stage}"]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL,
+                                   atol=0, msg=lambda m: f"stage {stage} losses vs DDP: {m}")
+        close(full, ref_full, f"stage {stage} lightning_module_state_dict()")
+        close(p, ref_params, f"stage {stage} after fit")
+    r_losses, r_params = got["resumed"]
+    d_losses, d_params = got["ddp_resumed"]
+    torch.testing.assert_close(torch.tensor(r_losses), torch.tensor(d_losses), rtol=RTOL, atol=0,
+                               msg=lambda m: f"resumed losses vs DDP's resumed: {m}")
+    close(r_params, d_params, "resumed fit vs DDP's resumed fit")
