@@ -2,7 +2,8 @@
 AdamW, the same TrainingArguments) on 2 gloo ranks, stages 0-3, in one launch of the ranks:
 every logged loss and grad_norm, the saved weights (`save_model` -> `from_pretrained`), the
 sharded checkpoint in each checkpoint-N/ with save_total_limit, and a resumed run (at 2 ranks
-and at 1) that ends where the uninterrupted run ends. Skipped without the 'hf' extra."""
+and at 1) that ends where the uninterrupted run ends; and docs/integrations.md's Trainer
+example, as written, on the same ranks. Skipped without the 'hf' extra."""
 from __future__ import annotations
 
 import os
@@ -20,25 +21,16 @@ transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra:
                                    "pip install 'fusedzero[hf]'")
 pytest.importorskip("accelerate", reason="the Trainer needs accelerate: pip install 'fusedzero[hf]'")
 
-W, SEQ, VOCAB, N_SEQS = 2, 16, 64, 64
-STEPS, LR = 6, 3e-3
-CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
-              tie_word_embeddings=False)
-# fp32 on both sides: the ranks' grads differ from DDP's only in summation order (~1e-7
-# relative); Adam's 1/sqrt(v) can amplify that to ~lr * 1e-6 in elements with tiny grads, so
-# the weights are held to 1e-3 of lr (tests/zero/test_zero.py's bound), the logged losses and
-# norms (sums over many elements) to 1e-5 relative.
-RTOL, ATOL = 1e-5, 1e-3 * LR
-STAGES = (0, 1, 2, 3)
+from _tiny import ATOL, LR, RTOL, STAGES, W, run_doc_block, tiny_llama, tokens  # noqa: E402
+
+N_SEQS, STEPS = 64, 6
 
 
 class Tokens(torch.utils.data.Dataset):
     """N_SEQS random sequences, the same on every rank (the Trainer shards them per rank)."""
 
     def __init__(self) -> None:
-        g = torch.Generator().manual_seed(7)
-        self.x = torch.randint(0, VOCAB, (N_SEQS, SEQ), generator=g)
+        self.x = tokens(N_SEQS)
 
     def __len__(self) -> int:
         return N_SEQS
@@ -48,8 +40,7 @@ class Tokens(torch.utils.data.Dataset):
 
 
 def make_model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+    return tiny_llama()
 
 
 def training_args(out: str, **over: Any) -> Any:
@@ -101,6 +92,9 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     t.train(resume_from_checkpoint=f"{root}/s2/checkpoint-4")
     out["resumed"] = logged(t)
     t.save_model(f"{root}/resumed/final")
+    # docs/integrations.md's example, as written (torchrun's 2 ranks are these)
+    out["doc"] = logged(run_doc_block("tests/integrations/test_hf_trainer.py", f"{root}/doc")
+                        ["trainer"])
     return out
 
 
@@ -114,6 +108,10 @@ def one_rank(rank: int, world: int, root: str) -> list[tuple[int, float, float]]
     t.train(resume_from_checkpoint=f"{root}/s3/checkpoint-4")
     t.save_model(f"{root}/w1/final")
     return logged(t)
+
+
+def ref_keys(tmp_path: Path) -> set[str]:
+    return set(weights(str(tmp_path / "ddp" / "final")))
 
 
 def test_zero_trainer_matches_ddp_trainer(tmp_path: Path) -> None:
@@ -135,6 +133,8 @@ def test_zero_trainer_matches_ddp_trainer(tmp_path: Path) -> None:
         assert got[f"s{stage}_zero"] == ["checkpoint-4", "checkpoint-6"], stage
     close(got["resumed"][-2:], ref[-2:], "stage 2 resumed at stage 3")
     close(w1[-2:], ref[-2:], "stage 3 at 2 ranks resumed at stage 1 on 1 rank")
+    assert [s for s, _, _ in got["doc"]] == [1, 2, 3, 4]
+    assert weights(str(tmp_path / "doc" / "hf_out" / "final")).keys() == ref_keys(tmp_path)
     want = weights(str(tmp_path / "ddp" / "final"))
     for run in [f"s{stage}" for stage in STAGES] + ["resumed", "w1"]:
         have = weights(str(tmp_path / run / "final"))

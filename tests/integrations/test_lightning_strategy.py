@@ -22,14 +22,9 @@ L = pytest.importorskip("lightning.pytorch", reason="needs the 'lightning' extra
 transformers = pytest.importorskip("transformers", reason="the module is a transformers Llama: "
                                    "pip install 'fusedzero[hf]'")
 
-W, SEQ, VOCAB, N_SEQS = 2, 16, 64, 16  # an epoch: 16 / (2 ranks x 2 seqs x 2 micro) = 2 steps
-EPOCHS, LR = 2, 3e-3
-CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-              num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
-              tie_word_embeddings=False)
-# As tests/integrations/test_hf_trainer.py: fp32 on both sides, summation order apart.
-RTOL, ATOL = 1e-5, 1e-3 * LR
-STAGES = (0, 1, 2, 3)
+from _tiny import ATOL, LR, RTOL, STAGES, W, run_doc_block, tiny_llama, tokens  # noqa: E402
+
+N_SEQS, EPOCHS = 16, 2  # an epoch: 16 / (2 ranks x 2 seqs x 2 micro-batches) = 2 steps
 
 
 class Llama(L.LightningModule):
@@ -37,8 +32,7 @@ class Llama(L.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.net = transformers.LlamaForCausalLM(transformers.LlamaConfig(**CONFIG))
+        self.net = tiny_llama()
         self.losses: list[float] = []
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
@@ -56,9 +50,7 @@ class Llama(L.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self) -> Any:
-        g = torch.Generator().manual_seed(7)
-        data = torch.randint(0, VOCAB, (N_SEQS, SEQ), generator=g)
-        return torch.utils.data.DataLoader(data, batch_size=2, shuffle=True)
+        return torch.utils.data.DataLoader(tokens(N_SEQS), batch_size=2, shuffle=True)
 
 
 class FullParams(L.Callback):
@@ -111,6 +103,10 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     assert ckpt.is_dir(), ckpt
     resumed, _ = fit(f"{root}/s3_r", ZeroStrategy(stage=3), ckpt_path=str(ckpt))
     out["resumed"] = (resumed.losses, params(resumed))
+    # docs/integrations.md's example, as written (Lightning's launcher finds these 2 ranks)
+    ns = run_doc_block("tests/integrations/test_lightning_strategy.py", f"{root}/doc")
+    out["doc"] = ns["trainer"].global_step
+    out["doc_ckpts"] = sorted(p.name for p in Path(f"{root}/doc/pl_out").glob("**/lightning.pt"))
     return out
 
 
@@ -136,3 +132,4 @@ def test_zero_strategy_matches_ddp(tmp_path: Path) -> None:
     torch.testing.assert_close(torch.tensor(r_losses), torch.tensor(d_losses), rtol=RTOL, atol=0,
                                msg=lambda m: f"resumed losses vs DDP's resumed: {m}")
     close(r_params, d_params, "resumed fit vs DDP's resumed fit")
+    assert got["doc"] == 4 and got["doc_ckpts"] == ["lightning.pt"], (got["doc"], got["doc_ckpts"])
