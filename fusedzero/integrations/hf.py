@@ -75,17 +75,20 @@ class ZeroTrainer(transformers.Trainer):
     stage (0-3); every other keyword ZeroAdamW takes is passed to it as given."""
 
     def __init__(self, *args: Any, stage: int = 1, **kwargs: Any) -> None:
-        trainer_params = inspect.signature(transformers.Trainer.__init__).parameters
-        zero_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k not in trainer_params}
+        signature = inspect.signature(transformers.Trainer.__init__)
+        zero_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k not in signature.parameters}
         check_zero_kwargs(zero_kwargs, _TAKEN, "ZeroTrainer")
         _refuse_optimizers(kwargs)
+        # Before the Trainer's own setup, which builds Accelerate's plugins from them.
+        training_args = signature.bind_partial(self, *args, **kwargs).arguments.get("args")
+        if training_args is not None:
+            _check_args(training_args)
         self.zero_stage = stage
         self.zero_kwargs = zero_kwargs
         self.zero_optimizer: ZeroAdamW | None = None
         super().__init__(*args, **kwargs)
         if self.optimizer is not None:  # a ZeroAdamW the user built (checked above)
             self.zero_optimizer = self.optimizer
-        _check_args(self.args)
 
     # -- the model and optimizer as Accelerate prepares them ---------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -201,11 +204,11 @@ def _check_args(args: Any) -> None:
                          f"ZeroTrainer for sharded params")
     if args.fp16:
         raise ValueError("ZeroTrainer got TrainingArguments(fp16=True): the Trainer's grad scaler "
-                         "reads .grad, which ZeroAdamW keeps in its buffers; use bf16=True, or "
-                         "ZeroTrainer(loss_scale='dynamic', param_dtype=torch.float16)")
-    if "adamw" not in str(args.optim).lower():
-        raise ValueError(f"ZeroTrainer got TrainingArguments(optim={str(args.optim)!r}): it "
-                         f"trains with ZeroAdamW; leave optim= at an AdamW (the default)")
+                         "reads .grad, which ZeroAdamW keeps in its buffers; use bf16=True")
+    optim = str(getattr(args.optim, "value", args.optim))
+    if "adamw" not in optim.lower():
+        raise ValueError(f"ZeroTrainer got TrainingArguments(optim={optim!r}): it trains with "
+                         f"ZeroAdamW; leave optim= at an AdamW (the default)")
     if args.n_gpu > 1:
         raise ValueError(f"ZeroTrainer sees {args.n_gpu} GPUs in one process (the Trainer would "
                          f"use nn.DataParallel): launch one process per GPU with torchrun")

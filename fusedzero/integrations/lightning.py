@@ -7,10 +7,11 @@
 The LightningModule is unchanged. Its `configure_optimizers` returns a plain
 `torch.optim.AdamW` (param groups, hyper-parameters, lr schedulers as usual); the strategy builds
 ZeroAdamW with the same groups and settings in its place ([Note: the optimizer swap]).
-`gradient_clip_val` becomes ZeroAdamW's `max_grad_norm` (algorithm "norm"), `accumulate_grad_batches`
-works as under DDP (Lightning divides the loss; ZeroAdamW sums micro-batches and averages ranks),
-and the model is never wrapped in DDP. Checkpoints are folders in our sharded format
-(`fusedzero.checkpoint`) plus `lightning.pt` (loops, callbacks, schedulers, buffers):
+`gradient_clip_val` becomes ZeroAdamW's `max_grad_norm` (algorithm "norm"),
+`accumulate_grad_batches` works as under DDP (Lightning divides the loss; ZeroAdamW sums
+micro-batches and averages ranks), and the model is never wrapped in DDP. Checkpoints are
+folders in our sharded format (`fusedzero.checkpoint`) plus `lightning.pt` (loops, callbacks,
+schedulers, buffers):
 `trainer.save_checkpoint(path)`, `ModelCheckpoint` and `fit(ckpt_path=path)` use them at any
 world size and stage. `trainer.strategy.lightning_module_state_dict()` gives the full params at
 every stage (a collective, as Lightning's FSDP strategy with full state dicts); after `fit` the
@@ -18,13 +19,15 @@ optimizer is closed and the module holds its full, trained params.
 
 Constructor: `ZeroStrategy(stage=1, **kwargs)`: DDPStrategy's own arguments (accelerator,
 cluster_environment, process_group_backend, timeout, ...) and any ZeroAdamW keyword (unit_policy,
-param_dtype, ...). Refused in one line: an optimizer other than AdamW/ZeroAdamW (or more than
-one), `amsgrad=True`, `gradient_clip_algorithm="value"`, manual optimization, a precision other
-than "32-true" (ZeroAdamW's `param_dtype=torch.bfloat16` is the bf16 path).
+param_dtype, ...); DDP's own keywords are refused (no DDP is built). Refused in one line too: an
+optimizer other than AdamW/ZeroAdamW (Lightning itself refuses several under automatic
+optimization), `amsgrad=True`, `gradient_clip_algorithm="value"`, manual optimization, a
+precision other than "32-true" (ZeroAdamW's `param_dtype=torch.bfloat16` is the bf16 path).
 """
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -32,8 +35,7 @@ from typing import Any
 import torch
 
 from fusedzero import checkpoint
-from fusedzero.integrations._common import (check_zero_kwargs, full_state_dict,
-                                            import_framework, zero_keywords)
+from fusedzero.integrations._common import check_zero_kwargs, full_state_dict, import_framework
 from fusedzero.optim import ZeroAdamW
 
 L = import_framework("lightning.pytorch", "lightning", "fusedzero.integrations.lightning")
@@ -70,7 +72,9 @@ class ZeroStrategy(DDPStrategy):
     strategy_name = "fusedzero"
 
     def __init__(self, stage: int = 1, **kwargs: Any) -> None:
-        zero_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in zero_keywords()}
+        own = inspect.signature(DDPStrategy.__init__).parameters
+        zero_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
+        # (DDPStrategy passes unknown keywords on to DDP, which ZeroStrategy never builds.)
         check_zero_kwargs(zero_kwargs, _TAKEN, "ZeroStrategy")
         super().__init__(**kwargs)
         self.zero_stage = stage
@@ -102,9 +106,6 @@ class ZeroStrategy(DDPStrategy):
         if not lm.automatic_optimization:
             raise ValueError("ZeroStrategy needs automatic optimization (ZeroAdamW's step runs "
                              "where Lightning's does); manual optimization is not supported")
-        if len(self.optimizers) != 1:
-            raise ValueError(f"ZeroStrategy trains with one optimizer; configure_optimizers "
-                             f"returned {len(self.optimizers)}")
         old = self.optimizers[0]
         self.zero_optimizer = old if isinstance(old, ZeroAdamW) else self._to_zero(old)
         self.optimizers = [self.zero_optimizer]

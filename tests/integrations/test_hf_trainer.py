@@ -19,7 +19,8 @@ pytestmark = pytest.mark.slow  # spawns ranks
 
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra: "
                                    "pip install 'fusedzero[hf]'")
-pytest.importorskip("accelerate", reason="the Trainer needs accelerate: pip install 'fusedzero[hf]'")
+pytest.importorskip("accelerate", reason="the Trainer needs accelerate: "
+                    "pip install 'fusedzero[hf]'")
 
 from _tiny import ATOL, LR, RTOL, STAGES, W, run_doc_block, tiny_llama, tokens  # noqa: E402
 
@@ -85,7 +86,8 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
         assert t.model_wrapped is t.model, type(t.model_wrapped)  # no DDP around it
         out[f"s{stage}"] = logged(t)
         out[f"s{stage}_ckpts"] = sorted(p.name for p in Path(d).glob("checkpoint-*"))
-        out[f"s{stage}_zero"] = sorted(p.parent.name for p in Path(d).glob(f"checkpoint-*/{ZERO_DIR}"))
+        out[f"s{stage}_zero"] = sorted(p.parent.name
+                                       for p in Path(d).glob(f"checkpoint-*/{ZERO_DIR}"))
         t.save_model(f"{d}/final")
     t = ZeroTrainer(model=make_model(), args=training_args(f"{root}/resumed"),
                     train_dataset=Tokens(), stage=3)
@@ -142,3 +144,41 @@ def test_zero_trainer_matches_ddp_trainer(tmp_path: Path) -> None:
         for k in want:
             torch.testing.assert_close(have[k], want[k], rtol=RTOL, atol=ATOL,
                                        msg=lambda m: f"{run} {k}: {m}")
+
+
+def refusals(rank: int, world: int, root: str) -> dict[str, str]:
+    """What each bad combination raises: type and message."""
+    from fusedzero.integrations.hf import ZeroTrainer
+
+    def error(**kw: Any) -> str:
+        try:
+            ZeroTrainer(model=make_model(), train_dataset=Tokens(), stage=2, **kw)
+        except (TypeError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    deepspeed = training_args(root)
+    deepspeed.deepspeed = {"zero_optimization": {"stage": 2}}  # (building it needs deepspeed)
+    sgd = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    return {"fsdp": error(args=training_args(root, fsdp="full_shard")),
+            "deepspeed": error(args=deepspeed),
+            "fp16": error(args=training_args(root, fp16=True)),
+            "optim": error(args=training_args(root, optim="sgd")),
+            "optimizers": error(args=training_args(root), optimizers=(sgd, None)),
+            "lr": error(args=training_args(root), lr=1e-3),
+            "unknown": error(args=training_args(root), bucket_size=10)}
+
+
+def test_bad_combinations_are_one_line(tmp_path: Path) -> None:
+    """Each refused in one line that names it and says what to do (one rank: the ranks of the
+    test above are reused)."""
+    got = run_ranks(refusals, 1, str(tmp_path))[0]
+    want = {"fsdp": "ValueError: ZeroTrainer got TrainingArguments(fsdp=",
+            "deepspeed": "ValueError: ZeroTrainer got TrainingArguments(deepspeed=",
+            "fp16": "ValueError: ZeroTrainer got TrainingArguments(fp16=True)",
+            "optim": "ValueError: ZeroTrainer got TrainingArguments(optim='sgd')",
+            "optimizers": "TypeError: ZeroTrainer got optimizers=(SGD, ...)",
+            "lr": "TypeError: ZeroTrainer got lr=: it comes from TrainingArguments(learning_rate",
+            "unknown": "TypeError: ZeroTrainer got an unexpected keyword bucket_size="}
+    for k, start in want.items():
+        assert got[k].startswith(start) and "\n" not in got[k], (k, got[k])

@@ -133,3 +133,64 @@ def test_zero_strategy_matches_ddp(tmp_path: Path) -> None:
                                msg=lambda m: f"resumed losses vs DDP's resumed: {m}")
     close(r_params, d_params, "resumed fit vs DDP's resumed fit")
     assert got["doc"] == 4 and got["doc_ckpts"] == ["lightning.pt"], (got["doc"], got["doc_ckpts"])
+
+
+class Refused(Llama):
+    """The module with one thing ZeroStrategy refuses, chosen by `what`."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__()
+        self.what = what
+        self.automatic_optimization = what != "manual"
+
+    def configure_optimizers(self) -> Any:
+        if self.what == "sgd":
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+        if self.what == "amsgrad":
+            return torch.optim.AdamW(self.parameters(), amsgrad=True)
+        return torch.optim.AdamW(self.parameters())
+
+
+def refusals(rank: int, world: int, root: str) -> dict[str, str]:
+    from fusedzero.integrations.lightning import ZeroStrategy
+
+    def error(what: str = "", **trainer_kw: Any) -> str:
+        try:
+            trainer = L.Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=W,
+                                max_steps=1, logger=False, enable_progress_bar=False,
+                                enable_model_summary=False, enable_checkpointing=False,
+                                default_root_dir=root, **trainer_kw)
+            trainer.fit(Refused(what))
+        except (TypeError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    def constructor(**kw: Any) -> str:
+        try:
+            ZeroStrategy(**kw)
+        except TypeError as e:
+            return f"TypeError: {e}"
+        return "no error"
+
+    return {"sgd": error("sgd"), "amsgrad": error("amsgrad"),
+            "manual": error("manual"), "value": error(gradient_clip_val=1.0,
+                                                      gradient_clip_algorithm="value"),
+            "precision": error(precision="bf16-mixed"), "lr": constructor(lr=1e-3),
+            "ddp_kwarg": constructor(find_unused_parameters=True)}
+
+
+def test_bad_combinations_are_one_line(tmp_path: Path) -> None:
+    """Each refused in one line that names it and says what to do (the ranks of the test above
+    are reused)."""
+    got = run_ranks(refusals, W, str(tmp_path))[0]
+    want = {"sgd": "TypeError: ZeroStrategy turns a torch.optim.AdamW from configure_optimizers "
+                   "into ZeroAdamW; got torch.optim.sgd.SGD",
+            "amsgrad": "ValueError: ZeroStrategy: AdamW(amsgrad=True)",
+            "manual": "ValueError: ZeroStrategy needs automatic optimization",
+            "value": "ValueError: ZeroStrategy clips by norm only",
+            "precision": "ValueError: ZeroStrategy runs precision='32-true'",
+            "lr": "TypeError: ZeroStrategy got lr=: it comes from configure_optimizers",
+            "ddp_kwarg": "TypeError: ZeroStrategy got an unexpected keyword "
+                         "find_unused_parameters="}
+    for k, start in want.items():
+        assert got[k].startswith(start) and "\n" not in got[k], (k, got[k])
