@@ -46,20 +46,24 @@ def make_model() -> torch.nn.Module:
 
 def training_args(out: str, **over: Any) -> Any:
     """2 ranks x 2 sequences x 2 micro-batches a step, clipping active (the norms are ~0.8),
-    warmup then cosine, a checkpoint every 2 steps of which the last 2 are kept."""
+    warmup then cosine, a checkpoint every 2 steps of which the last 2 are kept, an evaluation
+    every 3 (a forward under no_grad: stage 3 gathers and frees its units without a backward)."""
     kw = dict(output_dir=out, per_device_train_batch_size=2, gradient_accumulation_steps=2,
               max_steps=STEPS, learning_rate=LR, weight_decay=0.1, adam_beta2=0.95,
               max_grad_norm=0.5, lr_scheduler_type="cosine", warmup_steps=1, logging_steps=1,
-              save_steps=2, save_total_limit=2, report_to=[], use_cpu=True, seed=0,
+              save_steps=2, save_total_limit=2, eval_strategy="steps", eval_steps=3,
+              report_to=[], use_cpu=True, seed=0,
               disable_tqdm=True, dataloader_num_workers=0, optim="adamw_torch")
     kw.update(over)
     return transformers.TrainingArguments(**kw)
 
 
 def logged(trainer: Any) -> list[tuple[int, float, float]]:
-    """(step, loss, grad_norm) of every logged step."""
-    return [(h["step"], h["loss"], h["grad_norm"]) for h in trainer.state.log_history
-            if "loss" in h]
+    """(step, loss, grad_norm) of every logged step, then (step, eval_loss, 0) of every
+    evaluation."""
+    history = trainer.state.log_history
+    return ([(h["step"], h["loss"], h["grad_norm"]) for h in history if "loss" in h] +
+            [(h["step"], h["eval_loss"], 0.0) for h in history if "eval_loss" in h])
 
 
 def weights(path: str) -> dict[str, torch.Tensor]:
@@ -74,14 +78,14 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     ref = transformers.Trainer(model=make_model(), args=training_args(f"{root}/ddp"),
-                               train_dataset=Tokens())
+                               train_dataset=Tokens(), eval_dataset=Tokens())
     ref.train()
     out["ddp"] = logged(ref)
     ref.save_model(f"{root}/ddp/final")
     for stage in STAGES:
         d = f"{root}/s{stage}"
         t = ZeroTrainer(model=make_model(), args=training_args(d), train_dataset=Tokens(),
-                        stage=stage)
+                        eval_dataset=Tokens(), stage=stage)
         t.train()
         assert t.model_wrapped is t.model, type(t.model_wrapped)  # no DDP around it
         out[f"s{stage}"] = logged(t)
@@ -90,7 +94,7 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
                                        for p in Path(d).glob(f"checkpoint-*/{ZERO_DIR}"))
         t.save_model(f"{d}/final")
     t = ZeroTrainer(model=make_model(), args=training_args(f"{root}/resumed"),
-                    train_dataset=Tokens(), stage=3)
+                    train_dataset=Tokens(), eval_dataset=Tokens(), stage=3)
     t.train(resume_from_checkpoint=f"{root}/s2/checkpoint-4")
     out["resumed"] = logged(t)
     t.save_model(f"{root}/resumed/final")
@@ -105,7 +109,7 @@ def one_rank(rank: int, world: int, root: str) -> list[tuple[int, float, float]]
     micro-batch, so every step sees the samples the 2 ranks saw together."""
     from fusedzero.integrations.hf import ZeroTrainer
 
-    t = ZeroTrainer(model=make_model(), stage=1, train_dataset=Tokens(),
+    t = ZeroTrainer(model=make_model(), stage=1, train_dataset=Tokens(), eval_dataset=Tokens(),
                     args=training_args(f"{root}/w1", per_device_train_batch_size=4))
     t.train(resume_from_checkpoint=f"{root}/s3/checkpoint-4")
     t.save_model(f"{root}/w1/final")
@@ -120,21 +124,23 @@ def test_zero_trainer_matches_ddp_trainer(tmp_path: Path) -> None:
     got = run_ranks(two_ranks, W, str(tmp_path), timeout=600)[0]
     w1 = run_ranks(one_rank, 1, str(tmp_path), timeout=300)[0]
     ref = got["ddp"]
-    assert [s for s, _, _ in ref] == list(range(1, STEPS + 1))
+    assert [s for s, _, _ in ref] == list(range(1, STEPS + 1)) + [3, 6]  # steps, then evals
 
     def close(have: list[tuple[int, float, float]], want: list[tuple[int, float, float]],
               what: str) -> None:
         assert [s for s, _, _ in have] == [s for s, _, _ in want], what
         torch.testing.assert_close(torch.tensor(have), torch.tensor(want), rtol=RTOL, atol=0,
-                                   msg=lambda m: f"{what}: (step, loss, grad_norm) vs DDP: {m}")
+                                   msg=lambda m: f"{what}: (step, loss, grad_norm) and "
+                                                 f"(step, eval_loss, 0) vs DDP: {m}")
 
     for stage in STAGES:
         close(got[f"s{stage}"], ref, f"stage {stage}")
         # save_total_limit=2 removed checkpoint-2; each checkpoint holds our sharded one
         assert got[f"s{stage}_ckpts"] == ["checkpoint-4", "checkpoint-6"], stage
         assert got[f"s{stage}_zero"] == ["checkpoint-4", "checkpoint-6"], stage
-    close(got["resumed"][-2:], ref[-2:], "stage 2 resumed at stage 3")
-    close(w1[-2:], ref[-2:], "stage 3 at 2 ranks resumed at stage 1 on 1 rank")
+    # (a resumed run's history holds the checkpoint's, then its own steps 5-6 and eval at 6)
+    close(got["resumed"], ref, "stage 2 resumed at stage 3")
+    close(w1, ref, "stage 3 at 2 ranks resumed at stage 1 on 1 rank")
     assert [s for s, _, _ in got["doc"]] == [1, 2, 3, 4]
     assert weights(str(tmp_path / "doc" / "hf_out" / "final")).keys() == ref_keys(tmp_path)
     want = weights(str(tmp_path / "ddp" / "final"))

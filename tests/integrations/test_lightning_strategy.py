@@ -1,7 +1,8 @@
 """fusedzero.integrations.lightning.ZeroStrategy against strategy="ddp" on 2 gloo ranks, stages
 0-3, in one launch of the ranks: a LightningModule (a tiny Llama) whose configure_optimizers
 returns torch.optim.AdamW with two param groups and a per-step lr schedule, trained with
-gradient clipping and accumulate_grad_batches=2. Every micro-batch's loss, the full params from
+gradient clipping and accumulate_grad_batches=2, validated each epoch. Every micro-batch's and
+validation batch's loss, the full params from
 `lightning_module_state_dict()` (during fit) and the module after fit equal DDP's within fp32
 noise; a fit resumed from a ModelCheckpoint folder (at another stage) ends where DDP's resumed
 fit ends. Skipped without the 'lightning' extra."""
@@ -34,11 +35,16 @@ class Llama(L.LightningModule):
         super().__init__()
         self.net = tiny_llama()
         self.losses: list[float] = []
+        self.val_losses: list[float] = []
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         loss = self.net(input_ids=batch, labels=batch).loss
         self.losses.append(loss.item())
         return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        # (no grad: stage 3 gathers and frees its units without a backward)
+        self.val_losses.append(self.net(input_ids=batch, labels=batch).loss.item())
 
     def configure_optimizers(self) -> Any:
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
@@ -51,6 +57,9 @@ class Llama(L.LightningModule):
 
     def train_dataloader(self) -> Any:
         return torch.utils.data.DataLoader(tokens(N_SEQS), batch_size=2, shuffle=True)
+
+    def val_dataloader(self) -> Any:
+        return torch.utils.data.DataLoader(tokens(4), batch_size=2)
 
 
 class FullParams(L.Callback):
@@ -76,7 +85,7 @@ def fit(root: str, strategy: Any, epochs: int = EPOCHS, ckpt_path: str | None = 
                         accumulate_grad_batches=2, gradient_clip_val=0.5, logger=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         enable_checkpointing=save, callbacks=callbacks, default_root_dir=root,
-                        num_sanity_val_steps=0)
+                        num_sanity_val_steps=1)
     trainer.fit(module, ckpt_path=ckpt_path)
     return module, full
 
@@ -91,18 +100,18 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     ddp, full = fit(f"{root}/ddp", L.strategies.DDPStrategy(process_group_backend="gloo"),
                     save=True)
-    out["ddp"] = (ddp.losses, params(ddp), full.sd)
+    out["ddp"] = (ddp.losses + ddp.val_losses, params(ddp), full.sd)
     ckpt = next(Path(f"{root}/ddp/ckpts").glob("epoch=0-*.ckpt"))
     resumed, _ = fit(f"{root}/ddp_r", L.strategies.DDPStrategy(process_group_backend="gloo"),
                      ckpt_path=str(ckpt))
-    out["ddp_resumed"] = (resumed.losses, params(resumed))
+    out["ddp_resumed"] = (resumed.losses + resumed.val_losses, params(resumed))
     for stage in STAGES:
         module, full = fit(f"{root}/s{stage}", ZeroStrategy(stage=stage), save=stage == 2)
-        out[f"s{stage}"] = (module.losses, params(module), full.sd)
+        out[f"s{stage}"] = (module.losses + module.val_losses, params(module), full.sd)
     ckpt = next(Path(f"{root}/s2/ckpts").glob("epoch=0-*.ckpt"))
     assert ckpt.is_dir(), ckpt
     resumed, _ = fit(f"{root}/s3_r", ZeroStrategy(stage=3), ckpt_path=str(ckpt))
-    out["resumed"] = (resumed.losses, params(resumed))
+    out["resumed"] = (resumed.losses + resumed.val_losses, params(resumed))
     # docs/integrations.md's example, as written (Lightning's launcher finds these 2 ranks)
     ns = run_doc_block("tests/integrations/test_lightning_strategy.py", f"{root}/doc")
     out["doc"] = ns["trainer"].global_step
@@ -113,7 +122,8 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
 def test_zero_strategy_matches_ddp(tmp_path: Path) -> None:
     got = run_ranks(two_ranks, W, str(tmp_path), timeout=600)[0]
     ref_losses, ref_params, ref_full = got["ddp"]
-    assert len(ref_losses) == 2 * 2 * EPOCHS  # micro-batches
+    # micro-batches, then validation: the sanity check (1 batch) and 1 batch per rank an epoch
+    assert len(ref_losses) == 2 * 2 * EPOCHS + 1 + EPOCHS
 
     def close(have: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
         assert have.keys() == want.keys(), what
