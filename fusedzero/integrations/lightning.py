@@ -80,6 +80,7 @@ class ZeroStrategy(DDPStrategy):
         self.zero_stage = stage
         self.zero_kwargs = zero_kwargs
         self.zero_optimizer: ZeroAdamW | None = None
+        self._max_grad_norm: float | None = None  # Trainer(gradient_clip_val=...), at setup
 
     # -- setup --------------------------------------------------------------------------------
     def configure_ddp(self) -> None:
@@ -93,7 +94,7 @@ class ZeroStrategy(DDPStrategy):
         if trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError(f"ZeroStrategy clips by norm only (gradient_clip_algorithm="
                              f"{trainer.gradient_clip_algorithm!r}); use 'norm'")
-        self._clip = trainer.gradient_clip_val
+        self._max_grad_norm = trainer.gradient_clip_val or None
         super().setup(trainer)
         # Clipping happens in ZeroAdamW's step (max_grad_norm); Lightning's own clip would read
         # the placeholder grads.
@@ -123,11 +124,10 @@ class ZeroStrategy(DDPStrategy):
         groups = [{"params": g["params"], **{k: g[k] for k in _GROUP_KEYS if k in g}}
                   for g in opt.param_groups]
         d = opt.defaults
-        clip = self._clip if self._clip else None
         return ZeroAdamW(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
                          weight_decay=d["weight_decay"], maximize=d.get("maximize", False),
                          stage=self.zero_stage, module=self.lightning_module,
-                         max_grad_norm=clip, **self.zero_kwargs)
+                         max_grad_norm=self._max_grad_norm, **self.zero_kwargs)
 
     # -- steps: through the module's own __call__, so its forward hooks run -------------------
     # (stage 3 gathers the params outside units in the root module's forward pre-hook; the end

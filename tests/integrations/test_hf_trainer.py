@@ -6,7 +6,6 @@ and at 1) that ends where the uninterrupted run ends; and docs/integrations.md's
 example, as written, on the same ranks. Skipped without the 'hf' extra."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 

@@ -1,11 +1,12 @@
 """fusedzero.integrations.lightning.ZeroStrategy against strategy="ddp" on 2 gloo ranks, stages
 0-3, in one launch of the ranks: a LightningModule (a tiny Llama) whose configure_optimizers
 returns torch.optim.AdamW with two param groups and a per-step lr schedule, trained with
-gradient clipping and accumulate_grad_batches=2, validated each epoch. Every micro-batch's and
-validation batch's loss, the full params from
-`lightning_module_state_dict()` (during fit) and the module after fit equal DDP's within fp32
-noise; a fit resumed from a ModelCheckpoint folder (at another stage) ends where DDP's resumed
-fit ends. Skipped without the 'lightning' extra."""
+gradient clipping and accumulate_grad_batches=2, validated each epoch. Every training and
+validation loss, the full params from `lightning_module_state_dict()` (during fit) and the
+module after fit equal DDP's within fp32 noise; a fit resumed from a ModelCheckpoint folder (at
+another stage) ends where DDP's resumed fit ends; docs/integrations.md's Lightning example runs
+as written on the same ranks; bad combinations are refused in one line. Skipped without the
+'lightning' extra."""
 from __future__ import annotations
 
 from pathlib import Path
