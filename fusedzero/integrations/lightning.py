@@ -13,9 +13,10 @@ micro-batches and averages ranks), and the model is never wrapped in DDP. Checkp
 folders in our sharded format (`fusedzero.checkpoint`) plus `lightning.pt` (loops, callbacks,
 schedulers, buffers):
 `trainer.save_checkpoint(path)`, `ModelCheckpoint` and `fit(ckpt_path=path)` use them at any
-world size and stage. `trainer.strategy.lightning_module_state_dict()` gives the full params at
-every stage (a collective, as Lightning's FSDP strategy with full state dicts); after `fit` the
-optimizer is closed and the module holds its full, trained params.
+world size and stage (`validate`/`test`/`predict(ckpt_path=...)` read their full weights).
+`trainer.strategy.lightning_module_state_dict()` gives the full params at every stage (a
+collective, as Lightning's FSDP strategy with full state dicts); after `fit` the optimizer is
+closed and the module holds its full, trained params.
 
 Constructor: `ZeroStrategy(stage=1, **kwargs)`: DDPStrategy's own arguments (accelerator,
 cluster_environment, process_group_backend, timeout, ...) and any ZeroAdamW keyword (unit_policy,
@@ -29,9 +30,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+import safetensors.torch
 import torch
 
 from fusedzero import checkpoint
@@ -200,26 +203,29 @@ class ZeroStrategy(DDPStrategy):
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None
                         ) -> dict[str, Any]:
-        """Params, moments, step and hyper-parameters into ZeroAdamW (any world size and
-        stage); returns what Lightning restores itself (loops, callbacks, schedulers, buffers)."""
+        """Fitting: params, moments, step and hyper-parameters into ZeroAdamW (any world size and
+        stage); returns what Lightning restores itself (loops, callbacks, schedulers, buffers).
+        Validating, testing, predicting (no optimizer, the module whole): the full weights go
+        into the returned state dict, for Lightning to load."""
         path = os.fspath(checkpoint_path)
         meta_file = os.path.join(path, META_FILE)
         if not os.path.isfile(meta_file):
             raise FileNotFoundError(f"{path} is not a ZeroStrategy checkpoint (a folder with "
                                     f"{META_FILE}); pass one that trainer.save_checkpoint or "
                                     f"ModelCheckpoint wrote under ZeroStrategy")
+        meta = torch.load(meta_file, map_location="cpu", weights_only=bool(weights_only))
         opt = self._live_optimizer()
         if opt is None:
-            raise RuntimeError(f"ZeroStrategy loads {path} while fitting (fit(ckpt_path=...)); "
-                               f"for validate/test export the weights first: fusedzero ckpt "
-                               f"export {path} model.safetensors")
-        # Lightning leaves the RNG alone on resume (as DDP's resumed fit does).
-        checkpoint.load(opt, path, restore_rng=False)
-        return torch.load(meta_file, map_location="cpu", weights_only=bool(weights_only))
+            meta["state_dict"] = {**meta["state_dict"], **_full_weights(path)}
+        else:
+            # Lightning leaves the RNG alone on resume (as DDP's resumed fit does).
+            checkpoint.load(opt, path, restore_rng=False)
+        return meta
 
     def load_model_state_dict(self, checkpoint_dict: Any, strict: bool = True) -> None:
-        # The params came with load_checkpoint; this dict holds the buffers.
-        self.lightning_module.load_state_dict(checkpoint_dict["state_dict"], strict=False)
+        # Fitting: the params came with load_checkpoint and this dict holds the buffers.
+        self.lightning_module.load_state_dict(checkpoint_dict["state_dict"],
+                                              strict=strict and self._live_optimizer() is None)
 
     def load_optimizer_state_dict(self, checkpoint_dict: Any) -> None:
         pass  # load_checkpoint restored ZeroAdamW
@@ -234,6 +240,14 @@ class ZeroStrategy(DDPStrategy):
         if self.zero_optimizer is not None:
             self.zero_optimizer.close()
         super().teardown()
+
+
+def _full_weights(path: str) -> dict[str, torch.Tensor]:
+    """Every param of the sharded checkpoint at `path`, full, fp32 (read on this rank alone)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "model.safetensors")
+        checkpoint.export(path, out)
+        return safetensors.torch.load_file(out)
 
 
 def _clipped_in_step(*args: Any, **kwargs: Any) -> None:

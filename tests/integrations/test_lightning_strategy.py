@@ -91,6 +91,15 @@ def fit(root: str, strategy: Any, epochs: int = EPOCHS, ckpt_path: str | None = 
     return module, full
 
 
+def validate(root: str, strategy: Any, ckpt: Path) -> list[float]:
+    """`trainer.validate(ckpt_path=...)`: no optimizer, the weights from the checkpoint."""
+    module = Llama()
+    L.Trainer(strategy=strategy, accelerator="cpu", devices=W, logger=False,
+              enable_progress_bar=False, enable_model_summary=False,
+              default_root_dir=root).validate(module, ckpt_path=str(ckpt), verbose=False)
+    return module.val_losses
+
+
 def params(module: Llama) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in module.state_dict().items()}
 
@@ -106,6 +115,7 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     resumed, _ = fit(f"{root}/ddp_r", L.strategies.DDPStrategy(process_group_backend="gloo"),
                      ckpt_path=str(ckpt))
     out["ddp_resumed"] = (resumed.losses + resumed.val_losses, params(resumed))
+    out["ddp_validate"] = validate(f"{root}/ddp_v", L.strategies.DDPStrategy(), ckpt)
     for stage in STAGES:
         module, full = fit(f"{root}/s{stage}", ZeroStrategy(stage=stage), save=stage == 2)
         out[f"s{stage}"] = (module.losses + module.val_losses, params(module), full.sd)
@@ -113,6 +123,7 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     assert ckpt.is_dir(), ckpt
     resumed, _ = fit(f"{root}/s3_r", ZeroStrategy(stage=3), ckpt_path=str(ckpt))
     out["resumed"] = (resumed.losses + resumed.val_losses, params(resumed))
+    out["validate"] = validate(f"{root}/s1_v", ZeroStrategy(stage=1), ckpt)
     # docs/integrations.md's example, as written (Lightning's launcher finds these 2 ranks)
     ns = run_doc_block("tests/integrations/test_lightning_strategy.py", f"{root}/doc")
     out["doc"] = ns["trainer"].global_step
@@ -143,6 +154,9 @@ def test_zero_strategy_matches_ddp(tmp_path: Path) -> None:
     torch.testing.assert_close(torch.tensor(r_losses), torch.tensor(d_losses), rtol=RTOL, atol=0,
                                msg=lambda m: f"resumed losses vs DDP's resumed: {m}")
     close(r_params, d_params, "resumed fit vs DDP's resumed fit")
+    assert len(got["ddp_validate"]) == 1
+    torch.testing.assert_close(got["validate"], got["ddp_validate"], rtol=RTOL, atol=0,
+                               msg=lambda m: f"validate(ckpt_path=...) vs DDP's: {m}")
     assert got["doc"] == 4 and got["doc_ckpts"] == ["lightning.pt"], (got["doc"], got["doc_ckpts"])
 
 
