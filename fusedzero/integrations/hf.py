@@ -64,7 +64,9 @@ _TAKEN = {"params": "the model (the Trainer's param groups)",
 # Accelerator prepares the model as for evaluation (autocast, no wrapper) and without device
 # placement: the Trainer placed it before ZeroAdamW was built, and on CPU ranks Accelerate's
 # `model.to("cpu:0")` copied every param off ZeroAdamW's flat buffers (the steps then updated
-# buffers the model no longer read). The optimizer is prepared without device placement too
+# buffers the model no longer read; "cpu:0" is not the params' "cpu", so `.to` copies). The
+# Trainer's own move in its constructor is skipped for the same reason when the user passes a
+# ZeroAdamW in `optimizers=`. The optimizer is prepared without device placement too
 # (it would round-trip ZeroAdamW's state dict);
 # the Trainer's clipping and norm are left to ZeroAdamW's step. The dataloaders are still
 # sharded per rank by Accelerate, as with DDP.
@@ -85,10 +87,9 @@ class ZeroTrainer(transformers.Trainer):
             _check_args(training_args)
         self.zero_stage = stage
         self.zero_kwargs = zero_kwargs
-        self.zero_optimizer: ZeroAdamW | None = None
+        # A ZeroAdamW the user built (checked above), or ours once create_optimizer runs.
+        self.zero_optimizer: ZeroAdamW | None = (kwargs.get("optimizers") or (None, None))[0]
         super().__init__(*args, **kwargs)
-        if self.optimizer is not None:  # a ZeroAdamW the user built (checked above)
-            self.zero_optimizer = self.optimizer
 
     # -- the model and optimizer as Accelerate prepares them ---------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -111,6 +112,13 @@ class ZeroTrainer(transformers.Trainer):
 
         acc.prepare_model = model_without_wrapper
         acc.prepare_optimizer = optimizer_in_place
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """Not once ZeroAdamW holds the params (a user-built one, passed in `optimizers=`):
+        see [Note: the Trainer without DDP]. The model is on its device already: ZeroAdamW
+        was built on it."""
+        if self.zero_optimizer is None:
+            super()._move_model_to_device(model, device)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """ZeroAdamW over the Trainer's decay / no-decay groups, hyper-parameters from args."""

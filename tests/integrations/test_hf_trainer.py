@@ -74,6 +74,7 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     """Every 2-rank run of the test, one after another on the same ranks: the plain Trainer,
     ZeroTrainer at each stage, and stage 2's checkpoint-4 resumed at stage 3."""
     from fusedzero.integrations.hf import ZERO_DIR, ZeroTrainer
+    from fusedzero.optim import ZeroAdamW
 
     out: dict[str, Any] = {}
     ref = transformers.Trainer(model=make_model(), args=training_args(f"{root}/ddp"),
@@ -92,6 +93,18 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
         out[f"s{stage}_zero"] = sorted(p.parent.name
                                        for p in Path(d).glob(f"checkpoint-*/{ZERO_DIR}"))
         t.save_model(f"{d}/final")
+    # The user's own ZeroAdamW (the Trainer's groups and arguments), passed in optimizers=
+    model = make_model()
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    groups = [{"params": [p for n, p in model.named_parameters() if n in decay]},
+              {"params": [p for n, p in model.named_parameters() if n not in decay],
+               "weight_decay": 0.0}]
+    own = ZeroAdamW(groups, lr=LR, betas=(0.9, 0.95), weight_decay=0.1, stage=1, module=model,
+                    max_grad_norm=0.5)
+    t = ZeroTrainer(model=model, args=training_args(f"{root}/own"), train_dataset=Tokens(),
+                    eval_dataset=Tokens(), optimizers=(own, None))
+    t.train()
+    out["own"] = logged(t)
     t = ZeroTrainer(model=make_model(), args=training_args(f"{root}/resumed"),
                     train_dataset=Tokens(), eval_dataset=Tokens(), stage=3)
     t.train(resume_from_checkpoint=f"{root}/s2/checkpoint-4")
@@ -137,6 +150,7 @@ def test_zero_trainer_matches_ddp_trainer(tmp_path: Path) -> None:
         # save_total_limit=2 removed checkpoint-2; each checkpoint holds our sharded one
         assert got[f"s{stage}_ckpts"] == ["checkpoint-4", "checkpoint-6"], stage
         assert got[f"s{stage}_zero"] == ["checkpoint-4", "checkpoint-6"], stage
+    close(got["own"], ref, "the user's ZeroAdamW in optimizers=")
     # (a resumed run's history holds the checkpoint's, then its own steps 5-6 and eval at 6)
     close(got["resumed"], ref, "stage 2 resumed at stage 3")
     close(w1, ref, "stage 3 at 2 ranks resumed at stage 1 on 1 rank")
