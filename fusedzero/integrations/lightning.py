@@ -111,6 +111,12 @@ class ZeroStrategy(DDPStrategy):
             raise ValueError("ZeroStrategy needs automatic optimization (ZeroAdamW's step runs "
                              "where Lightning's does); manual optimization is not supported")
         old = self.optimizers[0]
+        clip = self._max_grad_norm
+        if isinstance(old, ZeroAdamW) and clip is not None and clip != old.max_grad_norm:
+            raise ValueError(f"configure_optimizers returned a ZeroAdamW with max_grad_norm="
+                             f"{old.max_grad_norm} but Trainer(gradient_clip_val={clip}): the "
+                             f"ZeroAdamW clips; pass max_grad_norm={clip} to it, or leave "
+                             f"gradient_clip_val out")
         self.zero_optimizer = old if isinstance(old, ZeroAdamW) else self._to_zero(old)
         self.optimizers = [self.zero_optimizer]
         for cfg in self.lr_scheduler_configs:

@@ -161,7 +161,7 @@ def test_zero_strategy_matches_ddp(tmp_path: Path) -> None:
 
 
 class Refused(Llama):
-    """The module with one thing ZeroStrategy refuses, chosen by `what`."""
+    """The module with one change, chosen by `what`: mostly something ZeroStrategy refuses."""
 
     def __init__(self, what: str) -> None:
         super().__init__()
@@ -173,6 +173,10 @@ class Refused(Llama):
             return torch.optim.SGD(self.parameters(), lr=0.1)
         if self.what == "amsgrad":
             return torch.optim.AdamW(self.parameters(), amsgrad=True)
+        if self.what.startswith("own"):  # the user's ZeroAdamW, clipping at 1.0 or not at all
+            from fusedzero.optim import ZeroAdamW
+            return ZeroAdamW(self.parameters(), stage=2, module=self,
+                             max_grad_norm=1.0 if self.what == "own" else None)
         return torch.optim.AdamW(self.parameters())
 
 
@@ -201,6 +205,8 @@ def refusals(rank: int, world: int, root: str) -> dict[str, str]:
             "manual": error("manual"), "value": error(gradient_clip_val=1.0,
                                                       gradient_clip_algorithm="value"),
             "precision": error(precision="bf16-mixed"), "lr": constructor(lr=1e-3),
+            "own": error("own", gradient_clip_val=1.0), "own_clip": error("own_clip",
+                                                                          gradient_clip_val=1.0),
             "ddp_kwarg": constructor(find_unused_parameters=True)}
 
 
@@ -214,6 +220,9 @@ def test_bad_combinations_are_one_line(tmp_path: Path) -> None:
             "manual": "ValueError: ZeroStrategy needs automatic optimization",
             "value": "ValueError: ZeroStrategy clips by norm only",
             "precision": "ValueError: ZeroStrategy runs precision='32-true'",
+            "own": "no error",  # the user's ZeroAdamW clipping as the Trainer says
+            "own_clip": "ValueError: configure_optimizers returned a ZeroAdamW with "
+                        "max_grad_norm=None but Trainer(gradient_clip_val=1.0)",
             "lr": "TypeError: ZeroStrategy got lr=: it comes from configure_optimizers",
             "ddp_kwarg": "TypeError: ZeroStrategy got an unexpected keyword "
                          "find_unused_parameters="}
