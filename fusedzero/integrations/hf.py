@@ -90,6 +90,12 @@ class ZeroTrainer(transformers.Trainer):
         # A ZeroAdamW the user built (checked above), or ours once create_optimizer runs.
         self.zero_optimizer: ZeroAdamW | None = (kwargs.get("optimizers") or (None, None))[0]
         super().__init__(*args, **kwargs)
+        clip = _max_grad_norm(self.args)
+        if self.zero_optimizer is not None and self.zero_optimizer.max_grad_norm != clip:
+            raise ValueError(f"ZeroTrainer got a ZeroAdamW with max_grad_norm="
+                             f"{self.zero_optimizer.max_grad_norm} and TrainingArguments("
+                             f"max_grad_norm={self.args.max_grad_norm}): the ZeroAdamW clips; "
+                             f"give both the same value (0 in the arguments for None)")
 
     # -- the model and optimizer as Accelerate prepares them ---------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -134,7 +140,7 @@ class ZeroTrainer(transformers.Trainer):
                 [g for g in groups if g["params"]], lr=a.learning_rate,
                 betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
                 weight_decay=a.weight_decay, stage=self.zero_stage, module=model,
-                max_grad_norm=a.max_grad_norm if a.max_grad_norm and a.max_grad_norm > 0 else None,
+                max_grad_norm=_max_grad_norm(a),
                 **self.zero_kwargs)
             self.optimizer = self.zero_optimizer
         return self.optimizer
@@ -187,6 +193,11 @@ class ZeroTrainer(transformers.Trainer):
         sched = os.path.join(resume_from, _SCHEDULER)
         if os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+
+def _max_grad_norm(args: Any) -> float | None:
+    """ZeroAdamW's clipping from TrainingArguments (the Trainer clips where it is > 0)."""
+    return args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else None
 
 
 def _refuse_optimizers(kwargs: dict[str, Any]) -> None:

@@ -168,10 +168,12 @@ def test_zero_trainer_matches_ddp_trainer(tmp_path: Path) -> None:
 def refusals(rank: int, world: int, root: str) -> dict[str, str]:
     """What each bad combination raises: type and message."""
     from fusedzero.integrations.hf import ZeroTrainer
+    from fusedzero.optim import ZeroAdamW
 
     def error(**kw: Any) -> str:
+        kw.setdefault("model", make_model())
         try:
-            ZeroTrainer(model=make_model(), train_dataset=Tokens(), stage=2, **kw)
+            ZeroTrainer(train_dataset=Tokens(), eval_dataset=Tokens(), stage=2, **kw)
         except (TypeError, ValueError) as e:
             return f"{type(e).__name__}: {e}"
         return "no error"
@@ -179,13 +181,17 @@ def refusals(rank: int, world: int, root: str) -> dict[str, str]:
     deepspeed = training_args(root)
     deepspeed.deepspeed = {"zero_optimization": {"stage": 2}}  # (building it needs deepspeed)
     sgd = torch.optim.SGD(make_model().parameters(), lr=0.1)
+    model = make_model()  # the user's ZeroAdamW without clipping, the arguments' default 1.0
+    unclipped = ZeroAdamW(model.parameters(), stage=1, module=model)
     return {"fsdp": error(args=training_args(root, fsdp="full_shard")),
             "deepspeed": error(args=deepspeed),
             "fp16": error(args=training_args(root, fp16=True)),
             "optim": error(args=training_args(root, optim="sgd")),
             "optimizers": error(args=training_args(root), optimizers=(sgd, None)),
             "lr": error(args=training_args(root), lr=1e-3),
-            "unknown": error(args=training_args(root), bucket_size=10)}
+            "unknown": error(args=training_args(root), bucket_size=10),
+            "clip": error(model=model, args=training_args(root, max_grad_norm=1.0),
+                          optimizers=(unclipped, None))}
 
 
 def test_bad_combinations_are_one_line(tmp_path: Path) -> None:
@@ -198,6 +204,8 @@ def test_bad_combinations_are_one_line(tmp_path: Path) -> None:
             "optim": "ValueError: ZeroTrainer got TrainingArguments(optim='sgd')",
             "optimizers": "TypeError: ZeroTrainer got optimizers=(SGD, ...)",
             "lr": "TypeError: ZeroTrainer got lr=: it comes from TrainingArguments(learning_rate",
-            "unknown": "TypeError: ZeroTrainer got an unexpected keyword bucket_size="}
+            "unknown": "TypeError: ZeroTrainer got an unexpected keyword bucket_size=",
+            "clip": "ValueError: ZeroTrainer got a ZeroAdamW with max_grad_norm=None and "
+                    "TrainingArguments(max_grad_norm=1.0)"}
     for k, start in want.items():
         assert got[k].startswith(start) and "\n" not in got[k], (k, got[k])
