@@ -66,10 +66,9 @@ _TAKEN = {"params": "the model (the Trainer's param groups)",
 # `model.to("cpu:0")` copied every param off ZeroAdamW's flat buffers (the steps then updated
 # buffers the model no longer read; "cpu:0" is not the params' "cpu", so `.to` copies). The
 # Trainer's own move in its constructor is skipped for the same reason when the user passes a
-# ZeroAdamW in `optimizers=`. The optimizer is prepared without device placement too
-# (it would round-trip ZeroAdamW's state dict);
-# the Trainer's clipping and norm are left to ZeroAdamW's step. The dataloaders are still
-# sharded per rank by Accelerate, as with DDP.
+# ZeroAdamW in `optimizers=`. The optimizer is prepared without device placement too (it would
+# round-trip ZeroAdamW's state dict); the Trainer's clipping and norm are left to ZeroAdamW's
+# step. The dataloaders are still sharded per rank by Accelerate, as with DDP.
 
 
 class ZeroTrainer(transformers.Trainer):
