@@ -24,6 +24,7 @@ that is not AdamW, and `optimizers=`/`optimizer_cls_and_kwargs=` with another op
 """
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 from typing import Any
@@ -115,8 +116,15 @@ class ZeroTrainer(transformers.Trainer):
                                device_placement: bool | None = None) -> Any:
             return prepare_optimizer(optimizer, device_placement=False)
 
+        def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+            # Micro-batches before the last of a step: ZeroAdamW's no_sync (a speed switch at
+            # stages 0-1, the result is the same without it); Accelerate's would look for DDP's.
+            opt = self.zero_optimizer
+            return contextlib.nullcontext() if opt is None else opt.no_sync()
+
         acc.prepare_model = model_without_wrapper
         acc.prepare_optimizer = optimizer_in_place
+        acc.no_sync = no_sync
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
         """Not once ZeroAdamW holds the params (a user-built one, passed in `optimizers=`):

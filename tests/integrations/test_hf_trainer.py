@@ -89,6 +89,9 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
         t.train()
         assert t.model_wrapped is t.model, type(t.model_wrapped)  # no DDP around it
         out[f"s{stage}"] = logged(t)
+        opt = t.zero_optimizer
+        buckets = sum(b.layout.num_buckets for b in opt.flat_groups)
+        out[f"s{stage}_reductions"] = (opt.comm.calls["all_reduce"], buckets)
         out[f"s{stage}_ckpts"] = sorted(p.name for p in Path(d).glob("checkpoint-*"))
         out[f"s{stage}_zero"] = sorted(p.parent.name
                                        for p in Path(d).glob(f"checkpoint-*/{ZERO_DIR}"))
@@ -145,6 +148,10 @@ def test_zero_trainer_matches_ddp_trainer(tmp_path: Path) -> None:
                                    msg=lambda m: f"{what}: (step, loss, grad_norm) and "
                                                  f"(step, eval_loss, 0) vs DDP: {m}")
 
+    # Stage 0 reduces each bucket once a step, not once a micro-batch: the first micro-batch
+    # runs under ZeroAdamW's no_sync (Accelerate's looked for DDP's and found none).
+    calls, buckets = got["s0_reductions"]
+    assert calls == STEPS * buckets, (calls, buckets)
     for stage in STAGES:
         close(got[f"s{stage}"], ref, f"stage {stage}")
         # save_total_limit=2 removed checkpoint-2; each checkpoint holds our sharded one
