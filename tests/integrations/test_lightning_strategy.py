@@ -117,8 +117,12 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     out["ddp_resumed"] = (resumed.losses + resumed.val_losses, params(resumed))
     out["ddp_validate"] = validate(f"{root}/ddp_v", L.strategies.DDPStrategy(), ckpt)
     for stage in STAGES:
-        module, full = fit(f"{root}/s{stage}", ZeroStrategy(stage=stage), save=stage == 2)
+        strategy = ZeroStrategy(stage=stage)
+        module, full = fit(f"{root}/s{stage}", strategy, save=stage == 2)
         out[f"s{stage}"] = (module.losses + module.val_losses, params(module), full.sd)
+        opt = strategy.zero_optimizer
+        out[f"s{stage}_reductions"] = (opt.comm.calls["all_reduce"],
+                                       sum(b.layout.num_buckets for b in opt.flat_groups))
     ckpt = next(Path(f"{root}/s2/ckpts").glob("epoch=0-*.ckpt"))
     assert ckpt.is_dir(), ckpt
     resumed, _ = fit(f"{root}/s3_r", ZeroStrategy(stage=3), ckpt_path=str(ckpt))
@@ -143,6 +147,10 @@ def test_zero_strategy_matches_ddp(tmp_path: Path) -> None:
             torch.testing.assert_close(have[k], want[k], rtol=RTOL, atol=ATOL,
                                        msg=lambda m: f"{what} {k}: {m}")
 
+    # Stage 0 reduces each bucket once a step (2 an epoch), not once a micro-batch: the first
+    # micro-batch runs under ZeroAdamW's no_sync (block_backward_sync).
+    calls, buckets = got["s0_reductions"]
+    assert calls == 2 * EPOCHS * buckets, (calls, buckets)
     for stage in STAGES:
         losses, p, full = got[f"s{stage}"]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL,
