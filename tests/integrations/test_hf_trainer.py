@@ -84,8 +84,9 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     ref.save_model(f"{root}/ddp/final")
     for stage in STAGES:
         d = f"{root}/s{stage}"
-        t = ZeroTrainer(model=make_model(), args=training_args(d), train_dataset=Tokens(),
-                        eval_dataset=Tokens(), stage=stage)
+        # (stage 3 with the Trainer's activation checkpointing: the same losses, recomputed)
+        t = ZeroTrainer(model=make_model(), train_dataset=Tokens(), eval_dataset=Tokens(),
+                        args=training_args(d, gradient_checkpointing=stage == 3), stage=stage)
         t.train()
         assert t.model_wrapped is t.model, type(t.model_wrapped)  # no DDP around it
         out[f"s{stage}"] = logged(t)
