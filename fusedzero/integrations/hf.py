@@ -89,6 +89,9 @@ class ZeroTrainer(transformers.Trainer):
         self.zero_kwargs = zero_kwargs
         # A ZeroAdamW the user built (checked above), or ours once create_optimizer runs.
         self.zero_optimizer: ZeroAdamW | None = (kwargs.get("optimizers") or (None, None))[0]
+        # num_parameters(exclude_embeddings=True) of the whole model, counted before stage 3
+        # empties the params (the Trainer's flos count reads it on every micro-batch).
+        self._dense_params: int | None = None
         super().__init__(*args, **kwargs)
         clip = _max_grad_norm(self.args)
         if self.zero_optimizer is not None and self.zero_optimizer.max_grad_norm != clip:
@@ -143,6 +146,8 @@ class ZeroTrainer(transformers.Trainer):
                        "weight_decay": self.args.weight_decay},
                       {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
             a = self.args
+            if hasattr(model, "num_parameters"):
+                self._dense_params = model.num_parameters(exclude_embeddings=True)
             self.zero_optimizer = ZeroAdamW(
                 [g for g in groups if g["params"]], lr=a.learning_rate,
                 betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
@@ -151,6 +156,14 @@ class ZeroTrainer(transformers.Trainer):
                 **self.zero_kwargs)
             self.optimizer = self.zero_optimizer
         return self.optimizer
+
+    def floating_point_ops(self, inputs: dict[str, Any]) -> int:
+        """The Trainer's count (6 x tokens x non-embedding params) with the params counted
+        whole: at stage 3 a param outside a forward is empty (the count was 0)."""
+        name = getattr(self.model, "main_input_name", "input_ids")
+        if self._dense_params is None or name not in inputs:
+            return super().floating_point_ops(inputs)
+        return 6 * inputs[name].numel() * self._dense_params
 
     # -- clipping and the logged norm: ZeroAdamW's step does both -------------------------------
     def _clip_grad_norm(self, model: nn.Module) -> None:

@@ -81,6 +81,7 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
                                train_dataset=Tokens(), eval_dataset=Tokens())
     ref.train()
     out["ddp"] = logged(ref)
+    out["ddp_flos"] = ref.state.total_flos
     ref.save_model(f"{root}/ddp/final")
     for stage in STAGES:
         d = f"{root}/s{stage}"
@@ -90,6 +91,7 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
         t.train()
         assert t.model_wrapped is t.model, type(t.model_wrapped)  # no DDP around it
         out[f"s{stage}"] = logged(t)
+        out[f"s{stage}_flos"] = t.state.total_flos
         opt = t.zero_optimizer
         buckets = sum(b.layout.num_buckets for b in opt.flat_groups)
         out[f"s{stage}_reductions"] = (opt.comm.calls["all_reduce"], buckets)
@@ -155,6 +157,7 @@ def test_zero_trainer_matches_ddp_trainer(tmp_path: Path) -> None:
     assert calls == STEPS * buckets, (calls, buckets)
     for stage in STAGES:
         close(got[f"s{stage}"], ref, f"stage {stage}")
+        assert got[f"s{stage}_flos"] == got["ddp_flos"] > 0, stage  # stage 3's params empty
         # save_total_limit=2 removed checkpoint-2; each checkpoint holds our sharded one
         assert got[f"s{stage}_ckpts"] == ["checkpoint-4", "checkpoint-6"], stage
         assert got[f"s{stage}_zero"] == ["checkpoint-4", "checkpoint-6"], stage
