@@ -11,16 +11,19 @@ The constructor is the Trainer's, plus `stage=` and any ZeroAdamW keyword (`unit
   `max_grad_norm` as its clipping; the lr scheduler is the Trainer's (`lr_scheduler_type`).
 - the model is never wrapped in DDP or FSDP ([Note: the Trainer without DDP]).
 - grads: the Trainer divides the loss by the micro-batches (or normalises by the tokens of the
-  whole step) and ZeroAdamW averages over ranks, as DDP does: nothing is averaged twice.
+  whole step) and ZeroAdamW averages over ranks, as DDP does: nothing is averaged twice. The
+  micro-batches before the last of a step run under ZeroAdamW's `no_sync`.
 - `grad_norm` in the logs is `opt.grad_norm`, the norm before clipping, as the Trainer logs.
 - checkpoints: each `checkpoint-N/` holds the model (`save_pretrained`, full weights), the
   Trainer's state and scheduler, and our sharded optimizer checkpoint in `checkpoint-N/zero/`;
   `resume_from_checkpoint` loads it at any world size and stage. `save_model` writes a folder
   `from_pretrained` loads (the params gathered on every rank, written by rank 0).
 
-Not supported, each refused in one line: `deepspeed=`/`fsdp=` (ZeroAdamW is the sharding),
-`fp16=True` (the Trainer's GradScaler reads `.grad`; `bf16=True` autocast works), an `optim`
-that is not AdamW, and `optimizers=`/`optimizer_cls_and_kwargs=` with another optimizer.
+A ZeroAdamW the user built (`module=model`) may come in `optimizers=(opt, None)`; its
+`max_grad_norm` must equal the arguments'. Not supported, each refused in one line:
+`deepspeed=`/`fsdp=` (ZeroAdamW is the sharding), `fp16=True` (the Trainer's GradScaler reads
+`.grad`; `bf16=True` autocast works), an `optim` that is not AdamW, `optimizers=`/
+`optimizer_cls_and_kwargs=` with another optimizer, a ZeroAdamW keyword the arguments set.
 """
 from __future__ import annotations
 
