@@ -56,6 +56,10 @@ SLOW_ONLY = {
     "fusedzero/checkpoint/dcp.py": "needs a torch.distributed.checkpoint folder: "
                                    "tests/checkpoint/test_dcp_import.py",
     "fusedzero/checkpoint/hf.py": "needs transformers models: tests/checkpoint/test_hf.py",
+    "fusedzero/integrations/hf.py": "a transformers.Trainer subclass: importing the Trainer costs "
+                                    "seconds; tests/integrations/test_hf_trainer.py",
+    "fusedzero/integrations/lightning.py": "a Lightning strategy: importing lightning costs "
+                                           "seconds; tests/integrations/test_lightning_strategy.py",
     "kernels/compile_memory_modes.py": "offline compilation (a child without the interpreter): "
                                        "tests/kernels/test_compile.py",
     "kernels/compile_quant.py": "offline compilation of the wire kernels (a child without the "

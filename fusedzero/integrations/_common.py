@@ -1,0 +1,53 @@
+"""What both integrations share: the framework import with the extra that installs it, the
+ZeroAdamW keywords a user may pass through, and the full model state dict (a collective)."""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from fusedzero.optim import ZeroAdamW
+
+
+def import_framework(module: str, extra: str, what: str) -> ModuleType:
+    """`importlib.import_module(module)`, or one line naming the extra that installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"{what} needs {module.split('.')[0]} ({e}); install it with "
+                          f"pip install 'fusedzero[{extra}]'") from e
+
+
+def zero_keywords() -> frozenset[str]:
+    """The keywords ZeroAdamW's constructor takes, read from its signature (so a keyword it
+    gains or loses is passed through without a change here)."""
+    return frozenset(n for n, p in inspect.signature(ZeroAdamW.__init__).parameters.items()
+                     if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+
+
+def check_zero_kwargs(zero_kwargs: dict[str, Any], taken: dict[str, str], where: str) -> None:
+    """Refuse, in one line, a keyword ZeroAdamW does not take, or one the integration sets
+    itself from the framework's own settings (`taken`: keyword -> where it comes from)."""
+    for k in zero_kwargs:
+        if k in taken:
+            raise TypeError(f"{where} got {k}=: it comes from {taken[k]}; set it there")
+        if k not in zero_keywords():
+            raise TypeError(f"{where} got an unexpected keyword {k}=: it takes the framework's "
+                            f"own arguments plus stage= and ZeroAdamW's keywords "
+                            f"({', '.join(sorted(zero_keywords() - set(taken)))})")
+
+
+def full_state_dict(opt: ZeroAdamW | None, module: nn.Module) -> dict[str, torch.Tensor]:
+    """`module.state_dict()` with every param at its full value. A collective at stages 1-3:
+    call it on every rank. Stage 3's state-dict hooks gather unit by unit
+    (fusedzero/model_state_dict.py); stages 1-2 wait for the param all-gather in flight."""
+    shards_params = opt is not None and opt.stage.shards_params
+    ctx = (contextlib.nullcontext() if opt is None or shards_params
+           else opt.gathered_params())
+    with ctx:
+        return module.state_dict()
