@@ -3,8 +3,8 @@
     trainer = ZeroTrainer(model=model, args=TrainingArguments(...), train_dataset=ds, stage=2)
     trainer.train()                        # under torchrun: every rank runs the same script
 
-The constructor is the Trainer's, plus `stage=` and any ZeroAdamW keyword (`unit_policy=`,
-`param_dtype=`, ...). What the Trainer does with its own optimizer, ZeroTrainer does with ZeroAdamW:
+The constructor is the Trainer's, plus `stage=` and any ZeroAdamW keyword (`sharding=`,
+`precision=`, ...). What the Trainer does with its own optimizer, ZeroTrainer does with ZeroAdamW:
 
 - the optimizer: ZeroAdamW over the Trainer's own two groups (weight decay on all but biases and
   norms, `get_decay_parameter_names`), lr, adam betas and eps from `TrainingArguments`, and
@@ -231,7 +231,7 @@ def _refuse_optimizers(kwargs: dict[str, Any]) -> None:
                         f"ZeroAdamW built with module=model)")
     if kwargs.get("optimizer_cls_and_kwargs") is not None:
         raise TypeError("ZeroTrainer got optimizer_cls_and_kwargs=: it builds ZeroAdamW; pass "
-                        "ZeroAdamW keywords to ZeroTrainer itself (e.g. unit_policy=...)")
+                        "ZeroAdamW keywords to ZeroTrainer itself (e.g. sharding=Sharding(...))")
 
 
 def _check_args(args: Any) -> None:

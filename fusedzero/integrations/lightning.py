@@ -23,7 +23,8 @@ cluster_environment, process_group_backend, timeout, ...) and any ZeroAdamW keyw
 param_dtype, ...); DDP's own keywords are refused (no DDP is built). Refused in one line too: an
 optimizer other than AdamW/ZeroAdamW (Lightning itself refuses several under automatic
 optimization), `amsgrad=True`, `gradient_clip_algorithm="value"`, manual optimization, a
-precision other than "32-true" (ZeroAdamW's `param_dtype=torch.bfloat16` is the bf16 path).
+precision other than "32-true" (ZeroAdamW's `precision=fusedzero.Precision(param_dtype=
+torch.bfloat16)` is the bf16 path).
 """
 from __future__ import annotations
 
@@ -93,7 +94,8 @@ class ZeroStrategy(DDPStrategy):
         if type(self.precision_plugin) is not Precision:
             raise ValueError(f"ZeroStrategy runs precision='32-true' (got "
                              f"{type(self.precision_plugin).__name__}); for bf16 params pass "
-                             f"ZeroStrategy(param_dtype=torch.bfloat16)")
+                             "ZeroStrategy(precision=fusedzero.Precision("
+                             "param_dtype=torch.bfloat16))")
         if trainer.gradient_clip_algorithm not in (None, "norm"):
             raise ValueError(f"ZeroStrategy clips by norm only (gradient_clip_algorithm="
                              f"{trainer.gradient_clip_algorithm!r}); use 'norm'")
