@@ -270,12 +270,44 @@ def check_replaceable(path: Path, what: str) -> None:
         raise CheckpointError(f"{what} {path}: cannot inspect it ({e.strerror or e})") from None
     if stat.S_ISREG(st.st_mode):
         return
-    kind = next((k for test, k in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"),
+    raise CheckpointError(f"{what} {path} exists and is {file_kind(st.st_mode)}; refusing to "
+                          "replace it (only a regular file is replaced): remove it or choose "
+                          "another path")
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words ("a symlink", "a FIFO", ...)."""
+    return next((k for test, k in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"),
                                    (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                                    (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-                 if test(st.st_mode)), "not a regular file")
-    raise CheckpointError(f"{what} {path} exists and is {kind}; refusing to replace it (only a "
-                          "regular file is replaced): remove it or choose another path")
+                 if test(mode)), "not a regular file")
+
+
+def open_regular(path: Path, what: str) -> int:
+    """A read-only descriptor of the regular file `path`, or CheckpointError in one line: a
+    symlink is not followed (O_NOFOLLOW), a FIFO is not waited on (O_NONBLOCK), a folder or
+    device is refused (fstat of what was opened, so nothing swapped in between is read), and a
+    missing file and a permission denied are told apart. Nothing of the file is read."""
+    flags = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+             | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and os.path.islink(path):
+            raise CheckpointError(f"{what} {path} is a symlink; it must be a regular file "
+                                  "(refused, not followed)") from None
+        why = {errno.ENOENT: "missing", errno.EACCES: "permission denied",
+               errno.EPERM: "permission denied"}.get(e.errno or 0, e.strerror or str(e))
+        raise CheckpointError(f"{what} {path}: {why}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{what} {path} is {file_kind(st.st_mode)}; it must be a "
+                                  "regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def write_text_atomic(path: Path, text: str) -> None:
