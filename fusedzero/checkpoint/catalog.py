@@ -18,6 +18,7 @@ from fusedzero.checkpoint.binding import header_problems, tensor_problems
 from fusedzero.checkpoint.format import LATEST, MANIFEST, open_regular, sha256_file
 from fusedzero.checkpoint.manifest import (MAX_LATEST, MAX_MANIFEST, STEP_DIR, VERSION,
                                           CheckpointError, parse, snippet)
+from fusedzero.checkpoint.rank_state import decode
 
 
 def resolve(path: str | os.PathLike[str]) -> Path:
@@ -256,22 +257,37 @@ def file_problems(d: Path, manifest: dict[str, Any], names: list[str] | None,
     return out
 
 
+def state_problems(d: Path, manifest: dict[str, Any]) -> list[str]:
+    """Every rank state of the manifest that `load` would refuse (not weights-only data, not a
+    dict, a malformed RNG state: `rank_state.decode`), one line each."""
+    out = []
+    for i, e in enumerate(manifest["ranks"]):
+        try:
+            decode(e["state"], f"{d / MANIFEST}: ranks[{i}].state")
+        except CheckpointError as err:
+            out.append(str(err))
+    return out
+
+
 def verify(path: str | os.PathLike[str], *, checksums: bool = True) -> Path:
-    """Check every shard file of a checkpoint against its manifest (existence, size, safetensors
-    header and, with `checksums`, sha256). Returns the checkpoint directory; raises
-    CheckpointError listing every problem."""
+    """Check a checkpoint as `load` would, all of it: its folder's name, every rank state, and
+    every shard file against its manifest (existence, size, safetensors header and, with
+    `checksums`, sha256). Returns the checkpoint directory; raises CheckpointError listing
+    every problem."""
     d = resolve(path)
-    found = file_problems(d, read_manifest(d), None, checksums)
+    found = problems(d, checksums=checksums)
     if found:
         raise CheckpointError(f"checkpoint {d} failed verification:\n  " + "\n  ".join(found))
     return d
 
 
 def problems(path: str | os.PathLike[str], *, checksums: bool = True) -> list[str]:
-    """Every problem of a checkpoint's shard files, one line each (empty: all good). Raises
-    CheckpointError only when `path` is no readable checkpoint at all."""
+    """Every problem `verify` finds, one line each (empty: all good). Raises CheckpointError
+    only when `path` is no readable checkpoint at all."""
     d = resolve(path)
-    return file_problems(d, read_manifest(d), None, checksums)
+    m = read_manifest(d)
+    found = file_problems(d, m, None, checksums)
+    return found + (state_problems(d, m) if m["version"] == VERSION else [])
 
 
 def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:

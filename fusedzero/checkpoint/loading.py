@@ -19,7 +19,7 @@ from fusedzero.checkpoint.format import MANIFEST, Peak, ShardReaders
 from fusedzero.checkpoint.manifest import CheckpointError, manifest_modes
 from fusedzero.checkpoint.optview import group_names, param_table
 from fusedzero.checkpoint.placements import check_origin, common_step, tp_directory
-from fusedzero.checkpoint.rank_state import check_rng_state, set_rng_state, unpack
+from fusedzero.checkpoint.rank_state import decode, set_rng_state
 from fusedzero.checkpoint.reshard import Read, match_params, plan
 from fusedzero.checkpoint.saving import wait_pending
 from fusedzero.checkpoint.tp_reshard import across_tp, read_across
@@ -200,13 +200,8 @@ def _staged_state(manifest: dict[str, Any], rank: int, replica: int, d: Path,
                  None)
     if entry is None:
         return None
-    where = f"{d / MANIFEST}: ranks[{ranks.index(entry)}].state"
-    state = unpack(entry["state"], where)
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{where} is a {type(state).__name__}, expected a dict")
-    if check_rng and "rng" in state:
-        check_rng_state(state["rng"], where)
-    return state
+    return decode(entry["state"], f"{d / MANIFEST}: ranks[{ranks.index(entry)}].state",
+                  check_rng)
 
 
 def _staged_groups(opt: ZeroAdamW, saved: list[dict[str, Any]], d: Path
