@@ -16,7 +16,7 @@ from fusedzero.checkpoint.binding import saved_dtype
 from fusedzero.checkpoint.catalog import file_problems, read_manifest, resolve
 from fusedzero.checkpoint.collectives import agree
 from fusedzero.checkpoint.format import MANIFEST, Peak, ShardReaders
-from fusedzero.checkpoint.manifest import CheckpointError, manifest_modes
+from fusedzero.checkpoint.manifest import CheckpointError, manifest_modes, snippet
 from fusedzero.checkpoint.optview import group_names, param_table
 from fusedzero.checkpoint.placements import check_origin, common_step, tp_directory
 from fusedzero.checkpoint.rank_state import decode, set_rng_state
@@ -70,6 +70,12 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     (with `load_hyperparams`, when the param groups hold the same params) the hyper-parameters;
     with `restore_rng`, this rank's saved RNG states if the saving run had this rank (with a
     `replicate_group`, this rank of this replica).
+
+    [Note: bound hyper-parameters] Of the hyper-parameters, the numbers (lr, betas, eps,
+    weight_decay, any numeric group key) are restored; the switches and names (maximize: a
+    manifest edited to `true` would train by gradient ascent) are the constructor's: a
+    manifest whose value differs is refused (CheckpointError naming the field). With
+    `load_hyperparams=False` (`fusedzero train --resume`) none of them is read.
 
     Everything is checked before anything is written, on every rank: the saved
     hyper-parameters with the constructor's rules (`fusedzero.validate.check_hyper`), and,
@@ -221,21 +227,21 @@ def _staged_groups(opt: ZeroAdamW, saved: list[dict[str, Any]], d: Path
             if isinstance(cur, (torch.Tensor, float)) or (isinstance(cur, int)
                                                           and not isinstance(cur, bool)):
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise CheckpointError(f"{field} is {v!r}, expected a number")
+                    raise CheckpointError(f"{field} is {snippet(v)}, expected a number")
                 new[k] = v
-            elif isinstance(cur, bool):
-                if not isinstance(v, bool):
-                    raise CheckpointError(f"{field} is {v!r}, expected true or false")
-                new[k] = v
+            elif isinstance(cur, bool) or cur is None or isinstance(cur, str):
+                # See [Note: bound hyper-parameters]
+                if v != cur or type(v) is not type(cur):
+                    raise CheckpointError(
+                        f"{field} is {snippet(v)}, this optimizer has {cur!r}: a checkpoint "
+                        f"restores numbers (lr, betas, eps, weight_decay), not switches; "
+                        f"construct ZeroAdamW({k}={snippet(v)}) to load it as saved, or "
+                        "load_hyperparams=False to keep this optimizer's own")
             elif isinstance(cur, tuple):
                 if (not isinstance(v, list) or len(v) != len(cur) or any(
                         isinstance(x, bool) or not isinstance(x, (int, float)) for x in v)):
-                    raise CheckpointError(f"{field} is {v!r}, expected {len(cur)} numbers")
+                    raise CheckpointError(f"{field} is {snippet(v)}, expected {len(cur)} numbers")
                 new[k] = tuple(v)
-            elif cur is None or isinstance(cur, str):
-                if v is not None and not isinstance(v, str):
-                    raise CheckpointError(f"{field} is {v!r}, expected a string or null")
-                new[k] = v
         merged = {**g, **new}
         try:  # the constructor's rules: a manifest installs nothing ZeroAdamW(...) would refuse
             check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])

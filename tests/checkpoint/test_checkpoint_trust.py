@@ -308,6 +308,25 @@ def test_invalid_hyper_parameters_are_refused(good: Path, tmp_path: Path, key: s
     ck.load(opt, root, load_hyperparams=False)  # the rest of it is sound
 
 
+@pytest.mark.parametrize("value", [True, 1, "yes", None])
+def test_a_switch_edited_into_the_manifest_is_refused(good: Path, tmp_path: Path,
+                                                      value: Any) -> None:
+    """[Note: bound hyper-parameters]: `maximize: true` edited in would train by gradient
+    ascent; the switches are the constructor's, so the load is refused and changes nothing."""
+    root = copy(good, tmp_path)
+    f, m = manifest_of(root)
+    m["param_groups"][0]["maximize"] = value
+    f.write_text(json.dumps(m))
+    model, opt = build()
+    before = snapshot(opt)
+    with pytest.raises(ck.CheckpointError, match=r"param_groups\[0\].maximize is .*, this "
+                                                 r"optimizer has False"):
+        ck.load(opt, root)
+    assert same(snapshot(opt), before)
+    ck.load(opt, root, load_hyperparams=False)  # the run's own settings: nothing of it is read
+    assert all(g["maximize"] is False for g in opt.param_groups)
+
+
 def test_caller_state_check_runs_before_anything_is_mutated(good: Path, tmp_path: Path) -> None:
     root = copy(good, tmp_path)
     model, opt = build()
