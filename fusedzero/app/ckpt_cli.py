@@ -18,6 +18,7 @@ carries `func=run_ckpt`. `python -m fusedzero.app.ckpt_cli ...` runs it alone.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 from pathlib import Path
@@ -83,6 +84,10 @@ def _human(n: int) -> str:
 
 def run_ckpt(args: argparse.Namespace) -> int:
     """Handler for the parsed `ckpt` namespace; returns the exit status."""
+    # A path that is not valid UTF-8 (os.fsdecode's surrogates) prints with \x escapes, not
+    # UnicodeEncodeError after the work is done.
+    with contextlib.suppress(AttributeError, ValueError):
+        sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     try:
         if args.ckpt_command in ("inspect", "verify"):
             one = _inspect if args.ckpt_command == "inspect" else _verify

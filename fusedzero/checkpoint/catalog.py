@@ -9,16 +9,16 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from safetensors import safe_open
-
 from fusedzero.checkpoint.binding import header_problems, tensor_problems
-from fusedzero.checkpoint.format import LATEST, MANIFEST, open_regular, sha256_file
+from fusedzero.checkpoint.format import LATEST, MANIFEST, open_regular
 from fusedzero.checkpoint.manifest import (MAX_LATEST, MAX_MANIFEST, STEP_DIR, VERSION,
                                           CheckpointError, parse, snippet)
 from fusedzero.checkpoint.rank_state import decode
+from fusedzero.checkpoint.shardfile import ShardFile
 
 
 def resolve(path: str | os.PathLike[str]) -> Path:
@@ -224,37 +224,57 @@ def file_problems(d: Path, manifest: dict[str, Any], names: list[str] | None,
         if names is not None and name not in names:
             continue
         p = d / name
-        if p.is_symlink():
-            # A link could point anywhere (e.g. /etc/shadow): shards are regular files here.
-            out.append(f"{p}: a symlink; shard files must be regular files inside the "
-                       "checkpoint folder")
-            continue
-        if not p.is_file():
-            out.append(f"{p}: missing shard file")
-            continue
-        size = p.stat().st_size
-        if size != entry["bytes"]:
-            out.append(f"{p}: {size} bytes, manifest says {entry['bytes']} "
-                       f"({'truncated' if size < entry['bytes'] else 'replaced or appended'})")
-            continue
-        try:
-            # The header only (safetensors checks its offsets against the file's size).
-            with safe_open(p, framework="pt") as f:
-                meta = f.metadata() or {}
-                have = {k: (f.get_slice(k).get_dtype(), f.get_slice(k).get_shape())
-                        for k in f.keys()}
-        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-            out.append(f"{p}: unreadable safetensors header ({e})")
-            continue
-        why = header_problems(manifest, entry, meta) or tensor_problems(manifest, entry, have)
-        if why:
-            out.append(f"{p}: {why}")
-            continue
-        if checksums:
-            got = sha256_file(p)
-            if got != entry["sha256"]:
-                out.append(f"{p}: sha256 mismatch (expected {entry['sha256']}, got {got})")
+        why = shard_problem(p, manifest, entry, checksums)
+        if why is not None:
+            out.append(why)
     return out
+
+
+def shard_problem(p: Path, manifest: dict[str, Any], entry: dict[str, Any],
+                  checksums: bool) -> str | None:
+    """Why shard file `p` (manifest entry `entry`) fails verification, or None. Read through
+    one descriptor (see [Note: load what was verified] in shardfile.py)."""
+    why = link_problem(p)
+    if why is not None:
+        return why
+    try:
+        with ShardFile(p) as f:
+            why = open_problem(f, manifest, entry)
+            if why is not None:
+                return why
+            got = f.sha256() if checksums else entry["sha256"]
+    except CheckpointError as e:
+        return str(e)
+    if got != entry["sha256"]:
+        return f"{p}: sha256 mismatch (expected {entry['sha256']}, got {got})"
+    return None
+
+
+def link_problem(p: Path) -> str | None:
+    """A shard that is missing or a symlink (a link could point anywhere, e.g. /etc/shadow:
+    shards are regular files here); anything else is found by opening it (`ShardFile`)."""
+    try:
+        if stat.S_ISLNK(os.lstat(p).st_mode):
+            return (f"{p}: a symlink; shard files must be regular files inside the "
+                    "checkpoint folder")
+    except FileNotFoundError:
+        return f"{p}: missing shard file"
+    except OSError:
+        pass  # opening it says why
+    return None
+
+
+def open_problem(f: ShardFile, manifest: dict[str, Any], entry: dict[str, Any]) -> str | None:
+    """Why the open shard `f` does not fit its manifest entry: its size, then its header rows
+    bound to the manifest (`binding.py`), tensor dtypes and shapes; nothing is allocated for a
+    file whose header already disagrees."""
+    if f.size != entry["bytes"]:
+        return (f"{f.path}: {f.size} bytes, manifest says {entry['bytes']} "
+                f"({'truncated' if f.size < entry['bytes'] else 'replaced or appended'})")
+    head = f.header()
+    why = (header_problems(manifest, entry, head.meta)
+           or tensor_problems(manifest, entry, head.have()))
+    return f"{f.path}: {why}" if why else None
 
 
 def state_problems(d: Path, manifest: dict[str, Any]) -> list[str]:

@@ -149,7 +149,7 @@ def count_str(step_count: float) -> str:
 # Streaming safetensors writer
 # ---------------------------------------------------------------------------------------------
 
-def _raw_bytes(t: torch.Tensor) -> memoryview:
+def raw_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (keep `t` alive while in use)."""
     n = t.numel() * t.element_size()
     if n == 0:
@@ -208,7 +208,7 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path.name}: got tensor {name} {t.dtype} {tuple(t.shape)}, "
                              f"expected {want[0]} {want[1]} {tuple(want[2])}")
         t = t.detach().contiguous().cpu()
-        self._write(_raw_bytes(t))
+        self._write(raw_bytes(t))
         self._next += 1
 
     def close(self) -> tuple[int, str]:
@@ -403,8 +403,14 @@ class ShardReaders:
     def file(self, fname: str) -> Any:
         f = self._files.get(fname)
         if f is None:
+            # By descriptor: no link followed, and safetensors (whose Rust reader takes UTF-8
+            # paths only) reads a folder of any name through /proc/self/fd.
+            fd = open_regular(self.d / fname, "shard file")
+            self._stack.callback(os.close, fd)
+            proc = f"/proc/self/fd/{fd}"
             try:
-                f = self._stack.enter_context(safe_open(self.d / fname, framework="pt"))
+                f = self._stack.enter_context(safe_open(
+                    proc if os.path.exists(proc) else self.d / fname, framework="pt"))
             except Exception as e:  # noqa: BLE001
                 raise CheckpointError(f"{self.d / fname}: cannot open ({e})") from None
             self._files[fname] = f

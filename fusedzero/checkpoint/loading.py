@@ -13,17 +13,19 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from fusedzero.checkpoint.binding import saved_dtype
-from fusedzero.checkpoint.catalog import file_problems, read_manifest, resolve
+from fusedzero.checkpoint.catalog import (file_problems, link_problem, name_problem,
+                                          open_problem, read_manifest, resolve)
 from fusedzero.checkpoint.collectives import agree
-from fusedzero.checkpoint.format import MANIFEST, Peak, ShardReaders
-from fusedzero.checkpoint.manifest import CheckpointError, manifest_modes, snippet
+from fusedzero.checkpoint.format import MANIFEST, Peak
+from fusedzero.checkpoint.manifest import VERSION, CheckpointError, manifest_modes, snippet
 from fusedzero.checkpoint.optview import group_names, param_table
 from fusedzero.checkpoint.placements import check_origin, common_step, tp_directory
 from fusedzero.checkpoint.rank_state import decode, set_rng_state
 from fusedzero.checkpoint.reshard import Read, match_params, plan
 from fusedzero.checkpoint.saving import wait_pending
+from fusedzero.checkpoint.shardfile import ShardFile, Slice
 from fusedzero.checkpoint.tp_reshard import across_tp, read_across
-from fusedzero.memory_modes import QBLOCK, MemoryModes
+from fusedzero.memory_modes import QBLOCK
 from fusedzero.state import ShardState, fields_of
 from fusedzero.validate import check_hyper
 
@@ -51,7 +53,9 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     verified one). The manifest is validated against the format's schema first. The saved param
     table must match the optimizer's (by name and shape) or ValueError lists the differences.
     Each rank opens only the shard files that hold its new segments, verifies them (size and
-    header always; sha256 with `verify`), and reads only the overlapping slices.
+    header always; sha256 with `verify`, of the very bytes it stages: see [Note: load what was
+    verified] in shardfile.py), and reads only the overlapping slices (with `verify`, the whole
+    file streams through one reused buffer to be hashed).
 
     [Note: transactional load] Every rank first reads all it needs (master, exp_avg,
     exp_avg_sq, its caller and RNG state, the hyper-parameters) into staging buffers on the
@@ -108,11 +112,12 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
                 check_origin(d, manifest, tp.rank, tp.size)
             table = param_table(opt)
             reads = plan(infos, table, manifest, match_params(manifest, table, d))
-            needed = sorted({r.file for rs in reads for r in rs})
-            problems = file_problems(d, manifest, needed, checksums=verify)
-            if problems:
-                raise CheckpointError(f"checkpoint {d}:\n  " + "\n  ".join(problems))
-            staged = _read_staged(d, infos, reads, peak, manifest_modes(manifest))
+            named = name_problem(d, manifest)
+            if named is not None:
+                raise CheckpointError(named)
+            if manifest["version"] < VERSION:  # one problem: convert it
+                raise CheckpointError(file_problems(d, manifest, [], False)[0])
+            staged = _read_staged(d, manifest, infos, reads, peak, verify)
         if load_hyperparams:
             groups = _staged_groups(opt, manifest["param_groups"], d)
         state = _staged_state(manifest, rank, opt.replica_rank, d, restore_rng)
@@ -159,41 +164,54 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     return Loaded(d, manifest["step"], caller, restored, peak.peak)
 
 
-def _read_staged(d: Path, infos: list[ShardInfo], plan: list[list[Read]], peak: Peak,
-                 saved: MemoryModes) -> ShardState:
-    """Every buffer's state from the shard files, on the host, as it was saved (modes `saved`:
-    `load_shard_state` converts it into the optimizer's). int8 scales are read block by block:
-    a quantization block is QBLOCK elements of one param from a multiple of QBLOCK of it at any
-    world size (params and shard pieces start at multiples of the layout's ALIGN = QBLOCK), so
-    every read starts on a block and its scales are those of blocks [src, src + n) / QBLOCK."""
+def _read_staged(d: Path, manifest: dict[str, Any], infos: list[ShardInfo],
+                 plan: list[list[Read]], peak: Peak, verify: bool) -> ShardState:
+    """Every buffer's state from the shard files, on the host, as it was saved (the manifest's
+    modes: `load_shard_state` converts it into the optimizer's). Each file is opened once, its
+    size and header checked against the manifest, and its slices read into the staging
+    buffers; with `verify`, in the same pass that hashes it, so what is staged is what was
+    verified (see [Note: load what was verified] in shardfile.py).
+
+    int8 scales are read block by block: a quantization block is QBLOCK elements of one param
+    from a multiple of QBLOCK of it at any world size (params and shard pieces start at
+    multiples of the layout's ALIGN = QBLOCK), so every read starts on a block and its scales
+    are those of blocks [src, src + n) / QBLOCK."""
+    saved = manifest_modes(manifest)
     kinds = fields_of(saved)
     out: dict[str, list[torch.Tensor]] = {kind: [] for kind in kinds}
-    with ShardReaders(d) as readers, torch.no_grad():
-        for info, reads in zip(infos, plan, strict=True):
-            for kind in kinds:
-                scale = kind.endswith("_scale")
-                numel = info.local_numel // QBLOCK if scale else info.local_numel
-                dst = peak.add(torch.zeros(numel, dtype=saved_dtype(kind, saved)))
-                out[kind].append(dst)
-                for fname, key, src, dl, n in reads:
-                    if scale:
-                        if src % QBLOCK or dl % QBLOCK:
-                            raise CheckpointError(
-                                f"{d / fname}: {key} segment at local {src} is not on a "
-                                f"{QBLOCK}-element block, so its int8 scales cannot be resharded")
-                        src, dl, n = src // QBLOCK, dl // QBLOCK, -(-n // QBLOCK)
-                    try:
-                        piece = peak.add(readers.slice(fname, f"{key}.{kind}", src, src + n))
-                    except CheckpointError:
-                        raise
-                    except Exception as e:  # noqa: BLE001 - safetensors / OS errors
-                        raise CheckpointError(f"{d / fname}: cannot read {key}.{kind}"
-                                              f"[{src}:{src + n}] ({e})") from None
-                    if piece.numel() != n:
-                        raise CheckpointError(f"{d / fname}: {key}.{kind}[{src}:{src + n}] "
-                                              f"has {piece.numel()} elements, expected {n}")
-                    dst[dl:dl + n].copy_(piece)
-                    peak.sub(piece)
+    by_file: dict[str, list[Slice]] = {}
+    for info, reads in zip(infos, plan, strict=True):
+        for kind in kinds:
+            scale = kind.endswith("_scale")
+            numel = info.local_numel // QBLOCK if scale else info.local_numel
+            dst = peak.add(torch.zeros(numel, dtype=saved_dtype(kind, saved)))
+            out[kind].append(dst)
+            for fname, key, src, dl, n in reads:
+                if scale:
+                    if src % QBLOCK or dl % QBLOCK:
+                        raise CheckpointError(
+                            f"{d / fname}: {key} segment at local {src} is not on a "
+                            f"{QBLOCK}-element block, so its int8 scales cannot be resharded")
+                    src, dl, n = src // QBLOCK, dl // QBLOCK, -(-n // QBLOCK)
+                by_file.setdefault(fname, []).append(Slice(f"{key}.{kind}", src,
+                                                           dst[dl:dl + n]))
+    entries = {e["name"]: e for e in manifest["files"]}
+    for fname, slices in sorted(by_file.items()):
+        p, entry = d / fname, entries[fname]
+        try:
+            why = link_problem(p)
+            if why is None:
+                with ShardFile(p) as f:
+                    why = open_problem(f, manifest, entry)
+                    got = f.read_slices(slices, hashed=verify) if why is None else ""
+                if why is None and verify and got != entry["sha256"]:
+                    why = (f"{p}: sha256 mismatch (expected {entry['sha256']}, got {got})")
+        except CheckpointError as e:
+            why = str(e)
+        except OSError as e:  # an I/O error mid-read
+            why = f"{p}: cannot read ({e.strerror or e})"
+        if why is not None:
+            raise CheckpointError(f"checkpoint {d}:\n  {why}")
     return ShardState(**out, modes=saved)
 
 

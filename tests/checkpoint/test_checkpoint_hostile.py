@@ -23,6 +23,7 @@ import torch.distributed as dist
 from fusedzero import checkpoint as ck
 from fusedzero.checkpoint import format as ckformat
 from fusedzero.checkpoint import saving as cksaving
+from fusedzero.checkpoint import shardfile as ckshardfile
 from fusedzero.app.ckpt_cli import main as cli_main
 from fusedzero.app.model import GPT
 from fusedzero.optim import ZeroAdamW
@@ -397,22 +398,22 @@ def w_cross_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     saved = snapshot(opt)
     train(model, opt, 1, seed=10 + rank)
     before = snapshot(opt)
-    real = ckformat.ShardReaders.slice
+    real = ckshardfile.ShardFile.read_slices
 
-    def vanished(self: Any, fname: str, tensor: str, a: int, b: int) -> torch.Tensor:
-        if tensor.endswith("exp_avg_sq"):
-            raise FileNotFoundError(2, "No such file or directory", str(self.d / fname))
-        return real(self, fname, tensor, a, b)
+    def vanished(self: Any, slices: list[Any], *, hashed: bool) -> str:
+        if any(s.tensor.endswith("exp_avg_sq") for s in slices):
+            raise FileNotFoundError(2, "No such file or directory", str(self.path))
+        return real(self, slices, hashed=hashed)
 
-    if rank == 1:
-        ckformat.ShardReaders.slice = vanished  # the file disappears between planning and reading
+    if rank == 1:  # the file disappears between planning and reading
+        ckshardfile.ShardFile.read_slices = vanished  # type: ignore[method-assign]
     try:
         ck.load(opt, Path(root) / "a")
         out["error"] = None
     except ck.CheckpointError as e:
         out["error"] = str(e)
     finally:
-        ckformat.ShardReaders.slice = real
+        ckshardfile.ShardFile.read_slices = real  # type: ignore[method-assign]
     out["untouched"] = same(snapshot(opt), before)
     ck.load(opt, Path(root) / "a")
     out["reloaded"] = same(snapshot(opt), saved)

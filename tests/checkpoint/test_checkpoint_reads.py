@@ -1,0 +1,138 @@
+"""Shard files are read through one descriptor ([Note: load what was verified] in
+checkpoint/shardfile.py): a swap between the check and the read loads nothing swapped in, a
+folder whose name is not valid UTF-8 verifies and loads, a shard that cannot be opened is
+reported as what it is. 1-rank checkpoints of a tiny model, in this process."""
+from __future__ import annotations
+
+import builtins
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fusedzero import checkpoint as ck
+from fusedzero.app.ckpt_cli import main as cli_main
+
+from _helpers import TINY_CKPT, tiny_ckpt_opt, tiny_train
+
+SHARD = "rank00000-of-00001.safetensors"
+
+
+def saved(root: Path) -> list[torch.Tensor]:
+    model, opt = tiny_ckpt_opt(TINY_CKPT)
+    tiny_train(model, opt, 2)
+    ck.save(opt, root, step=2)
+    st = opt.shard_state()
+    return [t.clone() for kind in ("master", "exp_avg", "exp_avg_sq") for t in getattr(st, kind)]
+
+
+def loaded(opt: Any) -> list[torch.Tensor]:
+    st = opt.shard_state()
+    return [t.clone() for kind in ("master", "exp_avg", "exp_avg_sq") for t in getattr(st, kind)]
+
+
+def test_a_shard_swapped_after_it_was_opened_is_not_loaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A concurrent writer renames a shard of the same size and header over the one being
+    loaded, right after the loader first opened it: what loads is what was hashed (before:
+    hashed by one open, read by another, the tampered bytes loaded without an error)."""
+    root = tmp_path / "r"
+    want = saved(root)
+    shard = root / "step-00000002" / SHARD
+    data = bytearray(shard.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")  # the first tensor's first element
+    data[start:start + 4] = b"\x00\x00\xc0\x7f"  # a NaN: same size, same header
+    evil = tmp_path / "evil"
+    evil.write_bytes(bytes(data))
+    swapped: list[bool] = []
+
+    def swap_once(p: Any) -> None:
+        if not swapped and os.fsdecode(p) == str(shard):
+            swapped.append(True)
+            os.replace(evil, shard)
+
+    real_open, real_os_open = builtins.open, os.open
+
+    def hooked_open(p: Any, *a: Any, **k: Any) -> Any:
+        f = real_open(p, *a, **k)
+        if not isinstance(p, int):
+            swap_once(p)
+        return f
+
+    def hooked_os_open(p: Any, *a: Any, **k: Any) -> int:
+        fd = real_os_open(p, *a, **k)
+        swap_once(p)
+        return fd
+
+    model, opt = tiny_ckpt_opt(TINY_CKPT)
+    monkeypatch.setattr(builtins, "open", hooked_open)
+    monkeypatch.setattr(os, "open", hooked_os_open)
+    try:
+        ck.load(opt, root)
+    except ck.CheckpointError as e:  # refusing it is as good as loading the original
+        assert "sha256 mismatch" in str(e), e
+        return
+    finally:
+        monkeypatch.undo()
+    assert swapped
+    got = loaded(opt)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), \
+        "bytes swapped in after the hash were loaded"
+
+
+def test_a_folder_whose_name_is_not_utf8_saves_verifies_loads_and_exports(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / os.fsdecode(b"ck-\xff\xfe")
+    want = saved(root)
+    ck.verify(root)
+    assert ck.find_latest(root).path == root / "step-00000002"
+    model, opt = tiny_ckpt_opt(TINY_CKPT)
+    ck.load(opt, root)
+    assert all(torch.equal(a, b) for a, b in zip(loaded(opt), want, strict=True))
+    assert cli_main(["ckpt", "verify", str(root)]) == 0
+    assert cli_main(["ckpt", "inspect", str(root)]) == 0
+    out = root / "model.safetensors"
+    assert cli_main(["ckpt", "export", str(root / "step-00000002"), str(out)]) == 0, \
+        capsys.readouterr().err
+    cap = capsys.readouterr()
+    assert "ok: " in cap.out and "\\udcff" in cap.out and not cap.err, cap
+    assert out.stat().st_size > 0
+
+
+def test_an_unreadable_shard_is_permission_denied(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mode-000 shard (simulated: tests may run as root, which reads anything)."""
+    root = tmp_path / "r"
+    saved(root)
+    shard = root / "step-00000002" / SHARD
+    real = os.open
+
+    def denied(p: Any, *a: Any, **k: Any) -> int:
+        if os.fsdecode(p) == str(shard):
+            raise PermissionError(13, "Permission denied", os.fsdecode(p))
+        return real(p, *a, **k)
+
+    monkeypatch.setattr(os, "open", denied)
+    model, opt = tiny_ckpt_opt(TINY_CKPT)
+    for call in (lambda: ck.verify(root), lambda: ck.load(opt, root)):
+        with pytest.raises(ck.CheckpointError, match=f"{SHARD}: permission denied") as e:
+            call()
+        assert "No such file" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "folder"])
+def test_a_shard_that_is_no_regular_file_is_refused_at_once(tmp_path: Path, kind: str) -> None:
+    root = tmp_path / "r"
+    saved(root)
+    shard = root / "step-00000002" / SHARD
+    shard.unlink()
+    os.mkfifo(shard) if kind == "fifo" else shard.mkdir()
+    model, opt = tiny_ckpt_opt(TINY_CKPT)
+    for call in (lambda: ck.verify(root), lambda: ck.load(opt, root)):
+        with pytest.raises(ck.CheckpointError, match="is a FIFO" if kind == "fifo"
+                           else "is a folder"):
+            call()
+    shutil.rmtree(root)
