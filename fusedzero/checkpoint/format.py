@@ -188,7 +188,11 @@ class SafetensorsWriter:
         self._sha = hashlib.sha256()
         self._n = 0
         self._next = 0
-        self._write(memoryview(struct.pack("<Q", len(hb)) + hb))
+        try:  # a full disk at the first write leaves no temporary behind either
+            self._write(memoryview(struct.pack("<Q", len(hb)) + hb))
+        except BaseException:
+            self.abort()
+            raise
 
     def _write(self, data: memoryview) -> None:
         for i in range(0, len(data), _CHUNK):
