@@ -98,8 +98,9 @@ class ExportFiles:
     place and the index last. Killed or out of space before that, the old export is intact
     (its index names its own shards); killed during the renames, there is no index, so no
     reader can take a mix of two exports for one. Every shard's header and the index carry
-    the export's id (`EXPORT_ID`): `import_weights` refuses an index over shards of another
-    export (files copied together by hand)."""
+    the export's random id (`EXPORT_ID`; a single file carries none: its bytes depend on the
+    weights alone): `import_weights` refuses an index over shards of another export (files
+    copied together by hand)."""
 
     def __init__(self, cut: list[list[int]], paths: list[Path], index: Path | None) -> None:
         self.cut, self.paths, self.index = cut, paths, index
@@ -123,7 +124,9 @@ class ExportFiles:
         """Write file `k` (into the staging folder when sharded): `tensors` in the order of
         `specs`; a failure leaves no temporary behind."""
         p = self.paths[k] if self.stage is None else self.stage / self.paths[k].name
-        w = SafetensorsWriter(p, specs, {"format": "pt", EXPORT_ID: self.id})
+        # One file has no index to mix it up with: its bytes depend on the weights alone.
+        meta = {"format": "pt"} if self.stage is None else {"format": "pt", EXPORT_ID: self.id}
+        w = SafetensorsWriter(p, specs, meta)
         try:
             for name, t in tensors:
                 w.write(name, t)
