@@ -26,7 +26,7 @@ from fusedzero.checkpoint.saving import wait_pending
 from fusedzero.checkpoint.shardfile import ShardFile, Slice
 from fusedzero.checkpoint.tp_reshard import across_tp, read_across
 from fusedzero.memory_modes import QBLOCK
-from fusedzero.state import ShardState, fields_of
+from fusedzero.state import TENSOR_FIELDS, ShardState, fields_of
 from fusedzero.validate import check_hyper
 
 if TYPE_CHECKING:
@@ -118,6 +118,7 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
             if manifest["version"] < VERSION:  # one problem: convert it
                 raise CheckpointError(file_problems(d, manifest, [], False)[0])
             staged = _read_staged(d, manifest, infos, reads, peak, verify)
+        _check_values(staged, d)
         if load_hyperparams:
             groups = _staged_groups(opt, manifest["param_groups"], d)
         state = _staged_state(manifest, rank, opt.replica_rank, d, restore_rng)
@@ -213,6 +214,27 @@ def _read_staged(d: Path, manifest: dict[str, Any], infos: list[ShardInfo],
         if why is not None:
             raise CheckpointError(f"checkpoint {d}:\n  {why}")
     return ShardState(**out, modes=saved)
+
+
+def _check_values(staged: ShardState, d: Path) -> None:
+    """Every staged float finite, every second moment >= 0: a NaN or Inf (a diverged run, an
+    edited shard whose sha256 was updated too) would train the params to NaN, and the next save
+    would make it `latest`. One pass over the staging buffers, on the host."""
+    for kind in TENSOR_FIELDS:
+        for i, t in enumerate(getattr(staged, kind) or ()):
+            if not t.is_floating_point():
+                continue  # int8 codes: every value is one
+            bad = ~torch.isfinite(t)
+            if kind == "exp_avg_sq":
+                bad |= t < 0
+            n = int(bad.sum())
+            if n:
+                j = int(bad.nonzero()[0, 0])
+                raise CheckpointError(
+                    f"checkpoint {d}: its {kind} (buffer {i}) holds {n} value(s) that are "
+                    f"{'negative or ' if kind == 'exp_avg_sq' else ''}not finite, the first "
+                    f"{float(t[j])} at element {j}: saved from a diverged run or edited; "
+                    "resume from an earlier step")
 
 
 def _staged_state(manifest: dict[str, Any], rank: int, replica: int, d: Path,

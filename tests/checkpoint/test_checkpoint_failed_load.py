@@ -21,7 +21,8 @@ from fusedzero import checkpoint as ck
 from fusedzero.app.ckpt_cli import main as cli_main
 from fusedzero.optim import ZeroAdamW
 
-from _helpers import TINY_CKPT, copy_root, tiny_ckpt_opt, tiny_train, two_step_root
+from _helpers import (TINY_CKPT, copy_root, rewrite_shard, tiny_ckpt_opt, tiny_train,
+                      two_step_root)
 
 
 @pytest.fixture(scope="module")
@@ -156,3 +157,31 @@ def test_byte_flips_in_a_packed_state_fail_whole_or_load_whole(good: Path,
             refused += 1
             assert identical(everything(opt), before), f"flip at {i} changed something"
     assert refused >= 2
+
+
+def _poison(root: Path, tensor: str, value: float) -> None:
+    """Element 0 of shard tensor `tensor` set to `value`, the manifest's size and sha256
+    updated to match (so only the value check can catch it)."""
+    def edit(k: str, t: torch.Tensor) -> torch.Tensor:
+        if k == tensor:
+            t[0] = value
+        return t
+    rewrite_shard(ck.resolve(root), edit)
+
+
+@pytest.mark.parametrize("tensor, value", [("fg0.master", float("nan")),
+                                           ("fg1.exp_avg", float("inf")),
+                                           ("fg0.exp_avg_sq", float("-inf")),
+                                           ("fg0.exp_avg_sq", -1.0)])
+def test_non_finite_saved_states_fail_the_load_and_change_nothing(
+        good: Path, tmp_path: Path, tensor: str, value: float) -> None:
+    root = copy_root(good, tmp_path)
+    _poison(root, tensor, value)
+    model, opt = tiny_ckpt_opt(TINY_CKPT)
+    tiny_train(model, opt, 1, seed=7)
+    before = everything(opt)
+    kind = tensor.split(".")[1]
+    with pytest.raises(ck.CheckpointError, match=rf"its {kind} \(buffer \d\) holds 1 value\(s\) "
+                                                 r"that are .*not finite, the first"):
+        ck.load(opt, root)
+    assert identical(everything(opt), before)

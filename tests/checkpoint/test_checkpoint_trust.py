@@ -30,7 +30,8 @@ from fusedzero.checkpoint import catalog
 from fusedzero.checkpoint import saving
 from fusedzero.optim import ZeroAdamW
 
-from _helpers import TINY_CKPT, copy_root as copy, tiny_ckpt_opt, tiny_train, two_step_root
+from _helpers import (TINY_CKPT, copy_root as copy, rewrite_shard, tiny_ckpt_opt, tiny_train,
+                      two_step_root)
 
 CFG = TINY_CKPT
 SHARD = "rank00000-of-00001.safetensors"
@@ -184,22 +185,6 @@ def test_consistent_manifest_edit_is_refused_by_the_shard_header(
     assert ck.find_latest(root).path.name == "step-00000001"  # resume takes the previous one
 
 
-def _rewrite_shard(d: Path, edit: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
-    """Rewrite the shard with its own header rows, tensors changed by `edit`, and the manifest's
-    size and sha256 updated to match: only the tensor check can catch it."""
-    p = d / SHARD
-    with safe_open(p, framework="pt") as f:
-        meta = f.metadata()
-        tensors = {k: edit(k, f.get_tensor(k)) for k in f.keys()}
-    w = ck.SafetensorsWriter(p, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], meta)
-    for k, t in tensors.items():
-        w.write(k, t)
-    size, sha = w.close()
-    m = json.loads((d / ck.MANIFEST).read_text())
-    m["files"][0].update(bytes=size, sha256=sha)
-    (d / ck.MANIFEST).write_text(json.dumps(m))
-
-
 @pytest.mark.parametrize("edit, words", [
     (lambda k, t: t.bfloat16() if k == "fg0.exp_avg" else t,
      "fg0.exp_avg is BF16 [{n}], the manifest implies F32 [{n}]"),
@@ -212,7 +197,7 @@ def test_shard_tensors_are_checked_before_anything_is_allocated(
     root = copy(good, tmp_path)
     d = ck.resolve(root)
     n = manifest_of(root)[1]["files"][0]["groups"][0]["local_numel"]
-    _rewrite_shard(d, edit)
+    rewrite_shard(d, edit)
     want = words.format(n=n, m=n - 128)
     for call in (lambda: ck.verify(root), lambda: ck.export(root, tmp_path / "o.safetensors"),
                  lambda: ck.load(build()[1], root)):
