@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fusedzero import checkpoint, dtypes
+from fusedzero.app.runlock import RunLock
 from fusedzero.checkpoint.placements import check_bound, check_folder, folder
 from fusedzero.checkpoint.placements import read as tp_record
 
@@ -97,16 +98,8 @@ def run_ckpt(args: argparse.Namespace) -> int:
                     print(f"== {label}: {d}")
                 status = max(status, one(d))
             return status
-        if args.ckpt_command == "upgrade" and tp_record(Path(args.dir)) is not None:
-            from fusedzero.checkpoint.tp_upgrade import upgrade_tp
-            print(f"wrote {upgrade_tp(args.dir, args.out)} (a tensor-parallel root, its tp "
-                  "folders bound to its record)")
-            return 0
         if args.ckpt_command == "upgrade":
-            from fusedzero.checkpoint.upgrade import upgrade
-            d = upgrade(args.dir, args.out)
-            print(f"wrote {d} (format version {checkpoint.read_manifest(d)['version']})")
-            return 0
+            return _upgrade(args.dir, args.out)
         if args.ckpt_command == "import-dcp":
             from fusedzero.checkpoint.dcp import run_import_dcp
             return run_import_dcp(args)
@@ -136,6 +129,22 @@ def run_ckpt(args: argparse.Namespace) -> int:
         print(f"fusedzero: error: {msg}", file=sys.stderr)
         return 2
     raise AssertionError(args.ckpt_command)
+
+
+def _upgrade(src: str, out: str) -> int:
+    """Convert into root `out` holding its run lock (fusedzero/app/runlock.py): a live run's
+    keep-last in that root cannot delete what the conversion writes, nor the conversion
+    write into a root a run is saving to."""
+    with RunLock(out):
+        if tp_record(Path(src)) is not None:
+            from fusedzero.checkpoint.tp_upgrade import upgrade_tp
+            print(f"wrote {upgrade_tp(src, out)} (a tensor-parallel root, its tp folders bound "
+                  "to its record)")
+            return 0
+        from fusedzero.checkpoint.upgrade import upgrade
+        d = upgrade(src, out)
+        print(f"wrote {d} (format version {checkpoint.read_manifest(d)['version']})")
+        return 0
 
 
 def _each_tp_folder(path: str) -> list[tuple[str, str]]:
@@ -193,12 +202,23 @@ def _inspect(path: str) -> int:
         ok &= f["ok"]
         print(f"{f['name']:<{width}}  {f['bytes']:>12,}  {status}")
     print()
-    width = max(len(p["name"]) for p in m["params"])
+    if not m["params"]:
+        print("params       none: this checkpoint holds no parameters")
+        return 0 if ok else 1
+    names = [_shown(p["name"]) for p in m["params"]]
+    width = max(len(n) for n in names)
     print(f"{'param':<{width}}  {'shape':<16} dtype")
-    for p in m["params"]:
-        alias = f"  (also {', '.join(p['aliases'])})" if p.get("aliases") else ""
-        print(f"{p['name']:<{width}}  {str(tuple(p['shape'])):<16} {p['dtype']}{alias}")
+    for p, name in zip(m["params"], names):
+        alias = (f"  (also {', '.join(_shown(a) for a in p['aliases'])})" if p.get("aliases")
+                 else "")
+        print(f"{name:<{width}}  {str(tuple(p['shape'])):<16} {p['dtype']}{alias}")
     return 0 if ok else 1
+
+
+def _shown(name: str) -> str:
+    """A name from a manifest as printed: itself when printable, else escaped (a name holding
+    terminal escape sequences must not run them)."""
+    return name if name.isprintable() else ascii(name)
 
 
 def main(argv: list[str] | None = None) -> int:
