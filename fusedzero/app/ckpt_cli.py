@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fusedzero import checkpoint, dtypes
-from fusedzero.app.runlock import RunLock
+from fusedzero.app.runlock import LOCK_NAME, RunLock
 from fusedzero.checkpoint.placements import check_bound, check_folder, folder
 from fusedzero.checkpoint.placements import read as tp_record
 
@@ -138,8 +138,8 @@ def _upgrade(src: str, out: str) -> int:
     with RunLock(out):
         if tp_record(Path(src)) is not None:
             from fusedzero.checkpoint.tp_upgrade import upgrade_tp
-            print(f"wrote {upgrade_tp(src, out)} (a tensor-parallel root, its tp folders bound "
-                  "to its record)")
+            print(f"wrote {upgrade_tp(src, out, allowed={LOCK_NAME})} (a tensor-parallel root, "
+                  "its tp folders bound to its record)")
             return 0
         from fusedzero.checkpoint.upgrade import upgrade
         d = upgrade(src, out)
