@@ -77,10 +77,11 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     first malformed field."""
     d = resolve(path)
     f = d / MANIFEST
+    fd = open_regular(f, "manifest")  # never through a link, never waiting on a FIFO
     try:
         # At most MAX_MANIFEST + 1 bytes are read (see its computation in manifest.py), and no
         # buffer is sized beyond the file (read(n) allocates n bytes up front).
-        with open(f, "rb") as fh:
+        with os.fdopen(fd, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             raw = fh.read(min(size, MAX_MANIFEST) + 1)
     except OSError as e:

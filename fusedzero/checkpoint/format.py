@@ -331,16 +331,6 @@ def write_text_atomic(path: Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(4 << 20)  # one reused 4 MiB buffer: hashing a file allocates nothing more
-    view = memoryview(buf)
-    with open(path, "rb") as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
 class Peak:
     """Bytes of the staging buffers this module allocates (exact, from the tensors): the live
     total and its peak. Mapped file pages (safetensors reads through mmap) are not counted."""

@@ -136,3 +136,14 @@ def test_a_shard_that_is_no_regular_file_is_refused_at_once(tmp_path: Path, kind
                            else "is a folder"):
             call()
     shutil.rmtree(root)
+
+
+def test_a_symlinked_manifest_is_refused_not_followed(tmp_path: Path) -> None:
+    root = tmp_path / "r"
+    saved(root)
+    m = root / "step-00000002" / ck.MANIFEST
+    elsewhere = tmp_path / "elsewhere.json"
+    m.rename(elsewhere)
+    m.symlink_to(elsewhere)
+    with pytest.raises(ck.CheckpointError, match="manifest .* is a symlink"):
+        ck.read_manifest(root)
