@@ -171,9 +171,11 @@ def _verify(path: str) -> int:
         print(f"FAILED {line}")
     n = len(checkpoint.read_manifest(d)["files"])
     if bad:
-        print(f"{d}: {len(bad)} of {n} shard file(s) failed verification")
+        print(f"{d}: failed verification, {len(bad)} problem(s) ({n} shard file(s), the "
+              "rank states and the folder's name checked)")
         return 1
-    print(f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest")
+    print(f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest; rank "
+          "states and folder name sound")
     return 0
 
 
