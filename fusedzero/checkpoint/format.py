@@ -287,13 +287,14 @@ def file_kind(mode: int) -> str:
                  if test(mode)), "not a regular file")
 
 
-def open_regular(path: Path, what: str) -> int:
+def open_regular(path: Path, what: str, *, follow: bool = False) -> int:
     """A read-only descriptor of the regular file `path`, or CheckpointError in one line: a
-    symlink is not followed (O_NOFOLLOW), a FIFO is not waited on (O_NONBLOCK), a folder or
-    device is refused (fstat of what was opened, so nothing swapped in between is read), and a
-    missing file and a permission denied are told apart. Nothing of the file is read."""
-    flags = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-             | getattr(os, "O_CLOEXEC", 0))
+    symlink is not followed (O_NOFOLLOW; with `follow`, a user's input such as a Hugging Face
+    cache's config.json, it is), a FIFO is not waited on (O_NONBLOCK), a folder or device is
+    refused (fstat of what was opened, so nothing swapped in between is read), and a missing
+    file and a permission denied are told apart. Nothing of the file is read."""
+    flags = (os.O_RDONLY | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
+             | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         fd = os.open(path, flags)
     except OSError as e:

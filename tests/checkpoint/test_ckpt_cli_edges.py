@@ -3,6 +3,7 @@ Python error or raw bytes on the terminal. 1-rank checkpoints of a tiny model, i
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -87,3 +88,19 @@ def test_upgrade_takes_the_run_lock_of_its_output(tmp_path: Path,
     assert not ck.list_checkpoints(out)
     assert cli_main(["ckpt", "upgrade", str(src), str(out)]) == 0
     assert len(ck.list_checkpoints(out)) == 1
+
+
+@pytest.mark.parametrize("make, words", [
+    (lambda p: os.mkfifo(p), "is a FIFO"),  # before: export waited on it for ever
+    (lambda p: p.write_text("[" * 100_000 + "]" * 100_000), "nested too deeply"),
+])
+def test_export_hf_config_that_is_a_fifo_or_too_deep_is_one_line(
+        one: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], make: object,
+        words: str) -> None:
+    cfg = tmp_path / "config.json"
+    make(cfg)  # type: ignore[operator]
+    assert cli_main(["ckpt", "export", str(one), str(tmp_path / "out"), "--hf-config",
+                     str(cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and words in err, err
+    assert not (tmp_path / "out").exists()
