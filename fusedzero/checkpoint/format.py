@@ -77,7 +77,7 @@ tensors, every param element covered exactly once) before anything reads it.
 A segment `[param, start, length, local]` says: elements `[start, start+length)` of the flattened
 param `param` are elements `[local, local+length)` of that file's `fg{i}.*` tensors. Loading at any
 world size or stage intersects these with the new optimizer's segments and reads only the
-overlapping slices (`safe_open(...).get_slice`).
+overlapping slices (through one descriptor per file: `shardfile.py`).
 
 Atomicity. Every file is written under a temporary name, fsynced and renamed. A save writes into
 `.step-N.tmp/`; rank 0 writes the manifest there last, renames the directory to `step-N`, and
