@@ -2,9 +2,8 @@
 
 `resolve` turns a path into a checkpoint directory, `read_manifest` parses and validates its
 manifest (`manifest.py`), `verify` / `problems` check the shard files against it (size, header,
-sha256, rank states, the folder's name), `find_latest` picks what `latest` names (see [Note:
-latest decides]), `inspect` summarises one. Nothing here
-writes.
+sha256, rank states, the folder's name), `find_latest` picks what `latest` names
+(see [Note: latest decides]), `inspect` summarises one. Nothing here writes.
 """
 from __future__ import annotations
 
