@@ -17,26 +17,31 @@ from fusedzero import checkpoint as ck
 from fusedzero.app.ckpt_cli import main as cli_main
 from fusedzero.app.model import GPTConfig
 
-from _helpers import TINY_CKPT, tiny_ckpt_opt, tiny_train
+from _helpers import TINY_CKPT, copy_root, tiny_ckpt_opt, tiny_train
 
 
 def steps(root: Path) -> list[int]:
     return [int(p.name.removeprefix("step-")) for p in ck.list_checkpoints(root)]
 
 
-@pytest.fixture()
-def branched(tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def branched_once(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Steps 2, 4, 6, 8 of one run, then the run resumed from step 2 and saved step 4 again:
     `latest` names the branch's step 4, the old branch's 6 and 8 are still there."""
-    root = tmp_path / "br"
+    root = tmp_path_factory.mktemp("br") / "br"
     model, opt = tiny_ckpt_opt(TINY_CKPT)
+    tiny_train(model, opt, 1)
     for step in (2, 4, 6, 8):
-        tiny_train(model, opt, 1, seed=step)
         ck.save(opt, root, step=step)
     ck.load(opt, root / "step-00000002")
     tiny_train(model, opt, 1, seed=40)
     ck.save(opt, root, step=4)
     return root
+
+
+@pytest.fixture()
+def branched(branched_once: Path, tmp_path: Path) -> Path:
+    return copy_root(branched_once, tmp_path)
 
 
 def test_resume_takes_what_latest_names_not_the_highest_step(branched: Path) -> None:
@@ -87,10 +92,7 @@ def test_overwrite_killed_while_removing_the_old_folders(tmp_path: Path) -> None
     root = tmp_path / "ow"
     model, opt = tiny_ckpt_opt(TINY_CKPT)
     for step in (2, 4, 6):
-        tiny_train(model, opt, 1, seed=step)
         ck.save(opt, root, step=step)
-    model, opt = tiny_ckpt_opt(TINY_CKPT)
-    tiny_train(model, opt, 1, seed=99)
     ck.save(opt, root, step=2)  # the new run's first save; the removal never happened
     assert ck.find_latest(root).path.name == "step-00000002"
 
