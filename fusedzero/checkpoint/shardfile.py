@@ -207,11 +207,13 @@ class ShardFile:
                 first += bytes(chunk[:len(head.raw) - pos])
             while i < len(spans) and spans[i][0] + len(spans[i][1]) <= pos:
                 i += 1
-            for at, dst in spans[i:]:  # every span overlapping [pos, pos + n)
-                if at >= pos + n:
-                    break
+            j = i
+            while j < len(spans) and spans[j][0] < pos + n:  # every span overlapping the chunk
+                at, dst = spans[j]
                 a, b = max(at, pos), min(at + len(dst), pos + n)
-                dst[a - at:b - at] = chunk[a - pos:b - pos]
+                if a < b:
+                    dst[a - at:b - at] = chunk[a - pos:b - pos]
+                j += 1
             pos += n
         if head is not None and first != head.raw:
             raise CheckpointError(f"{self.path}: its header changed while it was read")

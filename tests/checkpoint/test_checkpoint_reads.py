@@ -147,3 +147,34 @@ def test_a_symlinked_manifest_is_refused_not_followed(tmp_path: Path) -> None:
     m.symlink_to(elsewhere)
     with pytest.raises(ck.CheckpointError, match="manifest .* is a symlink"):
         ck.read_manifest(root)
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 1 << 20])
+def test_slices_read_while_hashing_cross_chunk_boundaries(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    """The streamed read (a chunk of 7 bytes splits every element and the header) gives the
+    same slices as direct reads and the file's sha256."""
+    import hashlib
+
+    from fusedzero.checkpoint import shardfile
+    monkeypatch.setattr(shardfile, "_CHUNK", chunk)
+    p = tmp_path / "t.safetensors"
+    a = torch.arange(53, dtype=torch.float32) * 1.5
+    b = torch.arange(-20, 21, dtype=torch.int64)
+    c = torch.arange(37, dtype=torch.float32).to(torch.bfloat16)
+    w = ck.SafetensorsWriter(p, [("a", a.dtype, (53,)), ("b", b.dtype, (41,)),
+                                 ("c", c.dtype, (37,))], {"k": "v"})
+    for name, t in (("a", a), ("b", b), ("c", c)):
+        w.write(name, t)
+    w.close()
+    want = [("a", 0, 53), ("a", 17, 5), ("b", 3, 30), ("c", 36, 1), ("c", 0, 0), ("b", 40, 1)]
+    src = {"a": a, "b": b, "c": c}
+    for hashed in (True, False):
+        dsts = [torch.empty(n, dtype=src[k].dtype) for k, _, n in want]
+        with shardfile.ShardFile(p) as f:
+            assert f.header().meta == {"k": "v"}
+            got = f.read_slices([shardfile.Slice(k, s, d) for (k, s, _), d in zip(want, dsts)],
+                                hashed=hashed)
+        assert got == (hashlib.sha256(p.read_bytes()).hexdigest() if hashed else "")
+        for (k, s, n), d in zip(want, dsts):
+            assert torch.equal(d, src[k][s:s + n]), (hashed, k, s, n)
