@@ -37,7 +37,7 @@ _ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I16":
              "U8": 1, "BOOL": 1}
 
 
-class Tensor(NamedTuple):
+class Entry(NamedTuple):
     """One tensor of a safetensors header: its dtype code, shape, and bytes in the file."""
 
     dtype: str
@@ -48,7 +48,7 @@ class Tensor(NamedTuple):
 
 class Header(NamedTuple):
     meta: dict[str, str]  # __metadata__
-    tensors: dict[str, Tensor]
+    tensors: dict[str, Entry]
     raw: bytes  # the file's first bytes, the header (8 + its JSON), as parsed
 
     def have(self) -> dict[str, tuple[str, list[int]]]:
@@ -97,7 +97,7 @@ def read_header(fd: int, size: int, path: Path) -> Header:
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise CheckpointError(f"{path}: safetensors __metadata__ is not an object of strings")
     data = 8 + n
-    tensors: dict[str, Tensor] = {}
+    tensors: dict[str, Entry] = {}
     spans = []
     for k, t in h.items():
         where = f"{path}: safetensors header entry {snippet(k)}"
@@ -115,7 +115,7 @@ def read_header(fd: int, size: int, path: Path) -> Header:
         if off[1] - off[0] != nbytes:
             raise CheckpointError(f"{where}: data_offsets {off} hold {off[1] - off[0]} bytes, "
                                   f"its shape and dtype {nbytes}")
-        tensors[k] = Tensor(dt, tuple(shape), data + off[0], nbytes)
+        tensors[k] = Entry(dt, tuple(shape), data + off[0], nbytes)
         spans.append((off[0], off[1]))
     end = 0
     for a, b in sorted(spans):  # the tensors tile the data: no gap, no overlap, no tail
