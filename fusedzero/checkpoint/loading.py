@@ -49,8 +49,10 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
          check_caller: Callable[[Any], None] | None = None) -> Loaded:
     """Load a checkpoint into `opt` at any world size and stage. Collective and transactional.
 
-    `path` is a checkpoint directory or a root with `latest` (`find_latest` picks the newest
-    verified one). The manifest is validated against the format's schema first. The saved param
+    `path` is a checkpoint directory or a root, whose `latest` names the one loaded (a broken
+    `latest` is an error here; `find_latest` is what falls back, with its reasons). The
+    manifest is validated against the format's schema first, and the folder's name against its
+    step. The saved param
     table must match the optimizer's (by name and shape) or ValueError lists the differences.
     Each rank opens only the shard files that hold its new segments, verifies them (size and
     header always; sha256 with `verify`, of the very bytes it stages: see [Note: load what was
