@@ -108,7 +108,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from fusedzero import dtypes
 from fusedzero.checkpoint.manifest import CheckpointError
@@ -378,43 +377,3 @@ def remove(p: Path, quiet: bool = False) -> None:
     except OSError:
         if not quiet:
             raise
-
-
-class ShardReaders:
-    """Open safetensors files and slice handles, opened on first use, closed together."""
-
-    def __init__(self, d: Path) -> None:
-        self.d = d
-        self._stack = contextlib.ExitStack()
-        self._files: dict[str, Any] = {}
-        self._slices: dict[tuple[str, str], Any] = {}
-
-    def __enter__(self) -> ShardReaders:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stack.close()
-
-    def file(self, fname: str) -> Any:
-        f = self._files.get(fname)
-        if f is None:
-            # By descriptor: no link followed, and safetensors (whose Rust reader takes UTF-8
-            # paths only) reads a folder of any name through /proc/self/fd.
-            fd = open_regular(self.d / fname, "shard file")
-            self._stack.callback(os.close, fd)
-            proc = f"/proc/self/fd/{fd}"
-            try:
-                f = self._stack.enter_context(safe_open(
-                    proc if os.path.exists(proc) else self.d / fname, framework="pt"))
-            except Exception as e:  # noqa: BLE001
-                raise CheckpointError(f"{self.d / fname}: cannot open ({e})") from None
-            self._files[fname] = f
-        return f
-
-    def slice(self, fname: str, tensor: str, a: int, b: int) -> torch.Tensor:
-        """Elements [a, b) of a 1-D tensor: only those bytes are read."""
-        key = (fname, tensor)
-        s = self._slices.get(key)
-        if s is None:
-            s = self._slices[key] = self.file(fname).get_slice(tensor)
-        return s[a:b]

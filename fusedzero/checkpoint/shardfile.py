@@ -16,6 +16,7 @@ checks), before anything is allocated for it.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -25,8 +26,9 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
+from safetensors import safe_open
 
-from fusedzero.checkpoint.format import ST_DTYPE, raw_bytes, open_regular
+from fusedzero.checkpoint.format import ST_DTYPE, open_regular, raw_bytes
 from fusedzero.checkpoint.manifest import CheckpointError, snippet
 
 # safetensors' own cap on a header (its reader refuses more): 100 MB.
@@ -218,3 +220,57 @@ class ShardFile:
         if head is not None and first != head.raw:
             raise CheckpointError(f"{self.path}: its header changed while it was read")
         return sha.hexdigest()
+
+
+class ShardReaders:
+    """Safetensors files of folder `d` and their slice handles, opened on first use, closed
+    together. Each file is opened once by descriptor (`ShardFile`) and handed to safetensors
+    as /proc/self/fd/N, the same file whatever is renamed over its path since (and a folder
+    whose name is not UTF-8 reads too). With `sha256` (file name -> the manifest's digest) a
+    file is hashed through that descriptor when first opened: what is read is what was
+    verified (see [Note: load what was verified])."""
+
+    def __init__(self, d: Path, sha256: dict[str, str] | None = None) -> None:
+        self.d = d
+        self._sha256 = sha256
+        self._stack = contextlib.ExitStack()
+        self._files: dict[str, Any] = {}
+        self._slices: dict[tuple[str, str], Any] = {}
+
+    def __enter__(self) -> ShardReaders:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    def file(self, fname: str) -> Any:
+        f = self._files.get(fname)
+        if f is None:
+            p = self.d / fname
+            sf = self._stack.enter_context(ShardFile(p))
+            if self._sha256 is not None:
+                got = sf.sha256()
+                if got != self._sha256[fname]:
+                    raise CheckpointError(f"{p}: sha256 mismatch (expected "
+                                          f"{self._sha256[fname]}, got {got})")
+            proc = f"/proc/self/fd/{sf.fd}"
+            try:
+                f = self._stack.enter_context(safe_open(
+                    proc if os.path.exists(proc) else p, framework="pt"))
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"{p}: cannot open ({e})") from None
+            self._files[fname] = f
+        return f
+
+    def slice(self, fname: str, tensor: str, a: int, b: int) -> torch.Tensor:
+        """Elements [a, b) of a 1-D tensor: only those bytes are read."""
+        key = (fname, tensor)
+        s = self._slices.get(key)
+        if s is None:
+            s = self._slices[key] = self.file(fname).get_slice(tensor)
+        return s[a:b]
+
+
+def digests(manifest: dict[str, Any]) -> dict[str, str]:
+    """File name -> sha256 of a validated manifest's shards (for `ShardReaders`)."""
+    return {e["name"]: e["sha256"] for e in manifest["files"]}

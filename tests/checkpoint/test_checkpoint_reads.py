@@ -34,19 +34,10 @@ def loaded(opt: Any) -> list[torch.Tensor]:
     return [t.clone() for kind in ("master", "exp_avg", "exp_avg_sq") for t in getattr(st, kind)]
 
 
-def test_a_shard_swapped_after_it_was_opened_is_not_loaded(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A concurrent writer renames a shard of the same size and header over the one being
-    loaded, right after the loader first opened it: what loads is what was hashed (before:
-    hashed by one open, read by another, the tampered bytes loaded without an error)."""
-    root = tmp_path / "r"
-    want = saved(root)
-    shard = root / "step-00000002" / SHARD
-    data = bytearray(shard.read_bytes())
-    start = 8 + int.from_bytes(data[:8], "little")  # the first tensor's first element
-    data[start:start + 4] = b"\x00\x00\xc0\x7f"  # a NaN: same size, same header
-    evil = tmp_path / "evil"
-    evil.write_bytes(bytes(data))
+def _swap_after_first_open(monkeypatch: pytest.MonkeyPatch, shard: Path, evil: Path
+                           ) -> list[bool]:
+    """Rename `evil` over `shard` right after the first open of `shard` (by `open` or
+    `os.open`), as a concurrent writer would; returns a list that holds True once done."""
     swapped: list[bool] = []
 
     def swap_once(p: Any) -> None:
@@ -67,9 +58,32 @@ def test_a_shard_swapped_after_it_was_opened_is_not_loaded(
         swap_once(p)
         return fd
 
-    model, opt = tiny_ckpt_opt(TINY_CKPT)
     monkeypatch.setattr(builtins, "open", hooked_open)
     monkeypatch.setattr(os, "open", hooked_os_open)
+    return swapped
+
+
+def _tampered(shard: Path, tmp_path: Path) -> Path:
+    """A copy of `shard` of the same size and header, a NaN as its first tensor's element 0."""
+    data = bytearray(shard.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")
+    data[start:start + 4] = b"\x00\x00\xc0\x7f"
+    evil = tmp_path / "evil"
+    evil.write_bytes(bytes(data))
+    return evil
+
+
+def test_a_shard_swapped_after_it_was_opened_is_not_loaded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A concurrent writer renames a shard of the same size and header over the one being
+    loaded, right after the loader first opened it: what loads is what was hashed (before:
+    hashed by one open, read by another, the tampered bytes loaded without an error)."""
+    root = tmp_path / "r"
+    want = saved(root)
+    shard = root / "step-00000002" / SHARD
+    evil = _tampered(shard, tmp_path)
+    model, opt = tiny_ckpt_opt(TINY_CKPT)
+    swapped = _swap_after_first_open(monkeypatch, shard, evil)
     try:
         ck.load(opt, root)
     except ck.CheckpointError as e:  # refusing it is as good as loading the original
@@ -81,6 +95,27 @@ def test_a_shard_swapped_after_it_was_opened_is_not_loaded(
     got = loaded(opt)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), \
         "bytes swapped in after the hash were loaded"
+
+
+def test_a_shard_swapped_during_an_export_is_not_exported(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = tmp_path / "r"
+    saved(root)
+    ck.export(root, tmp_path / "want.safetensors")
+    shard = root / "step-00000002" / SHARD
+    evil = _tampered(shard, tmp_path)
+    out = tmp_path / "out.safetensors"
+    swapped = _swap_after_first_open(monkeypatch, shard, evil)
+    try:
+        ck.export(root, out)
+    except ck.CheckpointError as e:
+        assert "sha256 mismatch" in str(e) and not out.exists(), e
+        return
+    finally:
+        monkeypatch.undo()
+    assert swapped
+    assert out.read_bytes() == (tmp_path / "want.safetensors").read_bytes(), \
+        "bytes swapped in after the hash were exported"
 
 
 def test_a_folder_whose_name_is_not_utf8_saves_verifies_loads_and_exports(
