@@ -179,3 +179,29 @@ def test_an_unreadable_step_folder_is_passed_over(branched: Path,
     found = ck.find_latest(branched)
     assert found.path.name == "step-00000006", found
     assert "Permission denied" in found.skipped[0], found.skipped
+
+
+@pytest.mark.slow
+def test_train_resume_follows_latest_after_a_branch(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The issue's case through `fusedzero train`: a run to step 8, a branch resumed from its
+    step 2 to step 4, then `--resume --keep-last 1`: resumes from the branch's step 4 (was:
+    step 8), and keep-last leaves the step `latest` names."""
+    from fusedzero.app.launch import run as train_run
+    data = tmp_path / "data.txt"
+    data.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    br = tmp_path / "br"
+    base = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
+            "--batch-size", "2", "--steps", "12", "--save-every", "2", "--eval-seqs", "2",
+            "--nproc", "1", "--device", "cpu", "--no-progress", "--sample-tokens", "0",
+            "--data", str(data)]
+    train_run(base + ["--ckpt-dir", str(br), "--stop-at", "8"])
+    train_run(base + ["--ckpt-dir", str(br / "step-00000002"), "--resume", "--stop-at", "4",
+                      "--lr", "0.001"])
+    assert (br / ck.LATEST).read_text().strip() == "step-00000004"
+    capfd.readouterr()
+    train_run(base + ["--ckpt-dir", str(br), "--resume", "--keep-last", "1", "--stop-at", "6"])
+    out = capfd.readouterr().out
+    assert "resumed from step 4 " in out, out
+    assert (br / ck.LATEST).read_text().strip() == "step-00000006"
+    assert steps(br) == [6, 8]  # the old branch's 8 waits to be replaced
