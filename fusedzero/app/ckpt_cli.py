@@ -18,7 +18,6 @@ carries `func=run_ckpt`. `python -m fusedzero.app.ckpt_cli ...` runs it alone.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
 import sys
 from pathlib import Path
@@ -85,17 +84,13 @@ def _human(n: int) -> str:
 
 def run_ckpt(args: argparse.Namespace) -> int:
     """Handler for the parsed `ckpt` namespace; returns the exit status."""
-    # A path that is not valid UTF-8 (os.fsdecode's surrogates) prints with \x escapes, not
-    # UnicodeEncodeError after the work is done.
-    with contextlib.suppress(AttributeError, ValueError):
-        sys.stdout.reconfigure(errors="backslashreplace")  # type: ignore[union-attr]
     try:
         if args.ckpt_command in ("inspect", "verify"):
             one = _inspect if args.ckpt_command == "inspect" else _verify
             status = 0
             for label, d in _each_tp_folder(args.dir):
                 if label:
-                    print(f"== {label}: {d}")
+                    _print(f"== {label}: {d}")
                 status = max(status, one(d))
             return status
         if args.ckpt_command == "upgrade":
@@ -109,24 +104,24 @@ def run_ckpt(args: argparse.Namespace) -> int:
                              dtype=dtypes.SHORT_NAMES[args.dtype],
                              max_shard_bytes=args.max_shard_size,
                              verify=not args.no_verify)
-            print(f"wrote {hf.CONFIG_NAME} and {len(r.files)} weight file(s) in {args.out}")
+            _print(f"wrote {hf.CONFIG_NAME} and {len(r.files)} weight file(s) in {args.out}")
             return 0
         if args.ckpt_command == "export":
             r = checkpoint.export(args.dir, args.out, dtype=dtypes.SHORT_NAMES[args.dtype],
                                   max_shard_bytes=args.max_shard_size,
                                   verify=not args.no_verify)
             for f in r.files:
-                print(f"wrote {f}")
+                _print(f"wrote {f}")
             if r.index is not None:
-                print(f"wrote {r.index}")
-            print(f"{_human(r.bytes)} of {args.dtype} params; peak buffer "
+                _print(f"wrote {r.index}")
+            _print(f"{_human(r.bytes)} of {args.dtype} params; peak buffer "
                   f"{_human(r.peak_buffer_bytes)}")
             return 0
     except BrokenPipeError:
         raise  # `fusedzero ckpt inspect | head`: the CLI ends quietly
     except (checkpoint.CheckpointError, ValueError, OSError) as e:
         msg = " ".join(str(e).split())  # one line, as the rest of the `fusedzero` CLI
-        print(f"fusedzero: error: {msg}", file=sys.stderr)
+        _print(f"fusedzero: error: {msg}", file=sys.stderr)
         return 2
     raise AssertionError(args.ckpt_command)
 
@@ -138,13 +133,26 @@ def _upgrade(src: str, out: str) -> int:
     with RunLock(out):
         if tp_record(Path(src)) is not None:
             from fusedzero.checkpoint.tp_upgrade import upgrade_tp
-            print(f"wrote {upgrade_tp(src, out, allowed={LOCK_NAME})} (a tensor-parallel root, "
+            _print(f"wrote {upgrade_tp(src, out, allowed={LOCK_NAME})} (a tensor-parallel root, "
                   "its tp folders bound to its record)")
             return 0
         from fusedzero.checkpoint.upgrade import upgrade
         d = upgrade(src, out)
-        print(f"wrote {d} (format version {checkpoint.read_manifest(d)['version']})")
+        _print(f"wrote {d} (format version {checkpoint.read_manifest(d)['version']})")
         return 0
+
+
+def _print(*parts: Any, **kw: Any) -> None:
+    """print, with a path that is not valid UTF-8 (os.fsdecode's surrogates) shown escaped
+    (b"\\xff" as "\\xff") instead of a UnicodeEncodeError after the work is done."""
+    print(*(_escaped(p) if isinstance(p, str) else p for p in parts), **kw)
+
+
+def _escaped(text: str) -> str:
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name decodes to
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _each_tp_folder(path: str) -> list[tuple[str, str]]:
@@ -168,13 +176,13 @@ def _verify(path: str) -> int:
     d = checkpoint.resolve(path)
     bad = checkpoint.problems(d)
     for line in bad:
-        print(f"FAILED {line}")
+        _print(f"FAILED {line}")
     n = len(checkpoint.read_manifest(d)["files"])
     if bad:
-        print(f"{d}: failed verification, {len(bad)} problem(s) ({n} shard file(s), the "
+        _print(f"{d}: failed verification, {len(bad)} problem(s) ({n} shard file(s), the "
               "rank states and the folder's name checked)")
         return 1
-    print(f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest; rank "
+    _print(f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest; rank "
           "states and folder name sound")
     return 0
 
@@ -182,15 +190,15 @@ def _verify(path: str) -> int:
 def _inspect(path: str) -> int:
     info = checkpoint.inspect(path)
     m = checkpoint.read_manifest(info["path"])
-    print(f"checkpoint   {info['path']}")
-    print(f"world size   {info['world_size']}")
-    print(f"stage        {info['stage']}")
-    print(f"step         {info['step']} (optimizer steps taken: {info['step_count']:g})")
-    print(f"params       {info['num_params']} tensors, {info['param_elements']:,} elements")
-    print(f"size         {_human(info['bytes'])} in {len(info['files'])} file(s)")
-    print()
+    _print(f"checkpoint   {info['path']}")
+    _print(f"world size   {info['world_size']}")
+    _print(f"stage        {info['stage']}")
+    _print(f"step         {info['step']} (optimizer steps taken: {info['step_count']:g})")
+    _print(f"params       {info['num_params']} tensors, {info['param_elements']:,} elements")
+    _print(f"size         {_human(info['bytes'])} in {len(info['files'])} file(s)")
+    _print()
     width = max([len(f["name"]) for f in info["files"]] + [4])
-    print(f"{'file':<{width}}  {'bytes':>12}  status")
+    _print(f"{'file':<{width}}  {'bytes':>12}  status")
     ok = True
     for f in info["files"]:
         if f.get("symlink"):
@@ -202,18 +210,18 @@ def _inspect(path: str) -> int:
         else:
             status = "ok (size; `verify` checks sha256)"
         ok &= f["ok"]
-        print(f"{f['name']:<{width}}  {f['bytes']:>12,}  {status}")
-    print()
+        _print(f"{f['name']:<{width}}  {f['bytes']:>12,}  {status}")
+    _print()
     if not m["params"]:
-        print("params       none: this checkpoint holds no parameters")
+        _print("params       none: this checkpoint holds no parameters")
         return 0 if ok else 1
     names = [_shown(p["name"]) for p in m["params"]]
     width = max(len(n) for n in names)
-    print(f"{'param':<{width}}  {'shape':<16} dtype")
+    _print(f"{'param':<{width}}  {'shape':<16} dtype")
     for p, name in zip(m["params"], names):
         alias = (f"  (also {', '.join(_shown(a) for a in p['aliases'])})" if p.get("aliases")
                  else "")
-        print(f"{name:<{width}}  {str(tuple(p['shape'])):<16} {p['dtype']}{alias}")
+        _print(f"{name:<{width}}  {str(tuple(p['shape'])):<16} {p['dtype']}{alias}")
     return 0 if ok else 1
 
 
