@@ -273,8 +273,7 @@ def other_model(manifest: dict[str, Any], opt: ZeroAdamW) -> str | None:
     first = (f"{n} is {saved[n]} there, {mine[n]} in this run" if n in saved and n in mine
              else f"{n} is only in the checkpoint" if n in saved
              else f"{n} is only in this run's model")
-    return (f"{first} ({len(differ)} of {len(set(mine) | set(saved))} param names differ; "
-            f"{len(saved)} in the checkpoint, {len(mine)} in this run)")
+    return f"{first} ({len(differ)} of {len(set(mine) | set(saved))} param names differ)"
 
 
 def resumed_line(step: int, manifest: dict[str, Any], opt: ZeroAdamW, changed: list[str]) -> str:
