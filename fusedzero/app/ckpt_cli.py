@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from fusedzero import checkpoint, dtypes
+from fusedzero.app.runlock import LOCK_NAME, RunLock
 from fusedzero.checkpoint.placements import check_bound, check_folder, folder
 from fusedzero.checkpoint.placements import read as tp_record
 
@@ -89,19 +90,11 @@ def run_ckpt(args: argparse.Namespace) -> int:
             status = 0
             for label, d in _each_tp_folder(args.dir):
                 if label:
-                    print(f"== {label}: {d}")
+                    _print(f"== {label}: {d}")
                 status = max(status, one(d))
             return status
-        if args.ckpt_command == "upgrade" and tp_record(Path(args.dir)) is not None:
-            from fusedzero.checkpoint.tp_upgrade import upgrade_tp
-            print(f"wrote {upgrade_tp(args.dir, args.out)} (a tensor-parallel root, its tp "
-                  "folders bound to its record)")
-            return 0
         if args.ckpt_command == "upgrade":
-            from fusedzero.checkpoint.upgrade import upgrade
-            d = upgrade(args.dir, args.out)
-            print(f"wrote {d} (format version {checkpoint.read_manifest(d)['version']})")
-            return 0
+            return _upgrade(args.dir, args.out)
         if args.ckpt_command == "import-dcp":
             from fusedzero.checkpoint.dcp import run_import_dcp
             return run_import_dcp(args)
@@ -113,26 +106,55 @@ def run_ckpt(args: argparse.Namespace) -> int:
                              dtype=dtypes.SHORT_NAMES[args.dtype],
                              max_shard_bytes=args.max_shard_size,
                              verify=not args.no_verify)
-            print(f"wrote {hf.CONFIG_NAME} and {len(r.files)} weight file(s) in {args.out}")
+            _print(f"wrote {hf.CONFIG_NAME} and {len(r.files)} weight file(s) in {args.out}")
             return 0
         if args.ckpt_command == "export":
             r = checkpoint.export(args.dir, args.out, dtype=dtypes.SHORT_NAMES[args.dtype],
                                   max_shard_bytes=args.max_shard_size,
                                   verify=not args.no_verify)
             for f in r.files:
-                print(f"wrote {f}")
+                _print(f"wrote {f}")
             if r.index is not None:
-                print(f"wrote {r.index}")
-            print(f"{_human(r.bytes)} of {args.dtype} params; peak buffer "
+                _print(f"wrote {r.index}")
+            _print(f"{_human(r.bytes)} of {args.dtype} params; peak buffer "
                   f"{_human(r.peak_buffer_bytes)}")
             return 0
     except BrokenPipeError:
         raise  # `fusedzero ckpt inspect | head`: the CLI ends quietly
     except (checkpoint.CheckpointError, ValueError, OSError) as e:
         msg = " ".join(str(e).split())  # one line, as the rest of the `fusedzero` CLI
-        print(f"fusedzero: error: {msg}", file=sys.stderr)
+        _print(f"fusedzero: error: {msg}", file=sys.stderr)
         return 2
     raise AssertionError(args.ckpt_command)
+
+
+def _upgrade(src: str, out: str) -> int:
+    """Convert into root `out` holding its run lock (fusedzero/app/runlock.py): a live run's
+    keep-last in that root cannot delete what the conversion writes, nor the conversion
+    write into a root a run is saving to."""
+    with RunLock(out):
+        if tp_record(Path(src)) is not None:
+            from fusedzero.checkpoint.tp_upgrade import upgrade_tp
+            _print(f"wrote {upgrade_tp(src, out, allowed={LOCK_NAME})} (a tensor-parallel root, "
+                  "its tp folders bound to its record)")
+            return 0
+        from fusedzero.checkpoint.upgrade import upgrade
+        d = upgrade(src, out)
+        _print(f"wrote {d} (format version {checkpoint.read_manifest(d)['version']})")
+        return 0
+
+
+def _print(*parts: Any, **kw: Any) -> None:
+    """print, with a path that is not valid UTF-8 (os.fsdecode's surrogates) shown escaped
+    (b"\\xff" as "\\xff") instead of a UnicodeEncodeError after the work is done."""
+    print(*(_escaped(p) if isinstance(p, str) else p for p in parts), **kw)
+
+
+def _escaped(text: str) -> str:
+    try:
+        return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    except UnicodeEncodeError:  # a surrogate no file name decodes to
+        return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _each_tp_folder(path: str) -> list[tuple[str, str]]:
@@ -156,27 +178,29 @@ def _verify(path: str) -> int:
     d = checkpoint.resolve(path)
     bad = checkpoint.problems(d)
     for line in bad:
-        print(f"FAILED {line}")
+        _print(f"FAILED {line}")
     n = len(checkpoint.read_manifest(d)["files"])
     if bad:
-        print(f"{d}: {len(bad)} of {n} shard file(s) failed verification")
+        _print(f"{d}: failed verification, {len(bad)} problem(s) ({n} shard file(s), the "
+              "rank states and the folder's name checked)")
         return 1
-    print(f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest")
+    _print(f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest; rank "
+          "states and folder name sound")
     return 0
 
 
 def _inspect(path: str) -> int:
     info = checkpoint.inspect(path)
     m = checkpoint.read_manifest(info["path"])
-    print(f"checkpoint   {info['path']}")
-    print(f"world size   {info['world_size']}")
-    print(f"stage        {info['stage']}")
-    print(f"step         {info['step']} (optimizer steps taken: {info['step_count']:g})")
-    print(f"params       {info['num_params']} tensors, {info['param_elements']:,} elements")
-    print(f"size         {_human(info['bytes'])} in {len(info['files'])} file(s)")
-    print()
+    _print(f"checkpoint   {info['path']}")
+    _print(f"world size   {info['world_size']}")
+    _print(f"stage        {info['stage']}")
+    _print(f"step         {info['step']} (optimizer steps taken: {info['step_count']:g})")
+    _print(f"params       {info['num_params']} tensors, {info['param_elements']:,} elements")
+    _print(f"size         {_human(info['bytes'])} in {len(info['files'])} file(s)")
+    _print()
     width = max([len(f["name"]) for f in info["files"]] + [4])
-    print(f"{'file':<{width}}  {'bytes':>12}  status")
+    _print(f"{'file':<{width}}  {'bytes':>12}  status")
     ok = True
     for f in info["files"]:
         if f.get("symlink"):
@@ -188,14 +212,25 @@ def _inspect(path: str) -> int:
         else:
             status = "ok (size; `verify` checks sha256)"
         ok &= f["ok"]
-        print(f"{f['name']:<{width}}  {f['bytes']:>12,}  {status}")
-    print()
-    width = max(len(p["name"]) for p in m["params"])
-    print(f"{'param':<{width}}  {'shape':<16} dtype")
-    for p in m["params"]:
-        alias = f"  (also {', '.join(p['aliases'])})" if p.get("aliases") else ""
-        print(f"{p['name']:<{width}}  {str(tuple(p['shape'])):<16} {p['dtype']}{alias}")
+        _print(f"{f['name']:<{width}}  {f['bytes']:>12,}  {status}")
+    _print()
+    if not m["params"]:
+        _print("params       none: this checkpoint holds no parameters")
+        return 0 if ok else 1
+    names = [_shown(p["name"]) for p in m["params"]]
+    width = max(len(n) for n in names)
+    _print(f"{'param':<{width}}  {'shape':<16} dtype")
+    for p, name in zip(m["params"], names):
+        alias = (f"  (also {', '.join(_shown(a) for a in p['aliases'])})" if p.get("aliases")
+                 else "")
+        _print(f"{name:<{width}}  {str(tuple(p['shape'])):<16} {p['dtype']}{alias}")
     return 0 if ok else 1
+
+
+def _shown(name: str) -> str:
+    """A name from a manifest as printed: itself when printable, else escaped (a name holding
+    terminal escape sequences must not run them)."""
+    return name if name.isprintable() else ascii(name)
 
 
 def main(argv: list[str] | None = None) -> int:

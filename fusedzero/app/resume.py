@@ -215,10 +215,12 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
         found = box[0]
         for why in found.skipped if dist.get_rank() == 0 else ():
             print(f"fusedzero: warning: --resume: skipped {why}", file=sys.stderr, flush=True)
-        # find_latest just hashed every shard on rank 0: load checks sizes and headers only.
+        # find_latest hashed every shard on rank 0 to choose; each rank still hashes the bytes
+        # it loads, in the same read ([Note: load what was verified] in
+        # checkpoint/shardfile.py): a shard swapped since is refused, never trained on. Rank
+        # 0's files are read twice (the second time mostly from the page cache).
         rank = dist.get_rank()
-        # A tp root (found.path is the root): load verifies each tp folder's newest itself.
-        loaded = checkpoint.load(opt, found.path, verify=found.path == found.root,
+        loaded = checkpoint.load(opt, found.path, verify=True,
                                  load_hyperparams=False,
                                  check_caller=lambda st: check_caller_state(cfg, sched, rank, st))
     except (CollectiveTimeout, UsageError):
@@ -271,7 +273,7 @@ def other_model(manifest: dict[str, Any], opt: ZeroAdamW) -> str | None:
     first = (f"{n} is {saved[n]} there, {mine[n]} in this run" if n in saved and n in mine
              else f"{n} is only in the checkpoint" if n in saved
              else f"{n} is only in this run's model")
-    return f"{first} ({len(differ)} of {len(mine)} params differ)"
+    return f"{first} ({len(differ)} of {len(set(mine) | set(saved))} param names differ)"
 
 
 def resumed_line(step: int, manifest: dict[str, Any], opt: ZeroAdamW, changed: list[str]) -> str:

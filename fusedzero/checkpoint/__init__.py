@@ -15,7 +15,8 @@ The package, bottom up (each module imports only those above it):
     collectives.py  gather to the first rank; agree on success across ranks
     rank_state.py   each rank's caller and RNG state, packed and safely unpacked
     optview.py      the optimizer as a checkpoint sees it (fusedzero/state.py + public attributes)
-    catalog.py      find, read and verify checkpoints on disk
+    shardfile.py    one shard read through one descriptor: header, sha256 and slices together
+    catalog.py      find (`latest` decides), read and verify checkpoints on disk
     saving.py       save (sync and async), rotation
     reshard.py      which saved slices fill which new local shard
     loading.py      load: plan, read into staging, agree, commit

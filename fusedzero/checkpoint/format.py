@@ -77,7 +77,7 @@ tensors, every param element covered exactly once) before anything reads it.
 A segment `[param, start, length, local]` says: elements `[start, start+length)` of the flattened
 param `param` are elements `[local, local+length)` of that file's `fg{i}.*` tensors. Loading at any
 world size or stage intersects these with the new optimizer's segments and reads only the
-overlapping slices (`safe_open(...).get_slice`).
+overlapping slices (through one descriptor per file: `shardfile.py`).
 
 Atomicity. Every file is written under a temporary name, fsynced and renamed. A save writes into
 `.step-N.tmp/`; rank 0 writes the manifest there last, renames the directory to `step-N`, and
@@ -108,7 +108,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from fusedzero import dtypes
 from fusedzero.checkpoint.manifest import CheckpointError
@@ -149,7 +148,7 @@ def count_str(step_count: float) -> str:
 # Streaming safetensors writer
 # ---------------------------------------------------------------------------------------------
 
-def _raw_bytes(t: torch.Tensor) -> memoryview:
+def raw_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (keep `t` alive while in use)."""
     n = t.numel() * t.element_size()
     if n == 0:
@@ -188,7 +187,11 @@ class SafetensorsWriter:
         self._sha = hashlib.sha256()
         self._n = 0
         self._next = 0
-        self._write(memoryview(struct.pack("<Q", len(hb)) + hb))
+        try:  # a full disk at the first write leaves no temporary behind either
+            self._write(memoryview(struct.pack("<Q", len(hb)) + hb))
+        except BaseException:
+            self.abort()
+            raise
 
     def _write(self, data: memoryview) -> None:
         for i in range(0, len(data), _CHUNK):
@@ -208,7 +211,7 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path.name}: got tensor {name} {t.dtype} {tuple(t.shape)}, "
                              f"expected {want[0]} {want[1]} {tuple(want[2])}")
         t = t.detach().contiguous().cpu()
-        self._write(_raw_bytes(t))
+        self._write(raw_bytes(t))
         self._next += 1
 
     def close(self) -> tuple[int, str]:
@@ -270,12 +273,45 @@ def check_replaceable(path: Path, what: str) -> None:
         raise CheckpointError(f"{what} {path}: cannot inspect it ({e.strerror or e})") from None
     if stat.S_ISREG(st.st_mode):
         return
-    kind = next((k for test, k in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"),
+    raise CheckpointError(f"{what} {path} exists and is {file_kind(st.st_mode)}; refusing to "
+                          "replace it (only a regular file is replaced): remove it or choose "
+                          "another path")
+
+
+def file_kind(mode: int) -> str:
+    """What a non-regular file is, in words ("a symlink", "a FIFO", ...)."""
+    return next((k for test, k in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"),
                                    (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
                                    (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-                 if test(st.st_mode)), "not a regular file")
-    raise CheckpointError(f"{what} {path} exists and is {kind}; refusing to replace it (only a "
-                          "regular file is replaced): remove it or choose another path")
+                 if test(mode)), "not a regular file")
+
+
+def open_regular(path: Path, what: str, *, follow: bool = False) -> int:
+    """A read-only descriptor of the regular file `path`, or CheckpointError in one line: a
+    symlink is not followed (O_NOFOLLOW; with `follow`, a user's input such as a Hugging Face
+    cache's config.json, it is), a FIFO is not waited on (O_NONBLOCK), a folder or device is
+    refused (fstat of what was opened, so nothing swapped in between is read), and a missing
+    file and a permission denied are told apart. Nothing of the file is read."""
+    flags = (os.O_RDONLY | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
+             | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and os.path.islink(path):
+            raise CheckpointError(f"{what} {path} is a symlink; it must be a regular file "
+                                  "(refused, not followed)") from None
+        why = {errno.ENOENT: "missing", errno.EACCES: "permission denied",
+               errno.EPERM: "permission denied"}.get(e.errno or 0, e.strerror or str(e))
+        raise CheckpointError(f"{what} {path}: {why}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{what} {path} is {file_kind(st.st_mode)}; it must be a "
+                                  "regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -293,16 +329,6 @@ def write_text_atomic(path: Path, text: str) -> None:
             raise named(e, path) from e
         raise
     fsync_dir(path.parent)
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(4 << 20)  # one reused 4 MiB buffer: hashing a file allocates nothing more
-    view = memoryview(buf)
-    with open(path, "rb") as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
 
 
 class Peak:
@@ -351,37 +377,3 @@ def remove(p: Path, quiet: bool = False) -> None:
     except OSError:
         if not quiet:
             raise
-
-
-class ShardReaders:
-    """Open safetensors files and slice handles, opened on first use, closed together."""
-
-    def __init__(self, d: Path) -> None:
-        self.d = d
-        self._stack = contextlib.ExitStack()
-        self._files: dict[str, Any] = {}
-        self._slices: dict[tuple[str, str], Any] = {}
-
-    def __enter__(self) -> ShardReaders:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._stack.close()
-
-    def file(self, fname: str) -> Any:
-        f = self._files.get(fname)
-        if f is None:
-            try:
-                f = self._stack.enter_context(safe_open(self.d / fname, framework="pt"))
-            except Exception as e:  # noqa: BLE001
-                raise CheckpointError(f"{self.d / fname}: cannot open ({e})") from None
-            self._files[fname] = f
-        return f
-
-    def slice(self, fname: str, tensor: str, a: int, b: int) -> torch.Tensor:
-        """Elements [a, b) of a 1-D tensor: only those bytes are read."""
-        key = (fname, tensor)
-        s = self._slices.get(key)
-        if s is None:
-            s = self._slices[key] = self.file(fname).get_slice(tensor)
-        return s[a:b]

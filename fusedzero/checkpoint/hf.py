@@ -27,7 +27,8 @@ from typing import Any
 import torch
 
 from fusedzero import dtypes
-from fusedzero.checkpoint.format import check_replaceable, write_text_atomic
+from fusedzero.checkpoint.format import check_replaceable, open_regular, write_text_atomic
+from fusedzero.checkpoint.manifest import snippet
 from fusedzero.checkpoint.tp_export import export, saved_params
 from fusedzero.checkpoint.weights import Exported
 
@@ -35,16 +36,24 @@ __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "check_against_config", "export_hf", "
 
 WEIGHTS_NAME = "model.safetensors"  # transformers' SAFE_WEIGHTS_NAME; shards add -0000k-of-n
 CONFIG_NAME = "config.json"
+# A Hugging Face config.json is a few KB; 16 MiB bounds what a wrong path makes us read.
+_MAX_CONFIG = 16 << 20
 
 
 def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """A config.json (or the folder holding one) as a dict; must name its `model_type`."""
     p = Path(path)
     f = p / CONFIG_NAME if p.is_dir() else p
+    fd = open_regular(f, "--hf-config", follow=True)  # a FIFO or device: refused, not read
     try:
-        d = json.loads(f.read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{f}: not a readable Hugging Face config.json ({e})") from None
+        with os.fdopen(fd, "rb") as fh:
+            raw = fh.read(_MAX_CONFIG + 1)
+        if len(raw) > _MAX_CONFIG:
+            raise ValueError(f"larger than {_MAX_CONFIG} bytes")
+        d = json.loads(raw.decode())
+    except (OSError, ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else snippet(str(e), 120)
+        raise ValueError(f"{f}: not a readable Hugging Face config.json ({why})") from None
     if not isinstance(d, dict) or "model_type" not in d:
         raise ValueError(f"{f}: no 'model_type' key; is it a Hugging Face config.json?")
     return d

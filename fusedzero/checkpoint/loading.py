@@ -20,18 +20,20 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from fusedzero.checkpoint.binding import saved_dtype
-from fusedzero.checkpoint.catalog import file_problems, read_manifest, resolve
+from fusedzero.checkpoint.catalog import (file_problems, link_problem, name_problem,
+                                          open_problem, read_manifest, resolve)
 from fusedzero.checkpoint.collectives import agree
-from fusedzero.checkpoint.format import MANIFEST, Peak, ShardReaders
-from fusedzero.checkpoint.manifest import CheckpointError, manifest_modes
+from fusedzero.checkpoint.format import MANIFEST, Peak
+from fusedzero.checkpoint.manifest import VERSION, CheckpointError, manifest_modes, snippet
 from fusedzero.checkpoint.optview import group_names, param_table
 from fusedzero.checkpoint.placements import check_origin, common_step, tp_directory
-from fusedzero.checkpoint.rank_state import check_rng_state, set_rng_state, unpack
+from fusedzero.checkpoint.rank_state import decode, set_rng_state
 from fusedzero.checkpoint.reshard import Read, match_params, plan
 from fusedzero.checkpoint.saving import wait_pending
+from fusedzero.checkpoint.shardfile import ShardFile, Slice
 from fusedzero.checkpoint.tp_reshard import across_tp, read_across
-from fusedzero.memory_modes import QBLOCK, MemoryModes
-from fusedzero.state import ShardState, fields_of
+from fusedzero.memory_modes import QBLOCK
+from fusedzero.state import TENSOR_FIELDS, ShardState, fields_of
 from fusedzero.validate import check_hyper
 
 if TYPE_CHECKING:
@@ -54,11 +56,15 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
          check_caller: Callable[[Any], None] | None = None) -> Loaded:
     """Load a checkpoint into `opt` at any world size and stage. Collective and transactional.
 
-    `path` is a checkpoint directory or a root with `latest` (`find_latest` picks the newest
-    verified one). The manifest is validated against the format's schema first. The saved param
+    `path` is a checkpoint directory or a root, whose `latest` names the one loaded (a broken
+    `latest` is an error here; `find_latest` is what falls back, with its reasons). The
+    manifest is validated against the format's schema first, and the folder's name against its
+    step. The saved param
     table must match the optimizer's (by name and shape) or ValueError lists the differences.
     Each rank opens only the shard files that hold its new segments, verifies them (size and
-    header always; sha256 with `verify`), and reads only the overlapping slices.
+    header always; sha256 with `verify`, of the very bytes it stages: see [Note: load what was
+    verified] in shardfile.py), and reads only the overlapping slices (with `verify`, the whole
+    file streams through one reused buffer to be hashed).
 
     All or nothing on every rank: see [Note: transactional load].
 
@@ -72,6 +78,12 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     (with `load_hyperparams`, when the param groups hold the same params) the hyper-parameters;
     with `restore_rng`, this rank's saved RNG states if the saving run had this rank (with a
     `Groups(replicate=)`, this rank of this replica).
+
+    [Note: bound hyper-parameters] Of the hyper-parameters, the numbers (lr, betas, eps,
+    weight_decay, any numeric group key) are restored; the switches and names (maximize: a
+    manifest edited to `true` would train by gradient ascent) are the constructor's: a
+    manifest whose value differs is refused (CheckpointError naming the field). With
+    `load_hyperparams=False` (`fusedzero train --resume`) none of them is read.
 
     Everything is checked before anything is written, on every rank: the saved
     hyper-parameters with the constructor's rules (`fusedzero.validate.check_hyper`), and,
@@ -104,11 +116,13 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
                 check_origin(d, manifest, tp.rank, tp.size)
             table = param_table(opt)
             reads = plan(infos, table, manifest, match_params(manifest, table, d))
-            needed = sorted({r.file for rs in reads for r in rs})
-            problems = file_problems(d, manifest, needed, checksums=verify)
-            if problems:
-                raise CheckpointError(f"checkpoint {d}:\n  " + "\n  ".join(problems))
-            staged = _read_staged(d, infos, reads, peak, manifest_modes(manifest))
+            named = name_problem(d, manifest)
+            if named is not None:
+                raise CheckpointError(named)
+            if manifest["version"] < VERSION:  # one problem: convert it
+                raise CheckpointError(file_problems(d, manifest, [], False)[0])
+            staged = _read_staged(d, manifest, infos, reads, peak, verify)
+        _check_values(staged, d)
         if load_hyperparams:
             groups = _staged_groups(opt, manifest["param_groups"], d)
         state = _staged_state(manifest, rank, opt.replica_rank, d, restore_rng)
@@ -155,42 +169,76 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     return Loaded(d, manifest["step"], caller, restored, peak.peak)
 
 
-def _read_staged(d: Path, infos: list[ShardInfo], plan: list[list[Read]], peak: Peak,
-                 saved: MemoryModes) -> ShardState:
-    """Every buffer's state from the shard files, on the host, as it was saved (modes `saved`:
-    `load_shard_state` converts it into the optimizer's). int8 scales are read block by block:
-    a quantization block is QBLOCK elements of one param from a multiple of QBLOCK of it at any
-    world size (params and shard pieces start at multiples of the layout's ALIGN = QBLOCK), so
-    every read starts on a block and its scales are those of blocks [src, src + n) / QBLOCK."""
+def _read_staged(d: Path, manifest: dict[str, Any], infos: list[ShardInfo],
+                 plan: list[list[Read]], peak: Peak, verify: bool) -> ShardState:
+    """Every buffer's state from the shard files, on the host, as it was saved (the manifest's
+    modes: `load_shard_state` converts it into the optimizer's). Each file is opened once, its
+    size and header checked against the manifest, and its slices read into the staging
+    buffers; with `verify`, in the same pass that hashes it, so what is staged is what was
+    verified (see [Note: load what was verified] in shardfile.py).
+
+    int8 scales are read block by block: a quantization block is QBLOCK elements of one param
+    from a multiple of QBLOCK of it at any world size (params and shard pieces start at
+    multiples of the layout's ALIGN = QBLOCK), so every read starts on a block and its scales
+    are those of blocks [src, src + n) / QBLOCK."""
+    saved = manifest_modes(manifest)
     kinds = fields_of(saved)
     out: dict[str, list[torch.Tensor]] = {kind: [] for kind in kinds}
-    with ShardReaders(d) as readers, torch.no_grad():
-        for info, reads in zip(infos, plan, strict=True):
-            for kind in kinds:
-                scale = kind.endswith("_scale")
-                numel = info.local_numel // QBLOCK if scale else info.local_numel
-                dst = peak.add(torch.zeros(numel, dtype=saved_dtype(kind, saved)))
-                out[kind].append(dst)
-                for fname, key, src, dl, n in reads:
-                    if scale:
-                        if src % QBLOCK or dl % QBLOCK:
-                            raise CheckpointError(
-                                f"{d / fname}: {key} segment at local {src} is not on a "
-                                f"{QBLOCK}-element block, so its int8 scales cannot be resharded")
-                        src, dl, n = src // QBLOCK, dl // QBLOCK, -(-n // QBLOCK)
-                    try:
-                        piece = peak.add(readers.slice(fname, f"{key}.{kind}", src, src + n))
-                    except CheckpointError:
-                        raise
-                    except Exception as e:  # noqa: BLE001 - safetensors / OS errors
-                        raise CheckpointError(f"{d / fname}: cannot read {key}.{kind}"
-                                              f"[{src}:{src + n}] ({e})") from None
-                    if piece.numel() != n:
-                        raise CheckpointError(f"{d / fname}: {key}.{kind}[{src}:{src + n}] "
-                                              f"has {piece.numel()} elements, expected {n}")
-                    dst[dl:dl + n].copy_(piece)
-                    peak.sub(piece)
+    by_file: dict[str, list[Slice]] = {}
+    for info, reads in zip(infos, plan, strict=True):
+        for kind in kinds:
+            scale = kind.endswith("_scale")
+            numel = info.local_numel // QBLOCK if scale else info.local_numel
+            dst = peak.add(torch.zeros(numel, dtype=saved_dtype(kind, saved)))
+            out[kind].append(dst)
+            for fname, key, src, dl, n in reads:
+                if scale:
+                    if src % QBLOCK or dl % QBLOCK:
+                        raise CheckpointError(
+                            f"{d / fname}: {key} segment at local {src} is not on a "
+                            f"{QBLOCK}-element block, so its int8 scales cannot be resharded")
+                    src, dl, n = src // QBLOCK, dl // QBLOCK, -(-n // QBLOCK)
+                by_file.setdefault(fname, []).append(Slice(f"{key}.{kind}", src,
+                                                           dst[dl:dl + n]))
+    entries = {e["name"]: e for e in manifest["files"]}
+    for fname, slices in sorted(by_file.items()):
+        p, entry = d / fname, entries[fname]
+        try:
+            why = link_problem(p)
+            if why is None:
+                with ShardFile(p) as f:
+                    why = open_problem(f, manifest, entry)
+                    got = f.read_slices(slices, hashed=verify) if why is None else ""
+                if why is None and verify and got != entry["sha256"]:
+                    why = (f"{p}: sha256 mismatch (expected {entry['sha256']}, got {got})")
+        except CheckpointError as e:
+            why = str(e)
+        except OSError as e:  # an I/O error mid-read
+            why = f"{p}: cannot read ({e.strerror or e})"
+        if why is not None:
+            raise CheckpointError(f"checkpoint {d}:\n  {why}")
     return ShardState(**out, modes=saved)
+
+
+def _check_values(staged: ShardState, d: Path) -> None:
+    """Every staged float finite, every second moment >= 0: a NaN or Inf (a diverged run, an
+    edited shard whose sha256 was updated too) would train the params to NaN, and the next save
+    would make it `latest`. One pass over the staging buffers, on the host."""
+    for kind in TENSOR_FIELDS:
+        for i, t in enumerate(getattr(staged, kind) or ()):
+            if not t.is_floating_point():
+                continue  # int8 codes: every value is one
+            bad = ~torch.isfinite(t)
+            if kind == "exp_avg_sq":
+                bad |= t < 0
+            n = int(bad.sum())
+            if n:
+                j = int(bad.nonzero()[0, 0])
+                raise CheckpointError(
+                    f"checkpoint {d}: its {kind} (buffer {i}) holds {n} value(s) that are "
+                    f"{'negative or ' if kind == 'exp_avg_sq' else ''}not finite, the first "
+                    f"{float(t[j])} at element {j}: saved from a diverged run or edited; "
+                    "resume from an earlier step")
 
 
 def _staged_state(manifest: dict[str, Any], rank: int, replica: int, d: Path,
@@ -202,13 +250,8 @@ def _staged_state(manifest: dict[str, Any], rank: int, replica: int, d: Path,
                  None)
     if entry is None:
         return None
-    where = f"{d / MANIFEST}: ranks[{ranks.index(entry)}].state"
-    state = unpack(entry["state"], where)
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{where} is a {type(state).__name__}, expected a dict")
-    if check_rng and "rng" in state:
-        check_rng_state(state["rng"], where)
-    return state
+    return decode(entry["state"], f"{d / MANIFEST}: ranks[{ranks.index(entry)}].state",
+                  check_rng)
 
 
 def _staged_groups(opt: ZeroAdamW, saved: list[dict[str, Any]], d: Path
@@ -228,21 +271,21 @@ def _staged_groups(opt: ZeroAdamW, saved: list[dict[str, Any]], d: Path
             if isinstance(cur, (torch.Tensor, float)) or (isinstance(cur, int)
                                                           and not isinstance(cur, bool)):
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
-                    raise CheckpointError(f"{field} is {v!r}, expected a number")
+                    raise CheckpointError(f"{field} is {snippet(v)}, expected a number")
                 new[k] = v
-            elif isinstance(cur, bool):
-                if not isinstance(v, bool):
-                    raise CheckpointError(f"{field} is {v!r}, expected true or false")
-                new[k] = v
+            elif isinstance(cur, bool) or cur is None or isinstance(cur, str):
+                # See [Note: bound hyper-parameters]
+                if v != cur or type(v) is not type(cur):
+                    raise CheckpointError(
+                        f"{field} is {snippet(v)}, this optimizer has {cur!r}: a checkpoint "
+                        f"restores numbers (lr, betas, eps, weight_decay), not switches; "
+                        f"construct ZeroAdamW({k}={snippet(v)}) to load it as saved, or "
+                        "load_hyperparams=False to keep this optimizer's own")
             elif isinstance(cur, tuple):
                 if (not isinstance(v, list) or len(v) != len(cur) or any(
                         isinstance(x, bool) or not isinstance(x, (int, float)) for x in v)):
-                    raise CheckpointError(f"{field} is {v!r}, expected {len(cur)} numbers")
+                    raise CheckpointError(f"{field} is {snippet(v)}, expected {len(cur)} numbers")
                 new[k] = tuple(v)
-            elif cur is None or isinstance(cur, str):
-                if v is not None and not isinstance(v, str):
-                    raise CheckpointError(f"{field} is {v!r}, expected a string or null")
-                new[k] = v
         merged = {**g, **new}
         try:  # the constructor's rules: a manifest installs nothing ZeroAdamW(...) would refuse
             check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])

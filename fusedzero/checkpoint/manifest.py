@@ -97,9 +97,16 @@ def plain_name(name: Any, field: str, where: Path) -> str:
     """A file or folder name that stays inside its folder: no separator, not '.', '..'."""
     if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name
             or "\\" in name or "\0" in name):
-        raise CheckpointError(f"{where}: {field} is {name!r}; it must be a plain name inside "
-                              "the checkpoint folder (no '/', '..' or absolute path)")
+        raise CheckpointError(f"{where}: {field} is {snippet(name)}; it must be a plain name "
+                              "inside the checkpoint folder (no '/', '..' or absolute path)")
     return name
+
+
+def snippet(v: Any, n: int = 40) -> str:
+    """At most ~`n` characters of `v` for an error message, escaped: what a file holds is never
+    echoed whole (a `latest` linked to a credentials file) nor raw (terminal escapes)."""
+    r = ascii(v) if isinstance(v, (str, bytes)) else repr(v)
+    return r if len(r) <= n else r[:n - 3] + "..."
 
 
 class _Check:
@@ -156,8 +163,7 @@ class _Check:
 
 
 def _short(v: Any) -> str:
-    r = repr(v)
-    return f"{type(v).__name__} {r if len(r) <= 40 else r[:37] + '...'}"
+    return f"{type(v).__name__} {snippet(v)}"
 
 
 def validate(m: Any, where: Path) -> None:

@@ -54,7 +54,7 @@ import torch.distributed as dist
 from fusedzero.checkpoint.binding import canonical
 from fusedzero.checkpoint.catalog import list_checkpoints, resolve
 from fusedzero.checkpoint.format import write_text_atomic
-from fusedzero.checkpoint.manifest import CheckpointError
+from fusedzero.checkpoint.manifest import CheckpointError, snippet
 
 TP_FILE = "tensor_parallel.json"
 TP_FORMAT = "fusedzero-tensor-parallel"
@@ -148,7 +148,13 @@ def read(root: Path) -> dict[str, Any] | None:
         return None
     if f.stat().st_size > 64 << 20:
         raise CheckpointError(f"{f}: larger than 64 MiB; not a record this library wrote")
-    return parse(f.read_text(), f)
+    try:
+        text = f.read_bytes().decode()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: "
+                              f"{snippet(str(e), 120)}); not a record this library wrote"
+                              ) from None
+    return parse(text, f)
 
 
 def _check_matches(saved: dict[str, Any], live: dict[str, Any], root: Path) -> None:

@@ -90,17 +90,85 @@ def unpack(s: str, what: str = "state") -> Any:
 
 
 def check_rng_state(st: Any, where: str) -> None:
-    """Apply the saved RNG states to scratch generators: a malformed one fails here, before
-    anything was changed, not half-way through the commit."""
+    """Every check `set_rng_state` would make, made first on scratch generators and by form: a
+    malformed state (a key word out of range, another generator's name, a wrong word count, a
+    byte flipped in its base64) fails here, before anything was changed, not half-way through
+    the commit (see [Note: transactional load] in loading.py)."""
     try:
+        if not isinstance(st, dict):
+            raise TypeError(f"expected a dict, got {type(st).__name__}")
         torch.Generator().set_state(st["torch"])
         py = st["python"]
+        if not isinstance(py, (tuple, list)) or len(py) != 3:
+            raise ValueError("the python state is not (version, words, gauss)")
+        # random.setstate truncates a word past 32 bits silently: checked here.
+        _check_words(_words(py[1]), 625, "python", last=(0, 625))
         random.Random().setstate((py[0], _words(py[1]), py[2]))
         cuda = st.get("cuda", [])  # one state, or (saved before) one per visible GPU
         for t in cuda if isinstance(cuda, (list, tuple)) else [cuda]:
-            if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
-                raise TypeError(f"a CUDA generator state is a 1-D uint8 tensor, got "
-                                f"{type(t).__name__} {getattr(t, 'dtype', '')}")
+            _check_cuda(t)
+        if "numpy" in st:
+            _check_numpy(st["numpy"])
     except Exception as e:  # noqa: BLE001
-        raise CheckpointError(f"{where}: RNG state is malformed ({type(e).__name__}: {e})"
-                              ) from None
+        msg = " ".join(str(e).split())
+        raise CheckpointError(f"{where}: RNG state is malformed ({type(e).__name__}: "
+                              f"{msg[:200]})") from None
+
+
+# The words of a Mersenne Twister state, Python's and numpy's: 624 of 32 bits (Python's
+# state appends its position, 0..624).
+_MT_WORDS = 624
+
+
+def _check_words(words: tuple[Any, ...], n: int, what: str, last: tuple[int, int] | None = None
+                 ) -> None:
+    if len(words) != n:
+        raise ValueError(f"the {what} generator has {len(words)} state words, expected {n}")
+    for i, w in enumerate(words):
+        lo, hi = last if last is not None and i == n - 1 else (0, 1 << 32)
+        if isinstance(w, bool) or not isinstance(w, int) or not lo <= w < hi:
+            raise ValueError(f"the {what} generator's state word {i} is {str(w)[:24]}, "
+                             f"expected an integer in [{lo}, {hi})")
+
+
+def _check_cuda(t: Any) -> None:
+    """A CUDA generator state: 16 bytes, seed then offset, the offset a multiple of 4 (what
+    torch.cuda.set_rng_state checks), or 8 (the seed alone, older torch)."""
+    if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
+        raise TypeError(f"a CUDA generator state is a 1-D uint8 tensor, got "
+                        f"{type(t).__name__} {getattr(t, 'dtype', '')}")
+    if t.numel() not in (8, 16):
+        raise ValueError(f"a CUDA generator state has 16 bytes, got {t.numel()}")
+    if t.numel() == 16 and int.from_bytes(bytes(t[8:].tolist()), "little") % 4:
+        raise ValueError("a CUDA generator state's offset must be a multiple of 4")
+
+
+def _check_numpy(st: Any) -> None:
+    """numpy's legacy state: ('MT19937', 624 words, pos, has_gauss, cached_gaussian)."""
+    if not isinstance(st, (tuple, list)) or len(st) != 5:
+        raise ValueError("the numpy state is not (name, keys, pos, has_gauss, cached_gaussian)")
+    name, keys, pos, has_gauss, cached = st
+    if name != "MT19937":
+        raise ValueError(f"the numpy generator is {str(name)[:24]!r}, expected 'MT19937'")
+    _check_words(_words(keys), _MT_WORDS, "numpy")
+    for v, what, hi in ((pos, "pos", _MT_WORDS + 1), (has_gauss, "has_gauss", 2)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < hi:
+            raise ValueError(f"the numpy state's {what} is {str(v)[:24]}, expected an "
+                             f"integer in [0, {hi})")
+    if isinstance(cached, bool) or not isinstance(cached, (int, float)):
+        raise ValueError(f"the numpy state's cached_gaussian is {type(cached).__name__}")
+    np = sys.modules.get("numpy")
+    if np is not None:  # and numpy's own checks, on a scratch generator
+        np.random.RandomState().set_state((name, np.array(_words(keys), dtype=np.uint32), pos,
+                                           has_gauss, cached))
+
+
+def decode(s: str, where: str, check_rng: bool = True) -> dict[str, Any]:
+    """A rank's packed state, unpacked (weights-only) and checked: a dict, its RNG states
+    with `check_rng_state`. CheckpointError names `where` otherwise."""
+    state = unpack(s, where)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{where} is a {type(state).__name__}, expected a dict")
+    if check_rng and "rng" in state:
+        check_rng_state(state["rng"], where)
+    return state

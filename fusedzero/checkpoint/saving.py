@@ -373,11 +373,20 @@ def _finalize(root: Path, staging: Path, name: str, base: dict[str, Any],
 
 
 def _rotate(root: Path, keep_last: int, current: str) -> None:
+    """Keep the newest `keep_last` checkpoints up to `current` (the one `latest` now names,
+    always kept). Newer step folders belong to another branch (this run resumed from an older
+    step; see [Note: latest decides] in catalog.py): they are left alone, and this run replaces
+    each when it saves that step."""
+    upto = int(STEP_DIR.match(current).group(1))  # type: ignore[union-attr]
     done = []
     for p in root.iterdir():
         m = STEP_DIR.match(p.name)
-        if m and p.is_dir() and (p / MANIFEST).is_file():
-            done.append((int(m.group(1)), p))
+        try:
+            if m and p.name.isascii() and int(m.group(1)) <= upto and p.is_dir() \
+                    and (p / MANIFEST).is_file():
+                done.append((int(m.group(1)), p))
+        except OSError:  # cannot be looked into (mode 000): not counted, not removed
+            continue
     done.sort()
     for _, p in done[:-keep_last]:
         if p.name == current:

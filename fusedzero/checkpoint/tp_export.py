@@ -13,7 +13,6 @@ import torch
 
 from fusedzero.checkpoint import weights
 from fusedzero.checkpoint.catalog import read_manifest, resolve
-from fusedzero.checkpoint.format import SafetensorsWriter
 from fusedzero.checkpoint.manifest import CheckpointError
 from fusedzero.checkpoint.placements import TP_FILE, check_bound, folder, full_of, read
 from fusedzero.checkpoint.weights import Exported
@@ -91,24 +90,15 @@ def export_tp(root: str | os.PathLike[str], out: str | os.PathLike[str], *,
 
 def _write(full: dict[str, torch.Tensor], out: Path, max_shard_bytes: int | None
            ) -> tuple[list[Path], Path | None, int]:
-    """`full` as `out`, or as HF-style shards plus an index (`weights.shard_files`):
+    """`full` as `out`, or as HF-style shards plus an index (`weights.export_files`):
     (files, index, tensor bytes)."""
     names = list(full)
     sizes = [full[x].numel() * full[x].element_size() for x in names]
-    cut, files, index = weights.shard_files(out, sizes, max_shard_bytes)
-    weight_map = {}
-    for f, c in zip(files, cut):
-        mine = [names[i] for i in c]
-        w = SafetensorsWriter(f, [(x, full[x].dtype, tuple(full[x].shape)) for x in mine],
-                              {"format": "pt"})
-        try:
-            for x in mine:
-                w.write(x, full[x])
-                weight_map[x] = f.name
-        except BaseException:
-            w.abort()
-            raise
-        w.close()
-    total = sum(sizes)
-    weights.write_index(index, total, weight_map)
+    with weights.export_files(out, sizes, max_shard_bytes) as ex:
+        for k, c in enumerate(ex.cut):
+            mine = [names[i] for i in c]
+            ex.write(k, [(x, full[x].dtype, tuple(full[x].shape)) for x in mine],
+                     ((x, full[x]) for x in mine))
+        ex.commit()
+    files, index, total = ex.paths, ex.index, ex.total
     return files, index, total

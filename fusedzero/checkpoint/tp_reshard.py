@@ -29,10 +29,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fusedzero.checkpoint import catalog
-from fusedzero.checkpoint.format import Peak, ShardReaders
+from fusedzero.checkpoint.format import Peak
 from fusedzero.checkpoint.manifest import CheckpointError, manifest_modes
 from fusedzero.checkpoint.placements import (check_bound, check_folder, describe, folder,
                                              full_of, local_of, read)
+from fusedzero.checkpoint.shardfile import ShardReaders, digests
 from fusedzero.checkpoint.weights import param_pieces, read_param
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.state import ShardState
@@ -80,7 +81,8 @@ def read_across(opt: ZeroAdamW, root: Path, rec: dict[str, Any], peak: Peak, ver
     check_bound(root, rec)  # before any data: the folders were saved with this record
     dirs, manifests, pieces = [], [], []
     for t in range(T):
-        d = catalog.verify(folder(root, t, T), checksums=verify)
+        # sha256 when read (see [Note: load what was verified] in shardfile.py)
+        d = catalog.verify(folder(root, t, T), checksums=False)
         m = catalog.read_manifest(d)
         modes = manifest_modes(m)
         if modes != MemoryModes():
@@ -109,7 +111,8 @@ def read_across(opt: ZeroAdamW, root: Path, rec: dict[str, Any], peak: Peak, ver
         for s in info.segments():
             where.setdefault(s.param, []).append((b, s))
     with contextlib.ExitStack() as stack, torch.no_grad():
-        readers = [stack.enter_context(ShardReaders(d)) for d in dirs]
+        readers = [stack.enter_context(ShardReaders(d, digests(m) if verify else None))
+                   for d, m in zip(dirs, manifests)]
         for idx, segs in sorted(where.items()):
             name, local_shape = names[idx]
             pl, shape = saved[name]["placement"], saved[name]["shape"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,11 @@ from fusedzero.checkpoint.placements import (TP_FILE, TP_VERSION, check_folder, 
 from fusedzero.checkpoint.upgrade import upgrade
 
 
-def upgrade_tp(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+def upgrade_tp(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
+               allowed: Collection[str] = ()) -> Path:
     """Write tensor-parallel root `src` (record version 1) as a current one in the empty root
-    `out`; returns `out`. CheckpointError if a check fails or `src` is already current."""
+    `out` (empty but for the names in `allowed`: the run lock its caller holds); returns
+    `out`. CheckpointError if a check fails or `src` is already current."""
     src, out = Path(src), Path(out)
     rec = read(src)
     if rec is None:
@@ -40,7 +43,7 @@ def upgrade_tp(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path
     if rec["version"] >= TP_VERSION:
         raise CheckpointError(f"{src / TP_FILE} is already record version {rec['version']}; "
                               "nothing to do")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+    if out.exists() and (not out.is_dir() or any(p.name not in allowed for p in out.iterdir())):
         raise CheckpointError(f"{out} exists and is not an empty folder; convert into an "
                               "empty root")
     T = rec["tp"]

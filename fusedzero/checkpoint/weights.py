@@ -7,7 +7,8 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Mapping
+import secrets
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -18,16 +19,22 @@ from fusedzero import dtypes
 from fusedzero.checkpoint import catalog
 from fusedzero.checkpoint.catalog import read_manifest
 from fusedzero.checkpoint.collectives import agree
-from fusedzero.checkpoint.format import (LATEST, MANIFEST, Peak, SafetensorsWriter, ShardReaders,
-                                         check_replaceable, write_text_atomic)
-from fusedzero.checkpoint.manifest import STEP_DIR, CheckpointError
+from fusedzero.checkpoint.format import (LATEST, MANIFEST, Peak, SafetensorsWriter,
+                                         check_replaceable, fsync_dir, remove,
+                                         write_text_atomic)
+from fusedzero.checkpoint.manifest import STEP_DIR, CheckpointError, snippet
 from fusedzero.checkpoint.optview import aliases, param_table
 from fusedzero.checkpoint.placements import tp_source
+from fusedzero.checkpoint.shardfile import ShardReaders, digests
 from fusedzero.shard_init import write_runs
 from fusedzero.state import ShardState
 
 if TYPE_CHECKING:
     from fusedzero.optim import ZeroAdamW
+
+
+# The metadata key, in every file of an export and in its index, of the export's random id.
+EXPORT_ID = "fusedzero_export"
 
 
 class Exported(NamedTuple):
@@ -51,7 +58,8 @@ def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     """
     if dtype not in dtypes.FLOAT_DTYPES:
         raise ValueError(f"export dtype {dtype} not in {dtypes.FLOAT_DTYPES}")
-    d = catalog.verify(src, checksums=verify)
+    # sha256 below, of the bytes read (see [Note: load what was verified] in shardfile.py)
+    d = catalog.verify(src, checksums=False)
     m = read_manifest(d)
     out = Path(out)
     _refuse_inside_checkpoint(out, d)
@@ -60,38 +68,102 @@ def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     for p in m["params"]:
         numel = math.prod(p["shape"])
         units.append((p, [p["name"], *p.get("aliases", [])], numel * dtypes.itemsize(dtype)))
-    cut, paths, index = shard_files(out, [u[2] * len(u[1]) for u in units], max_shard_bytes)
-    shards = [[units[i] for i in c] for c in cut]
     peak = Peak()
-    total = 0
-    weight_map = {}
-    with ShardReaders(d) as readers, torch.no_grad():
-        for path, shard in zip(paths, shards):
-            specs = [(name, dtype, tuple(p["shape"])) for p, names, _ in shard for name in names]
-            w = SafetensorsWriter(path, specs, {"format": "pt"})
-            try:
-                for p, names, nbytes in shard:
-                    buf = read_param(readers, pieces, p, "master", peak)
-                    t = buf if dtype == torch.float32 else peak.add(buf.to(dtype))
-                    t = t.view(p["shape"])
-                    for name in names:
-                        w.write(name, t)
-                        weight_map[name] = path.name
-                        total += nbytes
-                    if dtype != torch.float32:
-                        peak.sub(t)
-                    peak.sub(buf)
-                    del buf, t
-            except BaseException:
-                w.abort()
-                raise
-            w.close()
-    write_index(index, total, weight_map)
-    return Exported(paths, index, total, peak.peak)
+
+    def tensors(shard: list[int]) -> Iterator[tuple[str, torch.Tensor]]:
+        for p, names, _ in (units[i] for i in shard):
+            buf = read_param(readers, pieces, p, "master", peak)
+            t = buf if dtype == torch.float32 else peak.add(buf.to(dtype))
+            for name in names:
+                yield name, t.view(p["shape"])
+            if dtype != torch.float32:
+                peak.sub(t)
+            peak.sub(buf)
+            del buf, t
+
+    with export_files(out, [u[2] * len(u[1]) for u in units], max_shard_bytes) as ex, \
+            ShardReaders(d, digests(m) if verify else None) as readers, torch.no_grad():
+        for k, c in enumerate(ex.cut):
+            ex.write(k, [(name, dtype, tuple(units[i][0]["shape"])) for i in c
+                         for name in units[i][1]], tensors(c))
+        ex.commit()
+    return Exported(ex.paths, ex.index, ex.total, peak.peak)
 
 
-def shard_files(out: Path, sizes: list[int], max_shard_bytes: int | None
-                ) -> tuple[list[list[int]], list[Path], Path | None]:
+class ExportFiles:
+    """The files of one export and how they replace an earlier one (`export_files`); a
+    context manager that removes its staging folder unless `commit` ran.
+
+    [Note: an export replaces the old one whole] One file is written under a temporary name
+    and renamed over `out` (and a sharded export's index left beside it is removed: it would
+    name shards of another export). Shards and their index are written into a fresh staging
+    folder beside `out` first; `commit` then removes the old index, renames the shards into
+    place and the index last. Killed or out of space before that, the old export is intact
+    (its index names its own shards); killed during the renames, there is no index, so no
+    reader can take a mix of two exports for one. Every shard's header and the index carry
+    the export's random id (`EXPORT_ID`; a single file carries none: its bytes depend on the
+    weights alone): `import_weights` refuses an index over shards of another export (files
+    copied together by hand)."""
+
+    def __init__(self, cut: list[list[int]], paths: list[Path], index: Path | None) -> None:
+        self.cut, self.paths, self.index = cut, paths, index
+        self.id = secrets.token_hex(8)
+        self.total = 0  # tensor bytes written
+        self.weight_map: dict[str, str] = {}  # tensor name -> file name
+        self.stage: Path | None = None
+        if index is not None:
+            self.stage = index.with_name(f".{index.name}.{self.id}.tmp")
+            self.stage.mkdir()
+
+    def __enter__(self) -> ExportFiles:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.stage is not None:
+            remove(self.stage, quiet=True)
+
+    def write(self, k: int, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+              tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Write file `k` (into the staging folder when sharded): `tensors` in the order of
+        `specs`; a failure leaves no temporary behind."""
+        p = self.paths[k] if self.stage is None else self.stage / self.paths[k].name
+        # One file has no index to mix it up with: its bytes depend on the weights alone.
+        meta = {"format": "pt"} if self.stage is None else {"format": "pt", EXPORT_ID: self.id}
+        w = SafetensorsWriter(p, specs, meta)
+        try:
+            for name, t in tensors:
+                w.write(name, t)
+                self.weight_map[name] = self.paths[k].name
+                self.total += t.numel() * t.element_size()
+        except BaseException:
+            w.abort()
+            raise
+        w.close()
+
+    def commit(self) -> None:
+        """Put the written export in place of the old one (see the Note above)."""
+        out = self.paths[0]
+        if self.stage is None:
+            stale = out.with_name(out.name + ".index.json")
+            if stale.is_file() and not stale.is_symlink():
+                stale.unlink()
+            return
+        assert self.index is not None
+        write_text_atomic(self.stage / self.index.name, json.dumps(
+            {"metadata": {"total_size": self.total, EXPORT_ID: self.id},
+             "weight_map": self.weight_map},
+            indent=1))
+        if self.index.is_file():
+            self.index.unlink()  # from here until the last rename: no index, nothing mixed
+            fsync_dir(self.index.parent)
+        for p in [*self.paths, self.index]:
+            os.replace(self.stage / p.name, p)
+        fsync_dir(self.index.parent)
+        remove(self.stage)
+        self.stage = None
+
+
+def export_files(out: Path, sizes: list[int], max_shard_bytes: int | None) -> ExportFiles:
     """Where an export of items of `sizes` bytes (in order) goes: each shard's item indices (a
     shard is closed before the item that would take it past `max_shard_bytes`), its file (`out`
     alone, or HF-style `stem-0000k-of-0000n.safetensors` beside it) and the index file (None for
@@ -108,18 +180,11 @@ def shard_files(out: Path, sizes: list[int], max_shard_bytes: int | None
     stem = out.name.removesuffix(".safetensors")
     paths = [out] if n == 1 else [out.with_name(f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors")
                                   for k in range(n)]
-    index = out.with_name(out.name + ".index.json") if n > 1 else None
-    for p in [*paths, *([index] if index else [])]:
+    index = out.with_name(out.name + ".index.json")
+    for p in [*paths, index]:
         check_replaceable(p, "export output")
     out.parent.mkdir(parents=True, exist_ok=True)
-    return cut, paths, index
-
-
-def write_index(index: Path | None, total: int, weight_map: dict[str, str]) -> None:
-    """The HF-style index of a sharded export (nothing for one file)."""
-    if index is not None:
-        write_text_atomic(index, json.dumps({"metadata": {"total_size": total},
-                                              "weight_map": weight_map}, indent=1))
+    return ExportFiles(cut, paths, index if n > 1 else None)
 
 
 Piece = tuple[str, str, int, int, int]  # (file, tensor key, local, start, length)
@@ -185,13 +250,18 @@ class _WeightSource:
             self.shapes = {k: tuple(v.shape) for k, v in source.items()}
             return
         p = Path(source)
-        files = _weight_files(p)
+        files, export = _weight_files(p)
         self.shapes = {}
         for f in files:
             try:
                 h = self._stack.enter_context(safe_open(f, framework="pt"))
             except Exception as e:  # noqa: BLE001
                 raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+            got = (h.metadata() or {}).get(EXPORT_ID)
+            if export is not None and got != export:  # See [Note: an export replaces ...]
+                raise CheckpointError(f"{f}: a shard of export {snippet(got)}, but its index "
+                                      f"is of export {snippet(export)}: the folder mixes two "
+                                      "exports; export again")
             for k in h.keys():
                 self.where[k] = h
                 self.shapes[k] = tuple(h.get_slice(k).get_shape())
@@ -213,20 +283,26 @@ class _WeightSource:
         return rows.reshape(-1)[a - r0 * row:b - r0 * row]
 
 
-def _weight_files(p: Path) -> list[Path]:
+def _weight_files(p: Path) -> tuple[list[Path], str | None]:
+    """The safetensors files of a weights source, and the export id its index records (None
+    for one file, or an index written elsewhere)."""
     if p.is_dir():
         idx = sorted(p.glob("*.safetensors.index.json"))
         if len(idx) == 1:
             p = idx[0]
         elif (p / "model.safetensors").is_file():
-            return [p / "model.safetensors"]
+            return [p / "model.safetensors"], None
         else:
             raise CheckpointError(f"{p}: no model.safetensors or single *.safetensors.index.json")
     if p.name.endswith(".index.json"):
         try:
-            wm = json.loads(p.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"{p}: not a safetensors index ({e})") from None
+            idx = json.loads(p.read_text())
+            wm = idx["weight_map"]
+            meta = idx.get("metadata") or {}
+            export = meta.get(EXPORT_ID) if isinstance(meta, dict) else None
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{p}: not a safetensors index "
+                                  f"({type(e).__name__}: {snippet(str(e), 80)})") from None
         if not isinstance(wm, dict):
             raise CheckpointError(f"{p}: weight_map is {type(wm).__name__}, expected an object "
                                   "of tensor name -> shard file name")
@@ -238,10 +314,10 @@ def _weight_files(p: Path) -> list[Path]:
                 raise CheckpointError(f"{p}: weight_map names {str(f)[:200]!r}, which is not a "
                                       f"plain file name in {p.parent}; an index lists the shard "
                                       "files beside it")
-        return [p.parent / f for f in sorted(set(wm.values()))]
+        return [p.parent / f for f in sorted(set(wm.values()))], export
     if not p.is_file():
         raise CheckpointError(f"{p}: no such file")
-    return [p]
+    return [p], None
 
 
 def import_weights(opt: ZeroAdamW, source: str | os.PathLike[str] | Mapping[str, torch.Tensor], *,

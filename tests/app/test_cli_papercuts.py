@@ -132,11 +132,17 @@ def test_shape_mismatch_is_one_short_phrase() -> None:
     wider = {n: [s[0] * 2 if s[0] != 256 else 256, 64] for n, s in width.items()}
     manifest = {"params": [{"name": n, "shape": s} for n, s in width.items()]}
     msg = resume.other_model(manifest, _opt(2, 2, wider))
-    assert msg == "wte.weight is [256, 32] there, [256, 64] in this run (41 of 41 params differ)"
+    assert msg == ("wte.weight is [256, 32] there, [256, 64] in this run (41 of 41 param names "
+                   "differ)")
     assert resume.other_model(manifest, _opt(2, 2, width)) is None
     fewer = dict(list(width.items())[:-1])
     assert resume.other_model(manifest, _opt(1, 0, fewer)) == \
-        "blocks.39.mlp.fc.weight is only in the checkpoint (1 of 40 params differ)"
+        "blocks.39.mlp.fc.weight is only in the checkpoint (1 of 41 param names differ)"
+    # Another model altogether: never more differing than there are (was "17 of 15").
+    other = {f"h.{i}.w": [4, 4] for i in range(17)}
+    msg = resume.other_model({"params": [{"name": n, "shape": s} for n, s in other.items()]},
+                             _opt(1, 0, dict(list(width.items())[:15])))
+    assert msg.endswith("(32 of 32 param names differ)"), msg
 
 
 def test_closed_stdout_ends_quietly_with_141(monkeypatch: pytest.MonkeyPatch,

@@ -13,6 +13,7 @@ Process start-up dominates: each spawn runs several scenarios, shared through mo
 """
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import shutil
@@ -466,11 +467,16 @@ def test_errors_name_the_file_and_the_problem(tmp_path: Path) -> None:
     must_fail(ck.resolve(good).parent / "nowhere", "does not exist")
     must_fail(tmp_path, r"not a checkpoint: .* has no manifest.json")
 
-    # A manifest of another checkpoint of the same model: sizes / checksums disagree.
+    # A manifest of another checkpoint of the same model: of another step, the folder's name
+    # refuses it ([Note: latest decides]); of the same step, the shard headers do.
     other = tmp_path / "other"
     _small_ckpt(other, steps=2)
     b = broken("foreign-manifest")
     shutil.copy(ck.resolve(other) / ck.MANIFEST, ck.resolve(b) / ck.MANIFEST)
+    must_fail(b, r"named for step 1, but its manifest is of step 2 \(copied or renamed\)")
+    b = broken("foreign-manifest-same-step")
+    m = json.loads((ck.resolve(other) / ck.MANIFEST).read_text())
+    (ck.resolve(b) / ck.MANIFEST).write_text(json.dumps(dict(m, step=1)))
     must_fail(b, rf"{shard}: header metadata does not match the manifest")
 
     # A checkpoint of another model: ValueError listing every difference.

@@ -24,7 +24,7 @@ from fusedzero import checkpoint as ck
 from fusedzero.app.ckpt_cli import main as cli_main
 from fusedzero.app.launch import run as train_run
 from fusedzero.app.model import GPT
-from fusedzero.checkpoint import format as ckformat, saving as cksaving
+from fusedzero.checkpoint import format as ckformat, saving as cksaving, shardfile as ckshardfile
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 
@@ -346,8 +346,9 @@ def test_find_latest_falls_back_to_the_newest_verified_checkpoint(good: Path,
     f.write_bytes(bytes(data))
     found = ck.find_latest(root)
     assert found.path.name == "step-00000001"
-    assert len(found.skipped) == 1 and "step-00000002" in found.skipped[0] \
-        and "sha256 mismatch" in found.skipped[0]
+    # `latest` is gone: the fallback says so first, then what it passed over.
+    assert len(found.skipped) == 2 and found.skipped[0].startswith(f"{root / ck.LATEST}: missing")
+    assert "step-00000002" in found.skipped[1] and "sha256 mismatch" in found.skipped[1]
     # A step folder is a target of its own; its root is where later saves go.
     found = ck.find_latest(root / "step-00000001")
     assert found == ck.Latest(root / "step-00000001", root, [])
@@ -401,22 +402,22 @@ def w_cross_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     saved = snapshot(opt)
     train(model, opt, 1, seed=10 + rank)
     before = snapshot(opt)
-    real = ckformat.ShardReaders.slice
+    real = ckshardfile.ShardFile.read_slices
 
-    def vanished(self: Any, fname: str, tensor: str, a: int, b: int) -> torch.Tensor:
-        if tensor.endswith("exp_avg_sq"):
-            raise FileNotFoundError(2, "No such file or directory", str(self.d / fname))
-        return real(self, fname, tensor, a, b)
+    def vanished(self: Any, slices: list[Any], *, hashed: bool) -> str:
+        if any(s.tensor.endswith("exp_avg_sq") for s in slices):
+            raise FileNotFoundError(2, "No such file or directory", str(self.path))
+        return real(self, slices, hashed=hashed)
 
-    if rank == 1:
-        ckformat.ShardReaders.slice = vanished  # the file disappears between planning and reading
+    if rank == 1:  # the file disappears between planning and reading
+        ckshardfile.ShardFile.read_slices = vanished  # type: ignore[method-assign]
     try:
         ck.load(opt, Path(root) / "a")
         out["error"] = None
     except ck.CheckpointError as e:
         out["error"] = str(e)
     finally:
-        ckformat.ShardReaders.slice = real
+        ckshardfile.ShardFile.read_slices = real  # type: ignore[method-assign]
     out["untouched"] = same(snapshot(opt), before)
     ck.load(opt, Path(root) / "a")
     out["reloaded"] = same(snapshot(opt), saved)

@@ -30,7 +30,8 @@ from fusedzero.checkpoint import catalog
 from fusedzero.checkpoint import saving
 from fusedzero.optim import ZeroAdamW
 
-from _helpers import TINY_CKPT, copy_root as copy, tiny_ckpt_opt, tiny_train, two_step_root
+from _helpers import (TINY_CKPT, copy_root as copy, rewrite_shard, tiny_ckpt_opt, tiny_train,
+                      two_step_root)
 
 CFG = TINY_CKPT
 SHARD = "rank00000-of-00001.safetensors"
@@ -184,22 +185,6 @@ def test_consistent_manifest_edit_is_refused_by_the_shard_header(
     assert ck.find_latest(root).path.name == "step-00000001"  # resume takes the previous one
 
 
-def _rewrite_shard(d: Path, edit: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
-    """Rewrite the shard with its own header rows, tensors changed by `edit`, and the manifest's
-    size and sha256 updated to match: only the tensor check can catch it."""
-    p = d / SHARD
-    with safe_open(p, framework="pt") as f:
-        meta = f.metadata()
-        tensors = {k: edit(k, f.get_tensor(k)) for k in f.keys()}
-    w = ck.SafetensorsWriter(p, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], meta)
-    for k, t in tensors.items():
-        w.write(k, t)
-    size, sha = w.close()
-    m = json.loads((d / ck.MANIFEST).read_text())
-    m["files"][0].update(bytes=size, sha256=sha)
-    (d / ck.MANIFEST).write_text(json.dumps(m))
-
-
 @pytest.mark.parametrize("edit, words", [
     (lambda k, t: t.bfloat16() if k == "fg0.exp_avg" else t,
      "fg0.exp_avg is BF16 [{n}], the manifest implies F32 [{n}]"),
@@ -212,7 +197,7 @@ def test_shard_tensors_are_checked_before_anything_is_allocated(
     root = copy(good, tmp_path)
     d = ck.resolve(root)
     n = manifest_of(root)[1]["files"][0]["groups"][0]["local_numel"]
-    _rewrite_shard(d, edit)
+    rewrite_shard(d, edit)
     want = words.format(n=n, m=n - 128)
     for call in (lambda: ck.verify(root), lambda: ck.export(root, tmp_path / "o.safetensors"),
                  lambda: ck.load(build()[1], root)):
@@ -306,6 +291,25 @@ def test_invalid_hyper_parameters_are_refused(good: Path, tmp_path: Path, key: s
         ck.load(opt, root)
     assert same(snapshot(opt), before)
     ck.load(opt, root, load_hyperparams=False)  # the rest of it is sound
+
+
+@pytest.mark.parametrize("value", [True, 1, "yes", None])
+def test_a_switch_edited_into_the_manifest_is_refused(good: Path, tmp_path: Path,
+                                                      value: Any) -> None:
+    """[Note: bound hyper-parameters]: `maximize: true` edited in would train by gradient
+    ascent; the switches are the constructor's, so the load is refused and changes nothing."""
+    root = copy(good, tmp_path)
+    f, m = manifest_of(root)
+    m["param_groups"][0]["maximize"] = value
+    f.write_text(json.dumps(m))
+    model, opt = build()
+    before = snapshot(opt)
+    with pytest.raises(ck.CheckpointError, match=r"param_groups\[0\].maximize is .*, this "
+                                                 r"optimizer has False"):
+        ck.load(opt, root)
+    assert same(snapshot(opt), before)
+    ck.load(opt, root, load_hyperparams=False)  # the run's own settings: nothing of it is read
+    assert all(g["maximize"] is False for g in opt.param_groups)
 
 
 def test_caller_state_check_runs_before_anything_is_mutated(good: Path, tmp_path: Path) -> None:

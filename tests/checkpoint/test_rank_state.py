@@ -43,6 +43,12 @@ def test_rng_state_saved_as_lists_still_restores() -> None:
     assert _draws() == want
 
 
+def _cuda(v: int) -> torch.Tensor:
+    """A CUDA generator state as torch writes it: seed (8 bytes), then an offset that is a
+    multiple of 4 (torch.cuda.set_rng_state refuses others)."""
+    return torch.tensor([v] * 8 + [4 * v] + [0] * 7, dtype=torch.uint8)
+
+
 def test_cuda_state_is_the_own_gpus_and_one_saved_for_8_gpus_restores_on_2(monkeypatch) -> None:
     """See [Note: one GPU's RNG state per rank], on a stand-in for torch.cuda: 2 visible GPUs, this
     rank on GPU 1. A state holds GPU 1's generator only and restores into it; a state saved
@@ -51,7 +57,7 @@ def test_cuda_state_is_the_own_gpus_and_one_saved_for_8_gpus_restores_on_2(monke
     import pytest
 
     from fusedzero.checkpoint.manifest import CheckpointError
-    gens = {0: torch.zeros(16, dtype=torch.uint8), 1: torch.full((16,), 7, dtype=torch.uint8)}
+    gens = {0: torch.zeros(16, dtype=torch.uint8), 1: _cuda(7)}
 
     def index(device: object) -> int:
         i = 1 if device == "cuda" else int(device)  # type: ignore[call-overload]
@@ -72,14 +78,14 @@ def test_cuda_state_is_the_own_gpus_and_one_saved_for_8_gpus_restores_on_2(monke
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     st = unpack(pack(rng_state()))
-    assert torch.equal(st["cuda"], torch.full((16,), 7, dtype=torch.uint8))
+    assert torch.equal(st["cuda"], _cuda(7))
     gens[1] = torch.zeros(16, dtype=torch.uint8)
     check_rng_state(st, "here")
     set_rng_state(st)
-    assert gens[1].eq(7).all() and gens[0].eq(0).all()
-    old = dict(st, cuda=[torch.full((16,), g, dtype=torch.uint8) for g in range(8)])
+    assert torch.equal(gens[1], _cuda(7)) and gens[0].eq(0).all()
+    old = dict(st, cuda=[_cuda(g) for g in range(8)])
     check_rng_state(old, "here")
     set_rng_state(old)
-    assert gens[1].eq(1).all() and gens[0].eq(0).all()
+    assert torch.equal(gens[1], _cuda(1)) and gens[0].eq(0).all()
     with pytest.raises(CheckpointError, match="CUDA generator state"):
         check_rng_state(dict(st, cuda="not a state"), "here")
