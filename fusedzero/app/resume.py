@@ -216,7 +216,7 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
         for why in found.skipped if dist.get_rank() == 0 else ():
             print(f"fusedzero: warning: --resume: skipped {why}", file=sys.stderr, flush=True)
         # find_latest hashed every shard on rank 0 to choose; each rank still hashes the bytes
-        # it loads, in the same read ([Note: load what was verified] in
+        # it loads, in the same read (see [Note: load what was verified] in
         # checkpoint/shardfile.py): a shard swapped since is refused, never trained on. Rank
         # 0's files are read twice (the second time mostly from the page cache).
         rank = dist.get_rank()

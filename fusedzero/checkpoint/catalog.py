@@ -4,6 +4,16 @@
 manifest (`manifest.py`), `verify` / `problems` check the shard files against it (size, header,
 sha256, rank states, the folder's name), `find_latest` picks what `latest` names
 (see [Note: latest decides]), `inspect` summarises one. Nothing here writes.
+
+[Note: latest decides] A save is complete when `latest` names it (save writes it last), so
+`latest`, not the step numbers in the folder names, says what resumes: a run resumed from an older
+step (a branch) leaves newer folders of the abandoned branch behind, a folder may be copied in
+under another step's name, and `--overwrite` killed half-way through removing the old run's folders
+leaves them beside the new run's. Only when `latest` is missing or broken (not a regular file,
+unreadable, naming no folder, or its checkpoint fails `verify`) does find_latest fall back, with a
+reason in `skipped` that callers print as a warning: to the newest step folder that verifies, older
+than the step `latest` named when it named one (newer folders belong to another branch). A folder
+whose name disagrees with its manifest's step never verifies.
 """
 from __future__ import annotations
 
@@ -117,16 +127,7 @@ _MAX_REASON = 400
 def find_latest(path: str | os.PathLike[str], *, checksums: bool = True) -> Latest:
     """The checkpoint to resume from under `path`: what `latest` names, verified.
 
-    [Note: latest decides] A save is complete when `latest` names it (save writes it last), so
-    `latest`, not the step numbers in the folder names, says what resumes: a run resumed from
-    an older step (a branch) leaves newer folders of the abandoned branch behind, a folder may
-    be copied in under another step's name, and `--overwrite` killed half-way through removing
-    the old run's folders leaves them beside the new run's. Only when `latest` is missing or
-    broken (not a regular file, unreadable, naming no folder, or its checkpoint fails
-    `verify`) does find_latest fall back, with a reason in `skipped` that callers print as a
-    warning: to the newest step folder that verifies, older than the step `latest` named when
-    it named one (newer folders belong to another branch). A folder whose name disagrees with
-    its manifest's step never verifies.
+    See [Note: latest decides].
 
     `path` is a root or one step folder; a step folder is verified and returned as it is (its
     root is its parent). Verifying checks the manifest's schema, the folder's name, the rank

@@ -9,6 +9,12 @@ on success in one collective, and only then is the optimizer written. So a read 
 (a corrupt slice, a file gone after planning) raises the same error on every rank, nobody is left
 waiting in a later collective, and the optimizer is untouched everywhere. The cost: this rank's
 shard buffers, as saved, are held on the host at once (`peak_buffer_bytes` reports it).
+
+[Note: bound hyper-parameters] Of the hyper-parameters, the numbers (lr, betas, eps, weight_decay,
+any numeric group key) are restored; the switches and names (maximize: a manifest edited to `true`
+would train by gradient ascent) are the constructor's: a manifest whose value differs is refused
+(CheckpointError naming the field). With `load_hyperparams=False` (`fusedzero train --resume`) none
+of them is read.
 """
 from __future__ import annotations
 
@@ -79,11 +85,7 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     with `restore_rng`, this rank's saved RNG states if the saving run had this rank (with a
     `Groups(replicate=)`, this rank of this replica).
 
-    [Note: bound hyper-parameters] Of the hyper-parameters, the numbers (lr, betas, eps,
-    weight_decay, any numeric group key) are restored; the switches and names (maximize: a
-    manifest edited to `true` would train by gradient ascent) are the constructor's: a
-    manifest whose value differs is refused (CheckpointError naming the field). With
-    `load_hyperparams=False` (`fusedzero train --resume`) none of them is read.
+    See [Note: bound hyper-parameters].
 
     Everything is checked before anything is written, on every rank: the saved
     hyper-parameters with the constructor's rules (`fusedzero.validate.check_hyper`), and,

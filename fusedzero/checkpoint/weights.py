@@ -1,5 +1,15 @@
 """Weights in and out: `export` a checkpoint as one model's safetensors (the model's own names,
 loadable by `model.load_state_dict`), and `import_weights` full weights into a sharded optimizer.
+
+[Note: an export replaces the old one whole] One file is written under a temporary name and renamed
+over `out` (and a sharded export's index left beside it is removed: it would name shards of another
+export). Shards and their index are written into a fresh staging folder beside `out` first;
+`commit` then removes the old index, renames the shards into place and the index last. Killed or
+out of space before that, the old export is intact (its index names its own shards); killed during
+the renames, there is no index, so no reader can take a mix of two exports for one. Every shard's
+header and the index carry the export's random id (`EXPORT_ID`; a single file carries none: its
+bytes depend on the weights alone): `import_weights` refuses an index over shards of another export
+(files copied together by hand).
 """
 from __future__ import annotations
 
@@ -92,18 +102,8 @@ def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
 
 class ExportFiles:
     """The files of one export and how they replace an earlier one (`export_files`); a
-    context manager that removes its staging folder unless `commit` ran.
-
-    [Note: an export replaces the old one whole] One file is written under a temporary name
-    and renamed over `out` (and a sharded export's index left beside it is removed: it would
-    name shards of another export). Shards and their index are written into a fresh staging
-    folder beside `out` first; `commit` then removes the old index, renames the shards into
-    place and the index last. Killed or out of space before that, the old export is intact
-    (its index names its own shards); killed during the renames, there is no index, so no
-    reader can take a mix of two exports for one. Every shard's header and the index carry
-    the export's random id (`EXPORT_ID`; a single file carries none: its bytes depend on the
-    weights alone): `import_weights` refuses an index over shards of another export (files
-    copied together by hand)."""
+    context manager that removes its staging folder unless `commit` ran. See [Note: an export
+    replaces the old one whole]."""
 
     def __init__(self, cut: list[list[int]], paths: list[Path], index: Path | None) -> None:
         self.cut, self.paths, self.index = cut, paths, index
@@ -258,7 +258,8 @@ class _WeightSource:
             except Exception as e:  # noqa: BLE001
                 raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
             got = (h.metadata() or {}).get(EXPORT_ID)
-            if export is not None and got != export:  # See [Note: an export replaces ...]
+            # see [Note: an export replaces the old one whole]
+            if export is not None and got != export:
                 raise CheckpointError(f"{f}: a shard of export {snippet(got)}, but its index "
                                       f"is of export {snippet(export)}: the folder mixes two "
                                       "exports; export again")

@@ -9,7 +9,7 @@ The constructor is the Trainer's, plus `stage=` and any ZeroAdamW keyword (`shar
 - the optimizer: ZeroAdamW over the Trainer's own two groups (weight decay on all but biases and
   norms, `get_decay_parameter_names`), lr, adam betas and eps from `TrainingArguments`, and
   `max_grad_norm` as its clipping; the lr scheduler is the Trainer's (`lr_scheduler_type`).
-- the model is never wrapped in DDP or FSDP ([Note: the Trainer without DDP]).
+- the model is never wrapped in DDP or FSDP (see [Note: the Trainer without DDP]).
 - grads: the Trainer divides the loss by the micro-batches (or normalises by the tokens of the
   whole step) and ZeroAdamW averages over ranks, as DDP does: nothing is averaged twice. The
   micro-batches before the last of a step run under ZeroAdamW's `no_sync`.
@@ -24,6 +24,18 @@ A ZeroAdamW the user built (`module=model`) may come in `optimizers=(opt, None)`
 `deepspeed=`/`fsdp=` (ZeroAdamW is the sharding), `fp16=True` (the Trainer's GradScaler reads
 `.grad`; `bf16=True` autocast works), an `optim` that is not AdamW, `optimizers=`/
 `optimizer_cls_and_kwargs=` with another optimizer, a ZeroAdamW keyword the arguments set.
+
+[Note: the Trainer without DDP] Under torchrun the Trainer prepares the model with Accelerate,
+which wraps it in DDP: every grad was then reduced twice (stage 0), DDP's reducer read the
+placeholder grads (stage 2) and the sharded params (stage 3), and its `clip_grad_norm_` read them
+too. ZeroTrainer's Accelerator prepares the model as for evaluation (autocast, no wrapper) and
+without device placement: the Trainer placed it before ZeroAdamW was built, and on CPU ranks
+Accelerate's `model.to("cpu:0")` copied every param off ZeroAdamW's flat buffers (the steps then
+updated buffers the model no longer read; "cpu:0" is not the params' "cpu", so `.to` copies). The
+Trainer's own move in its constructor is skipped for the same reason when the user passes a
+ZeroAdamW in `optimizers=`. The optimizer is prepared without device placement too (it would round-
+trip ZeroAdamW's state dict); the Trainer's clipping and norm are left to ZeroAdamW's step. The
+dataloaders are still sharded per rank by Accelerate, as with DDP.
 """
 from __future__ import annotations
 
@@ -60,19 +72,6 @@ _TAKEN = {"params": "the model (the Trainer's param groups)",
           "eps": "TrainingArguments(adam_epsilon=...)",
           "weight_decay": "TrainingArguments(weight_decay=...)",
           "max_grad_norm": "TrainingArguments(max_grad_norm=...)"}
-
-# [Note: the Trainer without DDP]
-# Under torchrun the Trainer prepares the model with Accelerate, which wraps it in DDP: every
-# grad was then reduced twice (stage 0), DDP's reducer read the placeholder grads (stage 2) and
-# the sharded params (stage 3), and its `clip_grad_norm_` read them too. ZeroTrainer's
-# Accelerator prepares the model as for evaluation (autocast, no wrapper) and without device
-# placement: the Trainer placed it before ZeroAdamW was built, and on CPU ranks Accelerate's
-# `model.to("cpu:0")` copied every param off ZeroAdamW's flat buffers (the steps then updated
-# buffers the model no longer read; "cpu:0" is not the params' "cpu", so `.to` copies). The
-# Trainer's own move in its constructor is skipped for the same reason when the user passes a
-# ZeroAdamW in `optimizers=`. The optimizer is prepared without device placement too (it would
-# round-trip ZeroAdamW's state dict); the Trainer's clipping and norm are left to ZeroAdamW's
-# step. The dataloaders are still sharded per rank by Accelerate, as with DDP.
 
 
 class ZeroTrainer(transformers.Trainer):

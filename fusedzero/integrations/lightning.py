@@ -6,7 +6,7 @@
 
 The LightningModule is unchanged. Its `configure_optimizers` returns a plain
 `torch.optim.AdamW` (param groups, hyper-parameters, lr schedulers as usual); the strategy builds
-ZeroAdamW with the same groups and settings in its place ([Note: the optimizer swap]).
+ZeroAdamW with the same groups and settings in its place (see [Note: the optimizer swap]).
 `gradient_clip_val` becomes ZeroAdamW's `max_grad_norm` (algorithm "norm"),
 `accumulate_grad_batches` works as under DDP (Lightning divides the loss; ZeroAdamW sums
 micro-batches and averages ranks), and the model is never wrapped in DDP. Checkpoints are
@@ -25,6 +25,12 @@ optimizer other than AdamW/ZeroAdamW (Lightning itself refuses several under aut
 optimization), `amsgrad=True`, `gradient_clip_algorithm="value"`, manual optimization, a
 precision other than "32-true" (ZeroAdamW's `precision=fusedzero.Precision(param_dtype=
 torch.bfloat16)` is the bf16 path).
+
+[Note: the optimizer swap] ZeroAdamW owns flat buffers, hooks and collectives from its constructor
+on, so it is built once, in `setup_optimizers`, from what `configure_optimizers` returned: the
+AdamW's param groups with their hyper-parameters (and `initial_lr`, which schedulers read), its
+defaults, the Trainer's clipping. The AdamW never steps; its lr schedulers are re-pointed at the
+ZeroAdamW (`scheduler.optimizer`), where they keep writing each group's lr.
 """
 from __future__ import annotations
 
@@ -60,13 +66,6 @@ _TAKEN = {"params": "configure_optimizers (the AdamW's param groups)",
           "maximize": "configure_optimizers (the AdamW's maximize)",
           "max_grad_norm": "Trainer(gradient_clip_val=...)"}
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize", "initial_lr")
-
-# [Note: the optimizer swap]
-# ZeroAdamW owns flat buffers, hooks and collectives from its constructor on, so it is built
-# once, in `setup_optimizers`, from what `configure_optimizers` returned: the AdamW's param
-# groups with their hyper-parameters (and `initial_lr`, which schedulers read), its defaults,
-# the Trainer's clipping. The AdamW never steps; its lr schedulers are re-pointed at the
-# ZeroAdamW (`scheduler.optimizer`), where they keep writing each group's lr.
 
 
 class ZeroStrategy(DDPStrategy):

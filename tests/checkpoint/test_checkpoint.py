@@ -468,7 +468,7 @@ def test_errors_name_the_file_and_the_problem(tmp_path: Path) -> None:
     must_fail(tmp_path, r"not a checkpoint: .* has no manifest.json")
 
     # A manifest of another checkpoint of the same model: of another step, the folder's name
-    # refuses it ([Note: latest decides]); of the same step, the shard headers do.
+    # refuses it (see [Note: latest decides]); of the same step, the shard headers do.
     other = tmp_path / "other"
     _small_ckpt(other, steps=2)
     b = broken("foreign-manifest")

@@ -1,4 +1,4 @@
-"""`latest` decides what resumes (docs/checkpoints.md, "Threat model"; [Note: latest decides]).
+"""`latest` decides what resumes (docs/checkpoints.md, "Threat model"; see [Note: latest decides]).
 
 Every root here is built in this process from 1-rank saves of a tiny model (milliseconds each):
 a branch (a run resumed from an older step), a folder copied in under another step's name, a

@@ -296,7 +296,7 @@ def test_invalid_hyper_parameters_are_refused(good: Path, tmp_path: Path, key: s
 @pytest.mark.parametrize("value", [True, 1, "yes", None])
 def test_a_switch_edited_into_the_manifest_is_refused(good: Path, tmp_path: Path,
                                                       value: Any) -> None:
-    """[Note: bound hyper-parameters]: `maximize: true` edited in would train by gradient
+    """See [Note: bound hyper-parameters]: `maximize: true` edited in would train by gradient
     ascent; the switches are the constructor's, so the load is refused and changes nothing."""
     root = copy(good, tmp_path)
     f, m = manifest_of(root)

@@ -194,7 +194,7 @@ def test_killed_rank_is_one_line_and_resume_takes_the_newest_checkpoint(
     newest = ck.find_latest(ckpt)
     assert newest.path.name == m.group(3)
     # Killed after step 2's folder was renamed in but before `latest` was written (the first
-    # save): the fallback takes it and says so ([Note: latest decides]); otherwise no warning.
+    # save): the fallback takes it and says so (see [Note: latest decides]); otherwise no warning.
     assert newest.skipped == [] or (not (ckpt / ck.LATEST).exists() and len(newest.skipped) == 1
                                     and ": missing; took step-" in newest.skipped[0]), newest
     assert int(m.group(2)) >= int(m.group(3).removeprefix("step-"))

@@ -1,4 +1,4 @@
-"""A re-export replaces the old export whole ([Note: an export replaces the old one whole] in
+"""A re-export replaces the old export whole (see [Note: an export replaces the old one whole] in
 checkpoint/weights.py): interrupted at any point, the folder holds the old export or no index,
 never an index over shards of two checkpoints; a failed write leaves no temporary behind; and
 `import_weights` refuses an index over another export's shards. 1-rank tiny model, in-process.
