@@ -16,7 +16,6 @@ threads spin-wait on each other when one is descheduled, which swamps a host-tim
 """
 from __future__ import annotations
 
-import copy
 import os
 import statistics
 import time
@@ -25,9 +24,10 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from _common import SUMMARY, add_stats, replay
 from fusedzero import ZeroAdamW
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
+
+from _common import SUMMARY, add_stats, replay
 
 LAYERS = int(os.environ.get("FUSEDZERO_BENCH_HOST_LAYERS", "32"))
 ROUNDS = int(os.environ.get("FUSEDZERO_BENCH_HOST_ROUNDS", "200"))

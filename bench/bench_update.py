@@ -45,10 +45,10 @@ import pytest
 import torch
 from torch import nn
 
-from _common import SUMMARY, add_stats, replay
 from fusedzero import bandwidth
 from fusedzero.kernels import AdamWPlan, backend, use_triton
 
+from _common import SUMMARY, add_stats, replay
 
 
 def _sizes(var: str, default: str) -> list[int]:

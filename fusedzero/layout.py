@@ -22,7 +22,6 @@ import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-
 # 128 elements = 256 B of bf16 / 512 B of fp32: every param view and every shard edge is 16-byte
 # aligned (128-bit vector accesses) for any element size up to 4 bytes.
 ALIGN = 128

@@ -25,8 +25,14 @@ import dataclasses
 
 import torch
 
-from fusedzero.kernels.memory_modes import (MASTER_MODES, QBLOCK, STATE_DTYPES, STATE_MODES,
-                                     dequantize_blockwise, quantize_blockwise)
+from fusedzero.kernels.memory_modes import (
+    MASTER_MODES,
+    QBLOCK,
+    STATE_DTYPES,
+    STATE_MODES,
+    dequantize_blockwise,
+    quantize_blockwise,
+)
 
 __all__ = ["MASTER_MODES", "QBLOCK", "STATE_MODES", "MemoryModes", "decode_master", "decode_state",
            "encode_master", "encode_state"]

@@ -26,8 +26,15 @@ import torch
 
 from fusedzero import comm
 from fusedzero.comm import CommContext, Handle
-from fusedzero.kernels.quant import (WBLOCK, WireFormat, chunk_bytes, dequant_sum_into,
-                                     dequantize_into, new_packed, quantize_into)
+from fusedzero.kernels.quant import (
+    WBLOCK,
+    WireFormat,
+    chunk_bytes,
+    dequant_sum_into,
+    dequantize_into,
+    new_packed,
+    quantize_into,
+)
 
 __all__ = ["WBLOCK", "WireFormat", "all_gather", "all_reduce_start", "chunk_bytes",
            "gathers_over_wire", "parse_wire", "reduce_scatter_start", "uses_wire"]

@@ -13,8 +13,14 @@ updates one buffer through it (`AdamWPlan`: planned once, launched per call). Th
 from fusedzero.kernels._launch import LAUNCHES, Strided, backend, use_triton
 from fusedzero.kernels.adamw import AdamWBuffer, GroupedAdamW, Hyper
 from fusedzero.kernels.adamw_single import AdamWPlan, adamw_reference, adamw_step
-from fusedzero.kernels.memory_modes import (MASTER_MODES, QBLOCK, STATE_MODES, bytes_per_param,
-                                     dequantize_blockwise, quantize_blockwise)
+from fusedzero.kernels.memory_modes import (
+                                     MASTER_MODES,
+                                     QBLOCK,
+                                     STATE_MODES,
+                                     bytes_per_param,
+                                     dequantize_blockwise,
+                                     quantize_blockwise,
+)
 from fusedzero.kernels.memory_modes_reference import adamw_reference_mode
 from fusedzero.kernels.sum_of_squares import GroupedSumsq, SumsqView, sumsq
 

@@ -7,8 +7,7 @@ from typing import Any
 
 import torch
 
-from fusedzero.kernels._launch import (Hyper, Strided, as_strided, check_scalar,
-                                       shard_numel_of)
+from fusedzero.kernels._launch import Hyper, Strided, as_strided, check_scalar, shard_numel_of
 from fusedzero.kernels.adamw import AdamWBuffer, GroupedAdamW
 from fusedzero.kernels.rows import check_consts
 

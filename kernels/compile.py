@@ -22,8 +22,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fusedzero.kernels import adamw as _adamw
-from fusedzero.kernels import sum_of_squares as _sumsq
+from fusedzero.kernels import adamw as _adamw, sum_of_squares as _sumsq
 from fusedzero.kernels._launch import ENABLE_FP_FUSION, GRAD_DTYPES
 from fusedzero.kernels.compile_memory_modes import adamw_ptrs, mode_variants
 from fusedzero.kernels.memory_modes import MASTER_CODE, STATE_CODE

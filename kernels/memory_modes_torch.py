@@ -14,8 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from fusedzero.kernels.memory_modes import (QBLOCK, dequantize_blockwise, quantize_blockwise, sqrt_rn,
-                                     sr_bits, stochastic_round_bf16_torch)
+from fusedzero.kernels.memory_modes import (
+    QBLOCK,
+    dequantize_blockwise,
+    quantize_blockwise,
+    sqrt_rn,
+    sr_bits,
+    stochastic_round_bf16_torch,
+)
 from fusedzero.kernels.rows import RowCol
 from fusedzero.kernels.table import AdamWCol, Piece
 
@@ -58,7 +64,7 @@ class ModeCombo:
         if skip.item() != 0:
             return
         for r, views in self.by_row.items():
-            col = lambda j: [v[j] for v in views]  # noqa: E731
+            col = lambda j, views=views: [v[j] for v in views]  # noqa: E731
             self._row(rows[r], col, r, step)
 
     def _row(self, hp: torch.Tensor, col, r: int, step: torch.Tensor) -> None:

@@ -22,16 +22,16 @@ package; CI runs the fast tier with it.
 """
 import os
 
-
 # One intra-op thread (set before anything imports torch; ranks and CLIs the tests spawn
 # inherit it): the tests' tensors are small, and on a loaded machine OpenMP's spinning workers
 # cost far more than they save (a 10k-param GPT forward measured 100 ms of CPU with 2 threads
 # under load, 3 ms with one). Tests that need several threads set them themselves.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import _module_check  # noqa: E402 (tests/ is on sys.path: this file's folder)
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+import _module_check  # noqa: E402 (tests/ is on sys.path: this file's folder)
 
 pytest_addoption = _module_check.pytest_addoption
 pytest_runtestloop = _module_check.pytest_runtestloop

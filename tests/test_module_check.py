@@ -5,8 +5,9 @@ from __future__ import annotations
 import cProfile
 import json
 
-import _module_check as mc
 import pytest
+
+import _module_check as mc
 
 
 @pytest.fixture

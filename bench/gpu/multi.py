@@ -58,10 +58,11 @@ import torch.distributed as dist
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import _systems as S  # noqa: E402  (bench/ is a folder of scripts)
 from timeline import exposed_fraction  # noqa: E402
 
 from fusedzero import comm  # noqa: E402
+
+import _systems as S  # noqa: E402  (bench/ is a folder of scripts)
 
 PARITY_STEPS = 5
 RTOL = ATOL = 1e-6  # fp32 (see the docstring)

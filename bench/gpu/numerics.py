@@ -26,9 +26,9 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import _systems as S  # noqa: E402  (bench/ is a folder of scripts)
-
 from fusedzero.kernels import AdamWPlan  # noqa: E402
+
+import _systems as S  # noqa: E402  (bench/ is a folder of scripts)
 
 LR, BETAS, EPS, WD, STEPS = 3e-3, (0.9, 0.95), 1e-8, 0.1, 5
 

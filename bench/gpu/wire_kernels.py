@@ -18,8 +18,13 @@ from pathlib import Path
 
 import torch
 
-from fusedzero.kernels.quant import (WireFormat, chunk_bytes, dequant_sum_into, new_packed,
-                                     quantize_into)
+from fusedzero.kernels.quant import (
+    WireFormat,
+    chunk_bytes,
+    dequant_sum_into,
+    new_packed,
+    quantize_into,
+)
 
 
 def _time(fn, device: torch.device) -> float:
@@ -52,9 +57,9 @@ def main() -> None:
         packed = new_packed(fmt, W, S, dev)
         moved_q = x.numel() * 4 + packed.numel()
         moved_d = packed.numel() + 2 * S * 4
-        tq = _time(lambda: quantize_into(x, packed, fmt, W, S), dev)
-        td = _time(lambda: dequant_sum_into(shard, packed, fmt, W, S, scale=1.0 / W,
-                                            accumulate=True), dev)
+        tq = _time(lambda packed=packed, fmt=fmt: quantize_into(x, packed, fmt, W, S), dev)
+        td = _time(lambda packed=packed, fmt=fmt: dequant_sum_into(
+            shard, packed, fmt, W, S, scale=1.0 / W, accumulate=True), dev)
         rows.append({"wire": fmt.value, "world": W, "bucket_numel": W * S,
                      "wire_bytes_per_rank": (W - 1) * chunk_bytes(fmt, S),
                      "quantize_s": tq, "quantize_gbps": moved_q / tq / 1e9,

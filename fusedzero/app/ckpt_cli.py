@@ -25,8 +25,7 @@ from typing import Any
 
 from fusedzero import checkpoint, dtypes
 from fusedzero.app.runlock import LOCK_NAME, RunLock
-from fusedzero.checkpoint.placements import check_bound, check_folder, folder
-from fusedzero.checkpoint.placements import read as tp_record
+from fusedzero.checkpoint.placements import check_bound, check_folder, folder, read as tp_record
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30}

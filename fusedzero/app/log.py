@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from fusedzero.comm import CollectiveTimeout, group_rank, group_timeout, is_timeout
 
+
 @contextlib.contextmanager
 def waiting_for(what: str) -> Iterator[None]:
     """Blocking `torch.distributed` calls outside the optimizer (logging, evals, the end

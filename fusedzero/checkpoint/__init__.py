@@ -26,10 +26,25 @@ The package, bottom up (each module imports only those above it):
 The optimizer is reached only through `opt.shard_infos()`, `opt.param_infos()`,
 `opt.shard_state()` and `opt.load_shard_state()` (fusedzero/state.py) and public attributes.
 """
-from fusedzero.checkpoint.catalog import (Latest, find_latest, inspect, list_checkpoints,
-                                          problems, read_manifest, resolve, save_root, verify)
-from fusedzero.checkpoint.format import (KINDS, LATEST, MANIFEST, SafetensorsWriter,
-                                         shard_file_name, step_dir_name)
+from fusedzero.checkpoint.catalog import (
+                                          Latest,
+                                          find_latest,
+                                          inspect,
+                                          list_checkpoints,
+                                          problems,
+                                          read_manifest,
+                                          resolve,
+                                          save_root,
+                                          verify,
+)
+from fusedzero.checkpoint.format import (
+                                          KINDS,
+                                          LATEST,
+                                          MANIFEST,
+                                          SafetensorsWriter,
+                                          shard_file_name,
+                                          step_dir_name,
+)
 from fusedzero.checkpoint.loading import Loaded, load
 from fusedzero.checkpoint.manifest import CheckpointError
 from fusedzero.checkpoint.saving import SaveHandle, save, wait_pending

@@ -25,8 +25,15 @@ from typing import Any, NamedTuple
 
 from fusedzero.checkpoint.binding import header_problems, tensor_problems
 from fusedzero.checkpoint.format import LATEST, MANIFEST, open_regular
-from fusedzero.checkpoint.manifest import (MAX_LATEST, MAX_MANIFEST, STEP_DIR, VERSION,
-                                          CheckpointError, parse, snippet)
+from fusedzero.checkpoint.manifest import (
+    MAX_LATEST,
+    MAX_MANIFEST,
+    STEP_DIR,
+    VERSION,
+    CheckpointError,
+    parse,
+    snippet,
+)
 from fusedzero.checkpoint.rank_state import decode
 from fusedzero.checkpoint.shardfile import ShardFile
 

@@ -26,8 +26,14 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from fusedzero.checkpoint.binding import saved_dtype
-from fusedzero.checkpoint.catalog import (file_problems, link_problem, name_problem,
-                                          open_problem, read_manifest, resolve)
+from fusedzero.checkpoint.catalog import (
+    file_problems,
+    link_problem,
+    name_problem,
+    open_problem,
+    read_manifest,
+    resolve,
+)
 from fusedzero.checkpoint.collectives import agree
 from fusedzero.checkpoint.format import MANIFEST, Peak
 from fusedzero.checkpoint.manifest import VERSION, CheckpointError, manifest_modes, snippet

@@ -31,8 +31,15 @@ import torch
 from fusedzero.checkpoint import catalog
 from fusedzero.checkpoint.format import Peak
 from fusedzero.checkpoint.manifest import CheckpointError, manifest_modes
-from fusedzero.checkpoint.placements import (check_bound, check_folder, describe, folder,
-                                             full_of, local_of, read)
+from fusedzero.checkpoint.placements import (
+    check_bound,
+    check_folder,
+    describe,
+    folder,
+    full_of,
+    local_of,
+    read,
+)
 from fusedzero.checkpoint.shardfile import ShardReaders, digests
 from fusedzero.checkpoint.weights import param_pieces, read_param
 from fusedzero.memory_modes import MemoryModes

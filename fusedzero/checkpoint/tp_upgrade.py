@@ -23,11 +23,23 @@ from pathlib import Path
 from typing import Any
 
 from fusedzero.checkpoint import catalog
-from fusedzero.checkpoint.format import (LATEST, MANIFEST, fsync_dir, remove, step_dir_name,
-                                         write_text_atomic)
+from fusedzero.checkpoint.format import (
+    LATEST,
+    MANIFEST,
+    fsync_dir,
+    remove,
+    step_dir_name,
+    write_text_atomic,
+)
 from fusedzero.checkpoint.manifest import VERSION, CheckpointError
-from fusedzero.checkpoint.placements import (TP_FILE, TP_VERSION, check_folder, folder, read,
-                                             write_binding)
+from fusedzero.checkpoint.placements import (
+    TP_FILE,
+    TP_VERSION,
+    check_folder,
+    folder,
+    read,
+    write_binding,
+)
 from fusedzero.checkpoint.upgrade import upgrade
 
 

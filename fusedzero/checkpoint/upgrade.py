@@ -18,9 +18,18 @@ from safetensors import safe_open
 
 from fusedzero.checkpoint.binding import shard_metadata
 from fusedzero.checkpoint.catalog import file_problems, read_manifest, resolve
-from fusedzero.checkpoint.format import (LATEST, MANIFEST, ST_DTYPE, SafetensorsWriter,
-                                         check_replaceable, fsync_dir, named, remove,
-                                         step_dir_name, write_text_atomic)
+from fusedzero.checkpoint.format import (
+    LATEST,
+    MANIFEST,
+    ST_DTYPE,
+    SafetensorsWriter,
+    check_replaceable,
+    fsync_dir,
+    named,
+    remove,
+    step_dir_name,
+    write_text_atomic,
+)
 from fusedzero.checkpoint.manifest import VERSION, CheckpointError, manifest_modes
 
 _TORCH_DTYPE = {code: dt for dt, code in ST_DTYPE.items()}

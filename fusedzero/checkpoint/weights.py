@@ -29,9 +29,16 @@ from fusedzero import dtypes
 from fusedzero.checkpoint import catalog
 from fusedzero.checkpoint.catalog import read_manifest
 from fusedzero.checkpoint.collectives import agree
-from fusedzero.checkpoint.format import (LATEST, MANIFEST, Peak, SafetensorsWriter,
-                                         check_replaceable, fsync_dir, remove,
-                                         write_text_atomic)
+from fusedzero.checkpoint.format import (
+    LATEST,
+    MANIFEST,
+    Peak,
+    SafetensorsWriter,
+    check_replaceable,
+    fsync_dir,
+    remove,
+    write_text_atomic,
+)
 from fusedzero.checkpoint.manifest import STEP_DIR, CheckpointError, snippet
 from fusedzero.checkpoint.optview import aliases, param_table
 from fusedzero.checkpoint.placements import tp_source

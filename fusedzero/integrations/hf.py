@@ -48,8 +48,7 @@ import torch
 from torch import nn
 
 from fusedzero import checkpoint
-from fusedzero.integrations._common import (check_zero_kwargs, full_state_dict,
-                                            import_framework)
+from fusedzero.integrations._common import check_zero_kwargs, full_state_dict, import_framework
 from fusedzero.optim import ZeroAdamW
 
 transformers = import_framework("transformers", "hf", "fusedzero.integrations.hf")

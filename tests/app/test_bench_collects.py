@@ -3,10 +3,10 @@ and collect, so a refactor cannot silently break `pytest bench/ --benchmark-only
 from __future__ import annotations
 
 import subprocess
-
-import pytest
 import sys
 from pathlib import Path
+
+import pytest
 
 pytestmark = pytest.mark.slow  # spawns ranks or the CLI
 

@@ -168,7 +168,7 @@ def test_timeout_out_of_range_is_refused_naming_the_flag(capsys: pytest.CaptureF
 
 
 def test_timeout_range_is_in_the_help() -> None:
-    from fusedzero.app.config import add_arguments, ArgParser
+    from fusedzero.app.config import ArgParser, add_arguments
 
     p = ArgParser(prog="fusedzero train")
     add_arguments(p)

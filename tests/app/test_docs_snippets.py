@@ -46,7 +46,6 @@ import dataclasses
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 

@@ -10,7 +10,7 @@ import torch
 from fusedzero import kernels
 from fusedzero.app import doctor, kernel_checks
 from fusedzero.app.cli import main
-from fusedzero.app.doctor import Status, format_table, Row
+from fusedzero.app.doctor import Row, Status, format_table
 
 
 def _doctor(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict]:

@@ -11,9 +11,9 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 pytestmark = pytest.mark.slow  # spawns ranks or the CLI
 

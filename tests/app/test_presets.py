@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fusedzero.app import summary
 from fusedzero.app.config import UsageError, parse_args
 from fusedzero.app.model import GPT, PRESETS, CausalSelfAttention, GPTConfig, flops_per_token
-from fusedzero.app import summary
 
 
 def _meta(**cfg) -> GPT:

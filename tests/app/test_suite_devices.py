@@ -15,8 +15,6 @@ import ast
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 from fusedzero.app.config import UsageError, parse_args
 from fusedzero.app.launch import local_ranks
 

@@ -12,8 +12,15 @@ import pytest
 import torch
 
 from fusedzero.app.model import GPT, GPTConfig
-from fusedzero.app.watch import (FIELDS, MetricsLog, check_writable, plot_losses, printable,
-                                 read_jsonl, sample_text)
+from fusedzero.app.watch import (
+    FIELDS,
+    MetricsLog,
+    check_writable,
+    plot_losses,
+    printable,
+    read_jsonl,
+    sample_text,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,8 +21,7 @@ from fusedzero import checkpoint as ck
 from fusedzero.app.ckpt_cli import main as cli_main
 from fusedzero.optim import ZeroAdamW
 
-from _helpers import (TINY_CKPT, copy_root, rewrite_shard, tiny_ckpt_opt, tiny_train,
-                      two_step_root)
+from _helpers import TINY_CKPT, copy_root, rewrite_shard, tiny_ckpt_opt, tiny_train, two_step_root
 
 
 @pytest.fixture(scope="module")

@@ -26,12 +26,17 @@ from safetensors import safe_open
 from fusedzero import checkpoint as ck
 from fusedzero.app.cli import main as cli_main
 from fusedzero.app.model import GPT
-from fusedzero.checkpoint import catalog
-from fusedzero.checkpoint import saving
+from fusedzero.checkpoint import catalog, saving
 from fusedzero.optim import ZeroAdamW
 
-from _helpers import (TINY_CKPT, copy_root as copy, rewrite_shard, tiny_ckpt_opt, tiny_train,
-                      two_step_root)
+from _helpers import (
+    TINY_CKPT,
+    copy_root as copy,
+    rewrite_shard,
+    tiny_ckpt_opt,
+    tiny_train,
+    two_step_root,
+)
 
 CFG = TINY_CKPT
 SHARD = "rank00000-of-00001.safetensors"

@@ -11,9 +11,9 @@ others spawn ranks.
 from __future__ import annotations
 
 import errno
-import multiprocessing as mp
 import json
 import math
+import multiprocessing as mp
 import os
 import re
 import shutil

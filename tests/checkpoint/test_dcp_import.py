@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fusedzero import checkpoint
-from fusedzero.cli import main as cli_main
 from fusedzero.app.model import GPT, GPTConfig
+from fusedzero.cli import main as cli_main
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 

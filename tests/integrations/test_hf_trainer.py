@@ -173,7 +173,7 @@ def test_zero_trainer_matches_ddp_trainer(tmp_path: Path) -> None:
         assert have.keys() == want.keys(), run
         for k in want:
             torch.testing.assert_close(have[k], want[k], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"{run} {k}: {m}")
+                                       msg=lambda m, run=run, k=k: f"{run} {k}: {m}")
 
 
 def refusals(rank: int, world: int, root: str) -> dict[str, str]:

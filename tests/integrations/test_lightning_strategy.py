@@ -145,7 +145,7 @@ def test_zero_strategy_matches_ddp(tmp_path: Path) -> None:
         assert have.keys() == want.keys(), what
         for k in want:
             torch.testing.assert_close(have[k], want[k], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m: f"{what} {k}: {m}")
+                                       msg=lambda m, k=k: f"{what} {k}: {m}")
 
     # Stage 0 reduces each bucket once a step (2 an epoch), not once a micro-batch: the first
     # micro-batch runs under ZeroAdamW's no_sync (block_backward_sync).
@@ -154,7 +154,8 @@ def test_zero_strategy_matches_ddp(tmp_path: Path) -> None:
     for stage in STAGES:
         losses, p, full = got[f"s{stage}"]
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL,
-                                   atol=0, msg=lambda m: f"stage {stage} losses vs DDP: {m}")
+                                   atol=0,
+                                   msg=lambda m, stage=stage: f"stage {stage} losses vs DDP: {m}")
         close(full, ref_full, f"stage {stage} lightning_module_state_dict()")
         close(p, ref_params, f"stage {stage} after fit")
     r_losses, r_params = got["resumed"]

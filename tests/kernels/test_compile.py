@@ -11,9 +11,10 @@ import pytest
 import torch
 import triton
 
-from _helpers import compile_offline
 from fusedzero.kernels import adamw, memory_modes as modes, sum_of_squares
 from fusedzero.kernels.compile import compile_for
+
+from _helpers import compile_offline
 
 CAPABILITIES = (80, 90)
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -12,9 +12,16 @@ import pytest
 import torch
 import triton.runtime.interpreter as interp
 
-from fusedzero.kernels import Strided, _launch, adamw_reference, adamw_step, sumsq, table
-from fusedzero.kernels import adamw as adamw_mod
-from fusedzero.kernels import sum_of_squares as sumsq_mod
+from fusedzero.kernels import (
+    Strided,
+    _launch,
+    adamw as adamw_mod,
+    adamw_reference,
+    adamw_step,
+    sum_of_squares as sumsq_mod,
+    sumsq,
+    table,
+)
 
 CUDA_MAX_Y = 65535  # CUDA's limit on grid axes 1 and 2
 HP = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)

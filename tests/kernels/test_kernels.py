@@ -11,9 +11,15 @@ import math
 import pytest
 import torch
 
-from fusedzero.kernels import LAUNCHES, Strided, adamw_reference, adamw_step, sumsq
-from fusedzero.kernels import adamw as adamw_mod
-from fusedzero.kernels import sum_of_squares as sumsq_mod
+from fusedzero.kernels import (
+    LAUNCHES,
+    Strided,
+    adamw as adamw_mod,
+    adamw_reference,
+    adamw_step,
+    sum_of_squares as sumsq_mod,
+    sumsq,
+)
 
 from _helpers import fast_only
 

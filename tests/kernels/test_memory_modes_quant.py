@@ -7,8 +7,13 @@ import math
 import pytest
 import torch
 
-from fusedzero.kernels import QBLOCK, adamw_step, bytes_per_param, dequantize_blockwise
-from fusedzero.kernels import quantize_blockwise
+from fusedzero.kernels import (
+    QBLOCK,
+    adamw_step,
+    bytes_per_param,
+    dequantize_blockwise,
+    quantize_blockwise,
+)
 from fusedzero.kernels.memory_modes import sr_bits, stochastic_round_bf16_torch, stream_bytes
 from fusedzero.kernels.memory_modes_reference import bf16_round_stochastic, quantize_exact
 

@@ -17,11 +17,17 @@ import math
 import pytest
 import torch
 
-from fusedzero.kernels import (MASTER_MODES, QBLOCK, STATE_MODES, Strided, adamw_reference_mode,
-                               adamw_step, bytes_per_param, dequantize_blockwise,
-                               quantize_blockwise)
+from fusedzero.kernels import (
+    MASTER_MODES,
+    QBLOCK,
+    STATE_MODES,
+    Strided,
+    adamw_reference_mode,
+    adamw_step,
+    dequantize_blockwise,
+    quantize_blockwise,
+)
 from fusedzero.kernels.adamw import BLOCK
-from fusedzero.kernels.memory_modes import sr_bits, stochastic_round_bf16_torch, stream_bytes
 
 from _helpers import fast_only
 

@@ -16,11 +16,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from fusedzero import Precision, Sharding, ZeroAdamW
 from fusedzero.checkpoint import import_weights
-
 from fusedzero.emulate import emulate, fake_group
 from fusedzero.layout import ALIGN
-from fusedzero import Precision, Sharding, ZeroAdamW
 from fusedzero.shard_init import BLOCK, block_seed
 from fusedzero.units import FullUnitInit
 

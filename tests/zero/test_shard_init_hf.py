@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fusedzero import Sharding, ZeroAdamW
 from fusedzero.emulate import fake_group
 from fusedzero.layout import ALIGN
-from fusedzero import Sharding, ZeroAdamW
 
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra")
 pytestmark = pytest.mark.slow  # importing transformers takes seconds

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_tp import DP, TP, make, parallelize
 
 from fusedzero import Groups, ZeroAdamW
 from fusedzero.testing import run_ranks
-from test_tp import DP, TP, make, parallelize
 
 pytestmark = pytest.mark.slow  # spawns 4 ranks
 
