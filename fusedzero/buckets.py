@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -30,6 +31,16 @@ from fusedzero.reduce import (MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish
 from fusedzero.replicas import ReplicaReduction
 from fusedzero.stage import Stage
 from fusedzero.wire import WireFormat
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class PendingReduction:
+    """A launched reduction of one bucket: its handle, and what to run once it is complete
+    (None: nothing, or already run)."""
+
+    bucket: Bucket
+    handle: Handle
+    finish: Finish | None
 
 
 def launch_order(buffers: list[FlatBuffer], order: list[torch.Tensor], by_unit: bool
@@ -78,10 +89,10 @@ class BucketSchedule:
         # Stages 2-3 keep no full grad buffer to accumulate in: they reduce every micro-batch.
         self._always_reduces = not stage.keeps_full_grads
         self.sync = True
-        self._handles: list[tuple[Handle, Finish | None]] = []
-        # Those with a finish still to run, oldest first: (index in _handles, bucket). The scans
-        # per launch walk these (at most MAX_INFLIGHT_BUCKETS + 1), never every bucket.
-        self._unfinished: collections.deque[tuple[int, Bucket]] = collections.deque()
+        self._pending: list[PendingReduction] = []  # launched since the last wait_all, in order
+        # Those with a finish still to run, oldest first. The scans per launch walk these (at
+        # most MAX_INFLIGHT_BUCKETS + 1), never every bucket.
+        self._unfinished: collections.deque[PendingReduction] = collections.deque()
         self.max_live_buckets = 0  # most transient bucket buffers alive at once (stages 2-3)
         self._next = 0
         self._zeroed_at: dict[int, int] = {}  # id(buf) -> grad_flat._version after its zero_
@@ -146,13 +157,14 @@ class BucketSchedule:
                 h, finish = self.reduction.launch(b, self.ctx, self.inv_world)
             if self.replicas is not None:
                 finish = self._then_replicas(b, finish)
+            r = PendingReduction(b, h, finish)
             if finish is not None:
-                self._unfinished.append((len(self._handles), b))
-            self._handles.append((h, finish))
+                self._unfinished.append(r)
+            self._pending.append(r)
             self._next += 1
             if self.reduction.transient:
                 # Only an unfinished reduction holds a transient bucket buffer (`b.grad`).
-                live = sum(x.grad is not None for _, x in self._unfinished)
+                live = sum(x.bucket.grad is not None for x in self._unfinished)
                 self.max_live_buckets = max(self.max_live_buckets, live)
             if self.reduction.transient or self.replicas is not None:
                 self._bound_inflight()
@@ -183,13 +195,12 @@ class BucketSchedule:
         issued in the same order on every rank, or a rank whose kernels cannot run at once (one
         hardware queue, e.g. CUDA_DEVICE_MAX_CONNECTIONS=1) waits on the other forever."""
         while len(self._unfinished) > MAX_INFLIGHT_BUCKETS:
-            i = self._unfinished.popleft()[0]
-            h, finish = self._handles[i]
-            self.ctx.wait(h, what="grad reduction of a backward bucket")
+            r = self._unfinished.popleft()
+            self.ctx.wait(r.handle, what="grad reduction of a backward bucket")
+            finish, r.handle, r.finish = r.finish, None, None
             assert finish is not None
             with torch.no_grad():
                 finish()
-            self._handles[i] = (None, None)
 
     def end_backward(self, grads_arrived: bool) -> bool:
         """Launch what is left and wait for every reduction: the grads are final when backward
@@ -235,12 +246,12 @@ class BucketSchedule:
         self.reset_pending()
 
     def wait_all(self) -> None:
-        for h, finish in self._handles:
-            self.ctx.wait(h, what="grad reduction of a backward bucket")
-            if finish is not None:
+        for r in self._pending:
+            self.ctx.wait(r.handle, what="grad reduction of a backward bucket")
+            if r.finish is not None:
                 with torch.no_grad():
-                    finish()
-        self._handles.clear()
+                    r.finish()
+        self._pending.clear()
         self._unfinished.clear()
         if self.replicas is not None:
             self.replicas.wait()

@@ -2,6 +2,7 @@
 what `p.grad` holds between backward passes. The buckets (`fusedzero.buckets`) do the rest."""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ from fusedzero.buckets import BucketSchedule
 from fusedzero.comm import CommContext
 from fusedzero.dtensor import is_dtensor, local_grad
 from fusedzero.flat import FlatBuffer
+from fusedzero.reduce import Bucket
 from fusedzero.stage import Stage
 
 
@@ -71,6 +73,21 @@ class NoLocalGrad(torch.Tensor):
 _ACCUMULATE = (torch.ops.aten.add_.Tensor, torch.ops.aten.add.Tensor)
 
 
+@dataclasses.dataclass(slots=True, eq=False)
+class ParamHook:
+    """What a param's grad hook needs, looked up once at construction, not on every grad."""
+
+    buf: FlatBuffer
+    pos: int  # the param's position in `buf.params`
+    view: torch.Tensor | None  # its grad as a view of the bucket (`FlatBuffer.param_grad_view`)
+    buckets: tuple[Bucket, ...]  # the buckets holding it (`BucketSchedule.buckets_of`)
+    param: torch.Tensor
+    dtensor: bool  # a DTensor param: its grad's local tensor goes into the bucket
+    # Its NoLocalGrad, built on first use: a stage-3 param has its full shape only while
+    # gathered.
+    placeholder: NoLocalGrad | None = None
+
+
 class GradHooks:
     """Owns the grad hooks and the backward life cycle (in backward or not, on which graph
     task). `on_unit_grad(buf)` and `on_backward_end()` let stage 3 follow along."""
@@ -87,16 +104,13 @@ class GradHooks:
         self.in_backward = False
         self._task_id = -1  # autograd graph task the end-of-backward callback is queued on
         self._grads_arrived = False  # a param grad came in the current backward
-        # Per param, what its grad hook needs, looked up once here, not on every grad: [buffer,
-        # position, its bucket view or None, its buckets, the param, its placeholder (built on
-        # first use: a stage-3 param has its full shape only while gathered), is a DTensor].
-        self._where: dict[int, list[Any]] = {
-            id(p): [buf, pos, buf.param_grad_view(pos), schedule.buckets_of(buf, pos), p, None,
-                    is_dtensor(p)]
+        self._where: dict[int, ParamHook] = {
+            id(p): ParamHook(buf, pos, buf.param_grad_view(pos), schedule.buckets_of(buf, pos), p,
+                             is_dtensor(p))
             for buf in schedule.buffers for pos, p in enumerate(buf.params)}
         # The records of the params whose .grad a placeholder was put on since the grads were
         # last consumed: no walk over every param to take them off.
-        self._placed: dict[int, list[Any]] = {}
+        self._placed: dict[int, ParamHook] = {}
         self.hooks: list[Any] = []
         for p in params:
             self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -151,19 +165,19 @@ class GradHooks:
         if not self.in_backward:
             self._first_grad()
         self._grads_arrived = True
-        rec = self._where[id(p)]
-        buf, pos, view, buckets, _, _, dtensor = rec
+        h = self._where[id(p)]
+        view = h.view
         if view is not None and grad.data_ptr() == view.data_ptr():
-            self.schedule.add_grad(buckets, pos, None)  # accumulated into the bucket view
+            self.schedule.add_grad(h.buckets, h.pos, None)  # accumulated into the bucket view
         else:
             # Not (or no longer: reduced, or the user reset .grad) a view of our bucket: put it in.
             if grad.is_sparse:
-                raise RuntimeError(f"param {buf.layout.params[pos].name} got a sparse grad; "
+                raise RuntimeError(f"param {h.buf.layout.params[h.pos].name} got a sparse grad; "
                                    "sparse gradients are not supported")
-            self.schedule.add_grad(buckets, pos, local_grad(p, grad) if dtensor else grad)
-            self._set_idle(rec)
+            self.schedule.add_grad(h.buckets, h.pos, local_grad(p, grad) if h.dtensor else grad)
+            self._set_idle(h)
         if self.on_unit_grad is not None:
-            self.on_unit_grad(buf)
+            self.on_unit_grad(h.buf)
 
     def _first_grad(self) -> None:
         """The first grad of a backward that no output-grad hook began (no `module`, or a
@@ -181,8 +195,8 @@ class GradHooks:
                 "use_reentrant=False")
         self._begin_backward()
 
-    def _set_idle(self, rec: list[Any]) -> None:
-        """Set `p.grad` (p the param of record `rec`) to what it holds between backward passes.
+    def _set_idle(self, h: ParamHook) -> None:
+        """Set `h.param.grad` to what it holds between backward passes.
         [Note: user grad clipping] A view of grad_flat where that view is this param's true
         grad: stage 0 with grads in the param dtype, where after backward it holds the grad
         averaged over ranks on every rank, so `torch.nn.utils.clip_grad_norm_` computes the
@@ -191,16 +205,16 @@ class GradHooks:
         this rank holds only a shard of the reduced grad (or a copy in another dtype), and a
         norm over `.grad` would be silently wrong or, over None, silently zero: `.grad` is then
         a placeholder that raises, naming `max_grad_norm` and `opt.grad_norm`, on any use."""
-        buf, pos, view, _, p, ng, _ = rec
-        if view is not None and not self.schedule.was_reduced(buf, pos):
-            p.grad = view
+        p = h.param
+        if h.view is not None and not self.schedule.was_reduced(h.buf, h.pos):
+            p.grad = h.view
             return
-        p.grad = ng if ng is not None else self._placeholder(rec)
-        self._placed[id(p)] = rec  # what it holds again once the grads are consumed: rec[2]
+        ng = h.placeholder
+        p.grad = ng if ng is not None else self._placeholder(h)
+        self._placed[id(p)] = h  # what it holds again once the grads are consumed: h.view
 
-    def _placeholder(self, rec: list[Any]) -> NoLocalGrad:
-        buf, pos, _, _, p, _, _ = rec
-        rec[5] = ng = NoLocalGrad(p, self.stage, buf.layout.params[pos].name)
+    def _placeholder(self, h: ParamHook) -> NoLocalGrad:
+        ng = h.placeholder = NoLocalGrad(h.param, self.stage, h.buf.layout.params[h.pos].name)
         return ng
 
     def recover(self) -> None:
@@ -234,23 +248,23 @@ class GradHooks:
     def reset_idle_grads(self) -> None:
         """Stage 1 after a reducing backward: every bucket was reduced, so every param's .grad
         is its placeholder (a loop of assignments: this runs once per param per backward)."""
-        for rec in self._where.values():
-            ng = rec[5]
-            rec[4].grad = ng if ng is not None else self._placeholder(rec)
+        for h in self._where.values():
+            ng = h.placeholder
+            h.param.grad = ng if ng is not None else self._placeholder(h)
         self._placed = dict(self._where)
 
     def drop_placeholders(self) -> None:
         """The grads are consumed: placeholders go (stage 1: autograd accumulates into the
         bucket views again). Only the params a placeholder was put on are visited."""
-        for rec in self._placed.values():
-            p = rec[4]
+        for h in self._placed.values():
+            p = h.param
             if type(p.grad) is NoLocalGrad:
-                p.grad = rec[2]
+                p.grad = h.view
         self._placed.clear()
 
     def reset_grads(self) -> None:
         """zero_grad(): every param's .grad is its bucket view again (None where it has none),
         whatever it held."""
-        for rec in self._where.values():
-            rec[4].grad = rec[2]
+        for h in self._where.values():
+            h.param.grad = h.view
         self._placed.clear()

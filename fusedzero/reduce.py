@@ -38,7 +38,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -88,9 +88,15 @@ class BucketStatus(enum.Enum):
     REDUCED_CLEAN = enum.auto()  # stage 1: reduced, and the pieces other ranks own zeroed since
 
 
-# A piece of a stage 2-3 bucket ([Note: gathering a bucket at launch]): (start, end, start in
-# the param or -1 where the piece is whole, slot or -1 for a hole, zeros for a hole).
-Part = tuple[int, int, int, int, torch.Tensor | None]
+class Part(NamedTuple):
+    """A piece of a stage 2-3 bucket ([Note: gathering a bucket at launch]): a param's run of
+    elements, or an alignment hole."""
+
+    start: int  # [start, end) of the bucket
+    end: int
+    param_start: int | None  # where the run starts in the param; None: the bucket holds it whole
+    slot: int | None  # the param's position in `buf.layout.params`; None: a hole
+    zeros: torch.Tensor | None  # a hole: zeros of its length (a view of one shared tensor)
 
 
 @dataclasses.dataclass(eq=False)
@@ -105,7 +111,7 @@ class Bucket:
     # Stages 2-3 ([Note: gathering a bucket at launch]): this backward's grads by slot, and the
     # bucket's pieces in order (`Part`) and where its tail padding starts.
     got: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
-    parts: tuple[list[Part], int] | None = None
+    parts: tuple[list[Part], int] | None = None  # (its pieces in order, where the tail starts)
     # 2-D mesh: the shard holds a reduction the replicas have not averaged (stages 2-3 inside
     # no_sync); `ReplicaReduction.leftovers` averages it before the update.
     replica_stale: bool = False
@@ -234,10 +240,8 @@ class ReduceIntoShard(WireChoice):
         b.got[pos] = grad
 
     def _parts(self, b: Bucket) -> tuple[list[Part], int]:
-        """b's pieces in bucket order, (start, end, start in the param or -1 where the bucket
-        holds the whole param, slot, None) for a param and (start, end, -1, -1, zeros) for an
-        alignment hole (views of one shared zero tensor, made once); and where the tail padding
-        starts (zeroed apart, it can be long)."""
+        """b's pieces in bucket order (hole zeros: views of one shared zero tensor, made once),
+        and where the tail padding starts (zeroed apart, it can be long)."""
         if b.parts is None:
             L = b.buf.layout
             holes = list(b.holes)
@@ -252,9 +256,9 @@ class ReduceIntoShard(WireChoice):
             spans: list[Part] = []
             for pos in b.slots:
                 a, e, p = L.overlap(pos, b.k)
-                spans.append((a, e, -1 if e - a == L.params[pos].numel else p, pos, None))
-            spans += [(a, e, -1, -1, z[:e - a]) for a, e in holes]
-            b.parts = (sorted(spans, key=lambda t: t[0]), tail)
+                spans.append(Part(a, e, None if e - a == L.params[pos].numel else p, pos, None))
+            spans += [Part(a, e, None, None, z[:e - a]) for a, e in holes]
+            b.parts = (sorted(spans, key=lambda t: t.start), tail)
         return b.parts
 
     def _gather(self, b: Bucket) -> torch.Tensor:
@@ -271,10 +275,10 @@ class ReduceIntoShard(WireChoice):
         B = b.buf.layout.bucket_numel
         pieces = []
         for a, e, p, pos, zeros in parts:
-            g = zeros if pos < 0 else got.get(pos)
+            g = zeros if pos is None else got.get(pos)
             if g is None:  # a param that got no grad this backward contributes zeros
                 g = torch.zeros(e - a, dtype=dt, device=dev)
-            elif p >= 0:  # the part of a param that straddles buckets
+            elif p is not None and pos is not None:  # the part of a param that straddles buckets
                 g = g.reshape(-1)[p:p + e - a]
             pieces.append(g)
         got.clear()

@@ -84,7 +84,7 @@ def test_bucket_launches_do_not_walk_every_bucket_stage3(units: int) -> None:
     assert len(sched.buckets) >= units
     _Walks.walks = 0
     sched.buckets = _Walks(sched.buckets)
-    sched._handles = _Walks(sched._handles)
+    sched._pending = _Walks(sched._pending)
     model(x).square().sum().backward()
     # At the end of backward: which buckets are incomplete, the reset, the wait for all.
     assert _Walks.walks <= 4, _Walks.walks
