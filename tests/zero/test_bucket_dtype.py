@@ -19,12 +19,12 @@ def test_fp32_grads_build_a_bf16_bucket_for_a_bf16_reduce() -> None:
                     reduce_dtype=torch.bfloat16, bucket_numel=1 << 12)
     b = opt.buckets.buckets[0]
     L = b.buf.layout
-    grads = {pos: torch.randn(L.params[pos].numel) for pos in b.slots}  # fp32, as such a DTensor
+    grads = {pos: torch.randn(L.params[pos].shape) for pos in b.slots}  # fp32, as such a DTensor
     b.got.update(grads)
     out = opt.buckets.reduction._gather(b)
     assert out.dtype == torch.bfloat16 and out.numel() == L.bucket_numel
     for pos, g in grads.items():
         a, e, p = L.overlap(pos, b.k)
-        assert torch.equal(out[a:e], g[p:p + e - a].to(torch.bfloat16))
-    b.grad = None
+        assert torch.equal(out[a:e], g.reshape(-1)[p:p + e - a].to(torch.bfloat16))
+    b.release()
     opt.close()
