@@ -311,12 +311,13 @@ class BucketSchedule:
         bucket is the first of its step.
 
         See [Note: zeroing once]."""
-        for buf in self.buffers:
-            g = buf.grad_flat
-            if g is not None and (self._zeroed_at.get(id(buf)) != g._version
-                                  or id(buf) in self._reduced_into):
-                g.zero_()
-                self._zeroed_at[id(buf)] = g._version
+        todo = [buf for buf in self.buffers if buf.grad_flat is not None and (
+            self._zeroed_at.get(id(buf)) != buf.grad_flat._version
+            or id(buf) in self._reduced_into)]
+        if todo:  # one op for every buffer
+            torch._foreach_zero_([buf.grad_flat for buf in todo])
+            for buf in todo:
+                self._zeroed_at[id(buf)] = buf.grad_flat._version
         self._reduced_into.clear()
         for b in self.buckets:
             b.status = BucketStatus.EMPTY

@@ -329,9 +329,12 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         self.buckets.finish_replicas()
         # Stage 0 grads are replicated: the local sum of squares is already global.
         s = self.scalars
-        s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None, self._tp_ctx)
         lrs = self.group_lr.update(self.param_groups)
-        self._update.step(lrs, s.step, s.grad_scale, s.skip)
+        # The update's rows are written by the scalars' launch (one launch for both).
+        rows = self._update.rows
+        s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None, self._tp_ctx,
+                  rows=rows, hyper=lrs)
+        self._update.step(lrs, s.step, s.grad_scale, s.skip, rows_written=rows is not None)
         s.finish()
         self.param_sync.gather(after_step=True)
         self._consume_grads()

@@ -114,6 +114,14 @@ class Part(NamedTuple):
     param_start: int | None  # a straddling param: where its run starts (flat); None: whole
 
 
+class ShardPiece(NamedTuple):
+    """Stages 2-3, made once per bucket: this rank's piece of the bucket's memory (what the
+    reduce-scatter writes) and of the grad shard (where it is put)."""
+
+    reduced: torch.Tensor
+    dst: torch.Tensor
+
+
 @dataclasses.dataclass(eq=False)
 class Bucket:
     buf: FlatBuffer
@@ -131,6 +139,7 @@ class Bucket:
     # the views of its alignment holes and tail, made once.
     store: torch.Tensor | None = None
     hole_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    piece: ShardPiece | None = None
     # 2-D mesh: the shard holds a reduction the replicas have not averaged (stages 2-3 inside
     # no_sync); `ReplicaReduction.leftovers` averages it before the update.
     replica_stale: bool = False
@@ -308,6 +317,10 @@ class ReduceIntoShard(WireChoice):
                                           device=b.buf.device)
             b.parts = b.make_parts(store)
             b.hole_views = [store[a:e] for a, e in b.holes]
+            lo, hi = b.own_piece()
+            S = L.shard_numel
+            assert b.buf.grad_shard is not None
+            b.piece = ShardPiece(store[lo:hi], b.buf.grad_shard[b.k * S:(b.k + 1) * S])
         else:
             store.untyped_storage().resize_(store.numel() * store.element_size())
         zeros = list(b.hole_views)
@@ -324,17 +337,14 @@ class ReduceIntoShard(WireChoice):
         buf = self._gather(b)
         if not (inv_world == 1.0 or self.fused(b) or divides_after(b, inv_world)):
             buf.mul_(inv_world)  # pre-divided ([Note: dividing after the reduction])
-        lo, hi = b.own_piece()
         if self.fused(b):
             return self._launch_wire(b, ctx, inv_world)
-        h = comm.reduce_scatter(buf[lo:hi], buf, ctx.group, ctx.world_size, ctx.counter)
-
+        assert b.piece is not None
+        piece, dst = b.piece
+        h = comm.reduce_scatter(piece, buf, ctx.group, ctx.world_size, ctx.counter)
         scale = inv_world if divides_after(b, inv_world) else 1.0
 
         def finish() -> None:
-            S = b.buf.layout.shard_numel
-            assert b.buf.grad_shard is not None and b.grad is not None
-            dst, piece = b.buf.grad_shard[b.k * S:(b.k + 1) * S], b.grad[lo:hi]
             if b.status is BucketStatus.EMPTY:
                 if scale == 1.0:
                     dst.copy_(piece)
@@ -350,14 +360,12 @@ class ReduceIntoShard(WireChoice):
                      ) -> tuple[Handle, Finish | None]:
         """The bucket (raw grads) over the wire; the finish dequantizes, sums, scales by 1/W and
         writes or adds into the grad shard in one launch."""
-        assert self.wire is not None and b.grad is not None
+        assert self.wire is not None and b.grad is not None and b.piece is not None
         red = wire.reduce_scatter_start(b.grad, self.wire, ctx)
+        dst = b.piece.dst
 
         def finish() -> None:
-            S = b.buf.layout.shard_numel
-            assert b.buf.grad_shard is not None
-            red.finish(b.buf.grad_shard[b.k * S:(b.k + 1) * S], inv_world,
-                       accumulate=b.status is not BucketStatus.EMPTY)
+            red.finish(dst, inv_world, accumulate=b.status is not BucketStatus.EMPTY)
             b.status = BucketStatus.REDUCED
             b.release()
         return red.handle, finish

@@ -13,6 +13,7 @@ from fusedzero import comm
 from fusedzero.comm import CommContext
 from fusedzero.kernels import Hyper
 from fusedzero.kernels._launch import copy_from_host
+from fusedzero.kernels.rows import Rows
 from fusedzero.kernels.step_scalars import step_scalars
 
 
@@ -79,15 +80,16 @@ class StepScalars:
         self.scaler = scaler
 
     def prepare(self, sumsq: Callable[[], torch.Tensor], ctx: CommContext | None,
-                tp_ctx: CommContext | None = None) -> None:
+                tp_ctx: CommContext | None = None, rows: Rows | None = None,
+                hyper: Hyper | None = None) -> None:
         """Norm, clip coefficient, skip flag and grad scale from this rank's reduced grad
         shards, and the step counted (only a step that is taken counts); `sumsq()` is their
         sum of squares (the grouped launch over all of them). `ctx` is the group whose ranks
         hold the other shards (None: the local grads are already global, stage 0); `tp_ctx`
         the tensor-parallel group whose ranks hold the other tp shards (`sumsq()` then counts
         each replicated param on one tp rank only). One all-reduce of one scalar per group,
-        then one launch for every scalar ([Note: one launch for the step's scalars]); no host
-        sync."""
+        then one launch for every scalar ([Note: one launch for the step's scalars]), and for
+        the update's `rows` of `hyper` where given; no host sync."""
         need_norm = self.max_grad_norm is not None or self.skip_nonfinite or self.scaler
         total = None
         if need_norm:
@@ -98,7 +100,8 @@ class StepScalars:
                            what="grad-norm all-reduce")
         step_scalars(total, None if self.scaler is None else self.scaler.scale, self.norm,
                      self.grad_scale, self.skip, self.step, max_grad_norm=self._max_norm,
-                     skip_nonfinite=self.skip_nonfinite or self.scaler is not None)
+                     skip_nonfinite=self.skip_nonfinite or self.scaler is not None,
+                     rows=rows, hyper=hyper)
 
     def finish(self) -> None:
         if self.scaler is not None:
@@ -142,6 +145,7 @@ class GroupLr:
             consts.append((beta1, beta2, g["eps"], g["weight_decay"], g["maximize"]))
         if changed:
             copy_from_host(self.lr, [x if x is not None else 0.0 for x in self._sent])
-        for i, lr in tensors:
-            self._entries[i].copy_(lr.reshape(()))
+        if tensors:  # one op for every group's tensor lr
+            torch._foreach_copy_([self._entries[i] for i, _ in tensors],
+                                 [lr.reshape(()) for _, lr in tensors])
         return Hyper(self.lr, tuple(consts))

@@ -56,7 +56,7 @@ import contextlib
 import dataclasses
 import enum
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -67,6 +67,7 @@ from fusedzero.comm import CommContext, Handle, eager
 from fusedzero.dtensor import local, set_local
 from fusedzero.flat import FlatBuffer
 from fusedzero.model_state_dict import UnitStateDict
+from fusedzero.param_sync import BucketGather
 from fusedzero.units import ParamInitFn, ShardInit, UnitPolicy, select_units
 
 # Overwrite a tensor with group rank 0's value (over every group replicas span).
@@ -79,16 +80,6 @@ class UnitState(enum.Enum):
     GATHERED = 2
 
 
-class BucketGather(NamedTuple):
-    """One all-gather of a unit: a bucket's range of the gathered buffer and this rank's shard
-    piece. `full` and `param_shard` are never replaced, and a view of `full` follows its
-    storage through every resize."""
-
-    full: torch.Tensor
-    own: torch.Tensor
-    shard_rank: int
-
-
 @dataclasses.dataclass(slots=True, eq=False)
 class Unit:
     """One stage-3 unit: its module, its flat buffers and where it stands in this step."""
@@ -98,7 +89,9 @@ class Unit:
     buffers: list[FlatBuffer] = dataclasses.field(default_factory=list)
     state: UnitState = UnitState.FREE
     handles: list[Handle] = dataclasses.field(default_factory=list)  # its all-gathers in flight
-    gathers: list[BucketGather] | None = None  # made at its first gather
+    # Its all-gathers, made at its first gather: `full` and `param_shard` are never replaced,
+    # and a view of `full` follows its storage through every resize.
+    gathers: list[BucketGather] | None = None
     n_trainable: int = 0  # its params
     pending: int = 0  # its params still without a grad in this backward
     numel: int = 0  # elements of its gathered storage (`Zero3.unit_numel`)

@@ -12,6 +12,7 @@ an add_ per param at stages 0-1; a view per param for the concatenation at stage
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 import pytest
 import torch
@@ -37,19 +38,20 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _backward_ops(layers: int, stage: int | None, dtype: torch.dtype = torch.float32
-                  ) -> collections.Counter[str]:
-    """Ops of the second backward (the first builds once-only state; it follows a step and
-    zero_grad) of a chain of `layers` Linear(4, 4) layers in `dtype`, under ZeroAdamW(stage)
-    (fp32 reduce) or bare (None)."""
+def _step_ops(layers: int, dtype: torch.dtype = torch.float32, **opt_kwargs: Any
+              ) -> tuple[collections.Counter[str], collections.Counter[str]]:
+    """Forward and backward ops of the second step (the first builds once-only state) of a
+    chain of `layers` Linear(4, 4) in `dtype`, under ZeroAdamW(**opt_kwargs) (fp32 reduce), or
+    bare where opt_kwargs is empty."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]).to(dtype)
-    opt = None if stage is None else ZeroAdamW(model.parameters(), lr=1e-3, stage=stage,
-                                               module=model)
+    opt = ZeroAdamW(model.parameters(), lr=1e-3, module=model, **opt_kwargs) if opt_kwargs \
+        else None
     x = torch.randn(2, 4, dtype=dtype)
     for _ in range(2):
-        loss = model(x).float().square().sum()
-        with _Count() as c:
+        with _Count() as fwd:
+            loss = model(x).float().square().sum()
+        with _Count() as bwd:
             loss.backward()
         if opt is None:
             model.zero_grad(set_to_none=True)
@@ -58,7 +60,13 @@ def _backward_ops(layers: int, stage: int | None, dtype: torch.dtype = torch.flo
             opt.zero_grad()
     if opt is not None:
         opt.close()
-    return c.ops
+    return fwd.ops, bwd.ops
+
+
+def _backward_ops(layers: int, stage: int | None, dtype: torch.dtype = torch.float32
+                  ) -> collections.Counter[str]:
+    """Backward ops under ZeroAdamW(stage), or bare (None)."""
+    return _step_ops(layers, dtype, **({} if stage is None else {"stage": stage}))[1]
 
 
 def _extra_per_param(dtypes: tuple[torch.dtype, ...]) -> dict[str, tuple[float, dict]]:
@@ -167,3 +175,26 @@ def test_python_calls_per_param_in_backward_step_and_zero_grad(stage: int) -> No
         small, large)
     per_param = (large["backward"] - small["backward"]) / 40
     assert per_param <= 18, (small, large)
+
+
+def _unit_ops(units: int, stage3: bool) -> tuple[collections.Counter[str], ...]:
+    """Forward and backward ops of `units` Linear(4, 4), each a stage-3 unit (or bare)."""
+    return _step_ops(units, **({"stage": 3, "unit_policy": nn.Linear} if stage3 else {}))
+
+
+def test_stage3_ops_per_unit_fake_2_ranks() -> None:
+    """Issue 40 item 2, per stage-3 unit (one bucket each) at W=2: forward, one all-gather;
+    backward, one all-gather (the root keeps nothing here: it holds no param), the bucket built
+    by two foreach ops (its alignment holes zeroed, its grads copied in), one reduce-scatter and
+    one op putting this rank's piece into the grad shard (here with the 1/W). No view."""
+    with fake_group(0, 2):
+        (f2, b2), (f4, b4) = _unit_ops(2, True), _unit_ops(4, True)
+        (bf2, bb2), (bf4, bb4) = _unit_ops(2, False), _unit_ops(4, False)
+    # Two more units: each op below twice.
+    two_units_fwd = (f4 - f2) - (bf4 - bf2)
+    two_units_bwd = (b4 - b2) - (bb4 - bb2)
+    assert two_units_fwd == collections.Counter({"c10d._allgather_base_.default": 2}), two_units_fwd
+    assert two_units_bwd == collections.Counter({
+        "c10d._allgather_base_.default": 2, "aten._foreach_zero_.default": 2,
+        "aten._foreach_copy_.default": 2, "c10d._reduce_scatter_base_.default": 2,
+        "aten.mul.out": 2}), two_units_bwd
