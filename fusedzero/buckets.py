@@ -49,6 +49,7 @@ import torch
 from fusedzero import comm
 from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
+from fusedzero.profiling import phase
 from fusedzero.reduce import (MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish,
                               reduction_for)
 from fusedzero.replicas import ReplicaReduction
@@ -183,8 +184,8 @@ class BucketSchedule:
             if b.pending > 0 and not force:
                 return
             self.ctx.record("reduce", (b.buf.unit, b.buf.group_index, b.k))
-            self._reduced_into.add(id(b.buf))  # [Note: zeroing once]
-            with torch.no_grad():
+            self._reduced_into.add(id(b.buf))  # See [Note: zeroing once]
+            with torch.no_grad(), phase(self.reduction.range_name):
                 h, finish = self.reduction.launch(b, self.ctx, self.inv_world)
             if self.replicas is not None:
                 finish = self._then_replicas(b, finish)
@@ -223,10 +224,10 @@ class BucketSchedule:
         See [Note: one order across communicators]."""
         while len(self._unfinished) > MAX_INFLIGHT_BUCKETS:
             r = self._unfinished.popleft()
-            self.ctx.wait(r.handle, what="grad reduction of a backward bucket")
-            finish, r.handle, r.finish = r.finish, None, None
-            assert finish is not None
-            with torch.no_grad():
+            with torch.no_grad(), phase("fusedzero::reduce_wait"):
+                self.ctx.wait(r.handle, what="grad reduction of a backward bucket")
+                finish, r.handle, r.finish = r.finish, None, None
+                assert finish is not None
                 finish()
 
     def end_backward(self, grads_arrived: bool) -> bool:
@@ -280,15 +281,17 @@ class BucketSchedule:
         self.reset_pending()
 
     def wait_all(self) -> None:
-        for r in self._pending:
-            self.ctx.wait(r.handle, what="grad reduction of a backward bucket")
-            if r.finish is not None:
-                with torch.no_grad():
+        if not self._pending and self.replicas is None:
+            return
+        with torch.no_grad(), phase("fusedzero::reduce_wait"):
+            for r in self._pending:
+                self.ctx.wait(r.handle, what="grad reduction of a backward bucket")
+                if r.finish is not None:
                     r.finish()
-        self._pending.clear()
-        self._unfinished.clear()
-        if self.replicas is not None:
-            self.replicas.wait()
+            self._pending.clear()
+            self._unfinished.clear()
+            if self.replicas is not None:
+                self.replicas.wait()
 
     def finish_replicas(self) -> None:
         """Before the update: average over the replicas what no backward averaged (stages 2-3

@@ -14,6 +14,7 @@ from fusedzero.buckets import BucketSchedule
 from fusedzero.comm import CommContext
 from fusedzero.dtensor import is_dtensor, local_grad
 from fusedzero.flat import FlatBuffer
+from fusedzero.profiling import phase
 from fusedzero.reduce import Bucket
 from fusedzero.stage import Stage
 
@@ -235,15 +236,16 @@ class GradHooks:
             self.on_backward_end()
 
     def _end_backward(self) -> None:
-        self.in_backward = False
-        reduced = self.schedule.end_backward(self._grads_arrived)
-        if reduced and self.stage.shards_state and self.stage.keeps_full_grads:
-            # Stage 1: only this rank's pieces hold reduced grads now: no param's .grad is a
-            # true view.
-            self.reset_idle_grads()
-        if self.on_backward_end is not None:
-            self.on_backward_end()
-        self.ctx.record("backward_end", 0)
+        with phase("fusedzero::end_backward"):
+            self.in_backward = False
+            reduced = self.schedule.end_backward(self._grads_arrived)
+            if reduced and self.stage.shards_state and self.stage.keeps_full_grads:
+                # Stage 1: only this rank's pieces hold reduced grads now: no param's .grad is
+                # a true view.
+                self.reset_idle_grads()
+            if self.on_backward_end is not None:
+                self.on_backward_end()
+            self.ctx.record("backward_end", 0)
 
     def reset_idle_grads(self) -> None:
         """Stage 1 after a reducing backward: every bucket was reduced, so every param's .grad

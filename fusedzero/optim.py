@@ -43,6 +43,7 @@ from fusedzero.kernels import AdamWBuffer, GroupedAdamW
 from fusedzero.model_state_dict import FullParamsLoad
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
+from fusedzero.profiling import phase
 from fusedzero.scalars import GroupLr, LossScaler, StepScalars
 from fusedzero.shards import ShardAccess, ShardStateMethods
 from fusedzero.stage import Stage
@@ -319,26 +320,32 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_open("step")
+        with phase("fusedzero::step"):
+            self._step()
+        return loss
+
+    def _step(self) -> None:
         self.grads.recover()
         if self.grads.in_backward:
             raise RuntimeError("step() called during backward")
         validate.check_not_frozen(self.params, self.param_names)
+        lrs = self.group_lr.update(self.param_groups)
         self.quiesce_params()  # the kernel rewrites this rank's pieces of the param buffer
         self.buckets.wait_all()
         self.buckets.before_step()
         self.buckets.finish_replicas()
-        # Stage 0 grads are replicated: the local sum of squares is already global.
         s = self.scalars
-        lrs = self.group_lr.update(self.param_groups)
         # The update's rows are written by the scalars' launch (one launch for both).
         rows = self._update.rows
-        s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None, self._tp_ctx,
-                  rows=rows, hyper=lrs)
-        self._update.step(lrs, s.step, s.grad_scale, s.skip, rows_written=rows is not None)
+        with phase("fusedzero::grad_norm"):
+            # Stage 0 grads are replicated: the local sum of squares is already global.
+            s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None,
+                      self._tp_ctx, rows=rows, hyper=lrs)
+        with phase("fusedzero::update"):
+            self._update.step(lrs, s.step, s.grad_scale, s.skip, rows_written=rows is not None)
         s.finish()
         self.param_sync.gather(after_step=True)
         self._consume_grads()
-        return loss
 
     def _consume_grads(self) -> None:
         self.buckets.reset_step()
@@ -350,11 +357,12 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         dtype keep `.grad` as views of the zeroed buffer whatever `set_to_none` says; elsewhere
         `.grad` is None between backward passes."""
         self._check_open("zero_grad")
-        self.grads.recover()
-        self.grads.reset_grads()
-        if not self.grads.in_backward:
-            self.buckets.wait_all()
-            self.buckets.reset_step()
+        with phase("fusedzero::zero_grad"):
+            self.grads.recover()
+            self.grads.reset_grads()
+            if not self.grads.in_backward:
+                self.buckets.wait_all()
+                self.buckets.reset_step()
 
     def quiesce_params(self) -> None:
         """Before this rank's param shards are rewritten (the update, a load): wait for the

@@ -35,6 +35,7 @@ from fusedzero import comm, wire
 from fusedzero.comm import CommContext, Handle
 from fusedzero.dtensor import local
 from fusedzero.flat import FlatBuffer
+from fusedzero.profiling import phase
 from fusedzero.wire import WireFormat
 from fusedzero.units import UnitPolicy, select_units
 
@@ -94,11 +95,12 @@ class ParamSync:
         if after_step and self._recording and self._module_waits:
             self._fix_order()
         views = self._views
-        for key in self.order:
-            full, own, shard_rank = views[key]
-            self.ctx.record("param_gather", (self._index[key[0]], key[1]))
-            self._handles[key] = wire.all_gather(full, own, self.param_wire, self.ctx,
-                                                 shard_rank)
+        with phase("fusedzero::all_gather"):
+            for key in self.order:
+                full, own, shard_rank = views[key]
+                self.ctx.record("param_gather", (self._index[key[0]], key[1]))
+                self._handles[key] = wire.all_gather(full, own, self.param_wire, self.ctx,
+                                                     shard_rank)
         if not self._module_waits:
             self.wait()
 
@@ -120,11 +122,12 @@ class ParamSync:
         """Wait for in-flight param all-gathers (all, or those buckets)."""
         if not self._handles:
             return
-        for key in list(self._handles) if keys is None else keys:
-            h = self._handles.pop(key, None)
-            if h is not None:
-                self.ctx.record("param_wait", (self._index[key[0]], key[1]))
-                self.ctx.wait(h, what=f"param all-gather of (flat group, bucket) {key}")
+        with phase("fusedzero::param_wait"):
+            for key in list(self._handles) if keys is None else keys:
+                h = self._handles.pop(key, None)
+                if h is not None:
+                    self.ctx.record("param_wait", (self._index[key[0]], key[1]))
+                    self.ctx.wait(h, what=f"param all-gather of (flat group, bucket) {key}")
 
     def _before_forward(self, keys: tuple[BucketKey, ...]) -> None:
         if self._recording:

@@ -207,6 +207,7 @@ class Reduction(Protocol):
 
     transient: bool
     gathers_at_launch: bool  # stages 2-3: the kept grads go into the bucket at its launch
+    range_name: str  # its launches' profiler range (fusedzero/profiling.py)
 
     def flush(self, b: Bucket, inv_world: float) -> None:
         """Stages 0-1: add the grads kept in `b.got` into the full grad buffer."""
@@ -223,6 +224,7 @@ class AllReduceFull(WireChoice):
     the whole bucket either way, so before: DDP's order)."""
 
     gathers_at_launch = False
+    range_name = "fusedzero::all_reduce"
 
     def flush(self, b: Bucket, inv_world: float) -> None:
         _add_kept(b, 1.0)
@@ -255,6 +257,7 @@ class ReduceScatterInPlace(WireChoice):
         b.status = BucketStatus.REDUCED_CLEAN
 
     gathers_at_launch = False
+    range_name = "fusedzero::reduce_scatter"
 
     def flush(self, b: Bucket, inv_world: float) -> None:
         if b.status is BucketStatus.EMPTY:
@@ -296,6 +299,7 @@ class ReduceIntoShard(WireChoice):
     """Stages 2-3: a transient bucket buffer per backward, reduced into the grad shard."""
 
     gathers_at_launch = True
+    range_name = "fusedzero::reduce_scatter"
 
     def __init__(self, wire_format: WireFormat | None = None, world_size: int = 1) -> None:
         super().__init__(wire_format, world_size)

@@ -68,6 +68,7 @@ from fusedzero.dtensor import local, set_local
 from fusedzero.flat import FlatBuffer
 from fusedzero.model_state_dict import UnitStateDict
 from fusedzero.param_sync import BucketGather
+from fusedzero.profiling import phase
 from fusedzero.units import ParamInitFn, ShardInit, UnitPolicy, select_units
 
 # Overwrite a tensor with group rank 0's value (over every group replicas span).
@@ -241,6 +242,10 @@ class Zero3:
     def _gather(self, unit: Unit) -> None:
         if unit.state is not UnitState.FREE or not unit.buffers:
             return
+        with phase("fusedzero::unit_gather"):
+            self._issue_gather(unit)
+
+    def _issue_gather(self, unit: Unit) -> None:
         ctx = self.ctx
         ctx.record("gather", unit.index)
         self.gathered_numel += unit.numel
@@ -280,8 +285,9 @@ class Zero3:
     def _wait_handles(self, unit: Unit) -> None:
         handles = unit.handles
         if handles:
-            for h in handles:
-                self.ctx.wait(h, what=f"all-gather of unit {unit.index} params (stage 3)")
+            with phase("fusedzero::unit_wait"):
+                for h in handles:
+                    self.ctx.wait(h, what=f"all-gather of unit {unit.index} params (stage 3)")
             handles.clear()
 
     def free(self, u: int) -> None:
@@ -290,9 +296,10 @@ class Zero3:
     def _free(self, unit: Unit) -> None:
         if unit.state is UnitState.FREE:
             return
-        self._wait_handles(unit)  # never release memory a collective is still writing
-        for buf in unit.buffers:
-            buf.release_full()
+        with phase("fusedzero::unit_free"):
+            self._wait_handles(unit)  # never release memory a collective is still writing
+            for buf in unit.buffers:
+                buf.release_full()
         unit.state = UnitState.FREE
         self.gathered_numel -= unit.numel
         if unit.index != 0:
