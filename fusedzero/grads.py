@@ -105,6 +105,9 @@ class GradHooks:
         self.in_backward = False
         self._task_id = -1  # autograd graph task the end-of-backward callback is queued on
         self._grads_arrived = False  # a param grad came in the current backward
+        # A backward brought param grads since the grads were last consumed (step, zero_grad):
+        # see [Note: one step per backward].
+        self.grads_since_step = False
         self._where: dict[int, ParamHook] = {
             id(p): ParamHook(buf, pos, buf.param_grad_view(pos), schedule.buckets_of(buf, pos), p,
                              is_dtensor(p))
@@ -231,6 +234,7 @@ class GradHooks:
         if not self.in_backward or torch._C._current_graph_task_id() != -1:
             return
         self.in_backward = False
+        self.grads_since_step |= self._grads_arrived
         self.schedule.abandon()
         if self.on_backward_end is not None:
             self.on_backward_end()
@@ -238,6 +242,7 @@ class GradHooks:
     def _end_backward(self) -> None:
         with phase("fusedzero::end_backward"):
             self.in_backward = False
+            self.grads_since_step |= self._grads_arrived
             reduced = self.schedule.end_backward(self._grads_arrived)
             if reduced and self.stage.shards_state and self.stage.keeps_full_grads:
                 # Stage 1: only this rank's pieces hold reduced grads now: no param's .grad is

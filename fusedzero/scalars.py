@@ -108,6 +108,9 @@ class StepScalars:
             self.scaler.update(self.skip)
 
 
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
 class GroupLr:
     """Per param group hyper-parameters as the grouped AdamW launch reads them; owns the lr
     vector on the device (one entry per param group).
@@ -128,8 +131,12 @@ class GroupLr:
         self._sent: list[float | None] = [None] * num_groups
 
     def update(self, param_groups: list[dict[str, Any]]) -> Hyper:
-        """This step's hyper-parameters from the groups as they are now."""
+        """This step's hyper-parameters from the groups as they are now. A float lr (or a CPU
+        tensor lr of a CUDA optimizer) that is not finite in fp32 or is negative is refused
+        here, where it is read on the host anyway (a NaN lr made every param NaN); a tensor lr
+        on the optimizer's device is not read back (that would be a host sync per step)."""
         changed, tensors, consts = False, [], []
+        sent = list(self._sent)  # committed once every group is checked
         for i, g in enumerate(param_groups):
             lr = g["lr"]
             if (isinstance(lr, torch.Tensor) and lr.device.type == "cpu"
@@ -137,12 +144,17 @@ class GroupLr:
                 lr = lr.item()  # host memory: no wait on the device
             if isinstance(lr, torch.Tensor):
                 tensors.append((i, lr))
-                self._sent[i] = None
-            elif lr != self._sent[i]:
+                sent[i] = None
+            elif lr != sent[i]:
+                if not 0.0 <= lr <= _FP32_MAX:  # (False for NaN)
+                    raise ValueError(
+                        f"param_groups[{i}]['lr'] is {lr}: lr must be a number in [0, "
+                        f"{_FP32_MAX:.4g}] (finite in fp32); set a valid lr before step()")
                 changed = True
-                self._sent[i] = float(lr)
+                sent[i] = float(lr)
             beta1, beta2 = g["betas"]
             consts.append((beta1, beta2, g["eps"], g["weight_decay"], g["maximize"]))
+        self._sent = sent
         if changed:
             copy_from_host(self.lr, [x if x is not None else 0.0 for x in self._sent])
         if tensors:  # one op for every group's tensor lr
