@@ -17,7 +17,7 @@ and a param that is used after all only costs time, never a result.
 [Note: host cost per grad] `BucketSchedule.add_grad` runs once per param per backward, on the
 host path that feeds the device: each torch call or context manager there costs ~1 us (and on
 CUDA a kernel launch), so it runs none; a bucket's grads go in by one op when it is complete
-([Note: grads into a bucket, per bucket] in fusedzero/reduce.py), and the launch scan runs only
+(see [Note: grads into a bucket, per bucket] in fusedzero/reduce.py), and the launch scan runs only
 then.
 
 [Note: one order across communicators] The replica all-reduces start at fixed points of
@@ -97,7 +97,7 @@ class BucketSchedule:
         self.buffers = buffers
         self.ctx = ctx
         # 2-D mesh: each bucket's shard is averaged over the replicas once its reduction is
-        # complete ([Note: replicas and accumulation] in fusedzero/replicas.py), over the wire too.
+        # complete (see [Note: replicas and accumulation] in fusedzero/replicas.py), wire too.
         self.replicas = (ReplicaReduction(replicas, wire_format)
                          if replicas is not None and replicas.world_size > 1 else None)
         self.reduction = reduction_for(stage, wire_format, ctx.world_size)
@@ -253,7 +253,7 @@ class BucketSchedule:
         return reduced
 
     def _defer_incomplete(self, incomplete: list[bool]) -> None:
-        """[Note: buckets with unused params]: once, the same on every rank."""
+        """See [Note: buckets with unused params]: once, the same on every rank."""
         self._order_agreed = True
         # Over the replicas too (2-D mesh): they issue the replica all-reduces in this order.
         groups = [self.ctx] + ([self.replicas.ctx] if self.replicas is not None else [])

@@ -1,5 +1,47 @@
 """The autograd side: hooks that catch each param's grad, find the end of backward, and decide
-what `p.grad` holds between backward passes. The buckets (`fusedzero.buckets`) do the rest."""
+what `p.grad` holds between backward passes. The buckets (`fusedzero.buckets`) do the rest.
+
+[Note: a grad onto a placeholder] A backward before the grads are consumed (the
+next micro-batch) finds the placeholder in `p.grad`, and p's AccumulateGrad node adds
+the new grad to it: `add_` in place (grad mode off), or `add` (create_graph=True), whose
+result becomes `p.grad`. The placeholder counts as zero: the in-place add keeps the new
+grad on the placeholder for the post-accumulate hook to take (`take`); the other returns
+a copy (the result gets autograd history, which must not land on the new grad itself).
+Checked by identity: only the AccumulateGrad node of this very param gets here; any
+other op still raises. (A per-param hook that dropped the placeholder before the
+accumulation cost ~2 us of host per param on every backward.)
+
+[Note: end of backward] The end-of-backward callback must run on the outermost
+autograd graph task. Queued from the first param grad, it lands on an inner task when
+that grad comes from a reentrant checkpoint (`use_reentrant=True` runs a nested backward
+for the checkpointed part) and would fire when that part is done. The grad of the
+model's output arrives first, in the outer task: queue it from there. (A forward run as
+a recomputation inside backward adds no hook: the outer backward is already running.)
+
+Under torch.compile the graph-task query is skipped (Dynamo cannot trace it: it would
+break the graph at the end of every forward). Only a recomputation of the whole model
+inside backward could tell the difference, and there the hook fires in the nested task
+that the first param grad would have queued the callback on anyway.
+
+[Note: user grad clipping] A view of grad_flat where that view is this param's true
+grad: stage 0 with grads in the param dtype, where after backward it holds the grad
+averaged over ranks on every rank, so `torch.nn.utils.clip_grad_norm_` computes the
+true global norm and clips it in place, identically on every replica (as with DDP); and
+stage 1 until its bucket is reduced (local grads, as DDP's inside `no_sync`). Elsewhere
+this rank holds only a shard of the reduced grad (or a copy in another dtype), and a
+norm over `.grad` would be silently wrong or, over None, silently zero: `.grad` is then
+a placeholder that raises, naming `max_grad_norm` and `opt.grad_norm`, on any use.
+
+[Note: a backward that raised] autograd runs no final callback when a backward
+raises (an OOM, an error in a hook or a custom Function), so `in_backward` would stay
+True and every later step() refuse, and the next backward would never queue its own
+end. Outside any backward (step(), zero_grad(), the model's next forward) that state
+is stale: the reductions already launched are completed (every rank issued the same
+ones if every rank raised at the same place), grads kept for unlaunched buckets are
+dropped and the counts reset. zero_grad() then discards what the raised backward left,
+as with a plain torch backward; without it, stages 0-1 keep every grad that arrived (as
+torch's `.grad` does) and stages 2-3 what was already reduced.
+"""
 from __future__ import annotations
 
 import dataclasses
@@ -22,7 +64,7 @@ from fusedzero.stage import Stage
 class NoLocalGrad(torch.Tensor):
     """`p.grad` where this rank holds no full, reduced grad of p (see [Note: user grad
     clipping]): no storage; any op on it raises, saying what to use instead, except autograd's
-    own accumulation of p's next grad ([Note: a grad onto a placeholder])."""
+    own accumulation of p's next grad (see [Note: a grad onto a placeholder])."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -49,15 +91,8 @@ class NoLocalGrad(torch.Tensor):
         raise RuntimeError(f"{t.why} (op: {func})")
 
     def accumulate(self, func: Any, grad: torch.Tensor) -> torch.Tensor:
-        """[Note: a grad onto a placeholder] A backward before the grads are consumed (the
-        next micro-batch) finds the placeholder in `p.grad`, and p's AccumulateGrad node adds
-        the new grad to it: `add_` in place (grad mode off), or `add` (create_graph=True), whose
-        result becomes `p.grad`. The placeholder counts as zero: the in-place add keeps the new
-        grad on the placeholder for the post-accumulate hook to take (`take`); the other returns
-        a copy (the result gets autograd history, which must not land on the new grad itself).
-        Checked by identity: only the AccumulateGrad node of this very param gets here; any
-        other op still raises. (A per-param hook that dropped the placeholder before the
-        accumulation cost ~2 us of host per param on every backward.)"""
+        """`p.grad`'s next grad added onto the placeholder: see [Note: a grad onto a
+        placeholder]."""
         if func is torch.ops.aten.add_.Tensor:
             self.arrived = grad if self.arrived is None else self.arrived + grad
             return self
@@ -129,17 +164,8 @@ class GradHooks:
         self.hooks.clear()
 
     def _on_model_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        """[Note: end of backward] The end-of-backward callback must run on the outermost
-        autograd graph task. Queued from the first param grad, it lands on an inner task when
-        that grad comes from a reentrant checkpoint (`use_reentrant=True` runs a nested backward
-        for the checkpointed part) and would fire when that part is done. The grad of the
-        model's output arrives first, in the outer task: queue it from there. (A forward run as
-        a recomputation inside backward adds no hook: the outer backward is already running.)
-
-        Under torch.compile the graph-task query is skipped (Dynamo cannot trace it: it would
-        break the graph at the end of every forward). Only a recomputation of the whole model
-        inside backward could tell the difference, and there the hook fires in the nested task
-        that the first param grad would have queued the callback on anyway."""
+        """Queue the end-of-backward callback from the output's grad: see [Note: end of
+        backward]."""
         if not torch.is_grad_enabled():
             return
         if not torch.compiler.is_compiling():
@@ -162,7 +188,7 @@ class GradHooks:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         grad = p.grad  # read once: every attribute read is a call into torch
-        if type(grad) is NoLocalGrad:  # [Note: a grad onto a placeholder]
+        if type(grad) is NoLocalGrad:  # See [Note: a grad onto a placeholder]
             grad = grad.take()
         if grad is None:
             return
@@ -200,15 +226,8 @@ class GradHooks:
         self._begin_backward()
 
     def _set_idle(self, h: ParamHook) -> None:
-        """Set `h.param.grad` to what it holds between backward passes.
-        [Note: user grad clipping] A view of grad_flat where that view is this param's true
-        grad: stage 0 with grads in the param dtype, where after backward it holds the grad
-        averaged over ranks on every rank, so `torch.nn.utils.clip_grad_norm_` computes the
-        true global norm and clips it in place, identically on every replica (as with DDP); and
-        stage 1 until its bucket is reduced (local grads, as DDP's inside `no_sync`). Elsewhere
-        this rank holds only a shard of the reduced grad (or a copy in another dtype), and a
-        norm over `.grad` would be silently wrong or, over None, silently zero: `.grad` is then
-        a placeholder that raises, naming `max_grad_norm` and `opt.grad_norm`, on any use."""
+        """Set `h.param.grad` to what it holds between backward passes: see [Note: user grad
+        clipping]."""
         p = h.param
         if h.view is not None and not self.schedule.was_reduced(h.buf, h.pos):
             p.grad = h.view
@@ -222,15 +241,7 @@ class GradHooks:
         return ng
 
     def recover(self) -> None:
-        """[Note: a backward that raised] autograd runs no final callback when a backward
-        raises (an OOM, an error in a hook or a custom Function), so `in_backward` would stay
-        True and every later step() refuse, and the next backward would never queue its own
-        end. Outside any backward (step(), zero_grad(), the model's next forward) that state
-        is stale: the reductions already launched are completed (every rank issued the same
-        ones if every rank raised at the same place), grads kept for unlaunched buckets are
-        dropped and the counts reset. zero_grad() then discards what the raised backward left,
-        as with a plain torch backward; without it, stages 0-1 keep every grad that arrived (as
-        torch's `.grad` does) and stages 2-3 what was already reduced."""
+        """Leave the state a raised backward left: see [Note: a backward that raised]."""
         if not self.in_backward or torch._C._current_graph_task_id() != -1:
             return
         self.in_backward = False

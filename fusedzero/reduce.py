@@ -32,6 +32,14 @@ slower than a plain copy for bf16). fp16 keeps the division before: its sum of W
 overflow where the average does not. Other W keep it too (there the two orders round
 differently, and the results stay those of DDP's order).
 
+[Note: reductions over a wire format] A strategy built with `wire` (fusedzero.wire)
+quantizes a bucket, all-to-alls it and sums this rank's chunks in fp32 instead of running
+the collective in the reduce dtype. The sum is of raw grads and the 1/W of the average is
+fused into the dequantize-sum (an fp32 sum cannot overflow where an fp16 one could), so such a
+bucket is never pre-divided; grads added after a bucket was reduced still are.
+See [Note: accumulating across reductions]. Its packed buffers are transient: the schedule
+bounds how many are in flight, at every stage.
+
 [Note: grads into a bucket, per bucket] A grad that autograd did not accumulate into a bucket
 view itself (bf16 params over an fp32 buffer, stages 2-3, a stage-1 bucket already reduced) is
 only kept by the grad hook (`Bucket.got`), in the dtype it arrives in: the hook path runs no
@@ -74,20 +82,14 @@ MAX_INFLIGHT_BUCKETS = 2
 
 
 def divides_after(b: Bucket, inv_world: float) -> bool:
-    """[Note: dividing after the reduction]: exact here (1/W a power of two below 1, not fp16),
+    """See [Note: dividing after the reduction]: exact here (1/W a power of two below 1, not fp16),
     so the first reduction of a step sums raw grads and divides this rank's piece afterwards."""
     return (inv_world < 1.0 and math.frexp(inv_world)[0] == 0.5
             and b.buf.reduce_dtype != torch.float16)
 
 
 class WireChoice:
-    """[Note: reductions over a wire format] A strategy built with `wire` (fusedzero.wire)
-    quantizes a bucket, all-to-alls it and sums this rank's chunks in fp32 instead of running
-    the collective in the reduce dtype. The sum is of raw grads and the 1/W of the average is
-    fused into the dequantize-sum (an fp32 sum cannot overflow where an fp16 one could), so
-    such a bucket is never pre-divided; grads added after a bucket was reduced still are (see
-    [Note: accumulating across reductions]). Its packed buffers are transient: the schedule
-    bounds how many are in flight, at every stage."""
+    """Where a bucket goes over a wire format: see [Note: reductions over a wire format]."""
 
     def __init__(self, wire_format: WireFormat | None = None, world_size: int = 1) -> None:
         self.wire = wire_format
@@ -340,7 +342,7 @@ class ReduceIntoShard(WireChoice):
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         buf = self._gather(b)
         if not (inv_world == 1.0 or self.fused(b) or divides_after(b, inv_world)):
-            buf.mul_(inv_world)  # pre-divided ([Note: dividing after the reduction])
+            buf.mul_(inv_world)  # pre-divided: see [Note: dividing after the reduction]
         if self.fused(b):
             return self._launch_wire(b, ctx, inv_world)
         assert b.piece is not None

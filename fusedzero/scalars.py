@@ -88,8 +88,9 @@ class StepScalars:
         hold the other shards (None: the local grads are already global, stage 0); `tp_ctx`
         the tensor-parallel group whose ranks hold the other tp shards (`sumsq()` then counts
         each replicated param on one tp rank only). One all-reduce of one scalar per group,
-        then one launch for every scalar ([Note: one launch for the step's scalars]), and for
-        the update's `rows` of `hyper` where given; no host sync."""
+        then one launch for every scalar and, where given, the update's `rows` of `hyper`
+        (see [Note: one launch for the step's scalars] in kernels/step_scalars.py); no host
+        sync."""
         need_norm = self.max_grad_norm is not None or self.skip_nonfinite or self.scaler
         total = None
         if need_norm:

@@ -235,8 +235,8 @@ class Zero3:
 
     # -- gather / free --------------------------------------------------------------------------
     def gather(self, u: int) -> None:
-        """Issue unit u's all-gather (async); no-op if it is gathered or on its way. See
-        [Note: host cost per unit]."""
+        """Issue unit u's all-gather (async); no-op if it is gathered or on its way.
+        See [Note: host cost per unit]."""
         self._gather(self.units[u])
 
     def _gather(self, unit: Unit) -> None:

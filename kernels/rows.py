@@ -5,7 +5,7 @@ fp64 rounded once to fp32, so no update kernel and no torch path has an fp64 ope
 element. With the Triton kernels that is part of the step's scalar launch (kernels/
 step_scalars.py; `_adamw_rows_kernel`, one program with a lane per group, where rows are asked
 for alone); on the torch path a few vectorised torch ops (`adamw_rows`), each of which
-would be a launch and ~15-25 us of host on CUDA ([Note: one launch for the step's scalars],
+would be a launch and ~15-25 us of host on CUDA (see [Note: one launch for the step's scalars],
 kernels/step_scalars.py). Both compute the same fp64 values up to a few fp64 ulps (the kernel's
 expm1 is Kahan's, from exp and log), so the same fp32 rows. Nothing is read back to the host.
 """
