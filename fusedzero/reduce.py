@@ -175,21 +175,15 @@ class Bucket:
         (stages 2-3) gets the parts of params without a grad. Empties `got`."""
         assert self.parts is not None
         got, srcs = self.got, []
-        if zeros is None:
-            for pos, g in got.items():
-                part = self.parts[pos]
-                into.append(part.dst)
-                srcs.append(g if part.param_start is None else
-                            g.reshape(-1)[part.param_start:part.param_start + part.dst.numel()])
-        else:
+        if zeros is not None:
             for pos, part in self.parts.items():
-                g = got.get(pos)
-                if g is None:  # a param that got no grad this backward contributes zeros
+                if pos not in got:  # a param that got no grad this backward contributes zeros
                     zeros.append(part.dst)
-                    continue
-                into.append(part.dst)
-                srcs.append(g if part.param_start is None else
-                            g.reshape(-1)[part.param_start:part.param_start + part.dst.numel()])
+        for pos, g in got.items():
+            dst, start = self.parts[pos]
+            into.append(dst)
+            # A straddling param: its run in this bucket (two views, at most one per boundary).
+            srcs.append(g if start is None else g.reshape(-1)[start:start + dst.numel()])
         got.clear()
         return srcs
 
