@@ -322,6 +322,7 @@ class BucketSchedule:
             for buf in todo:
                 self._zeroed_at[id(buf)] = buf.grad_flat._version
         self._reduced_into.clear()
-        for b in self.buckets:
+        for b in self.buckets:  # every full grad buffer is all zeros now
             b.status = BucketStatus.EMPTY
             b.replica_stale = False
+            b.fresh = True

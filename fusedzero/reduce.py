@@ -142,6 +142,10 @@ class Bucket:
     store: torch.Tensor | None = None
     hole_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
     piece: ShardPiece | None = None
+    # Stages 0-1: its part of the full grad buffer is all zeros (emptied since its last flush
+    # or launch) and autograd writes into none of it: kept grads can be copied in, not added.
+    fresh: bool = True
+    viewless: bool = False  # no param of it has `.grad` as a view of the bucket (made once)
     # 2-D mesh: the shard holds a reduction the replicas have not averaged (stages 2-3 inside
     # no_sync); `ReplicaReduction.leftovers` averages it before the update.
     replica_stale: bool = False
@@ -227,6 +231,7 @@ class AllReduceFull(WireChoice):
 
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         buf = b.full_grad()
+        b.fresh = False
         if self.fused(b):
             assert self.wire is not None
             return None, wire.all_reduce_start(buf, self.wire, ctx, 1.0 / ctx.world_size)
@@ -264,6 +269,7 @@ class ReduceScatterInPlace(WireChoice):
 
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         buf = b.full_grad()
+        b.fresh = False
         lo, hi = b.own_piece()
         after = mean = False
         fused = self.fused(b)
@@ -380,15 +386,21 @@ class ReduceIntoShard(WireChoice):
 
 
 def _add_kept(b: Bucket, alpha: float) -> None:
-    """Stages 0-1: the grads kept in `b.got` added into the full grad buffer, one op."""
+    """Stages 0-1: the grads kept in `b.got` added into the full grad buffer, one op: a copy
+    where the bucket is still empty (on CUDA `_foreach_copy_` is one kernel across dtypes,
+    where `_foreach_add_` of bf16 grads into fp32 takes torch's per-tensor path)."""
     if b.parts is None:
         b.parts = b.make_parts(b.full_grad())
+        b.viewless = all(b.buf.param_grad_view(pos) is None for pos in b.slots)
     dsts: list[torch.Tensor] = []
     srcs = b.sources(dsts)
-    if alpha == 1.0:
+    if b.fresh and b.viewless and alpha == 1.0:
+        torch._foreach_copy_(dsts, srcs)
+    elif alpha == 1.0:
         torch._foreach_add_(dsts, srcs)
     else:
         torch._foreach_add_(dsts, srcs, alpha=alpha)
+    b.fresh = False
 
 
 def reduction_for(stage: Stage, wire_format: WireFormat | None = None,
