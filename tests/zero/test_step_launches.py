@@ -100,7 +100,8 @@ def test_step_at_two_ranks_adds_only_the_collectives_triton_path(stubbed, stage:
         got = {k: LAUNCHES[k] - before.get(k, 0) for k in LAUNCHES if LAUNCHES[k] != before.get(k)}
         assert got == {"sumsq": 1, "step_scalars": 1, "adamw": 1}
         gathers = sum(b.layout.num_buckets for b in opt.flat_groups) if stage in (1, 2) else 0
-        want = (["aten.sum.default", "aten.view.default"] + ["c10d.allreduce_.default"] * (stage > 0)
+        want = (["aten.sum.default", "aten.view.default"]  # the partials' sum, as (1,)
+                + ["c10d.allreduce_.default"] * (stage > 0)
                 + ["aten._foreach_zero_.default"] * (stage <= 1)
                 + ["c10d._allgather_base_.default"] * gathers)
         assert collections.Counter(c.ops) == collections.Counter(want), c.ops
