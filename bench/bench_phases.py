@@ -21,7 +21,10 @@ Hook host time: a chain of HOOK_LAYERS tiny layers (Linear(4, 4): 2 params each,
 backward is per-param host work) at world size 1; backward (and forward, and backward plus
 zero_grad) with ZeroAdamW's hooks minus bare, over the number of params, in this thread's CPU
 time (autograd runs CPU graphs on the calling thread; other processes on shared cores do not
-count), the fastest of HOOK_ROUNDS rounds. Target: <= 10 us per param.
+count), the fastest of HOOK_ROUNDS rounds. Target: <= 10 us per param. `--hook-dtype bf16` runs
+the chain in bf16 (fp32 reduce: each grad is cast into its bucket, by one foreach op per
+bucket); `--hook-ops` also prints the aten ops each backward dispatches over bare, per param
+(tests/zero/test_hook_ops.py bounds them at W=2), machine-independent where the times are not.
 Each Linear is a stage-3 unit there (2 params each), so stage 3's figure is mostly its cost per
 unit: a second chain with 10 Linear layers per unit separates the two (`stage 3 apart`).
 
@@ -45,6 +48,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fusedzero import Precision, Sharding, ZeroAdamW  # noqa: E402
@@ -58,6 +62,7 @@ STEPS = int(os.environ.get("FUSEDZERO_BENCH_PHASES_STEPS", "10"))
 WARMUP = 2
 HOOK_LAYERS = int(os.environ.get("FUSEDZERO_BENCH_PHASES_HOOK_LAYERS", "200"))
 HOOK_ROUNDS = int(os.environ.get("FUSEDZERO_BENCH_PHASES_HOOK_ROUNDS", "30"))
+HOOK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # Torch threads on CPU (default 1: on a shared machine OpenMP threads spin-wait on each other
 # when one is descheduled, which swamps the phases; see bench_host.py).
 THREADS = int(os.environ.get("FUSEDZERO_BENCH_PHASES_THREADS", "1"))
@@ -261,11 +266,11 @@ def profile_system(model: str, system: str, steps: int = 3) -> str:
 
 
 # -- hook host time -------------------------------------------------------------------------------
-def _chain(per_unit: int = 1) -> nn.Sequential:
+def _chain(per_unit: int = 1, dtype: torch.dtype = torch.float32) -> nn.Sequential:
     """HOOK_LAYERS x Linear(4, 4) in blocks of `per_unit` (each block one stage-3 unit)."""
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(*[nn.Linear(4, 4) for _ in range(per_unit)])
-                           for _ in range(HOOK_LAYERS // per_unit)])
+                           for _ in range(HOOK_LAYERS // per_unit)]).to(dtype)
 
 
 # Linear layers per unit in the second stage-3 chain (1 where the chain is too short for two).
@@ -276,7 +281,8 @@ def _is_block(root: nn.Module) -> Callable[[nn.Module], bool]:
     return lambda m: isinstance(m, nn.Sequential) and m is not root
 
 
-def measure_hooks(stages: tuple[int, ...] = (0, 1, 2, 3), rounds: int = HOOK_ROUNDS
+def measure_hooks(stages: tuple[int, ...] = (0, 1, 2, 3), rounds: int = HOOK_ROUNDS,
+                  dtype: torch.dtype = torch.float32, ops: bool = False
                   ) -> dict[str, dict[str, float]]:
     """Thread CPU seconds of forward, backward and zero_grad, by system (`bare`, `fusedzero-S`),
     on the CPU with one torch thread, the fastest of `rounds` rounds (thread CPU time: another
@@ -287,29 +293,29 @@ def measure_hooks(stages: tuple[int, ...] = (0, 1, 2, 3), rounds: int = HOOK_ROU
     `zero_grad(set_to_none=True)`, stages 2-3 free theirs in backward, once a bucket is built:
     the same frees, counted on both sides). Stage 3 also on a chain of COARSE layers per unit
     (`fusedzero-3/10` over `bare/10`): from the two, its cost per unit and per param apart
-    (`*_us_per_unit`, `*_us_per_param_alone`)."""
+    (`*_us_per_unit`, `*_us_per_param_alone`). `dtype`: the chain's (fp32 reduce); `ops`: also
+    `backward_ops_per_param`, the aten ops each backward dispatches over bare's, per param."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        x = torch.randn(2, 4)
-        models: dict[str, tuple[nn.Module, ZeroAdamW | None]] = {"bare": (_chain(), None)}
+        x = torch.randn(2, 4, dtype=dtype)
+        models: dict[str, tuple[nn.Module, ZeroAdamW | None]] = {"bare": (_chain(1, dtype), None)}
         for s in stages:
-            m = _chain()
+            m = _chain(1, dtype)
             models[f"fusedzero-{s}"] = (m, ZeroAdamW(m.parameters(), lr=LR, stage=s, module=m,
                                                      sharding=Sharding(units=_is_block(m))))
         split = 3 in stages and COARSE > 1
         if split:
-            models[f"bare/{COARSE}"] = (_chain(COARSE), None)
-            m = _chain(COARSE)
-            models[f"fusedzero-3/{COARSE}"] = (m, ZeroAdamW(m.parameters(), lr=LR, stage=3,
-                                                            module=m,
-                                                            sharding=Sharding(units=_is_block(m))))
+            models[f"bare/{COARSE}"] = (_chain(COARSE, dtype), None)
+            m = _chain(COARSE, dtype)
+            models[f"fusedzero-3/{COARSE}"] = (m, ZeroAdamW(
+                m.parameters(), lr=LR, stage=3, module=m, sharding=Sharding(units=_is_block(m))))
         parts = ("forward", "backward", "zero_grad")
         t: dict[str, dict[str, list[float]]] = {k: {p: [] for p in parts} for k in models}
         for r in range(3 + rounds):
             for name, (m, opt) in models.items():
                 t0 = time.thread_time()
-                loss = m(x).square().sum()
+                loss = m(x).float().square().sum()
                 t1 = time.thread_time()
                 loss.backward()
                 t2 = time.thread_time()
@@ -346,12 +352,39 @@ def measure_hooks(stages: tuple[int, ...] = (0, 1, 2, 3), rounds: int = HOOK_ROU
                 b = (of * pc - oc * pf) / (uf * pc - uc * pf)
                 fine[f"{p}_us_per_unit"] = b
                 fine[f"{p}_us_per_param_alone"] = (of - b * uf) / pf
+        if ops:
+            n_ops = {}
+            for name, (m, opt) in models.items():
+                loss = m(x).float().square().sum()
+                with _OpCount() as c:
+                    loss.backward()
+                n_ops[name] = c.n
+                if opt is not None:
+                    opt.step()
+                    opt.zero_grad()
+                else:
+                    m.zero_grad(set_to_none=True)
+            for k, d in med.items():
+                base = f"bare/{COARSE}" if k.endswith(f"/{COARSE}") else "bare"
+                d["backward_ops_per_param"] = (n_ops[k] - n_ops[base]) / count[base]
         for _, opt in models.values():
             if opt is not None:
                 opt.close()
         return med
     finally:
         torch.set_num_threads(threads)
+
+
+class _OpCount(TorchDispatchMode):
+    """Every op dispatched (views and collectives included), as tests/zero/test_hook_ops.py."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.n += 1
+        return func(*args, **(kwargs or {}))
 
 
 # -- pytest-benchmark -----------------------------------------------------------------------------
@@ -416,18 +449,21 @@ def format_phases(model: str, times: dict[str, dict[str, list[float]]]) -> str:
     return "\n".join(lines)
 
 
-def format_hooks(med: dict[str, dict[str, float]]) -> str:
+def format_hooks(med: dict[str, dict[str, float]], dtype: str = "fp32") -> str:
     n = int(med["bare"]["params"])
-    lines = [f"hook host time: {HOOK_LAYERS} x Linear(4, 4), {n} params, thread CPU time, "
-             f"fastest of {int(med['bare']['rounds'])} rounds; us/param over bare "
-             "(bwd+zg: backward plus zero_grad)",
+    ops = "backward_ops_per_param" in med["bare"]
+    lines = [f"hook host time: {HOOK_LAYERS} x Linear(4, 4) in {dtype}, {n} params, thread CPU "
+             f"time, fastest of {int(med['bare']['rounds'])} rounds; us/param over bare "
+             "(bwd+zg: backward plus zero_grad)" + ("; bwd ops/p: aten ops over bare" if ops
+                                                    else ""),
              f"{'system':<14}{'fwd ms':>9}{'bwd ms':>9}{'zg ms':>8}{'fwd us/p':>10}{'bwd us/p':>10}"
-             f"{'bwd+zg us/p':>13}"]
+             f"{'bwd+zg us/p':>13}" + (f"{'bwd ops/p':>11}" if ops else "")]
     for k, d in med.items():
         lines.append(f"{k:<14}{d['forward'] * 1e3:>9.2f}{d['backward'] * 1e3:>9.2f}"
                      f"{d['zero_grad'] * 1e3:>8.2f}{d['forward_us_per_param']:>10.1f}"
                      f"{d['backward_us_per_param']:>10.1f}"
-                     f"{d['backward_zero_grad_us_per_param']:>13.1f}")
+                     f"{d['backward_zero_grad_us_per_param']:>13.1f}"
+                     + (f"{d['backward_ops_per_param']:>11.2f}" if ops else ""))
     lines += [per_unit_line(med)] if "backward_us_per_unit" in med.get("fusedzero-3", {}) else []
     return "\n".join(lines)
 
@@ -448,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--no-hooks", dest="hooks", action="store_false")
     p.add_argument("--no-phases", dest="phases", action="store_false")
+    p.add_argument("--hook-dtype", choices=tuple(HOOK_DTYPES), default="fp32",
+                   help="dtype of the hook chain's params (fp32 reduce either way)")
+    p.add_argument("--hook-ops", action="store_true",
+                   help="also count the aten ops of each backward over bare, per param")
     p.add_argument("--json", type=Path, help="also write the raw times here (bench/gpu/report.py)")
     p.add_argument("--profile", metavar="SYSTEM", action="append", default=[],
                    help="print torch.profiler tables of this system's steps (repeatable)")
@@ -470,8 +510,9 @@ def main(argv: list[str] | None = None) -> int:
             print(format_phases(model, times))
             print()
     if args.hooks:
-        record["hooks"] = med = measure_hooks()
-        print(format_hooks(med))
+        record["hooks"] = med = measure_hooks(dtype=HOOK_DTYPES[args.hook_dtype],
+                                              ops=args.hook_ops)
+        print(format_hooks(med, args.hook_dtype))
     if args.json:
         args.json.write_text(json.dumps(record, indent=1) + "\n")
     return 0

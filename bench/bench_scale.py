@@ -74,6 +74,9 @@ class Rank:
         for b in self.opt.flat_groups:
             assert b.grad_shard is not None
             b.grad_shard.normal_()
+        # The grads came from here, not from a backward: let step() take them (it refuses a
+        # step with no backward since the last one, [Note: one step per backward]).
+        self.opt.grads.grads_since_step = True
         t = time.perf_counter()
         self.opt.step()
         return time.perf_counter() - t

@@ -13,11 +13,35 @@ the same order; a host sync once) on which buckets were incomplete on any rank; 
 the end of the launch order, for good: the others launch as they complete, the moved ones at
 the end of backward (earlier if their grads do come). The order stays identical on every rank,
 and a param that is used after all only costs time, never a result.
+
+[Note: host cost per grad] `BucketSchedule.add_grad` runs once per param per backward, on the
+host path that feeds the device: each torch call or context manager there costs ~1 us (and on
+CUDA a kernel launch), so it runs none; a bucket's grads go in by one op when it is complete
+(see [Note: grads into a bucket, per bucket] in fusedzero/reduce.py), and the launch scan runs only
+then.
+
+[Note: one order across communicators] The replica all-reduces start at fixed points of
+the launch order, the same on every rank, never when a reduction happens to be complete
+(an `is_completed()` poll): NCCL requires the collectives of two communicators to be
+issued in the same order on every rank, or a rank whose kernels cannot run at once (one
+hardware queue, e.g. CUDA_DEVICE_MAX_CONNECTIONS=1) waits on the other forever.
+
+[Note: zeroing once] `step()` then `zero_grad()`, the usual loop, would zero each full
+grad buffer twice. A buffer is skipped when its version counter (shared by every view:
+`.grad`, bucket slices) has not moved since it was last zeroed here and no reduction
+was launched on it since. Every torch op that puts grads in bumps the counter
+(autograd's accumulation into `.grad` views, `add_`/`mul_`/`copy_` by the reductions,
+a user's in-place op on `.grad`); a collective writing in place does not, nor does a
+Triton kernel (the wire formats), and on NCCL no `mul_` runs before or after one (the
+1/W is the collective's premul_sum): a buffer that got no local grad but the other
+ranks' average (a param group this rank's batch did not use) would keep that average
+into the next step. So every launch marks its buffer (`_reduced_into`).
 """
 from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
@@ -25,11 +49,22 @@ import torch
 from fusedzero import comm
 from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
+from fusedzero.profiling import phase
 from fusedzero.reduce import (MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish,
                               reduction_for)
 from fusedzero.replicas import ReplicaReduction
 from fusedzero.stage import Stage
 from fusedzero.wire import WireFormat
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class PendingReduction:
+    """A launched reduction of one bucket: its handle, and what to run once it is complete
+    (None: nothing, or already run)."""
+
+    bucket: Bucket
+    handle: Handle
+    finish: Finish | None
 
 
 def launch_order(buffers: list[FlatBuffer], order: list[torch.Tensor], by_unit: bool
@@ -62,7 +97,7 @@ class BucketSchedule:
         self.buffers = buffers
         self.ctx = ctx
         # 2-D mesh: each bucket's shard is averaged over the replicas once its reduction is
-        # complete ([Note: replicas and accumulation] in fusedzero/replicas.py), over the wire too.
+        # complete (see [Note: replicas and accumulation] in fusedzero/replicas.py), wire too.
         self.replicas = (ReplicaReduction(replicas, wire_format)
                          if replicas is not None and replicas.world_size > 1 else None)
         self.reduction = reduction_for(stage, wire_format, ctx.world_size)
@@ -77,11 +112,14 @@ class BucketSchedule:
         self.inv_world = 1.0 / ctx.world_size
         # Stages 2-3 keep no full grad buffer to accumulate in: they reduce every micro-batch.
         self._always_reduces = not stage.keeps_full_grads
+        # Stages 0-1: kept grads go into the full buffer when their bucket is complete, inside
+        # no_sync too; stages 2-3 put them into the bucket at its launch.
+        self._flushes = not self.reduction.gathers_at_launch
         self.sync = True
-        self._handles: list[tuple[Handle, Finish | None]] = []
-        # Those with a finish still to run, oldest first: (index in _handles, bucket). The scans
-        # per launch walk these (at most MAX_INFLIGHT_BUCKETS + 1), never every bucket.
-        self._unfinished: collections.deque[tuple[int, Bucket]] = collections.deque()
+        self._pending: list[PendingReduction] = []  # launched since the last wait_all, in order
+        # Those with a finish still to run, oldest first. The scans per launch walk these (at
+        # most MAX_INFLIGHT_BUCKETS + 1), never every bucket.
+        self._unfinished: collections.deque[PendingReduction] = collections.deque()
         self.max_live_buckets = 0  # most transient bucket buffers alive at once (stages 2-3)
         self._next = 0
         self._zeroed_at: dict[int, int] = {}  # id(buf) -> grad_flat._version after its zero_
@@ -110,28 +148,33 @@ class BucketSchedule:
 
     def add_grad(self, buckets: tuple[Bucket, ...], pos: int, grad: torch.Tensor | None) -> None:
         """Param `pos` of a flat buffer, whose buckets are `buckets` (`buckets_of`), has its
-        grad for this backward: put it in them (None: autograd already accumulated it into the
-        bucket view) and launch what is complete."""
-        # [Note: host cost per grad] This runs once per param per backward, on the host path
-        # that feeds the device: each torch call or context manager here costs ~1 us. Backward
-        # runs with grad mode off unless create_graph=True, so no_grad is entered only then; the
-        # launch scan runs only when a bucket just became complete.
+        grad for this backward: keep it for them (None: autograd already accumulated it into
+        the bucket view), and put in and launch what is complete. See [Note: host cost per
+        grad]: no torch op here, only on a bucket's completion."""
         if grad is not None:
-            accumulate, inv_world = self.reduction.accumulate, self.inv_world
-            if torch.is_grad_enabled():
-                with torch.no_grad():
-                    for b in buckets:
-                        accumulate(b, pos, grad, inv_world)
-            else:
-                for b in buckets:
-                    accumulate(b, pos, grad, inv_world)
+            for b in buckets:
+                got = b.got
+                prev = got.get(pos)
+                # (Two grads of one param in one backward: a reentrant checkpoint's inner
+                # backward and the outer one.)
+                got[pos] = grad if prev is None else prev + grad
         complete = False
         for b in buckets:
             b.pending -= 1
             if b.pending <= 0:
                 complete = True
+                if b.got and self._flushes:
+                    self._flush(b)
         if complete:
             self._launch_ready(force=False)
+
+    def _flush(self, b: Bucket) -> None:
+        """Stages 0-1: b's kept grads into the full grad buffer (one foreach op)."""
+        if torch.is_grad_enabled():  # create_graph=True: no history on the grad buffer
+            with torch.no_grad():
+                self.reduction.flush(b, self.inv_world)
+        else:
+            self.reduction.flush(b, self.inv_world)
 
     def _launch_ready(self, force: bool) -> None:
         if not self.reduces_now():
@@ -141,18 +184,19 @@ class BucketSchedule:
             if b.pending > 0 and not force:
                 return
             self.ctx.record("reduce", (b.buf.unit, b.buf.group_index, b.k))
-            self._reduced_into.add(id(b.buf))  # [Note: zeroing once]
-            with torch.no_grad():
+            self._reduced_into.add(id(b.buf))  # See [Note: zeroing once]
+            with torch.no_grad(), phase(self.reduction.range_name):
                 h, finish = self.reduction.launch(b, self.ctx, self.inv_world)
             if self.replicas is not None:
                 finish = self._then_replicas(b, finish)
+            r = PendingReduction(b, h, finish)
             if finish is not None:
-                self._unfinished.append((len(self._handles), b))
-            self._handles.append((h, finish))
+                self._unfinished.append(r)
+            self._pending.append(r)
             self._next += 1
             if self.reduction.transient:
                 # Only an unfinished reduction holds a transient bucket buffer (`b.grad`).
-                live = sum(x.grad is not None for _, x in self._unfinished)
+                live = sum(x.bucket.grad is not None for x in self._unfinished)
                 self.max_live_buckets = max(self.max_live_buckets, live)
             if self.reduction.transient or self.replicas is not None:
                 self._bound_inflight()
@@ -177,19 +221,14 @@ class BucketSchedule:
         MAX_INFLIGHT_BUCKETS launches later is launched. (On NCCL the wait orders streams; it
         does not block the host.)
 
-        [Note: one order across communicators] The replica all-reduces start at fixed points of
-        the launch order, the same on every rank, never when a reduction happens to be complete
-        (an `is_completed()` poll): NCCL requires the collectives of two communicators to be
-        issued in the same order on every rank, or a rank whose kernels cannot run at once (one
-        hardware queue, e.g. CUDA_DEVICE_MAX_CONNECTIONS=1) waits on the other forever."""
+        See [Note: one order across communicators]."""
         while len(self._unfinished) > MAX_INFLIGHT_BUCKETS:
-            i = self._unfinished.popleft()[0]
-            h, finish = self._handles[i]
-            self.ctx.wait(h, what="grad reduction of a backward bucket")
-            assert finish is not None
-            with torch.no_grad():
+            r = self._unfinished.popleft()
+            with torch.no_grad(), phase("fusedzero::reduce_wait"):
+                self.ctx.wait(r.handle, what="grad reduction of a backward bucket")
+                finish, r.handle, r.finish = r.finish, None, None
+                assert finish is not None
                 finish()
-            self._handles[i] = (None, None)
 
     def end_backward(self, grads_arrived: bool) -> bool:
         """Launch what is left and wait for every reduction: the grads are final when backward
@@ -199,7 +238,11 @@ class BucketSchedule:
         # A backward that reached the model's output but no param (torch.autograd.grad w.r.t.
         # inputs) has nothing to reduce.
         reduced = self.reduces_now() and grads_arrived
-        incomplete = [b.pending > 0 for b in self.buckets]
+        incomplete = []
+        for b in self.buckets:  # (one walk: it runs once per bucket per backward)
+            incomplete.append(b.pending > 0)
+            if b.got and self._flushes:
+                self._flush(b)
         if reduced:
             self.ctx.record("flush", self._next)  # what is launched from here waited for the end
             self._launch_ready(force=True)
@@ -210,7 +253,7 @@ class BucketSchedule:
         return reduced
 
     def _defer_incomplete(self, incomplete: list[bool]) -> None:
-        """[Note: buckets with unused params]: once, the same on every rank."""
+        """See [Note: buckets with unused params]: once, the same on every rank."""
         self._order_agreed = True
         # Over the replicas too (2-D mesh): they issue the replica all-reduces in this order.
         groups = [self.ctx] + ([self.replicas.ctx] if self.replicas is not None else [])
@@ -227,23 +270,28 @@ class BucketSchedule:
 
     def abandon(self) -> None:
         """After a backward that raised (GradHooks.recover): complete what was launched, drop
-        the grads kept for buckets that never launched, reset the counts."""
+        the grads kept for buckets that never launched (stages 2-3; stages 0-1 keep every grad
+        that arrived, as torch's `.grad` does), reset the counts."""
         self.wait_all()
         for b in self.buckets:
+            if b.got and self._flushes:
+                self._flush(b)
             b.got.clear()
-            b.grad = None
+            b.release()
         self.reset_pending()
 
     def wait_all(self) -> None:
-        for h, finish in self._handles:
-            self.ctx.wait(h, what="grad reduction of a backward bucket")
-            if finish is not None:
-                with torch.no_grad():
-                    finish()
-        self._handles.clear()
-        self._unfinished.clear()
-        if self.replicas is not None:
-            self.replicas.wait()
+        if not self._pending and self.replicas is None:
+            return
+        with torch.no_grad(), phase("fusedzero::reduce_wait"):
+            for r in self._pending:
+                self.ctx.wait(r.handle, what="grad reduction of a backward bucket")
+                if r.finish is not None:
+                    r.finish()
+            self._pending.clear()
+            self._unfinished.clear()
+            if self.replicas is not None:
+                self.replicas.wait()
 
     def finish_replicas(self) -> None:
         """Before the update: average over the replicas what no backward averaged (stages 2-3
@@ -265,23 +313,16 @@ class BucketSchedule:
         """The grads are consumed: empty the full grad buffers; the next reduction of every
         bucket is the first of its step.
 
-        [Note: zeroing once] `step()` then `zero_grad()`, the usual loop, would zero each full
-        grad buffer twice. A buffer is skipped when its version counter (shared by every view:
-        `.grad`, bucket slices) has not moved since it was last zeroed here and no reduction
-        was launched on it since. Every torch op that puts grads in bumps the counter
-        (autograd's accumulation into `.grad` views, `add_`/`mul_`/`copy_` by the reductions,
-        a user's in-place op on `.grad`); a collective writing in place does not, nor does a
-        Triton kernel (the wire formats), and on NCCL no `mul_` runs before or after one (the
-        1/W is the collective's premul_sum): a buffer that got no local grad but the other
-        ranks' average (a param group this rank's batch did not use) would keep that average
-        into the next step. So every launch marks its buffer (`_reduced_into`)."""
-        for buf in self.buffers:
-            g = buf.grad_flat
-            if g is not None and (self._zeroed_at.get(id(buf)) != g._version
-                                  or id(buf) in self._reduced_into):
-                g.zero_()
-                self._zeroed_at[id(buf)] = g._version
+        See [Note: zeroing once]."""
+        todo = [buf for buf in self.buffers if buf.grad_flat is not None and (
+            self._zeroed_at.get(id(buf)) != buf.grad_flat._version
+            or id(buf) in self._reduced_into)]
+        if todo:  # one op for every buffer
+            torch._foreach_zero_([buf.grad_flat for buf in todo])
+            for buf in todo:
+                self._zeroed_at[id(buf)] = buf.grad_flat._version
         self._reduced_into.clear()
-        for b in self.buckets:
+        for b in self.buckets:  # every full grad buffer is all zeros now
             b.status = BucketStatus.EMPTY
             b.replica_stale = False
+            b.fresh = True

@@ -20,6 +20,10 @@
   decide the rest: `comp` (bf16-kahan: the bf16 compensation, local shard), the moments' dtype
   (fp32, bf16, int8/uint8) and, for int8, one fp32 scale per QBLOCK elements of each moment.
   The optimizer hands these, with bf16-sr's `seed` and `sr_offset`, to the grouped launch.
+
+[Note: grads as bucket views] `p.grad` is a view of grad_flat, so autograd's
+AccumulateGrad adds each new grad in place into the bucket: no per-step grad allocation
+and no copy (DDP's gradient_as_bucket_view).
 """
 from __future__ import annotations
 
@@ -180,7 +184,7 @@ class FlatBuffer:
         self._point_params(gathered=False)
 
     # Never traced: Dynamo would turn `.data =` into a `set_` that bumps the version counter
-    # of the views autograd saved in forward ([Note: stage 3 under torch.compile], zero3.py).
+    # of the views autograd saved in forward (see [Note: stage 3 under torch.compile] in zero3.py).
     @eager
     def _point_params(self, gathered: bool) -> None:
         """`.data` swaps keep the Parameter objects and autograd's saved leaves; views autograd
@@ -286,9 +290,8 @@ class FlatBuffer:
         return self._grad_views[pos]
 
     def attach_grad_views(self) -> None:
-        """[Note: grads as bucket views] `p.grad` is a view of grad_flat, so autograd's
-        AccumulateGrad adds each new grad in place into the bucket: no per-step grad allocation
-        and no copy (DDP's gradient_as_bucket_view)."""
+        """Each param's `.grad` as its bucket view, where it has one: see [Note: grads as
+        bucket views]."""
         for pos, p in enumerate(self.params):
             view = self._grad_views[pos]
             if view is not None:

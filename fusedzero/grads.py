@@ -1,7 +1,50 @@
 """The autograd side: hooks that catch each param's grad, find the end of backward, and decide
-what `p.grad` holds between backward passes. The buckets (`fusedzero.buckets`) do the rest."""
+what `p.grad` holds between backward passes. The buckets (`fusedzero.buckets`) do the rest.
+
+[Note: a grad onto a placeholder] A backward before the grads are consumed (the
+next micro-batch) finds the placeholder in `p.grad`, and p's AccumulateGrad node adds
+the new grad to it: `add_` in place (grad mode off), or `add` (create_graph=True), whose
+result becomes `p.grad`. The placeholder counts as zero: the in-place add keeps the new
+grad on the placeholder for the post-accumulate hook to take (`take`); the other returns
+a copy (the result gets autograd history, which must not land on the new grad itself).
+Checked by identity: only the AccumulateGrad node of this very param gets here; any
+other op still raises. (A per-param hook that dropped the placeholder before the
+accumulation cost ~2 us of host per param on every backward.)
+
+[Note: end of backward] The end-of-backward callback must run on the outermost
+autograd graph task. Queued from the first param grad, it lands on an inner task when
+that grad comes from a reentrant checkpoint (`use_reentrant=True` runs a nested backward
+for the checkpointed part) and would fire when that part is done. The grad of the
+model's output arrives first, in the outer task: queue it from there. (A forward run as
+a recomputation inside backward adds no hook: the outer backward is already running.)
+
+Under torch.compile the graph-task query is skipped (Dynamo cannot trace it: it would
+break the graph at the end of every forward). Only a recomputation of the whole model
+inside backward could tell the difference, and there the hook fires in the nested task
+that the first param grad would have queued the callback on anyway.
+
+[Note: user grad clipping] A view of grad_flat where that view is this param's true
+grad: stage 0 with grads in the param dtype, where after backward it holds the grad
+averaged over ranks on every rank, so `torch.nn.utils.clip_grad_norm_` computes the
+true global norm and clips it in place, identically on every replica (as with DDP); and
+stage 1 until its bucket is reduced (local grads, as DDP's inside `no_sync`). Elsewhere
+this rank holds only a shard of the reduced grad (or a copy in another dtype), and a
+norm over `.grad` would be silently wrong or, over None, silently zero: `.grad` is then
+a placeholder that raises, naming `max_grad_norm` and `opt.grad_norm`, on any use.
+
+[Note: a backward that raised] autograd runs no final callback when a backward
+raises (an OOM, an error in a hook or a custom Function), so `in_backward` would stay
+True and every later step() refuse, and the next backward would never queue its own
+end. Outside any backward (step(), zero_grad(), the model's next forward) that state
+is stale: the reductions already launched are completed (every rank issued the same
+ones if every rank raised at the same place), grads kept for unlaunched buckets are
+dropped and the counts reset. zero_grad() then discards what the raised backward left,
+as with a plain torch backward; without it, stages 0-1 keep every grad that arrived (as
+torch's `.grad` does) and stages 2-3 what was already reduced.
+"""
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -13,13 +56,15 @@ from fusedzero.buckets import BucketSchedule
 from fusedzero.comm import CommContext
 from fusedzero.dtensor import is_dtensor, local_grad
 from fusedzero.flat import FlatBuffer
+from fusedzero.profiling import phase
+from fusedzero.reduce import Bucket
 from fusedzero.stage import Stage
 
 
 class NoLocalGrad(torch.Tensor):
     """`p.grad` where this rank holds no full, reduced grad of p (see [Note: user grad
     clipping]): no storage; any op on it raises, saying what to use instead, except autograd's
-    own accumulation of p's next grad ([Note: a grad onto a placeholder])."""
+    own accumulation of p's next grad (see [Note: a grad onto a placeholder])."""
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -46,15 +91,8 @@ class NoLocalGrad(torch.Tensor):
         raise RuntimeError(f"{t.why} (op: {func})")
 
     def accumulate(self, func: Any, grad: torch.Tensor) -> torch.Tensor:
-        """[Note: a grad onto a placeholder] A backward before the grads are consumed (the
-        next micro-batch) finds the placeholder in `p.grad`, and p's AccumulateGrad node adds
-        the new grad to it: `add_` in place (grad mode off), or `add` (create_graph=True), whose
-        result becomes `p.grad`. The placeholder counts as zero: the in-place add keeps the new
-        grad on the placeholder for the post-accumulate hook to take (`take`); the other returns
-        a copy (the result gets autograd history, which must not land on the new grad itself).
-        Checked by identity: only the AccumulateGrad node of this very param gets here; any
-        other op still raises. (A per-param hook that dropped the placeholder before the
-        accumulation cost ~2 us of host per param on every backward.)"""
+        """`p.grad`'s next grad added onto the placeholder: see [Note: a grad onto a
+        placeholder]."""
         if func is torch.ops.aten.add_.Tensor:
             self.arrived = grad if self.arrived is None else self.arrived + grad
             return self
@@ -69,6 +107,21 @@ class NoLocalGrad(torch.Tensor):
 
 
 _ACCUMULATE = (torch.ops.aten.add_.Tensor, torch.ops.aten.add.Tensor)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class ParamHook:
+    """What a param's grad hook needs, looked up once at construction, not on every grad."""
+
+    buf: FlatBuffer
+    pos: int  # the param's position in `buf.params`
+    view: torch.Tensor | None  # its grad as a view of the bucket (`FlatBuffer.param_grad_view`)
+    buckets: tuple[Bucket, ...]  # the buckets holding it (`BucketSchedule.buckets_of`)
+    param: torch.Tensor
+    dtensor: bool  # a DTensor param: its grad's local tensor goes into the bucket
+    # Its NoLocalGrad, built on first use: a stage-3 param has its full shape only while
+    # gathered.
+    placeholder: NoLocalGrad | None = None
 
 
 class GradHooks:
@@ -87,16 +140,16 @@ class GradHooks:
         self.in_backward = False
         self._task_id = -1  # autograd graph task the end-of-backward callback is queued on
         self._grads_arrived = False  # a param grad came in the current backward
-        # Per param, what its grad hook needs, looked up once here, not on every grad: [buffer,
-        # position, its bucket view or None, its buckets, the param, its placeholder (built on
-        # first use: a stage-3 param has its full shape only while gathered), is a DTensor].
-        self._where: dict[int, list[Any]] = {
-            id(p): [buf, pos, buf.param_grad_view(pos), schedule.buckets_of(buf, pos), p, None,
-                    is_dtensor(p)]
+        # A backward brought param grads since the grads were last consumed (step, zero_grad):
+        # see [Note: one step per backward].
+        self.grads_since_step = False
+        self._where: dict[int, ParamHook] = {
+            id(p): ParamHook(buf, pos, buf.param_grad_view(pos), schedule.buckets_of(buf, pos), p,
+                             is_dtensor(p))
             for buf in schedule.buffers for pos, p in enumerate(buf.params)}
         # The records of the params whose .grad a placeholder was put on since the grads were
         # last consumed: no walk over every param to take them off.
-        self._placed: dict[int, list[Any]] = {}
+        self._placed: dict[int, ParamHook] = {}
         self.hooks: list[Any] = []
         for p in params:
             self.hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -111,17 +164,8 @@ class GradHooks:
         self.hooks.clear()
 
     def _on_model_output(self, module: nn.Module, args: Any, output: Any) -> None:
-        """[Note: end of backward] The end-of-backward callback must run on the outermost
-        autograd graph task. Queued from the first param grad, it lands on an inner task when
-        that grad comes from a reentrant checkpoint (`use_reentrant=True` runs a nested backward
-        for the checkpointed part) and would fire when that part is done. The grad of the
-        model's output arrives first, in the outer task: queue it from there. (A forward run as
-        a recomputation inside backward adds no hook: the outer backward is already running.)
-
-        Under torch.compile the graph-task query is skipped (Dynamo cannot trace it: it would
-        break the graph at the end of every forward). Only a recomputation of the whole model
-        inside backward could tell the difference, and there the hook fires in the nested task
-        that the first param grad would have queued the callback on anyway."""
+        """Queue the end-of-backward callback from the output's grad: see [Note: end of
+        backward]."""
         if not torch.is_grad_enabled():
             return
         if not torch.compiler.is_compiling():
@@ -144,26 +188,26 @@ class GradHooks:
 
     def _on_grad(self, p: torch.Tensor) -> None:
         grad = p.grad  # read once: every attribute read is a call into torch
-        if type(grad) is NoLocalGrad:  # [Note: a grad onto a placeholder]
+        if type(grad) is NoLocalGrad:  # See [Note: a grad onto a placeholder]
             grad = grad.take()
         if grad is None:
             return
         if not self.in_backward:
             self._first_grad()
         self._grads_arrived = True
-        rec = self._where[id(p)]
-        buf, pos, view, buckets, _, _, dtensor = rec
+        h = self._where[id(p)]
+        view = h.view
         if view is not None and grad.data_ptr() == view.data_ptr():
-            self.schedule.add_grad(buckets, pos, None)  # accumulated into the bucket view
+            self.schedule.add_grad(h.buckets, h.pos, None)  # accumulated into the bucket view
         else:
             # Not (or no longer: reduced, or the user reset .grad) a view of our bucket: put it in.
             if grad.is_sparse:
-                raise RuntimeError(f"param {buf.layout.params[pos].name} got a sparse grad; "
+                raise RuntimeError(f"param {h.buf.layout.params[h.pos].name} got a sparse grad; "
                                    "sparse gradients are not supported")
-            self.schedule.add_grad(buckets, pos, local_grad(p, grad) if dtensor else grad)
-            self._set_idle(rec)
+            self.schedule.add_grad(h.buckets, h.pos, local_grad(p, grad) if h.dtensor else grad)
+            self._set_idle(h)
         if self.on_unit_grad is not None:
-            self.on_unit_grad(buf)
+            self.on_unit_grad(h.buf)
 
     def _first_grad(self) -> None:
         """The first grad of a backward that no output-grad hook began (no `module`, or a
@@ -181,76 +225,64 @@ class GradHooks:
                 "use_reentrant=False")
         self._begin_backward()
 
-    def _set_idle(self, rec: list[Any]) -> None:
-        """Set `p.grad` (p the param of record `rec`) to what it holds between backward passes.
-        [Note: user grad clipping] A view of grad_flat where that view is this param's true
-        grad: stage 0 with grads in the param dtype, where after backward it holds the grad
-        averaged over ranks on every rank, so `torch.nn.utils.clip_grad_norm_` computes the
-        true global norm and clips it in place, identically on every replica (as with DDP); and
-        stage 1 until its bucket is reduced (local grads, as DDP's inside `no_sync`). Elsewhere
-        this rank holds only a shard of the reduced grad (or a copy in another dtype), and a
-        norm over `.grad` would be silently wrong or, over None, silently zero: `.grad` is then
-        a placeholder that raises, naming `max_grad_norm` and `opt.grad_norm`, on any use."""
-        buf, pos, view, _, p, ng, _ = rec
-        if view is not None and not self.schedule.was_reduced(buf, pos):
-            p.grad = view
+    def _set_idle(self, h: ParamHook) -> None:
+        """Set `h.param.grad` to what it holds between backward passes: see [Note: user grad
+        clipping]."""
+        p = h.param
+        if h.view is not None and not self.schedule.was_reduced(h.buf, h.pos):
+            p.grad = h.view
             return
-        p.grad = ng if ng is not None else self._placeholder(rec)
-        self._placed[id(p)] = rec  # what it holds again once the grads are consumed: rec[2]
+        ng = h.placeholder
+        p.grad = ng if ng is not None else self._placeholder(h)
+        self._placed[id(p)] = h  # what it holds again once the grads are consumed: h.view
 
-    def _placeholder(self, rec: list[Any]) -> NoLocalGrad:
-        buf, pos, _, _, p, _, _ = rec
-        rec[5] = ng = NoLocalGrad(p, self.stage, buf.layout.params[pos].name)
+    def _placeholder(self, h: ParamHook) -> NoLocalGrad:
+        ng = h.placeholder = NoLocalGrad(h.param, self.stage, h.buf.layout.params[h.pos].name)
         return ng
 
     def recover(self) -> None:
-        """[Note: a backward that raised] autograd runs no final callback when a backward
-        raises (an OOM, an error in a hook or a custom Function), so `in_backward` would stay
-        True and every later step() refuse, and the next backward would never queue its own
-        end. Outside any backward (step(), zero_grad(), the model's next forward) that state
-        is stale: the reductions already launched are completed (every rank issued the same
-        ones if every rank raised at the same place), grads kept for unlaunched buckets are
-        dropped and the counts reset. zero_grad() then discards what the raised backward left,
-        as with a plain torch backward; without it, stages 0-1 keep every grad that arrived (as
-        torch's `.grad` does) and stages 2-3 what was already reduced."""
+        """Leave the state a raised backward left: see [Note: a backward that raised]."""
         if not self.in_backward or torch._C._current_graph_task_id() != -1:
             return
         self.in_backward = False
+        self.grads_since_step |= self._grads_arrived
         self.schedule.abandon()
         if self.on_backward_end is not None:
             self.on_backward_end()
 
     def _end_backward(self) -> None:
-        self.in_backward = False
-        reduced = self.schedule.end_backward(self._grads_arrived)
-        if reduced and self.stage.shards_state and self.stage.keeps_full_grads:
-            # Stage 1: only this rank's pieces hold reduced grads now: no param's .grad is a
-            # true view.
-            self.reset_idle_grads()
-        if self.on_backward_end is not None:
-            self.on_backward_end()
-        self.ctx.record("backward_end", 0)
+        with phase("fusedzero::end_backward"):
+            self.in_backward = False
+            self.grads_since_step |= self._grads_arrived
+            reduced = self.schedule.end_backward(self._grads_arrived)
+            if reduced and self.stage.shards_state and self.stage.keeps_full_grads:
+                # Stage 1: only this rank's pieces hold reduced grads now: no param's .grad is
+                # a true view.
+                self.reset_idle_grads()
+            if self.on_backward_end is not None:
+                self.on_backward_end()
+            self.ctx.record("backward_end", 0)
 
     def reset_idle_grads(self) -> None:
         """Stage 1 after a reducing backward: every bucket was reduced, so every param's .grad
         is its placeholder (a loop of assignments: this runs once per param per backward)."""
-        for rec in self._where.values():
-            ng = rec[5]
-            rec[4].grad = ng if ng is not None else self._placeholder(rec)
+        for h in self._where.values():
+            ng = h.placeholder
+            h.param.grad = ng if ng is not None else self._placeholder(h)
         self._placed = dict(self._where)
 
     def drop_placeholders(self) -> None:
         """The grads are consumed: placeholders go (stage 1: autograd accumulates into the
         bucket views again). Only the params a placeholder was put on are visited."""
-        for rec in self._placed.values():
-            p = rec[4]
+        for h in self._placed.values():
+            p = h.param
             if type(p.grad) is NoLocalGrad:
-                p.grad = rec[2]
+                p.grad = h.view
         self._placed.clear()
 
     def reset_grads(self) -> None:
         """zero_grad(): every param's .grad is its bucket view again (None where it has none),
         whatever it held."""
-        for rec in self._where.values():
-            rec[4].grad = rec[2]
+        for h in self._where.values():
+            h.param.grad = h.view
         self._placed.clear()

@@ -11,9 +11,17 @@ Stage 3: params sharded per unit as well (see `fusedzero.zero3`).
 
 Grads follow DDP: averaged over ranks, summed over micro-batches (divide the loss by the number of
 micro-batches, as with DDP), with or without `no_sync()` (a speed switch, never a correctness
-one). The step consumes the grads: after `step()` they are zero. Replicas start from rank 0's
-params and buffers (broadcast at construction, as DDP). When `backward()` returns, every
-reduction it started is complete (on NCCL: stream-ordered).
+one). The step consumes the grads: after `step()` they are zero, and a second `step()` without a
+backward is refused (see [Note: one step per backward]). Replicas start from rank 0's params and
+buffers (broadcast at construction, as DDP). When `backward()` returns, every reduction it
+started is complete (on NCCL: stream-ordered).
+
+[Note: one step per backward] torch.optim.AdamW keeps `.grad` until `zero_grad()`, so a second
+`step()` without a backward applies the same grads again. ZeroAdamW's step consumes its grads
+(the flat buffers are emptied for the next backward, stage 1's reduced pieces and stages 2-3's
+grad shards included), so a second step would apply zero grads (a silent update by momentum and
+weight decay alone). It is refused instead, in one line: `step()` needs a backward that brought
+param grads since the last `step()` or `zero_grad()`.
 
 This class composes the parts and keeps the torch.optim contract; each part owns its state:
   fusedzero/flat.py        FlatBuffer: params, shard state and the views the kernel reads
@@ -44,6 +52,7 @@ from fusedzero.kernels import AdamWBuffer, GroupedAdamW
 from fusedzero.model_state_dict import FullParamsLoad
 from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
 from fusedzero.policy import Groups, Precision, Sharding, Wire, check_record, moved_keywords
+from fusedzero.profiling import phase
 from fusedzero.scalars import GroupLr, LossScaler, StepScalars
 from fusedzero.shards import ShardAccess, ShardStateMethods
 from fusedzero.stage import Stage
@@ -286,27 +295,42 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_open("step")
+        with phase("fusedzero::step"):
+            self._step()
+        return loss
+
+    def _step(self) -> None:
         self.grads.recover()
         if self.grads.in_backward:
             raise RuntimeError("step() called during backward")
+        if not self.grads.grads_since_step:  # See [Note: one step per backward]
+            raise RuntimeError(
+                "step() without a backward since the last step() or zero_grad(): ZeroAdamW's "
+                "step consumes the grads, so this one would apply zero grads (torch.optim.AdamW "
+                "would apply the same .grad again); run backward before each step()")
         validate.check_not_frozen(self.params, self.param_names)
+        lrs = self.group_lr.update(self.param_groups)
         self.quiesce_params()  # the kernel rewrites this rank's pieces of the param buffer
         self.buckets.wait_all()
         self.buckets.before_step()
         self.buckets.finish_replicas()
-        # Stage 0 grads are replicated: the local sum of squares is already global.
         s = self.scalars
-        s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None, self._tp_ctx)
-        lrs = self.group_lr.update(self.param_groups)
-        self._update.step(lrs, s.step, s.grad_scale, s.skip)
+        # The update's rows are written by the scalars' launch (one launch for both).
+        rows = self._update.rows
+        with phase("fusedzero::grad_norm"):
+            # Stage 0 grads are replicated: the local sum of squares is already global.
+            s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None,
+                      self._tp_ctx, rows=rows, hyper=lrs)
+        with phase("fusedzero::update"):
+            self._update.step(lrs, s.step, s.grad_scale, s.skip, rows_written=rows is not None)
         s.finish()
         self.param_sync.gather(after_step=True)
         self._consume_grads()
-        return loss
 
     def _consume_grads(self) -> None:
         self.buckets.reset_step()
         self.grads.drop_placeholders()
+        self.grads.grads_since_step = False
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Grads live in the flat buffers and are consumed (zeroed) by `step()`; this empties
@@ -314,11 +338,13 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         dtype keep `.grad` as views of the zeroed buffer whatever `set_to_none` says; elsewhere
         `.grad` is None between backward passes."""
         self._check_open("zero_grad")
-        self.grads.recover()
-        self.grads.reset_grads()
-        if not self.grads.in_backward:
-            self.buckets.wait_all()
-            self.buckets.reset_step()
+        with phase("fusedzero::zero_grad"):
+            self.grads.recover()
+            self.grads.reset_grads()
+            if not self.grads.in_backward:
+                self.buckets.wait_all()
+                self.buckets.reset_step()
+                self.grads.grads_since_step = False
 
     def quiesce_params(self) -> None:
         """Before this rank's param shards are rewritten (the update, a load): wait for the

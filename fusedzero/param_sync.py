@@ -26,7 +26,7 @@ small index table, at the end of the first `step()`).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -35,11 +35,28 @@ from fusedzero import comm, wire
 from fusedzero.comm import CommContext, Handle
 from fusedzero.dtensor import local
 from fusedzero.flat import FlatBuffer
+from fusedzero.profiling import phase
 from fusedzero.wire import WireFormat
 from fusedzero.units import UnitPolicy, select_units
 
 # (id of a flat buffer, bucket index): one all-gather.
 BucketKey = tuple[int, int]
+
+
+class BucketGather(NamedTuple):
+    """One bucket's all-gather: its range of the full param buffer and this rank's piece."""
+
+    full: torch.Tensor
+    own: torch.Tensor
+    shard_rank: int
+
+
+def _bucket_gather(buf: FlatBuffer, k: int) -> BucketGather:
+    L = buf.layout
+    assert buf.param_flat is not None
+    lo, hi = L.bucket_range(k)
+    plo, phi = L.piece(k, buf.shard_rank)
+    return BucketGather(buf.param_flat[lo:hi], buf.param_flat[plo:phi], buf.shard_rank)
 
 
 class ParamSync:
@@ -56,6 +73,11 @@ class ParamSync:
         self.hooks: list[Any] = []
         self._buf = {id(buf): buf for buf in buffers}
         self._index = {id(buf): i for i, buf in enumerate(buffers)}  # trace: (buffer, bucket)
+        # Per bucket, made once (no view op per step): its range of the param buffer, this
+        # rank's piece of it, and the rank that piece is.
+        self._views: dict[BucketKey, BucketGather] = {
+            (id(buf), k): _bucket_gather(buf, k)
+            for buf in buffers for k in range(buf.layout.num_buckets)}
         # Every bucket, in the flat buffers' order, then (once recorded) in forward order.
         self.order: list[BucketKey] = [(id(buf), k) for buf in buffers
                                        for k in range(buf.layout.num_buckets)]
@@ -72,15 +94,13 @@ class ParamSync:
         every rank joins its broadcast, whatever forwards it ran)."""
         if after_step and self._recording and self._module_waits:
             self._fix_order()
-        for key in self.order:
-            buf, k = self._buf[key[0]], key[1]
-            L = buf.layout
-            assert buf.param_flat is not None
-            lo, hi = L.bucket_range(k)
-            plo, phi = L.piece(k, buf.shard_rank)
-            self.ctx.record("param_gather", (self._index[key[0]], k))
-            self._handles[key] = wire.all_gather(buf.param_flat[lo:hi], buf.param_flat[plo:phi],
-                                                 self.param_wire, self.ctx, buf.shard_rank)
+        views = self._views
+        with phase("fusedzero::all_gather"):
+            for key in self.order:
+                full, own, shard_rank = views[key]
+                self.ctx.record("param_gather", (self._index[key[0]], key[1]))
+                self._handles[key] = wire.all_gather(full, own, self.param_wire, self.ctx,
+                                                     shard_rank)
         if not self._module_waits:
             self.wait()
 
@@ -102,11 +122,12 @@ class ParamSync:
         """Wait for in-flight param all-gathers (all, or those buckets)."""
         if not self._handles:
             return
-        for key in list(self._handles) if keys is None else keys:
-            h = self._handles.pop(key, None)
-            if h is not None:
-                self.ctx.record("param_wait", (self._index[key[0]], key[1]))
-                self.ctx.wait(h, what=f"param all-gather of (flat group, bucket) {key}")
+        with phase("fusedzero::param_wait"):
+            for key in list(self._handles) if keys is None else keys:
+                h = self._handles.pop(key, None)
+                if h is not None:
+                    self.ctx.record("param_wait", (self._index[key[0]], key[1]))
+                    self.ctx.wait(h, what=f"param all-gather of (flat group, bucket) {key}")
 
     def _before_forward(self, keys: tuple[BucketKey, ...]) -> None:
         if self._recording:

@@ -31,6 +31,33 @@ pass over the whole bucket before (stage 1's `mul_`, stages 2-3's scaling copy, 
 slower than a plain copy for bf16). fp16 keeps the division before: its sum of W raw grads could
 overflow where the average does not. Other W keep it too (there the two orders round
 differently, and the results stay those of DDP's order).
+
+[Note: reductions over a wire format] A strategy built with `wire` (fusedzero.wire)
+quantizes a bucket, all-to-alls it and sums this rank's chunks in fp32 instead of running
+the collective in the reduce dtype. The sum is of raw grads and the 1/W of the average is
+fused into the dequantize-sum (an fp32 sum cannot overflow where an fp16 one could), so such a
+bucket is never pre-divided; grads added after a bucket was reduced still are.
+See [Note: accumulating across reductions]. Its packed buffers are transient: the schedule
+bounds how many are in flight, at every stage.
+
+[Note: grads into a bucket, per bucket] A grad that autograd did not accumulate into a bucket
+view itself (bf16 params over an fp32 buffer, stages 2-3, a stage-1 bucket already reduced) is
+only kept by the grad hook (`Bucket.got`), in the dtype it arrives in: the hook path runs no
+torch op per param, and each op there was a host call of microseconds and, on CUDA, a kernel
+launch (tests/zero/test_hook_ops.py counts them, over a bare backward). When the bucket is
+complete its grads go in by one foreach op over views of the bucket made once (`Part`), which
+casts where the grad's dtype is not the bucket's (DDP's `gradient_as_bucket_view` has autograd
+write into the bucket; FSDP2's `foreach_reduce` builds its reduce-scatter input by one
+`chunk_cat`):
+- stages 0-1: one `_foreach_add_` into the full grad buffer, at the bucket's completion (inside
+  `no_sync` too) or at the end of backward;
+- stages 2-3: a bucket's memory exists only from its launch to the end of its reduction: one
+  tensor per bucket whose storage is resized (as a stage-3 unit's gathered buffer), so the views
+  survive; at launch, one `_foreach_zero_` of its alignment holes (and of params that got no
+  grad) and one `_foreach_copy_` of its grads. A grad lives until its bucket launches, as it
+  would in a bucket buffer allocated at its first grad.
+A param that straddles two buckets costs two views of its grad per bucket; there are at most
+one per bucket boundary.
 """
 from __future__ import annotations
 
@@ -38,7 +65,7 @@ import dataclasses
 import enum
 import math
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -55,20 +82,14 @@ MAX_INFLIGHT_BUCKETS = 2
 
 
 def divides_after(b: Bucket, inv_world: float) -> bool:
-    """[Note: dividing after the reduction]: exact here (1/W a power of two below 1, not fp16),
+    """See [Note: dividing after the reduction]: exact here (1/W a power of two below 1, not fp16),
     so the first reduction of a step sums raw grads and divides this rank's piece afterwards."""
     return (inv_world < 1.0 and math.frexp(inv_world)[0] == 0.5
             and b.buf.reduce_dtype != torch.float16)
 
 
 class WireChoice:
-    """[Note: reductions over a wire format] A strategy built with `wire` (fusedzero.wire)
-    quantizes a bucket, all-to-alls it and sums this rank's chunks in fp32 instead of running
-    the collective in the reduce dtype. The sum is of raw grads and the 1/W of the average is
-    fused into the dequantize-sum (an fp32 sum cannot overflow where an fp16 one could), so
-    such a bucket is never pre-divided; grads added after a bucket was reduced still are (see
-    [Note: accumulating across reductions]). Its packed buffers are transient: the schedule
-    bounds how many are in flight, at every stage."""
+    """Where a bucket goes over a wire format: see [Note: reductions over a wire format]."""
 
     def __init__(self, wire_format: WireFormat | None = None, world_size: int = 1) -> None:
         self.wire = wire_format
@@ -88,9 +109,19 @@ class BucketStatus(enum.Enum):
     REDUCED_CLEAN = enum.auto()  # stage 1: reduced, and the pieces other ranks own zeroed since
 
 
-# A piece of a stage 2-3 bucket ([Note: gathering a bucket at launch]): (start, end, start in
-# the param or -1 where the piece is whole, slot or -1 for a hole, zeros for a hole).
-Part = tuple[int, int, int, int, torch.Tensor | None]
+class Part(NamedTuple):
+    """Where one param's grad goes in a bucket (see [Note: grads into a bucket, per bucket])."""
+
+    dst: torch.Tensor  # a view of the bucket's memory: in the param's shape where it is whole
+    param_start: int | None  # a straddling param: where its run starts (flat); None: whole
+
+
+class ShardPiece(NamedTuple):
+    """Stages 2-3, made once per bucket: this rank's piece of the bucket's memory (what the
+    reduce-scatter writes) and of the grad shard (where it is put)."""
+
+    reduced: torch.Tensor
+    dst: torch.Tensor
 
 
 @dataclasses.dataclass(eq=False)
@@ -101,11 +132,20 @@ class Bucket:
     holes: list[tuple[int, int]]  # ranges of the bucket that belong to no param
     status: BucketStatus = BucketStatus.EMPTY
     pending: int = 0  # grads still expected in this backward
-    grad: torch.Tensor | None = None  # stages 2-3: the transient full-size buffer
-    # Stages 2-3 ([Note: gathering a bucket at launch]): this backward's grads by slot, and the
-    # bucket's pieces in order (`Part`) and where its tail padding starts.
+    grad: torch.Tensor | None = None  # stages 2-3: the transient full-size buffer, while alive
+    # This backward's grads kept until they go into the bucket, by slot, and where each goes
+    # (made once); see [Note: grads into a bucket, per bucket].
     got: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
-    parts: tuple[list[Part], int] | None = None
+    parts: dict[int, Part] | None = None
+    # Stages 2-3: the bucket's memory (storage resized: alive only from launch to finish) and
+    # the views of its alignment holes and tail, made once.
+    store: torch.Tensor | None = None
+    hole_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    piece: ShardPiece | None = None
+    # Stages 0-1: its part of the full grad buffer is all zeros (emptied since its last flush
+    # or launch) and autograd writes into none of it: kept grads can be copied in, not added.
+    fresh: bool = True
+    viewless: bool = False  # no param of it has `.grad` as a view of the bucket (made once)
     # 2-D mesh: the shard holds a reduction the replicas have not averaged (stages 2-3 inside
     # no_sync); `ReplicaReduction.leftovers` averages it before the update.
     replica_stale: bool = False
@@ -121,6 +161,42 @@ class Bucket:
         lo, hi = L.piece(self.k, self.buf.shard_rank)
         return lo - self.k * L.bucket_numel, hi - self.k * L.bucket_numel
 
+    def make_parts(self, memory: torch.Tensor) -> dict[int, Part]:
+        """Each param's `Part` over `memory`, the bucket's elements (1-D)."""
+        L = self.buf.layout
+        parts = {}
+        for pos in self.slots:
+            a, e, p = L.overlap(pos, self.k)
+            slot = L.params[pos]
+            whole = e - a == slot.numel
+            parts[pos] = Part(memory[a:e].view(slot.shape) if whole else memory[a:e],
+                              None if whole else p)
+        return parts
+
+    def sources(self, into: list[torch.Tensor], zeros: list[torch.Tensor] | None = None
+                ) -> list[torch.Tensor]:
+        """The kept grads, as the foreach op reads them, and (`into`) where they go; `zeros`
+        (stages 2-3) gets the parts of params without a grad. Empties `got`."""
+        assert self.parts is not None
+        got, srcs = self.got, []
+        if zeros is not None:
+            for pos, part in self.parts.items():
+                if pos not in got:  # a param that got no grad this backward contributes zeros
+                    zeros.append(part.dst)
+        for pos, g in got.items():
+            dst, start = self.parts[pos]
+            into.append(dst)
+            # A straddling param: its run in this bucket (two views, at most one per boundary).
+            srcs.append(g if start is None else g.reshape(-1)[start:start + dst.numel()])
+        got.clear()
+        return srcs
+
+    def release(self) -> None:
+        """Stages 2-3: free the bucket's memory (its views stay, over an empty storage)."""
+        self.grad = None
+        if self.store is not None:
+            self.store.untyped_storage().resize_(0)
+
 
 Finish = Callable[[], None]
 
@@ -130,10 +206,11 @@ class Reduction(Protocol):
     bucket buffer per reduction in flight (their number is bounded by the schedule)."""
 
     transient: bool
+    gathers_at_launch: bool  # stages 2-3: the kept grads go into the bucket at its launch
+    range_name: str  # its launches' profiler range (fusedzero/profiling.py)
 
-    def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
-        """Add the part of param `pos`'s grad (any shape: its flat order) that falls in
-        bucket b."""
+    def flush(self, b: Bucket, inv_world: float) -> None:
+        """Stages 0-1: add the grads kept in `b.got` into the full grad buffer."""
 
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         """Issue b's reduction; return its handle and what to run once it is complete."""
@@ -146,12 +223,15 @@ class AllReduceFull(WireChoice):
     """Stage 0: grads accumulate in the full buffer, which is all-reduced (every rank divides
     the whole bucket either way, so before: DDP's order)."""
 
-    def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
-        a, e, p = b.buf.layout.overlap(pos, b.k)
-        b.full_grad()[a:e].add_(grad.reshape(-1)[p:p + e - a])
+    gathers_at_launch = False
+    range_name = "fusedzero::all_reduce"
+
+    def flush(self, b: Bucket, inv_world: float) -> None:
+        _add_kept(b, 1.0)
 
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         buf = b.full_grad()
+        b.fresh = False
         if self.fused(b):
             assert self.wire is not None
             return None, wire.all_reduce_start(buf, self.wire, ctx, 1.0 / ctx.world_size)
@@ -177,17 +257,19 @@ class ReduceScatterInPlace(WireChoice):
         g[hi:].zero_()
         b.status = BucketStatus.REDUCED_CLEAN
 
-    def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
-        a, e, p = b.buf.layout.overlap(pos, b.k)
-        dst, src = b.full_grad()[a:e], grad.reshape(-1)[p:p + e - a]
+    gathers_at_launch = False
+    range_name = "fusedzero::reduce_scatter"
+
+    def flush(self, b: Bucket, inv_world: float) -> None:
         if b.status is BucketStatus.EMPTY:
-            dst.add_(src)
+            _add_kept(b, 1.0)
         else:
             self._clean(b)
-            dst.add_(src, alpha=inv_world)
+            _add_kept(b, inv_world)
 
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         buf = b.full_grad()
+        b.fresh = False
         lo, hi = b.own_piece()
         after = mean = False
         fused = self.fused(b)
@@ -218,100 +300,57 @@ class ReduceScatterInPlace(WireChoice):
 class ReduceIntoShard(WireChoice):
     """Stages 2-3: a transient bucket buffer per backward, reduced into the grad shard."""
 
+    gathers_at_launch = True
+    range_name = "fusedzero::reduce_scatter"
+
     def __init__(self, wire_format: WireFormat | None = None, world_size: int = 1) -> None:
         super().__init__(wire_format, world_size)
         self.transient = True
-        # Per (dtype, device): zeros as long as the longest alignment hole (`_parts`).
-        self._zeros: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
-    def accumulate(self, b: Bucket, pos: int, grad: torch.Tensor, inv_world: float) -> None:
-        # [Note: gathering a bucket at launch] Each param's grad arrives once per backward and
-        # is only kept here; the bucket is built at launch by one `torch.cat` of its grads and
-        # zero pieces (alignment holes, params without a grad), so a grad costs no torch call on
-        # the hook path (and on CUDA the bucket is one kernel, not one copy per param). A
-        # bucket's grads live until it launches, as they would in its transient buffer, which
-        # exists only from the launch on; at the launch both exist for the length of the copy.
-        b.got[pos] = grad
-
-    def _parts(self, b: Bucket) -> tuple[list[Part], int]:
-        """b's pieces in bucket order, (start, end, start in the param or -1 where the bucket
-        holds the whole param, slot, None) for a param and (start, end, -1, -1, zeros) for an
-        alignment hole (views of one shared zero tensor, made once); and where the tail padding
-        starts (zeroed apart, it can be long)."""
-        if b.parts is None:
-            L = b.buf.layout
-            holes = list(b.holes)
-            tail = L.bucket_numel
-            if holes and holes[-1][1] == L.bucket_numel:
-                tail = holes.pop()[0]
-            key = (b.buf.reduce_dtype, b.buf.device)
-            need = max((e - a for a, e in holes), default=0)
-            z = self._zeros.get(key)
-            if z is None or z.numel() < need:
-                z = self._zeros[key] = torch.zeros(need, dtype=key[0], device=key[1])
-            spans: list[Part] = []
-            for pos in b.slots:
-                a, e, p = L.overlap(pos, b.k)
-                spans.append((a, e, -1 if e - a == L.params[pos].numel else p, pos, None))
-            spans += [(a, e, -1, -1, z[:e - a]) for a, e in holes]
-            b.parts = (sorted(spans, key=lambda t: t[0]), tail)
-        return b.parts
+    def flush(self, b: Bucket, inv_world: float) -> None:
+        pass  # the grads go in at launch (`_gather`)
 
     def _gather(self, b: Bucket) -> torch.Tensor:
-        """The transient bucket buffer: this backward's grads in bucket order, zeros elsewhere.
-        A grad the bucket holds whole goes in as it is, in its own shape; the flattening and
-        the copies are one call into torch (no torch call per grad from Python: each costs a
-        few us of host, see [Note: host cost per grad] in fusedzero/buckets.py). Grads in the
-        bucket's dtype: one `cat` (`flatten_dense_tensors`). Grads to cast (bf16 params, fp32
-        reduce): one `torch._foreach_copy_` into views of the bucket, since a mixed-dtype `cat`
-        takes a slow path (bench/gpu/bucket_gather.py: `_foreach_copy_` 33 us, `cat` 80 us on an
-        H200)."""
-        parts, tail = self._parts(b)
-        dt, dev, got = b.buf.reduce_dtype, b.buf.device, b.got
-        B = b.buf.layout.bucket_numel
-        pieces = []
-        for a, e, p, pos, zeros in parts:
-            g = zeros if pos < 0 else got.get(pos)
-            if g is None:  # a param that got no grad this backward contributes zeros
-                g = torch.zeros(e - a, dtype=dt, device=dev)
-            elif p >= 0:  # the part of a param that straddles buckets
-                g = g.reshape(-1)[p:p + e - a]
-            pieces.append(g)
-        got.clear()
-        # One `cat` only where every piece is in the reduce dtype: a grad in another dtype than
-        # its param's buffer (a DTensor param whose local tensor was cast to param_dtype keeps
-        # its outer dtype, and autograd casts its grad to that) would promote the whole bucket
-        # to it, and the collective would move that dtype's bytes.
-        if all(g.dtype == dt for g in pieces):
-            if tail < B:
-                pieces.append(torch.zeros(B - tail, dtype=dt, device=dev))
-            # One piece would come back as a view of that grad: the collective writes into
-            # the bucket, so it is a copy.
-            out = (torch._C._nn.flatten_dense_tensors(pieces) if len(pieces) > 1
-                   else pieces[0].reshape(-1).clone())
-        else:  # grads to cast (bf16 params, fp32 reduce): one copy with a cast per piece
-            out = torch.empty(B, dtype=dt, device=dev)
-            torch._foreach_copy_(torch._C._nn.unflatten_dense_tensors(out[:tail], pieces),
-                                 pieces)
-            out[tail:].zero_()
-        b.grad = out
-        return out
+        """The transient bucket buffer: this backward's grads in bucket order, zeros elsewhere,
+        by two foreach ops (see [Note: grads into a bucket, per bucket]): a grad in another
+        dtype than the bucket's (bf16 params, fp32 reduce; a DTensor param whose local tensor
+        was cast to param_dtype keeps its outer dtype, and autograd casts its grad to that) is
+        cast by the copy, so the collective moves the reduce dtype's bytes."""
+        store = b.store
+        if store is None:
+            L = b.buf.layout
+            store = b.store = torch.empty(L.bucket_numel, dtype=b.buf.reduce_dtype,
+                                          device=b.buf.device)
+            b.parts = b.make_parts(store)
+            b.hole_views = [store[a:e] for a, e in b.holes]
+            lo, hi = b.own_piece()
+            S = L.shard_numel
+            assert b.buf.grad_shard is not None
+            b.piece = ShardPiece(store[lo:hi], b.buf.grad_shard[b.k * S:(b.k + 1) * S])
+        else:
+            store.untyped_storage().resize_(store.numel() * store.element_size())
+        zeros = list(b.hole_views)
+        dsts: list[torch.Tensor] = []
+        srcs = b.sources(dsts, zeros)
+        if zeros:
+            torch._foreach_zero_(zeros)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
+        b.grad = store
+        return store
 
     def launch(self, b: Bucket, ctx: CommContext, inv_world: float) -> tuple[Handle, Finish | None]:
         buf = self._gather(b)
         if not (inv_world == 1.0 or self.fused(b) or divides_after(b, inv_world)):
-            buf.mul_(inv_world)  # pre-divided ([Note: dividing after the reduction])
-        lo, hi = b.own_piece()
+            buf.mul_(inv_world)  # pre-divided: see [Note: dividing after the reduction]
         if self.fused(b):
             return self._launch_wire(b, ctx, inv_world)
-        h = comm.reduce_scatter(buf[lo:hi], buf, ctx.group, ctx.world_size, ctx.counter)
-
+        assert b.piece is not None
+        piece, dst = b.piece
+        h = comm.reduce_scatter(piece, buf, ctx.group, ctx.world_size, ctx.counter)
         scale = inv_world if divides_after(b, inv_world) else 1.0
 
         def finish() -> None:
-            S = b.buf.layout.shard_numel
-            assert b.buf.grad_shard is not None and b.grad is not None
-            dst, piece = b.buf.grad_shard[b.k * S:(b.k + 1) * S], b.grad[lo:hi]
             if b.status is BucketStatus.EMPTY:
                 if scale == 1.0:
                     dst.copy_(piece)
@@ -320,23 +359,21 @@ class ReduceIntoShard(WireChoice):
                 b.status = BucketStatus.REDUCED
             else:
                 dst.add_(piece, alpha=scale)
-            b.grad = None
+            b.release()
         return h, finish
 
     def _launch_wire(self, b: Bucket, ctx: CommContext, inv_world: float
                      ) -> tuple[Handle, Finish | None]:
         """The bucket (raw grads) over the wire; the finish dequantizes, sums, scales by 1/W and
         writes or adds into the grad shard in one launch."""
-        assert self.wire is not None and b.grad is not None
+        assert self.wire is not None and b.grad is not None and b.piece is not None
         red = wire.reduce_scatter_start(b.grad, self.wire, ctx)
+        dst = b.piece.dst
 
         def finish() -> None:
-            S = b.buf.layout.shard_numel
-            assert b.buf.grad_shard is not None
-            red.finish(b.buf.grad_shard[b.k * S:(b.k + 1) * S], inv_world,
-                       accumulate=b.status is not BucketStatus.EMPTY)
+            red.finish(dst, inv_world, accumulate=b.status is not BucketStatus.EMPTY)
             b.status = BucketStatus.REDUCED
-            b.grad = None
+            b.release()
         return red.handle, finish
 
     def before_step(self, buckets: Iterable[Bucket]) -> None:
@@ -346,6 +383,24 @@ class ReduceIntoShard(WireChoice):
                 S = b.buf.layout.shard_numel
                 b.buf.grad_shard[b.k * S:(b.k + 1) * S].zero_()
                 b.status = BucketStatus.REDUCED
+
+
+def _add_kept(b: Bucket, alpha: float) -> None:
+    """Stages 0-1: the grads kept in `b.got` added into the full grad buffer, one op: a copy
+    where the bucket is still empty (on CUDA `_foreach_copy_` is one kernel across dtypes,
+    where `_foreach_add_` of bf16 grads into fp32 takes torch's per-tensor path)."""
+    if b.parts is None:
+        b.parts = b.make_parts(b.full_grad())
+        b.viewless = all(b.buf.param_grad_view(pos) is None for pos in b.slots)
+    dsts: list[torch.Tensor] = []
+    srcs = b.sources(dsts)
+    if b.fresh and b.viewless and alpha == 1.0:
+        torch._foreach_copy_(dsts, srcs)
+    elif alpha == 1.0:
+        torch._foreach_add_(dsts, srcs)
+    else:
+        torch._foreach_add_(dsts, srcs, alpha=alpha)
+    b.fresh = False
 
 
 def reduction_for(stage: Stage, wire_format: WireFormat | None = None,

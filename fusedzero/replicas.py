@@ -1,5 +1,15 @@
 """2-D mesh (HSDP): the average of each bucket's reduced shard over the replicas that hold the
-same shard, after the shard reduction (`fusedzero.reduce`) is complete."""
+same shard, after the shard reduction (`fusedzero.reduce`) is complete.
+
+[Note: replicas and accumulation] The shard piece holds the step's accumulated average:
+A (from earlier reducing backwards of this step, already averaged over replicas, so equal
+on every replica) plus this backward's new part. Averaging it over the replicas again gives
+A + the replicas' mean of the new part, by linearity, as stage 0 does across ranks: so every
+reducing backward outside `no_sync` averages over replicas (FSDP2's default too), and a
+backward inside it (stages 2-3 still reduce the shard) leaves the bucket stale, averaged
+before the update. Replica all-reduces are issued in the launch order of the buckets (every
+replica issues them in the same order).
+"""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -24,17 +34,10 @@ def shard_piece(b: Bucket) -> torch.Tensor:
 class ReplicaReduction:
     """2-D mesh (HSDP): average each bucket's reduced shard over the replicas that hold the same
     shard (`ctx` is the replicate group), started per bucket once its shard reduction is
-    complete, at a fixed point of the launch order ([Note: one order across communicators] in
-    fusedzero/buckets.py), while backward goes on.
+    complete, at a fixed point of the launch order (see [Note: one order across communicators]
+    in fusedzero/buckets.py), while backward goes on.
 
-    [Note: replicas and accumulation] The shard piece holds the step's accumulated average:
-    A (from earlier reducing backwards of this step, already averaged over replicas, so equal
-    on every replica) plus this backward's new part. Averaging it over the replicas again gives
-    A + the replicas' mean of the new part, by linearity, as stage 0 does across ranks: so every
-    reducing backward outside `no_sync` averages over replicas (FSDP2's default too), and a
-    backward inside it (stages 2-3 still reduce the shard) leaves the bucket stale, averaged
-    before the update. Replica all-reduces are issued in the launch order of the buckets (every
-    replica issues them in the same order)."""
+    See [Note: replicas and accumulation]."""
 
     def __init__(self, ctx: CommContext, wire_format: WireFormat | None = None) -> None:
         self.ctx = ctx

@@ -13,6 +13,7 @@ from fusedzero import comm
 from fusedzero.comm import CommContext
 from fusedzero.kernels import Hyper
 from fusedzero.kernels._launch import copy_from_host
+from fusedzero.kernels.rows import Rows
 from fusedzero.kernels.step_scalars import step_scalars
 
 
@@ -79,14 +80,16 @@ class StepScalars:
         self.scaler = scaler
 
     def prepare(self, sumsq: Callable[[], torch.Tensor], ctx: CommContext | None,
-                tp_ctx: CommContext | None = None) -> None:
+                tp_ctx: CommContext | None = None, rows: Rows | None = None,
+                hyper: Hyper | None = None) -> None:
         """Norm, clip coefficient, skip flag and grad scale from this rank's reduced grad
         shards, and the step counted (only a step that is taken counts); `sumsq()` is their
         sum of squares (the grouped launch over all of them). `ctx` is the group whose ranks
         hold the other shards (None: the local grads are already global, stage 0); `tp_ctx`
         the tensor-parallel group whose ranks hold the other tp shards (`sumsq()` then counts
         each replicated param on one tp rank only). One all-reduce of one scalar per group,
-        then one launch for every scalar ([Note: one launch for the step's scalars]); no host
+        then one launch for every scalar and, where given, the update's `rows` of `hyper`
+        (see [Note: one launch for the step's scalars] in kernels/step_scalars.py); no host
         sync."""
         need_norm = self.max_grad_norm is not None or self.skip_nonfinite or self.scaler
         total = None
@@ -98,11 +101,15 @@ class StepScalars:
                            what="grad-norm all-reduce")
         step_scalars(total, None if self.scaler is None else self.scaler.scale, self.norm,
                      self.grad_scale, self.skip, self.step, max_grad_norm=self._max_norm,
-                     skip_nonfinite=self.skip_nonfinite or self.scaler is not None)
+                     skip_nonfinite=self.skip_nonfinite or self.scaler is not None,
+                     rows=rows, hyper=hyper)
 
     def finish(self) -> None:
         if self.scaler is not None:
             self.scaler.update(self.skip)
+
+
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 class GroupLr:
@@ -125,8 +132,12 @@ class GroupLr:
         self._sent: list[float | None] = [None] * num_groups
 
     def update(self, param_groups: list[dict[str, Any]]) -> Hyper:
-        """This step's hyper-parameters from the groups as they are now."""
+        """This step's hyper-parameters from the groups as they are now. A float lr (or a CPU
+        tensor lr of a CUDA optimizer) that is not finite in fp32 or is negative is refused
+        here, where it is read on the host anyway (a NaN lr made every param NaN); a tensor lr
+        on the optimizer's device is not read back (that would be a host sync per step)."""
         changed, tensors, consts = False, [], []
+        sent = list(self._sent)  # committed once every group is checked
         for i, g in enumerate(param_groups):
             lr = g["lr"]
             if (isinstance(lr, torch.Tensor) and lr.device.type == "cpu"
@@ -134,14 +145,20 @@ class GroupLr:
                 lr = lr.item()  # host memory: no wait on the device
             if isinstance(lr, torch.Tensor):
                 tensors.append((i, lr))
-                self._sent[i] = None
-            elif lr != self._sent[i]:
+                sent[i] = None
+            elif lr != sent[i]:
+                if not 0.0 <= lr <= _FP32_MAX:  # (False for NaN)
+                    raise ValueError(
+                        f"param_groups[{i}]['lr'] is {lr}: lr must be a number in [0, "
+                        f"{_FP32_MAX:.4g}] (finite in fp32); set a valid lr before step()")
                 changed = True
-                self._sent[i] = float(lr)
+                sent[i] = float(lr)
             beta1, beta2 = g["betas"]
             consts.append((beta1, beta2, g["eps"], g["weight_decay"], g["maximize"]))
+        self._sent = sent
         if changed:
             copy_from_host(self.lr, [x if x is not None else 0.0 for x in self._sent])
-        for i, lr in tensors:
-            self._entries[i].copy_(lr.reshape(()))
+        if tensors:  # one op for every group's tensor lr
+            torch._foreach_copy_([self._entries[i] for i, _ in tensors],
+                                 [lr.reshape(()) for _, lr in tensors])
         return Hyper(self.lr, tuple(consts))

@@ -8,7 +8,7 @@ launchers share (argument checks, the backend choice `_launch.use_triton`, devic
 variants of the same grouped AdamW kernel (torch path: `memory_modes_torch.py`); `adamw_single.py`
 updates one buffer through it (`AdamWPlan`: planned once, launched per call). The step's scalars
 (norm, clip, skip, grad scale, step count: `step_scalars.py`) and the update's per-group rows
-(`rows.py`) are one small launch each.
+(`rows.py`) are one small launch together (the rows alone: a launch of their own).
 """
 from fusedzero.kernels._launch import LAUNCHES, Strided, backend, use_triton
 from fusedzero.kernels.adamw import AdamWBuffer, GroupedAdamW, Hyper

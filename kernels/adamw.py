@@ -299,9 +299,11 @@ class GroupedAdamW:
         self.rows = Rows(num_rows, device) if self.triton or not default else None
 
     def step(self, hyper: Hyper, step: torch.Tensor, grad_scale: torch.Tensor,
-             skip: torch.Tensor) -> None:
+             skip: torch.Tensor, rows_written: bool = False) -> None:
         """One update of every buffer: `step` (already counted), `grad_scale` (multiplies the
-        grad) and `skip` (non-zero: leave everything untouched) are one-element device tensors."""
+        grad) and `skip` (non-zero: leave everything untouched) are one-element device tensors.
+        `rows_written`: `self.rows` already holds this step's rows (the step's scalar launch
+        wrote them, kernels/step_scalars.py)."""
         if not self.launches:
             return
         if self.rows is None:
@@ -310,7 +312,7 @@ class GroupedAdamW:
                 count_launch("adamw")
                 combo.run(hyper, step, grad_scale, skip)
             return
-        rows = self.rows.update(hyper, step, grad_scale)
+        rows = self.rows.rows if rows_written else self.rows.update(hyper, step, grad_scale)
         if not self.triton:
             for _, combo in self.launches:
                 count_launch("adamw")

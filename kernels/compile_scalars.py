@@ -23,14 +23,19 @@ from fusedzero.kernels import step_scalars as _scalars
 from fusedzero.kernels._launch import ENABLE_FP_FUSION
 from fusedzero.kernels.compile import _jit_fn, resource_usage
 
-# (NORM, SCALED, CLIP, SKIP_NONFINITE) variants of the scalar kernel: none, the clip alone, all.
-SCALAR_FLAGS = ((False, False, False, False), (True, False, True, False), (True, True, True, True))
+# (NORM, SCALED, CLIP, SKIP_NONFINITE, ROWS) variants of the scalar kernel: none, the clip
+# alone, all (the last with the update's rows, as `ZeroAdamW.step` launches it).
+SCALAR_FLAGS = ((False, False, False, False, False), (True, False, True, False, False),
+                (True, True, True, True, True))
 
 
-def compile_step_scalars(capability: int, flags: tuple[bool, bool, bool, bool]) -> Any:
+def compile_step_scalars(capability: int, flags: tuple[bool, ...]) -> Any:
     fn = _jit_fn(_scalars, "_step_scalars_kernel")
-    constexprs = dict(zip(("NORM", "SCALED", "CLIP", "SKIP_NONFINITE"), flags))
-    signature = {a: "constexpr" if a in constexprs else "*fp32" for a in fn.arg_names}
+    constexprs = dict(zip(("NORM", "SCALED", "CLIP", "SKIP_NONFINITE", "ROWS"), flags))
+    constexprs.update(_rows.row_constexprs(16))
+    types = {"c64_ptr": "*fp64", "n_rows": "i32"}
+    signature = {a: "constexpr" if a in constexprs else types.get(a, "*fp32")
+                 for a in fn.arg_names}
     return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
                           target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": 1, "enable_fp_fusion": ENABLE_FP_FUSION})
@@ -38,12 +43,7 @@ def compile_step_scalars(capability: int, flags: tuple[bool, bool, bool, bool]) 
 
 def compile_rows(capability: int) -> Any:
     fn = _jit_fn(_rows, "_adamw_rows_kernel")
-    R, C = _rows.RowCol, _rows._C64
-    constexprs = {"NCOLS": _rows.NCOLS, "NC64": len(C), "BLOCK": 16,
-                  "STEP_SIZE": int(R.STEP_SIZE), "BC2_SQRT": int(R.BC2_SQRT),
-                  "DECAY": int(R.DECAY), "GRAD_MULT": int(R.GRAD_MULT),
-                  "WD": int(C.WEIGHT_DECAY), "SIGN": int(C.SIGN),
-                  "LOG_BETA1": int(C.LOG_BETA1), "LOG_BETA2": int(C.LOG_BETA2)}
+    constexprs = _rows.row_constexprs(16)
     types = {"lr_ptr": "*fp32", "c64_ptr": "*fp64", "step_ptr": "*fp32",
              "grad_scale_ptr": "*fp32", "rows_ptr": "*fp32", "n": "i32"}
     signature = {a: "constexpr" if a in constexprs else types[a] for a in fn.arg_names}

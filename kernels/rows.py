@@ -2,8 +2,9 @@
 
 Computed once per step on the device from the lr vector, the step count and the grad scale, in
 fp64 rounded once to fp32, so no update kernel and no torch path has an fp64 operation per
-element. With the Triton kernels that is one small launch (`_adamw_rows_kernel`: one program,
-a lane per group); on the torch path a few vectorised torch ops (`adamw_rows`), each of which
+element. With the Triton kernels that is part of the step's scalar launch (kernels/
+step_scalars.py; `_adamw_rows_kernel`, one program with a lane per group, where rows are asked
+for alone); on the torch path a few vectorised torch ops (`adamw_rows`), each of which
 would be a launch and ~15-25 us of host on CUDA (see [Note: one launch for the step's scalars],
 kernels/step_scalars.py). Both compute the same fp64 values up to a few fp64 ulps (the kernel's
 expm1 is Kahan's, from exp and log), so the same fp32 rows. Nothing is read back to the host.
@@ -86,22 +87,29 @@ class Rows:
             self.consts = hyper.consts
 
     def update(self, hyper: Hyper, step: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tensor:
+        """The rows for this step, by their own launch (`step_scalars` writes them in its
+        launch instead, given this object)."""
         self.write_consts(hyper)
         if use_triton(self.rows.device):
-            n = self.rows.shape[0]
             count_launch("rows")
             with device_guard(self.rows.device):
                 _adamw_rows_kernel[(1,)](
-                    hyper.lr, self.c64, step, grad_scale, self.rows, n, NCOLS=NCOLS,
-                    NC64=len(_C64), BLOCK=max(16, triton.next_power_of_2(n)),
-                    STEP_SIZE=int(RowCol.STEP_SIZE), BC2_SQRT=int(RowCol.BC2_SQRT),
-                    DECAY=int(RowCol.DECAY), GRAD_MULT=int(RowCol.GRAD_MULT),
-                    WD=int(_C64.WEIGHT_DECAY), SIGN=int(_C64.SIGN),
-                    LOG_BETA1=int(_C64.LOG_BETA1), LOG_BETA2=int(_C64.LOG_BETA2),
-                    num_warps=1, enable_fp_fusion=ENABLE_FP_FUSION)
+                    hyper.lr, self.c64, step, grad_scale, self.rows, self.rows.shape[0],
+                    **self.constexprs(), num_warps=1, enable_fp_fusion=ENABLE_FP_FUSION)
         else:
             adamw_rows(hyper.lr, self.c64, step, grad_scale, self.rows)
         return self.rows
+
+    def constexprs(self) -> dict[str, int]:
+        """What `_write_rows` is compiled for: the block of lanes and the column numbers."""
+        return row_constexprs(max(16, triton.next_power_of_2(self.rows.shape[0])))
+
+
+def row_constexprs(block: int) -> dict[str, int]:
+    return dict(NCOLS=NCOLS, NC64=len(_C64), BLOCK=block, STEP_SIZE=int(RowCol.STEP_SIZE),
+                BC2_SQRT=int(RowCol.BC2_SQRT), DECAY=int(RowCol.DECAY),
+                GRAD_MULT=int(RowCol.GRAD_MULT), WD=int(_C64.WEIGHT_DECAY), SIGN=int(_C64.SIGN),
+                LOG_BETA1=int(_C64.LOG_BETA1), LOG_BETA2=int(_C64.LOG_BETA2))
 
 
 def adamw_rows(lr: torch.Tensor, c64: torch.Tensor, step: torch.Tensor,
@@ -136,12 +144,25 @@ def _adamw_rows_kernel(lr_ptr, c64_ptr, step_ptr, grad_scale_ptr, rows_ptr, n,
                        STEP_SIZE: tl.constexpr, BC2_SQRT: tl.constexpr, DECAY: tl.constexpr,
                        GRAD_MULT: tl.constexpr, WD: tl.constexpr, SIGN: tl.constexpr,
                        LOG_BETA1: tl.constexpr, LOG_BETA2: tl.constexpr):
-    """`adamw_rows` in one program, a lane per group: the same fp64 operations in the same
-    order, each rounded once to fp32."""
+    """`adamw_rows` in one program, a lane per group."""
+    _write_rows(lr_ptr, c64_ptr, tl.load(step_ptr), tl.load(grad_scale_ptr), rows_ptr, n,
+                NCOLS, NC64, BLOCK, STEP_SIZE, BC2_SQRT, DECAY, GRAD_MULT, WD, SIGN, LOG_BETA1,
+                LOG_BETA2)
+
+
+@triton.jit
+def _write_rows(lr_ptr, c64_ptr, step32, grad_scale, rows_ptr, n, NCOLS: tl.constexpr,
+                NC64: tl.constexpr, BLOCK: tl.constexpr, STEP_SIZE: tl.constexpr,
+                BC2_SQRT: tl.constexpr, DECAY: tl.constexpr, GRAD_MULT: tl.constexpr,
+                WD: tl.constexpr, SIGN: tl.constexpr, LOG_BETA1: tl.constexpr,
+                LOG_BETA2: tl.constexpr):
+    """The rows from this step's count and grad scale (fp32 values): the same fp64 operations
+    as `adamw_rows` in the same order, each rounded once to fp32. Also called by the step's
+    scalar kernel with the values it just computed (kernels/step_scalars.py)."""
     r = tl.arange(0, BLOCK)
     m = r < n
     lr = tl.load(lr_ptr + r, mask=m, other=0.0).to(tl.float64)
-    step = tl.load(step_ptr).to(tl.float64)
+    step = step32.to(tl.float64)
     c = c64_ptr + r * NC64
     # Lanes past the last group get log(beta) = -1: no 0/0 there (their rows are not stored).
     bc1 = -_expm1_f64(step * tl.load(c + LOG_BETA1, mask=m, other=-1.0))
@@ -151,5 +172,5 @@ def _adamw_rows_kernel(lr_ptr, c64_ptr, step_ptr, grad_scale_ptr, rows_ptr, n,
     tl.store(out + BC2_SQRT, tl.sqrt(bc2).to(tl.float32), mask=m)
     tl.store(out + DECAY, (1.0 - lr * tl.load(c + WD, mask=m, other=0.0)).to(tl.float32),
              mask=m)
-    gs = tl.load(grad_scale_ptr).to(tl.float64)
+    gs = grad_scale.to(tl.float64)
     tl.store(out + GRAD_MULT, (tl.load(c + SIGN, mask=m, other=0.0) * gs).to(tl.float32), mask=m)

@@ -8,6 +8,8 @@ over it. Deterministic: the same partials in the same order every step.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import triton
 import triton.language as tl
@@ -93,6 +95,8 @@ class GroupedSumsq:
         self.launches = len(self.tables) if self.triton else len(
             {c[0].dtype for c in self.chunks})
         self._scratch: torch.Tensor | None = None
+        self._partial: torch.Tensor | None = None  # the Triton path's per-program partial sums
+        self._outs: list[torch.Tensor] = []  # each table's slice of them
 
     def __call__(self) -> torch.Tensor:
         """One-element fp32 tensor: the sum of squares (inf/nan if any element is)."""
@@ -119,17 +123,20 @@ class GroupedSumsq:
         return torch.stack(sums).sum().reshape(1)
 
     def _triton(self) -> torch.Tensor:
-        partial = torch.empty(max(self.programs, 1), dtype=torch.float32, device=self.device)
+        if self._partial is None:  # made once, with each table's slice: no op per step
+            self._partial = torch.empty(max(self.programs, 1), dtype=torch.float32,
+                                        device=self.device)
+            starts = itertools.accumulate((t.programs for t in self.tables), initial=0)
+            self._outs = [self._partial[s:] for s in starts][:len(self.tables)]
+        partial = self._partial
         if not self.tables:
             return partial.zero_()[:1]
-        start = 0
         with device_guard(self.device):
-            for t in self.tables:
+            for t, out in zip(self.tables, self._outs):
                 count_launch("sumsq")
                 _grouped_sumsq_kernel[(t.programs,)](
-                    t.bases[0], t.pieces, t.prog_piece, partial[start:], ALIGNED=t.aligned,
+                    t.bases[0], t.pieces, t.prog_piece, out, ALIGNED=t.aligned,
                     BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=ENABLE_FP_FUSION)
-                start += t.programs
         return partial.sum().reshape(1)
 
 

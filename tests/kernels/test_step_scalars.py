@@ -84,6 +84,36 @@ def test_rows_kernel_equals_torch_rows_bitwise_interpreter(monkeypatch) -> None:
     assert not torch.isnan(got[:, RowCol.STEP_SIZE]).any() and got.shape[1] == NCOLS
 
 
+def _fused(backend: str, monkeypatch: pytest.MonkeyPatch, hyper: Hyper, total: float,
+           clip: float | None, loss_scale: float | None) -> tuple[torch.Tensor, ...]:
+    monkeypatch.setenv("FUSEDZERO_BACKEND", backend)
+    t = lambda v: torch.tensor([v], dtype=torch.float32)  # noqa: E731
+    rows = Rows(len(hyper.consts), torch.device("cpu"))
+    out = (t(-1.0), t(-1.0), t(-1.0), t(41.0))  # norm, grad_scale, skip, step
+    step_scalars(t(total), None if loss_scale is None else t(loss_scale), *out,
+                 max_grad_norm=None if clip is None else t(clip), skip_nonfinite=True,
+                 rows=rows, hyper=hyper)
+    return (*out, rows.rows.clone())
+
+
+@pytest.mark.interpreter
+def test_step_scalars_write_the_rows_in_the_same_launch_bitwise_interpreter(monkeypatch) -> None:
+    """Issue 40 item 2: the step's scalars and the update's rows are one launch, whose rows
+    are those of the torch path (the scalars', then `adamw_rows`) to the bit, from the step
+    count and grad scale the same launch computed (a skipped step keeps its count)."""
+    consts = ((0.9, 0.999, 1e-8, 0.1, False), (0.8, 0.95, 1e-6, 0.0, True))
+    hyper = Hyper(torch.tensor([1e-3, 3e-4]), consts)
+    for total, clip, loss_scale in ((3.7, 1.0, None), (2.5e9, 0.37, 65536.0), (NAN, 1.0, None),
+                                    (0.0, None, 3.0)):
+        before = dict(LAUNCHES)
+        got = _fused("triton", monkeypatch, hyper, total, clip, loss_scale)
+        assert LAUNCHES["step_scalars"] - before.get("step_scalars", 0) == 1
+        assert LAUNCHES["rows"] == before.get("rows", 0), "no launch of its own for the rows"
+        want = _fused("torch", monkeypatch, hyper, total, clip, loss_scale)
+        for name, g, w in zip(("norm", "grad_scale", "skip", "step", "rows"), got, want):
+            assert torch.equal(g.view(torch.int32), w.view(torch.int32)), (name, total, g, w)
+
+
 @pytest.mark.slow
 def test_scalar_kernels_compile_with_ieee_fp32_for_sm80_and_sm90(tmp_path) -> None:
     """Offline (no GPU): each variant compiles; the scalar kernel's fp32 division and square
@@ -96,9 +126,15 @@ def test_scalar_kernels_compile_with_ieee_fp32_for_sm80_and_sm90(tmp_path) -> No
         a = r["arithmetic"]
         assert r["usage"]["LOCAL"] == 0, r
         if r["kernel"] == "step_scalars":
-            assert not any("approx" in k or k.startswith("fma") for k in a), r
+            # (fp64 fma and rcp: libdevice's exp and log in the rows, as in their own kernel)
+            assert not any(k.endswith(".f32") and ("approx" in k or k.startswith("fma"))
+                           for k in a), r
             if r["flags"][2]:  # the clip: 1 / (norm + 1e-6), sqrt(total)
                 assert a.get("div.rn.f32", 0) >= 1 and a.get("sqrt.rn.f32") == 1, r
+            if r["flags"][4]:  # the update's rows, in the same launch
+                assert a.get("div.rn.f64") == 3 and a.get("sqrt.rn.f64") == 1, r
+            else:
+                assert not any(k.endswith(".f64") for k in a), r
         else:
             assert a.get("div.rn.f64") == 3 and a.get("sqrt.rn.f64") == 1, r
             assert not any(k.endswith(".f32") and "approx" in k for k in a), r

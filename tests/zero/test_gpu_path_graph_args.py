@@ -2,10 +2,10 @@
 (lr from a scheduler, the step count, the clip coefficient, the skip flag) must reach the
 kernels through device memory, never as a Python number in the launch. Proven on CPU through
 the Triton interpreter (FUSEDZERO_BACKEND=triton): every launch of the fused update, the sum of
-squares, the step's scalars and the AdamW rows gets the same host arguments at every step (equal integers and flags, no float
-at all, tensors of the same dtype and shape) while lr changes each step. Tensor addresses may
-differ: a buffer allocated inside the step (the sum of squares' partials) comes from the graph's
-own pool under capture, at one address for every replay."""
+squares and the step's scalars (with the AdamW rows) gets the same host arguments at every step
+(equal integers and flags, no float at all, tensors of the same dtype and shape) while lr changes
+each step. Tensor addresses may differ: a buffer allocated inside the step (the sum of squares'
+total) comes from the graph's own pool under capture, at one address for every replay."""
 from __future__ import annotations
 
 from typing import Any
@@ -65,7 +65,6 @@ def test_launch_arguments_do_not_change_between_steps(monkeypatch: pytest.Monkey
         opt.step()
         opt.zero_grad()
         per_step.append([(n, _key(a), {k: _key(v) for k, v in kw.items()}) for n, a, kw in log])
-    assert {n for n, _, _ in per_step[0]} == {"adamw", "sumsq", "rows", "step_scalars"}, \
-        per_step[0]
+    assert {n for n, _, _ in per_step[0]} == {"adamw", "sumsq", "step_scalars"}, per_step[0]
     assert per_step[1] == per_step[0] and per_step[2] == per_step[0]
     assert float(opt.step_count) == 3.0

@@ -39,7 +39,7 @@ def test_load_state_dict_at_stage_3_sets_the_full_values_one_rank() -> None:
     sd = ref.state_dict()
     model.load_state_dict(sd)  # before: size mismatch against the empty freed params
     z = opt.zero3
-    assert z is not None and all(s.name == "FREE" for s in z.state), "units left gathered"
+    assert z is not None and all(u.state.name == "FREE" for u in z.units), "units left gathered"
     assert all(p.numel() == 0 for p in model.blocks.parameters())
     got = model.state_dict()
     for k, v in sd.items():
@@ -54,7 +54,7 @@ def test_load_state_dict_at_stage_3_sets_the_full_values_one_rank() -> None:
     bad["lm_head.weight"] = bad["wte.weight"] = torch.zeros(3, 3)
     with pytest.raises(RuntimeError, match="size mismatch for wte.weight"):
         model.load_state_dict(bad)
-    assert all(s.name == "FREE" for s in z.state), "a refused load left units gathered"
+    assert all(u.state.name == "FREE" for u in z.units), "a refused load left units gathered"
 
 
 def _ranks(rank: int, world: int) -> dict[int, dict[str, Any]]:

@@ -187,9 +187,12 @@ def test_maximize_and_zero_grad_drop_a_micro_batch(stage: int) -> None:
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_step_without_backward_sees_zero_grads(stage: int) -> None:
-    """After a step the grads are consumed: a second step with no backward in between sees zero
-    grads (Adam moves by its moments only), never the previous step's grads again."""
+def test_a_second_step_without_backward_is_refused_and_changes_nothing(stage: int) -> None:
+    """[Note: one step per backward] (issue 44, Major 8): torch keeps `.grad` until zero_grad(),
+    so its second step applies the same grads again; ours consumed them, and a second step
+    applied zero grads (3.3e-3 away from torch's). It is refused in one line, after a step and
+    after zero_grad(), leaving the params where torch's first step put them; the next
+    backward and step match torch's zero_grad, backward, step."""
     ref_m, m = make(), make()
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3)
     opt = ZeroAdamW(m.parameters(), lr=1e-3, stage=stage, module=m,
@@ -197,11 +200,44 @@ def test_step_without_backward_sees_zero_grads(stage: int) -> None:
     for model, o in ((ref_m, ref), (m, opt)):
         model(batch(0)).square().mean().backward()
         o.step()
-        for p in model.parameters():  # torch: zero (not None) grads step the moments too
-            p.grad = torch.zeros_like(p) if o is ref else p.grad
+    for again in (opt.step, lambda: (opt.zero_grad(), opt.step())):
+        with pytest.raises(RuntimeError, match="^step\\(\\) without a backward since the last"):
+            again()
+        with opt.gathered_params():
+            assert_close(m, ref_m)
+    for model, o in ((ref_m, ref), (m, opt)):
+        o.zero_grad()
+        model(batch(1)).square().mean().backward()
         o.step()
     with opt.gathered_params():
         assert_close(m, ref_m)
+    opt.close()
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_a_nan_lr_set_after_construction_is_refused_at_step(stage: int) -> None:
+    """Issue 44: `param_groups[i]["lr"] = nan` after construction made every param NaN. step()
+    refuses it in one line naming the group, where the lr is read on the host anyway, before
+    anything is written; a valid lr given to another group in the same step is not lost."""
+    ref_m, m = make(), make()
+    groups = lambda mod: [{"params": [mod.a.weight, mod.b.weight]},  # noqa: E731
+                          {"params": [mod.a.bias, mod.b.bias], "weight_decay": 0.0}]
+    ref = torch.optim.AdamW(groups(ref_m), lr=1e-3)
+    opt = ZeroAdamW(groups(m), lr=1e-3, stage=stage, module=m, sharding=Sharding(units=nn.Linear))
+    for model, o in ((ref_m, ref), (m, opt)):
+        model(batch(0)).square().mean().backward()
+        o.param_groups[0]["lr"] = 2e-3
+    opt.param_groups[1]["lr"] = float("nan")
+    with pytest.raises(ValueError, match=r"^param_groups\[1\]\['lr'\] is nan: lr must be"):
+        opt.step()
+    with opt.gathered_params():
+        assert all(bool(p.isfinite().all()) for p in m.parameters())
+    opt.param_groups[1]["lr"] = 1e-3
+    opt.step()
+    ref.step()
+    with opt.gathered_params():
+        assert_close(m, ref_m)
+    opt.close()
 
 
 @pytest.mark.parametrize("stage", [0, 1])

@@ -10,6 +10,11 @@ import torch
 from fusedzero import Sharding, ZeroAdamW
 
 from _helpers import Stack, run_forked
+from fusedzero.zero3 import UnitState, Zero3
+
+
+def _states(z: Zero3) -> list[UnitState]:
+    return [u.state for u in z.units]
 
 
 def _setup(seed: int = 0, **kw) -> tuple[Stack, ZeroAdamW]:
@@ -28,7 +33,7 @@ def test_stage3_step_frees_in_flight_gathers_before_the_kernel(monkeypatch) -> N
     with torch.no_grad():
         model.blocks[0](x)
     z = opt.zero3
-    assert any(s.name != "FREE" for s in z.state), "the setup must leave a unit gathered"
+    assert any(s.name != "FREE" for s in _states(z)), "the setup must leave a unit gathered"
     real = opt._update.step  # the grouped AdamW launch over every buffer
 
     def recording_step(*args, **kwargs):
@@ -43,7 +48,7 @@ def test_stage3_step_frees_in_flight_gathers_before_the_kernel(monkeypatch) -> N
     assert "free" in kinds[:first_kernel], f"nothing freed before the update: {opt.trace}"
     assert "free" not in kinds[first_kernel:], (
         f"a unit was freed (its gather waited) after the kernel rewrote its shard: {opt.trace}")
-    assert all(s.name == "FREE" for s in z.state)
+    assert all(s.name == "FREE" for s in _states(z))
 
 
 # Touching a stage-3 param outside a forward used to read freed memory: rc 139 (SIGSEGV). Each
@@ -78,9 +83,9 @@ def test_stage3_state_dict_gathers_full_values_and_round_trips(tmp_path: Path) -
         inside = model.state_dict()  # nested: must not free what gathered_params holds
         assert all(p.numel() > 0 for p in model.parameters())
     z = opt.zero3
-    assert all(s.name == "FREE" for s in z.state)
+    assert all(s.name == "FREE" for s in _states(z))
     sd = model.state_dict()
-    assert all(s.name == "FREE" for s in z.state), "state_dict() left units gathered"
+    assert all(s.name == "FREE" for s in _states(z)), "state_dict() left units gathered"
     assert all(p.numel() == 0 for p in model.blocks.parameters())
     for n, v in want.items():
         assert torch.equal(sd[n], v), n
@@ -111,7 +116,7 @@ def test_stage3_units_gathered_by_a_forward_do_not_outlive_a_load(grad: bool) ->
         model, opt = _setup(seed=0, sharding=Sharding(reshard_after_forward=False))
         with torch.set_grad_enabled(grad):
             model(x)
-        assert any(s.name != "FREE" for s in opt.zero3.state), "the setup must gather units"
+        assert any(u.state.name != "FREE" for u in opt.zero3.units), "the setup must gather units"
         if load == "shard_state":
             opt.load_shard_state(src.shard_state())
         else:
@@ -129,12 +134,12 @@ def test_stage3_root_stays_gathered_from_a_grad_forward_into_backward() -> None:
     for _ in range(2):
         del opt.trace[:]
         loss = model(x).square().mean()
-        assert z.state[0].name == "GATHERED" and all(s.name == "FREE" for s in z.state[1:])
+        assert _states(z)[0].name == "GATHERED" and all(s.name == "FREE" for s in _states(z)[1:])
         loss.backward()
         opt.step()
         gathers = [u for kind, u in opt.trace if kind == "gather"]
         assert gathers.count(0) == 1 and all(gathers.count(u) == 2 for u in (1, 2, 3)), gathers
-        assert all(s.name == "FREE" for s in z.state)
+        assert all(s.name == "FREE" for s in _states(z))
     with torch.no_grad():
         model(x)
-    assert all(s.name == "FREE" for s in z.state)
+    assert all(s.name == "FREE" for s in _states(z))
