@@ -75,7 +75,7 @@ class Rank:
             assert b.grad_shard is not None
             b.grad_shard.normal_()
         # The grads came from here, not from a backward: let step() take them (it refuses a
-        # step with no backward since the last one, [Note: one step per backward]).
+        # step with no backward since the last one, see [Note: one step per backward]).
         self.opt.grads.grads_since_step = True
         t = time.perf_counter()
         self.opt.step()

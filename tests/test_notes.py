@@ -18,13 +18,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CODE_DIRS = ("fusedzero", "kernels", "tests", "bench")
 DOC_FILES = ("README.md", "docs", "bench/README.md", "bench/REPORT.md")
 
-# Being reworked on branch hotpath; remove after merge. A note these files mention without "see"
-# counts as defined when no other file defines it; where and how often they do is not checked.
-UNCHECKED = frozenset({
-    "fusedzero/grads.py", "fusedzero/buckets.py", "fusedzero/reduce.py", "fusedzero/zero3.py",
-    "fusedzero/after_backward.py", "fusedzero/units.py", "fusedzero/scalars.py",
-    "fusedzero/replicas.py", "fusedzero/param_sync.py", "fusedzero/flat.py",
-})
 
 _NOTE = re.compile(r"\[Note:\s+([^\]]+?)\]", re.DOTALL)
 _SEE = re.compile(r"\bsee\s*$", re.IGNORECASE)
@@ -81,7 +74,6 @@ def _doc_files() -> list[Path]:
 
 def problems() -> list[str]:
     defs: dict[str, list[Mention]] = defaultdict(list)
-    weak: dict[str, list[Mention]] = defaultdict(list)  # in UNCHECKED files
     refs: list[Mention] = []
     bad: list[str] = []
     for path in _code_files():
@@ -93,14 +85,9 @@ def problems() -> list[str]:
             continue
         rel = path.relative_to(ROOT).as_posix()
         top = top_lines(text)
-        seen_here: set[str] = set()
         for m in found:
             if m.see:
                 refs.append(m)
-            elif rel in UNCHECKED:
-                if m.name not in seen_here:
-                    weak[m.name].append(m)
-                seen_here.add(m.name)
             else:
                 defs[m.name].append(m)
                 if m.line > top:
@@ -113,7 +100,7 @@ def problems() -> list[str]:
             bad.append(f"[Note: {name}] is defined {len(ds)} times ({where}): keep the one at "
                        "the top of the module that owns it and write `See [Note: ...]` for "
                        "the others")
-    defined = set(defs) | set(weak)
+    defined = set(defs)
     for m in refs:
         if m.name not in defined:
             bad.append(f"{m.path}:{m.line}: See [Note: {m.name}] names no defined note")

@@ -41,7 +41,7 @@ def test_bf16_grads_accumulate_in_fp32_over_micro_batches_and_steps(stage: int,
                                                                     no_sync: bool) -> None:
     """Stages 0-1 with bf16 params and an fp32 grad buffer: the hook keeps each grad and a
     bucket's go in by one foreach op, a copy while the bucket is empty (the first micro-batch
-    after a step or zero_grad), an add after ([Note: grads into a bucket, per bucket]); the
+    after a step or zero_grad), an add after (see [Note: grads into a bucket, per bucket]); the
     buffer holds the fp32 sum of every micro-batch's bf16 grads, step after step."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).to(torch.bfloat16)

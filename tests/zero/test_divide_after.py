@@ -1,4 +1,4 @@
-"""[Note: dividing after the reduction] (fusedzero/reduce.py): at W = 2 the first reduction of a
+"""See [Note: dividing after the reduction] (fusedzero/reduce.py): at W = 2 the first reduction of a
 bucket sums raw grads and divides this rank's piece afterwards; that is bitwise the division
 before (the only order at W = 3), at stages 1-3, fp32 and bf16 reduction, with micro-batches
 reduced one by one (accumulation across reductions) and under no_sync. Only on 2 ranks: the

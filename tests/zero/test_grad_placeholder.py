@@ -1,4 +1,4 @@
-"""[Note: a grad onto a placeholder] (fusedzero/grads.py): between backward passes `p.grad` may
+"""See [Note: a grad onto a placeholder] (fusedzero/grads.py): between backward passes `p.grad` may
 be a NoLocalGrad placeholder; the next micro-batch's AccumulateGrad adds onto it, and that add
 (and only that one) counts the placeholder as zero. Single process (W=1): what is checked is the
 hook path, the same at every world size."""

@@ -1,5 +1,5 @@
 """HSDP: every rank issues its shard-group and replicate-group collectives in one order, a
-function of the launch order alone ([Note: one order across communicators] in
+function of the launch order alone (see [Note: one order across communicators] in
 fusedzero/buckets.py). NCCL requires it: where two communicators' kernels cannot run at once,
 ranks that issued them in different orders wait on each other forever.
 

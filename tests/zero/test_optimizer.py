@@ -188,7 +188,7 @@ def test_maximize_and_zero_grad_drop_a_micro_batch(stage: int) -> None:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_second_step_without_backward_is_refused_and_changes_nothing(stage: int) -> None:
-    """[Note: one step per backward] (issue 44, Major 8): torch keeps `.grad` until zero_grad(),
+    """See [Note: one step per backward] (issue 44, Major 8): torch keeps `.grad` until zero_grad(),
     so its second step applies the same grads again; ours consumed them, and a second step
     applied zero grads (3.3e-3 away from torch's). It is refused in one line, after a step and
     after zero_grad(), leaving the params where torch's first step put them; the next

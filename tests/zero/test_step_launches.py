@@ -1,7 +1,7 @@
 """What `step()` issues on the Triton path (CUDA's): three kernel launches (sum of squares, the
 step's scalars with the AdamW rows, the update) and one torch op (the sum of the sum of squares'
 partials), plus at stages 0-1 one op that empties every full grad buffer, where the scalars and
-rows were ~35 torch ops, each a launch and host time on CUDA ([Note: one launch for the step's
+rows were ~35 torch ops, each a launch and host time on CUDA (see [Note: one launch for the step's
 scalars] in kernels/step_scalars.py). Issue 40 item 2: no op per param group or per buffer
 (before: four launches, the partials' allocation and a zero_ per full grad buffer).
 
