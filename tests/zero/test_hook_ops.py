@@ -6,8 +6,9 @@ launch, so the count is what backward's host time per param follows; it does not
 machine. Every op counts, views included.
 
 Counted at 6d8a599 on the chain below (24 Linear(4, 4), W=2, ops per param over bare): fp32
-0.06 / 0.10 / 2.15 / 2.15 at stages 0-3, bf16 5.06 / 5.10 / 4.17 / 4.17 (a slice, a view and
-an add_ per param at stages 0-1; a view per param for the concatenation at stages 2-3).
+0.06 / 0.10 / 2.15 / 2.15 at stages 0-3, bf16 5.06 / 5.10 / 4.17 / 4.17 (three slices, a view
+and an add_ per param at stages 0-1; two views per param for the concatenation at stages 2-3,
+and two slices more with a cast).
 """
 from __future__ import annotations
 
