@@ -76,10 +76,10 @@ def main(src: Path, dst: Path) -> None:
         vs = "-" if r["vs_baseline"] is None else f"{100 * r['vs_baseline']:+.2f}%"
         master = ("bf16 params, stochastic rounding" if r["bf16_stochastic_round"] else
                   "fp32 params")
+        total = (2 if r["params"] == "bf16" else 4) + r["optimizer_bytes_per_param"]
         lines.append(f"| torchao AdamW8bit (1 process) | {master} | int8 (dynamic tree, "
                      f"block 256) | {r['val_loss']:.4f} | {vs} | "
-                     f"{r['optimizer_bytes_per_param']:.3f} | "
-                     f"{(2 if r['params'] == 'bf16' else 4) + r['optimizer_bytes_per_param']:.3f} |")
+                     f"{r['optimizer_bytes_per_param']:.3f} | {total:.3f} |")
     if seeds:
         lines += [""] + _seed_table(seeds)
     (dst / "quality.md").write_text("\n".join(lines) + "\n")
@@ -141,7 +141,8 @@ def _seed_table(rows: list) -> list[str]:
              "column is each seed's val loss against the baseline's at the same seed.", "",
              f"| optimizer | master / params | states | {cols} | mean | spread (max - min) | "
              "mean vs baseline mean | vs baseline, same seed |",
-             "| --- | --- | --- | " + " | ".join("---" for _ in seeds) + " | --- | --- | --- | --- |"]
+             "| --- | --- | --- | " + " | ".join("---" for _ in seeds)
+             + " | --- | --- | --- | --- |"]
     for r in rows:
         per = " | ".join(f"{r['val_loss'][str(k)]:.4f}" if str(k) in r["val_loss"] else "-"
                          for k in seeds)

@@ -207,7 +207,8 @@ def headline(e: list[dict[str, Any]]) -> str:
                       _span(x, "overhead"), best["system"], _span(best, "overhead"), ratio,
                       verdict])
     return _table(["precision", "stage", "reduce", "fusedzero", "overhead ms median (p20 - p80)",
-                   "best peer (same precision, stage, reduce dtype; stage 3: re-gather)", "its overhead ms",
+                   "best peer (same precision, stage, reduce dtype; stage 3: re-gather)",
+                   "its overhead ms",
                    "ours / best", "verdict"], lines)
 
 
@@ -367,7 +368,8 @@ def _capability(i: dict[str, Any]) -> str:
 def _machine(name: str, i: dict[str, Any]) -> str:
     load = ", ".join(f"{x:.2f}" for x in i.get("loadavg_at_end") or [])
     return (f"- `{name}`: commit {i.get('commit') or '?'}, {i.get('datetime', '?')}; "
-            f"{i.get('cpu_count')} CPUs{_capability(i)}, torch {i.get('torch')} ({i.get('torch_threads')} "
+            f"{i.get('cpu_count')} CPUs{_capability(i)}, torch {i.get('torch')} "
+            f"({i.get('torch_threads')} "
             f"threads), CUDA: {i.get('cuda') or 'none'}; load average at end {load}")
 
 

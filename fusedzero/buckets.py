@@ -50,12 +50,10 @@ from fusedzero import comm
 from fusedzero.comm import CommContext, Handle
 from fusedzero.flat import FlatBuffer
 from fusedzero.profiling import phase
-from fusedzero.reduce import (MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish,
-                              reduction_for)
+from fusedzero.reduce import MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish, reduction_for
 from fusedzero.replicas import ReplicaReduction
 from fusedzero.stage import Stage
 from fusedzero.wire import WireFormat
-
 
 _SAME: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 

@@ -16,7 +16,8 @@
   (`fusedzero.reduce`) are reduced into it.
 - master / exp_avg / exp_avg_sq: this rank's local shard, contiguous. With fp32 params the
   master *is* the param buffer's own pieces (stages 0-2) or the param shard (stage 3); so it is
-  in the bf16 master modes (`fusedzero.memory_modes`), where the bf16 params are the master. The modes
+  in the bf16 master modes (`fusedzero.memory_modes`), where the bf16 params are the master. The
+  modes
   decide the rest: `comp` (bf16-kahan: the bf16 compensation, local shard), the moments' dtype
   (fp32, bf16, int8/uint8) and, for int8, one fp32 scale per QBLOCK elements of each moment.
   The optimizer hands these, with bf16-sr's `seed` and `sr_offset`, to the grouped launch.

@@ -1,4 +1,5 @@
-"""The flat-shard layout (a contract: docs/design.md, "Flat buffers"): where every parameter element lives.
+"""The flat-shard layout (a contract: docs/design.md, "Flat buffers"): where every parameter
+element lives.
 
 A *flat buffer* holds the params of one (param group, dtype[, ZeRO-3 unit]) back to back, each
 starting at a multiple of ALIGN elements. The buffer is cut into `num_buckets` buckets of equal

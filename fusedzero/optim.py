@@ -41,8 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusedzero import comm, validate
-from fusedzero import wire as wire_mod
+from fusedzero import comm, validate, wire as wire_mod
 from fusedzero.buckets import BucketSchedule
 from fusedzero.comm import CommContext, CommCounter
 from fusedzero.dtensor import grouped_sumsq, tp_info

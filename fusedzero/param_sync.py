@@ -36,8 +36,8 @@ from fusedzero.comm import CommContext, Handle
 from fusedzero.dtensor import local
 from fusedzero.flat import FlatBuffer
 from fusedzero.profiling import phase
-from fusedzero.wire import WireFormat
 from fusedzero.units import UnitPolicy, select_units
+from fusedzero.wire import WireFormat
 
 # (id of a flat buffer, bucket index): one all-gather.
 BucketKey = tuple[int, int]

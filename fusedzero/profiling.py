@@ -24,15 +24,15 @@ _is_profiler_enabled`, read per call: ~0.1 us), and nothing else happens otherwi
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager
+from contextlib import AbstractContextManager
 
 import torch
 import torch.autograd.profiler as _profiler
 
-_OFF: ContextManager[None] = contextlib.nullcontext()
+_OFF: AbstractContextManager[None] = contextlib.nullcontext()
 
 
-def phase(name: str) -> ContextManager[None]:
+def phase(name: str) -> AbstractContextManager[None]:
     """`record_function(name)` while a profiler runs, else a no-op (see [Note: profiler
     ranges])."""
     if _profiler._is_profiler_enabled:

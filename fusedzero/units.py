@@ -1,17 +1,17 @@
 """What a stage-3 unit is: the policy that picks the modules (`select_units`), and how params
-on the meta device are initialised (`ShardInit`, `FullUnitInit`, `ParamInitFn`). Stages 1-2 use the same units
+on the meta device are initialised (`ShardInit`, `FullUnitInit`, `ParamInitFn`). Stages 1-2 use the
+same units
 for their forward waits (fusedzero/param_sync.py); fusedzero/zero3.py gathers and frees them."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Union
 
 import torch
 from torch import nn
 
 # How units are chosen (see `select_units`): None (every child of an nn.ModuleList), a module
 # class or tuple of classes, a predicate on modules, or a minimum element count.
-UnitPolicy = Union[None, type, tuple[type, ...], Callable[[nn.Module], bool], int]
+UnitPolicy = None | type | tuple[type, ...] | Callable[[nn.Module], bool] | int
 
 
 class ShardInit:
@@ -39,7 +39,7 @@ class FullUnitInit:
 
 # `fn(name, module)` initialises the params a module owns directly, written against full
 # tensors and run on this rank's elements only (fusedzero/shard_init.py); or one of the above.
-ParamInitFn = Union[Callable[[str, nn.Module], None], ShardInit, FullUnitInit]
+ParamInitFn = Callable[[str, nn.Module], None] | ShardInit | FullUnitInit
 
 
 def default_policy(root: nn.Module) -> list[nn.Module]:

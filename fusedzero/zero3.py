@@ -62,12 +62,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fusedzero import wire
+from fusedzero import shard_init, wire
 from fusedzero.comm import CommContext, Handle, eager
 from fusedzero.dtensor import local, set_local
 from fusedzero.flat import FlatBuffer
 from fusedzero.model_state_dict import UnitStateDict
-from fusedzero import shard_init
 from fusedzero.param_sync import BucketGather
 from fusedzero.profiling import phase
 from fusedzero.units import FullUnitInit, ParamInitFn, ShardInit, UnitPolicy, select_units

@@ -37,7 +37,8 @@ _TRITON_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "
 # runtime marks a pointer argument divisible by 16 ("tt.divisibility") when its address is:
 # every base is a tensor's start (CUDA caching-allocator blocks are 512-byte aligned). The table's
 # offsets and lengths are declared multiples of 16 elements in the kernel (ALIGNED, checked by
-# the launcher); without both the compiler falls back to scalar accesses (tests/kernels/test_compile.py).
+# the launcher); without both the compiler falls back to scalar accesses
+# (tests/kernels/test_compile.py).
 
 def _jit_fn(module: Any, name: str) -> triton.runtime.JITFunction:
     fn = getattr(module, name)
@@ -150,7 +151,8 @@ def main(argv: list[str] | None = None) -> None:
                          "accesses": dict(memory_accesses(ptx)), "ptx": ptx})
             acc = {a: n for a, n in memory_accesses(ptx).items() if ".global" in a}
             shared = sum(n for a, n in memory_accesses(ptx).items() if ".shared" in a)
-            print(f"sm_{cap} {kernel:5s} grad={g} out={o} {mm}/{st}: regs={rows[-1]['usage']['REG']} "
+            print(f"sm_{cap} {kernel:5s} grad={g} out={o} {mm}/{st}: "
+                  f"regs={rows[-1]['usage']['REG']} "
                   f"spill={rows[-1]['usage']['LOCAL']}B shared accesses={shared} f64={f64} "
                   f"{acc}", file=sys.stderr)
     if args.json is not None:

@@ -18,8 +18,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fusedzero.kernels import rows as _rows
-from fusedzero.kernels import step_scalars as _scalars
+from fusedzero.kernels import rows as _rows, step_scalars as _scalars
 from fusedzero.kernels._launch import ENABLE_FP_FUSION
 from fusedzero.kernels.compile import _jit_fn, resource_usage
 

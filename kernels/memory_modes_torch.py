@@ -7,7 +7,8 @@ torch's own fused AdamW (adamw_torch.py).
 
 `ModeCombo` is one grouped launch's pieces (kernels/table.py, in the memory modes' row layout
 `AdamWCol`: master, grad, exp_avg, exp_avg_sq, out, comp, exp_avg's scales, exp_avg_sq's scales;
-ints: the bf16-sr index offset). A step is one vectorised pass per hyper-parameter row over all its pieces,
+ints: the bf16-sr index offset). A step is one vectorised pass per hyper-parameter row over all its
+pieces,
 concatenated (every piece is whole quantization blocks, so the int8 blocks stay the kernel's).
 """
 from __future__ import annotations

@@ -19,8 +19,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedzero.kernels._launch import (ENABLE_FP_FUSION, Hyper, check_scalar, count_launch,
-                                       device_guard, use_triton)
+from fusedzero.kernels._launch import (
+    ENABLE_FP_FUSION,
+    Hyper,
+    check_scalar,
+    count_launch,
+    device_guard,
+    use_triton,
+)
 from fusedzero.kernels.rows import Rows, _write_rows, adamw_rows, row_constexprs
 
 

@@ -14,10 +14,18 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Strided, as_strided,
-                                       check_stream, count_launch, device_guard, shard_numel_of,
-                                       use_triton)
 from fusedzero.kernels import table
+from fusedzero.kernels._launch import (
+    ENABLE_FP_FUSION,
+    GRAD_DTYPES,
+    Strided,
+    as_strided,
+    check_stream,
+    count_launch,
+    device_guard,
+    shard_numel_of,
+    use_triton,
+)
 from fusedzero.kernels.table import SUMSQ_WIDTH, Buffer, Piece, Table, build_table, pieces_of
 
 # 4096 elements per program keeps the partials buffer small (1/4096 of the shard) while every

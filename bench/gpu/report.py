@@ -147,7 +147,8 @@ def step_section(runs: list[dict[str, Any]]) -> str:
 
 
 # Issue 40 item 5's targets: see [Note: the update's memory-traffic limit]
-# (bench/gpu/shape_systems.py) (stages 0-2 within 1.2x the limit over bare; stage 3 within 1 ms of stage 2; rounds'
+# (bench/gpu/shape_systems.py) (stages 0-2 within 1.2x the limit over bare; stage 3 within 1 ms of
+# stage 2; rounds'
 # range within 10% of their median).
 LIMIT_FACTOR, STAGE3_OVER_STAGE2_S, MAX_RANGE = 1.2, 1e-3, 0.10
 

@@ -13,7 +13,8 @@ Systems (clip 1.0 everywhere, lr 1e-3, weight decay 0.1 on matrices):
   bare             bf16 params: forward + backward, grads dropped (no optimizer, no hook)
   bare-autocast    fp32 params under torch.autocast(bf16): forward + backward, grads dropped
   fusedzero-S      ZeroAdamW(stage=S, precision=Precision(param_dtype=bf16)), other defaults: fp32
-                   master and moments, grads reduced in fp32 (the update reads fp32 grads), bf16 params out
+                   master and moments, grads reduced in fp32 (the update reads fp32 grads), bf16
+                   params out
   ddp-autocast     what most users run (nanoGPT's loop): DDP(model) on fp32 params, forward under
                    torch.autocast(bf16), torch.optim.AdamW(fused=True), clip_grad_norm_(1.0),
                    zero_grad() (set_to_none)

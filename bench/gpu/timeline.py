@@ -1,7 +1,8 @@
 """Exposed communication of a step, from a profiler's device timeline (no torch needed here).
 
 A step's communication is *exposed* where a collective kernel runs and no compute kernel does:
-the time communication adds to the step beyond what overlapping with compute hides. Given the device kernels of some
+the time communication adds to the step beyond what overlapping with compute hides. Given the device
+kernels of some
 steps as (start, end, name) intervals, `exposed_fraction` is the measure of (communication
 minus compute) divided by the span of the steps. Collectives are NCCL's kernels ("nccl" in the
 name: `ncclDevKernel_AllGather_RING_LL`, ...).

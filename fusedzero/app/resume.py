@@ -241,7 +241,8 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
     sched.base_lrs = base_lrs
     changed = [f"--{k.replace('_', '-')} {v} (checkpoint: {saved[k]})"
                for k, v in _hparams(cfg).items() if k in saved and saved[k] != v]
-    # Other memory modes resume too: the checkpoint's states are converted (fusedzero/memory_modes.py).
+    # Other memory modes resume too: the checkpoint's states are converted
+    # (fusedzero/memory_modes.py).
     modes = state.get("modes", {"master": "fp32", "states": "fp32"})
     changed += [f"--{k} {getattr(cfg, k)} (checkpoint: {v}, converted)" for k, v in modes.items()
                 if getattr(cfg, k) != v]

@@ -24,7 +24,8 @@ Shard files. The rank whose local shard is written (every rank for stages 1-3; r
 stage 0, where every rank holds the same state) writes `rank{r:05d}-of-{W:05d}.safetensors` with,
 for the i-th buffer of the optimizer (`opt.shard_infos()[i]`, see fusedzero/state.py), 1-D
 tensors of `local_numel` elements each, indexed by `Segment.local`, each in the dtype the
-manifest's `modes` stores it in (fusedzero/memory_modes.py; version 1 and the default modes: all fp32):
+manifest's `modes` stores it in (fusedzero/memory_modes.py; version 1 and the default modes: all
+fp32):
 
     fg{i}.master            master values: fp32 (fp32 params without a separate master: the
                             params); bf16 in the bf16 master modes (the params themselves)

@@ -1,4 +1,5 @@
-"""Schema validation of a checkpoint manifest: checkpoints are untrusted input (docs/checkpoints.md).
+"""Schema validation of a checkpoint manifest: checkpoints are untrusted input
+(docs/checkpoints.md).
 
 A manifest is read from disk that anyone may have edited, so nothing in it is used before
 `validate` has checked the whole of it: every key's presence and type, ranges (ranks inside the
@@ -172,7 +173,8 @@ def validate(m: Any, where: Path) -> None:
     if not isinstance(m, dict):
         raise CheckpointError(f"{where}: not a JSON object")
     if m.get("format") != FORMAT:
-        raise CheckpointError(f"{where}: not a {FORMAT} manifest (format={_short(m.get('format'))})")
+        raise CheckpointError(f"{where}: not a {FORMAT} manifest "
+                              f"(format={_short(m.get('format'))})")
     if m.get("version") not in READABLE_VERSIONS or isinstance(m.get("version"), bool):
         raise CheckpointError(f"{where}: format version {m.get('version')!r}, this fusedzero "
                               f"reads versions {list(READABLE_VERSIONS)}")

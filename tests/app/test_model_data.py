@@ -1,4 +1,5 @@
-"""Tests for the GPT model (fusedzero.app.model) and the byte-level data pipeline (fusedzero.app.data)."""
+"""Tests for the GPT model (fusedzero.app.model) and the byte-level data pipeline
+(fusedzero.app.data)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ def _linear_weights(model: GPT) -> int:
 
 def test_llama_254m_has_the_llama_matrices() -> None:
     m = _meta(**PRESETS["llama-254m"])
-    # Llama's 254.2M: q, o 1024^2; k, v 1024 x 512; SwiGLU 3 x 1024 x 2816; embed + head 32000 x 1024.
+    # Llama's 254.2M: q, o 1024^2; k, v 1024 x 512; SwiGLU 3 x 1024 x 2816; embed + head 32000 x
+    # 1024.
     assert _linear_weights(m) + m.wte.weight.numel() == 16 * (2 * 1024**2 + 2 * 1024 * 512
                                                               + 3 * 1024 * 2816) + 2 * 32000 * 1024
     assert m.lm_head.weight is not m.wte.weight  # untied

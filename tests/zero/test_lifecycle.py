@@ -229,7 +229,8 @@ def test_stalled_rank_ends_the_run_naming_rank_and_wait(corpus: Path) -> None:
     assert p.returncode == 1, err
     line = err.strip().splitlines()[-1]
     assert line.startswith("fusedzero: error: rank "), err
-    assert "timed out" in line and "waiting for" in line and f"limit {TRAIN_TIMEOUT_S}s" in line, line
+    assert "timed out" in line and "waiting for" in line, line
+    assert f"limit {TRAIN_TIMEOUT_S}s" in line, line
     assert "did not report and were ended" in line, line
     assert _wait_gone(ranks) == []
 

@@ -1,8 +1,9 @@
-"""Memory modes of the fused AdamW (kernels/memory_modes.py) against the float64 reference of the same
-algorithm, on the Triton interpreter and the torch path.
+"""Memory modes of the fused AdamW (kernels/memory_modes.py) against the float64 reference of the
+same algorithm, on the Triton interpreter and the torch path.
 
 Tolerances. The kernel computes the update in fp32 (within ULPS fp32 ulps of exact, see
-tests/kernels/test_kernels.py) and then rounds what it stores exactly as the reference does on the exact
+tests/kernels/test_kernels.py) and then rounds what it stores exactly as the reference does on the
+exact
 value. A stored bf16 value therefore equals the reference's unless the exact and the fp32 value
 straddle a bf16 rounding boundary: then it is 1 bf16 ulp off. That happens with probability about
 2 * ULPS * 2**-24 / 2**-8 = 2**-12 per element, so we allow 1 ulp everywhere and count the
@@ -163,7 +164,8 @@ def test_mode_matches_float64_reference_over_steps(backend, master_mode, states)
         s["grad"] = (torch.randn(N, generator=gen) * 2).bfloat16()
 
 
-# fp32/fp32 is torch._fused_adamw_ on CPU, within ulps of the interpreter (tests/kernels/test_kernels.py).
+# fp32/fp32 is torch._fused_adamw_ on CPU, within ulps of the interpreter
+# (tests/kernels/test_kernels.py).
 @pytest.mark.interpreter
 @pytest.mark.parametrize("master_mode,states", fast_only(
     [c for c in COMBOS if c != ("fp32", "fp32")], FAST_COMBOS.__contains__),
