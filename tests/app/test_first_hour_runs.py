@@ -126,7 +126,8 @@ def test_resume_into_another_shape_is_one_short_line(first: dict, resumed: dict,
     argv = [*_base(first["corpus"], resumed["ckpt"]), "--resume", "--n-embd", "64"]
     assert main(["train", *argv]) == 2
     err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and len(err[0]) < 300, err
+    # Short beside the folder it names (the temporary path's length is the machine's).
+    assert len(err) == 1 and len(err[0].replace(str(resumed["ckpt"]), "")) < 300, err
     assert "wte.weight is [256, 128] there, [256, 64] in this run" in err[0], err
 
 
