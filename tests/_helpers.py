@@ -136,7 +136,8 @@ def run_forked(body: Callable[[], None], out_dir: Path, timeout: float = 120.0,
     interpreter importing torch (seconds): its own stdout and stderr (files in `out_dir`), `env`
     added to its environment, one torch thread; a crash (SIGSEGV) or an exception is its exit
     status, never this process's. Not where torch sees a GPU: a fork keeps the parent's CUDA
-    state, which no environment variable can hide from it."""
+    state, which no environment variable can hide from it, and cannot run a backward once the
+    parent has run one (`run_isolated` picks a fresh interpreter there)."""
     out, err = out_dir / "forked.out", out_dir / "forked.err"
     pid = os.fork()
     if pid == 0:  # the child: never returns into pytest
@@ -173,6 +174,24 @@ def run_forked(body: Callable[[], None], out_dir: Path, timeout: float = 120.0,
                                        os.waitstatus_to_exitcode(done[1]),
                                        out.read_text(errors="replace"),
                                        err.read_text(errors="replace"))
+
+
+def run_isolated(fn: Callable[..., None], args: tuple[Any, ...], out_dir: Path,
+                 timeout: float = 120.0, env: dict[str, str] | None = None
+                 ) -> subprocess.CompletedProcess:
+    """`fn(*args)` (a module-level function of a test file; `args` by repr) away from this
+    process, a crash its exit status: in a fork (`run_forked`, milliseconds) where torch sees no
+    GPU, else in a fresh interpreter (seconds). Where torch sees a GPU, this process's first
+    backward started autograd's per-device threads, after which a fork's backward raises
+    "Unable to handle autograd's threading in combination with fork-based multiprocessing" (the
+    H200 run of 2026-11-27, docs/gpu_suite.md); no environment variable undoes that."""
+    if not torch.cuda.is_available():
+        return run_forked(lambda: fn(*args), out_dir, timeout, env)
+    here = Path(__file__).resolve().parent
+    code = (f"import sys; sys.path[:0] = [{str(here)!r}]; import runpy; "
+            f"runpy.run_path({fn.__code__.co_filename!r})[{fn.__name__!r}](*{args!r})")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})})
 
 
 def compile_offline(module: str, out: Path, *args: str, timeout: float = 300) -> list[dict]:

@@ -13,6 +13,7 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from fusedzero.app import doctor, resume
 from fusedzero.app.cli import build_parser, main
@@ -83,10 +84,17 @@ def test_doctor_accepts_every_listed_check(capsys: pytest.CaptureFixture[str]) -
     assert [r[:2] for r in rows] == [["process", "group"], ["checkpoint", "ok"]], out
 
 
+@pytest.mark.parametrize("gpu", [False, True], ids=["no_gpu", "one_gpu_visible"])
 def test_doctor_bandwidth_on_cpu_is_measured_without_a_verdict(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, gpu: bool) -> None:
     """On CPU the update runs on the torch path: the row says what ran and what its share of a
-    copy means here, with status info, not ok."""
+    copy means here, with status info, not ok. The doctor measures the GPU where torch sees one:
+    this test tells it there is none, as test_doctor_is_green_on_the_cpu does (before, on the
+    H200: the row measured cuda:0 and had a verdict; with a GPU faked visible here, the row
+    failed on the CPU build's "Torch not compiled with CUDA enabled")."""
+    if gpu:
+        request.getfixturevalue("one_gpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(doctor, "CPU_NUMEL", 1 << 16)  # the figure's meaning, not its size
     (row,) = doctor.run(("bandwidth",))
     assert row.status is doctor.Status.INFO, row

@@ -55,6 +55,7 @@ def _run(fmt: WireFormat, chunks: int, S: int, n: int, out_dtype: torch.dtype,
     return {"packed": packed, "out": out, "full": full}
 
 
+@pytest.mark.interpreter  # FUSEDZERO_BACKEND=triton on CPU tensors
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 @pytest.mark.parametrize("chunks,S,n", SIZES, ids=str)
 def test_interpreted_kernels_equal_the_torch_path_bitwise(fmt, chunks, S, n, monkeypatch):
@@ -119,6 +120,7 @@ def test_quantize_and_dequant_sum_match_float64_within_the_bound(fmt, monkeypatc
         assert (err <= tol).all(), (fmt, out_dtype, (err - tol).max())
 
 
+@pytest.mark.interpreter  # both backends: the torch one is compared with the kernels' bytes
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
 @pytest.mark.parametrize("backend", ["triton", "torch"])
 def test_a_nan_arrives_as_nan_never_as_a_finite_value(fmt, backend, monkeypatch):

@@ -10,10 +10,13 @@
 """
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fusedzero import comm
@@ -27,8 +30,21 @@ def cuda2(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _fake_params(device: str) -> list[nn.Parameter]:
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    """Params that report `device` and hold no storage. FakeTensorMode's first tensor on a CUDA
+    device also makes a real one there (`fake_tensor.init_gpu_context`, for a later backward),
+    in torch 2.11 wherever `torch.cuda.is_available()`: on a one-GPU machine "cuda:2" is an
+    invalid device ordinal (the H200 run of 2026-11-27, docs/gpu_suite.md; torch 2.13 asks
+    `torch.accelerator` instead). Nothing here runs a backward: no context is made."""
+    with mock.patch.object(fake_tensor, "init_gpu_context", lambda device: None), \
+            FakeTensorMode(allow_non_fake_inputs=True):
         return [nn.Parameter(torch.empty(4, device=device))]
+
+
+def test_fake_params_make_no_real_tensor(cuda2: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    def real_tensor(device: torch.device) -> None:  # torch 2.11's, where a GPU is visible
+        raise AssertionError(f"a real tensor on {device}: invalid device ordinal on one GPU")
+    monkeypatch.setattr(fake_tensor, "init_gpu_context", real_tensor)
+    assert _fake_params("cuda:2")[0].device == torch.device("cuda", 2)
 
 
 def test_indexed_device(cuda2: None) -> None:

@@ -2,6 +2,7 @@
 params touched outside a forward, and state dicts."""
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from fusedzero import Sharding, ZeroAdamW
 from fusedzero.zero3 import UnitState, Zero3
 
-from _helpers import Stack, run_forked
+from _helpers import Stack, run_isolated
 
 
 def _states(z: Zero3) -> list[UnitState]:
@@ -52,7 +53,8 @@ def test_stage3_step_frees_in_flight_gathers_before_the_kernel(monkeypatch) -> N
 
 
 # Touching a stage-3 param outside a forward used to read freed memory: rc 139 (SIGSEGV). Each
-# case runs in a fork of the test process, so a crash fails the test instead of the test run.
+# case runs away from the test process (a fork; a fresh interpreter where a GPU is visible:
+# `run_isolated`), so a crash fails the test instead of the test run.
 def _touch(action: str) -> None:
     model, opt = _setup()
     x = torch.randn(8, 16)
@@ -67,9 +69,20 @@ def _touch(action: str) -> None:
                                     "print(p.sum() + 1)"])
 def test_stage3_param_touched_outside_forward_does_not_crash(action: str, tmp_path: Path
                                                              ) -> None:
-    p = run_forked(lambda: _touch(action), tmp_path, env={"FUSEDZERO_BACKEND": "torch"})
+    p = run_isolated(_touch, (action,), tmp_path, env={"FUSEDZERO_BACKEND": "torch"})
     assert p.returncode == 0, f"{action}: rc {p.returncode}\n{p.stderr[-2000:]}"
     assert "survived (0,)" in p.stdout, p.stdout  # empty while freed: visibly not the value
+
+
+@pytest.mark.slow  # a fresh interpreter (seconds)
+def test_stage3_touch_runs_in_a_fresh_interpreter_where_a_gpu_is_visible(
+        one_gpu: None, tmp_path: Path) -> None:
+    """Where torch sees a GPU, a fork of a process that has run a backward cannot run one (the
+    H200 run of 2026-11-27: every case above failed so); with one faked visible the cases run in
+    a fresh interpreter instead, and pass."""
+    p = run_isolated(_touch, ("print(p)",), tmp_path, env={"FUSEDZERO_BACKEND": "torch"})
+    assert p.args[0] == sys.executable, p.args
+    assert p.returncode == 0 and "survived (0,)" in p.stdout, p.stderr[-2000:]
 
 
 def test_stage3_state_dict_gathers_full_values_and_round_trips(tmp_path: Path) -> None:
