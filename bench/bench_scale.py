@@ -32,9 +32,8 @@ from pathlib import Path
 
 import torch
 
-from fusedzero import Precision, Sharding, ZeroAdamW
+from fusedzero import Precision, Sharding, ShardInit, ZeroAdamW
 from fusedzero.emulate import LlamaShape, fake_group, meta_model, param_groups
-from fusedzero.units import ShardInit
 
 SHARD = int(float(os.environ.get("FUSEDZERO_BENCH_SCALE_SHARD", "1.5e6")))
 ROUNDS = int(os.environ.get("FUSEDZERO_BENCH_SCALE_ROUNDS", "30"))

@@ -24,8 +24,8 @@ from collections.abc import Callable
 
 import torch
 
-from fusedzero import comm
-from fusedzero.comm import CommContext, Handle
+from fusedzero import _comm as comm
+from fusedzero._comm import CommContext, Handle
 from fusedzero.kernels.quant import (
     WBLOCK,
     WireFormat,

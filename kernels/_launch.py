@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from fusedzero import dtypes
+from fusedzero import _dtypes as dtypes
 
 LAUNCHES: collections.Counter[str] = collections.Counter()
 """Fused-kernel launches by kernel name; tests count them (one AdamW per group and dtype)."""

@@ -60,7 +60,7 @@ def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
     `grad_dtype` is the grad (adamw) or input (sumsq) dtype; `out_dtype` the adamw output, None
     for none. Every pointer is declared 16-byte aligned, as the runtime specialises it for our
     buffers, and the table ALIGNED, as the optimizer's launches are. The rows are fp32; the skip
-    flag is fp32 as `fusedzero.scalars` keeps it (`skip_dtype` changes only one scalar load).
+    flag is fp32 as `fusedzero._scalars` keeps it (`skip_dtype` changes only one scalar load).
     A memory mode (`master_mode`, `states`) compiles the same grouped kernel's variant.
     """
     if kernel_name not in KERNELS:

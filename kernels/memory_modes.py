@@ -57,7 +57,7 @@ from fusedzero.kernels._launch import Strided, check_scalar, check_stream
 
 MASTER_MODES = ("fp32", "bf16-kahan", "bf16-sr", "bf16")
 STATE_MODES = ("fp32", "bf16", "int8")
-# The quantization block is the layout's ALIGN (fusedzero/layout.py): every bucket piece of a
+# The quantization block is the layout's ALIGN (fusedzero/_layout.py): every bucket piece of a
 # shard is a multiple of it, so no block straddles two pieces or two ranks.
 QBLOCK = 128
 # The constexpr codes the kernel is specialised on (MASTER_MODE, STATE_MODE).

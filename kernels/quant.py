@@ -36,7 +36,7 @@ import triton.language as tl
 from fusedzero.kernels._launch import ENABLE_FP_FUSION, count_launch, device_guard, use_triton
 from fusedzero.kernels.memory_modes import round_to_bf16
 
-# int8 elements per fp32 scale. 128 = the flat layout's alignment (fusedzero/layout.py ALIGN), so
+# int8 elements per fp32 scale. 128 = the flat layout's alignment (fusedzero/_layout.py ALIGN), so
 # every shard chunk is whole blocks; the scales cost 4/128 = 3.1% on top of the codes.
 WBLOCK = 128
 QMAX = 127.0  # symmetric int8: -128 is never used, so -x quantizes to -code(x)

@@ -16,7 +16,7 @@ kernel argument, the one of that kind at the lowest address, and the table holds
 int64 element offset from it. Every tensor of one kind has the same dtype, so an offset is exact
 (the address difference is a multiple of the element size). The runtime specialises a base
 pointer as 16-byte aligned (CUDA caching-allocator blocks are 512-byte aligned); the optimizer's
-layout (fusedzero/layout.py) makes every shard, stride and base a multiple of 128 elements, so
+layout (fusedzero/_layout.py) makes every shard, stride and base a multiple of 128 elements, so
 every offset and piece length is a multiple of 16 elements and the launcher compiles with
 `ALIGNED` (the kernel then declares them `tl.multiple_of(_, 16)`, which keeps 128-bit accesses).
 A table that is not aligned (a user's odd views through `adamw_step`) runs the same kernel

@@ -46,7 +46,8 @@ PACKAGES = ("fusedzero", "kernels")  # kernels/ installs as fusedzero.kernels
 SLOW_ONLY = {
     "fusedzero/__init__.py": "lazy re-exports (PEP 562 __getattr__), run when test modules import "
                              "`from fusedzero import ...` at collection, before the test loop",
-    "fusedzero/spawn.py": "starts rank processes: every run_ranks test and tests/app/test_train.py",
+    "fusedzero/_spawn.py": "starts rank processes: every run_ranks test and "
+                           "tests/app/test_train.py",
     "fusedzero/app/loop.py": "the training loop of `fusedzero train`: tests/app/test_train.py",
     "fusedzero/app/lifecycle.py": "a training run's start and end: tests/app/test_train.py",
     "fusedzero/app/log.py": "a training run's console log: tests/app/test_train.py",

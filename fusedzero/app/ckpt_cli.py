@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fusedzero import checkpoint, dtypes
+from fusedzero import _dtypes as dtypes, checkpoint
 from fusedzero.app.runlock import LOCK_NAME, RunLock
 from fusedzero.checkpoint.placements import check_bound, check_folder, folder, read as tp_record
 

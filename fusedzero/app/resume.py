@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from fusedzero import checkpoint
+from fusedzero._comm import CollectiveTimeout
 from fusedzero.app.config import TrainConfig, UsageError
 from fusedzero.app.log import RunLog, waiting_for
 from fusedzero.checkpoint.format import remove
 from fusedzero.checkpoint.placements import read as tp_record
-from fusedzero.comm import CollectiveTimeout
 
 if TYPE_CHECKING:  # the launcher imports this module; only ranks build an optimizer
     from fusedzero.optim import ZeroAdamW

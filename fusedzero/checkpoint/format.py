@@ -109,7 +109,7 @@ from typing import Any
 
 import torch
 
-from fusedzero import dtypes
+from fusedzero import _dtypes as dtypes
 from fusedzero.checkpoint.manifest import CheckpointError
 
 SHARD_FORMAT = "fusedzero-shard"

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from fusedzero import dtypes
+from fusedzero import _dtypes as dtypes
 from fusedzero.checkpoint.format import check_replaceable, open_regular, write_text_atomic
 from fusedzero.checkpoint.manifest import snippet
 from fusedzero.checkpoint.tp_export import export, saved_params

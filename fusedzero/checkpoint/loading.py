@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from fusedzero._validate import check_hyper
 from fusedzero.checkpoint.binding import saved_dtype
 from fusedzero.checkpoint.catalog import (
     file_problems,
@@ -46,7 +47,6 @@ from fusedzero.checkpoint.shardfile import ShardFile, Slice
 from fusedzero.checkpoint.tp_reshard import across_tp, read_across
 from fusedzero.memory_modes import QBLOCK
 from fusedzero.state import TENSOR_FIELDS, ShardState, fields_of
-from fusedzero.validate import check_hyper
 
 if TYPE_CHECKING:
     from fusedzero.optim import ZeroAdamW
@@ -94,7 +94,7 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     See [Note: bound hyper-parameters].
 
     Everything is checked before anything is written, on every rank: the saved
-    hyper-parameters with the constructor's rules (`fusedzero.validate.check_hyper`), and,
+    hyper-parameters with the constructor's rules (`fusedzero._validate.check_hyper`), and,
     with `check_caller`, this rank's caller state (None where the saving run had no such rank):
     it raises (ValueError, TypeError, CheckpointError) to refuse it, on every rank.
     """

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from fusedzero import dtypes
+from fusedzero import _dtypes as dtypes
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES, MemoryModes
 
 FORMAT = "fusedzero-checkpoint"
@@ -39,7 +39,7 @@ _DTYPES = dtypes.READABLE_NAMES  # float64 too: read, never written
 _MAX_DEPTH = 32
 # The largest manifest a reader accepts: the largest legitimate one plus MARGIN. That is 1024
 # ranks x a 70B model (fusedzero.emulate's llama-70b: 723 params, 70.6e9 elements, two param
-# groups) with the default buckets (fusedzero.layout.default_bucket_numel: 1 MiB of each rank's
+# groups) with the default buckets (fusedzero._layout.default_bucket_numel: 1 MiB of each rank's
 # shard per bucket, 2**28 fp32 / 2**29 bf16 elements at W=1024) and default stage-3 units (one
 # per layer), at the stage and param dtype that spell the most: stage 3 with fp32 params, 162
 # flat buffers per rank. Counted from the layouts (fusedzero.plan.model_layouts; recomputed by

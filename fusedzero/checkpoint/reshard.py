@@ -9,8 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from fusedzero._layout import Segment, intersect
 from fusedzero.checkpoint.manifest import CheckpointError
-from fusedzero.layout import Segment, intersect
 
 if TYPE_CHECKING:
     from fusedzero.state import ShardInfo

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fusedzero import dtypes
+from fusedzero import _dtypes as dtypes
+from fusedzero._comm import group_timeout
 from fusedzero.checkpoint.binding import shard_metadata
 from fusedzero.checkpoint.collectives import agree, gather_to_first
 from fusedzero.checkpoint.format import (
@@ -42,7 +43,6 @@ from fusedzero.checkpoint.manifest import FORMAT, MAX_MANIFEST, STEP_DIR, VERSIO
 from fusedzero.checkpoint.optview import aliases, hyperparams
 from fusedzero.checkpoint.placements import tp_directory, tp_origin
 from fusedzero.checkpoint.rank_state import pack, rng_state, unpack
-from fusedzero.comm import group_timeout
 
 if TYPE_CHECKING:
     from fusedzero.optim import ZeroAdamW
@@ -101,7 +101,7 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
             thread; the returned handle's `wait()` reports completion. The next save or load
             waits for the previous save first.
         timeout: async only: how long rank 0 waits for the other ranks' shards (None: the
-            process group's timeout, see `fusedzero.comm.group_timeout`). It bounds the save
+            process group's timeout, see `fusedzero._comm.group_timeout`). It bounds the save
             thread, which the interpreter waits for at exit: a dead peer ends it with an error.
     """
     if step < 0:

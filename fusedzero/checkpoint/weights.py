@@ -25,7 +25,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 from safetensors import safe_open
 
-from fusedzero import dtypes
+from fusedzero import _dtypes as dtypes
+from fusedzero._shard_init import write_runs
 from fusedzero.checkpoint import catalog
 from fusedzero.checkpoint.catalog import read_manifest
 from fusedzero.checkpoint.collectives import agree
@@ -43,7 +44,6 @@ from fusedzero.checkpoint.manifest import STEP_DIR, CheckpointError, snippet
 from fusedzero.checkpoint.optview import aliases, param_table
 from fusedzero.checkpoint.placements import tp_source
 from fusedzero.checkpoint.shardfile import ShardReaders, digests
-from fusedzero.shard_init import write_runs
 from fusedzero.state import ShardState
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from fusedzero import safe_paths
+from fusedzero import _safe_paths as safe_paths
 from fusedzero.app import cli  # the CLI proper: no fork server for ranks that never start
 from fusedzero.app.watch import MetricsLog
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from fusedzero.spawn import reserve_port
+from fusedzero._spawn import reserve_port
 
 pytestmark = pytest.mark.slow  # two processes
 

@@ -13,13 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedzero import Precision, Sharding, ZeroAdamW
+from fusedzero import Precision, Sharding, ShardInit, ZeroAdamW
+from fusedzero._layout import FlatLayout
 from fusedzero.checkpoint import catalog, loading, manifest as manifest_format
 from fusedzero.emulate import LlamaShape, meta_model, param_groups
 from fusedzero.emulate_ckpt import emulated_rank, save_emulated
-from fusedzero.layout import FlatLayout
 from fusedzero.plan import PlanConfig, model_layouts
-from fusedzero.units import ShardInit
 
 SHAPE = LlamaShape(n_layer=2, d=64, ffn=128, vocab=256, n_head=4, n_kv_head=2)
 

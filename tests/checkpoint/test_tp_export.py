@@ -113,7 +113,7 @@ def _fake_tp_opt(full: dict[str, torch.Tensor], t: int) -> SimpleNamespace:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from fusedzero.dtensor import TpInfo
+    from fusedzero._dtensor import TpInfo
     m = _tp_module(full, t)
     infos = ZeroAdamW(m.parameters(), lr=1e-2, module=m).param_infos()
     parse = {"R": Replicate(), "S(0)": Shard(0), "S(1)": Shard(1),

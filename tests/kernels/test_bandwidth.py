@@ -1,4 +1,4 @@
-"""fusedzero/bandwidth.py (what doctor and bench/bench_update.py measure with) and the bench's
+"""fusedzero/_bandwidth.py (what doctor and bench/bench_update.py measure with) and the bench's
 byte accounting and CUDA branch, as far as they can be checked without a GPU."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import triton.testing
 
-from fusedzero import bandwidth
+from fusedzero import _bandwidth as bandwidth
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_update  # noqa: E402  (bench/ is not a package)

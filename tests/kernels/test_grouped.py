@@ -213,7 +213,7 @@ def test_load_state_dict_then_step_updates_the_loaded_memory(stage: int) -> None
 
 def test_group_lr_follows_float_and_tensor_lrs_and_sends_floats_only_when_changed(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from fusedzero import scalars
+    from fusedzero import _scalars as scalars
     sent: list[list] = []
     real = scalars.copy_from_host
     monkeypatch.setattr(scalars, "copy_from_host", lambda dst, v: (sent.append(v), real(dst, v)))
@@ -238,7 +238,7 @@ def test_group_lr_reads_a_cpu_tensor_lr_on_the_host_for_a_device_vector(
     another device (meta stands in for CUDA here) is read with `.item()` and sent as a float
     lr is, when it changes. Before: copied into the device vector every step, which on CUDA is
     a pageable host-to-device copy: the host waits for the device, a sync in every step()."""
-    from fusedzero import scalars
+    from fusedzero import _scalars as scalars
     sent: list[list] = []
     real = scalars.copy_from_host
     monkeypatch.setattr(scalars, "copy_from_host", lambda dst, v: (sent.append(v), real(dst, v)))

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import fusedzero.comm as comm
+import fusedzero._comm as comm
 from fusedzero import Groups, Sharding, ZeroAdamW
 from fusedzero.testing import fake_group, run_ranks
 

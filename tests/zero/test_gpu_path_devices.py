@@ -16,8 +16,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fusedzero import comm
-from fusedzero.validate import indexed_device, resolve_device
+from fusedzero import _comm as comm
+from fusedzero._validate import indexed_device, resolve_device
 
 
 @pytest.fixture

@@ -2,7 +2,7 @@
 its children without calling them (nn.MultiheadAttention reads `out_proj.weight`; an
 nn.TransformerEncoderLayer in eval under no_grad reads every child's params in one fused op).
 
-[Note: deferred all-gather] The mechanism: `fusedzero.comm.all_gather` is replaced, in this one
+[Note: deferred all-gather] The mechanism: `fusedzero._comm.all_gather` is replaced, in this one
 process (world size 1, no process group), by a fake whose output holds NaN until its handle's
 `wait()` copies the gathered values in. A real NCCL all-gather behaves the same way from the
 compute stream's point of view (the values land whenever the collective runs, and only the wait
@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-import fusedzero.comm as comm
+import fusedzero._comm as comm
 from fusedzero import Sharding, ZeroAdamW
 
 STEPS = 3

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedzero.comm import CollectiveTimeout
+from fusedzero._comm import CollectiveTimeout
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 
@@ -149,7 +149,7 @@ def _cmdline(pid: int) -> bytes:
 
 def _ranks(pid: int) -> list[int]:
     """The rank processes of a `fusedzero train` launcher (not its resource tracker): spawned
-    children (CUDA) or the children of its fork server (CPU, fusedzero/spawn.py)."""
+    children (CUDA) or the children of its fork server (CPU, fusedzero/_spawn.py)."""
     ranks = []
     for c in _children(pid):
         cmd = _cmdline(c)
@@ -270,7 +270,7 @@ def test_async_save_with_a_dead_peer_ends(tmp_path: Path) -> None:
     """Before: rank 0's (non-daemon) save thread waited 1800 s for the dead rank's shard."""
     import multiprocessing
 
-    from fusedzero.spawn import reserve_port
+    from fusedzero._spawn import reserve_port
 
     ctx = multiprocessing.get_context("spawn")
     held = reserve_port()  # until the ranks are done: no other test's bind takes it

@@ -9,7 +9,7 @@ import datetime
 
 import pytest
 
-from fusedzero import comm
+from fusedzero import _comm as comm
 from fusedzero.app.log import waiting_for
 
 GLOO = ["[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Application timeout caused pair "

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from fusedzero import Sharding, ZeroAdamW
+from fusedzero._zero3 import UnitState, Zero3
 
 from _helpers import Stack, run_forked
-from fusedzero.zero3 import UnitState, Zero3
 
 
 def _states(z: Zero3) -> list[UnitState]:

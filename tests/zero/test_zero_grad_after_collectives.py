@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedzero import ZeroAdamW, comm
+from fusedzero import ZeroAdamW, _comm as comm
 from fusedzero.testing import fake_group
 
 

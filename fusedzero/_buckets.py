@@ -3,7 +3,7 @@
 Grads are counted into their buckets as backward produces them; a complete bucket is launched
 at once if every bucket before it in the launch order was (collectives must match across ranks,
 so the order is fixed), and everything left is launched at the end of backward. How a bucket is
-reduced is the stage's `Reduction` (`fusedzero.reduce`).
+reduced is the stage's `Reduction` (`fusedzero._reduce`).
 
 [Note: buckets with unused params] A param that gets no grad (an unused branch) would leave
 its bucket incomplete until the end of backward and, the order being fixed, every bucket after
@@ -17,7 +17,7 @@ and a param that is used after all only costs time, never a result.
 [Note: host cost per grad] `BucketSchedule.add_grad` runs once per param per backward, on the
 host path that feeds the device: each torch call or context manager there costs ~1 us (and on
 CUDA a kernel launch), so it runs none; a bucket's grads go in by one op when it is complete
-(see [Note: grads into a bucket, per bucket] in fusedzero/reduce.py), and the launch scan runs only
+(see [Note: grads into a bucket, per bucket] in fusedzero/_reduce.py), and the launch scan runs only
 then.
 
 [Note: one order across communicators] The replica all-reduces start at fixed points of
@@ -46,16 +46,14 @@ from collections.abc import Iterator
 
 import torch
 
-from fusedzero import comm
-from fusedzero.comm import CommContext, Handle
-from fusedzero.flat import FlatBuffer
-from fusedzero.profiling import phase
-from fusedzero.reduce import (MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish,
-                              reduction_for)
-from fusedzero.replicas import ReplicaReduction
+from fusedzero import _comm as comm
+from fusedzero._comm import CommContext, Handle
+from fusedzero._flat import FlatBuffer
+from fusedzero._profiling import phase
+from fusedzero._reduce import MAX_INFLIGHT_BUCKETS, Bucket, BucketStatus, Finish, reduction_for
+from fusedzero._replicas import ReplicaReduction
 from fusedzero.stage import Stage
 from fusedzero.wire import WireFormat
-
 
 _SAME: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
@@ -107,7 +105,7 @@ class BucketSchedule:
         self.buffers = buffers
         self.ctx = ctx
         # 2-D mesh: each bucket's shard is averaged over the replicas once its reduction is
-        # complete (see [Note: replicas and accumulation] in fusedzero/replicas.py), wire too.
+        # complete (see [Note: replicas and accumulation] in fusedzero/_replicas.py), wire too.
         self.replicas = (ReplicaReduction(replicas, wire_format)
                          if replicas is not None and replicas.world_size > 1 else None)
         self.reduction = reduction_for(stage, wire_format, ctx.world_size)
@@ -117,7 +115,7 @@ class BucketSchedule:
         self._buckets_at: dict[tuple[int, int], tuple[Bucket, ...]] = {
             (id(buf), pos): tuple(bucket_of[(id(buf), k)] for k in buf.layout.buckets_of(slot))
             for buf in buffers for pos, slot in enumerate(buf.layout.params)}
-        # Grads are pre-divided before every reduction (see fusedzero.reduce): the reduced
+        # Grads are pre-divided before every reduction (see fusedzero._reduce): the reduced
         # buffers hold the average.
         self.inv_world = 1.0 / ctx.world_size
         # Stages 2-3 keep no full grad buffer to accumulate in: they reduce every micro-batch.

@@ -16,7 +16,7 @@ holds (`Piece`s: views of the param shard), nothing else:
 - random fills (`uniform_`, `normal_`, `bernoulli_`, `exponential_`, `log_normal_`, `cauchy_`,
   `geometric_`): see [Note: init random stream].
 Fan-in and fan-out (`kaiming_*`, `xavier_*`) come from the shape, which is the full one. Any
-other op raises one line naming it and the fallback, `FullUnitInit` (fusedzero/units.py: every
+other op raises one line naming it and the fallback, `FullUnitInit` (fusedzero/_units.py: every
 rank builds each unit in full, rank 0's values are broadcast). Memory beyond the shard: one
 random block (`BLOCK` fp32 elements) at a time, and nothing is gathered or broadcast but the
 seed. (Tensor-parallel params on the meta device are refused before this: docs/
@@ -59,8 +59,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from fusedzero.dtensor import local, set_local
-from fusedzero.flat import FlatBuffer
+from fusedzero._dtensor import local, set_local
+from fusedzero._flat import FlatBuffer
 
 aten = torch.ops.aten
 

@@ -69,9 +69,9 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from fusedzero import comm, wire
-from fusedzero.comm import CommContext, Handle
-from fusedzero.flat import FlatBuffer
+from fusedzero import _comm as comm, wire
+from fusedzero._comm import CommContext, Handle
+from fusedzero._flat import FlatBuffer
 from fusedzero.stage import Stage
 from fusedzero.wire import WireFormat
 
@@ -207,7 +207,7 @@ class Reduction(Protocol):
 
     transient: bool
     gathers_at_launch: bool  # stages 2-3: the kept grads go into the bucket at its launch
-    range_name: str  # its launches' profiler range (fusedzero/profiling.py)
+    range_name: str  # its launches' profiler range (fusedzero/_profiling.py)
 
     def flush(self, b: Bucket, inv_world: float) -> None:
         """Stages 0-1: add the grads kept in `b.got` into the full grad buffer."""

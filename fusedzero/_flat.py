@@ -4,7 +4,7 @@
 - param_flat (stages 0-2): the full param buffer; model params are views into it, so the
   all-gather after the update writes the model's weights in place.
 - param_shard / full / param_base (stage 3): this rank's shard of the params, always alive, and
-  the gathered buffer, whose storage only lives while the unit is gathered (`fusedzero.zero3`
+  the gathered buffer, whose storage only lives while the unit is gathered (`fusedzero._zero3`
   decides when; `allocate_full` / `release_full` do it). Two tensor objects share that storage:
   `full` takes the collective's in-place write, `param_base` carries the param views, so the
   write does not bump the version counter of tensors autograd saved in forward. While freed,
@@ -13,7 +13,7 @@
 - grad_flat (stages 0-1): the full grad buffer in the reduce dtype. Reduce-scatter is in place:
   afterwards only this rank's pieces hold reduced sums, and the kernel reads them there.
 - grad_shard (stages 2-3): the reduced grads of this rank's shard; transient bucket buffers
-  (`fusedzero.reduce`) are reduced into it.
+  (`fusedzero._reduce`) are reduced into it.
 - master / exp_avg / exp_avg_sq: this rank's local shard, contiguous. With fp32 params the
   master *is* the param buffer's own pieces (stages 0-2) or the param shard (stage 3); so it is
   in the bf16 master modes (`fusedzero.memory_modes`), where the bf16 params are the master. The modes
@@ -33,10 +33,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fusedzero.comm import eager
-from fusedzero.dtensor import local, set_local
+from fusedzero._comm import eager
+from fusedzero._dtensor import local, set_local
+from fusedzero._layout import FlatLayout, ParamSlot, build_layout, default_bucket_numel
 from fusedzero.kernels import Strided
-from fusedzero.layout import FlatLayout, ParamSlot, build_layout, default_bucket_numel
 from fusedzero.memory_modes import QBLOCK, MemoryModes
 from fusedzero.stage import Stage
 
@@ -56,7 +56,7 @@ class FlatBuffer:
                  tp_replicated: bool = True) -> None:
         self.group_index, self.dtype, self.stage, self.unit = group_index, dtype, stage, unit
         # Identical on every tensor-parallel rank (plain params, Replicate DTensors); False:
-        # the params are tp shards (fusedzero/dtensor.py). Each buffer holds one kind.
+        # the params are tp shards (fusedzero/_dtensor.py). Each buffer holds one kind.
         self.tp_replicated = tp_replicated
         self.modes = modes
         self.params = params
@@ -135,7 +135,7 @@ class FlatBuffer:
 
     def _build_param_shard(self) -> None:
         """Stage 3: the param shard (and master) from the params' current full values (params
-        on the meta device are skipped: `fusedzero.zero3` materialises them), and the gathered
+        on the meta device are skipped: `fusedzero._zero3` materialises them), and the gathered
         buffer the params point into while their unit is gathered; released at once."""
         L, dev = self.layout, self.device
         self.param_shard = torch.zeros(L.local_numel, dtype=self.dtype, device=dev)
@@ -184,7 +184,7 @@ class FlatBuffer:
         self._point_params(gathered=False)
 
     # Never traced: Dynamo would turn `.data =` into a `set_` that bumps the version counter
-    # of the views autograd saved in forward (see [Note: stage 3 under torch.compile] in zero3.py).
+    # of the views autograd saved in forward (see [Note: stage 3 under torch.compile] in _zero3.py).
     @eager
     def _point_params(self, gathered: bool) -> None:
         """`.data` swaps keep the Parameter objects and autograd's saved leaves; views autograd

@@ -1,6 +1,6 @@
 """What a stage-3 unit is: the policy that picks the modules (`select_units`), and how params
 on the meta device are initialised (`ShardInit`, `FullUnitInit`, `ParamInitFn`). Stages 1-2 use the same units
-for their forward waits (fusedzero/param_sync.py); fusedzero/zero3.py gathers and frees them."""
+for their forward waits (fusedzero/_param_sync.py); fusedzero/_zero3.py gathers and frees them."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -31,14 +31,14 @@ class FullUnitInit:
     values are broadcast and each rank keeps its shard. The values equal an eager build's with
     the same seed; the cost is every rank initialising the whole model and holding one unit
     (and the root) in full. The fallback for inits the local path refuses (See [Note:
-    local-shard init] in fusedzero/shard_init.py)."""
+    local-shard init] in fusedzero/_shard_init.py)."""
 
     def __init__(self, fn: Callable[[str, nn.Module], None] | None = None) -> None:
         self.fn = fn
 
 
 # `fn(name, module)` initialises the params a module owns directly, written against full
-# tensors and run on this rank's elements only (fusedzero/shard_init.py); or one of the above.
+# tensors and run on this rank's elements only (fusedzero/_shard_init.py); or one of the above.
 ParamInitFn = Union[Callable[[str, nn.Module], None], ShardInit, FullUnitInit]
 
 

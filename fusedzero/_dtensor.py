@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from fusedzero.comm import Group
+from fusedzero._comm import Group
 from fusedzero.kernels import GroupedSumsq, SumsqView
 
 
@@ -140,7 +140,7 @@ def _check_orthogonal(tp_group: dist.ProcessGroup, other: Group, what: str) -> N
 
 
 class _Buffer(Protocol):
-    """What the sum of squares reads of a `fusedzero.flat.FlatBuffer`."""
+    """What the sum of squares reads of a `fusedzero._flat.FlatBuffer`."""
 
     tp_replicated: bool
     layout: Any

@@ -1,6 +1,6 @@
 """`model.state_dict()` and `model.load_state_dict()` under ZeroAdamW.
 
-At stage 3 a freed unit's params are empty tensors (fusedzero/zero3.py). There state_dict is a
+At stage 3 a freed unit's params are empty tensors (fusedzero/_zero3.py). There state_dict is a
 collective, as FSDP's full state dict: every rank calls it (it gathers each unit that is free,
 and frees it again after); load_state_dict writes each rank's shard alone (a collective only
 when a unit was gathered as it began: it is gathered again after).
@@ -8,7 +8,7 @@ when a unit was gathered as it began: it is gathered again after).
   step). Without this it held the empty params, and torch.save wrote tensors that cannot be
   loaded back.
 - load_state_dict: torch checks names and shapes against, and copies into, `LocalParam`s that
-  write each rank's own runs (See [Note: loading into LocalParams] in fusedzero/shard_init.py):
+  write each rank's own runs (See [Note: loading into LocalParams] in fusedzero/_shard_init.py):
   the fp32 master straight from the given values (not from their cast to a bf16 param), and
   the param shard as the cast of that master, which is what the next gather reads. Nothing is
   gathered (it gathered the whole model on every rank). Without this torch refused the empty
@@ -28,13 +28,13 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from fusedzero.dtensor import local
-from fusedzero.flat import FlatBuffer
-from fusedzero.shard_init import ShardLoad
+from fusedzero._dtensor import local
+from fusedzero._flat import FlatBuffer
+from fusedzero._shard_init import ShardLoad
 
 
 class Units(Protocol):
-    """What these hooks use of `fusedzero.zero3.Zero3`."""
+    """What these hooks use of `fusedzero._zero3.Zero3`."""
 
     modules: list[nn.Module]
     buffers: list[list[FlatBuffer]]

@@ -5,16 +5,16 @@ each transformer block); params in no unit, and params shared by two units (tied
 to the root unit (the whole model). Each unit's params form their own flat buffers, so a unit is
 gathered by one all-gather per bucket.
 
-This module receives the flat buffers (`fusedzero.flat`, fully built) and a communication
+This module receives the flat buffers (`fusedzero._flat`, fully built) and a communication
 context; it never sees the optimizer. It decides *when* a unit's gathered buffer lives.
 
-[Note: unit lifetimes] (the buffers themselves: see fusedzero/flat.py)
+[Note: unit lifetimes] (the buffers themselves: see fusedzero/_flat.py)
 - A unit's gathered storage is allocated by `gather` and released by `free`; while it is freed
   the params are empty tensors (`.data` swaps, as FSDP1 does): `print(p)`, `p.norm()` or
   `p.fill_()` outside a forward would otherwise read or write freed memory (a segfault). Read
   full values inside `opt.gathered_params()`, or through `model.state_dict()` (gathered on
   demand, copied); `model.load_state_dict()` writes every rank's shard (fusedzero/
-  model_state_dict.py).
+  _model_state_dict.py).
 - Forward: the pre-hook gathers unit u (waiting on its prefetch) and issues unit u+1's gather;
   the post-hook frees u (reshard_after_forward=True) unless it runs as a recomputation inside
   backward (activation checkpointing), or u is the root and its output needs a grad (its
@@ -62,15 +62,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from fusedzero import wire
-from fusedzero.comm import CommContext, Handle, eager
-from fusedzero.dtensor import local, set_local
-from fusedzero.flat import FlatBuffer
-from fusedzero.model_state_dict import UnitStateDict
-from fusedzero import shard_init
-from fusedzero.param_sync import BucketGather
-from fusedzero.profiling import phase
-from fusedzero.units import FullUnitInit, ParamInitFn, ShardInit, UnitPolicy, select_units
+from fusedzero import _shard_init as shard_init, wire
+from fusedzero._comm import CommContext, Handle, eager
+from fusedzero._dtensor import local, set_local
+from fusedzero._flat import FlatBuffer
+from fusedzero._model_state_dict import UnitStateDict
+from fusedzero._param_sync import BucketGather
+from fusedzero._profiling import phase
+from fusedzero._units import FullUnitInit, ParamInitFn, ShardInit, UnitPolicy, select_units
 
 # Overwrite a tensor with group rank 0's value (over every group replicas span).
 Broadcast = Callable[[torch.Tensor], None]
@@ -195,7 +194,7 @@ class Zero3:
     def _materialize(self, init_fn: ParamInitFn | None) -> None:
         """Initialise meta-device params: a `ShardInit` writes each local segment; a plain
         `fn(name, module)` or None (`reset_parameters`) runs on this rank's elements only
-        (See [Note: local-shard init] in fusedzero/shard_init.py). `FullUnitInit` goes module
+        (See [Note: local-shard init] in fusedzero/_shard_init.py). `FullUnitInit` goes module
         by module, in `named_modules()` order (the order an eager build draws its random
         numbers in, so both give the same values). A unit's full buffer lives only while its
         modules are being initialised: the whole model never exists on one rank. Each rank

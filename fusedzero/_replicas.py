@@ -1,5 +1,5 @@
 """2-D mesh (HSDP): the average of each bucket's reduced shard over the replicas that hold the
-same shard, after the shard reduction (`fusedzero.reduce`) is complete.
+same shard, after the shard reduction (`fusedzero._reduce`) is complete.
 
 [Note: replicas and accumulation] The shard piece holds the step's accumulated average:
 A (from earlier reducing backwards of this step, already averaged over replicas, so equal
@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-from fusedzero import comm, wire
-from fusedzero.comm import CommContext, Handle
-from fusedzero.reduce import Bucket
+from fusedzero import _comm as comm, wire
+from fusedzero._comm import CommContext, Handle
+from fusedzero._reduce import Bucket
 from fusedzero.wire import WireFormat
 
 
@@ -35,7 +35,7 @@ class ReplicaReduction:
     """2-D mesh (HSDP): average each bucket's reduced shard over the replicas that hold the same
     shard (`ctx` is the replicate group), started per bucket once its shard reduction is
     complete, at a fixed point of the launch order (see [Note: one order across communicators]
-    in fusedzero/buckets.py), while backward goes on.
+    in fusedzero/_buckets.py), while backward goes on.
 
     See [Note: replicas and accumulation]."""
 

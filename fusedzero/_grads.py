@@ -1,5 +1,5 @@
 """The autograd side: hooks that catch each param's grad, find the end of backward, and decide
-what `p.grad` holds between backward passes. The buckets (`fusedzero.buckets`) do the rest.
+what `p.grad` holds between backward passes. The buckets (`fusedzero._buckets`) do the rest.
 
 [Note: a grad onto a placeholder] A backward before the grads are consumed (the
 next micro-batch) finds the placeholder in `p.grad`, and p's AccumulateGrad node adds
@@ -52,12 +52,12 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from fusedzero.buckets import BucketSchedule
-from fusedzero.comm import CommContext
-from fusedzero.dtensor import is_dtensor, local_grad
-from fusedzero.flat import FlatBuffer
-from fusedzero.profiling import phase
-from fusedzero.reduce import Bucket
+from fusedzero._buckets import BucketSchedule
+from fusedzero._comm import CommContext
+from fusedzero._dtensor import is_dtensor, local_grad
+from fusedzero._flat import FlatBuffer
+from fusedzero._profiling import phase
+from fusedzero._reduce import Bucket
 from fusedzero.stage import Stage
 
 

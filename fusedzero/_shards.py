@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from fusedzero.flat import FlatBuffer
+from fusedzero._flat import FlatBuffer
+from fusedzero._param_sync import ParamSync
+from fusedzero._scalars import StepScalars
 from fusedzero.memory_modes import MemoryModes
-from fusedzero.param_sync import ParamSync
-from fusedzero.scalars import StepScalars
 from fusedzero.state import TENSOR_FIELDS, ParamInfo, ShardInfo, ShardState, convert, fields_of
 
 

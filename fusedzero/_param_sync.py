@@ -31,13 +31,13 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from fusedzero import comm, wire
-from fusedzero.comm import CommContext, Handle
-from fusedzero.dtensor import local
-from fusedzero.flat import FlatBuffer
-from fusedzero.profiling import phase
+from fusedzero import _comm as comm, wire
+from fusedzero._comm import CommContext, Handle
+from fusedzero._dtensor import local
+from fusedzero._flat import FlatBuffer
+from fusedzero._profiling import phase
+from fusedzero._units import UnitPolicy, select_units
 from fusedzero.wire import WireFormat
-from fusedzero.units import UnitPolicy, select_units
 
 # (id of a flat buffer, bucket index): one all-gather.
 BucketKey = tuple[int, int]
@@ -61,7 +61,7 @@ def _bucket_gather(buf: FlatBuffer, k: int) -> BucketGather:
 
 class ParamSync:
     """Owns the in-flight param all-gathers of `buffers` (empty below stage 1 and at stage 3,
-    whose params are gathered per unit by `fusedzero.zero3`) and the forward waits on them."""
+    whose params are gathered per unit by `fusedzero._zero3`) and the forward waits on them."""
 
     def __init__(self, buffers: list[FlatBuffer], ctx: CommContext,
                  module: nn.Module | None, unit_policy: UnitPolicy = None,

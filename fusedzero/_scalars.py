@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from fusedzero import comm
-from fusedzero.comm import CommContext
+from fusedzero import _comm as comm
+from fusedzero._comm import CommContext
 from fusedzero.kernels import Hyper
 from fusedzero.kernels._launch import copy_from_host
 from fusedzero.kernels.rows import Rows

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusedzero.dtypes import FLOAT_DTYPES
+from fusedzero._dtypes import FLOAT_DTYPES
 from fusedzero.memory_modes import MemoryModes, check_param_dtype
 
 # Attribute a param carries while a live ZeroAdamW owns it: a weak reference to that optimizer.
