@@ -143,7 +143,7 @@ def bench_ckpt(W: int = 1024, load_world: int = 8) -> dict:
     `load_world`: wall times, manifest bytes, this process's RSS."""
     import tempfile
 
-    from fusedzero.checkpoint import catalog, loading
+    from fusedzero.checkpoint import _catalog as catalog, _loading as loading
     from fusedzero.emulate import rss_bytes
     from fusedzero.emulate_ckpt import emulated_rank, save_emulated
 

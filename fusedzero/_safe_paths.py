@@ -20,7 +20,7 @@ planted there in advance makes the open fail, never a write through it) and rena
 path: a rename replaces the name itself, so a link planted after the check is replaced, its
 target untouched. An appended file is opened with O_NOFOLLOW|O_NONBLOCK (a link planted after
 the check fails the open, a FIFO opens without waiting) and fstat-ed: only a regular file is
-written to. The temporary is `fusedzero ckpt export`'s (checkpoint.format.create_temp), which
+written to. The temporary is `fusedzero ckpt export`'s (checkpoint._format.create_temp), which
 refuses its OUT the same way.
 
 [Note: no read from a FIFO or device] An input path is followed (a link to a regular file is
@@ -41,7 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from fusedzero.checkpoint.format import create_temp
+from fusedzero.checkpoint._format import create_temp
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)

@@ -29,7 +29,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from fusedzero import Precision, Sharding, ZeroAdamW, checkpoint as ck
 from fusedzero.app.ckpt_cli import main as cli_main
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.checkpoint import format as ckformat
+from fusedzero.checkpoint import _format as ckformat
 from fusedzero.testing import run_ranks
 
 from _helpers import gpt_batch, make_gpt

@@ -26,7 +26,7 @@ from safetensors import safe_open
 from fusedzero import checkpoint as ck
 from fusedzero.app.cli import main as cli_main
 from fusedzero.app.model import GPT
-from fusedzero.checkpoint import catalog, saving
+from fusedzero.checkpoint import _catalog as catalog, _saving as saving
 from fusedzero.optim import ZeroAdamW
 
 from _helpers import (
@@ -161,7 +161,7 @@ def test_consistent_manifest_edit_is_refused_by_the_shard_header(
     f, m = manifest_of(root)
     edit(m)
     f.write_text(json.dumps(m))
-    ck.manifest.validate(m, f)  # the edit is invisible to the schema
+    ck._manifest.validate(m, f)  # the edit is invisible to the schema
     model, opt = build()  # fresh: zero moments, where the checkpoint's are not
     before = snapshot(opt)
     real_empty = torch.empty
@@ -251,9 +251,9 @@ def test_latest_is_read_a_few_kb_at_most(good: Path, tmp_path: Path) -> None:
 
 def test_manifest_cap_is_enforced_when_reading_and_saving(
         good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The cap's computation (1024 ranks x 70B) is in fusedzero/checkpoint/manifest.py, checked
+    # The cap's computation (1024 ranks x 70B) is in fusedzero/checkpoint/_manifest.py, checked
     # by tests/checkpoint/test_scale_ckpt.py: far below the 1 GiB of before, above 1024 rank states.
-    assert 1024 * (64 << 10) < ck.manifest.MAX_MANIFEST < 300 * 10**6
+    assert 1024 * (64 << 10) < ck._manifest.MAX_MANIFEST < 300 * 10**6
     root = copy(good, tmp_path)
     size = (ck.resolve(root) / ck.MANIFEST).stat().st_size
     monkeypatch.setattr(catalog, "MAX_MANIFEST", size - 1)

@@ -35,8 +35,8 @@ from fusedzero.app.config import UsageError, parse_args
 from fusedzero.app.launch import run
 from fusedzero.app.log import RunLog
 from fusedzero.app.model import GPT, GPTConfig
-from fusedzero.checkpoint import format as ckformat
-from fusedzero.checkpoint.rank_state import pack, unpack
+from fusedzero.checkpoint import _format as ckformat
+from fusedzero.checkpoint._rank_state import pack, unpack
 
 # --device cpu: gloo ranks on the CPU whatever GPUs are visible (auto would take one per GPU).
 TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",

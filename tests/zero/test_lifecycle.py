@@ -254,7 +254,7 @@ def _async_save_with_dead_peer(rank: int, port: int, ckpt: str, result: str) -> 
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
     if rank == 1:
-        checkpoint.saving._write_shard = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        checkpoint._saving._write_shard = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
     h = checkpoint.save(opt, ckpt, step=1, async_=True)
     try:
         h.wait()

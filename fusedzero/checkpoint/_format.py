@@ -70,14 +70,14 @@ manifest.json (written last, after every shard is fsynced and renamed into place
                              weights_only=True; with a replicate_group one entry per (rank,
                              replica), "replica" present (older readers take replica 0's)
 
-The manifest is untrusted input: `fusedzero.checkpoint.manifest.validate` checks all of it (types,
+The manifest is untrusted input: `fusedzero.checkpoint._manifest.validate` checks all of it (types,
 ranges, finiteness, shard names `rank{r:05d}-of-{W:05d}.safetensors`, segments inside their
 tensors, every param element covered exactly once) before anything reads it.
 
 A segment `[param, start, length, local]` says: elements `[start, start+length)` of the flattened
 param `param` are elements `[local, local+length)` of that file's `fg{i}.*` tensors. Loading at any
 world size or stage intersects these with the new optimizer's segments and reads only the
-overlapping slices (through one descriptor per file: `shardfile.py`).
+overlapping slices (through one descriptor per file: `_shardfile.py`).
 
 Atomicity. Every file is written under a temporary name, fsynced and renamed. A save writes into
 `.step-N.tmp/`; rank 0 writes the manifest there last, renames the directory to `step-N`, and
@@ -110,7 +110,7 @@ from typing import Any
 import torch
 
 from fusedzero import _dtypes as dtypes
-from fusedzero.checkpoint.manifest import CheckpointError
+from fusedzero.checkpoint._manifest import CheckpointError
 
 SHARD_FORMAT = "fusedzero-shard"
 MANIFEST = "manifest.json"

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fusedzero.checkpoint.manifest import CheckpointError
+from fusedzero.checkpoint._manifest import CheckpointError
 
 
 def rng_state() -> dict[str, Any]:
@@ -93,7 +93,7 @@ def check_rng_state(st: Any, where: str) -> None:
     """Every check `set_rng_state` would make, made first on scratch generators and by form: a
     malformed state (a key word out of range, another generator's name, a wrong word count, a
     byte flipped in its base64) fails here, before anything was changed, not half-way through
-    the commit (see [Note: transactional load] in loading.py)."""
+    the commit (see [Note: transactional load] in _loading.py)."""
     try:
         if not isinstance(st, dict):
             raise TypeError(f"expected a dict, got {type(st).__name__}")

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from fusedzero._validate import check_hyper
-from fusedzero.checkpoint.binding import saved_dtype
-from fusedzero.checkpoint.catalog import (
+from fusedzero.checkpoint._binding import saved_dtype
+from fusedzero.checkpoint._catalog import (
     file_problems,
     link_problem,
     name_problem,
@@ -35,16 +35,16 @@ from fusedzero.checkpoint.catalog import (
     read_manifest,
     resolve,
 )
-from fusedzero.checkpoint.collectives import agree
-from fusedzero.checkpoint.format import MANIFEST, Peak
-from fusedzero.checkpoint.manifest import VERSION, CheckpointError, manifest_modes, snippet
-from fusedzero.checkpoint.optview import group_names, param_table
-from fusedzero.checkpoint.placements import check_origin, common_step, tp_directory
-from fusedzero.checkpoint.rank_state import decode, set_rng_state
-from fusedzero.checkpoint.reshard import Read, match_params, plan
-from fusedzero.checkpoint.saving import wait_pending
-from fusedzero.checkpoint.shardfile import ShardFile, Slice
-from fusedzero.checkpoint.tp_reshard import across_tp, read_across
+from fusedzero.checkpoint._collectives import agree
+from fusedzero.checkpoint._format import MANIFEST, Peak
+from fusedzero.checkpoint._manifest import VERSION, CheckpointError, manifest_modes, snippet
+from fusedzero.checkpoint._optview import group_names, param_table
+from fusedzero.checkpoint._placements import check_origin, common_step, tp_directory
+from fusedzero.checkpoint._rank_state import decode, set_rng_state
+from fusedzero.checkpoint._reshard import Read, match_params, plan
+from fusedzero.checkpoint._saving import wait_pending
+from fusedzero.checkpoint._shardfile import ShardFile, Slice
+from fusedzero.checkpoint._tp_reshard import across_tp, read_across
 from fusedzero.memory_modes import QBLOCK
 from fusedzero.state import TENSOR_FIELDS, ShardState, fields_of
 
@@ -75,7 +75,7 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     table must match the optimizer's (by name and shape) or ValueError lists the differences.
     Each rank opens only the shard files that hold its new segments, verifies them (size and
     header always; sha256 with `verify`, of the very bytes it stages: see [Note: load what was
-    verified] in shardfile.py), and reads only the overlapping slices (with `verify`, the whole
+    verified] in _shardfile.py), and reads only the overlapping slices (with `verify`, the whole
     file streams through one reused buffer to be hashed).
 
     All or nothing on every rank: see [Note: transactional load].
@@ -108,7 +108,7 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     state: dict[str, Any] | None = None
     peak = Peak()
     try:  # everything before `agree`: an error on some ranks only reaches every rank there
-        across = across_tp(opt, path)  # a tp root saved at another tp size (tp_reshard.py)
+        across = across_tp(opt, path)  # a tp root saved at another tp size (_tp_reshard.py)
         if across is None:
             path = tp_directory(opt, path, saving=False)  # tp: this tp rank's folder
             if getattr(opt, "tp", None) is not None:  # See [Note: one step across tp folders]
@@ -183,7 +183,7 @@ def _read_staged(d: Path, manifest: dict[str, Any], infos: list[ShardInfo],
     modes: `load_shard_state` converts it into the optimizer's). Each file is opened once, its
     size and header checked against the manifest, and its slices read into the staging
     buffers; with `verify`, in the same pass that hashes it, so what is staged is what was
-    verified (see [Note: load what was verified] in shardfile.py).
+    verified (see [Note: load what was verified] in _shardfile.py).
 
     int8 scales are read block by block: a quantization block is QBLOCK elements of one param
     from a multiple of QBLOCK of it at any world size (params and shard pieces start at

@@ -1,5 +1,5 @@
 """Optimizer state across tp sizes: a tensor-parallel checkpoint root (fusedzero/checkpoint/
-placements.py) loaded at another tp size, tp=1 (a plain model) included.
+_placements.py) loaded at another tp size, tp=1 (a plain model) included.
 
 Param by param, each tp folder's local master, exp_avg and exp_avg_sq are read (as `export` reads
 them: `weights.read_param`), assembled into the full tensor by the saved placement (`full_of`:
@@ -28,10 +28,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fusedzero.checkpoint import catalog
-from fusedzero.checkpoint.format import Peak
-from fusedzero.checkpoint.manifest import CheckpointError, manifest_modes
-from fusedzero.checkpoint.placements import (
+from fusedzero.checkpoint import _catalog as catalog
+from fusedzero.checkpoint._format import Peak
+from fusedzero.checkpoint._manifest import CheckpointError, manifest_modes
+from fusedzero.checkpoint._placements import (
     check_bound,
     check_folder,
     describe,
@@ -40,8 +40,8 @@ from fusedzero.checkpoint.placements import (
     local_of,
     read,
 )
-from fusedzero.checkpoint.shardfile import ShardReaders, digests
-from fusedzero.checkpoint.weights import param_pieces, read_param
+from fusedzero.checkpoint._shardfile import ShardReaders, digests
+from fusedzero.checkpoint._weights import param_pieces, read_param
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.state import ShardState
 
@@ -88,7 +88,7 @@ def read_across(opt: ZeroAdamW, root: Path, rec: dict[str, Any], peak: Peak, ver
     check_bound(root, rec)  # before any data: the folders were saved with this record
     dirs, manifests, pieces = [], [], []
     for t in range(T):
-        # sha256 when read (see [Note: load what was verified] in shardfile.py)
+        # sha256 when read (see [Note: load what was verified] in _shardfile.py)
         d = catalog.verify(folder(root, t, T), checksums=False)
         m = catalog.read_manifest(d)
         modes = manifest_modes(m)

@@ -1,4 +1,4 @@
-"""Save: every rank writes its shard, rank 0 the manifest last (format in `format.py`).
+"""Save: every rank writes its shard, rank 0 the manifest last (format in `_format.py`).
 
 `save` is collective and gathers what rank 0 needs (each writer's segment tables, every rank's
 packed caller and RNG state) before anything is written, so a bad caller_state or a root that is
@@ -26,9 +26,9 @@ import torch
 
 from fusedzero import _dtypes as dtypes
 from fusedzero._comm import group_timeout
-from fusedzero.checkpoint.binding import shard_metadata
-from fusedzero.checkpoint.collectives import agree, gather_to_first
-from fusedzero.checkpoint.format import (
+from fusedzero.checkpoint._binding import shard_metadata
+from fusedzero.checkpoint._collectives import agree, gather_to_first
+from fusedzero.checkpoint._format import (
     LATEST,
     MANIFEST,
     SafetensorsWriter,
@@ -39,10 +39,10 @@ from fusedzero.checkpoint.format import (
     step_dir_name,
     write_text_atomic,
 )
-from fusedzero.checkpoint.manifest import FORMAT, MAX_MANIFEST, STEP_DIR, VERSION, CheckpointError
-from fusedzero.checkpoint.optview import aliases, hyperparams
-from fusedzero.checkpoint.placements import tp_directory, tp_origin
-from fusedzero.checkpoint.rank_state import pack, rng_state, unpack
+from fusedzero.checkpoint._manifest import FORMAT, MAX_MANIFEST, STEP_DIR, VERSION, CheckpointError
+from fusedzero.checkpoint._optview import aliases, hyperparams
+from fusedzero.checkpoint._placements import tp_directory, tp_origin
+from fusedzero.checkpoint._rank_state import pack, rng_state, unpack
 
 if TYPE_CHECKING:
     from fusedzero.optim import ZeroAdamW
@@ -197,7 +197,7 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
             err = e
     agree(err, group, W, "save")  # also the barrier: the staging directory exists now
 
-    # What this shard's bytes mean, in its own header (binding.py): the manifest rank 0
+    # What this shard's bytes mean, in its own header (_binding.py): the manifest rank 0
     # writes must agree with it row by row, or nothing loads.
     meta = shard_metadata({"world_size": W, "stage": int(opt.stage), "step": step,
                            "step_count": step_count, "modes": st.modes.to_json()
@@ -375,7 +375,7 @@ def _finalize(root: Path, staging: Path, name: str, base: dict[str, Any],
 def _rotate(root: Path, keep_last: int, current: str) -> None:
     """Keep the newest `keep_last` checkpoints up to `current` (the one `latest` now names,
     always kept). Newer step folders belong to another branch (this run resumed from an older
-    step; see [Note: latest decides] in catalog.py): they are left alone, and this run replaces
+    step; see [Note: latest decides] in _catalog.py): they are left alone, and this run replaces
     each when it saves that step."""
     upto = int(STEP_DIR.match(current).group(1))  # type: ignore[union-attr]
     done = []

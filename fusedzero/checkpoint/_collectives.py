@@ -6,7 +6,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from fusedzero.checkpoint.manifest import CheckpointError
+from fusedzero.checkpoint._manifest import CheckpointError
 
 
 def gather_to_first(obj: Any, group: dist.ProcessGroup | None, W: int, rank: int

@@ -1,5 +1,5 @@
 """`export_tp`: one model's safetensors of full tensors from a tensor-parallel checkpoint root
-(see fusedzero/checkpoint/placements.py for the layout), and `export`, which `checkpoint.export`,
+(see fusedzero/checkpoint/_placements.py for the layout), and `export`, which `checkpoint.export`,
 `fusedzero ckpt export` and `hf.export_hf` call: a tp root through `export_tp`, any other
 checkpoint through `weights.export`."""
 from __future__ import annotations
@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 
-from fusedzero.checkpoint import weights
-from fusedzero.checkpoint.catalog import read_manifest, resolve
-from fusedzero.checkpoint.manifest import CheckpointError
-from fusedzero.checkpoint.placements import TP_FILE, check_bound, folder, full_of, read
-from fusedzero.checkpoint.weights import Exported
+from fusedzero.checkpoint import _weights as weights
+from fusedzero.checkpoint._catalog import read_manifest, resolve
+from fusedzero.checkpoint._manifest import CheckpointError
+from fusedzero.checkpoint._placements import TP_FILE, check_bound, folder, full_of, read
+from fusedzero.checkpoint._weights import Exported
 
 _FOLDER = re.compile(r"tp\d+of\d+")
 

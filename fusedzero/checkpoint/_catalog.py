@@ -1,7 +1,7 @@
 """Checkpoints on disk: find them, read their manifest, check their files.
 
 `resolve` turns a path into a checkpoint directory, `read_manifest` parses and validates its
-manifest (`manifest.py`), `verify` / `problems` check the shard files against it (size, header,
+manifest (`_manifest.py`), `verify` / `problems` check the shard files against it (size, header,
 sha256, rank states, the folder's name), `find_latest` picks what `latest` names
 (see [Note: latest decides]), `inspect` summarises one. Nothing here writes.
 
@@ -23,9 +23,9 @@ import stat
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from fusedzero.checkpoint.binding import header_problems, tensor_problems
-from fusedzero.checkpoint.format import LATEST, MANIFEST, open_regular
-from fusedzero.checkpoint.manifest import (
+from fusedzero.checkpoint._binding import header_problems, tensor_problems
+from fusedzero.checkpoint._format import LATEST, MANIFEST, open_regular
+from fusedzero.checkpoint._manifest import (
     MAX_LATEST,
     MAX_MANIFEST,
     STEP_DIR,
@@ -34,8 +34,8 @@ from fusedzero.checkpoint.manifest import (
     parse,
     snippet,
 )
-from fusedzero.checkpoint.rank_state import decode
-from fusedzero.checkpoint.shardfile import ShardFile
+from fusedzero.checkpoint._rank_state import decode
+from fusedzero.checkpoint._shardfile import ShardFile
 
 
 def resolve(path: str | os.PathLike[str]) -> Path:
@@ -90,13 +90,13 @@ def latest_name(latest: Path) -> str:
 
 def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse the manifest of checkpoint directory `path` (or of its `latest`) and validate all
-    of it against the format's schema (`manifest.py`): CheckpointError naming the
+    of it against the format's schema (`_manifest.py`): CheckpointError naming the
     first malformed field."""
     d = resolve(path)
     f = d / MANIFEST
     fd = open_regular(f, "manifest")  # never through a link, never waiting on a FIFO
     try:
-        # At most MAX_MANIFEST + 1 bytes are read (see its computation in manifest.py), and no
+        # At most MAX_MANIFEST + 1 bytes are read (see its computation in _manifest.py), and no
         # buffer is sized beyond the file (read(n) allocates n bytes up front).
         with os.fdopen(fd, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
@@ -218,7 +218,7 @@ def name_problem(d: Path, manifest: dict[str, Any]) -> str | None:
 def file_problems(d: Path, manifest: dict[str, Any], names: list[str] | None,
                   checksums: bool, *, legacy: bool = False) -> list[str]:
     """Problems with the shard files `names` (all if None): missing, size, header rows bound to
-    the manifest (`binding.py`), tensor dtypes and shapes, sha256 -- in that order, so nothing
+    the manifest (`_binding.py`), tensor dtypes and shapes, sha256 -- in that order, so nothing
     is hashed or allocated for a file whose header already disagrees. A manifest of an older
     format version is one problem (convert it) unless `legacy` (the converter's own check)."""
     if manifest["version"] < VERSION and not legacy:
@@ -242,7 +242,7 @@ def file_problems(d: Path, manifest: dict[str, Any], names: list[str] | None,
 def shard_problem(p: Path, manifest: dict[str, Any], entry: dict[str, Any],
                   checksums: bool) -> str | None:
     """Why shard file `p` (manifest entry `entry`) fails verification, or None. Read through
-    one descriptor (see [Note: load what was verified] in shardfile.py)."""
+    one descriptor (see [Note: load what was verified] in _shardfile.py)."""
     why = link_problem(p)
     if why is not None:
         return why
@@ -275,7 +275,7 @@ def link_problem(p: Path) -> str | None:
 
 def open_problem(f: ShardFile, manifest: dict[str, Any], entry: dict[str, Any]) -> str | None:
     """Why the open shard `f` does not fit its manifest entry: its size, then its header rows
-    bound to the manifest (`binding.py`), tensor dtypes and shapes; nothing is allocated for a
+    bound to the manifest (`_binding.py`), tensor dtypes and shapes; nothing is allocated for a
     file whose header already disagrees."""
     if f.size != entry["bytes"]:
         return (f"{f.path}: {f.size} bytes, manifest says {entry['bytes']} "

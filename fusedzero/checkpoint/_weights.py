@@ -27,10 +27,10 @@ from safetensors import safe_open
 
 from fusedzero import _dtypes as dtypes
 from fusedzero._shard_init import write_runs
-from fusedzero.checkpoint import catalog
-from fusedzero.checkpoint.catalog import read_manifest
-from fusedzero.checkpoint.collectives import agree
-from fusedzero.checkpoint.format import (
+from fusedzero.checkpoint import _catalog as catalog
+from fusedzero.checkpoint._catalog import read_manifest
+from fusedzero.checkpoint._collectives import agree
+from fusedzero.checkpoint._format import (
     LATEST,
     MANIFEST,
     Peak,
@@ -40,10 +40,10 @@ from fusedzero.checkpoint.format import (
     remove,
     write_text_atomic,
 )
-from fusedzero.checkpoint.manifest import STEP_DIR, CheckpointError, snippet
-from fusedzero.checkpoint.optview import aliases, param_table
-from fusedzero.checkpoint.placements import tp_source
-from fusedzero.checkpoint.shardfile import ShardReaders, digests
+from fusedzero.checkpoint._manifest import STEP_DIR, CheckpointError, snippet
+from fusedzero.checkpoint._optview import aliases, param_table
+from fusedzero.checkpoint._placements import tp_source
+from fusedzero.checkpoint._shardfile import ShardReaders, digests
 from fusedzero.state import ShardState
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     """
     if dtype not in dtypes.FLOAT_DTYPES:
         raise ValueError(f"export dtype {dtype} not in {dtypes.FLOAT_DTYPES}")
-    # sha256 below, of the bytes read (see [Note: load what was verified] in shardfile.py)
+    # sha256 below, of the bytes read (see [Note: load what was verified] in _shardfile.py)
     d = catalog.verify(src, checksums=False)
     m = read_manifest(d)
     out = Path(out)

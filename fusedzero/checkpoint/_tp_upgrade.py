@@ -1,5 +1,5 @@
 """Convert a tensor-parallel root of record version 1 into the current version (each tp folder
-bound to the record, fusedzero/checkpoint/placements.py).
+bound to the record, fusedzero/checkpoint/_placements.py).
 
     fusedzero ckpt upgrade OLD_TP_ROOT NEW_ROOT
 
@@ -9,7 +9,7 @@ Loads and exports refuse a version-1 root: its tp folders are not bound to its
 what such a root can promise -- the record's schema, that every tp folder's newest checkpoint
 verifies (sizes, headers, sha256), holds exactly the params and local shapes the record's
 placements give, and that the folders agree on the step count -- and then takes the record as it
-is: convert only a root whose record you trust. As `upgrade.py`, it writes a new root and leaves
+is: convert only a root whose record you trust. As `_upgrade.py`, it writes a new root and leaves
 the old one untouched: each tp folder's newest checkpoint copied into `NEW_ROOT/tp{t}of{T}`
 (format 1 or 2 converted on the way) and bound, `tensor_parallel.json` written last.
 """
@@ -22,8 +22,8 @@ from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
-from fusedzero.checkpoint import catalog
-from fusedzero.checkpoint.format import (
+from fusedzero.checkpoint import _catalog as catalog
+from fusedzero.checkpoint._format import (
     LATEST,
     MANIFEST,
     fsync_dir,
@@ -31,8 +31,8 @@ from fusedzero.checkpoint.format import (
     step_dir_name,
     write_text_atomic,
 )
-from fusedzero.checkpoint.manifest import VERSION, CheckpointError
-from fusedzero.checkpoint.placements import (
+from fusedzero.checkpoint._manifest import VERSION, CheckpointError
+from fusedzero.checkpoint._placements import (
     TP_FILE,
     TP_VERSION,
     check_folder,
@@ -40,7 +40,7 @@ from fusedzero.checkpoint.placements import (
     read,
     write_binding,
 )
-from fusedzero.checkpoint.upgrade import upgrade
+from fusedzero.checkpoint._upgrade import upgrade
 
 
 def upgrade_tp(src: str | os.PathLike[str], out: str | os.PathLike[str], *,

@@ -25,8 +25,8 @@ from fusedzero.memory_modes import MASTER_MODES, STATE_MODES, MemoryModes
 FORMAT = "fusedzero-checkpoint"
 # 2: `modes` (memory modes: each state stored in its own dtype, with its scales); a version-1
 # manifest has none and its states are fp32 (`manifest_modes`).
-# 3: each shard's header records what its bytes mean (`binding.py`). Versions 1 and 2 are read
-# only by the converter (`fusedzero ckpt upgrade`, `upgrade.py`); loading them is refused.
+# 3: each shard's header records what its bytes mean (`_binding.py`). Versions 1 and 2 are read
+# only by the converter (`fusedzero ckpt upgrade`, `_upgrade.py`); loading them is refused.
 VERSION = 3
 READABLE_VERSIONS = (1, 2, 3)
 STEP_DIR = re.compile(r"^step-(\d+)$")

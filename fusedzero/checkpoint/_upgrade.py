@@ -3,7 +3,7 @@
     fusedzero ckpt upgrade OLD NEW_ROOT        # writes NEW_ROOT/step-N and NEW_ROOT/latest
 
 Versions 1 and 2 are refused by every load, because their shard headers do not record what their
-bytes mean (`binding.py`). The converter checks what those versions could promise -- the
+bytes mean (`_binding.py`). The converter checks what those versions could promise -- the
 manifest's schema, every shard's size, header rows, tensor names, dtypes and shapes, and every
 sha256 -- then rewrites each shard with the same tensors (one tensor in memory at a time) and a
 version-3 header, and writes the manifest last, as `save` does. The old checkpoint is not touched.
@@ -16,9 +16,9 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from fusedzero.checkpoint.binding import shard_metadata
-from fusedzero.checkpoint.catalog import file_problems, read_manifest, resolve
-from fusedzero.checkpoint.format import (
+from fusedzero.checkpoint._binding import shard_metadata
+from fusedzero.checkpoint._catalog import file_problems, read_manifest, resolve
+from fusedzero.checkpoint._format import (
     LATEST,
     MANIFEST,
     ST_DTYPE,
@@ -30,7 +30,7 @@ from fusedzero.checkpoint.format import (
     step_dir_name,
     write_text_atomic,
 )
-from fusedzero.checkpoint.manifest import VERSION, CheckpointError, manifest_modes
+from fusedzero.checkpoint._manifest import VERSION, CheckpointError, manifest_modes
 
 _TORCH_DTYPE = {code: dt for dt, code in ST_DTYPE.items()}
 

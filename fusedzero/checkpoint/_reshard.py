@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from fusedzero._layout import Segment, intersect
-from fusedzero.checkpoint.manifest import CheckpointError
+from fusedzero.checkpoint._manifest import CheckpointError
 
 if TYPE_CHECKING:
     from fusedzero.state import ShardInfo

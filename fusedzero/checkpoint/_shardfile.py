@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 import torch
 from safetensors import safe_open
 
-from fusedzero.checkpoint.format import ST_DTYPE, open_regular, raw_bytes
-from fusedzero.checkpoint.manifest import CheckpointError, snippet
+from fusedzero.checkpoint._format import ST_DTYPE, open_regular, raw_bytes
+from fusedzero.checkpoint._manifest import CheckpointError, snippet
 
 # safetensors' own cap on a header (its reader refuses more): 100 MB.
 MAX_HEADER = 100_000_000

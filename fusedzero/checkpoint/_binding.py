@@ -1,6 +1,6 @@
 """The manifest bound to its shards: each shard file's own header says what its bytes mean.
 
-A manifest is checked against a schema (`manifest.py`) and each shard file against the
+A manifest is checked against a schema (`_manifest.py`) and each shard file against the
 manifest's size and sha256. That leaves edits that keep the manifest internally consistent:
 two params' segment offsets swapped, a state dtype changed, a shape transposed, a stage that
 contradicts the shards. Each would load other data than was saved, with no error. So every
@@ -23,8 +23,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from fusedzero.checkpoint.format import SHARD_FORMAT, ST_DTYPE, count_str
-from fusedzero.checkpoint.manifest import VERSION, manifest_modes
+from fusedzero.checkpoint._format import SHARD_FORMAT, ST_DTYPE, count_str
+from fusedzero.checkpoint._manifest import VERSION, manifest_modes
 from fusedzero.memory_modes import QBLOCK, MemoryModes
 from fusedzero.state import fields_of
 

@@ -14,11 +14,11 @@ A checkpoint root of an optimizer whose params are DTensors on a tp mesh of T ra
 
 `save` and `load` route a tp optimizer into its `tp{t}of{T}` folder (`tp_directory`), after
 checking `tensor_parallel.json` against the live model; `export_tp` (fusedzero/checkpoint/
-tp_export.py, also reached by `checkpoint.export` and `fusedzero ckpt export`) writes one
+_tp_export.py, also reached by `checkpoint.export` and `fusedzero ckpt export`) writes one
 consolidated safetensors file of full tensors (loadable into the unparallelized model, or into
 any (dp, tp) layout with `import_weights`, which slices the full tensors by the live
 placements: `tp_source`). `load` at another tp size (tp=1, a plain model, included) assembles
-the full optimizer state from every tp folder: fusedzero/checkpoint/tp_reshard.py.
+the full optimizer state from every tp folder: fusedzero/checkpoint/_tp_reshard.py.
 
 `tensor_parallel.json` is untrusted input: it is parsed against a strict schema (sizes bounded,
 placements from a small grammar) and compared with the live model, never used to index files.
@@ -26,9 +26,9 @@ The schema cannot see an edit that keeps every local shape (`S(0)` -> `SS(0,2)` 
 weight: each tp rank still holds [4, 6], other rows), and a load across tp sizes or an export
 has no live placement to compare with; so each tp folder holds a binding file naming its tp
 rank and the digest of the record it was saved with, and `check_bound` compares every folder's
-with the record before any data is read (as binding.py binds a manifest to its shard headers).
+with the record before any data is read (as _binding.py binds a manifest to its shard headers).
 A root of record version 1 (before the binding) is refused with the way to convert it:
-`fusedzero ckpt upgrade ROOT NEW_ROOT` (fusedzero/checkpoint/tp_upgrade.py).
+`fusedzero ckpt upgrade ROOT NEW_ROOT` (fusedzero/checkpoint/_tp_upgrade.py).
 
 [Note: one step across tp folders] Each tp folder is saved by its own dp group; a save killed or
 failed after some folders committed leaves their `latest` at different steps, and each tp rank
@@ -51,10 +51,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fusedzero.checkpoint.binding import canonical
-from fusedzero.checkpoint.catalog import list_checkpoints, resolve
-from fusedzero.checkpoint.format import write_text_atomic
-from fusedzero.checkpoint.manifest import CheckpointError, snippet
+from fusedzero.checkpoint._binding import canonical
+from fusedzero.checkpoint._catalog import list_checkpoints, resolve
+from fusedzero.checkpoint._format import write_text_atomic
+from fusedzero.checkpoint._manifest import CheckpointError, snippet
 
 TP_FILE = "tensor_parallel.json"
 TP_FORMAT = "fusedzero-tensor-parallel"
@@ -274,7 +274,7 @@ def tp_origin(opt: Any) -> dict[str, Any]:
 def check_origin(d: Path, m: dict[str, Any], t: int, size: int) -> None:
     """Checkpoint `d` (manifest `m`) sits in tp folder t of `size`: refuse it if its manifest
     says another tp rank saved it (a checkpoint written before the field: nothing to check;
-    a removed field no longer matches the shard headers, binding.py)."""
+    a removed field no longer matches the shard headers, _binding.py)."""
     got = m.get("tp")
     if got is not None and got != {"rank": t, "size": size}:
         raise CheckpointError(
