@@ -9,7 +9,7 @@ bucket is split into `world_size` equal shards of `shard_numel` elements, and ra
     full element  k*B + r*S + j   <->   rank r, local element  k*S + j      (0 <= j < S)
 
 Equal buckets keep the map a two-term formula, which lets the fused kernel read and write a
-rank's pieces of full buffers in place (see `fusedzero.kernels.adamw`), and bound the padding to
+rank's pieces of full buffers in place (see `fusedzero.kernels._adamw`), and bound the padding to
 `num_buckets * world_size * ALIGN` elements per buffer plus each param's alignment hole.
 
 Everything that must survive a change of world size or stage goes through `Segment`s, never raw

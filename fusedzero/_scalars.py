@@ -13,8 +13,8 @@ from fusedzero import _comm as comm
 from fusedzero._comm import CommContext
 from fusedzero.kernels import Hyper
 from fusedzero.kernels._launch import copy_from_host
-from fusedzero.kernels.rows import Rows
-from fusedzero.kernels.step_scalars import step_scalars
+from fusedzero.kernels._rows import Rows
+from fusedzero.kernels._step_scalars import step_scalars
 
 
 class LossScaler:
@@ -89,7 +89,7 @@ class StepScalars:
         the tensor-parallel group whose ranks hold the other tp shards (`sumsq()` then counts
         each replicated param on one tp rank only). One all-reduce of one scalar per group,
         then one launch for every scalar and, where given, the update's `rows` of `hyper`
-        (see [Note: one launch for the step's scalars] in kernels/step_scalars.py); no host
+        (see [Note: one launch for the step's scalars] in kernels/_step_scalars.py); no host
         sync."""
         need_norm = self.max_grad_norm is not None or self.skip_nonfinite or self.scaler
         total = None

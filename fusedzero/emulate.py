@@ -40,7 +40,7 @@ from fusedzero import _comm as comm, wire
 from fusedzero._comm import CommCounter
 from fusedzero._flat import FlatBuffer
 from fusedzero._units import ShardInit
-from fusedzero.kernels.quant import new_packed
+from fusedzero.kernels._quant import new_packed
 from fusedzero.plan import PLAN_PRECISION, Plan, PlanConfig, plan_model
 from fusedzero.policy import Precision, Sharding, Wire
 from fusedzero.stage import Stage

@@ -26,7 +26,7 @@ import torch
 
 from fusedzero import _comm as comm
 from fusedzero._comm import CommContext, Handle
-from fusedzero.kernels.quant import (
+from fusedzero.kernels._quant import (
     WBLOCK,
     WireFormat,
     chunk_bytes,

@@ -61,11 +61,11 @@ SLOW_ONLY = {
                                     "seconds; tests/integrations/test_hf_trainer.py",
     "fusedzero/integrations/lightning.py": "a Lightning strategy: importing lightning costs "
                                            "seconds; tests/integrations/test_lightning_strategy.py",
-    "kernels/compile_memory_modes.py": "offline compilation (a child without the interpreter): "
+    "kernels/_compile_memory_modes.py": "offline compilation (a child without the interpreter): "
                                        "tests/kernels/test_compile.py",
-    "kernels/compile_quant.py": "offline compilation of the wire kernels (a child without the "
+    "kernels/_compile_quant.py": "offline compilation of the wire kernels (a child without the "
                                 "interpreter): tests/kernels/test_quant.py",
-    "kernels/compile_scalars.py": "offline compilation of the step's scalar kernels (a child "
+    "kernels/_compile_scalars.py": "offline compilation of the step's scalar kernels (a child "
                                   "without the interpreter): tests/kernels/test_step_scalars.py",
 }
 

@@ -47,7 +47,7 @@ from fusedzero import Precision, ZeroAdamW
 from fusedzero._bandwidth import copy_op, time_ops
 from fusedzero.app.model import GPT, PRESETS, GPTConfig, gpt_param_groups
 from fusedzero.kernels import bytes_per_param
-from fusedzero.kernels.memory_modes import stream_bytes
+from fusedzero.kernels._memory_modes import stream_bytes
 
 LR, WD, CLIP = 1e-3, 0.1, 1.0
 BF16 = torch.bfloat16

@@ -12,7 +12,7 @@ import pytest
 import torch
 import triton
 
-from fusedzero.kernels import LAUNCHES, adamw as adamw_mod, adamw_reference, adamw_step, sumsq
+from fusedzero.kernels import LAUNCHES, _adamw as adamw_mod, adamw_reference, adamw_step, sumsq
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

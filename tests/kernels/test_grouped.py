@@ -150,7 +150,7 @@ def test_grouped_sumsq_one_launch_per_dtype_matches_float64(backend: str) -> Non
 def test_sumsq_torch_path_splits_and_joins_pieces_across_chunks(monkeypatch) -> None:
     """The CPU path squares the pieces chunk by chunk through one small scratch: pieces that
     span, end on or fall inside a chunk boundary are all counted once (float64 reference)."""
-    from fusedzero.kernels import sum_of_squares
+    from fusedzero.kernels import _sum_of_squares as sum_of_squares
     monkeypatch.setattr(sum_of_squares, "_CHUNK", 1000)
     g = torch.Generator().manual_seed(5)
     for dtype in (torch.float32, torch.bfloat16):

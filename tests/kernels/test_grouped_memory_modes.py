@@ -17,7 +17,7 @@ from fusedzero.kernels import (
     Strided,
     adamw_step,
 )
-from fusedzero.kernels.memory_modes import STATE_DTYPES
+from fusedzero.kernels._memory_modes import STATE_DTYPES
 
 from _helpers import fast_only
 

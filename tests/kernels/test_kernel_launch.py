@@ -14,13 +14,13 @@ import triton.runtime.interpreter as interp
 
 from fusedzero.kernels import (
     Strided,
+    _adamw as adamw_mod,
     _launch,
-    adamw as adamw_mod,
+    _sum_of_squares as sumsq_mod,
+    _table as table,
     adamw_reference,
     adamw_step,
-    sum_of_squares as sumsq_mod,
     sumsq,
-    table,
 )
 
 CUDA_MAX_Y = 65535  # CUDA's limit on grid axes 1 and 2

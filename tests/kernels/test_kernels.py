@@ -14,10 +14,10 @@ import torch
 from fusedzero.kernels import (
     LAUNCHES,
     Strided,
-    adamw as adamw_mod,
+    _adamw as adamw_mod,
+    _sum_of_squares as sumsq_mod,
     adamw_reference,
     adamw_step,
-    sum_of_squares as sumsq_mod,
     sumsq,
 )
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 from torch import nn
 
-import fusedzero.kernels.adamw as adamw
-import fusedzero.kernels.rows as rows
-import fusedzero.kernels.step_scalars as step_scalars
-import fusedzero.kernels.sum_of_squares as sumsq
+import fusedzero.kernels._adamw as adamw
+import fusedzero.kernels._rows as rows
+import fusedzero.kernels._step_scalars as step_scalars
+import fusedzero.kernels._sum_of_squares as sumsq
 from fusedzero.optim import ZeroAdamW
 
 

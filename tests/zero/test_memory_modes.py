@@ -1,5 +1,5 @@
-"""Memory modes of the fused AdamW (kernels/memory_modes.py) against the float64 reference of the same
-algorithm, on the Triton interpreter and the torch path.
+"""Memory modes of the fused AdamW (kernels/_memory_modes.py) against the float64 reference of the
+same algorithm, on the Triton interpreter and the torch path.
 
 Tolerances. The kernel computes the update in fp32 (within ULPS fp32 ulps of exact, see
 tests/kernels/test_kernels.py) and then rounds what it stores exactly as the reference does on the exact
@@ -27,7 +27,7 @@ from fusedzero.kernels import (
     dequantize_blockwise,
     quantize_blockwise,
 )
-from fusedzero.kernels.adamw import BLOCK
+from fusedzero.kernels._adamw import BLOCK
 
 from _helpers import fast_only
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.kernels import sum_of_squares
+from fusedzero.kernels import _sum_of_squares as sum_of_squares
 from fusedzero.optim import ZeroAdamW
 
 # Slow: the first count walks every object of the process (gc), ~1 s in a pytest session.

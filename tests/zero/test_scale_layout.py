@@ -17,7 +17,7 @@ from fusedzero._layout import (
     default_bucket_numel,
 )
 from fusedzero.emulate import meta_model
-from fusedzero.kernels import Strided, _launch, table
+from fusedzero.kernels import Strided, _launch, _table as table
 from fusedzero.plan import LinkModel, PlanConfig, plan_model
 from fusedzero.stage import Stage
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from fusedzero import Groups, Precision, Sharding, Wire, ZeroAdamW, _comm as comm, wire
 from fusedzero._comm import CommContext, CommCounter
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.kernels.quant import WBLOCK, WireFormat, dequantize_into, new_packed
+from fusedzero.kernels._quant import WBLOCK, WireFormat, dequantize_into, new_packed
 from fusedzero.plan import PlanConfig, plan_model, plan_params
 from fusedzero.testing import fake_group, run_ranks
 

@@ -2,7 +2,7 @@
 
 A non-finite element makes the sum inf or nan, so `~isfinite(sumsq)` is also the non-finite-grad
 flag: one pass gives both. `GroupedSumsq` is built once over every grad view of a rank and runs
-one launch per grad dtype (a piece table as in the AdamW kernel, kernels/table.py); every launch
+one launch per grad dtype (a piece table as in the AdamW kernel, kernels/_table.py); every launch
 writes the fp32 partial sum of each of its programs into one partials buffer, then one `sum`
 over it. Deterministic: the same partials in the same order every step.
 """
@@ -14,11 +14,19 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedzero.kernels._launch import (ENABLE_FP_FUSION, GRAD_DTYPES, Strided, as_strided,
-                                       check_stream, count_launch, device_guard, shard_numel_of,
-                                       use_triton)
-from fusedzero.kernels import table
-from fusedzero.kernels.table import SUMSQ_WIDTH, Buffer, Piece, Table, build_table, pieces_of
+from fusedzero.kernels import _table as table
+from fusedzero.kernels._launch import (
+    ENABLE_FP_FUSION,
+    GRAD_DTYPES,
+    Strided,
+    as_strided,
+    check_stream,
+    count_launch,
+    device_guard,
+    shard_numel_of,
+    use_triton,
+)
+from fusedzero.kernels._table import SUMSQ_WIDTH, Buffer, Piece, Table, build_table, pieces_of
 
 # 4096 elements per program keeps the partials buffer small (1/4096 of the shard) while every
 # thread still issues several 128-bit loads.
@@ -39,7 +47,7 @@ def _grouped_sumsq_kernel(
     # Program `prog` squares BLOCK elements of its piece and writes partial `prog`; one grid
     # axis (CUDA caps axes 1-2 at 65535), int64 offsets.
     prog = tl.program_id(0).to(tl.int64)
-    # The piece's table row (kernels/table.py `SumsqCol`).
+    # The piece's table row (kernels/_table.py `SumsqCol`).
     entry = piece_ptr + tl.load(prog_piece_ptr + prog).to(tl.int64) * _WIDTH
     off = tl.load(entry + table.SumsqCol.X)
     numel = tl.load(entry + table.SumsqCol.NUMEL)

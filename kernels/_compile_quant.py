@@ -1,11 +1,11 @@
-"""Offline compile of the wire kernels (kernels/quant.py) for a CUDA target, no GPU needed:
-`python -m fusedzero.kernels.compile_quant [--capability 90] [--json PATH]` prints registers,
+"""Offline compile of the wire kernels (kernels/_quant.py) for a CUDA target, no GPU needed:
+`python -m fusedzero.kernels._compile_quant [--capability 90] [--json PATH]` prints registers,
 spills and global access forms per variant (tests/kernels/test_quant.py reads the JSON).
 
 Arguments are declared as the launchers pass them: pointers 16-byte aligned (tensor starts) and
 the sizes and chunk strides multiples of 16, as the runtime specialises int arguments that are
 (the optimizer's shards are multiples of 128; an int8 chunk stride S + S/32 bytes is one when S
-is a multiple of 512), see [Note: wire vector widths] in quant.py.
+is a multiple of 512), see [Note: wire vector widths] in _quant.py.
 """
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fusedzero.kernels import quant as _quant
+from fusedzero.kernels import _quant as _quant
+from fusedzero.kernels._compile import _TRITON_DTYPE, _jit_fn, memory_accesses, resource_usage
 from fusedzero.kernels._launch import ENABLE_FP_FUSION
-from fusedzero.kernels.compile import _TRITON_DTYPE, _jit_fn, memory_accesses, resource_usage
 
 _VALUE = {"fp32": "*fp32", "bf16": "*bf16", "int8": "*i8"}
 _FMT = {"fp32": 0, "bf16": 1, "int8": 2}

@@ -1,11 +1,11 @@
 """The torch path (CPU tensors) of the memory-mode variants: the kernel's fp32 ops, vectorised.
 
 Every operation is the one the Triton kernel does, in the same order and precision (fp32 math
-from the per-step rows of kernels/rows.py, the same integer rounding and hash), so this path and
+from the per-step rows of kernels/_rows.py, the same integer rounding and hash), so this path and
 the interpreter agree bit for bit. fp32 master with fp32 states never comes here: it stays
-torch's own fused AdamW (adamw_torch.py).
+torch's own fused AdamW (_adamw_torch.py).
 
-`ModeCombo` is one grouped launch's pieces (kernels/table.py, in the memory modes' row layout
+`ModeCombo` is one grouped launch's pieces (kernels/_table.py, in the memory modes' row layout
 `AdamWCol`: master, grad, exp_avg, exp_avg_sq, out, comp, exp_avg's scales, exp_avg_sq's scales;
 ints: the bf16-sr index offset). A step is one vectorised pass per hyper-parameter row over all its pieces,
 concatenated (every piece is whole quantization blocks, so the int8 blocks stay the kernel's).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedzero.kernels.memory_modes import (
+from fusedzero.kernels._memory_modes import (
     QBLOCK,
     dequantize_blockwise,
     quantize_blockwise,
@@ -22,8 +22,8 @@ from fusedzero.kernels.memory_modes import (
     sr_bits,
     stochastic_round_bf16_torch,
 )
-from fusedzero.kernels.rows import RowCol
-from fusedzero.kernels.table import AdamWCol, Piece
+from fusedzero.kernels._rows import RowCol
+from fusedzero.kernels._table import AdamWCol, Piece
 
 # Stream indices of a piece's tensors.
 _MASTER, _GRAD, _M, _V, _OUT, _COMP, _MS, _VS = (
@@ -96,7 +96,7 @@ class ModeCombo:
 def _update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
             hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The kernel's order of operations (torch.optim.AdamW's single-tensor path), all fp32, with
-    # the row's columns (kernels/rows.py RowCol): the bias corrections are in step_size, bc2_sqrt.
+    # the row's columns (kernels/_rows.py RowCol): the bias corrections are in step_size, bc2_sqrt.
     step_size, bc2_sqrt, decay = hp[RowCol.STEP_SIZE], hp[RowCol.BC2_SQRT], hp[RowCol.DECAY]
     omb1, beta2, omb2 = hp[RowCol.ONE_MINUS_BETA1], hp[RowCol.BETA2], hp[RowCol.ONE_MINUS_BETA2]
     eps, grad_mult = hp[RowCol.EPS], hp[RowCol.GRAD_MULT]

@@ -1,5 +1,5 @@
-"""Offline compile of the per-step scalar kernels (`step_scalars.py`, `rows.py`) for a CUDA
-target, no GPU needed: `python -m fusedzero.kernels.compile_scalars [--capability 80 90]
+"""Offline compile of the per-step scalar kernels (`_step_scalars.py`, `_rows.py`) for a CUDA
+target, no GPU needed: `python -m fusedzero.kernels._compile_scalars [--capability 80 90]
 [--json PATH]` prints registers and the arithmetic forms per variant (tests/kernels/
 test_step_scalars.py reads the JSON: the fp32 ops must be IEEE round-to-nearest, as the torch
 path and the interpreter compute them).
@@ -18,10 +18,9 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fusedzero.kernels import rows as _rows
-from fusedzero.kernels import step_scalars as _scalars
+from fusedzero.kernels import _rows as _rows, _step_scalars as _scalars
+from fusedzero.kernels._compile import _jit_fn, resource_usage
 from fusedzero.kernels._launch import ENABLE_FP_FUSION
-from fusedzero.kernels.compile import _jit_fn, resource_usage
 
 # (NORM, SCALED, CLIP, SKIP_NONFINITE, ROWS) variants of the scalar kernel: none, the clip
 # alone, all (the last with the update's rows, as `ZeroAdamW.step` launches it).

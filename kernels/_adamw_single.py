@@ -1,4 +1,4 @@
-"""A single buffer's AdamW update through the grouped launch (adamw.py), and its float64
+"""A single buffer's AdamW update through the grouped launch (_adamw.py), and its float64
 reference: the API tests and `fusedzero doctor` use for one shard, in any memory mode."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from fusedzero.kernels._adamw import AdamWBuffer, GroupedAdamW
 from fusedzero.kernels._launch import Hyper, Strided, as_strided, check_scalar, shard_numel_of
-from fusedzero.kernels.adamw import AdamWBuffer, GroupedAdamW
-from fusedzero.kernels.rows import check_consts
+from fusedzero.kernels._rows import check_consts
 
 
 class AdamWPlan:
@@ -84,8 +84,8 @@ def adamw_step(
     are one-element tensors on the same device. Keyword arguments: beta1, beta2, eps,
     weight_decay (required), maximize, and the layout and memory mode below.
 
-    Every stream covers `num_buckets` pieces of `shard_numel` elements (see kernels/adamw.py);
-    plain tensors are the local layout. Memory modes (kernels/memory_modes.py): with `master_mode`
+    Every stream covers `num_buckets` pieces of `shard_numel` elements (see kernels/_adamw.py);
+    plain tensors are the local layout. Memory modes (kernels/_memory_modes.py): with `master_mode`
     "bf16-kahan", "bf16-sr" or "bf16", `master` is the bf16 param (no fp32 master) and `out` must
     be None; `kahan` is the bf16 compensation buffer (local layout, bf16-kahan only); `seed` a
     one-element int32/int64 tensor and `sr_offset` this buffer's offset in the random stream

@@ -3,10 +3,10 @@
 Computed once per step on the device from the lr vector, the step count and the grad scale, in
 fp64 rounded once to fp32, so no update kernel and no torch path has an fp64 operation per
 element. With the Triton kernels that is part of the step's scalar launch (kernels/
-step_scalars.py; `_adamw_rows_kernel`, one program with a lane per group, where rows are asked
+_step_scalars.py; `_adamw_rows_kernel`, one program with a lane per group, where rows are asked
 for alone); on the torch path a few vectorised torch ops (`adamw_rows`), each of which
 would be a launch and ~15-25 us of host on CUDA (see [Note: one launch for the step's scalars],
-kernels/step_scalars.py). Both compute the same fp64 values up to a few fp64 ulps (the kernel's
+kernels/_step_scalars.py). Both compute the same fp64 values up to a few fp64 ulps (the kernel's
 expm1 is Kahan's, from exp and log), so the same fp32 rows. Nothing is read back to the host.
 """
 from __future__ import annotations
@@ -158,7 +158,7 @@ def _write_rows(lr_ptr, c64_ptr, step32, grad_scale, rows_ptr, n, NCOLS: tl.cons
                 LOG_BETA2: tl.constexpr):
     """The rows from this step's count and grad scale (fp32 values): the same fp64 operations
     as `adamw_rows` in the same order, each rounded once to fp32. Also called by the step's
-    scalar kernel with the values it just computed (kernels/step_scalars.py)."""
+    scalar kernel with the values it just computed (kernels/_step_scalars.py)."""
     r = tl.arange(0, BLOCK)
     m = r < n
     lr = tl.load(lr_ptr + r, mask=m, other=0.0).to(tl.float64)

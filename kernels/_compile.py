@@ -22,10 +22,10 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from fusedzero.kernels import adamw as _adamw, sum_of_squares as _sumsq
+from fusedzero.kernels import _adamw as _adamw, _sum_of_squares as _sumsq
+from fusedzero.kernels._compile_memory_modes import adamw_ptrs, mode_variants
 from fusedzero.kernels._launch import ENABLE_FP_FUSION, GRAD_DTYPES
-from fusedzero.kernels.compile_memory_modes import adamw_ptrs, mode_variants
-from fusedzero.kernels.memory_modes import MASTER_CODE, STATE_CODE
+from fusedzero.kernels._memory_modes import MASTER_CODE, STATE_CODE
 
 KERNELS = ("adamw", "sumsq")
 
@@ -46,7 +46,7 @@ def _jit_fn(module: Any, name: str) -> triton.runtime.JITFunction:
         # were decorated when triton was imported: nothing in this process can be compiled.
         raise RuntimeError(f"{name} was built for the Triton interpreter (TRITON_INTERPRET=1 when "
                            "triton was imported); compile in a process without it, e.g. "
-                           "`TRITON_INTERPRET=0 python -m fusedzero.kernels.compile`")
+                           "`TRITON_INTERPRET=0 python -m fusedzero.kernels._compile`")
     return fn
 
 
@@ -90,7 +90,7 @@ def compile_for(kernel_name: str, capability: int, grad_dtype: torch.dtype,
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name in ptrs}
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    # The launchers' options, so the PTX here is what runs (no FMA contraction: see adamw.py).
+    # The launchers' options, so the PTX here is what runs (no FMA contraction: see _adamw.py).
     return triton.compile(src, target=GPUTarget("cuda", capability, 32),
                           options={"num_warps": num_warps,
                                    "enable_fp_fusion": ENABLE_FP_FUSION})
@@ -130,7 +130,7 @@ def variants() -> list[Variant]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m fusedzero.kernels.compile [--capability 80 90] [--json PATH]`: compile every
+    """`python -m fusedzero.kernels._compile [--capability 80 90] [--json PATH]`: compile every
     variant offline and print registers, spills, shared-memory accesses, fp64 instructions and
     global access widths (JSON with PTX to PATH)."""
     ap = argparse.ArgumentParser(description=main.__doc__)

@@ -5,14 +5,14 @@ and optionally a bf16/fp16/fp32 copy of the new params.
 
 Grouped launch. `GroupedAdamW` is built once over every flat buffer of a rank (all param groups,
 all stage-3 units, all buckets) and updates them all with one launch per (grad dtype, output
-dtype): a piece table (kernels/table.py) tells each program which piece it updates and which
+dtype): a piece table (kernels/_table.py) tells each program which piece it updates and which
 hyper-parameter row it reads. The rows (one per param group, `rows.RowCol`) are computed once per
 step on the device from the lr vector, the step count and the grad scale, in fp64 (by one small
-launch with the Triton kernels, by torch ops on the torch path: kernels/rows.py), so the update
+launch with the Triton kernels, by torch ops on the torch path: kernels/_rows.py), so the update
 kernel itself has no fp64 instruction.
 Nothing is read back to the host: a step has no host sync and can be captured in a CUDA graph.
 
-Memory modes (kernels/memory_modes.py: bf16 masters with Kahan comp or stochastic rounding, bf16 or
+Memory modes (kernels/_memory_modes.py: bf16 masters with Kahan comp or stochastic rounding, bf16 or
 blockwise-int8 states) are constexpr variants (MASTER_MODE, STATE_MODE) of the same kernel and
 the same launch: the mode is the optimizer's, so a step is still one launch per (grad dtype, out
 dtype). Their extra streams (comp, the int8 scales) and bf16-sr's index offset are extra columns
@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedzero.kernels import adamw_torch, rows as hp_rows, table
+from fusedzero.kernels import _adamw_torch as adamw_torch, _rows as hp_rows, _table as table
 from fusedzero.kernels._launch import (
     ENABLE_FP_FUSION,
     GRAD_DTYPES,
@@ -52,7 +52,7 @@ from fusedzero.kernels._launch import (
     device_guard,
     use_triton,
 )
-from fusedzero.kernels.memory_modes import (
+from fusedzero.kernels._memory_modes import (
     MASTER_CODE,
     QBLOCK,
     STATE_CODE,
@@ -65,9 +65,9 @@ from fusedzero.kernels.memory_modes import (
     store_master,
     store_state,
 )
-from fusedzero.kernels.memory_modes_torch import ModeCombo
-from fusedzero.kernels.rows import Rows, check_consts
-from fusedzero.kernels.table import (
+from fusedzero.kernels._memory_modes_torch import ModeCombo
+from fusedzero.kernels._rows import Rows, check_consts
+from fusedzero.kernels._table import (
     ADAMW_MODE_WIDTH,
     ADAMW_WIDTH,
     AdamWCol,
@@ -100,7 +100,7 @@ assert BLOCK % QBLOCK == 0  # a program's scales are whole quantization blocks
 
 
 # Loads and stores of master and the moments are the memory modes' helpers
-# (kernels/memory_modes.py): a mode (a bf16 master, bf16 or blockwise-int8 moments) is a constexpr
+# (kernels/_memory_modes.py): a mode (a bf16 master, bf16 or blockwise-int8 moments) is a constexpr
 # variant of them, local to them. In the default mode (0, 0) they are one plain load/store per
 # stream.
 @triton.jit
@@ -135,7 +135,7 @@ def _grouped_adamw_kernel(
     # element offsets: a stream may pass 2**31 elements.
     prog = tl.program_id(0).to(tl.int64)
     piece = tl.load(prog_piece_ptr + prog).to(tl.int64)
-    # The piece's table row (kernels/table.py `AdamWCol`): the default mode's or a memory mode's.
+    # The piece's table row (kernels/_table.py `AdamWCol`): the default mode's or a memory mode's.
     if MASTER_MODE == 0 and STATE_MODE == 0:
         entry = piece_ptr + piece * _WIDTH
     else:
@@ -148,7 +148,7 @@ def _grouped_adamw_kernel(
     g_base = grad_ptr + _offset(entry + table.AdamWCol.GRAD, ALIGNED)
     a_base = exp_avg_ptr + _offset(entry + table.AdamWCol.EXP_AVG, ALIGNED)
     s_base = exp_avg_sq_ptr + _offset(entry + table.AdamWCol.EXP_AVG_SQ, ALIGNED)
-    # This piece's param group's row of per-step hyper-parameters (kernels/rows.py `RowCol`).
+    # This piece's param group's row of per-step hyper-parameters (kernels/_rows.py `RowCol`).
     hp = row_ptr + tl.load(entry + table.AdamWCol.ROW) * _NCOLS
     step_size = tl.load(hp + hp_rows.RowCol.STEP_SIZE)
     bc2_sqrt = tl.load(hp + hp_rows.RowCol.BC2_SQRT)
@@ -210,7 +210,7 @@ def _qblocks(blk, BLOCK: tl.constexpr):
 
 class AdamWBuffer(NamedTuple):
     """One buffer for `GroupedAdamW`: its streams, layout and hyper-parameter row (param group),
-    and a memory mode's own buffers (kernels/memory_modes.py): the Kahan comp (local layout), the
+    and a memory mode's own buffers (kernels/_memory_modes.py): the Kahan comp (local layout), the
     int8 scales (one fp32 per QBLOCK local elements) and the buffer's offset in bf16-sr's
     stream."""
 
@@ -259,8 +259,9 @@ class GroupedAdamW:
     A "launch" is one `_grouped_adamw_kernel` launch on CUDA (and in the interpreter); on the
     torch path (CPU) it is one grouped call: in the default mode one `torch._fused_adamw_` per
     row with tensor lists over all its buffers and pieces, in a memory mode one vectorised pass
-    per row over all its pieces (memory_modes_torch.py). `LAUNCHES["adamw"]` counts them. The memory
-    mode (`master_mode`, `states`, bf16-sr's `seed`) is the optimizer's: one for every buffer.
+    per row over all its pieces (_memory_modes_torch.py). `LAUNCHES["adamw"]` counts them. The
+    memory mode (`master_mode`, `states`, bf16-sr's `seed`) is the optimizer's: one for every
+    buffer.
     Every check of the streams is done here, once; `require_aligned` refuses tables the kernel
     could not access with 128-bit vectors (what the optimizer's layout guarantees).
     """
@@ -303,7 +304,7 @@ class GroupedAdamW:
         """One update of every buffer: `step` (already counted), `grad_scale` (multiplies the
         grad) and `skip` (non-zero: leave everything untouched) are one-element device tensors.
         `rows_written`: `self.rows` already holds this step's rows (the step's scalar launch
-        wrote them, kernels/step_scalars.py)."""
+        wrote them, kernels/_step_scalars.py)."""
         if not self.launches:
             return
         if self.rows is None:

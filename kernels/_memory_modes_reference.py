@@ -1,16 +1,17 @@
 """Float64 reference of the memory-mode update, for tests.
 
-The same algorithm as the kernel (kernels/memory_modes.py), computed exactly where the kernel rounds
-to fp32: the update in float64 from the stored state, then the roundings the algorithm itself makes
-(to bf16, stochastic rounding with the kernel's random bits, the int8 maps on the exact values with
-round-half-up) done exactly in float64. It shares with the kernel only the definition of the random
-bits (`modes.sr_bits`), which are an input of the algorithm, not math to check.
+The same algorithm as the kernel (kernels/_memory_modes.py), computed exactly where the kernel
+rounds to fp32: the update in float64 from the stored state, then the roundings the algorithm
+itself makes (to bf16, stochastic rounding with the kernel's random bits, the int8 maps on the
+exact values with round-half-up) done exactly in float64. It shares with the kernel only the
+definition of the random bits (`modes.sr_bits`), which are an input of the algorithm, not math to
+check.
 """
 from __future__ import annotations
 
 import torch
 
-from fusedzero.kernels.memory_modes import QBLOCK, SIGNED_QMAX, UNSIGNED_QMAX, check_modes, sr_bits
+from fusedzero.kernels._memory_modes import QBLOCK, SIGNED_QMAX, UNSIGNED_QMAX, check_modes, sr_bits
 
 
 def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:

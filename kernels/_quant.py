@@ -23,7 +23,7 @@ and the step's non-finite check sees it.
 
 [Note: wire vector widths] The runtime specialises int arguments that are multiples of 16 (n_out,
 chunk_v: the optimizer's shards are multiples of 128) as such, which makes the masks uniform over a
-vector: 128-bit accesses (compile_quant.py).
+vector: 128-bit accesses (_compile_quant.py).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from fusedzero.kernels._launch import ENABLE_FP_FUSION, count_launch, device_guard, use_triton
-from fusedzero.kernels.memory_modes import round_to_bf16
+from fusedzero.kernels._memory_modes import round_to_bf16
 
 # int8 elements per fp32 scale. 128 = the flat layout's alignment (fusedzero/_layout.py ALIGN), so
 # every shard chunk is whole blocks; the scales cost 4/128 = 3.1% on top of the codes.

@@ -21,7 +21,7 @@ import dataclasses
 import torch
 
 from fusedzero.kernels._launch import Hyper
-from fusedzero.kernels.table import AdamWCol, Piece
+from fusedzero.kernels._table import AdamWCol, Piece
 
 # Elements per chunk: see [Note: cache-blocked update].
 CHUNK = 1 << 15

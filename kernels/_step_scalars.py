@@ -10,7 +10,7 @@ division and square root, no FMA contraction), so both paths give the same bits:
 `sqrt(total) * inv`, the clip as torch's `max_norm / x` computes it (`reciprocal(x) *
 max_norm`), clamped to 1 and ignored for a non-finite norm, and `step + (1 - skip)`. Given the
 update's rows (`rows.Rows`), the same program then writes them from the step count and grad
-scale it just computed (kernels/rows.py, the same fp64 operations as their own launch): the
+scale it just computed (kernels/_rows.py, the same fp64 operations as their own launch): the
 step's scalars, bias corrections and lr rows are one launch.
 """
 from __future__ import annotations
@@ -19,9 +19,15 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedzero.kernels._launch import (ENABLE_FP_FUSION, Hyper, check_scalar, count_launch,
-                                       device_guard, use_triton)
-from fusedzero.kernels.rows import Rows, _write_rows, adamw_rows, row_constexprs
+from fusedzero.kernels._launch import (
+    ENABLE_FP_FUSION,
+    Hyper,
+    check_scalar,
+    count_launch,
+    device_guard,
+    use_triton,
+)
+from fusedzero.kernels._rows import Rows, _write_rows, adamw_rows, row_constexprs
 
 
 @triton.jit

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from fusedzero.kernels import memory_modes as _modes
+from fusedzero.kernels import _memory_modes as _modes
 
 
 def adamw_ptrs(g: str, out_dtype: torch.dtype | None, master_mode: str, states: str,
