@@ -1,4 +1,6 @@
-"""`fusedzero doctor`: green on this machine, and non-zero as soon as one check fails."""
+"""`fusedzero doctor`: green on this machine, and non-zero as soon as one check fails.
+
+About an internal: fusedzero.kernels._step_scalars."""
 from __future__ import annotations
 
 import json

@@ -3,6 +3,9 @@
 Hostile manifests and planted files are built from a real 1-rank checkpoint of a tiny model
 in this process (milliseconds each); the cross-rank cases (a read failing on one rank during
 `load`, per-replica RNG with `Groups(replicate=)`) share one spawn of 2 gloo ranks.
+
+About internals: fusedzero.checkpoint._format, fusedzero.checkpoint._saving,
+fusedzero.checkpoint._shardfile, fusedzero.checkpoint._weights.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Shard files are read through one descriptor (see [Note: load what was verified] in
 checkpoint/_shardfile.py): a swap between the check and the read loads nothing swapped in, a
 folder whose name is not valid UTF-8 verifies and loads, a shard that cannot be opened is
-reported as what it is. 1-rank checkpoints of a tiny model, in this process."""
+reported as what it is. 1-rank checkpoints of a tiny model, in this process.
+
+About an internal: fusedzero.checkpoint._shardfile."""
 from __future__ import annotations
 
 import builtins

@@ -5,6 +5,9 @@ Each case is an attack or a failure that, before these checks, ran code, loaded 
 was saved with exit code 0, read a file whole, or ended in a Python traceback. The in-process
 cases use a 1-rank checkpoint of a tiny model; the train cases are in test_checkpoint_trust_run.py
 (they spawn ranks).
+
+About internals: fusedzero.checkpoint._catalog, fusedzero.checkpoint._manifest,
+fusedzero.checkpoint._saving.
 """
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ The preflight cases fail in the launcher before any rank starts; the disk-full c
 process (one gloo rank: `fusedzero train` joins an initialised group) with the shard write made to
 fail with ENOSPC by the writer's test hook -- a monkeypatched write, not a real full disk; the
 others spawn ranks.
+
+About internals: fusedzero.checkpoint._format, fusedzero.checkpoint._rank_state.
 """
 from __future__ import annotations
 

@@ -2,6 +2,8 @@
 checkpoint/_weights.py): interrupted at any point, the folder holds the old export or no index,
 never an index over shards of two checkpoints; a failed write leaves no temporary behind; and
 `import_weights` refuses an index over another export's shards. 1-rank tiny model, in-process.
+
+About an internal: fusedzero.checkpoint._format.
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """The RNG states a checkpoint carries: they round-trip through pack/unpack (weights-only) and
 restore every generator exactly, in today's form (state words as int64 tensors) and in the form
-of checkpoints saved before (lists of ints)."""
+of checkpoints saved before (lists of ints).
+
+About an internal: fusedzero.checkpoint._rank_state."""
 from __future__ import annotations
 
 import random

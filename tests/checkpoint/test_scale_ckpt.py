@@ -4,6 +4,9 @@ W ranks (W shard files and a manifest written by the library's own save), verify
 
 Every value is a function of (param, element) (a `ShardInit`), so what rank r of 8 loads can be
 checked against the formula on its own segments, whatever W saved it.
+
+About internals: fusedzero._layout, fusedzero.checkpoint._catalog, fusedzero.checkpoint._loading,
+fusedzero.checkpoint._manifest.
 """
 from __future__ import annotations
 

@@ -1,7 +1,9 @@
 """Checkpoints of tensor-parallel optimizers (fusedzero/checkpoint/_placements.py,
 _tp_reshard.py): saved at (dp=2, tp=2), loaded at (dp=1, tp=2), (dp=4, tp=1) and (dp=2, tp=1)
 with the optimizer state bit-exact (another stage each), exported as one file of full tensors;
-tensor_parallel.json is validated, not trusted."""
+tensor_parallel.json is validated, not trusted.
+
+About an internal: fusedzero.checkpoint._placements."""
 from __future__ import annotations
 
 import json

@@ -4,7 +4,10 @@ each tp rank's dp group would, and bound to the record as `save` binds them), ex
 full tensors, assembled by the recorded placements, through the library and `fusedzero ckpt
 export`. The record is bound to the folders: an edit that keeps every local shape, a folder
 swap or an older unbound root is refused before any data is read. The multi-rank round trip is
-tests/checkpoint/test_tp_checkpoint.py (slow)."""
+tests/checkpoint/test_tp_checkpoint.py (slow).
+
+About internals: fusedzero._dtensor, fusedzero.checkpoint._placements,
+fusedzero.checkpoint._tp_export."""
 from __future__ import annotations
 
 import json

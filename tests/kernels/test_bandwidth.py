@@ -1,5 +1,7 @@
 """fusedzero/_bandwidth.py (what doctor and bench/bench_update.py measure with) and the bench's
-byte accounting and CUDA branch, as far as they can be checked without a GPU."""
+byte accounting and CUDA branch, as far as they can be checked without a GPU.
+
+About internals: fusedzero._bandwidth, fusedzero.kernels._adamw_single."""
 from __future__ import annotations
 
 import contextlib

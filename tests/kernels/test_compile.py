@@ -4,6 +4,9 @@
 conftest.py imports triton in interpreter mode, where nothing can be compiled, so the variants are
 compiled once in a child process (`python -m fusedzero.kernels._compile --json`) and the tests read
 its output.
+
+About internals: fusedzero.kernels._adamw, fusedzero.kernels._compile,
+fusedzero.kernels._memory_modes, fusedzero.kernels._sum_of_squares.
 """
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 Launch counts are exact (they do not depend on the machine). The numerics of many buffers with
 mixed hyper-parameter rows go through the real grouped kernel in the Triton interpreter (and the
 torch path) against the float64 reference, buffer by buffer.
+
+About internals: fusedzero._scalars, fusedzero.kernels._sum_of_squares.
 """
 from __future__ import annotations
 

@@ -4,6 +4,8 @@ The interpreter copies each kernel argument's storage to the host; our grouped l
 every buffer through element offsets from one base tensor (kernels/_table.py), which in those
 copies point into arbitrary host memory (reads of garbage, writes that corrupt the heap). No GPU
 is needed: the launchers decide before touching a tensor.
+
+About an internal: fusedzero.kernels._launch.
 """
 from __future__ import annotations
 

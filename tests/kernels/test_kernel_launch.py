@@ -2,6 +2,9 @@
 
 Neither needs a GPU: the grid is arithmetic, and the launch is observed through a recording
 `torch.cuda.device` and a fake kernel object (the launchers index `kernel[grid]` and call it).
+
+About internals: fusedzero.kernels._adamw, fusedzero.kernels._launch,
+fusedzero.kernels._sum_of_squares, fusedzero.kernels._table.
 """
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """The pieces of the memory modes on their own: the int8 maps, stochastic rounding, the bytes each
-variant moves, and the launcher's argument checks (kernels/_memory_modes.py)."""
+variant moves, and the launcher's argument checks (kernels/_memory_modes.py).
+
+About internals: fusedzero.kernels._memory_modes, fusedzero.kernels._memory_modes_reference."""
 from __future__ import annotations
 
 import math

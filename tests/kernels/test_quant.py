@@ -2,7 +2,9 @@
 interpreter and the torch path agree bitwise, and both match a float64 reference within the
 quantization bound (tests/zero/test_wire.py derives it): int8 |deq - x| <= absmax / 254 * (1 +
 2^-14) per block, bf16 |deq - x| <= |x| 2^-8, fp32 exact; the fp32 sum of W chunks within
-(W - 1) u of the sum of |values|, u = 2^-24, plus one rounding for the scale and the store."""
+(W - 1) u of the sum of |values|, u = 2^-24, plus one rounding for the scale and the store.
+
+About an internal: fusedzero.kernels._quant."""
 from __future__ import annotations
 
 import pytest

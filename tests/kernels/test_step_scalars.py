@@ -2,7 +2,10 @@
 same bits as their torch paths (see [Note: one launch for the step's scalars]), and compiled for
 sm_80/sm_90 with IEEE fp32 division and square root.
 
-The `_interpreter` tests run the kernel code through Triton's interpreter (CPU tensors)."""
+The `_interpreter` tests run the kernel code through Triton's interpreter (CPU tensors).
+
+About internals: fusedzero.kernels._launch, fusedzero.kernels._rows,
+fusedzero.kernels._step_scalars."""
 from __future__ import annotations
 
 import itertools

@@ -2,7 +2,9 @@
 of a bucket sums raw grads and divides this rank's piece afterwards; that is bitwise the division
 before (the only order at W = 3), at stages 1-3, fp32 and bf16 reduction, with micro-batches
 reduced one by one (accumulation across reductions) and under no_sync. Only on 2 ranks: the
-property is about W a power of two."""
+property is about W a power of two.
+
+About an internal: fusedzero._reduce."""
 from __future__ import annotations
 
 import pytest

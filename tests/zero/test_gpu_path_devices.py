@@ -7,6 +7,8 @@
 - Backends: what a wait means is decided per device type from the group's backend string
   ("cpu:gloo,cuda:nccl" for a mixed group); a one-rank gloo group registered for both device
   types gives that string's shape without NCCL.
+
+About internals: fusedzero._comm, fusedzero._validate.
 """
 from __future__ import annotations
 

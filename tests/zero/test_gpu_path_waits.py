@@ -10,6 +10,8 @@ orders the reader after it), but on CPU gloo the wait is usually a formality bec
 collective already finished. Here a read that no wait covers sees NaN, which reaches the loss:
 the results must equal a single-process torch.optim.AdamW run bit for bit in what they depend on
 (1e-6 relative: the fused update's arithmetic order).
+
+About an internal: fusedzero._comm.
 """
 from __future__ import annotations
 

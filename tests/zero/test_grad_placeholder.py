@@ -1,7 +1,9 @@
 """See [Note: a grad onto a placeholder] (fusedzero/_grads.py): between backward passes `p.grad` may
 be a NoLocalGrad placeholder; the next micro-batch's AccumulateGrad adds onto it, and that add
 (and only that one) counts the placeholder as zero. Single process (W=1): what is checked is the
-hook path, the same at every world size."""
+hook path, the same at every world size.
+
+About an internal: fusedzero._grads."""
 from __future__ import annotations
 
 import pytest

@@ -8,6 +8,8 @@ reductions' handles reporting complete at once, or never until waited on: the tw
 issued collectives must be the same. Before: replica all-reduces started when a poll found
 their shard reduction complete, so the first trace interleaved them, the second put them all
 at the end of backward.
+
+About an internal: fusedzero._comm.
 """
 from __future__ import annotations
 

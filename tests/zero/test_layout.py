@@ -1,4 +1,6 @@
-"""Flat-layout geometry (fusedzero/_layout.py): padding bounds over many world sizes and buckets."""
+"""Flat-layout geometry (fusedzero/_layout.py): padding bounds over many world sizes and buckets.
+
+About an internal: fusedzero._layout."""
 from __future__ import annotations
 
 import math

@@ -3,6 +3,8 @@ without reporting, and (through `fusedzero train`) signals, locks and pre-flight
 
 Every multi-rank case here has a short process-group timeout and a test timeout: a regression
 shows up as a failure, never as a hung suite.
+
+About internals: fusedzero._comm, fusedzero._spawn, fusedzero.checkpoint._saving.
 """
 from __future__ import annotations
 

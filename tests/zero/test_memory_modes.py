@@ -8,6 +8,8 @@ straddle a bf16 rounding boundary: then it is 1 bf16 ulp off. That happens with 
 2 * ULPS * 2**-24 / 2**-8 = 2**-12 per element, so we allow 1 ulp everywhere and count the
 off ones (< 1%, ~40x the expectation; a wrong rounding mode is off on ~50%). Likewise an int8
 code is the reference's or one off, and off codes are < 1%.
+
+About an internal: fusedzero.kernels._adamw.
 """
 from __future__ import annotations
 

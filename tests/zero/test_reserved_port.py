@@ -1,7 +1,9 @@
 """See [Note: a port held for the ranks] (fusedzero/_spawn.py): while a port is reserved no other
 bind takes it, and rank 0's store still listens on it. Before: `SpawnedRanks` (every
 `fusedzero train` and test pool) chose a port free at that moment and released it, and a CI
-run's `fusedzero train` failed with EADDRINUSE when another test's process bound it first."""
+run's `fusedzero train` failed with EADDRINUSE when another test's process bound it first.
+
+About an internal: fusedzero._spawn."""
 from __future__ import annotations
 
 import datetime

@@ -2,6 +2,9 @@
 
 Everything here is arithmetic or meta-device tensors: no storage past a few KB, no process
 group. The emulated optimizer itself is tests/zero/test_scale.py (slow tier).
+
+About internals: fusedzero._flat, fusedzero._layout, fusedzero.kernels._launch,
+fusedzero.kernels._table.
 """
 from __future__ import annotations
 

@@ -3,6 +3,8 @@
 
 Ranks of W = 8 and 1024 are emulated one at a time on torch's fake process group (each builds
 its own shard; the collectives move nothing) and compared element-wise with a W = 1 build.
+
+About internals: fusedzero._layout, fusedzero._shard_init.
 """
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
 """A transformers model from the meta device, initialised by its own `_init_weights` at stage 3
 on each rank's elements only (fusedzero/_shard_init.py): the same values at W = 1 and on each of
-4 emulated ranks, with the config's distributions."""
+4 emulated ranks, with the config's distributions.
+
+About an internal: fusedzero._layout."""
 from __future__ import annotations
 
 import pytest

@@ -7,7 +7,10 @@ scalars] in kernels/_step_scalars.py). Issue 40 item 2: no op per param group or
 
 The kernels are stubbed out (nothing runs: what is counted is what the host issues), so the
 count is exact and the same on any machine; their arithmetic is tested against the torch path
-in tests/kernels/test_step_scalars.py."""
+in tests/kernels/test_step_scalars.py.
+
+About internals: fusedzero.kernels._adamw, fusedzero.kernels._rows,
+fusedzero.kernels._step_scalars, fusedzero.kernels._sum_of_squares."""
 from __future__ import annotations
 
 import collections

@@ -2,7 +2,9 @@
 wait and the limit, whichever of gloo's words reported it: "Timed out waiting ..." from the op
 that ran out of time, or "Application timeout caused pair closure" from one whose connection the
 timeout closed (a CI run of tests/zero/test_lifecycle.py's stalled-rank case got the second and
-ended with gloo's bare words). No process group needed: the handles here raise as gloo does."""
+ended with gloo's bare words). No process group needed: the handles here raise as gloo does.
+
+About an internal: fusedzero._comm."""
 from __future__ import annotations
 
 import datetime

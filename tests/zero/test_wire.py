@@ -13,6 +13,8 @@ result scaled by 1/W (the average), u = 2^-24 (fp32) and deq_r the value rank r'
 
 So |result - mean(x)| <= (sum_r q_r + W u sum_r |deq_r|) / W, and |result - mean(deq)| <=
 W u sum_r |deq_r| / W: the tests assert both, on data whose magnitudes span six decades.
+
+About internals: fusedzero._comm, fusedzero.kernels._quant.
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""ZeRO stages 0-2 on 1, 2 and 4 gloo ranks against a single-process torch.optim.AdamW."""
+"""ZeRO stages 0-2 on 1, 2 and 4 gloo ranks against a single-process torch.optim.AdamW.
+
+About an internal: fusedzero._layout."""
 from __future__ import annotations
 
 import copy

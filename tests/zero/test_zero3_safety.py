@@ -1,5 +1,7 @@
 """Stage 3 hazards outside the happy path: step ordering against in-flight gathers,
-params touched outside a forward, and state dicts."""
+params touched outside a forward, and state dicts.
+
+About an internal: fusedzero._zero3."""
 from __future__ import annotations
 
 from pathlib import Path
