@@ -52,8 +52,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fusedzero import Precision, Sharding, ZeroAdamW  # noqa: E402
+from fusedzero._spawn import reserved_port  # noqa: E402
 from fusedzero.app.model import GPT, PRESETS, GPTConfig, gpt_param_groups  # noqa: E402
-from fusedzero.spawn import reserved_port  # noqa: E402
 
 from _common import SUMMARY, add_stats, replay  # noqa: E402
 

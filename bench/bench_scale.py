@@ -32,9 +32,8 @@ from pathlib import Path
 
 import torch
 
-from fusedzero import Precision, Sharding, ZeroAdamW
+from fusedzero import Precision, Sharding, ShardInit, ZeroAdamW
 from fusedzero.emulate import LlamaShape, fake_group, meta_model, param_groups
-from fusedzero.units import ShardInit
 
 SHARD = int(float(os.environ.get("FUSEDZERO_BENCH_SCALE_SHARD", "1.5e6")))
 ROUNDS = int(os.environ.get("FUSEDZERO_BENCH_SCALE_ROUNDS", "30"))
@@ -144,7 +143,7 @@ def bench_ckpt(W: int = 1024, load_world: int = 8) -> dict:
     `load_world`: wall times, manifest bytes, this process's RSS."""
     import tempfile
 
-    from fusedzero.checkpoint import catalog, loading
+    from fusedzero.checkpoint import _catalog as catalog, _loading as loading
     from fusedzero.emulate import rss_bytes
     from fusedzero.emulate_ckpt import emulated_rank, save_emulated
 

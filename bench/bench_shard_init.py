@@ -8,7 +8,7 @@ group (fusedzero/emulate.py); each case runs in a fresh subprocess.
 Providers (the `param_init_fn` a user passes):
 - `zeros`: a `ShardInit` writing zeros into each local segment (the emulation's default);
 - `model`: none, i.e. each module's `reset_parameters()`, run on this rank's elements only
-  (fusedzero/shard_init.py: the default since issue 43);
+  (fusedzero/_shard_init.py: the default since issue 43);
 - `full-unit`: `FullUnitInit()`, every unit built in full on every rank (the old default; the
   70B shape takes minutes: `--full` asks for it).
 
@@ -28,7 +28,7 @@ import json, resource, sys, time
 import torch
 from fusedzero.emulate import fake_group, meta_model, param_groups, rss_bytes
 from fusedzero import Precision, Sharding, ZeroAdamW
-from fusedzero.units import FullUnitInit, ShardInit
+from fusedzero import FullUnitInit, ShardInit
 
 shape, W, provider = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 init = {"zeros": ShardInit(lambda n, out, s: out.zero_()), "model": None,

@@ -13,10 +13,10 @@ GB/s is reported two ways, per provider, in extra_info:
 The byte counts per parameter are derived below from each code path. Beside them, in the same
 rounds, a plain device copy (`dst.copy_(src)`) of the same bytes (read + write of 28 B/param
 in all): `copy_gbps` is what this device delivers to a streaming op, and `pct_of_copy` =
-gbps_min / copy_gbps the fraction of it the update achieves (fusedzero/bandwidth.py, the same
+gbps_min / copy_gbps the fraction of it the update achieves (fusedzero/_bandwidth.py, the same
 measurement `fusedzero doctor` makes).
 
-Timing (fusedzero/bandwidth.py `time_ops`), providers and the copy round-robin in one run:
+Timing (fusedzero/_bandwidth.py `time_ops`), providers and the copy round-robin in one run:
   CPU   one call per provider per round, time.perf_counter, rounds sized to
         FUSEDZERO_BENCH_UPDATE_SECONDS per provider (sizes 1M, 4M, 16M elements);
   CUDA  per round and provider `triton.testing.do_bench` (CUDA events around each rep, the L2
@@ -45,7 +45,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedzero import bandwidth
+from fusedzero import _bandwidth as bandwidth
 from fusedzero.kernels import AdamWPlan, backend, use_triton
 
 from _common import SUMMARY, add_stats, replay
@@ -74,7 +74,7 @@ class Bytes(NamedTuple):
     note: str
 
 
-# What the math must touch (fusedzero/bandwidth.py): fp32 update, read p, g, m, v (16), write p, m,
+# What the math must touch (fusedzero/_bandwidth.py): fp32 update, read p, g, m, v (16), write p, m,
 # v (12); the ZeRO mixed setup reads a bf16 grad (2) and writes a bf16 copy (2) too.
 FP32 = bandwidth.update_bytes_per_param(torch.float32, None)
 MIXED = bandwidth.update_bytes_per_param(torch.bfloat16, torch.bfloat16)
@@ -168,7 +168,7 @@ def _rounds(fns: dict[str, Callable[[], None]], device: str) -> int:
 
 
 def _measure(device: str, n: int) -> dict[str, list[float]]:
-    """Time every provider and the copy at one size, round-robin (fusedzero.bandwidth), so load
+    """Time every provider and the copy at one size, round-robin (fusedzero._bandwidth), so load
     from other processes and clock drift hit all of them alike."""
     key = (device, n)
     if key in _TIMES:

@@ -1,7 +1,6 @@
 """The table of memory modes in docs/memory_modes.md: optimizer-state bytes per param and bytes
 the update moves per param, for every (master, states), from the same formulas the library uses
-(`fusedzero.memory_modes.MemoryModes.state_bytes`,
-`fusedzero.kernels.memory_modes.bytes_per_param`).
+(`fusedzero.memory_modes.MemoryModes.state_bytes`, `fusedzero.kernels.bytes_per_param`).
 
     python bench/modes_table.py            # prints the markdown table
 tests/zero/test_memory_modes_plumbing.py checks that docs/memory_modes.md holds exactly this output.
@@ -12,7 +11,7 @@ import itertools
 
 import torch
 
-from fusedzero.kernels.memory_modes import bytes_per_param
+from fusedzero.kernels import bytes_per_param
 from fusedzero.memory_modes import MASTER_MODES, QBLOCK, STATE_MODES, MemoryModes
 
 

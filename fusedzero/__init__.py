@@ -13,14 +13,14 @@ __all__ = ["FullUnitInit", "Groups", "MemoryReport", "Precision", "Sharding", "S
            "Stage", "Wire", "ZeroAdamW", "__version__"]
 
 if TYPE_CHECKING:
+    from fusedzero._units import FullUnitInit, ShardInit
     from fusedzero.optim import MemoryReport, Stage, ZeroAdamW
     from fusedzero.policy import Groups, Precision, Sharding, Wire
-    from fusedzero.units import FullUnitInit, ShardInit
 
 # Public name -> the module that defines it, imported on first use.
 _HOMES = {"MemoryReport": "optim", "Stage": "optim", "ZeroAdamW": "optim",
           "Groups": "policy", "Precision": "policy", "Sharding": "policy", "Wire": "policy",
-          "ShardInit": "units", "FullUnitInit": "units"}
+          "ShardInit": "_units", "FullUnitInit": "_units"}
 
 
 def __getattr__(name: str) -> Any:

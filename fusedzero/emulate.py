@@ -17,7 +17,7 @@ ever exists here:
   the byte counts are exact, but nothing is allocated.
 
 Resident bytes are `ZeroAdamW.memory()`; communication per step is counted by issuing one
-step's collectives (`fusedzero.comm`, the optimizer's own free functions, on meta tensors of
+step's collectives (`fusedzero._comm`, the optimizer's own free functions, on meta tensors of
 each bucket's shape) over the fake group. `python -m fusedzero.emulate --table` prints the
 table of docs/scale.md.
 """
@@ -36,14 +36,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedzero import comm, wire
-from fusedzero.comm import CommCounter
-from fusedzero.flat import FlatBuffer
-from fusedzero.kernels.quant import new_packed
+from fusedzero import _comm as comm, wire
+from fusedzero._comm import CommCounter
+from fusedzero._flat import FlatBuffer
+from fusedzero._units import ShardInit
+from fusedzero.kernels._quant import new_packed
 from fusedzero.plan import PLAN_PRECISION, Plan, PlanConfig, plan_model
 from fusedzero.policy import Precision, Sharding, Wire
 from fusedzero.stage import Stage
-from fusedzero.units import ShardInit
 from fusedzero.wire import WBLOCK, WireFormat
 
 __all__ = ["SHAPES", "TABLE_ROWS", "Emulation", "LlamaShape", "ModelSource", "emulate",
@@ -156,7 +156,7 @@ def step_comm(buffers: list[FlatBuffer], stage: Stage, reshard_after_forward: bo
               world_size: int, grad_norm: bool = True, wire_format: WireFormat | None = None,
               param_wire: WireFormat | None = None) -> CommCounter:
     """One step's collectives of these buffers (one micro-batch), issued through
-    `fusedzero.comm` on meta tensors of each bucket's shape: what the optimizer's counter
+    `fusedzero._comm` on meta tensors of each bucket's shape: what the optimizer's counter
     records on a real step (tests/zero/test_scale_comm.py checks it against one). Over a wire
     format (`fusedzero.wire`, ZeroAdamW's `Wire(grads=, params=)`) the packed uint8 buffers
     its paths send: the quantized bucket all-to-all'd (stage 0: a copy padded to W * WBLOCK,
@@ -266,7 +266,7 @@ def emulate(model: ModelSource, *, world_size: int, rank: int = 0, stage: int = 
     with (`fusedzero plan` passes the one it prints); default: `plan_model` of the same
     model and options. `init` (stage 3, materialised): "zeros" writes each local segment
     (a `ShardInit`), "model" runs the model's own `reset_parameters` on this rank's elements
-    (fusedzero/shard_init.py), what a user's build does."""
+    (fusedzero/_shard_init.py), what a user's build does."""
     if init not in ("zeros", "model"):
         raise ValueError(f"init must be 'zeros' or 'model', got {init!r}")
     st = Stage(stage)

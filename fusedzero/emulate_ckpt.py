@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-from fusedzero.checkpoint import loading, saving
+from fusedzero.checkpoint import _loading as loading, _saving as saving
 from fusedzero.emulate import fake_group, rss_bytes
 
 __all__ = ["SavedEmulated", "emulated_rank", "save_emulated"]

@@ -4,9 +4,9 @@ saved in one mode is read into another.
     MemoryModes(master="bf16-kahan", states="int8")
 
 The numerics (the kernel variants, the int8 maps, stochastic rounding) are
-`fusedzero.kernels.memory_modes`; this module is the library's side: the record a flat buffer keeps,
-its resident bytes per element (the formula `opt.memory()` and `fusedzero plan` share), and the
-conversions checkpoints use when they load a state saved in another mode.
+`fusedzero.kernels._memory_modes`; this module is the library's side: the record a flat buffer
+keeps, its resident bytes per element (the formula `opt.memory()` and `fusedzero plan` share), and
+the conversions checkpoints use when they load a state saved in another mode.
 
 [Note: converting masters] A master is held as one of: an fp32 master (with the bf16 param its
 rounded copy), the bf16 param alone ("bf16", "bf16-sr"), or the bf16 param plus a bf16 Kahan
@@ -25,7 +25,7 @@ import dataclasses
 
 import torch
 
-from fusedzero.kernels.memory_modes import (
+from fusedzero.kernels._memory_modes import (
     MASTER_MODES,
     QBLOCK,
     STATE_DTYPES,
@@ -45,7 +45,7 @@ class MemoryModes:
     """How a flat buffer holds its optimizer state (validated at construction)."""
 
     master: str = "fp32"
-    """"fp32" | "bf16-kahan" | "bf16-sr" | "bf16" (see fusedzero.kernels.memory_modes)."""
+    """"fp32" | "bf16-kahan" | "bf16-sr" | "bf16" (see fusedzero.kernels._memory_modes)."""
     states: str = "fp32"
     """"fp32" | "bf16" | "int8" for exp_avg and exp_avg_sq."""
 

@@ -7,7 +7,7 @@
 Stage 0: plain data parallelism (bucketed all-reduce, full optimizer state on every rank).
 Stage 1: optimizer state sharded; full grads kept, each bucket reduce-scattered in place.
 Stage 2: grads sharded too: each bucket lives only while it is being reduced.
-Stage 3: params sharded per unit as well (see `fusedzero.zero3`).
+Stage 3: params sharded per unit as well (see `fusedzero._zero3`).
 
 Grads follow DDP: averaged over ranks, summed over micro-batches (divide the loss by the number of
 micro-batches, as with DDP), with or without `no_sync()` (a speed switch, never a correctness
@@ -24,13 +24,13 @@ weight decay alone). It is refused instead, in one line: `step()` needs a backwa
 param grads since the last `step()` or `zero_grad()`.
 
 This class composes the parts and keeps the torch.optim contract; each part owns its state:
-  fusedzero/flat.py        FlatBuffer: params, shard state and the views the kernel reads
-  fusedzero/grads.py       autograd hooks, end of backward, what `p.grad` holds
-  fusedzero/buckets.py     bucket launch order, in-flight bound, no_sync
-  fusedzero/reduce.py      how a stage reduces a bucket (all-reduce / reduce-scatter / into shard)
-  fusedzero/scalars.py     step count, norm, clip, skip, loss scale (device scalars)
-  fusedzero/param_sync.py  stages 1-2 param all-gather and its forward waits
-  fusedzero/zero3.py       stage 3 units: gather, prefetch, free
+  fusedzero/_flat.py       FlatBuffer: params, shard state and the views the kernel reads
+  fusedzero/_grads.py      autograd hooks, end of backward, what `p.grad` holds
+  fusedzero/_buckets.py    bucket launch order, in-flight bound, no_sync
+  fusedzero/_reduce.py     how a stage reduces a bucket (all-reduce / reduce-scatter / into shard)
+  fusedzero/_scalars.py    step count, norm, clip, skip, loss scale (device scalars)
+  fusedzero/_param_sync.py stages 1-2 param all-gather and its forward waits
+  fusedzero/_zero3.py      stage 3 units: gather, prefetch, free
 """
 from __future__ import annotations
 
@@ -41,21 +41,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusedzero import comm, validate, wire as wire_mod
-from fusedzero.buckets import BucketSchedule
-from fusedzero.comm import CommContext, CommCounter
-from fusedzero.dtensor import grouped_sumsq, tp_info
-from fusedzero.flat import FlatBuffer, MemoryReport, build_buffers, memory_report
-from fusedzero.grads import GradHooks
+from fusedzero import _comm as comm, _validate as validate, wire as wire_mod
+from fusedzero._buckets import BucketSchedule
+from fusedzero._comm import CommContext, CommCounter
+from fusedzero._dtensor import grouped_sumsq, tp_info
+from fusedzero._flat import FlatBuffer, MemoryReport, build_buffers, memory_report
+from fusedzero._grads import GradHooks
+from fusedzero._model_state_dict import FullParamsLoad
+from fusedzero._param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
+from fusedzero._profiling import phase
+from fusedzero._scalars import GroupLr, LossScaler, StepScalars
+from fusedzero._shards import ShardAccess, ShardStateMethods
+from fusedzero._zero3 import Zero3
 from fusedzero.kernels import AdamWBuffer, GroupedAdamW
-from fusedzero.model_state_dict import FullParamsLoad
-from fusedzero.param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
 from fusedzero.policy import Groups, Precision, Sharding, Wire, check_record, moved_keywords
-from fusedzero.profiling import phase
-from fusedzero.scalars import GroupLr, LossScaler, StepScalars
-from fusedzero.shards import ShardAccess, ShardStateMethods
 from fusedzero.stage import Stage
-from fusedzero.zero3 import Zero3
 
 __all__ = ["MemoryReport", "Stage", "ZeroAdamW"]
 
@@ -77,7 +77,7 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         groups: the process groups to shard over, replicate over and all-gather on
             (`fusedzero.Groups`; default: the world, no replicas). Params may be DTensors on a
             tensor-parallel mesh (`parallelize_module`): pass the dp group as `shard`; `self.tp`
-            then describes the tp mesh (fusedzero/dtensor.py, docs/tensor_parallel.md).
+            then describes the tp mesh (fusedzero/_dtensor.py, docs/tensor_parallel.md).
         sharding: bucket size and stage-3 units (`fusedzero.Sharding`).
         device: where meta-device params are materialised (default: cuda if present, else cpu);
             otherwise it must be the params' device. "meta" with meta params: a dry build.

@@ -5,7 +5,7 @@
     fusedzero plan --hf-config path/to/config.json --world-size 16 --reduce-dtype fp32
 
 The numbers are what `ZeroAdamW.memory()` and `opt.comm` report on a real run, exactly: the plan
-builds the same flat buffers (`fusedzero.layout.build_layout`, grouped by (param group, dtype
+builds the same flat buffers (`fusedzero._layout.build_layout`, grouped by (param group, dtype
 [, stage-3 unit]) as the optimizer groups them) from parameter shapes alone, on the meta device,
 so alignment holes and bucket padding are counted to the byte. Activations, the transient bucket
 buffers of stages 2-3 (at most `MAX_INFLIGHT_BUCKETS` buckets) and the gathered units of stage 3
@@ -36,12 +36,12 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from fusedzero import dtypes, wire
-from fusedzero.layout import FlatLayout, build_layout, default_bucket_numel
+from fusedzero import _dtypes as dtypes, wire
+from fusedzero._layout import FlatLayout, build_layout, default_bucket_numel
+from fusedzero._units import select_units
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.policy import Precision, Sharding, Wire, check_record
 from fusedzero.stage import Stage
-from fusedzero.units import select_units
 
 __all__ = ["PLAN_PRECISION", "STAGES", "LinkModel", "Plan", "PlanConfig", "StagePlan",
            "model_layouts", "plan_groups", "plan_model", "plan_params"]
@@ -246,7 +246,7 @@ def _buffers_from_groups(groups: list[list[tuple[str, nn.Parameter]]], stage: in
                          ) -> list[tuple[torch.dtype, list[Item], int]]:
     """(dtype, params) of every flat buffer, in ZeroAdamW's order: stages 0-2 group by
     (param group, dtype) (`ZeroAdamW._build_flat_groups`), stage 3 by (unit, group, dtype)
-    (`fusedzero.zero3.build_zero3`); with each, its stage-3 unit (0, the root, elsewhere)."""
+    (`fusedzero._zero3.build_zero3`); with each, its stage-3 unit (0, the root, elsewhere)."""
     keyed: dict[tuple[int, int, torch.dtype], list[Item]] = {}
     index = 0
     for gi, group in enumerate(groups):
@@ -260,7 +260,7 @@ def _buffers_from_groups(groups: list[list[tuple[str, nn.Parameter]]], stage: in
 
 
 def _units(model: nn.Module, params: list[nn.Parameter], policy: Any) -> list[int]:
-    """Stage-3 unit of each param, as `fusedzero.zero3.Zero3.assign` decides."""
+    """Stage-3 unit of each param, as `fusedzero._zero3.Zero3.assign` decides."""
     owner: dict[int, int] = {}
     for u, m in enumerate(select_units(model, policy), start=1):
         for p in m.parameters():

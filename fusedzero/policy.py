@@ -28,10 +28,10 @@ from typing import Any, Literal, TypeVar, get_args
 
 import torch
 
-from fusedzero.comm import Group
-from fusedzero.dtypes import FLOAT_DTYPES
+from fusedzero._comm import Group
+from fusedzero._dtypes import FLOAT_DTYPES
+from fusedzero._units import ParamInitFn, UnitPolicy
 from fusedzero.memory_modes import MemoryModes, check_param_dtype
-from fusedzero.units import ParamInitFn, UnitPolicy
 
 __all__ = ["Groups", "MasterMode", "Precision", "Sharding", "StateMode", "Wire", "WireFormatName"]
 
@@ -122,7 +122,7 @@ class Groups:
       With tensor-parallel DTensor params, the dp group (docs/tensor_parallel.md).
     - `replicate`: for a 2-D mesh (shard within a node, replicate across nodes), the ranks that
       hold the same shard; each bucket's grad shard is all-reduced over it after its reduction
-      in `shard` (fusedzero/replicas.py). None: no replicas (a group of one, NOT the world).
+      in `shard` (fusedzero/_replicas.py). None: no replicas (a group of one, NOT the world).
     - `gather`: a second group over the ranks of `shard` (same order) for the param all-gathers
       of stages 1-3, so a prefetch is not queued behind a reduce-scatter on NCCL's one stream
       per communicator. None: the all-gathers run on `shard`. It costs a communicator's memory
@@ -150,7 +150,7 @@ class Sharding:
     bucket_numel: int | None = None
     """Elements per bucket, all ranks' shards together (rounded so buckets are equal and divide
     by W*ALIGN); None: chosen per rank, at least 1 MiB of each rank's shard per bucket
-    (`fusedzero.layout.default_bucket_numel`)."""
+    (`fusedzero._layout.default_bucket_numel`)."""
     units: UnitPolicy = None
     """Stage 3 units: None (each child of an nn.ModuleList), a module class or tuple of classes,
     a callable(module) -> bool, or a minimum element count. Stages 1-2: a module's forward
@@ -161,8 +161,8 @@ class Sharding:
     param_init_fn: ParamInitFn | None = None
     """Stage 3 with params on the meta device: `fn(name, module)` initialises the params a
     module owns directly (default: `module.reset_parameters()`), run on this rank's elements
-    only (fusedzero/shard_init.py); `FullUnitInit(fn)` builds each unit in full instead (values
-    of an eager build), `ShardInit` writes local segments (fusedzero/units.py)."""
+    only (fusedzero/_shard_init.py); `FullUnitInit(fn)` builds each unit in full instead (values
+    of an eager build), `ShardInit` writes local segments (fusedzero/_units.py)."""
 
     def __post_init__(self) -> None:
         b = self.bucket_numel

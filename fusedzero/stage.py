@@ -10,7 +10,7 @@ class Stage(enum.IntEnum):
     DP = 0  # plain data parallelism: everything replicated, grads all-reduced
     OPTIMIZER = 1  # optimizer state sharded; full grads reduce-scattered in place
     GRADIENTS = 2  # grads sharded too: a bucket lives only while it is reduced
-    PARAMETERS = 3  # params sharded per unit as well (fusedzero.zero3)
+    PARAMETERS = 3  # params sharded per unit as well (fusedzero._zero3)
 
     @property
     def shards_state(self) -> bool:
@@ -35,7 +35,7 @@ class Stage(enum.IntEnum):
         """All-gathers of each param bucket per training step: none at stage 0; one at stages
         1-2 (after the update); at stage 3 one in forward and, where units are resharded after
         forward, one more in backward, except for the root unit (0): it stays gathered from
-        its forward into its backward, which comes first (fusedzero/zero3.py)."""
+        its forward into its backward, which comes first (fusedzero/_zero3.py)."""
         if not self.shards_state:
             return 0
         return 2 if self.shards_params and reshard_after_forward and unit != 0 else 1

@@ -19,7 +19,7 @@ import dataclasses
 
 import torch
 
-from fusedzero.layout import FlatLayout, Segment
+from fusedzero._layout import FlatLayout, Segment
 from fusedzero.memory_modes import (
     MemoryModes,
     decode_master,

@@ -1,7 +1,7 @@
 """Run a function on W local gloo ranks and collect what each returns (tests, benchmarks);
 `fake_group` stands in for W ranks in this one process where nothing is communicated.
 
-The processes are `fusedzero.spawn`'s, as `fusedzero train`'s.
+The processes are `fusedzero._spawn`'s, as `fusedzero train`'s.
 
 Every run has a timeout: a hung collective fails the caller instead of hanging it, and a rank
 that dies without reporting (segfault, abort, out of memory) fails it at once, naming the rank
@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fusedzero.spawn import (
+from fusedzero._spawn import (
     REPORTED_ERROR_EXIT,
     Report,
     ReportKind,
@@ -50,7 +50,7 @@ from fusedzero.spawn import (
 
 __all__ = ["fake_group", "reuse_ranks", "run_ranks"]
 
-# What the fork server imports once for every rank it starts (fusedzero/spawn.py `forkserver`).
+# What the fork server imports once for every rank it starts (fusedzero/_spawn.py `forkserver`).
 PRELOAD = ["fusedzero.testing", "fusedzero.optim", "torch._dynamo"]
 
 
@@ -108,7 +108,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     failure, RuntimeError naming the rank and its exit code when a rank dies without reporting
     (segfault, abort), and TimeoutError when the ranks do not finish in `timeout` seconds.
     `pg_timeout` is the process group's timeout in seconds (None: torch's default), which
-    `fusedzero.comm.wait` uses as its limit. Ranks are reused between runs where
+    `fusedzero._comm.wait` uses as its limit. Ranks are reused between runs where
     `reuse_ranks(True)` was called, unless `fresh`.
     """
     deadline = time.monotonic() + timeout

@@ -24,9 +24,9 @@ from collections.abc import Callable
 
 import torch
 
-from fusedzero import comm
-from fusedzero.comm import CommContext, Handle
-from fusedzero.kernels.quant import (
+from fusedzero import _comm as comm
+from fusedzero._comm import CommContext, Handle
+from fusedzero.kernels._quant import (
     WBLOCK,
     WireFormat,
     chunk_bytes,

@@ -12,7 +12,7 @@ same `shard_numel`-element piece of every bucket. Each stream a kernel reads or 
 
 [Note: the interpreter is for CPU tensors] It copies each argument's storage to the host, runs
 there and copies it back whole; our tables address every buffer of a launch by its element offset
-from one base tensor (table.py), and an offset between two CUDA allocations lands in arbitrary host
+from one base tensor (_table.py), and an offset between two CUDA allocations lands in arbitrary host
 memory in those copies: heap corruption (glibc's `free(): invalid size`), not an error.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import NamedTuple
 
 import torch
 
-from fusedzero import dtypes
+from fusedzero import _dtypes as dtypes
 
 LAUNCHES: collections.Counter[str] = collections.Counter()
 """Fused-kernel launches by kernel name; tests count them (one AdamW per group and dtype)."""
@@ -34,12 +34,12 @@ _VALID = ("auto", "triton", "torch")
 # Grads (and anything reduced for the norm) come in every float dtype the library handles.
 GRAD_DTYPES: tuple[torch.dtype, ...] = dtypes.FLOAT_DTYPES
 # Compiled with FMA contraction off: free in a memory-bound kernel, and every fp32 operation is
-# then one IEEE round-to-nearest op, as numpy does it in the interpreter (adamw.py, see
+# then one IEEE round-to-nearest op, as numpy does it in the interpreter (_adamw.py, see
 # [Note: GPU vs interpreter numerics]).
 ENABLE_FP_FUSION = False
 
 # CUDA's grid limits: axis 0 up to 2**31 - 1 blocks, axes 1 and 2 only 65535. Our kernels use a
-# 1-D grid over every (piece, block) pair of a launch (kernels/table.py): a piece axis of its own
+# 1-D grid over every (piece, block) pair of a launch (kernels/_table.py): a piece axis of its own
 # would cap a launch at 65535 pieces (bucket_numel=2**20 on a 70B-param group is ~67k).
 MAX_GRID_X = 2**31 - 1
 

@@ -195,9 +195,9 @@ def run_isolated(fn: Callable[..., None], args: tuple[Any, ...], out_dir: Path,
 
 
 def compile_offline(module: str, out: Path, *args: str, timeout: float = 300) -> list[dict]:
-    """Run `python -m fusedzero.kernels.<module> --json OUT [args]` (an offline compile for a
-    CUDA target, no GPU) in a child process without the interpreter (this process imported
-    triton with it, where nothing compiles); its JSON rows."""
+    """Run `python -m fusedzero.kernels.<module> --json OUT [args]` (module: `_compile`, ...;
+    an offline compile for a CUDA target, no GPU) in a child process without the interpreter
+    (this process imported triton with it, where nothing compiles); its JSON rows."""
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run([sys.executable, "-m", f"fusedzero.kernels.{module}", "--json",
                            str(out), *args], env=env, capture_output=True, text=True,

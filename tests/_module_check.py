@@ -46,7 +46,8 @@ PACKAGES = ("fusedzero", "kernels")  # kernels/ installs as fusedzero.kernels
 SLOW_ONLY = {
     "fusedzero/__init__.py": "lazy re-exports (PEP 562 __getattr__), run when test modules import "
                              "`from fusedzero import ...` at collection, before the test loop",
-    "fusedzero/spawn.py": "starts rank processes: every run_ranks test and tests/app/test_train.py",
+    "fusedzero/_spawn.py": "starts rank processes: every run_ranks test and "
+                           "tests/app/test_train.py",
     "fusedzero/app/loop.py": "the training loop of `fusedzero train`: tests/app/test_train.py",
     "fusedzero/app/lifecycle.py": "a training run's start and end: tests/app/test_train.py",
     "fusedzero/app/log.py": "a training run's console log: tests/app/test_train.py",
@@ -60,11 +61,11 @@ SLOW_ONLY = {
                                     "seconds; tests/integrations/test_hf_trainer.py",
     "fusedzero/integrations/lightning.py": "a Lightning strategy: importing lightning costs "
                                            "seconds; tests/integrations/test_lightning_strategy.py",
-    "kernels/compile_memory_modes.py": "offline compilation (a child without the interpreter): "
+    "kernels/_compile_memory_modes.py": "offline compilation (a child without the interpreter): "
                                        "tests/kernels/test_compile.py",
-    "kernels/compile_quant.py": "offline compilation of the wire kernels (a child without the "
+    "kernels/_compile_quant.py": "offline compilation of the wire kernels (a child without the "
                                 "interpreter): tests/kernels/test_quant.py",
-    "kernels/compile_scalars.py": "offline compilation of the step's scalar kernels (a child "
+    "kernels/_compile_scalars.py": "offline compilation of the step's scalar kernels (a child "
                                   "without the interpreter): tests/kernels/test_step_scalars.py",
 }
 

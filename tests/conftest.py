@@ -2,7 +2,7 @@
 
 The Triton interpreter is for CPU tensors only. It copies each argument's storage to the host
 and back, and our kernels reach every buffer of a grouped launch through element offsets from
-one base tensor (`kernels/table.py`): offsets between two CUDA allocations point into arbitrary
+one base tensor (`kernels/_table.py`): offsets between two CUDA allocations point into arbitrary
 host memory there. So `TRITON_INTERPRET=1` is set (before anything imports `fusedzero.kernels`:
 `triton.jit` reads it at decoration time) only where torch sees no CUDA device; an explicit value
 in the environment is kept. With the interpreter off, the launchers refuse it for CUDA tensors

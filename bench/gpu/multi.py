@@ -60,7 +60,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from timeline import exposed_fraction  # noqa: E402
 
-from fusedzero import comm  # noqa: E402
+from fusedzero import _comm as comm  # noqa: E402
 
 import _systems as S  # noqa: E402  (bench/ is a folder of scripts)
 

@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from fusedzero import Precision, Sharding, ZeroAdamW
+from fusedzero._spawn import free_port
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.spawn import free_port
 
 DEV = torch.device("cuda", 0)
 MODES = (("fp32", "fp32"), ("bf16-kahan", "int8"), ("bf16-sr", "bf16"), ("bf16", "fp32"))

@@ -31,7 +31,7 @@ streams once: limit = params x B / copy_bandwidth, where B is the kernel's own c
 per param for the configured dtypes (fusedzero.kernels.bytes_per_param: fp32 master r+w 8,
 grad r (4 in fp32, 2 in bf16), exp_avg r+w 8, exp_avg_sq r+w 8, bf16 param out w 2: 30 B with
 fp32 grads) and copy_bandwidth is a device copy of the same bytes measured in the same process
-(fusedzero.bandwidth: a copy of B/2 bytes each way). Issue 40's target for stages 0-2:
+(fusedzero._bandwidth: a copy of B/2 bytes each way). Issue 40's target for stages 0-2:
 total <= bare + 1.2 x limit; stage 3: total <= stage 2 + 1 ms.
 """
 from __future__ import annotations
@@ -45,10 +45,10 @@ import torch
 from torch import nn
 
 from fusedzero import Precision, ZeroAdamW
+from fusedzero._bandwidth import copy_op, time_ops
 from fusedzero.app.model import GPT, PRESETS, GPTConfig, gpt_param_groups
-from fusedzero.bandwidth import copy_op, time_ops
 from fusedzero.kernels import bytes_per_param
-from fusedzero.kernels.memory_modes import stream_bytes
+from fusedzero.kernels._memory_modes import stream_bytes
 
 LR, WD, CLIP = 1e-3, 0.1, 1.0
 BF16 = torch.bfloat16

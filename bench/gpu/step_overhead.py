@@ -42,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shape_systems as SH  # noqa: E402  (bench/ is a folder of scripts)
 
 from fusedzero import ZeroAdamW  # noqa: E402
+from fusedzero._spawn import reserved_port  # noqa: E402
 from fusedzero.app.model import GPT  # noqa: E402
-from fusedzero.spawn import reserved_port  # noqa: E402
 
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
 STEPS = int(os.environ.get("STEPS", "10"))

@@ -6,7 +6,7 @@
 triton.testing.do_bench (CUDA events, L2 flushed between reps), beside a device copy of 28 bytes
 per element and torch.optim.AdamW(fused=True) on fp32. MemoryModes: the ZeRO mixed default (fp32
 master, bf16 grad, bf16 out), fp32 throughout, and bf16-kahan master + int8 states with bf16
-grads. Launch shapes other than the shipped one (kernels/adamw.py BLOCK, NUM_WARPS) are set by
+grads. Launch shapes other than the shipped one (kernels/_adamw.py BLOCK, NUM_WARPS) are set by
 patching those module constants before the plan is built: a sweep, not a product setting.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-from fusedzero.kernels import QBLOCK, AdamWPlan, adamw as A, bytes_per_param
+from fusedzero.kernels import QBLOCK, AdamWPlan, _adamw as A, bytes_per_param
 
 N = 64 << 20
 HP = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)

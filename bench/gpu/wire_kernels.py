@@ -1,4 +1,4 @@
-"""The wire kernels (fusedzero/kernels/quant.py) on one device: quantize a bucket and
+"""The wire kernels (fusedzero/kernels/_quant.py) on one device: quantize a bucket and
 dequantize-sum W chunks into a grad shard, per wire format; median time and GB/s of the bytes
 each launch must move (read the input, write the packed bytes; read W packed chunks and the
 shard, write the shard).
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from fusedzero.kernels.quant import (
+from fusedzero.kernels._quant import (
     WireFormat,
     chunk_bytes,
     dequant_sum_into,

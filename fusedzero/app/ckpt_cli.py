@@ -23,9 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fusedzero import checkpoint, dtypes
+from fusedzero import _dtypes as dtypes, checkpoint
 from fusedzero.app.runlock import LOCK_NAME, RunLock
-from fusedzero.checkpoint.placements import check_bound, check_folder, folder, read as tp_record
+from fusedzero.checkpoint._placements import check_bound, check_folder, folder, read as tp_record
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
           "GIB": 2**30}
@@ -58,7 +58,7 @@ def add_ckpt_subparser(subparsers: Any) -> argparse.ArgumentParser:
     a.add_argument("out", help="fusedzero checkpoint root to write (out/step-N, out/latest)")
     a = sub.add_parser("upgrade", help="convert a checkpoint of format version 1 or 2 (or a "
                        "tensor-parallel root of record version 1) into the current version "
-                       "(see fusedzero.checkpoint.upgrade, tp_upgrade)")
+                       "(see fusedzero.checkpoint._upgrade, tp_upgrade)")
     a.add_argument("dir", help="old checkpoint directory, a root holding `latest`, or a "
                    "tensor-parallel root")
     a.add_argument("out", help="checkpoint root to write (out/step-N, out/latest)")
@@ -133,11 +133,11 @@ def _upgrade(src: str, out: str) -> int:
     write into a root a run is saving to."""
     with RunLock(out):
         if tp_record(Path(src)) is not None:
-            from fusedzero.checkpoint.tp_upgrade import upgrade_tp
+            from fusedzero.checkpoint._tp_upgrade import upgrade_tp
             _print(f"wrote {upgrade_tp(src, out, allowed={LOCK_NAME})} (a tensor-parallel root, "
                   "its tp folders bound to its record)")
             return 0
-        from fusedzero.checkpoint.upgrade import upgrade
+        from fusedzero.checkpoint._upgrade import upgrade
         d = upgrade(src, out)
         _print(f"wrote {d} (format version {checkpoint.read_manifest(d)['version']})")
         return 0

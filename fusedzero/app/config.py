@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from fusedzero import dtypes
+from fusedzero import _dtypes as dtypes
+from fusedzero._comm import DEFAULT_TIMEOUT_S
 from fusedzero.app.model import PRESETS, GPTConfig
 from fusedzero.app.tp_plan import check_tp
 from fusedzero.app.watch import check_temperature
-from fusedzero.comm import DEFAULT_TIMEOUT_S
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES
 from fusedzero.policy import Precision, Sharding, Wire
 from fusedzero.wire import WIRES

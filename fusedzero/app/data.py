@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from fusedzero.safe_paths import check_input, read_bytes
+from fusedzero._safe_paths import check_input, read_bytes
 
 # Enough text for a small model to learn from, small enough to read in well under a second.
 DEFAULT_CORPUS_MAX_BYTES = 8_000_000

@@ -8,7 +8,7 @@ on this device against the float64 reference, and the step's scalar kernels bitw
 their torch path (`kernel_checks.py`; on CPU: the torch path here,
 the Triton kernel code through the interpreter in a child, the offline sm_90 compile in another
 child when ptxas is there; on a GPU: the compiled kernels, for real); the update's GB/s beside a
-plain device copy of the same bytes (`fusedzero.bandwidth`); a 1-rank process group (nccl on a
+plain device copy of the same bytes (`fusedzero._bandwidth`); a 1-rank process group (nccl on a
 GPU, gloo on CPU); a ZeroAdamW step in it against torch.optim.AdamW; a checkpoint round trip in
 a temp dir, compared bitwise.
 """
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from fusedzero import bandwidth
+from fusedzero import _bandwidth as bandwidth
 from fusedzero.app import kernel_checks
 from fusedzero.app.doctor_dist import GROUPS, distributed_rows
 from fusedzero.app.doctor_rows import Measured, Row, Skip, Status, row as _row
@@ -153,7 +153,7 @@ def _update_numel(device: torch.device, bytes_per_param: int) -> int:
 
 
 def update_bandwidth(device: torch.device) -> tuple[str, dict[str, Any]]:
-    """The ZeRO mixed setup (bf16 grad, bf16 out) timed as `fusedzero.bandwidth` times it."""
+    """The ZeRO mixed setup (bf16 grad, bf16 out) timed as `fusedzero._bandwidth` times it."""
     from fusedzero.kernels import AdamWPlan
 
     g, o = torch.bfloat16, torch.bfloat16

@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fusedzero._spawn import reserved_port
 from fusedzero.app.doctor_rows import Row, Status, row
-from fusedzero.spawn import reserved_port
 
 # --checks names that stand for several checks.
 GROUPS = {"distributed": ("process-group", "zero-step", "checkpoint")}

@@ -1,7 +1,7 @@
 """The `fusedzero` command's entry point (also `python -m fusedzero.cli`).
 
 `fusedzero train` on CPU starts its ranks from a fork server that imports the training loop once
-(fusedzero/spawn.py, fusedzero/app/launch.py). Started here, before the command imports torch,
+(fusedzero/_spawn.py, fusedzero/app/launch.py). Started here, before the command imports torch,
 the server's imports run beside the launcher's own on another core instead of after them: a
 few seconds off every CPU run. Skipped where no local CPU ranks will be started (help, torchrun,
 `--device cuda`); under `--device auto` on a GPU machine the server idles and leaves with the

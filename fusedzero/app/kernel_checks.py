@@ -146,12 +146,12 @@ def differing_bits(got: torch.Tensor, want: torch.Tensor) -> int:
 
 
 def check_scalars(device: torch.device) -> VariantResult:
-    """The step's scalar kernels (kernels/step_scalars.py, kernels/rows.py) on `device` against
+    """The step's scalar kernels (kernels/_step_scalars.py, kernels/_rows.py) on `device` against
     their torch paths on CPU tensors, bitwise (see [Note: one launch for the step's scalars]): the
     scalars over finite, zero, huge, inf and nan sums of squares with and without clip, loss
     scale and skip; the rows of 8 groups at 4 step counts. `worst_ulps` counts the values that
     differ (the bound is 0; any two NaNs are equal: `differing_bits`)."""
-    from fusedzero.kernels import rows as rows_mod, step_scalars as sc
+    from fusedzero.kernels import _rows as rows_mod, _step_scalars as sc
 
     def one(v: float, dev: torch.device) -> torch.Tensor:
         return torch.tensor([v], dtype=torch.float32, device=dev)
@@ -245,11 +245,11 @@ class CompileJob:
 
 
 def start_compile(capability: int = 90) -> CompileJob:
-    """`python -m fusedzero.kernels.compile` in a child: it needs triton imported without the
+    """`python -m fusedzero.kernels._compile` in a child: it needs triton imported without the
     interpreter, whatever this process has."""
     tmp = tempfile.TemporaryDirectory(prefix="fusedzero-doctor-")
     path = Path(tmp.name) / "variants.json"
-    proc = _child(["-m", "fusedzero.kernels.compile", "--capability", str(capability),
+    proc = _child(["-m", "fusedzero.kernels._compile", "--capability", str(capability),
                    "--json", str(path)], {"TRITON_INTERPRET": "0"})
     return CompileJob(proc, path, tmp)
 

@@ -29,7 +29,19 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fusedzero import comm
+from fusedzero import _comm as comm
+from fusedzero._comm import CollectiveTimeout
+from fusedzero._spawn import (
+    LAST_WORDS_S,
+    REPORTED_ERROR_EXIT,
+    Report,
+    ReportKind,
+    SpawnedRanks,
+    context,
+    exit_description,
+    leave,
+    set_rank_env,
+)
 from fusedzero.app import preflight
 from fusedzero.app.config import (
     HelpFormatter,
@@ -44,18 +56,6 @@ from fusedzero.app.data import Split
 from fusedzero.app.lifecycle import die_with_parent, sigterm_as_interrupt
 from fusedzero.app.log import waiting_for
 from fusedzero.app.preload import RANK_PRELOAD, TORCHRUN_ENV
-from fusedzero.comm import CollectiveTimeout
-from fusedzero.spawn import (
-    LAST_WORDS_S,
-    REPORTED_ERROR_EXIT,
-    Report,
-    ReportKind,
-    SpawnedRanks,
-    context,
-    exit_description,
-    leave,
-    set_rank_env,
-)
 
 # After the first rank reports a stall, how long the launcher waits for the other ranks' own
 # reports (they hit the same timeout at about the same moment) before it ends them.
@@ -142,7 +142,7 @@ def local_ranks(cfg: TrainConfig) -> tuple[bool, int]:
 
 
 
-# CPU ranks start from a fork server that imported RANK_PRELOAD once (fusedzero/spawn.py; the
+# CPU ranks start from a fork server that imported RANK_PRELOAD once (fusedzero/_spawn.py; the
 # `fusedzero` command starts it early: fusedzero/app/entry.py): each rank saves the seconds of
 # imports a fresh interpreter pays. CUDA ranks are spawned fresh (a fork of a process that
 # touched the CUDA driver is unsafe).
@@ -228,7 +228,7 @@ def _spawn_entry(rank: int, world: int, port: int, q: Queue[Report], use_cuda: b
         device = _setup_device(use_cuda, rank, world)
         if use_cuda:  # a hung collective ends in a report (see [Note: a hung NCCL collective])
             comm.nccl_watchdog_env()
-        # The group's timeout bounds every wait (fusedzero.comm.wait reads it back).
+        # The group's timeout bounds every wait (fusedzero._comm.wait reads it back).
         dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=cfg.timeout),
                                 **({"device_id": device} if use_cuda else {}))

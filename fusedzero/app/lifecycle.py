@@ -46,7 +46,7 @@ def _parent_of(pid: int) -> int | None:
 def die_with_parent(parent_pid: int) -> None:
     """Call first thing in a spawned rank: end this process when `parent_pid` (the launcher) is
     gone. The rank's parent is the launcher, or on CPU the launcher's fork server
-    (fusedzero/spawn.py), which leaves as soon as the launcher does: either way the rank goes
+    (fusedzero/_spawn.py), which leaves as soon as the launcher does: either way the rank goes
     when its parent does (SIGKILL on the parent's death, and a watchdog)."""
     parent = os.getppid()
     if sys.platform.startswith("linux"):

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from fusedzero.comm import CollectiveTimeout, group_rank, group_timeout, is_timeout
+from fusedzero._comm import CollectiveTimeout, group_rank, group_timeout, is_timeout
 
 
 @contextlib.contextmanager

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fusedzero import Groups, ZeroAdamW, dtypes, safe_paths
+from fusedzero import Groups, ZeroAdamW, _dtypes as dtypes, _safe_paths as safe_paths
 from fusedzero.app import resume as resume_mod, tp_plan, watch
 from fusedzero.app.config import MIN_LR_RATIO, TrainConfig, UsageError
 from fusedzero.app.data import BatchSampler, Split, eval_batches

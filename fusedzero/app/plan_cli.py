@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusedzero import dtypes, plan
+from fusedzero import _dtypes as dtypes, plan
+from fusedzero._safe_paths import read_json
 from fusedzero.app import tp_plan
 from fusedzero.app.config import (
     DEFAULT_BLOCK,
@@ -27,7 +28,6 @@ from fusedzero.emulate import SHAPES, Emulation, emulate, meta_model
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES
 from fusedzero.plan import STAGES, LinkModel, PlanConfig, plan_model, plan_params
 from fusedzero.policy import Precision, Sharding, Wire
-from fusedzero.safe_paths import read_json
 from fusedzero.wire import WIRES
 
 

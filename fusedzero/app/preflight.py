@@ -21,7 +21,7 @@ from fusedzero.app.config import VAL_FRACTION, TrainConfig, UsageError
 from fusedzero.app.data import Split, load_corpus, split_corpus
 from fusedzero.app.resume import latest_checkpoint
 from fusedzero.app.runlock import RunFolderError, RunLock, check_ckpt_dir, check_writable
-from fusedzero.checkpoint.placements import read as tp_record
+from fusedzero.checkpoint._placements import read as tp_record
 
 
 def check_batch(cfg: TrainConfig, world: int) -> None:

@@ -15,11 +15,11 @@ import torch.distributed as dist
 from torch.optim.lr_scheduler import LambdaLR
 
 from fusedzero import checkpoint
+from fusedzero._comm import CollectiveTimeout
 from fusedzero.app.config import TrainConfig, UsageError
 from fusedzero.app.log import RunLog, waiting_for
-from fusedzero.checkpoint.format import remove
-from fusedzero.checkpoint.placements import read as tp_record
-from fusedzero.comm import CollectiveTimeout
+from fusedzero.checkpoint._format import remove
+from fusedzero.checkpoint._placements import read as tp_record
 
 if TYPE_CHECKING:  # the launcher imports this module; only ranks build an optimizer
     from fusedzero.optim import ZeroAdamW
@@ -42,7 +42,7 @@ def caller_state(cfg: TrainConfig, sched: LambdaLR, log: RunLog, step: int,
     same size at any step. (Stored by every rank, the history grew the manifest by W x 61
     bytes a step, past the reader's cap, MAX_MANIFEST, within 40k steps at 64 ranks. Rank 0's
     alone fits ~2M steps at small world sizes, ~700k at 1024 ranks x 70B, where the other
-    ranks leave it their ~44 KiB each: checkpoint/manifest.py.)"""
+    ranks leave it their ~44 KiB each: checkpoint/_manifest.py.)"""
     full = rank == 0
     return {"step": step, "scheduler": sched.state_dict(),
             "steps": list(log.steps) if full else [], "val": list(log.val) if full else [],
@@ -217,7 +217,7 @@ def resume(cfg: TrainConfig, opt: ZeroAdamW, sched: LambdaLR, log: RunLog) -> in
             print(f"fusedzero: warning: --resume: skipped {why}", file=sys.stderr, flush=True)
         # find_latest hashed every shard on rank 0 to choose; each rank still hashes the bytes
         # it loads, in the same read (see [Note: load what was verified] in
-        # checkpoint/shardfile.py): a shard swapped since is refused, never trained on. Rank
+        # checkpoint/_shardfile.py): a shard swapped since is refused, never trained on. Rank
         # 0's files are read twice (the second time mostly from the page cache).
         rank = dist.get_rank()
         loaded = checkpoint.load(opt, found.path, verify=True,

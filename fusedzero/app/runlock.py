@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fusedzero import safe_paths
+from fusedzero import _safe_paths as safe_paths
 
 LOCK_NAME = ".fusedzero.lock"
 

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fusedzero import dtypes
+from fusedzero import _dtypes as dtypes
 from fusedzero.app.config import TrainConfig
 from fusedzero.app.log import RunLog
 from fusedzero.app.model import GPTConfig, flops_per_token

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedzero.comm import Group
+from fusedzero._comm import Group
 
 
 class _Styles:

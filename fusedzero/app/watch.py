@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusedzero import safe_paths
+from fusedzero import _safe_paths as safe_paths
 
 # Every record has every key (null where unknown), so a reader gets one fixed schema. `run_id`
 # tells the runs apart in a file that several runs appended to (a resume keeps its run's id).

@@ -40,8 +40,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from fusedzero.checkpoint.catalog import read_manifest
-from fusedzero.checkpoint.saving import save
+from fusedzero.checkpoint._catalog import read_manifest
+from fusedzero.checkpoint._saving import save
 from fusedzero.state import ShardState
 
 __all__ = ["import_dcp", "read_dcp", "read_dcp_metadata"]

@@ -26,11 +26,11 @@ from typing import Any
 
 import torch
 
-from fusedzero import dtypes
-from fusedzero.checkpoint.format import check_replaceable, open_regular, write_text_atomic
-from fusedzero.checkpoint.manifest import snippet
-from fusedzero.checkpoint.tp_export import export, saved_params
-from fusedzero.checkpoint.weights import Exported
+from fusedzero import _dtypes as dtypes
+from fusedzero.checkpoint._format import check_replaceable, open_regular, write_text_atomic
+from fusedzero.checkpoint._manifest import snippet
+from fusedzero.checkpoint._tp_export import export, saved_params
+from fusedzero.checkpoint._weights import Exported
 
 __all__ = ["CONFIG_NAME", "WEIGHTS_NAME", "check_against_config", "export_hf", "read_hf_config"]
 

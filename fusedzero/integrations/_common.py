@@ -45,7 +45,7 @@ def check_zero_kwargs(zero_kwargs: dict[str, Any], taken: dict[str, str], where:
 def full_state_dict(opt: ZeroAdamW | None, module: nn.Module) -> dict[str, torch.Tensor]:
     """`module.state_dict()` with every param at its full value. A collective at stages 1-3:
     call it on every rank. Stage 3's state-dict hooks gather unit by unit
-    (fusedzero/model_state_dict.py); stages 1-2 wait for the param all-gather in flight."""
+    (fusedzero/_model_state_dict.py); stages 1-2 wait for the param all-gather in flight."""
     shards_params = opt is not None and opt.stage.shards_params
     ctx = (contextlib.nullcontext() if opt is None or shards_params
            else opt.gathered_params())

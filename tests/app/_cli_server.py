@@ -74,11 +74,11 @@ def _serve(path: str) -> None:
 
     import torch._dynamo  # noqa: F401  (what every rank of `fusedzero train` imports)
 
+    import fusedzero._spawn
     import fusedzero.app.cli
     import fusedzero.app.loop  # noqa: F401
-    import fusedzero.spawn
     # Ranks are forks of the command, which has everything imported (see the module docstring).
-    fusedzero.spawn.forkserver = lambda preload: mp.get_context("fork")
+    fusedzero._spawn.forkserver = lambda preload: mp.get_context("fork")
     srv = socket.socket(socket.AF_UNIX)
     srv.bind(path + ".tmp")
     srv.listen(16)

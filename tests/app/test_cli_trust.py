@@ -3,6 +3,8 @@ goes through a link, no read waits on a FIFO or reads a device, flags out of ran
 up front (one line naming the flag, exit 2) instead of failing on the ranks.
 
 Every case here fails before the ranks start: nothing is spawned.
+
+About an internal: fusedzero._safe_paths.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fusedzero import safe_paths
+from fusedzero import _safe_paths as safe_paths
 from fusedzero.app import cli  # the CLI proper: no fork server for ranks that never start
 from fusedzero.app.watch import MetricsLog
 

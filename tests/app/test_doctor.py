@@ -1,4 +1,6 @@
-"""`fusedzero doctor`: green on this machine, and non-zero as soon as one check fails."""
+"""`fusedzero doctor`: green on this machine, and non-zero as soon as one check fails.
+
+About an internal: fusedzero.kernels._step_scalars."""
 from __future__ import annotations
 
 import json
@@ -116,7 +118,7 @@ def test_scalar_check_takes_any_nan_for_any_nan(monkeypatch) -> None:
     """A GPU returns the canonical NaN (0x7fffffff) where the CPU keeps the input's payload: the
     scalar check compares NaNs as NaNs (it failed the first H200 doctor run on the 8 cases with
     a NaN sum of squares). Stand-in for the GPU: the CPU path with its NaNs rewritten."""
-    from fusedzero.kernels import step_scalars as sc
+    from fusedzero.kernels import _step_scalars as sc
 
     def gpu_like(*args, **kwargs) -> None:
         sc._step_scalars_torch(*args, **kwargs)

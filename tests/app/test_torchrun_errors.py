@@ -7,6 +7,8 @@ on both ranks instead of rank 0's error.
 Two gloo processes with torchrun's environment; rank 0's training raises a usage error only it
 sees (as `--log-jsonl` pointing at a file that is not a metrics log does), rank 1 is in an
 all-reduce. The group's timeout is 30 s: rank 0 must be out with its error long before.
+
+About an internal: fusedzero._spawn.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from fusedzero.spawn import reserve_port
+from fusedzero._spawn import reserve_port
 
 pytestmark = pytest.mark.slow  # two processes
 

@@ -10,6 +10,8 @@ Process start-up dominates: each spawn runs several scenarios, shared through mo
     S4 (3 ranks): load A at stages 2 and 0, B at stage 1; save B and A (stage 0: rank 0 alone
         writes) again at 3 ranks.
     W=1 (this process, no process group): loads, exports, errors, CLI.
+
+About an internal: fusedzero.checkpoint._format.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from fusedzero import Precision, Sharding, ZeroAdamW, checkpoint as ck
 from fusedzero.app.ckpt_cli import main as cli_main
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.checkpoint import format as ckformat
+from fusedzero.checkpoint import _format as ckformat
 from fusedzero.testing import run_ranks
 
 from _helpers import gpt_batch, make_gpt

@@ -1,6 +1,6 @@
 """A failed `checkpoint.load` of any kind changes nothing: the optimizer (states, params, step
 count, hyper-parameters) and every RNG (torch, python, numpy) are bit-identical after it, and
-`verify` refuses the same checkpoint (see [Note: transactional load] in checkpoint/loading.py).
+`verify` refuses the same checkpoint (see [Note: transactional load] in checkpoint/_loading.py).
 
 Each case edits one rank state of a real 1-rank checkpoint of a tiny model (milliseconds)."""
 from __future__ import annotations

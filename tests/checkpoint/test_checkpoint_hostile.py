@@ -3,6 +3,9 @@
 Hostile manifests and planted files are built from a real 1-rank checkpoint of a tiny model
 in this process (milliseconds each); the cross-rank cases (a read failing on one rank during
 `load`, per-replica RNG with `Groups(replicate=)`) share one spawn of 2 gloo ranks.
+
+About internals: fusedzero.checkpoint._format, fusedzero.checkpoint._saving,
+fusedzero.checkpoint._shardfile, fusedzero.checkpoint._weights.
 """
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from fusedzero import checkpoint as ck
 from fusedzero.app.ckpt_cli import main as cli_main
 from fusedzero.app.launch import run as train_run
 from fusedzero.app.model import GPT
-from fusedzero.checkpoint import format as ckformat, saving as cksaving, shardfile as ckshardfile
+from fusedzero.checkpoint import _format as ckformat, _saving as cksaving, _shardfile as ckshardfile
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 
@@ -446,7 +449,7 @@ def w_cross_rank(rank: int, world: int, root: str) -> dict[str, Any]:
 
     # -- 11: import_weights, a read of the source fails on rank 1 only: every rank raises the
     # same error (before: after the ranks agreed, so rank 0 waited in load_shard_state).
-    from fusedzero.checkpoint import weights as ckweights
+    from fusedzero.checkpoint import _weights as ckweights
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     real_read = ckweights._WeightSource.read_flat
 

@@ -1,7 +1,9 @@
 """Shard files are read through one descriptor (see [Note: load what was verified] in
-checkpoint/shardfile.py): a swap between the check and the read loads nothing swapped in, a
+checkpoint/_shardfile.py): a swap between the check and the read loads nothing swapped in, a
 folder whose name is not valid UTF-8 verifies and loads, a shard that cannot be opened is
-reported as what it is. 1-rank checkpoints of a tiny model, in this process."""
+reported as what it is. 1-rank checkpoints of a tiny model, in this process.
+
+About an internal: fusedzero.checkpoint._shardfile."""
 from __future__ import annotations
 
 import builtins
@@ -191,7 +193,7 @@ def test_slices_read_while_hashing_cross_chunk_boundaries(
     same slices as direct reads and the file's sha256."""
     import hashlib
 
-    from fusedzero.checkpoint import shardfile
+    from fusedzero.checkpoint import _shardfile as shardfile
     monkeypatch.setattr(shardfile, "_CHUNK", chunk)
     p = tmp_path / "t.safetensors"
     a = torch.arange(53, dtype=torch.float32) * 1.5

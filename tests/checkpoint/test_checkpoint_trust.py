@@ -5,6 +5,9 @@ Each case is an attack or a failure that, before these checks, ran code, loaded 
 was saved with exit code 0, read a file whole, or ended in a Python traceback. The in-process
 cases use a 1-rank checkpoint of a tiny model; the train cases are in test_checkpoint_trust_run.py
 (they spawn ranks).
+
+About internals: fusedzero.checkpoint._catalog, fusedzero.checkpoint._manifest,
+fusedzero.checkpoint._saving.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from safetensors import safe_open
 from fusedzero import checkpoint as ck
 from fusedzero.app.cli import main as cli_main
 from fusedzero.app.model import GPT
-from fusedzero.checkpoint import catalog, saving
+from fusedzero.checkpoint import _catalog as catalog, _saving as saving
 from fusedzero.optim import ZeroAdamW
 
 from _helpers import (
@@ -161,7 +164,7 @@ def test_consistent_manifest_edit_is_refused_by_the_shard_header(
     f, m = manifest_of(root)
     edit(m)
     f.write_text(json.dumps(m))
-    ck.manifest.validate(m, f)  # the edit is invisible to the schema
+    ck._manifest.validate(m, f)  # the edit is invisible to the schema
     model, opt = build()  # fresh: zero moments, where the checkpoint's are not
     before = snapshot(opt)
     real_empty = torch.empty
@@ -251,9 +254,9 @@ def test_latest_is_read_a_few_kb_at_most(good: Path, tmp_path: Path) -> None:
 
 def test_manifest_cap_is_enforced_when_reading_and_saving(
         good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The cap's computation (1024 ranks x 70B) is in fusedzero/checkpoint/manifest.py, checked
+    # The cap's computation (1024 ranks x 70B) is in fusedzero/checkpoint/_manifest.py, checked
     # by tests/checkpoint/test_scale_ckpt.py: far below the 1 GiB of before, above 1024 rank states.
-    assert 1024 * (64 << 10) < ck.manifest.MAX_MANIFEST < 300 * 10**6
+    assert 1024 * (64 << 10) < ck._manifest.MAX_MANIFEST < 300 * 10**6
     root = copy(good, tmp_path)
     size = (ck.resolve(root) / ck.MANIFEST).stat().st_size
     monkeypatch.setattr(catalog, "MAX_MANIFEST", size - 1)
@@ -276,7 +279,7 @@ def test_manifest_cap_is_enforced_when_reading_and_saving(
     ("betas", [0.9, -3.0], "Invalid beta parameter at index 1: -3.0"),
     ("eps", -1e-8, "Invalid epsilon value"),
     ("weight_decay", -0.1, "Invalid weight_decay value"),
-    # Stricter than torch.optim.AdamW on purpose (fusedzero.validate.check_hyper): eps 0
+    # Stricter than torch.optim.AdamW on purpose (fusedzero._validate.check_hyper): eps 0
     # divides by zero at a zero second moment; the rest is inf or 0 in the fp32 update.
     ("eps", 0, r"Invalid epsilon value: 0 \(must be > 0"),
     ("eps", 1e-50, r"Invalid epsilon value: 1e-50 \(must be > 0"),

@@ -7,6 +7,8 @@ The preflight cases fail in the launcher before any rank starts; the disk-full c
 process (one gloo rank: `fusedzero train` joins an initialised group) with the shard write made to
 fail with ENOSPC by the writer's test hook -- a monkeypatched write, not a real full disk; the
 others spawn ranks.
+
+About internals: fusedzero.checkpoint._format, fusedzero.checkpoint._rank_state.
 """
 from __future__ import annotations
 
@@ -35,8 +37,8 @@ from fusedzero.app.config import UsageError, parse_args
 from fusedzero.app.launch import run
 from fusedzero.app.log import RunLog
 from fusedzero.app.model import GPT, GPTConfig
-from fusedzero.checkpoint import format as ckformat
-from fusedzero.checkpoint.rank_state import pack, unpack
+from fusedzero.checkpoint import _format as ckformat
+from fusedzero.checkpoint._rank_state import pack, unpack
 
 # --device cpu: gloo ranks on the CPU whatever GPUs are visible (auto would take one per GPU).
 TINY = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",

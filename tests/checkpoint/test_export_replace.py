@@ -1,7 +1,9 @@
 """A re-export replaces the old export whole (see [Note: an export replaces the old one whole] in
-checkpoint/weights.py): interrupted at any point, the folder holds the old export or no index,
+checkpoint/_weights.py): interrupted at any point, the folder holds the old export or no index,
 never an index over shards of two checkpoints; a failed write leaves no temporary behind; and
 `import_weights` refuses an index over another export's shards. 1-rank tiny model, in-process.
+
+About an internal: fusedzero.checkpoint._format.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from fusedzero import checkpoint as ck
-from fusedzero.checkpoint import format as ckformat
+from fusedzero.checkpoint import _format as ckformat
 
 from _helpers import TINY_CKPT, tiny_ckpt_opt, tiny_train
 

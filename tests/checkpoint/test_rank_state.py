@@ -1,6 +1,8 @@
 """The RNG states a checkpoint carries: they round-trip through pack/unpack (weights-only) and
 restore every generator exactly, in today's form (state words as int64 tensors) and in the form
-of checkpoints saved before (lists of ints)."""
+of checkpoints saved before (lists of ints).
+
+About an internal: fusedzero.checkpoint._rank_state."""
 from __future__ import annotations
 
 import random
@@ -8,7 +10,7 @@ import random
 import numpy as np
 import torch
 
-from fusedzero.checkpoint.rank_state import check_rng_state, pack, rng_state, set_rng_state, unpack
+from fusedzero.checkpoint._rank_state import check_rng_state, pack, rng_state, set_rng_state, unpack
 
 
 def _draws() -> tuple:
@@ -56,7 +58,7 @@ def test_cuda_state_is_the_own_gpus_and_one_saved_for_8_gpus_restores_on_2(monke
     GPU 2, after the optimizer was loaded). A malformed CUDA state fails the check."""
     import pytest
 
-    from fusedzero.checkpoint.manifest import CheckpointError
+    from fusedzero.checkpoint import CheckpointError
     gens = {0: torch.zeros(16, dtype=torch.uint8), 1: _cuda(7)}
 
     def index(device: object) -> int:

@@ -4,6 +4,9 @@ W ranks (W shard files and a manifest written by the library's own save), verify
 
 Every value is a function of (param, element) (a `ShardInit`), so what rank r of 8 loads can be
 checked against the formula on its own segments, whatever W saved it.
+
+About internals: fusedzero._layout, fusedzero.checkpoint._catalog, fusedzero.checkpoint._loading,
+fusedzero.checkpoint._manifest.
 """
 from __future__ import annotations
 
@@ -13,13 +16,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedzero import Precision, Sharding, ZeroAdamW
-from fusedzero.checkpoint import catalog, loading, manifest as manifest_format
+from fusedzero import Precision, Sharding, ShardInit, ZeroAdamW
+from fusedzero._layout import FlatLayout
+from fusedzero.checkpoint import (
+    _catalog as catalog,
+    _loading as loading,
+    _manifest as manifest_format,
+)
 from fusedzero.emulate import LlamaShape, meta_model, param_groups
 from fusedzero.emulate_ckpt import emulated_rank, save_emulated
-from fusedzero.layout import FlatLayout
 from fusedzero.plan import PlanConfig, model_layouts
-from fusedzero.units import ShardInit
 
 SHAPE = LlamaShape(n_layer=2, d=64, ffn=128, vocab=256, n_head=4, n_kv_head=2)
 
@@ -133,7 +139,7 @@ def _segment_count(L: FlatLayout) -> int:
 
 
 def _spelled(obj: object) -> int:
-    return len(json.dumps(obj, indent=1))  # as saving.py writes the manifest
+    return len(json.dumps(obj, indent=1))  # as _saving.py writes the manifest
 
 
 def _manifest_bound(layouts: list[FlatLayout], W: int, n_params: int, state_bytes: int) -> int:
@@ -167,7 +173,7 @@ def _manifest_bound(layouts: list[FlatLayout], W: int, n_params: int, state_byte
 
 
 def test_manifest_cap_fits_70b_at_1024_ranks_and_no_more() -> None:
-    # The largest legitimate manifest (manifest.py, MAX_MANIFEST): a 70B model at W=1024, the
+    # The largest legitimate manifest (_manifest.py, MAX_MANIFEST): a 70B model at W=1024, the
     # default buckets, bf16 or fp32 params, stages 1-3 (stage 0: rank 0 alone writes a file),
     # each rank's state as large as the cap allows. The cap is it plus MARGIN (to 2%: the
     # cap's parts are rounded), so it fits, and nothing much larger does.
@@ -180,7 +186,7 @@ def test_manifest_cap_fits_70b_at_1024_ranks_and_no_more() -> None:
             layouts = model_layouts(model, cfg, stage)
             need[dt, stage] = _manifest_bound(layouts, 1024, n, manifest_format._RANK_BYTES)
     worst = max(need.values())
-    assert worst == need[torch.float32, 3], need  # the case manifest.py counts
+    assert worst == need[torch.float32, 3], need  # the case _manifest.py counts
     cap, margin = manifest_format.MAX_MANIFEST, 1 + manifest_format.MARGIN
     assert worst < cap and 0.98 < cap / (margin * worst) < 1.02, (cap, worst, need)
 

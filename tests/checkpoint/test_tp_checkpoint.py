@@ -1,7 +1,9 @@
-"""Checkpoints of tensor-parallel optimizers (fusedzero/checkpoint/placements.py,
-tp_reshard.py): saved at (dp=2, tp=2), loaded at (dp=1, tp=2), (dp=4, tp=1) and (dp=2, tp=1)
+"""Checkpoints of tensor-parallel optimizers (fusedzero/checkpoint/_placements.py,
+_tp_reshard.py): saved at (dp=2, tp=2), loaded at (dp=1, tp=2), (dp=4, tp=1) and (dp=2, tp=1)
 with the optimizer state bit-exact (another stage each), exported as one file of full tensors;
-tensor_parallel.json is validated, not trusted."""
+tensor_parallel.json is validated, not trusted.
+
+About an internal: fusedzero.checkpoint._placements."""
 from __future__ import annotations
 
 import json
@@ -12,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedzero.checkpoint.manifest import CheckpointError
-from fusedzero.checkpoint.placements import full_of, local_of, parse, write_binding
+from fusedzero.checkpoint import CheckpointError
+from fusedzero.checkpoint._placements import full_of, local_of, parse, write_binding
 
 D, H, BATCH = 12, 20, 4
 LR, WD, CLIP = 1e-2, 0.1, 0.05
@@ -73,7 +75,7 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 def state_pieces(opt) -> dict:
     """This rank's optimizer state as pieces of each param's local tensor, with the param's
     local shape and placement: `assemble` in the test process makes full tensors of them."""
-    from fusedzero.checkpoint.placements import describe
+    from fusedzero.checkpoint._placements import describe
     st = opt.shard_state()
     infos = {i.index: i for i in opt.param_infos()}
     pl = ({p["name"]: p["placement"] for p in describe(opt)["params"]} if opt.tp else {})

@@ -4,7 +4,10 @@ each tp rank's dp group would, and bound to the record as `save` binds them), ex
 full tensors, assembled by the recorded placements, through the library and `fusedzero ckpt
 export`. The record is bound to the folders: an edit that keeps every local shape, a folder
 swap or an older unbound root is refused before any data is read. The multi-rank round trip is
-tests/checkpoint/test_tp_checkpoint.py (slow)."""
+tests/checkpoint/test_tp_checkpoint.py (slow).
+
+About internals: fusedzero._dtensor, fusedzero.checkpoint._placements,
+fusedzero.checkpoint._tp_export."""
 from __future__ import annotations
 
 import json
@@ -17,8 +20,8 @@ import torch
 from torch import nn
 
 from fusedzero import checkpoint, cli
-from fusedzero.checkpoint.manifest import CheckpointError
-from fusedzero.checkpoint.placements import TP_VERSION, local_of, write_binding
+from fusedzero.checkpoint import CheckpointError
+from fusedzero.checkpoint._placements import TP_VERSION, local_of, write_binding
 from fusedzero.optim import ZeroAdamW
 
 T = 2
@@ -113,7 +116,7 @@ def _fake_tp_opt(full: dict[str, torch.Tensor], t: int) -> SimpleNamespace:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
 
-    from fusedzero.dtensor import TpInfo
+    from fusedzero._dtensor import TpInfo
     m = _tp_module(full, t)
     infos = ZeroAdamW(m.parameters(), lr=1e-2, module=m).param_infos()
     parse = {"R": Replicate(), "S(0)": Shard(0), "S(1)": Shard(1),
@@ -169,7 +172,7 @@ def test_a_bound_edit_that_changes_local_shapes_is_refused(tmp_path: Path) -> No
 def test_swapped_tp_folders_are_refused_by_tp_directory(tmp_path: Path) -> None:
     """tp0of2 and tp1of2 swapped (every local shape is the same on both ranks): the same-tp
     load (`tp_directory`), a save into it, and export refuse it; the intact root resolves."""
-    from fusedzero.checkpoint.placements import tp_directory
+    from fusedzero.checkpoint._placements import tp_directory
     full = _full()
     root = _root(tmp_path, full)
     opt = _fake_tp_opt(full, 1)
@@ -216,7 +219,7 @@ def test_cli_export_of_a_tp_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     config's param check needs transformers, kept out here: it is slow to import)."""
     from safetensors.torch import load_file
 
-    from fusedzero.checkpoint.tp_export import saved_params
+    from fusedzero.checkpoint._tp_export import saved_params
     full = _full()
     root = _root(tmp_path, full)
     assert [(p["name"], p["shape"]) for p in saved_params(root)] == [

@@ -1,6 +1,8 @@
 """fusedzero.integrations' shared part (fast, one process, no framework imported): the core
 never imports the frameworks at module level, the keyword checks, the import error naming the
-extra, and the full state dict at stages 0 and 3 (a world of one)."""
+extra, and the full state dict at stages 0 and 3 (a world of one).
+
+About an internal: fusedzero.integrations._common."""
 from __future__ import annotations
 
 import ast

@@ -1,5 +1,7 @@
-"""fusedzero/bandwidth.py (what doctor and bench/bench_update.py measure with) and the bench's
-byte accounting and CUDA branch, as far as they can be checked without a GPU."""
+"""fusedzero/_bandwidth.py (what doctor and bench/bench_update.py measure with) and the bench's
+byte accounting and CUDA branch, as far as they can be checked without a GPU.
+
+About internals: fusedzero._bandwidth, fusedzero.kernels._adamw_single."""
 from __future__ import annotations
 
 import contextlib
@@ -10,7 +12,7 @@ import pytest
 import torch
 import triton.testing
 
-from fusedzero import bandwidth
+from fusedzero import _bandwidth as bandwidth
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import bench_update  # noqa: E402  (bench/ is not a package)
@@ -91,7 +93,7 @@ def test_bench_update_times_a_plan_built_once(monkeypatch, provider):
     device) built per call put a blocking host-to-device copy and the table build into every
     timed rep on a GPU (measured on an H100: 1.14 ms per 64M-element update with it, 0.67 ms
     without; torch fused AdamW 0.73 ms)."""
-    from fusedzero.kernels import adamw_single
+    from fusedzero.kernels import _adamw_single as adamw_single
 
     built: list[int] = []
     real = adamw_single.GroupedAdamW

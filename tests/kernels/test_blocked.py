@@ -1,7 +1,9 @@
 """The CPU torch path's cache-blocked passes (see [Note: cache-blocked update] in
-kernels/adamw_torch.py; kernels/sum_of_squares.py's chunks) at sizes that hit every chunk edge,
+kernels/_adamw_torch.py; kernels/_sum_of_squares.py's chunks) at sizes that hit every chunk edge,
 with a small chunk so that pieces straddle chunks and chunks hold several pieces: against
-float64, against the unblocked pass bit for bit, and with exact call counts."""
+float64, against the unblocked pass bit for bit, and with exact call counts.
+
+About internals: fusedzero.kernels._adamw_torch, fusedzero.kernels._sum_of_squares."""
 from __future__ import annotations
 
 import math
@@ -15,9 +17,9 @@ from fusedzero.kernels import (
     GroupedSumsq,
     Hyper,
     SumsqView,
+    _adamw_torch as adamw_torch,
+    _sum_of_squares as sumsq_mod,
     adamw_reference,
-    adamw_torch,
-    sum_of_squares as sumsq_mod,
 )
 
 U32 = 2.0**-24

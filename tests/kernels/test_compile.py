@@ -2,8 +2,11 @@
 128-bit vector accesses, never spill, and the AdamW kernel must use no shared memory and no fp64.
 
 conftest.py imports triton in interpreter mode, where nothing can be compiled, so the variants are
-compiled once in a child process (`python -m fusedzero.kernels.compile --json`) and the tests read
+compiled once in a child process (`python -m fusedzero.kernels._compile --json`) and the tests read
 its output.
+
+About internals: fusedzero.kernels._adamw, fusedzero.kernels._compile,
+fusedzero.kernels._memory_modes, fusedzero.kernels._sum_of_squares.
 """
 from __future__ import annotations
 
@@ -11,8 +14,12 @@ import pytest
 import torch
 import triton
 
-from fusedzero.kernels import adamw, memory_modes as modes, sum_of_squares
-from fusedzero.kernels.compile import compile_for
+from fusedzero.kernels import (
+    _adamw as adamw,
+    _memory_modes as modes,
+    _sum_of_squares as sum_of_squares,
+)
+from fusedzero.kernels._compile import compile_for
 
 from _helpers import compile_offline
 
@@ -22,7 +29,7 @@ OUTS = (None, torch.bfloat16, torch.float16, torch.float32)
 # 64 registers per thread still fit 1024 threads per SM (64K registers: 4 blocks of 8 warps);
 # the kernels sit at 20-42 today. Crossing it halves the resident warps that keep loads in flight.
 MAX_REGS = 64
-# The memory modes (kernels/memory_modes.py) measure 54-80: the int8 variants quantize 8 blocks per
+# The memory modes (kernels/_memory_modes.py) measure 54-80: the int8 variants quantize 8 blocks per
 # program and SR hashes per element. 80 registers still fit 6 blocks (24 warps) per SM; the bound
 # catches a variant that starts to spill or halves occupancy again.
 MAX_REGS_MODES = 80
@@ -33,7 +40,7 @@ ADAMW_VARIANTS = [(g, o, cap) for g in DTYPES for o in OUTS for cap in CAPABILIT
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict]:
-    rows = compile_offline("compile", tmp_path_factory.mktemp("compile") / "variants.json",
+    rows = compile_offline("_compile", tmp_path_factory.mktemp("compile") / "variants.json",
                            "--capability", *map(str, CAPABILITIES), timeout=240)
     return {(r["kernel"], r["capability"], r["grad_dtype"], r["out_dtype"], r["master_mode"],
              r["states"]): r for r in rows}
@@ -45,7 +52,7 @@ def _row(compiled: dict, kernel: str, cap: int, g: torch.dtype, o: torch.dtype |
 
 
 def _mode_row(compiled: dict, cap: int, master_mode: str, states: str) -> dict:
-    o = torch.bfloat16 if master_mode == "fp32" else None  # the variants compile.py builds
+    o = torch.bfloat16 if master_mode == "fp32" else None  # the variants _compile.py builds
     return _row(compiled, "adamw", cap, torch.bfloat16, o, master_mode, states)
 
 
@@ -93,7 +100,7 @@ def test_adamw_ptx_streams_are_vectors_128bit_for_fp32(compiled, g, o, cap):
 def test_adamw_has_no_shared_memory_and_no_fp64(compiled, g, o, cap):
     # 4 elements per thread for every stream (BLOCK 1024, 8 warps): 16-bit streams get the fp32
     # streams' layout, so no conversion through shared memory; the per-step rows are computed
-    # in fp64 before the launch (kernels/rows.py), none in this kernel.
+    # in fp64 before the launch (kernels/_rows.py), none in this kernel.
     row = _row(compiled, "adamw", cap, g, o)
     assert not any(".shared" in a for a in row["accesses"]), row["accesses"]
     assert row["shared_bytes"] == 0 and row["f64_instructions"] == 0, row
@@ -132,7 +139,7 @@ def test_no_spills_and_register_budget(compiled, kernel, g, o, cap):
 def test_fp32_math_is_ieee_round_to_nearest_as_in_the_interpreter(compiled, kernel, g, o, cap):
     # tl.sqrt is sqrt.approx.ftz and `/` is div.full (2 ulp); FMA contraction fuses a*b+c with
     # one rounding instead of two. Any of them breaks agreement with the interpreter (numpy does
-    # each fp32 op with IEEE rounding); see [Note: GPU vs interpreter numerics] in adamw.py.
+    # each fp32 op with IEEE rounding); see [Note: GPU vs interpreter numerics] in _adamw.py.
     ptx = _row(compiled, kernel, cap, g, o)["ptx"]
     for form in ("sqrt.approx", "div.full", "div.approx", "rsqrt", "fma.rn.f32"):
         assert form not in ptx, f"sm_{cap} {kernel} {g}/{o}: PTX contains {form}"

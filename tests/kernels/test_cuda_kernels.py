@@ -3,6 +3,8 @@
 The same checks as tests/kernels/test_kernels.py runs on the interpreter and the torch path,
 here on CUDA tensors with the kernels compiled by Triton (never the interpreter:
 tests/conftest.py leaves TRITON_INTERPRET unset where a GPU is visible).
+
+About an internal: fusedzero.kernels._adamw.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import pytest
 import torch
 import triton
 
-from fusedzero.kernels import LAUNCHES, adamw as adamw_mod, adamw_reference, adamw_step, sumsq
+from fusedzero.kernels import LAUNCHES, _adamw as adamw_mod, adamw_reference, adamw_step, sumsq
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

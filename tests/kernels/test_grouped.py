@@ -3,6 +3,8 @@
 Launch counts are exact (they do not depend on the machine). The numerics of many buffers with
 mixed hyper-parameter rows go through the real grouped kernel in the Triton interpreter (and the
 torch path) against the float64 reference, buffer by buffer.
+
+About internals: fusedzero._scalars, fusedzero.kernels._sum_of_squares.
 """
 from __future__ import annotations
 
@@ -150,7 +152,7 @@ def test_grouped_sumsq_one_launch_per_dtype_matches_float64(backend: str) -> Non
 def test_sumsq_torch_path_splits_and_joins_pieces_across_chunks(monkeypatch) -> None:
     """The CPU path squares the pieces chunk by chunk through one small scratch: pieces that
     span, end on or fall inside a chunk boundary are all counted once (float64 reference)."""
-    from fusedzero.kernels import sum_of_squares
+    from fusedzero.kernels import _sum_of_squares as sum_of_squares
     monkeypatch.setattr(sum_of_squares, "_CHUNK", 1000)
     g = torch.Generator().manual_seed(5)
     for dtype in (torch.float32, torch.bfloat16):
@@ -213,7 +215,7 @@ def test_load_state_dict_then_step_updates_the_loaded_memory(stage: int) -> None
 
 def test_group_lr_follows_float_and_tensor_lrs_and_sends_floats_only_when_changed(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from fusedzero import scalars
+    from fusedzero import _scalars as scalars
     sent: list[list] = []
     real = scalars.copy_from_host
     monkeypatch.setattr(scalars, "copy_from_host", lambda dst, v: (sent.append(v), real(dst, v)))
@@ -238,7 +240,7 @@ def test_group_lr_reads_a_cpu_tensor_lr_on_the_host_for_a_device_vector(
     another device (meta stands in for CUDA here) is read with `.item()` and sent as a float
     lr is, when it changes. Before: copied into the device vector every step, which on CUDA is
     a pageable host-to-device copy: the host waits for the device, a sync in every step()."""
-    from fusedzero import scalars
+    from fusedzero import _scalars as scalars
     sent: list[list] = []
     real = scalars.copy_from_host
     monkeypatch.setattr(scalars, "copy_from_host", lambda dst, v: (sent.append(v), real(dst, v)))

@@ -1,6 +1,8 @@
 """Memory modes through the grouped launch: one AdamW launch per step for every buffer of a
 rank, and many buffers in one launch updated bitwise as each alone (the table's mode columns:
-Kahan comp, the int8 scales at local offset / QBLOCK, bf16-sr's per-buffer index offset)."""
+Kahan comp, the int8 scales at local offset / QBLOCK, bf16-sr's per-buffer index offset).
+
+About an internal: fusedzero.kernels._memory_modes."""
 from __future__ import annotations
 
 import pytest
@@ -17,7 +19,7 @@ from fusedzero.kernels import (
     Strided,
     adamw_step,
 )
-from fusedzero.kernels.memory_modes import STATE_DTYPES
+from fusedzero.kernels._memory_modes import STATE_DTYPES
 
 from _helpers import fast_only
 

@@ -1,9 +1,11 @@
 """The Triton interpreter is for CPU tensors only: CUDA tensors reaching it are refused.
 
 The interpreter copies each kernel argument's storage to the host; our grouped launches reach
-every buffer through element offsets from one base tensor (kernels/table.py), which in those
+every buffer through element offsets from one base tensor (kernels/_table.py), which in those
 copies point into arbitrary host memory (reads of garbage, writes that corrupt the heap). No GPU
 is needed: the launchers decide before touching a tensor.
+
+About an internal: fusedzero.kernels._launch.
 """
 from __future__ import annotations
 

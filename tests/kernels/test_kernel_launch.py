@@ -2,6 +2,9 @@
 
 Neither needs a GPU: the grid is arithmetic, and the launch is observed through a recording
 `torch.cuda.device` and a fake kernel object (the launchers index `kernel[grid]` and call it).
+
+About internals: fusedzero.kernels._adamw, fusedzero.kernels._launch,
+fusedzero.kernels._sum_of_squares, fusedzero.kernels._table.
 """
 from __future__ import annotations
 
@@ -14,13 +17,13 @@ import triton.runtime.interpreter as interp
 
 from fusedzero.kernels import (
     Strided,
+    _adamw as adamw_mod,
     _launch,
-    adamw as adamw_mod,
+    _sum_of_squares as sumsq_mod,
+    _table as table,
     adamw_reference,
     adamw_step,
-    sum_of_squares as sumsq_mod,
     sumsq,
-    table,
 )
 
 CUDA_MAX_Y = 65535  # CUDA's limit on grid axes 1 and 2

@@ -3,6 +3,8 @@
 `FUSEDZERO_BACKEND=triton` runs the Triton kernel code in the interpreter (conftest.py sets
 TRITON_INTERPRET=1 before the kernels are imported); `torch` runs the torch path. Tests whose name
 says `triton_interpreter` prove the kernel code; the others run on both paths.
+
+About internals: fusedzero.kernels._adamw, fusedzero.kernels._sum_of_squares.
 """
 from __future__ import annotations
 
@@ -14,10 +16,10 @@ import torch
 from fusedzero.kernels import (
     LAUNCHES,
     Strided,
-    adamw as adamw_mod,
+    _adamw as adamw_mod,
+    _sum_of_squares as sumsq_mod,
     adamw_reference,
     adamw_step,
-    sum_of_squares as sumsq_mod,
     sumsq,
 )
 

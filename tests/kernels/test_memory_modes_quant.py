@@ -1,5 +1,7 @@
 """The pieces of the memory modes on their own: the int8 maps, stochastic rounding, the bytes each
-variant moves, and the launcher's argument checks (kernels/memory_modes.py)."""
+variant moves, and the launcher's argument checks (kernels/_memory_modes.py).
+
+About internals: fusedzero.kernels._memory_modes, fusedzero.kernels._memory_modes_reference."""
 from __future__ import annotations
 
 import math
@@ -14,8 +16,8 @@ from fusedzero.kernels import (
     dequantize_blockwise,
     quantize_blockwise,
 )
-from fusedzero.kernels.memory_modes import sr_bits, stochastic_round_bf16_torch, stream_bytes
-from fusedzero.kernels.memory_modes_reference import bf16_round_stochastic, quantize_exact
+from fusedzero.kernels._memory_modes import sr_bits, stochastic_round_bf16_torch, stream_bytes
+from fusedzero.kernels._memory_modes_reference import bf16_round_stochastic, quantize_exact
 
 U32 = 2.0**-24
 

@@ -1,15 +1,17 @@
-"""Wire quantize / dequantize-sum kernels (kernels/quant.py): the Triton kernels in the
+"""Wire quantize / dequantize-sum kernels (kernels/_quant.py): the Triton kernels in the
 interpreter and the torch path agree bitwise, and both match a float64 reference within the
 quantization bound (tests/zero/test_wire.py derives it): int8 |deq - x| <= absmax / 254 * (1 +
 2^-14) per block, bf16 |deq - x| <= |x| 2^-8, fp32 exact; the fp32 sum of W chunks within
-(W - 1) u of the sum of |values|, u = 2^-24, plus one rounding for the scale and the store."""
+(W - 1) u of the sum of |values|, u = 2^-24, plus one rounding for the scale and the store.
+
+About an internal: fusedzero.kernels._quant."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from fusedzero.kernels import LAUNCHES
-from fusedzero.kernels.quant import (
+from fusedzero.kernels._quant import (
     WBLOCK,
     WireFormat,
     chunk_bytes,
@@ -201,7 +203,7 @@ def test_one_launch_each_way_and_errors_name_the_sizes(monkeypatch):
 def test_offline_compile_for_sm90_vectorises_and_never_spills(tmp_path) -> None:
     """The kernels compiled for sm_90 as the launchers build them: no spills, no fp64, no int32
     offset products, and the int8 codes and fp32 values move in 128-bit vectors."""
-    rows = compile_offline("compile_quant", tmp_path / "quant.json")
+    rows = compile_offline("_compile_quant", tmp_path / "quant.json")
     assert {(r["kernel"], r["wire"]) for r in rows} >= {
         (k, f.value) for k in ("quantize", "dequant_sum", "dequantize") for f in WireFormat}
     for r in rows:

@@ -1,8 +1,11 @@
-"""The per-step scalar kernels (kernels/step_scalars.py, kernels/rows.py): one launch each, the
+"""The per-step scalar kernels (kernels/_step_scalars.py, kernels/_rows.py): one launch each, the
 same bits as their torch paths (see [Note: one launch for the step's scalars]), and compiled for
 sm_80/sm_90 with IEEE fp32 division and square root.
 
-The `_interpreter` tests run the kernel code through Triton's interpreter (CPU tensors)."""
+The `_interpreter` tests run the kernel code through Triton's interpreter (CPU tensors).
+
+About internals: fusedzero.kernels._launch, fusedzero.kernels._rows,
+fusedzero.kernels._step_scalars."""
 from __future__ import annotations
 
 import itertools
@@ -13,8 +16,8 @@ import torch
 
 from fusedzero.kernels import LAUNCHES
 from fusedzero.kernels._launch import Hyper
-from fusedzero.kernels.rows import NCOLS, RowCol, Rows
-from fusedzero.kernels.step_scalars import step_scalars
+from fusedzero.kernels._rows import NCOLS, RowCol, Rows
+from fusedzero.kernels._step_scalars import step_scalars
 
 from _helpers import compile_offline
 
@@ -119,7 +122,7 @@ def test_scalar_kernels_compile_with_ieee_fp32_for_sm80_and_sm90(tmp_path) -> No
     """Offline (no GPU): each variant compiles; the scalar kernel's fp32 division and square
     root are the round-to-nearest forms (as torch computes them: the same bits), with no
     approximate form and no FMA contraction; the rows' fp64 divisions and square root too."""
-    rows = compile_offline("compile_scalars", tmp_path / "scalars.json")
+    rows = compile_offline("_compile_scalars", tmp_path / "scalars.json")
     assert {(r["kernel"], r["capability"]) for r in rows} == {
         (k, c) for k in ("step_scalars", "rows") for c in (80, 90)}
     for r in rows:

@@ -1,6 +1,6 @@
 """A backward that raises (an OOM, an error in a custom Function) runs no end-of-backward
 callback: the optimizer must not stay "in backward" (see [Note: a backward that raised] in
-fusedzero/grads.py). Before the fix every later step() raised "step() called during backward"."""
+fusedzero/_grads.py). Before the fix every later step() raised "step() called during backward"."""
 from __future__ import annotations
 
 import pytest

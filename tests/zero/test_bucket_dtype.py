@@ -1,5 +1,5 @@
 """A stage 2-3 bucket is built in the reduce dtype whatever dtype its grads arrive in
-(fusedzero/reduce.py `ReduceIntoShard._gather`). A DTensor param whose local tensor was cast to
+(fusedzero/_reduce.py `ReduceIntoShard._gather`). A DTensor param whose local tensor was cast to
 `param_dtype` keeps its outer dtype (fp32 under `fusedzero train --tp` on GPUs), and autograd
 casts its grad to that: before, such fp32 grads in a bf16-reduce bucket went through one `cat`,
 whose type promotion made the bucket fp32, and the reduce-scatter moved twice the bytes the

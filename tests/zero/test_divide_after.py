@@ -1,15 +1,17 @@
-"""See [Note: dividing after the reduction] (fusedzero/reduce.py): at W = 2 the first reduction of a
-bucket sums raw grads and divides this rank's piece afterwards; that is bitwise the division
+"""See [Note: dividing after the reduction] (fusedzero/_reduce.py): at W = 2 the first reduction
+of a bucket sums raw grads and divides this rank's piece afterwards; that is bitwise the division
 before (the only order at W = 3), at stages 1-3, fp32 and bf16 reduction, with micro-batches
 reduced one by one (accumulation across reductions) and under no_sync. Only on 2 ranks: the
-property is about W a power of two."""
+property is about W a power of two.
+
+About an internal: fusedzero._reduce."""
 from __future__ import annotations
 
 import pytest
 import torch
 from torch import nn
 
-from fusedzero import Precision, Sharding, ZeroAdamW, reduce
+from fusedzero import Precision, Sharding, ZeroAdamW, _reduce as reduce
 from fusedzero.testing import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns ranks or the CLI

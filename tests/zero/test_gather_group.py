@@ -1,7 +1,9 @@
 """`gather_group=`: the param all-gathers of stages 1-3 on a second group over the same ranks
 (on NCCL its own communicator and stream, so a prefetch all-gather never queues behind a
 reduce-scatter). Every all-gather goes there, nothing else does, and the values are the ones of
-a run on one group, bit for bit."""
+a run on one group, bit for bit.
+
+About an internal: fusedzero._comm."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import fusedzero.comm as comm
+import fusedzero._comm as comm
 from fusedzero import Groups, Sharding, ZeroAdamW
 from fusedzero.testing import fake_group, run_ranks
 

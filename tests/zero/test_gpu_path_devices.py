@@ -7,6 +7,8 @@
 - Backends: what a wait means is decided per device type from the group's backend string
   ("cpu:gloo,cuda:nccl" for a mixed group); a one-rank gloo group registered for both device
   types gives that string's shape without NCCL.
+
+About internals: fusedzero._comm, fusedzero._validate.
 """
 from __future__ import annotations
 
@@ -19,8 +21,8 @@ from torch import nn
 from torch._subclasses import fake_tensor
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from fusedzero import comm
-from fusedzero.validate import indexed_device, resolve_device
+from fusedzero import _comm as comm
+from fusedzero._validate import indexed_device, resolve_device
 
 
 @pytest.fixture

@@ -5,7 +5,10 @@ the Triton interpreter (FUSEDZERO_BACKEND=triton): every launch of the fused upd
 squares and the step's scalars (with the AdamW rows) gets the same host arguments at every step
 (equal integers and flags, no float at all, tensors of the same dtype and shape) while lr changes
 each step. Tensor addresses may differ: a buffer allocated inside the step (the sum of squares'
-total) comes from the graph's own pool under capture, at one address for every replay."""
+total) comes from the graph's own pool under capture, at one address for every replay.
+
+About internals: fusedzero.kernels._adamw, fusedzero.kernels._rows,
+fusedzero.kernels._step_scalars, fusedzero.kernels._sum_of_squares."""
 from __future__ import annotations
 
 from typing import Any
@@ -14,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 
-import fusedzero.kernels.adamw as adamw
-import fusedzero.kernels.rows as rows
-import fusedzero.kernels.step_scalars as step_scalars
-import fusedzero.kernels.sum_of_squares as sumsq
+import fusedzero.kernels._adamw as adamw
+import fusedzero.kernels._rows as rows
+import fusedzero.kernels._step_scalars as step_scalars
+import fusedzero.kernels._sum_of_squares as sumsq
 from fusedzero.optim import ZeroAdamW
 
 

@@ -2,7 +2,7 @@
 its children without calling them (nn.MultiheadAttention reads `out_proj.weight`; an
 nn.TransformerEncoderLayer in eval under no_grad reads every child's params in one fused op).
 
-[Note: deferred all-gather] The mechanism: `fusedzero.comm.all_gather` is replaced, in this one
+[Note: deferred all-gather] The mechanism: `fusedzero._comm.all_gather` is replaced, in this one
 process (world size 1, no process group), by a fake whose output holds NaN until its handle's
 `wait()` copies the gathered values in. A real NCCL all-gather behaves the same way from the
 compute stream's point of view (the values land whenever the collective runs, and only the wait
@@ -10,6 +10,8 @@ orders the reader after it), but on CPU gloo the wait is usually a formality bec
 collective already finished. Here a read that no wait covers sees NaN, which reaches the loss:
 the results must equal a single-process torch.optim.AdamW run bit for bit in what they depend on
 (1e-6 relative: the fused update's arithmetic order).
+
+About an internal: fusedzero._comm.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import pytest
 import torch
 from torch import nn
 
-import fusedzero.comm as comm
+import fusedzero._comm as comm
 from fusedzero import Sharding, ZeroAdamW
 
 STEPS = 3

@@ -1,7 +1,9 @@
-"""See [Note: a grad onto a placeholder] (fusedzero/grads.py): between backward passes `p.grad` may
+"""See [Note: a grad onto a placeholder] (fusedzero/_grads.py): between backward passes `p.grad` may
 be a NoLocalGrad placeholder; the next micro-batch's AccumulateGrad adds onto it, and that add
 (and only that one) counts the placeholder as zero. Single process (W=1): what is checked is the
-hook path, the same at every world size."""
+hook path, the same at every world size.
+
+About an internal: fusedzero._grads."""
 from __future__ import annotations
 
 import pytest
@@ -9,7 +11,7 @@ import torch
 from torch import nn
 
 from fusedzero import ZeroAdamW
-from fusedzero.grads import NoLocalGrad
+from fusedzero._grads import NoLocalGrad
 
 LR = 1e-2
 # create_graph=True: torch warns of the param <-> grad cycle (zero_grad() breaks it here)

@@ -1,6 +1,6 @@
 """Backward under ZeroAdamW dispatches at most 0.5 aten ops per param more than a bare backward,
 at every stage, with fp32 and with bf16 params (fp32 reduce), at W=2 (see [Note: grads into a
-bucket, per bucket] in fusedzero/reduce.py): a grad goes into its bucket by one foreach op per
+bucket, per bucket] in fusedzero/_reduce.py): a grad goes into its bucket by one foreach op per
 bucket, never by ops per param. Each op is a host call of microseconds and, on CUDA, a kernel
 launch, so the count is what backward's host time per param follows; it does not depend on the
 machine. Every op counts, views included.

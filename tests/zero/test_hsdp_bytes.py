@@ -1,6 +1,6 @@
 """HSDP (a 2-D mesh: shards within a group of 2, replicas across 2) counted in one process as
 rank 0 of 4 in torch's fake process group: each step averages every bucket's reduced shard over
-the replicas once (`fusedzero.replicas`), and nothing else crosses the replicate group. Bytes are
+the replicas once (`fusedzero._replicas`), and nothing else crosses the replicate group. Bytes are
 the ring formula, exactly: 2 (R - 1) / R of the shard per bucket, R = 2 replicas."""
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """HSDP: every rank issues its shard-group and replicate-group collectives in one order, a
 function of the launch order alone (see [Note: one order across communicators] in
-fusedzero/buckets.py). NCCL requires it: where two communicators' kernels cannot run at once,
+fusedzero/_buckets.py). NCCL requires it: where two communicators' kernels cannot run at once,
 ranks that issued them in different orders wait on each other forever.
 
 Played as rank 0 of a fake world of 4 (shards over 2, replicas over 2), with the shard
@@ -8,6 +8,8 @@ reductions' handles reporting complete at once, or never until waited on: the tw
 issued collectives must be the same. Before: replica all-reduces started when a poll found
 their shard reduction complete, so the first trace interleaved them, the second put them all
 at the end of backward.
+
+About an internal: fusedzero._comm.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedzero import Groups, Sharding, ZeroAdamW, comm
+from fusedzero import Groups, Sharding, ZeroAdamW, _comm as comm
 from fusedzero.testing import fake_group
 
 

@@ -1,4 +1,6 @@
-"""Flat-layout geometry (fusedzero/layout.py): padding bounds over many world sizes and buckets."""
+"""Flat-layout geometry (fusedzero/_layout.py): padding bounds over many world sizes and buckets.
+
+About an internal: fusedzero._layout."""
 from __future__ import annotations
 
 import math
@@ -6,7 +8,7 @@ import random
 
 import pytest
 
-from fusedzero.layout import ALIGN, build_layout, round_up
+from fusedzero._layout import ALIGN, build_layout, round_up
 
 
 def _check_bounds(shapes: list[tuple[int, ...]], W: int, bucket: int) -> None:

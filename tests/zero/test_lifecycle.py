@@ -3,6 +3,8 @@ without reporting, and (through `fusedzero train`) signals, locks and pre-flight
 
 Every multi-rank case here has a short process-group timeout and a test timeout: a regression
 shows up as a failure, never as a hung suite.
+
+About internals: fusedzero._comm, fusedzero._spawn, fusedzero.checkpoint._saving.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ import pytest
 import torch
 from torch import nn
 
-from fusedzero.comm import CollectiveTimeout
+from fusedzero._comm import CollectiveTimeout
 from fusedzero.optim import ZeroAdamW
 from fusedzero.testing import run_ranks
 
@@ -149,7 +151,7 @@ def _cmdline(pid: int) -> bytes:
 
 def _ranks(pid: int) -> list[int]:
     """The rank processes of a `fusedzero train` launcher (not its resource tracker): spawned
-    children (CUDA) or the children of its fork server (CPU, fusedzero/spawn.py)."""
+    children (CUDA) or the children of its fork server (CPU, fusedzero/_spawn.py)."""
     ranks = []
     for c in _children(pid):
         cmd = _cmdline(c)
@@ -255,7 +257,7 @@ def _async_save_with_dead_peer(rank: int, port: int, ckpt: str, result: str) -> 
     model(torch.randn(2, 8)).sum().backward()
     opt.step()
     if rank == 1:
-        checkpoint.saving._write_shard = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+        checkpoint._saving._write_shard = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
     h = checkpoint.save(opt, ckpt, step=1, async_=True)
     try:
         h.wait()
@@ -271,7 +273,7 @@ def test_async_save_with_a_dead_peer_ends(tmp_path: Path) -> None:
     """Before: rank 0's (non-daemon) save thread waited 1800 s for the dead rank's shard."""
     import multiprocessing
 
-    from fusedzero.spawn import reserve_port
+    from fusedzero._spawn import reserve_port
 
     ctx = multiprocessing.get_context("spawn")
     held = reserve_port()  # until the ranks are done: no other test's bind takes it

@@ -1,14 +1,15 @@
-"""Memory modes of the fused AdamW (kernels/memory_modes.py) against the float64 reference of the
+"""Memory modes of the fused AdamW (kernels/_memory_modes.py) against the float64 reference of the
 same algorithm, on the Triton interpreter and the torch path.
 
 Tolerances. The kernel computes the update in fp32 (within ULPS fp32 ulps of exact, see
 tests/kernels/test_kernels.py) and then rounds what it stores exactly as the reference does on the
-exact
-value. A stored bf16 value therefore equals the reference's unless the exact and the fp32 value
-straddle a bf16 rounding boundary: then it is 1 bf16 ulp off. That happens with probability about
-2 * ULPS * 2**-24 / 2**-8 = 2**-12 per element, so we allow 1 ulp everywhere and count the
-off ones (< 1%, ~40x the expectation; a wrong rounding mode is off on ~50%). Likewise an int8
-code is the reference's or one off, and off codes are < 1%.
+exact value. A stored bf16 value therefore equals the reference's unless the exact and the fp32
+value straddle a bf16 rounding boundary: then it is 1 bf16 ulp off. That happens with probability
+about 2 * ULPS * 2**-24 / 2**-8 = 2**-12 per element, so we allow 1 ulp everywhere and count the off
+ones (< 1%, ~40x the expectation; a wrong rounding mode is off on ~50%). Likewise an int8 code is
+the reference's or one off, and off codes are < 1%.
+
+About an internal: fusedzero.kernels._adamw.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from fusedzero.kernels import (
     dequantize_blockwise,
     quantize_blockwise,
 )
-from fusedzero.kernels.adamw import BLOCK
+from fusedzero.kernels._adamw import BLOCK
 
 from _helpers import fast_only
 

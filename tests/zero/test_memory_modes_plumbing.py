@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from fusedzero import Precision, Sharding, ZeroAdamW, checkpoint as ck
-from fusedzero.kernels.memory_modes import dequantize_blockwise, quantize_blockwise
+from fusedzero.kernels import dequantize_blockwise, quantize_blockwise
 from fusedzero.testing import fake_group, run_ranks
 
 MASTERS = ("fp32", "bf16-kahan", "bf16-sr", "bf16")

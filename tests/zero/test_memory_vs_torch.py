@@ -4,6 +4,8 @@ At W=1 nothing is sharded, so stage 1 must hold what torch holds: params, one co
 grads and two moments (fp32 params are their own master), 16 bytes per param, plus alignment
 padding. Counted exactly from the tensors alive in this process (every CPU storage, by address),
 not from RSS: after backward and after step, the peaks of a training step outside the update.
+
+About an internal: fusedzero.kernels._sum_of_squares.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import pytest
 import torch
 
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.kernels import sum_of_squares
+from fusedzero.kernels import _sum_of_squares as sum_of_squares
 from fusedzero.optim import ZeroAdamW
 
 # Slow: the first count walks every object of the process (gc), ~1 s in a pytest session.

@@ -1,7 +1,9 @@
-"""See [Note: a port held for the ranks] (fusedzero/spawn.py): while a port is reserved no other
+"""See [Note: a port held for the ranks] (fusedzero/_spawn.py): while a port is reserved no other
 bind takes it, and rank 0's store still listens on it. Before: `SpawnedRanks` (every
 `fusedzero train` and test pool) chose a port free at that moment and released it, and a CI
-run's `fusedzero train` failed with EADDRINUSE when another test's process bound it first."""
+run's `fusedzero train` failed with EADDRINUSE when another test's process bound it first.
+
+About an internal: fusedzero._spawn."""
 from __future__ import annotations
 
 import datetime
@@ -11,7 +13,7 @@ import socket
 import pytest
 import torch.distributed as dist
 
-from fusedzero.spawn import reserve_port
+from fusedzero._spawn import reserve_port
 
 
 def test_a_reserved_port_refuses_other_binds_and_takes_the_store() -> None:

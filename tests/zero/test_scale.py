@@ -3,7 +3,7 @@ torch's fake process group, the model on the meta device (fusedzero/emulate.py).
 
 Each case checks, exactly: resident bytes (`ZeroAdamW.memory()`) = `fusedzero plan` = the ZeRO
 formula within padding, padding <= 0.5% of Psi, and one step's collectives as counted by
-`fusedzero.comm` = the plan's bytes. Stage 3 materialises the local shard (real CPU memory)
+`fusedzero._comm` = the plan's bytes. Stage 3 materialises the local shard (real CPU memory)
 where it is at most ~1.5 GB; everything else is built on the meta device, with the same byte
 counts. Construction time and RSS are reported by bench/bench_scale.py, not asserted here.
 """

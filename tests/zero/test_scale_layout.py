@@ -2,22 +2,25 @@
 
 Everything here is arithmetic or meta-device tensors: no storage past a few KB, no process
 group. The emulated optimizer itself is tests/zero/test_scale.py (slow tier).
+
+About internals: fusedzero._flat, fusedzero._layout, fusedzero.kernels._launch,
+fusedzero.kernels._table.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fusedzero.emulate import meta_model
-from fusedzero.flat import FlatBuffer
-from fusedzero.kernels import Strided, _launch, table
-from fusedzero.layout import (
+from fusedzero._flat import FlatBuffer
+from fusedzero._layout import (
     ALIGN,
     DEFAULT_BUCKET_NUMEL,
     MIN_SHARD_BYTES,
     build_layout,
     default_bucket_numel,
 )
+from fusedzero.emulate import meta_model
+from fusedzero.kernels import Strided, _launch, _table as table
 from fusedzero.plan import LinkModel, PlanConfig, plan_model
 from fusedzero.stage import Stage
 
@@ -153,9 +156,8 @@ def test_shard_init_writes_only_the_local_shard_from_element_indices() -> None:
     # Stage 3 from the meta device with a ShardInit: the values are a function of (name,
     # element), written segment by segment; gathered, every param holds the formula's values
     # (bf16), and no unit was gathered to initialise them (materialize_peak stays 0).
-    from fusedzero import Precision, Sharding, ZeroAdamW
+    from fusedzero import Precision, Sharding, ShardInit, ZeroAdamW
     from fusedzero.emulate import LlamaShape, param_groups
-    from fusedzero.units import ShardInit
 
     def values(name: str, start: int, n: int) -> torch.Tensor:
         return torch.arange(start, start + n, dtype=torch.float32) * 1e-3 + len(name)

@@ -1,8 +1,10 @@
 """Stage 3 from the meta device with the model's own init, run on this rank's elements only
-(fusedzero/shard_init.py): values independent of the world size, nothing gathered, the refusals.
+(fusedzero/_shard_init.py): values independent of the world size, nothing gathered, the refusals.
 
 Ranks of W = 8 and 1024 are emulated one at a time on torch's fake process group (each builds
 its own shard; the collectives move nothing) and compared element-wise with a W = 1 build.
+
+About internals: fusedzero._layout, fusedzero._shard_init.
 """
 from __future__ import annotations
 
@@ -16,12 +18,11 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from fusedzero import Precision, Sharding, ZeroAdamW
+from fusedzero import FullUnitInit, Precision, Sharding, ZeroAdamW
+from fusedzero._layout import ALIGN
+from fusedzero._shard_init import BLOCK, block_seed
 from fusedzero.checkpoint import import_weights
 from fusedzero.emulate import emulate, fake_group
-from fusedzero.layout import ALIGN
-from fusedzero.shard_init import BLOCK, block_seed
-from fusedzero.units import FullUnitInit
 
 V, D, F = 50, 24, 40
 
@@ -228,7 +229,7 @@ def test_writes_through_strided_views_are_the_same_at_w_1_and_8(monkeypatch) -> 
     assert w[:, 12].std() > 0.5  # N(0, 1), drawn column-wise
     for r in range(8):
         _assert_shard_is(_build(8, r, strided_init)[1], ref, f"W=8 rank {r}")
-    from fusedzero import shard_init
+    from fusedzero import _shard_init as shard_init
     monkeypatch.setattr(shard_init, "MAX_RUNS", 4)  # a column is F = 40 runs
     with pytest.raises(NotImplementedError, match=r"in 40 runs \(more than 4\).*FullUnitInit"):
         _build(1, 0, strided_init)

@@ -1,14 +1,16 @@
 """A transformers model from the meta device, initialised by its own `_init_weights` at stage 3
-on each rank's elements only (fusedzero/shard_init.py): the same values at W = 1 and on each of
-4 emulated ranks, with the config's distributions."""
+on each rank's elements only (fusedzero/_shard_init.py): the same values at W = 1 and on each of
+4 emulated ranks, with the config's distributions.
+
+About an internal: fusedzero._layout."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from fusedzero import Sharding, ZeroAdamW
+from fusedzero._layout import ALIGN
 from fusedzero.emulate import fake_group
-from fusedzero.layout import ALIGN
 
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra")
 pytestmark = pytest.mark.slow  # importing transformers takes seconds

@@ -1,6 +1,6 @@
 """Stage-3 `model.load_state_dict` of a tensor-parallel model on a (dp=2, tp=2) mesh of 4 gloo
 ranks: the DTensor params' local tensors are LocalParams while torch loads (fusedzero/
-shard_init.py), so nothing is gathered, and the gathered values are the given ones."""
+_shard_init.py), so nothing is gathered, and the gathered values are the given ones."""
 from __future__ import annotations
 
 import pytest

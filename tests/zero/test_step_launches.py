@@ -2,12 +2,15 @@
 step's scalars with the AdamW rows, the update) and one torch op (the sum of the sum of squares'
 partials), plus at stages 0-1 one op that empties every full grad buffer, where the scalars and
 rows were ~35 torch ops, each a launch and host time on CUDA (see [Note: one launch for the step's
-scalars] in kernels/step_scalars.py). Issue 40 item 2: no op per param group or per buffer
+scalars] in kernels/_step_scalars.py). Issue 40 item 2: no op per param group or per buffer
 (before: four launches, the partials' allocation and a zero_ per full grad buffer).
 
 The kernels are stubbed out (nothing runs: what is counted is what the host issues), so the
 count is exact and the same on any machine; their arithmetic is tested against the torch path
-in tests/kernels/test_step_scalars.py."""
+in tests/kernels/test_step_scalars.py.
+
+About internals: fusedzero.kernels._adamw, fusedzero.kernels._rows,
+fusedzero.kernels._step_scalars, fusedzero.kernels._sum_of_squares."""
 from __future__ import annotations
 
 import collections
@@ -18,7 +21,13 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fusedzero import ZeroAdamW
-from fusedzero.kernels import LAUNCHES, adamw, rows, step_scalars, sum_of_squares
+from fusedzero.kernels import (
+    LAUNCHES,
+    _adamw as adamw,
+    _rows as rows,
+    _step_scalars as step_scalars,
+    _sum_of_squares as sum_of_squares,
+)
 from fusedzero.testing import fake_group
 
 pytestmark = pytest.mark.interpreter  # FUSEDZERO_BACKEND=triton on CPU tensors

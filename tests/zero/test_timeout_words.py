@@ -2,14 +2,16 @@
 wait and the limit, whichever of gloo's words reported it: "Timed out waiting ..." from the op
 that ran out of time, or "Application timeout caused pair closure" from one whose connection the
 timeout closed (a CI run of tests/zero/test_lifecycle.py's stalled-rank case got the second and
-ended with gloo's bare words). No process group needed: the handles here raise as gloo does."""
+ended with gloo's bare words). No process group needed: the handles here raise as gloo does.
+
+About an internal: fusedzero._comm."""
 from __future__ import annotations
 
 import datetime
 
 import pytest
 
-from fusedzero import comm
+from fusedzero import _comm as comm
 from fusedzero.app.log import waiting_for
 
 GLOO = ["[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Application timeout caused pair "

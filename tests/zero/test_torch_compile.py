@@ -27,11 +27,11 @@ STEPS, BATCH = 2, 4
 # Graph breaks our hooks cause, by the words of Dynamo's reason (torch 2.13):
 DOCUMENTED = {
     # stages 1-2: a module's forward pre-hook waits on its buckets' param all-gather
-    # (fusedzero.comm.wait runs eagerly, `comm.eager`: a wait on other ranks). Dynamo names the
+    # (fusedzero._comm.wait runs eagerly, `comm.eager`: a wait on other ranks). Dynamo names the
     # skipped function by its module and qualname.
-    "wait": "module: fusedzero.comm, qualname: wait,",
+    "wait": "module: fusedzero._comm, qualname: wait,",
     # stage 3: a unit's forward hooks (gather, prefetch, free: collectives, storage resizes and
-    # `.data` re-pointing) run eagerly (see [Note: stage 3 under torch.compile] in zero3.py)
+    # `.data` re-pointing) run eagerly (see [Note: stage 3 under torch.compile] in _zero3.py)
     "unit": "fusedzero stage 3: a unit's gather/free hook runs eagerly",
 }
 

@@ -13,6 +13,8 @@ result scaled by 1/W (the average), u = 2^-24 (fp32) and deq_r the value rank r'
 
 So |result - mean(x)| <= (sum_r q_r + W u sum_r |deq_r|) / W, and |result - mean(deq)| <=
 W u sum_r |deq_r| / W: the tests assert both, on data whose magnitudes span six decades.
+
+About internals: fusedzero._comm, fusedzero.kernels._quant.
 """
 from __future__ import annotations
 
@@ -24,10 +26,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fusedzero import Groups, Precision, Sharding, Wire, ZeroAdamW, comm, wire
+from fusedzero import Groups, Precision, Sharding, Wire, ZeroAdamW, _comm as comm, wire
+from fusedzero._comm import CommContext, CommCounter
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.comm import CommContext, CommCounter
-from fusedzero.kernels.quant import WBLOCK, WireFormat, dequantize_into, new_packed
+from fusedzero.kernels._quant import WBLOCK, WireFormat, dequantize_into, new_packed
 from fusedzero.plan import PlanConfig, plan_model, plan_params
 from fusedzero.testing import fake_group, run_ranks
 

@@ -1,4 +1,6 @@
-"""ZeRO stages 0-2 on 1, 2 and 4 gloo ranks against a single-process torch.optim.AdamW."""
+"""ZeRO stages 0-2 on 1, 2 and 4 gloo ranks against a single-process torch.optim.AdamW.
+
+About an internal: fusedzero._layout."""
 from __future__ import annotations
 
 import copy
@@ -8,11 +10,10 @@ import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from fusedzero import Groups, Precision, Sharding, ZeroAdamW, checkpoint as ckpt
+from fusedzero import FullUnitInit, Groups, Precision, Sharding, ZeroAdamW, checkpoint as ckpt
+from fusedzero._layout import build_layout
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
-from fusedzero.layout import build_layout
 from fusedzero.testing import run_ranks
-from fusedzero.units import FullUnitInit
 
 from _helpers import gpt_batch, make_gpt
 
@@ -330,7 +331,7 @@ def _name_of(names: list[str], index: int) -> str:
 
 
 def test_first_reduce_scatter_issued_before_backward_ends_on_2_ranks() -> None:
-    # 768: a whole number of 2 x 128-element shards (layout.py rounds the bucket up to one).
+    # 768: a whole number of 2 x 128-element shards (_layout.py rounds the bucket up to one).
     out = run_ranks(train_zero, 2, {"stage": 2, "steps": 1, "trace": True, "bucket": 768})
     for o in out:
         kinds = [k for k, _ in o["trace"]]

@@ -1,5 +1,7 @@
 """Stage 3 hazards outside the happy path: step ordering against in-flight gathers,
-params touched outside a forward, and state dicts."""
+params touched outside a forward, and state dicts.
+
+About an internal: fusedzero._zero3."""
 from __future__ import annotations
 
 import sys
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from fusedzero import Sharding, ZeroAdamW
-from fusedzero.zero3 import UnitState, Zero3
+from fusedzero._zero3 import UnitState, Zero3
 
 from _helpers import Stack, run_isolated
 

@@ -7,6 +7,8 @@ the other ranks' average from its reduction was then left holding that average: 
 skipped buffers whose version had not moved since their last zeroing (see [Note: zeroing once]),
 and the next step reduced the stale average again. Played here as rank 1 of a fake world of 2,
 its collectives writing as NCCL's do (through `.data`: no version bump).
+
+About an internal: fusedzero._comm.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fusedzero import ZeroAdamW, comm
+from fusedzero import ZeroAdamW, _comm as comm
 from fusedzero.testing import fake_group
 
 

@@ -1,0 +1,204 @@
+"""Reading and writing a rank's optimizer state through the records of fusedzero/state.py.
+
+`ShardAccess` is what `ZeroAdamW.shard_infos / param_infos / shard_state / load_shard_state`
+delegate to: it sees the flat buffers, the step scalars and the param all-gather, nothing else.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fusedzero._flat import FlatBuffer
+from fusedzero._param_sync import ParamSync
+from fusedzero._scalars import StepScalars
+from fusedzero.memory_modes import MemoryModes
+from fusedzero.state import TENSOR_FIELDS, ParamInfo, ShardInfo, ShardState, convert, fields_of
+
+
+class ShardAccess:
+    """`before_write` runs before master (and the param shard derived from it) is rewritten:
+    nothing in flight may read the shards then, and no gathered copy of them may outlive the
+    write (ZeroAdamW.quiesce_params)."""
+
+    def __init__(self, buffers: list[FlatBuffer], scalars: StepScalars,
+                 param_sync: ParamSync, before_write: Callable[[], None]) -> None:
+        self.buffers = buffers
+        self.scalars = scalars
+        self.param_sync = param_sync
+        self.before_write = before_write
+
+    def shard_infos(self) -> list[ShardInfo]:
+        return [ShardInfo(group_index=b.group_index, dtype=b.dtype, unit=b.unit,
+                          layout=b.layout, shard_rank=b.shard_rank, modes=b.modes)
+                for b in self.buffers]
+
+    def param_infos(self, param_groups: list[dict[str, Any]]) -> list[ParamInfo]:
+        # Shapes from the layout: a stage-3 param is an empty tensor while its unit is freed.
+        slots = {s.index: (s, b) for b in self.buffers for s in b.layout.params}
+        out = []
+        for gi, g in enumerate(param_groups):
+            for _ in g["params"]:
+                s, b = slots[len(out)]
+                out.append(ParamInfo(index=s.index, name=s.name, shape=s.shape, dtype=b.dtype,
+                                     group_index=gi))
+        return out
+
+    def master(self, buf: FlatBuffer) -> torch.Tensor:
+        # fp32 params are their own master: let the param all-gather in flight land first.
+        self.param_sync.wait()
+        return buf.read_master()
+
+    def set_master(self, buf: FlatBuffer, values: torch.Tensor) -> None:
+        """Write master and the params derived from it, then gather them (stages 1-2)."""
+        self.before_write()  # the write must not race an all-gather in flight
+        buf.write_master(values)
+        self.param_sync.gather()
+        self.param_sync.wait()
+
+    def shard_state(self) -> ShardState:
+        """Every buffer's state as it is stored (all buffers share the optimizer's modes)."""
+        scaler = self.scalars.scaler
+        modes = self.buffers[0].modes if self.buffers else ShardState().modes
+        fields = fields_of(modes)
+        lists: dict[str, list[torch.Tensor] | None] = {
+            f: ([self.master(b) for b in self.buffers] if f == "master" else
+                [getattr(b, f) for b in self.buffers]) if f in fields else None
+            for f in TENSOR_FIELDS}
+        return ShardState(**lists, modes=modes,
+                          step_count=float(self.scalars.step.reshape(-1)[0]),  # a host sync
+                          scaler=None if scaler is None else scaler.values())
+
+    def load_shard_state(self, st: ShardState) -> None:
+        """Write `st` (converted from its modes into each buffer's, `fusedzero.state.convert`).
+        Everything is converted and checked before the first buffer is written."""
+        n = len(self.buffers)
+        for name in TENSOR_FIELDS:
+            values = getattr(st, name)
+            if values is not None and len(values) != n:
+                raise ValueError(f"shard state has {len(values)} {name} buffers, the "
+                                 f"optimizer has {n}")
+        with torch.no_grad():
+            new = [convert(st.tensors(i), st.modes, buf.modes)
+                   for i, buf in enumerate(self.buffers)]
+            for t, buf in zip(new, self.buffers):
+                for name in ("exp_avg", "exp_avg_sq"):
+                    if name in t and buf.modes.quantized and f"{name}_scale" not in t:
+                        raise ValueError(f"shard state gives int8 {name} without its scales")
+            for t, buf in zip(new, self.buffers):
+                for name in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+                    if name in t:
+                        getattr(buf, name).copy_(t[name])
+            if st.master is not None:
+                self.before_write()
+                for t, buf in zip(new, self.buffers):
+                    buf.write_master(t["master"], t.get("comp"))
+                self.param_sync.gather()
+                self.param_sync.wait()
+            if st.step_count is not None:
+                self.scalars.step.fill_(st.step_count)
+            scaler = self.scalars.scaler
+            if st.scaler is not None and scaler is not None:
+                scaler.load_values(st.scaler)
+
+    # -- torch.optim-style state dicts (this rank's shard, same layout only) -------------------
+    def flat_state(self) -> dict[str, Any]:
+        st = self.shard_state()
+        flat = [{k: t.clone() for k, t in st.tensors(i).items()}
+                for i in range(len(self.buffers))]
+        state: dict[str, Any] = {"step": self.scalars.step.clone(), "flat": flat,
+                                 "modes": st.modes.to_json()}
+        if self.scalars.scaler is not None:
+            state["scaler"] = self.scalars.scaler.state_dict()
+        return state
+
+    def load_flat_state(self, state: dict[str, Any]) -> None:
+        flat = state["flat"]
+        if len(flat) != len(self.buffers):
+            raise ValueError(f"state dict has {len(flat)} flat buffers, optimizer has "
+                             f"{len(self.buffers)}")
+        with torch.no_grad():
+            self.scalars.step.copy_(state["step"])
+            if self.scalars.scaler is not None and "scaler" in state:
+                self.scalars.scaler.load_state_dict(state["scaler"])
+        modes = MemoryModes(**state.get("modes", {}))
+        self.load_shard_state(ShardState(
+            **{f: [d[f] for d in flat] for f in fields_of(modes)}, modes=modes))
+
+    def state_dict(self, param_groups: list[dict[str, Any]],
+                   layout_key: dict[str, Any]) -> dict[str, Any]:
+        groups = []
+        index = 0
+        for g in param_groups:
+            d = {k: v for k, v in g.items() if k != "params"}
+            d["params"] = list(range(index, index + len(g["params"])))
+            index += len(g["params"])
+            groups.append(d)
+        return {"state": self.flat_state(), "param_groups": groups, "layout": layout_key}
+
+    def load_state_dict(self, state_dict: dict[str, Any], param_groups: list[dict[str, Any]],
+                        layout_key: dict[str, Any]) -> None:
+        key = state_dict.get("layout")
+        if key != layout_key:
+            raise ValueError(f"state dict was saved with layout {key}, this optimizer has "
+                             f"{layout_key}; use fusedzero.checkpoint to load across "
+                             "world sizes or stages")
+        groups = state_dict["param_groups"]
+        if len(groups) != len(param_groups):
+            raise ValueError(f"state dict has {len(groups)} param groups, optimizer has "
+                             f"{len(param_groups)}")
+        for mine, saved in zip(param_groups, groups):
+            if len(saved["params"]) != len(mine["params"]):
+                raise ValueError("param group sizes differ between state dict and optimizer")
+            for k, v in saved.items():
+                if k != "params":
+                    mine[k] = v
+        self.load_flat_state(state_dict["state"])
+
+
+class ShardStateMethods:
+    """ZeroAdamW's state dict and the typed interface of fusedzero/state.py (checkpoints,
+    importers, plan), delegated to its `ShardAccess`."""
+
+    shards: ShardAccess
+    param_groups: list[dict[str, Any]]
+    world_size: int
+    rank: int
+    stage: int
+    bucket_numel: int | None
+    flat_groups: list[FlatBuffer]
+
+    # -- state dict (this rank's shard; `fusedzero.checkpoint` reshards) ----------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard, loadable into an optimizer of the same layout only
+        (`fusedzero.checkpoint` reshards across world sizes and stages)."""
+        return self.shards.state_dict(self.param_groups, self.layout_key())
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.shards.load_state_dict(state_dict, self.param_groups, self.layout_key())
+
+    def layout_key(self) -> dict[str, Any]:
+        return {"world_size": self.world_size, "rank": self.rank, "stage": int(self.stage),
+                "bucket_numel": self.bucket_numel,
+                "flat": [(buf.group_index, str(buf.dtype), buf.unit, buf.layout.local_numel)
+                         for buf in self.flat_groups]}
+
+    # -- the typed interface of fusedzero/state.py (checkpoints, importers, plan) -------------
+    def shard_infos(self) -> list[ShardInfo]:
+        """What this rank holds, one record per flat buffer (the order of `shard_state()`)."""
+        return self.shards.shard_infos()
+
+    def param_infos(self) -> list[ParamInfo]:
+        """The trainable params in optimizer order."""
+        return self.shards.param_infos(self.param_groups)
+
+    def shard_state(self) -> ShardState:
+        """This rank's values: master as a local-shard tensor (a copy where the params are
+        their own master), the moments as live views. `step_count` is a host sync."""
+        return self.shards.shard_state()
+
+    def load_shard_state(self, st: ShardState) -> None:
+        """Write `st` back; None fields are left as they are. Writing master rewrites the
+        params derived from it and gathers them: a collective at stages 1-3."""
+        self.shards.load_shard_state(st)

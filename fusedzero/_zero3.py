@@ -1,0 +1,475 @@
+"""ZeRO-3: params sharded per unit, gathered just in time, prefetched, freed after use.
+
+A *unit* is a module chosen by the wrapping policy (default: every child of an nn.ModuleList, i.e.
+each transformer block); params in no unit, and params shared by two units (tied weights), belong
+to the root unit (the whole model). Each unit's params form their own flat buffers, so a unit is
+gathered by one all-gather per bucket.
+
+This module receives the flat buffers (`fusedzero._flat`, fully built) and a communication
+context; it never sees the optimizer. It decides *when* a unit's gathered buffer lives.
+
+[Note: unit lifetimes] (the buffers themselves: see fusedzero/_flat.py)
+- A unit's gathered storage is allocated by `gather` and released by `free`; while it is freed
+  the params are empty tensors (`.data` swaps, as FSDP1 does): `print(p)`, `p.norm()` or
+  `p.fill_()` outside a forward would otherwise read or write freed memory (a segfault). Read
+  full values inside `opt.gathered_params()`, or through `model.state_dict()` (gathered on
+  demand, copied); `model.load_state_dict()` writes every rank's shard (fusedzero/
+  _model_state_dict.py).
+- Forward: the pre-hook gathers unit u (waiting on its prefetch) and issues unit u+1's gather;
+  the post-hook frees u (reshard_after_forward=True) unless it runs as a recomputation inside
+  backward (activation checkpointing), or u is the root and its output needs a grad (its
+  backward runs first: the root stays gathered until its grads are in). Anything that rewrites
+  the shards (the update, a load) frees every unit first (`ZeroAdamW.quiesce_params`).
+- Backward: a hook on the unit's outputs re-gathers u before its backward runs and prefetches the
+  unit before it; when every param of u has its grad, u's buckets are reduce-scattered (by the
+  optimizer) and u is freed. Whatever is still gathered at the end of backward is freed.
+
+[Note: host cost per unit] gather, wait and free run a few times per unit per step on the host
+path that feeds the device (forward, backward, prefetch): each Python call there costs ~0.2-1 us,
+so they look nothing up that setup could have; a unit's state is one `Unit` record.
+
+[Note: a unit with a param that got no grad] A unit is freed in backward when its last param's
+grad arrives. A param that gets no grad (an unused branch, a conditional layer) kept its unit
+gathered to the end of backward, each such unit one more gathered at once. A unit a backward
+left gathered to its end is marked `late`; from then on its forward passes its tensor inputs
+through `_AfterBackward`, whose backward runs when the grads of those inputs are complete: the
+unit's own backward is done, so it is freed there (FSDP2 frees every unit that way). Autograd
+runs the ready nodes of a graph latest-created first, so the unit's param-only nodes (created
+after its inputs) have run by then. Grads that arrive later need no gathered params. Only late
+units pay for the extra node, and a unit whose inputs need no grad keeps the end-of-backward
+free.
+
+[Note: stage 3 under torch.compile] A unit's forward hooks run outside any graph: under a
+whole-model `torch.compile` each is one graph break, and the unit's compute between them is one
+graph. They issue and wait on collectives, resize storage and re-point the params with
+`.data =`, none of which belongs in a graph. The last one is wrong there: Dynamo turns
+`p.data = t` into a traced `p.set_(t)`, which AOTAutograd replays on the graph input after the
+graph and which bumps the param's version counter, shared with the views of it that autograd
+saved in forward (the tied lm-head weight's transpose), so backward refused them ("modified by
+an inplace operation"). Run eagerly, `.data =` leaves the counter alone, as in an uncompiled
+forward, and the graphs see what the eager forward sees. (`comm.eager`: uncompiled, the hook is
+called directly, without the disable wrapper's per-call cost.)
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from fusedzero import _shard_init as shard_init, wire
+from fusedzero._comm import CommContext, Handle, eager
+from fusedzero._dtensor import local, set_local
+from fusedzero._flat import FlatBuffer
+from fusedzero._model_state_dict import UnitStateDict
+from fusedzero._param_sync import BucketGather
+from fusedzero._profiling import phase
+from fusedzero._units import FullUnitInit, ParamInitFn, ShardInit, UnitPolicy, select_units
+
+# Overwrite a tensor with group rank 0's value (over every group replicas span).
+Broadcast = Callable[[torch.Tensor], None]
+
+
+class UnitState(enum.Enum):
+    FREE = 0
+    GATHERING = 1
+    GATHERED = 2
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Unit:
+    """One stage-3 unit: its module, its flat buffers and where it stands in this step."""
+
+    index: int  # 0: the root
+    module: nn.Module
+    buffers: list[FlatBuffer] = dataclasses.field(default_factory=list)
+    state: UnitState = UnitState.FREE
+    handles: list[Handle] = dataclasses.field(default_factory=list)  # its all-gathers in flight
+    # Its all-gathers, made at its first gather: `full` and `param_shard` are never replaced,
+    # and a view of `full` follows its storage through every resize.
+    gathers: list[BucketGather] | None = None
+    n_trainable: int = 0  # its params
+    pending: int = 0  # its params still without a grad in this backward
+    numel: int = 0  # elements of its gathered storage (`Zero3.unit_numel`)
+    pre_backward: Callable[[Any], None] | None = None  # the hook that re-gathers it, made once
+    # A backward left it gathered to its end: see [Note: a unit with a param that got no grad].
+    late: bool = False
+
+
+class Zero3:
+    """The per-unit gather/free machinery of stage 3, over flat buffers it is given."""
+
+    def __init__(self, root: nn.Module, policy: UnitPolicy, reshard_after_forward: bool,
+                 ctx: CommContext, broadcast: Broadcast,
+                 param_wire: wire.WireFormat | None = None) -> None:
+        self.root = root
+        self.param_wire = param_wire  # fusedzero.wire: other ranks' pieces arrive quantized
+        self.reshard_after_forward = reshard_after_forward
+        self.ctx = ctx
+        self._broadcast = broadcast
+        self.modules: list[nn.Module] = [root] + select_units(root, policy)
+        self.units = [Unit(u, m) for u, m in enumerate(self.modules)]
+        self.gathered_now = 0
+        self.max_gathered = 0  # units gathered at once, the root excluded
+        self.max_gathered_with_root = 0
+        self.materialize_peak = 0  # most full-buffer elements alive during meta-device init
+        # Elements of gathered storage alive now, and the most at once since last reset: what a
+        # unit-by-unit walk (state_dict, close) is held to (one unit above the sharded state).
+        self.gathered_numel = 0
+        self.max_gathered_numel = 0
+        self.hooks: list[Any] = []
+        self.unit_of_param: dict[int, int] = {}
+        self._meta_init = False  # params came on the meta device: `setup` initialises them
+        self.init_stats: shard_init.LocalInitStats | None = None  # the local init's counts
+
+    @property
+    def buffers(self) -> list[list[FlatBuffer]]:
+        """Each unit's flat buffers, by unit index."""
+        return [unit.buffers for unit in self.units]
+
+    # -- construction -------------------------------------------------------------------------
+    def assign(self, params: list[nn.Parameter]) -> list[int]:
+        """The unit of each param: the unit module that holds it, or the root (0) for params
+        in no unit or shared by two (tied weights)."""
+        owner: dict[int, int] = {}
+        for u, m in enumerate(self.modules[1:], start=1):
+            for p in m.parameters():
+                if id(p) in owner and owner[id(p)] != u:
+                    owner[id(p)] = 0  # shared by two units: the root holds it
+                else:
+                    owner.setdefault(id(p), u)
+        units = [owner.get(id(p), 0) for p in params]
+        # Asked here, before the buffers are built: they move meta params onto real storage.
+        self._meta_init = any(p.is_meta for p in params)
+        for p, u in zip(params, units):
+            self.unit_of_param[id(p)] = u
+            self.units[u].n_trainable += 1
+        return units
+
+    def setup(self, buffers: list[FlatBuffer], param_init_fn: ParamInitFn | None) -> None:
+        """Take the units' buffers (built, params pointing at their released gathered
+        buffer), initialise params on the meta device unit by unit, install the hooks."""
+        for buf in buffers:
+            unit = self.units[buf.unit]
+            unit.buffers.append(buf)
+            unit.numel += buf.layout.padded_numel
+        for unit in self.units:
+            unit.pre_backward = self._make_pre_backward(unit)
+        if self._meta_init:
+            self._materialize(param_init_fn)
+        for unit in self.units:
+            if not unit.buffers:
+                continue
+            self.hooks.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
+            self.hooks.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
+        # model.state_dict() / load_state_dict(): full values, as collectives (see there).
+        self.hooks.extend(UnitStateDict(self).install(self.root))
+        for unit in self.units:
+            unit.pending = unit.n_trainable
+
+    def close(self, params: list[nn.Parameter]) -> None:
+        """Remove the hooks and leave the params as plain tensors holding their full values, unit
+        by unit: one unit's gathered storage at a time beside the copies made so far."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
+        self.free_all()
+        for u in range(len(self.units)):
+            own = self.unit_params(u)
+            if not own:
+                continue
+            self.wait(u)
+            with torch.no_grad():
+                full = [local(p).detach().clone() for p in own]  # off the unit buffers
+            self.free(u)
+            # After the free, which points the params at empty tensors: they keep their values.
+            for p, t in zip(own, full):
+                set_local(p, t)
+
+    def _materialize(self, init_fn: ParamInitFn | None) -> None:
+        """Initialise meta-device params: a `ShardInit` writes each local segment; a plain
+        `fn(name, module)` or None (`reset_parameters`) runs on this rank's elements only
+        (See [Note: local-shard init] in fusedzero/_shard_init.py). `FullUnitInit` goes module
+        by module, in `named_modules()` order (the order an eager build draws its random
+        numbers in, so both give the same values). A unit's full buffer lives only while its
+        modules are being initialised: the whole model never exists on one rank. Each rank
+        computes the same full values and keeps its own shard."""
+        if isinstance(init_fn, ShardInit):
+            for unit in self.units:
+                for buf in unit.buffers:
+                    _init_own_shard(buf, init_fn)
+            return
+        # -- shard_init: the model's own init on this rank's elements (issue 43) --
+        all_bufs = [buf for unit in self.units for buf in unit.buffers]
+        if not isinstance(init_fn, FullUnitInit) and shard_init.applies(all_bufs):
+            self.init_stats = shard_init.init_local(self.root, all_bufs, init_fn,
+                                                    self._broadcast)
+            return
+        if isinstance(init_fn, FullUnitInit):
+            init_fn = init_fn.fn
+        # -- end shard_init --
+        if init_fn is None:
+            def init_fn(name: str, m: nn.Module) -> None:
+                if hasattr(m, "reset_parameters"):
+                    m.reset_parameters()
+        todo: list[tuple[str, nn.Module, Unit]] = []
+        left = [0] * len(self.units)
+        for name, m in self.root.named_modules():
+            owned = [p for p in m.parameters(recurse=False) if id(p) in self.unit_of_param]
+            if owned:
+                u = self.unit_of_param[id(owned[0])]
+                todo.append((name, m, self.units[u]))
+                left[u] += 1
+        for name, m, unit in todo:
+            if unit.state == UnitState.FREE:
+                for buf in unit.buffers:
+                    buf.allocate_full()
+                    buf.full.zero_()
+                unit.state = UnitState.GATHERED
+                self.materialize_peak = max(self.materialize_peak, sum(
+                    buf.layout.padded_numel for v in self.units if v.state != UnitState.FREE
+                    for buf in v.buffers))
+            with torch.no_grad():
+                init_fn(name, m)
+            left[unit.index] -= 1
+            if left[unit.index] == 0:
+                for buf in unit.buffers:
+                    # Every rank drew its own init: start every replica from rank 0's, as DDP.
+                    self._broadcast(buf.full)
+                    buf.copy_own_shard()
+                for buf in unit.buffers:
+                    buf.release_full()
+                unit.state = UnitState.FREE
+
+    # -- gather / free --------------------------------------------------------------------------
+    def gather(self, u: int) -> None:
+        """Issue unit u's all-gather (async); no-op if it is gathered or on its way.
+        See [Note: host cost per unit]."""
+        self._gather(self.units[u])
+
+    def _gather(self, unit: Unit) -> None:
+        if unit.state is not UnitState.FREE or not unit.buffers:
+            return
+        with phase("fusedzero::unit_gather"):
+            self._issue_gather(unit)
+
+    def _issue_gather(self, unit: Unit) -> None:
+        ctx = self.ctx
+        ctx.record("gather", unit.index)
+        self.gathered_numel += unit.numel
+        if self.gathered_numel > self.max_gathered_numel:
+            self.max_gathered_numel = self.gathered_numel
+        for buf in unit.buffers:
+            buf.allocate_full()  # values land when the handles are waited on
+        gathers = unit.gathers
+        if gathers is None:  # after allocate_full: a view of a 0-byte storage would not be made
+            gathers = unit.gathers = [g for buf in unit.buffers for g in _bucket_gathers(buf)]
+        handles = unit.handles
+        for full, own, shard_rank in gathers:
+            h = wire.all_gather(full, own, self.param_wire, ctx, shard_rank)
+            if h is not None:
+                handles.append(h)
+        unit.state = UnitState.GATHERING
+        if unit.index != 0:
+            self.gathered_now += 1
+            self.max_gathered = max(self.max_gathered, self.gathered_now)
+        live = self.gathered_now + (self.units[0].state is not UnitState.FREE)
+        if live > self.max_gathered_with_root:
+            self.max_gathered_with_root = live
+
+    def wait(self, u: int) -> None:
+        self._wait(self.units[u])
+
+    def _wait(self, unit: Unit) -> None:
+        state = unit.state
+        if state is UnitState.GATHERED:
+            return
+        if state is UnitState.FREE:
+            self._gather(unit)
+        if unit.state is UnitState.GATHERING:
+            self._wait_handles(unit)
+            unit.state = UnitState.GATHERED
+
+    def _wait_handles(self, unit: Unit) -> None:
+        handles = unit.handles
+        if handles:
+            with phase("fusedzero::unit_wait"):
+                for h in handles:
+                    self.ctx.wait(h, what=f"all-gather of unit {unit.index} params (stage 3)")
+            handles.clear()
+
+    def free(self, u: int) -> None:
+        self._free(self.units[u])
+
+    def _free(self, unit: Unit) -> None:
+        if unit.state is UnitState.FREE:
+            return
+        with phase("fusedzero::unit_free"):
+            self._wait_handles(unit)  # never release memory a collective is still writing
+            for buf in unit.buffers:
+                buf.release_full()
+        unit.state = UnitState.FREE
+        self.gathered_numel -= unit.numel
+        if unit.index != 0:
+            self.gathered_now -= 1
+        self.ctx.record("free", unit.index)
+
+    def unit_numel(self, u: int) -> int:
+        """Elements of unit u's gathered storage (padded: what `gather` allocates)."""
+        return self.units[u].numel
+
+    def unit_params(self, u: int) -> list[nn.Parameter]:
+        return [p for buf in self.units[u].buffers for p in buf.params]
+
+    def free_units(self) -> list[int]:
+        return [unit.index for unit in self.units if unit.state == UnitState.FREE]
+
+    def free_all(self) -> None:
+        for unit in self.units:
+            self._free(unit)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """All params gathered (e.g. to read or export the full model); freed on exit. This holds
+        the whole model on the device at once; `model.state_dict()` goes unit by unit to the
+        CPU instead."""
+        for unit in self.units:
+            self._wait(unit)
+        try:
+            yield
+        finally:
+            self.free_all()
+
+    # -- hooks ------------------------------------------------------------------------------------
+    def _next_unit(self, u: int, step: int) -> Unit | None:
+        v = u + step
+        return self.units[v] if 1 <= v < len(self.units) else None
+
+    def _make_pre_forward(self, unit: Unit) -> Callable[..., Any]:
+        u = unit.index
+        nxt = self._next_unit(u, +1) if u else self._next_unit(0, +1)
+        free = lambda: self._free(unit)  # noqa: E731 - made once, not per forward
+
+        def hook(module: nn.Module, args: Any) -> Any:
+            self._wait(unit)
+            if nxt is not None and not _in_backward():
+                self._gather(nxt)  # prefetch: overlaps this unit's compute
+            if unit.late and torch.is_grad_enabled():
+                return _free_when_inputs_have_grads(args, free)
+            return None
+        return _eager(hook)
+
+    def _make_post_forward(self, unit: Unit) -> Callable[..., Any]:
+        u = unit.index
+
+        def hook(module: nn.Module, args: Any, output: Any) -> Any:
+            self.ctx.record("forward_end", u)
+            tensors = ([output] if output.requires_grad else []) \
+                if isinstance(output, torch.Tensor) else \
+                [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)
+                 and t.requires_grad]
+            if torch.is_grad_enabled() and tensors:
+                # Re-gather before this unit's backward: the grad of its output arrives first.
+                # A pre-hook on the node that made the output runs then (before that node, the
+                # unit's last op, computes anything), for less host time than a tensor hook.
+                pre_backward = unit.pre_backward
+                for t in tensors:
+                    if t.grad_fn is not None:
+                        t.grad_fn.register_prehook(pre_backward)
+                    else:
+                        t.register_hook(pre_backward)
+            # The root's backward comes first, right after this: freeing it would only
+            # gather it again (one all-gather of the root per step saved, as FSDP2's root).
+            keep = u == 0 and torch.is_grad_enabled() and tensors
+            if self.reshard_after_forward and not _in_backward() and not keep:
+                self._free(unit)
+            return None
+        return _eager(hook)
+
+    def _make_pre_backward(self, unit: Unit) -> Callable[[Any], None]:
+        u = unit.index
+        prev = self._next_unit(u, -1) if u else self._next_unit(len(self.units), -1)
+
+        def hook(grads: Any) -> None:  # a tensor's grad, or a node's grad outputs
+            if unit.pending == 0:
+                return  # this unit's grads are already complete for this backward
+            self._wait(unit)
+            if prev is not None:
+                self._gather(prev)
+        return hook
+
+    def grad_ready(self, buf: FlatBuffer) -> None:
+        """One more param of `buf`'s unit has its grad; the last one frees the unit."""
+        unit = self.units[buf.unit]
+        unit.pending -= 1
+        if unit.pending == 0:
+            self._free(unit)
+
+    def end_backward(self) -> None:
+        """See [Note: a unit with a param that got no grad]."""
+        for unit in self.units:
+            if unit.state is not UnitState.FREE:
+                unit.late = True
+            self._free(unit)
+            unit.pending = unit.n_trainable
+
+
+def _init_own_shard(buf: FlatBuffer, init: ShardInit) -> None:
+    """`init` writes this rank's segments of `buf` straight into its param shard (and master)."""
+    assert buf.param_shard is not None
+    names = {s.index: s.name for s in buf.layout.params}
+    with torch.no_grad():
+        for seg in buf.layout.segments(buf.shard_rank):
+            out = buf.param_shard[seg.local:seg.local + seg.length]
+            init.fn(names[seg.param], out, seg.start)
+            if buf.master is not None:
+                buf.master[seg.local:seg.local + seg.length].copy_(out)
+
+
+def _bucket_gathers(buf: FlatBuffer) -> list[BucketGather]:
+    """Per bucket of `buf`: its range of the gathered buffer and this rank's shard piece."""
+    assert buf.full is not None and buf.param_shard is not None
+    L, S = buf.layout, buf.layout.shard_numel
+    return [BucketGather(buf.full[slice(*L.bucket_range(k))], buf.param_shard[k * S:(k + 1) * S],
+                         buf.shard_rank)
+            for k in range(L.num_buckets)]
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _eager(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """See [Note: stage 3 under torch.compile]."""
+    return eager(hook, reason="fusedzero stage 3: a unit's gather/free hook runs eagerly")
+
+
+class _AfterBackward(torch.autograd.Function):
+    """Identity on a unit's inputs; `done()` when their grads are complete (see [Note: a unit
+    with a param that got no grad])."""
+
+    @staticmethod
+    def forward(ctx: Any, done: Callable[[], None], *xs: torch.Tensor) -> Any:
+        ctx.done = done
+        return xs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.done()
+        return (None, *grads)
+
+
+def _free_when_inputs_have_grads(args: Any, done: Callable[[], None]) -> Any:
+    """`args` with its tensors that need a grad passed through `_AfterBackward` (None: none)."""
+    flat, spec = tree_flatten(args)
+    idx = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not idx:
+        return None
+    for i, t in zip(idx, _AfterBackward.apply(done, *(flat[i] for i in idx))):
+        flat[i] = t
+    return tree_unflatten(flat, spec)
