@@ -29,22 +29,19 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import enum
-import functools
 import math
 import time
-from collections.abc import Callable
-from typing import Any, ParamSpec, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-P = ParamSpec("P")
-T = TypeVar("T")
+from fusedzero._eager import eager
+
 # A process group, or None for the default (world) group.
 Group = dist.ProcessGroup | None
 # What an async collective returns: a work handle, or None where nothing was sent (1 rank).
 Handle = dist.Work | None
-
 
 
 class CollectiveKind(str, enum.Enum):
@@ -336,27 +333,6 @@ def _host_blocking(group: Group, device: torch.device | None = None) -> bool:
         return not all(part.rsplit(":", 1)[-1] in STREAM_ORDERED for part in name.split(","))
     except (RuntimeError, ValueError):
         return True
-
-
-def eager(fn: Callable[P, T], reason: str | None = None) -> Callable[P, T]:
-    """`fn`, run eagerly under `torch.compile`: a compiled caller breaks its graph at the call
-    (with `reason`, `torch.compiler.disable(fn, reason=reason)`, whose break names it).
-
-    Under Dynamo `torch.compiler.is_compiling()` is True at trace time, and the call goes
-    through `torch._disable_dynamo(fn)` (what torch's own optimizers use: Dynamo skips that
-    wrapper, torch._compile being on its skip list). Uncompiled callers call `fn` directly: the
-    disable wrapper swaps the frame-evaluation callback on every call, ~10 us, paid per grad
-    and per unit on the hook path otherwise. torch._dynamo (about 2 s of imports) is imported
-    at the first compiled call: a process that never compiles never pays for it."""
-    disabled = (torch._disable_dynamo(fn) if reason is None  # type: ignore[attr-defined]
-                else torch.compiler.disable(fn, reason=reason))
-
-    @functools.wraps(fn)
-    def call(*args: P.args, **kwargs: P.kwargs) -> T:
-        if torch.compiler.is_compiling():
-            return disabled(*args, **kwargs)
-        return fn(*args, **kwargs)
-    return call
 
 
 # Dynamo cannot trace a wait on other ranks (nor the process-group internals it reads): when a

@@ -34,8 +34,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from fusedzero._comm import eager
 from fusedzero._dtensor import local, set_local
+from fusedzero._eager import eager
 from fusedzero._layout import FlatLayout, ParamSlot, build_layout, default_bucket_numel
 from fusedzero.kernels import Strided
 from fusedzero.memory_modes import QBLOCK, MemoryModes

@@ -47,7 +47,7 @@ graph. They issue and wait on collectives, resize storage and re-point the param
 graph and which bumps the param's version counter, shared with the views of it that autograd
 saved in forward (the tied lm-head weight's transpose), so backward refused them ("modified by
 an inplace operation"). Run eagerly, `.data =` leaves the counter alone, as in an uncompiled
-forward, and the graphs see what the eager forward sees. (`comm.eager`: uncompiled, the hook is
+forward, and the graphs see what the eager forward sees. (`_eager.eager`: uncompiled, the hook is
 called directly, without the disable wrapper's per-call cost.)
 """
 from __future__ import annotations
@@ -63,8 +63,9 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fusedzero import _shard_init as shard_init, wire
-from fusedzero._comm import CommContext, Handle, eager
+from fusedzero._comm import CommContext, Handle
 from fusedzero._dtensor import local, set_local
+from fusedzero._eager import eager
 from fusedzero._flat import FlatBuffer
 from fusedzero._model_state_dict import UnitStateDict
 from fusedzero._param_sync import BucketGather

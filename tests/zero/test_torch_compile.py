@@ -27,7 +27,7 @@ STEPS, BATCH = 2, 4
 # Graph breaks our hooks cause, by the words of Dynamo's reason (torch 2.13):
 DOCUMENTED = {
     # stages 1-2: a module's forward pre-hook waits on its buckets' param all-gather
-    # (fusedzero._comm.wait runs eagerly, `comm.eager`: a wait on other ranks). Dynamo names the
+    # (fusedzero._comm.wait runs eagerly, `_eager.eager`: a wait on other ranks). Dynamo names the
     # skipped function by its module and qualname.
     "wait": "module: fusedzero._comm, qualname: wait,",
     # stage 3: a unit's forward hooks (gather, prefetch, free: collectives, storage resizes and
