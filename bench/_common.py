@@ -1,4 +1,5 @@
 """Helpers the benchmark subjects share (importable: pytest puts bench/ on sys.path)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -10,8 +11,7 @@ def percentiles(xs: list[float]) -> dict[str, float]:
     """median, p20, p80 (linear interpolation), min, max of `xs`."""
     t = torch.tensor(xs, dtype=torch.float64)
     q = torch.quantile(t, torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)).tolist()
-    return {"p20": q[0], "median": q[1], "p80": q[2], "min": min(xs), "max": max(xs),
-            "n": len(xs)}
+    return {"p20": q[0], "median": q[1], "p80": q[2], "min": min(xs), "max": max(xs), "n": len(xs)}
 
 
 class _ReplayTimer:

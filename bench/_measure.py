@@ -1,6 +1,7 @@
 """What the step bench counts inside a rank: bytes of every torch.distributed collective called
 from Python (by kind, with the dtypes seen), resident tensor bytes reachable from a system's
 objects, RSS. See [Note: what is counted] in bench_step.py."""
+
 from __future__ import annotations
 
 import functools
@@ -34,9 +35,13 @@ _WRAPPED = {
     "reduce": ("reduce", lambda a: _numel(a["tensor"])),
     "all_to_all_single": ("all_to_all", lambda a: _numel(a["input"])),
     "all_gather_into_tensor_coalesced": (
-        "all_gather", lambda a: sum(_numel(t) for t in a["output_tensors"])),
+        "all_gather",
+        lambda a: sum(_numel(t) for t in a["output_tensors"]),
+    ),
     "reduce_scatter_tensor_coalesced": (
-        "reduce_scatter", lambda a: sum(_numel(t) for t in a["inputs"])),
+        "reduce_scatter",
+        lambda a: sum(_numel(t) for t in a["inputs"]),
+    ),
     "all_reduce_coalesced": ("all_reduce", lambda a: sum(_numel(t) for t in a["tensors"])),
 }
 
@@ -48,7 +53,7 @@ def _numel(t: torch.Tensor) -> int:
 def _dtypes(bound: dict[str, Any]) -> set[str]:
     out = set()
     for v in bound.values():
-        for t in (v if isinstance(v, (list, tuple)) else [v]):
+        for t in v if isinstance(v, (list, tuple)) else [v]:
             if isinstance(t, torch.Tensor):
                 out.add(str(t.dtype).removeprefix("torch."))
     return out
@@ -69,6 +74,7 @@ def reset_counts() -> None:
 
 def install_counters(world: int) -> None:
     import inspect
+
     for fname, (kind, nbytes) in _WRAPPED.items():
         fn = getattr(dist, fname, None)
         if fn is None or getattr(fn, "_bench_wrapped", False):
@@ -76,8 +82,9 @@ def install_counters(world: int) -> None:
         sig = inspect.signature(fn)
 
         @functools.wraps(fn)
-        def wrapper(*args: Any, __fn=fn, __sig=sig, __kind=kind, __nbytes=nbytes,
-                    **kwargs: Any) -> Any:
+        def wrapper(
+            *args: Any, __fn=fn, __sig=sig, __kind=kind, __nbytes=nbytes, **kwargs: Any
+        ) -> Any:
             if not COUNTING[0]:
                 return __fn(*args, **kwargs)
             try:
@@ -89,13 +96,23 @@ def install_counters(world: int) -> None:
             except Exception:  # noqa: BLE001 - counting must never break the collective
                 _COUNT["uncounted_calls"] = _COUNT.get("uncounted_calls", 0) + 1
             return __fn(*args, **kwargs)
+
         wrapper._bench_wrapped = True  # type: ignore[attr-defined]
         setattr(dist, fname, wrapper)
 
 
 # -- counting resident tensors ------------------------------------------------------------------
-_SKIP = (types.ModuleType, type, str, bytes, int, float, bool, types.CodeType,
-         types.BuiltinFunctionType)
+_SKIP = (
+    types.ModuleType,
+    type,
+    str,
+    bytes,
+    int,
+    float,
+    bool,
+    types.CodeType,
+    types.BuiltinFunctionType,
+)
 
 
 def reachable_tensor_bytes(roots: list[Any], limit: int = 3_000_000) -> tuple[int, int]:
@@ -105,6 +122,7 @@ def reachable_tensor_bytes(roots: list[Any], limit: int = 3_000_000) -> tuple[in
     closures and defaults only, so the walk stays inside the system's own objects.
     """
     from torch.distributed.tensor import DTensor
+
     seen: set[int] = set()
     storages: dict[int, int] = {}
     stack = list(roots)
@@ -129,8 +147,7 @@ def reachable_tensor_bytes(roots: list[Any], limit: int = 3_000_000) -> tuple[in
                 stack.extend(vars(o).values())
             continue
         if isinstance(o, types.FunctionType):
-            stack.extend(c.cell_contents for c in (o.__closure__ or ())
-                         if _cell_ok(c))
+            stack.extend(c.cell_contents for c in (o.__closure__ or ()) if _cell_ok(c))
             stack.extend(o.__defaults__ or ())
             continue
         stack.extend(gc.get_referents(o))

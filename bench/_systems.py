@@ -15,6 +15,7 @@ and everything the optimizers see stay bf16. Every system gets the same model, s
 unchanged. FUSEDZERO_BENCH_BF16_MATMUL=native|fp32 overrides the choice (default: native only where
 torch reports AVX-512).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -83,55 +84,121 @@ class Spec:
 
 
 def _fz(stage: int, precision: str = "fp32", reduce: str = "fp32", regather: str = "") -> Spec:
-    return Spec(family="fusedzero", precision=precision, stages=(stage,), reduce=reduce,
-                regather=regather)
+    return Spec(
+        family="fusedzero", precision=precision, stages=(stage,), reduce=reduce, regather=regather
+    )
 
 
 # name -> spec; order is the report's order within a precision.
 SYSTEMS: dict[str, Spec] = {
     "bare": Spec(family="bare", precision="fp32", reduce=""),
-    "fusedzero-0": _fz(0), "fusedzero-1": _fz(1), "fusedzero-2": _fz(2),
-    "fusedzero-3": _fz(3, regather="reshard"), "fusedzero-3-keep": _fz(3, regather="keep"),
+    "fusedzero-0": _fz(0),
+    "fusedzero-1": _fz(1),
+    "fusedzero-2": _fz(2),
+    "fusedzero-3": _fz(3, regather="reshard"),
+    "fusedzero-3-keep": _fz(3, regather="keep"),
     "ddp+adamw_fused": Spec(family="torch", precision="fp32", stages=(0,)),
     # torch.optim.AdamW's default (foreach): its bias corrections are host float64, where the
     # fused CUDA kernel's are fp32 on the device (bench/gpu/numerics.py measures both).
-    "ddp+adamw": Spec(family="torch", precision="fp32", stages=(0,), bench=False,
-                      note="torch.optim.AdamW(foreach=True): the fp32 parity reference"),
+    "ddp+adamw": Spec(
+        family="torch",
+        precision="fp32",
+        stages=(0,),
+        bench=False,
+        note="torch.optim.AdamW(foreach=True): the fp32 parity reference",
+    ),
     "torch_zero1": Spec(family="torch", precision="fp32", stages=(1,)),
-    "fsdp2-keep": Spec(family="torch", precision="fp32", stages=(2, 3), regather="keep",
-                       note="reshard_after_forward=False"),
-    "fsdp2-reshard": Spec(family="torch", precision="fp32", stages=(3,), regather="reshard",
-                          note="reshard_after_forward=True"),
+    "fsdp2-keep": Spec(
+        family="torch",
+        precision="fp32",
+        stages=(2, 3),
+        regather="keep",
+        note="reshard_after_forward=False",
+    ),
+    "fsdp2-reshard": Spec(
+        family="torch",
+        precision="fp32",
+        stages=(3,),
+        regather="reshard",
+        note="reshard_after_forward=True",
+    ),
     **{f"deepspeed-{s}": Spec(family="deepspeed", precision="fp32", stages=(s,)) for s in range(3)},
-    "deepspeed-3": Spec(family="deepspeed", precision="fp32", stages=(3,), regather="default",
-                        note="DeepSpeed's defaults: max_reuse_distance 1e9, params under 1e5 "
-                             "elements stay replicated"),
-    "deepspeed-3-reshard": Spec(family="deepspeed", precision="fp32", stages=(3,),
-                                regather="reshard",
-                                note="max_reuse_distance 0, persistence threshold 0"),
+    "deepspeed-3": Spec(
+        family="deepspeed",
+        precision="fp32",
+        stages=(3,),
+        regather="default",
+        note="DeepSpeed's defaults: max_reuse_distance 1e9, params under 1e5 "
+        "elements stay replicated",
+    ),
+    "deepspeed-3-reshard": Spec(
+        family="deepspeed",
+        precision="fp32",
+        stages=(3,),
+        regather="reshard",
+        note="max_reuse_distance 0, persistence threshold 0",
+    ),
     # bf16: bf16 params, fp32 master. Ours both ways: grads reduced in fp32 and in bf16.
     "bare-bf16": Spec(family="bare", precision="bf16", reduce=""),
-    **{f"fusedzero-{s}-bf16-r{r}": _fz(s, "bf16", {"32": "fp32", "16": "bf16"}[r],
-                                       "reshard" if s == 3 else "")
-       for s in range(4) for r in ("32", "16")},
+    **{
+        f"fusedzero-{s}-bf16-r{r}": _fz(
+            s, "bf16", {"32": "fp32", "16": "bf16"}[r], "reshard" if s == 3 else ""
+        )
+        for s in range(4)
+        for r in ("32", "16")
+    },
     "fusedzero-3-keep-bf16-r16": _fz(3, "bf16", "bf16", "keep"),
     # Compressed wire (fp32 params and grads): the bucket quantized, all-to-all, fp32 sum.
-    **{f"fusedzero-{s}-w{w}": dataclasses.replace(_fz(s, regather="reshard" if s == 3 else ""),
-                                                  wire=w, note=f"wire={w}")
-       for s in range(4) for w in ("bf16", "int8")},
-    "fsdp2-keep-bf16-r16": Spec(family="torch", precision="bf16", stages=(2, 3), reduce="bf16",
-                                regather="keep", note="MixedPrecisionPolicy(param_dtype=bf16), "
-                                "reduce_dtype default (= param_dtype)"),
-    "fsdp2-reshard-bf16-r16": Spec(family="torch", precision="bf16", stages=(3,), reduce="bf16",
-                                   regather="reshard", note="as above, reshard_after_forward"),
-    "fsdp2-keep-bf16-r32": Spec(family="torch", precision="bf16", stages=(2, 3), reduce="fp32",
-                                regather="keep", note="reduce_dtype=float32"),
-    "fsdp2-reshard-bf16-r32": Spec(family="torch", precision="bf16", stages=(3,), reduce="fp32",
-                                   regather="reshard", note="reduce_dtype=float32"),
-    **{f"deepspeed-{s}-bf16": Spec(family="deepspeed", precision="bf16", stages=(s,),
-                                   reduce="bf16", regather="default" if s == 3 else "",
-                                   note="bf16.enabled, communication_data_type default (bf16)")
-       for s in range(4)},
+    **{
+        f"fusedzero-{s}-w{w}": dataclasses.replace(
+            _fz(s, regather="reshard" if s == 3 else ""), wire=w, note=f"wire={w}"
+        )
+        for s in range(4)
+        for w in ("bf16", "int8")
+    },
+    "fsdp2-keep-bf16-r16": Spec(
+        family="torch",
+        precision="bf16",
+        stages=(2, 3),
+        reduce="bf16",
+        regather="keep",
+        note="MixedPrecisionPolicy(param_dtype=bf16), reduce_dtype default (= param_dtype)",
+    ),
+    "fsdp2-reshard-bf16-r16": Spec(
+        family="torch",
+        precision="bf16",
+        stages=(3,),
+        reduce="bf16",
+        regather="reshard",
+        note="as above, reshard_after_forward",
+    ),
+    "fsdp2-keep-bf16-r32": Spec(
+        family="torch",
+        precision="bf16",
+        stages=(2, 3),
+        reduce="fp32",
+        regather="keep",
+        note="reduce_dtype=float32",
+    ),
+    "fsdp2-reshard-bf16-r32": Spec(
+        family="torch",
+        precision="bf16",
+        stages=(3,),
+        reduce="fp32",
+        regather="reshard",
+        note="reduce_dtype=float32",
+    ),
+    **{
+        f"deepspeed-{s}-bf16": Spec(
+            family="deepspeed",
+            precision="bf16",
+            stages=(s,),
+            reduce="bf16",
+            regather="default" if s == 3 else "",
+            note="bf16.enabled, communication_data_type default (bf16)",
+        )
+        for s in range(4)
+    },
 }
 
 
@@ -157,11 +224,17 @@ def unavailable(name: str) -> str | None:
 class System:
     """A built system: `step(x, y)` runs forward, backward and the optimizer step."""
 
-    def __init__(self, name: str, step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-                 roots: list[Any], params: Callable[[], list[torch.Tensor]],
-                 own_comm: Callable[[], dict[str, int]] | None = None,
-                 memory: Callable[[], dict[str, int]] | None = None,
-                 reset_comm: Callable[[], None] | None = None, info: dict | None = None):
+    def __init__(
+        self,
+        name: str,
+        step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        roots: list[Any],
+        params: Callable[[], list[torch.Tensor]],
+        own_comm: Callable[[], dict[str, int]] | None = None,
+        memory: Callable[[], dict[str, int]] | None = None,
+        reset_comm: Callable[[], None] | None = None,
+        info: dict | None = None,
+    ):
         self.name, self.step, self.roots, self.params = name, step, roots, params
         self.own_comm, self.memory, self.reset_comm = own_comm, memory, reset_comm
         self.info = info or {}
@@ -190,6 +263,7 @@ def _train_step(model: Any, opt: Any, clip_params: Any = None) -> Callable:
         opt.step()
         opt.zero_grad()
         return loss
+
     return step
 
 
@@ -206,32 +280,51 @@ def build(name: str, world: int) -> System:
             loss.backward()
             model.zero_grad(set_to_none=True)
             return loss
+
         return System(name, bare, [model], params)
     if spec.family == "fusedzero":
         bf16 = spec.precision == "bf16"
         pg = None
-        opt = ZeroAdamW(gpt_param_groups(model, WD), lr=LR, stage=spec.stages[0], module=model,
-                        max_grad_norm=CLIP or None,
-                        precision=Precision(skip_nonfinite=bool(CLIP),
-                                            param_dtype=BF16 if bf16 else None,
-                                            reduce_dtype=BF16 if spec.reduce == "bf16" else F32),
-                        wire=Wire(grads=spec.wire), groups=Groups(shard=pg),
-                        sharding=Sharding(bucket_numel=BUCKET,
-                                          reshard_after_forward=spec.regather != "keep"))
-        return System(name, _train_step(model, opt), [model, opt], params,
-                      own_comm=lambda: dict(opt.comm.bytes),
-                      memory=lambda: opt.memory()._asdict(), reset_comm=opt.comm.reset)
+        opt = ZeroAdamW(
+            gpt_param_groups(model, WD),
+            lr=LR,
+            stage=spec.stages[0],
+            module=model,
+            max_grad_norm=CLIP or None,
+            precision=Precision(
+                skip_nonfinite=bool(CLIP),
+                param_dtype=BF16 if bf16 else None,
+                reduce_dtype=BF16 if spec.reduce == "bf16" else F32,
+            ),
+            wire=Wire(grads=spec.wire),
+            groups=Groups(shard=pg),
+            sharding=Sharding(bucket_numel=BUCKET, reshard_after_forward=spec.regather != "keep"),
+        )
+        return System(
+            name,
+            _train_step(model, opt),
+            [model, opt],
+            params,
+            own_comm=lambda: dict(opt.comm.bytes),
+            memory=lambda: opt.memory()._asdict(),
+            reset_comm=opt.comm.reset,
+        )
     if name in ("ddp+adamw_fused", "ddp+adamw", "torch_zero1"):
         from torch.nn.parallel import DistributedDataParallel as DDP
+
         ddp = DDP(model, bucket_cap_mb=BUCKET * 4 / 2**20, gradient_as_bucket_view=True)
         if name.startswith("ddp+"):
-            opt = torch.optim.AdamW(gpt_param_groups(model, WD), lr=LR,
-                                    **({"fused": True} if name == "ddp+adamw_fused"
-                                       else {"foreach": True}))
+            opt = torch.optim.AdamW(
+                gpt_param_groups(model, WD),
+                lr=LR,
+                **({"fused": True} if name == "ddp+adamw_fused" else {"foreach": True}),
+            )
         else:
             from torch.distributed.optim import ZeroRedundancyOptimizer
-            opt = ZeroRedundancyOptimizer(gpt_param_groups(model, WD),
-                                          optimizer_class=torch.optim.AdamW, lr=LR, fused=True)
+
+            opt = ZeroRedundancyOptimizer(
+                gpt_param_groups(model, WD), optimizer_class=torch.optim.AdamW, lr=LR, fused=True
+            )
 
         def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             _, loss = ddp(x, y)
@@ -241,20 +334,27 @@ def build(name: str, world: int) -> System:
             opt.step()
             opt.zero_grad(set_to_none=False)  # keep the bucket views (gradient_as_bucket_view)
             return loss
+
         return System(name, step, [ddp, model, opt], params, info={"ddp_allreduce": True})
     if name.startswith("fsdp2"):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
         mp = MixedPrecisionPolicy()
         if spec.precision == "bf16":
-            mp = MixedPrecisionPolicy(param_dtype=BF16,
-                                      reduce_dtype=F32 if spec.reduce == "fp32" else None)
+            mp = MixedPrecisionPolicy(
+                param_dtype=BF16, reduce_dtype=F32 if spec.reduce == "fp32" else None
+            )
         reshard = spec.regather == "reshard"
         for block in model.blocks:
             fully_shard(block, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(model, reshard_after_forward=reshard, mp_policy=mp)
         opt = torch.optim.AdamW(gpt_param_groups(model, WD), lr=LR, fused=True)
-        return System(name, _train_step(model, opt, model.parameters()), [model, opt],
-                      lambda: [p.to_local() for p in model.parameters()])
+        return System(
+            name,
+            _train_step(model, opt, model.parameters()),
+            [model, opt],
+            lambda: [p.to_local() for p in model.parameters()],
+        )
     if spec.family == "deepspeed":
         return _deepspeed(name, spec, model, world)
     raise KeyError(name)
@@ -262,11 +362,15 @@ def build(name: str, world: int) -> System:
 
 def _deepspeed(name: str, spec: Spec, model: GPT, world: int) -> System:
     import deepspeed
+
     stage = spec.stages[0]
     opt = torch.optim.AdamW(gpt_param_groups(model, WD), lr=LR, fused=True)
-    zero: dict[str, Any] = {"stage": stage, "reduce_bucket_size": BUCKET,
-                            "allgather_bucket_size": BUCKET,
-                            "stage3_prefetch_bucket_size": BUCKET}
+    zero: dict[str, Any] = {
+        "stage": stage,
+        "reduce_bucket_size": BUCKET,
+        "allgather_bucket_size": BUCKET,
+        "stage3_prefetch_bucket_size": BUCKET,
+    }
     if stage == 3:
         # DeepSpeed's default replaces torch.nn.functional.linear process-wide with its own
         # autograd Function (deepspeed/runtime/zero/linear.py) and never puts it back: every
@@ -280,21 +384,30 @@ def _deepspeed(name: str, spec: Spec, model: GPT, world: int) -> System:
         # max_reuse_distance, 1e9, keeps params gathered from forward to backward): what
         # fusedzero-3 and FSDP2 reshard_after_forward=True do.
         zero.update(stage3_param_persistence_threshold=0, stage3_max_reuse_distance=0)
-    cfg = {"train_micro_batch_size_per_gpu": BATCH // world, "gradient_accumulation_steps": 1,
-           "zero_optimization": zero, "gradient_clipping": CLIP,
-           "zero_allow_untested_optimizer": True, "steps_per_print": 10**9,
-           "wall_clock_breakdown": False}
+    cfg = {
+        "train_micro_batch_size_per_gpu": BATCH // world,
+        "gradient_accumulation_steps": 1,
+        "zero_optimization": zero,
+        "gradient_clipping": CLIP,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
     if spec.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
-    engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg,
-                                                dist_init_required=False)
+    engine, ds_opt, _, _ = deepspeed.initialize(
+        model=model, optimizer=opt, config=cfg, dist_init_required=False
+    )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         _, loss = engine(x, y)
         engine.backward(loss)
         engine.step()
         return loss
-    info = {"deepspeed": deepspeed.__version__, "optimizer": type(ds_opt).__name__,
-            "comm_backend": dist.get_backend()}
-    return System(name, step, [engine, ds_opt, model], lambda: list(model.parameters()),
-                  info=info)
+
+    info = {
+        "deepspeed": deepspeed.__version__,
+        "optimizer": type(ds_opt).__name__,
+        "comm_backend": dist.get_backend(),
+    }
+    return System(name, step, [engine, ds_opt, model], lambda: list(model.parameters()), info=info)

@@ -14,6 +14,7 @@ Env: FUSEDZERO_BENCH_HOST_LAYERS (default 32), FUSEDZERO_BENCH_HOST_ROUNDS (defa
 FUSEDZERO_BENCH_HOST_THREADS (torch threads, default 1: on a shared 2-core machine two OpenMP
 threads spin-wait on each other when one is descheduled, which swamps a host-time measurement).
 """
+
 from __future__ import annotations
 
 import os
@@ -50,12 +51,14 @@ def _make(provider: str) -> tuple[Callable[[], None], Callable[[], None]]:
         def prepare() -> None:
             for p in params:
                 p.grad = torch.randn_like(p)
+
         return prepare, opt.step
     zopt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-3, stage=3, module=model)
     x = torch.randint(0, 64, (2, 16))
 
     def prepare_z() -> None:
         model(x, x)[1].backward()
+
     return prepare_z, zopt.step
 
 
@@ -78,7 +81,7 @@ def _rounds() -> dict[str, list[float]]:
             step()
     times: dict[str, list[float]] = {p: [] for p in PROVIDERS}
     for r in range(ROUNDS):
-        for p in PROVIDERS[r % 2:] + PROVIDERS[:r % 2]:
+        for p in PROVIDERS[r % 2 :] + PROVIDERS[: r % 2]:
             prepare, step = fns[p]
             prepare()
             t = time.perf_counter()
@@ -100,11 +103,19 @@ def test_step_host_time(benchmark, provider: str) -> None:
     add_stats(benchmark)
     ours = statistics.median(times["fusedzero_stage3"])
     ref = statistics.median(times["torch_fused"])
-    benchmark.extra_info.update({
-        "subject": "host", "device": "cpu", "provider": provider, "layers": LAYERS,
-        "threads": THREADS, "loadavg_1min": load,
-        "ratio_vs_torch_fused": statistics.median(times[provider]) / ref,
-    })
+    benchmark.extra_info.update(
+        {
+            "subject": "host",
+            "device": "cpu",
+            "provider": provider,
+            "layers": LAYERS,
+            "threads": THREADS,
+            "loadavg_1min": load,
+            "ratio_vs_torch_fused": statistics.median(times[provider]) / ref,
+        }
+    )
     if provider == "fusedzero_stage3":
-        SUMMARY.append(f"step host time stage 3, {LAYERS} blocks: fusedzero {ours * 1e3:.2f} ms vs "
-                       f"torch fused {ref * 1e3:.2f} ms (medians, interleaved)")
+        SUMMARY.append(
+            f"step host time stage 3, {LAYERS} blocks: fusedzero {ours * 1e3:.2f} ms vs "
+            f"torch fused {ref * 1e3:.2f} ms (medians, interleaved)"
+        )

@@ -22,6 +22,7 @@ cores): a by-product, not a metric to compare; bench_step.py compares step times
 
 Env: FUSEDZERO_BENCH_MEM_MODEL  n_layer,n_embd,n_head,block_size (4,256,4,64).
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,9 @@ from fusedzero.testing import run_ranks
 
 from _common import SUMMARY, replay
 
-_L, _D, _H, _T = (int(x) for x in
-                  os.environ.get("FUSEDZERO_BENCH_MEM_MODEL", "4,256,4,64").split(","))
+_L, _D, _H, _T = (
+    int(x) for x in os.environ.get("FUSEDZERO_BENCH_MEM_MODEL", "4,256,4,64").split(",")
+)
 CFG = GPTConfig(n_layer=_L, n_embd=_D, n_head=_H, block_size=_T, vocab_size=256)
 WORLDS = (1, 2, 4)
 STAGES = (0, 1, 2, 3)
@@ -66,9 +68,11 @@ def formula_comm(stage: int, psi: int, world: int, psi_root: int = 0) -> dict[st
     if stage == 0:
         return {"all_reduce": 2 * (W - 1) * 2 * psi // W, "reduce_scatter": 0, "all_gather": 0}
     gathered = 2 * psi - psi_root if stage == 3 else psi
-    return {"all_reduce": 2 * (W - 1) * 4 // W,  # the grad-norm scalar
-            "reduce_scatter": (W - 1) * 2 * psi // W,
-            "all_gather": (W - 1) * 2 * gathered // W}
+    return {
+        "all_reduce": 2 * (W - 1) * 4 // W,  # the grad-norm scalar
+        "reduce_scatter": (W - 1) * 2 * psi // W,
+        "all_gather": (W - 1) * 2 * gathered // W,
+    }
 
 
 def update_bytes_per_param(opt: ZeroAdamW) -> dict[str, Any]:
@@ -81,6 +85,7 @@ def update_bytes_per_param(opt: ZeroAdamW) -> dict[str, Any]:
     def size(s: Any) -> int:
         t = s if isinstance(s, torch.Tensor) else s.tensor
         return t.element_size()
+
     mb, gb = size(master), size(grad)
     ob = 0 if out is None else size(out)
     reads = {"master": mb, "grad": gb, "exp_avg": 4, "exp_avg_sq": 4}
@@ -89,8 +94,12 @@ def update_bytes_per_param(opt: ZeroAdamW) -> dict[str, Any]:
     # grad back divided by grad_scale); a cast pass before it when the grad is not fp32
     # (read gb, write 4); a copy pass into the output after it (read 4, write ob).
     cpu = 32 + (gb + 4 if gb != 4 else 0) + (4 + ob if ob else 0)
-    return {"reads": reads, "writes": writes,
-            "kernel": sum(reads.values()) + sum(writes.values()), "cpu_path": cpu}
+    return {
+        "reads": reads,
+        "writes": writes,
+        "kernel": sum(reads.values()) + sum(writes.values()),
+        "cpu_path": cpu,
+    }
 
 
 def worker(rank: int, world: int, stages: list[int]) -> dict[int, Any]:
@@ -100,11 +109,15 @@ def worker(rank: int, world: int, stages: list[int]) -> dict[int, Any]:
         torch.manual_seed(0)
         model = GPT(CFG)
         try:
-            opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-3, stage=stage, module=model,
-                            max_grad_norm=1.0,
-                            precision=Precision(param_dtype=torch.bfloat16,
-                                                reduce_dtype=torch.bfloat16),
-                            sharding=Sharding(bucket_numel=BUCKET))
+            opt = ZeroAdamW(
+                gpt_param_groups(model, 0.1),
+                lr=1e-3,
+                stage=stage,
+                module=model,
+                max_grad_norm=1.0,
+                precision=Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
+                sharding=Sharding(bucket_numel=BUCKET),
+            )
         except Exception as e:  # noqa: BLE001 - stage 3 may not exist yet
             out[stage] = {"error": f"{type(e).__name__}: {e}"}
             continue
@@ -112,7 +125,7 @@ def worker(rank: int, world: int, stages: list[int]) -> dict[int, Any]:
         for step in range(STEPS):
             g = torch.Generator().manual_seed(step)
             x = torch.randint(0, CFG.vocab_size, (8, CFG.block_size + 1), generator=g)
-            xs = x[rank * n:(rank + 1) * n]
+            xs = x[rank * n : (rank + 1) * n]
             opt.comm.reset()
             t = time.perf_counter()
             model(xs[:, :-1], xs[:, 1:])[1].backward()
@@ -123,10 +136,10 @@ def worker(rank: int, world: int, stages: list[int]) -> dict[int, Any]:
             "memory": opt.memory()._asdict(),
             "comm": opt.comm.snapshot(),
             "padded": sum(fg.layout.padded_numel for fg in opt.flat_groups),
-            "padded_root": sum(fg.layout.padded_numel for fg in opt.flat_groups
-                               if fg.unit == 0),
+            "padded_root": sum(fg.layout.padded_numel for fg in opt.flat_groups if fg.unit == 0),
             "update": update_bytes_per_param(opt),
-            "param_dtype": str(opt.flat_groups[0].dtype), "times": times,
+            "param_dtype": str(opt.flat_groups[0].dtype),
+            "times": times,
         }
     return out
 
@@ -159,20 +172,34 @@ def test_memory_comm(benchmark, world: int, stage: int) -> None:
     f_mem = formula_memory(stage, psi, world)
     f_comm = formula_comm(stage, psi, world, r0["padded_root"])
     comm = r0["comm"]["bytes"]
-    benchmark.extra_info.update({
-        "subject": "memory_comm", "stage": stage, "world": world, "psi_padded": psi,
-        "psi_params": mem[0]["param_elements"], "padding_elements": mem[0]["padding_elements"],
-        "memory": mem, "memory_formula": f_mem,
-        "memory_matches_formula": all(
-            {k: m[k] for k in f_mem} == f_mem for m in mem),
-        "comm_bytes": comm, "comm_formula": f_comm, "comm_matches_formula": comm == f_comm,
-        "comm_calls": r0["comm"]["calls"], "update_bytes_per_param": r0["update"],
-        "param_dtype": r0["param_dtype"],
-        "model": {"n_layer": CFG.n_layer, "n_embd": CFG.n_embd, "params": mem[0]["param_elements"]},
-    })
+    benchmark.extra_info.update(
+        {
+            "subject": "memory_comm",
+            "stage": stage,
+            "world": world,
+            "psi_padded": psi,
+            "psi_params": mem[0]["param_elements"],
+            "padding_elements": mem[0]["padding_elements"],
+            "memory": mem,
+            "memory_formula": f_mem,
+            "memory_matches_formula": all({k: m[k] for k in f_mem} == f_mem for m in mem),
+            "comm_bytes": comm,
+            "comm_formula": f_comm,
+            "comm_matches_formula": comm == f_comm,
+            "comm_calls": r0["comm"]["calls"],
+            "update_bytes_per_param": r0["update"],
+            "param_dtype": r0["param_dtype"],
+            "model": {
+                "n_layer": CFG.n_layer,
+                "n_embd": CFG.n_embd,
+                "params": mem[0]["param_elements"],
+            },
+        }
+    )
     SUMMARY.append(
         f"memory stage {stage} W={world}: {mem[0]['total'] / 1e6:.2f} MB/rank (formula "
         f"{f_mem['total'] / 1e6:.2f}, match={benchmark.extra_info['memory_matches_formula']}); "
         f"comm {sum(comm.values()) / 1e6:.2f} MB/step (formula {sum(f_comm.values()) / 1e6:.2f}, "
         f"match={comm == f_comm}); update {r0['update']['kernel']} B/param kernel, "
-        f"{r0['update']['cpu_path']} B/param CPU path")
+        f"{r0['update']['cpu_path']} B/param CPU path"
+    )

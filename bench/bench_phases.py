@@ -31,6 +31,7 @@ unit: a second chain with 10 Linear layers per unit separates the two (`stage 3 
     python bench/bench_phases.py [--full] [--model llama|gpt] [--steps N]
     pytest bench/bench_phases.py --benchmark-only
 """
+
 from __future__ import annotations
 
 import argparse
@@ -67,25 +68,45 @@ HOOK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # when one is descheduled, which swamps the phases; see bench_host.py).
 THREADS = int(os.environ.get("FUSEDZERO_BENCH_PHASES_THREADS", "1"))
 PHASES = ("forward", "backward", "step", "zero_grad")
-SYSTEMS = ("bare", "torch_adamw", "fsdp2", "fusedzero-0", "fusedzero-1", "fusedzero-2",
-           "fusedzero-3")
+SYSTEMS = (
+    "bare",
+    "torch_adamw",
+    "fsdp2",
+    "fusedzero-0",
+    "fusedzero-1",
+    "fusedzero-2",
+    "fusedzero-3",
+)
 LR, WD, CLIP = 1e-3, 0.1, 1.0
 
 
 def device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
         else torch.device("cpu")
+    )
 
 
 def model_shape(name: str, full: bool = FULL) -> tuple[GPTConfig, int]:
     """(model config, batch) of `llama` or `gpt` (see the module docstring)."""
     if name == "gpt":
         from _systems import BATCH, CFG
+
         return CFG, BATCH
     if full or device().type == "cuda":
         return GPTConfig(**PRESETS["llama-254m"]), 8
-    return GPTConfig(n_layer=4, n_head=4, n_kv_head=2, n_embd=128, mlp="swiglu", mlp_hidden=352,
-                     vocab_size=2048, block_size=64, tie_head=False), 4
+    return GPTConfig(
+        n_layer=4,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=128,
+        mlp="swiglu",
+        mlp_hidden=352,
+        vocab_size=2048,
+        block_size=64,
+        tie_head=False,
+    ), 4
 
 
 @contextlib.contextmanager
@@ -96,9 +117,14 @@ def one_rank_group() -> Iterator[None]:
         return
     cuda = device().type == "cuda"
     with reserved_port() as port:  # held until the store listens on it
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=120),
-                                **({"device_id": device()} if cuda else {}))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=120),
+            **({"device_id": device()} if cuda else {}),
+        )
     try:
         yield
     finally:
@@ -127,20 +153,28 @@ class Phased:
             self.clip = lambda: nn.utils.clip_grad_norm_(params, CLIP, foreach=True)
         elif name == "fsdp2":
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-            mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16
-                  else MixedPrecisionPolicy())
+
+            mp = (
+                MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+            )
             for block in model.blocks:
                 fully_shard(block, mp_policy=mp)
             fully_shard(model, mp_policy=mp)
-            self.opt = torch.optim.AdamW(gpt_param_groups(model, WD), lr=LR,
-                                         **({"fused": True} if _has_fused(dev) else {}))
+            self.opt = torch.optim.AdamW(
+                gpt_param_groups(model, WD), lr=LR, **({"fused": True} if _has_fused(dev) else {})
+            )
             params = list(model.parameters())
             self.clip = lambda: nn.utils.clip_grad_norm_(params, CLIP)
         else:
             stage = int(name.rsplit("-", 1)[1])
-            self.opt = ZeroAdamW(gpt_param_groups(model, WD), lr=LR, stage=stage, module=model,
-                                 max_grad_norm=CLIP,
-                                 precision=Precision(param_dtype=torch.bfloat16 if bf16 else None))
+            self.opt = ZeroAdamW(
+                gpt_param_groups(model, WD),
+                lr=LR,
+                stage=stage,
+                module=model,
+                max_grad_norm=CLIP,
+                precision=Precision(param_dtype=torch.bfloat16 if bf16 else None),
+            )
         self.name = name
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -175,8 +209,9 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def measure_phases(model: str, systems: tuple[str, ...] = SYSTEMS, steps: int = STEPS,
-                   full: bool = FULL) -> dict[str, dict[str, list[float]]]:
+def measure_phases(
+    model: str, systems: tuple[str, ...] = SYSTEMS, steps: int = STEPS, full: bool = FULL
+) -> dict[str, dict[str, list[float]]]:
     """Seconds per phase per step, by system: {system: {phase: [steps]}}."""
     cfg, batch = model_shape(model, full)
     dev = device()
@@ -190,8 +225,9 @@ def measure_phases(model: str, systems: tuple[str, ...] = SYSTEMS, steps: int = 
     return _measure_phases(cfg, batch, systems, steps)
 
 
-def _measure_phases(cfg: GPTConfig, batch: int, systems: tuple[str, ...], steps: int
-                    ) -> dict[str, dict[str, list[float]]]:
+def _measure_phases(
+    cfg: GPTConfig, batch: int, systems: tuple[str, ...], steps: int
+) -> dict[str, dict[str, list[float]]]:
     dev = device()
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, cfg.vocab_size, (batch, cfg.block_size), generator=g).to(dev)
@@ -200,7 +236,7 @@ def _measure_phases(cfg: GPTConfig, batch: int, systems: tuple[str, ...], steps:
         built = {s: Phased(s, cfg) for s in systems}
         times = {s: {p: [] for p in PHASES} for s in systems}
         for i in range(WARMUP + steps):
-            for s in systems[i % len(systems):] + systems[:i % len(systems)]:
+            for s in systems[i % len(systems) :] + systems[: i % len(systems)]:
                 sysm, out = built[s], times[s]
                 _sync()
                 t0 = time.perf_counter()
@@ -229,6 +265,7 @@ def profile_system(model: str, system: str, steps: int = 3) -> str:
     """torch.profiler tables of `steps` steps of one system after warm-up: where forward,
     backward and step spend host and device time (ops by self time; CUDA kernels on CUDA)."""
     from torch.profiler import ProfilerActivity, profile, record_function
+
     cfg, batch = model_shape(model)
     dev = device()
     g = torch.Generator().manual_seed(0)
@@ -260,8 +297,7 @@ def profile_system(model: str, system: str, steps: int = 3) -> str:
     out = [f"profile: {system} on {model}, {steps} steps, {dev}"]
     out.append(ka.table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
     if dev.type == "cuda":
-        out.append(ka.table(sort_by="self_cuda_time_total", row_limit=20,
-                            max_name_column_width=60))
+        out.append(ka.table(sort_by="self_cuda_time_total", row_limit=20, max_name_column_width=60))
     return "\n".join(out)
 
 
@@ -269,8 +305,12 @@ def profile_system(model: str, system: str, steps: int = 3) -> str:
 def _chain(per_unit: int = 1, dtype: torch.dtype = torch.float32) -> nn.Sequential:
     """HOOK_LAYERS x Linear(4, 4) in blocks of `per_unit` (each block one stage-3 unit)."""
     torch.manual_seed(0)
-    return nn.Sequential(*[nn.Sequential(*[nn.Linear(4, 4) for _ in range(per_unit)])
-                           for _ in range(HOOK_LAYERS // per_unit)]).to(dtype)
+    return nn.Sequential(
+        *[
+            nn.Sequential(*[nn.Linear(4, 4) for _ in range(per_unit)])
+            for _ in range(HOOK_LAYERS // per_unit)
+        ]
+    ).to(dtype)
 
 
 # Linear layers per unit in the second stage-3 chain (1 where the chain is too short for two).
@@ -281,9 +321,12 @@ def _is_block(root: nn.Module) -> Callable[[nn.Module], bool]:
     return lambda m: isinstance(m, nn.Sequential) and m is not root
 
 
-def measure_hooks(stages: tuple[int, ...] = (0, 1, 2, 3), rounds: int = HOOK_ROUNDS,
-                  dtype: torch.dtype = torch.float32, ops: bool = False
-                  ) -> dict[str, dict[str, float]]:
+def measure_hooks(
+    stages: tuple[int, ...] = (0, 1, 2, 3),
+    rounds: int = HOOK_ROUNDS,
+    dtype: torch.dtype = torch.float32,
+    ops: bool = False,
+) -> dict[str, dict[str, float]]:
     """Thread CPU seconds of forward, backward and zero_grad, by system (`bare`, `fusedzero-S`),
     on the CPU with one torch thread, the fastest of `rounds` rounds (thread CPU time: another
     process on the core can only add to it, so the minimum is the cost itself; a median moved
@@ -302,14 +345,22 @@ def measure_hooks(stages: tuple[int, ...] = (0, 1, 2, 3), rounds: int = HOOK_ROU
         models: dict[str, tuple[nn.Module, ZeroAdamW | None]] = {"bare": (_chain(1, dtype), None)}
         for s in stages:
             m = _chain(1, dtype)
-            models[f"fusedzero-{s}"] = (m, ZeroAdamW(m.parameters(), lr=LR, stage=s, module=m,
-                                                     sharding=Sharding(units=_is_block(m))))
+            models[f"fusedzero-{s}"] = (
+                m,
+                ZeroAdamW(
+                    m.parameters(), lr=LR, stage=s, module=m, sharding=Sharding(units=_is_block(m))
+                ),
+            )
         split = 3 in stages and COARSE > 1
         if split:
             models[f"bare/{COARSE}"] = (_chain(COARSE, dtype), None)
             m = _chain(COARSE, dtype)
-            models[f"fusedzero-3/{COARSE}"] = (m, ZeroAdamW(
-                m.parameters(), lr=LR, stage=3, module=m, sharding=Sharding(units=_is_block(m))))
+            models[f"fusedzero-3/{COARSE}"] = (
+                m,
+                ZeroAdamW(
+                    m.parameters(), lr=LR, stage=3, module=m, sharding=Sharding(units=_is_block(m))
+                ),
+            )
         parts = ("forward", "backward", "zero_grad")
         t: dict[str, dict[str, list[float]]] = {k: {p: [] for p in parts} for k in models}
         for r in range(3 + rounds):
@@ -331,8 +382,11 @@ def measure_hooks(stages: tuple[int, ...] = (0, 1, 2, 3), rounds: int = HOOK_ROU
                     for p, dt in zip(parts, (t1 - t0, t2 - t1, t4 - t3)):
                         t[name][p].append(dt)
         # Params counted on the bare chains (a freed stage-3 param is empty).
-        count = {k: sum(p.numel() > 0 for p in m.parameters())
-                 for k, (m, _) in models.items() if k.startswith("bare")}
+        count = {
+            k: sum(p.numel() > 0 for p in m.parameters())
+            for k, (m, _) in models.items()
+            if k.startswith("bare")
+        }
         med = {k: {p: min(v) for p, v in d.items()} for k, d in t.items()}
         for d in med.values():
             d["backward_zero_grad"] = d["backward"] + d["zero_grad"]
@@ -405,10 +459,16 @@ def test_phases(benchmark, model: str, system: str) -> None:
     benchmark.group = f"phases at W=1, {model}, {device().type}"
     replay(benchmark, total)
     add_stats(benchmark)
-    benchmark.extra_info.update({"subject": "phases", "device": device().type, "model": model,
-                                 "system": system, "full": FULL,
-                                 **{f"{p}_ms": statistics.median(times[p]) * 1e3
-                                    for p in PHASES}})
+    benchmark.extra_info.update(
+        {
+            "subject": "phases",
+            "device": device().type,
+            "model": model,
+            "system": system,
+            "full": FULL,
+            **{f"{p}_ms": statistics.median(times[p]) * 1e3 for p in PHASES},
+        }
+    )
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -419,14 +479,21 @@ def test_hook_host_time(benchmark, stage: int) -> None:
     d = med[f"fusedzero-{stage}"]
     benchmark.group = f"hook host time per param, {HOOK_LAYERS} tiny layers, cpu"
     replay(benchmark, [d["backward"]])
-    benchmark.extra_info.update({"subject": "hooks", "stage": stage, "params": d["params"],
-                                 "backward_us_per_param": d["backward_us_per_param"],
-                                 "backward_zero_grad_us_per_param":
-                                     d["backward_zero_grad_us_per_param"],
-                                 "forward_us_per_param": d["forward_us_per_param"]})
-    SUMMARY.append(f"hook host time stage {stage}: backward +{d['backward_us_per_param']:.1f} "
-                   f"us/param (with zero_grad +{d['backward_zero_grad_us_per_param']:.1f}), "
-                   f"forward +{d['forward_us_per_param']:.1f} us/param over bare")
+    benchmark.extra_info.update(
+        {
+            "subject": "hooks",
+            "stage": stage,
+            "params": d["params"],
+            "backward_us_per_param": d["backward_us_per_param"],
+            "backward_zero_grad_us_per_param": d["backward_zero_grad_us_per_param"],
+            "forward_us_per_param": d["forward_us_per_param"],
+        }
+    )
+    SUMMARY.append(
+        f"hook host time stage {stage}: backward +{d['backward_us_per_param']:.1f} "
+        f"us/param (with zero_grad +{d['backward_zero_grad_us_per_param']:.1f}), "
+        f"forward +{d['forward_us_per_param']:.1f} us/param over bare"
+    )
     if stage == 3:
         SUMMARY.append(per_unit_line(med))
 
@@ -435,14 +502,22 @@ def test_hook_host_time(benchmark, stage: int) -> None:
 def format_phases(model: str, times: dict[str, dict[str, list[float]]]) -> str:
     cfg, batch = model_shape(model)
     head = f"{'system':<14}" + "".join(f"{p + ' ms':>24}" for p in PHASES) + f"{'total ms':>10}"
-    lines = [f"{model}: {cfg.n_layer} layers, d {cfg.n_embd}, {batch} x {cfg.block_size} tokens, "
-             f"{device()}; medians of {len(next(iter(times.values()))['step'])} steps "
-             f"(p20-p80 in brackets)", head]
+    lines = [
+        f"{model}: {cfg.n_layer} layers, d {cfg.n_embd}, {batch} x {cfg.block_size} tokens, "
+        f"{device()}; medians of {len(next(iter(times.values()))['step'])} steps "
+        f"(p20-p80 in brackets)",
+        head,
+    ]
     for s, d in times.items():
         row = f"{s:<14}"
         for p in PHASES:
-            q = torch.quantile(torch.tensor(d[p], dtype=torch.float64),
-                               torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)) * 1e3
+            q = (
+                torch.quantile(
+                    torch.tensor(d[p], dtype=torch.float64),
+                    torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64),
+                )
+                * 1e3
+            )
             row += f"{q[1]:.2f} [{q[0]:.2f}-{q[2]:.2f}]".rjust(24)
         row += f"{sum(statistics.median(d[p]) for p in PHASES) * 1e3:>10.2f}"
         lines.append(row)
@@ -452,18 +527,21 @@ def format_phases(model: str, times: dict[str, dict[str, list[float]]]) -> str:
 def format_hooks(med: dict[str, dict[str, float]], dtype: str = "fp32") -> str:
     n = int(med["bare"]["params"])
     ops = "backward_ops_per_param" in med["bare"]
-    lines = [f"hook host time: {HOOK_LAYERS} x Linear(4, 4) in {dtype}, {n} params, thread CPU "
-             f"time, fastest of {int(med['bare']['rounds'])} rounds; us/param over bare "
-             "(bwd+zg: backward plus zero_grad)" + ("; bwd ops/p: aten ops over bare" if ops
-                                                    else ""),
-             f"{'system':<14}{'fwd ms':>9}{'bwd ms':>9}{'zg ms':>8}{'fwd us/p':>10}{'bwd us/p':>10}"
-             f"{'bwd+zg us/p':>13}" + (f"{'bwd ops/p':>11}" if ops else "")]
+    lines = [
+        f"hook host time: {HOOK_LAYERS} x Linear(4, 4) in {dtype}, {n} params, thread CPU "
+        f"time, fastest of {int(med['bare']['rounds'])} rounds; us/param over bare "
+        "(bwd+zg: backward plus zero_grad)" + ("; bwd ops/p: aten ops over bare" if ops else ""),
+        f"{'system':<14}{'fwd ms':>9}{'bwd ms':>9}{'zg ms':>8}{'fwd us/p':>10}{'bwd us/p':>10}"
+        f"{'bwd+zg us/p':>13}" + (f"{'bwd ops/p':>11}" if ops else ""),
+    ]
     for k, d in med.items():
-        lines.append(f"{k:<14}{d['forward'] * 1e3:>9.2f}{d['backward'] * 1e3:>9.2f}"
-                     f"{d['zero_grad'] * 1e3:>8.2f}{d['forward_us_per_param']:>10.1f}"
-                     f"{d['backward_us_per_param']:>10.1f}"
-                     f"{d['backward_zero_grad_us_per_param']:>13.1f}"
-                     + (f"{d['backward_ops_per_param']:>11.2f}" if ops else ""))
+        lines.append(
+            f"{k:<14}{d['forward'] * 1e3:>9.2f}{d['backward'] * 1e3:>9.2f}"
+            f"{d['zero_grad'] * 1e3:>8.2f}{d['forward_us_per_param']:>10.1f}"
+            f"{d['backward_us_per_param']:>10.1f}"
+            f"{d['backward_zero_grad_us_per_param']:>13.1f}"
+            + (f"{d['backward_ops_per_param']:>11.2f}" if ops else "")
+        )
     lines += [per_unit_line(med)] if "backward_us_per_unit" in med.get("fusedzero-3", {}) else []
     return "\n".join(lines)
 
@@ -471,10 +549,12 @@ def format_hooks(med: dict[str, dict[str, float]], dtype: str = "fp32") -> str:
 def per_unit_line(med: dict[str, dict[str, float]]) -> str:
     """Stage 3's cost split into per unit and per param (from the 1- and COARSE-layer units)."""
     d = med["fusedzero-3"]
-    return (f"stage 3 apart: backward {d['backward_us_per_unit']:.0f} us per unit + "
-            f"{d['backward_us_per_param_alone']:.1f} us per param, forward "
-            f"{d['forward_us_per_unit']:.0f} us per unit + {d['forward_us_per_param_alone']:.1f} "
-            f"us per param (1 and {COARSE} Linear layers per unit)")
+    return (
+        f"stage 3 apart: backward {d['backward_us_per_unit']:.0f} us per unit + "
+        f"{d['backward_us_per_param_alone']:.1f} us per param, forward "
+        f"{d['forward_us_per_unit']:.0f} us per unit + {d['forward_us_per_param_alone']:.1f} "
+        f"us per param (1 and {COARSE} Linear layers per unit)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -484,34 +564,53 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--no-hooks", dest="hooks", action="store_false")
     p.add_argument("--no-phases", dest="phases", action="store_false")
-    p.add_argument("--hook-dtype", choices=tuple(HOOK_DTYPES), default="fp32",
-                   help="dtype of the hook chain's params (fp32 reduce either way)")
-    p.add_argument("--hook-ops", action="store_true",
-                   help="also count the aten ops of each backward over bare, per param")
+    p.add_argument(
+        "--hook-dtype",
+        choices=tuple(HOOK_DTYPES),
+        default="fp32",
+        help="dtype of the hook chain's params (fp32 reduce either way)",
+    )
+    p.add_argument(
+        "--hook-ops",
+        action="store_true",
+        help="also count the aten ops of each backward over bare, per param",
+    )
     p.add_argument("--json", type=Path, help="also write the raw times here (bench/gpu/report.py)")
-    p.add_argument("--profile", metavar="SYSTEM", action="append", default=[],
-                   help="print torch.profiler tables of this system's steps (repeatable)")
+    p.add_argument(
+        "--profile",
+        metavar="SYSTEM",
+        action="append",
+        default=[],
+        help="print torch.profiler tables of this system's steps (repeatable)",
+    )
     args = p.parse_args(argv)
     for system in args.profile:
-        for model in (("llama", "gpt") if args.model == "both" else (args.model,)):
+        for model in ("llama", "gpt") if args.model == "both" else (args.model,):
             print(profile_system(model, system))
             print()
-    record: dict[str, object] = {"device": str(device()), "torch": torch.__version__,
-                                 "phases": {}, "shapes": {}}
+    record: dict[str, object] = {
+        "device": str(device()),
+        "torch": torch.__version__,
+        "phases": {},
+        "shapes": {},
+    }
     if torch.cuda.is_available():
         record["device_name"] = torch.cuda.get_device_name()
     if args.phases:
-        for model in (("llama", "gpt") if args.model == "both" else (args.model,)):
+        for model in ("llama", "gpt") if args.model == "both" else (args.model,):
             times = measure_phases(model, steps=args.steps, full=args.full)
             cfg, batch = model_shape(model, args.full)
             record["phases"][model] = times  # type: ignore[index]
-            record["shapes"][model] = {"n_layer": cfg.n_layer, "n_embd": cfg.n_embd,  # type: ignore[index]
-                                       "batch": batch, "tokens": cfg.block_size}
+            record["shapes"][model] = {
+                "n_layer": cfg.n_layer,
+                "n_embd": cfg.n_embd,  # type: ignore[index]
+                "batch": batch,
+                "tokens": cfg.block_size,
+            }
             print(format_phases(model, times))
             print()
     if args.hooks:
-        record["hooks"] = med = measure_hooks(dtype=HOOK_DTYPES[args.hook_dtype],
-                                              ops=args.hook_ops)
+        record["hooks"] = med = measure_hooks(dtype=HOOK_DTYPES[args.hook_dtype], ops=args.hook_ops)
         print(format_hooks(med, args.hook_dtype))
     if args.json:
         args.json.write_text(json.dumps(record, indent=1) + "\n")

@@ -18,6 +18,7 @@ construction wall time and the child's peak RSS (wait4's ru_maxrss).
 Env: FUSEDZERO_BENCH_SCALE_SHARD (elements per rank, default 1.5e6), ..._ROUNDS (default 30),
 ..._THREADS (torch threads, default 1).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,11 +62,16 @@ class Rank:
         self.stack.enter_context(fake_group(W - 1, W))
         model = meta_model(self.shape)
         t = time.perf_counter()
-        self.opt = ZeroAdamW(param_groups(model), stage=3, module=model, lr=1e-4,
-                             max_grad_norm=1.0, device="cpu",
-                             precision=Precision(param_dtype=torch.bfloat16,
-                                                 reduce_dtype=torch.bfloat16),
-                             sharding=Sharding(param_init_fn=ShardInit(_rand_init)))
+        self.opt = ZeroAdamW(
+            param_groups(model),
+            stage=3,
+            module=model,
+            lr=1e-4,
+            max_grad_norm=1.0,
+            device="cpu",
+            precision=Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
+            sharding=Sharding(param_init_fn=ShardInit(_rand_init)),
+        )
         self.construct_s = time.perf_counter() - t
         self.local = sum(b.layout.local_numel for b in self.opt.flat_groups)
 
@@ -93,24 +99,50 @@ def bench_step() -> dict:
             for _ in range(2):
                 r.step()
             times[W] += [r.step() for _ in range(ROUNDS // 3)]
-            info[W] = {"params": r.shape.params, "d": r.shape.d, "local_numel": r.local,
-                       "buffers": len(r.opt.flat_groups), "construct_s": r.construct_s}
+            info[W] = {
+                "params": r.shape.params,
+                "d": r.shape.d,
+                "local_numel": r.local,
+                "buffers": len(r.opt.flat_groups),
+                "construct_s": r.construct_s,
+            }
             r.stack.close()
             del r
     out = {}
     for W in WORLDS:
-        q = torch.quantile(torch.tensor(times[W], dtype=torch.float64),
-                           torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)).tolist()
-        out[W] = dict(info[W], p20_s=q[0], median_s=q[1], p80_s=q[2],
-                      median_per_1m_elements_s=q[1] / info[W]["local_numel"] * 1e6)
+        q = torch.quantile(
+            torch.tensor(times[W], dtype=torch.float64),
+            torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64),
+        ).tolist()
+        out[W] = dict(
+            info[W],
+            p20_s=q[0],
+            median_s=q[1],
+            p80_s=q[2],
+            median_per_1m_elements_s=q[1] / info[W]["local_numel"] * 1e6,
+        )
     return out
 
 
 def bench_construct(cases: list[tuple[str, int, int, int, bool]]) -> list[dict]:
     rows = []
     for shape, W, rank, stage, meta in cases:
-        cmd = [sys.executable, "-m", "fusedzero.cli", "plan", "--shape", shape, "-W", str(W),
-               "--emulate", "--rank", str(rank), "--stage", str(stage), "--json"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "fusedzero.cli",
+            "plan",
+            "--shape",
+            shape,
+            "-W",
+            str(W),
+            "--emulate",
+            "--rank",
+            str(rank),
+            "--stage",
+            str(stage),
+            "--json",
+        ]
         if meta:
             cmd.append("--meta")
         t = time.perf_counter()
@@ -121,10 +153,19 @@ def bench_construct(cases: list[tuple[str, int, int, int, bool]]) -> list[dict]:
         if status != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed with status {status}")
         e = json.loads(stdout)["emulation"]
-        rows.append({"shape": shape, "W": W, "rank": rank, "stage": stage,
-                     "materialized": e["materialized"], "resident_bytes": e["resident_bytes"],
-                     "construct_s": e["construct_s"], "process_s": wall,
-                     "peak_rss_bytes": usage.ru_maxrss * 1024})
+        rows.append(
+            {
+                "shape": shape,
+                "W": W,
+                "rank": rank,
+                "stage": stage,
+                "materialized": e["materialized"],
+                "resident_bytes": e["resident_bytes"],
+                "construct_s": e["construct_s"],
+                "process_s": wall,
+                "peak_rss_bytes": usage.ru_maxrss * 1024,
+            }
+        )
     return rows
 
 
@@ -133,9 +174,14 @@ CKPT_SHAPE = LlamaShape(n_layer=2, d=64, ffn=128, vocab=256, n_head=4, n_kv_head
 
 def _ckpt_opt() -> ZeroAdamW:
     model = meta_model(CKPT_SHAPE)
-    return ZeroAdamW(param_groups(model), stage=3, module=model, device="cpu",
-                     precision=Precision(param_dtype=torch.bfloat16),
-                     sharding=Sharding(param_init_fn=ShardInit(_rand_init)))
+    return ZeroAdamW(
+        param_groups(model),
+        stage=3,
+        module=model,
+        device="cpu",
+        precision=Precision(param_dtype=torch.bfloat16),
+        sharding=Sharding(param_init_fn=ShardInit(_rand_init)),
+    )
 
 
 def bench_ckpt(W: int = 1024, load_world: int = 8) -> dict:
@@ -158,22 +204,30 @@ def bench_ckpt(W: int = 1024, load_world: int = 8) -> dict:
                 opt = _ckpt_opt()
                 t = time.perf_counter()
                 got = loading.load(opt, saved.path)
-                loads.append({"seconds": time.perf_counter() - t,
-                              "peak_buffer_bytes": got.peak_buffer_bytes})
-        return {"params": CKPT_SHAPE.params, "save_world": W, "load_world": load_world,
-                "save_s": saved.seconds, "save_s_per_rank": saved.seconds / W,
-                "shard_files": saved.shard_files, "manifest_bytes": saved.manifest_bytes,
-                "verify_s": verify_s, "load_s_per_rank": [x["seconds"] for x in loads],
-                "load_peak_buffer_bytes": max(x["peak_buffer_bytes"] for x in loads),
-                "rss_bytes_sampled_max": max(saved.peak_rss_bytes, rss_bytes()),
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                loads.append(
+                    {"seconds": time.perf_counter() - t, "peak_buffer_bytes": got.peak_buffer_bytes}
+                )
+        return {
+            "params": CKPT_SHAPE.params,
+            "save_world": W,
+            "load_world": load_world,
+            "save_s": saved.seconds,
+            "save_s_per_rank": saved.seconds / W,
+            "shard_files": saved.shard_files,
+            "manifest_bytes": saved.manifest_bytes,
+            "verify_s": verify_s,
+            "load_s_per_rank": [x["seconds"] for x in loads],
+            "load_peak_buffer_bytes": max(x["peak_buffer_bytes"] for x in loads),
+            "rss_bytes_sampled_max": max(saved.peak_rss_bytes, rss_bytes()),
+            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        }
 
 
 # (shape, W, rank, stage, meta): the local shard is materialised only where it is ~1 GB (the
 # 8B shape's at W=8, stage 3, is 16 GB: measured once, 16.6 GB peak RSS, 129 s on a loaded box).
-CONSTRUCT_CASES = [("llama-70b", W, r, 3, W < 1024) for W in (64, 256, 1024)
-                   for r in (0, W - 1)] + [("llama-8b", W, W - 1, s, not (s == 3 and W >= 256))
-                                           for W in (8, 1024) for s in (1, 2, 3)]
+CONSTRUCT_CASES = [
+    ("llama-70b", W, r, 3, W < 1024) for W in (64, 256, 1024) for r in (0, W - 1)
+] + [("llama-8b", W, W - 1, s, not (s == 3 and W >= 256)) for W in (8, 1024) for s in (1, 2, 3)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -184,28 +238,37 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     if args.part == "step":
         res: object = bench_step()
-        print(f"step() host time per rank, stage 3, ~{SHARD:.3g} elements per rank, "
-              f"{THREADS} thread(s), load {load:.1f}")
+        print(
+            f"step() host time per rank, stage 3, ~{SHARD:.3g} elements per rank, "
+            f"{THREADS} thread(s), load {load:.1f}"
+        )
         print("| W | params | local elements | median ms | p20-p80 ms | ms per 1M local |")
         print("| --- | --- | --- | --- | --- | --- |")
         for W, r in res.items():  # type: ignore[union-attr]
-            print(f"| {W} | {r['params']:.3g} | {r['local_numel']:,} | "
-                  f"{r['median_s'] * 1e3:.2f} | {r['p20_s'] * 1e3:.2f}-{r['p80_s'] * 1e3:.2f} | "
-                  f"{r['median_per_1m_elements_s'] * 1e3:.2f} |")
+            print(
+                f"| {W} | {r['params']:.3g} | {r['local_numel']:,} | "
+                f"{r['median_s'] * 1e3:.2f} | {r['p20_s'] * 1e3:.2f}-{r['p80_s'] * 1e3:.2f} | "
+                f"{r['median_per_1m_elements_s'] * 1e3:.2f} |"
+            )
         a, b = res[1024], res[8]  # type: ignore[index]
-        print(f"W=1024 / W=8: {a['median_s'] / b['median_s']:.3f} (medians), "
-              f"{a['median_per_1m_elements_s'] / b['median_per_1m_elements_s']:.3f} "
-              "(per local element)")
+        print(
+            f"W=1024 / W=8: {a['median_s'] / b['median_s']:.3f} (medians), "
+            f"{a['median_per_1m_elements_s'] / b['median_per_1m_elements_s']:.3f} "
+            "(per local element)"
+        )
     elif args.part == "construct":
         res = bench_construct(CONSTRUCT_CASES)
-        print("| shape | stage | W | rank | local shard | resident GB | construct s | "
-              "peak RSS GB |")
+        print(
+            "| shape | stage | W | rank | local shard | resident GB | construct s | peak RSS GB |"
+        )
         print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in res:  # type: ignore[union-attr]
-            print(f"| {r['shape']} | {r['stage']} | {r['W']} | {r['rank']} | "
-                  f"{'real' if r['materialized'] else 'meta'} | "
-                  f"{r['resident_bytes'] / 1e9:.3g} | {r['construct_s']:.1f} | "
-                  f"{r['peak_rss_bytes'] / 1e9:.2f} |")
+            print(
+                f"| {r['shape']} | {r['stage']} | {r['W']} | {r['rank']} | "
+                f"{'real' if r['materialized'] else 'meta'} | "
+                f"{r['resident_bytes'] / 1e9:.3g} | {r['construct_s']:.1f} | "
+                f"{r['peak_rss_bytes'] / 1e9:.2f} |"
+            )
     else:
         res = bench_ckpt()
         print(json.dumps(res, indent=1))

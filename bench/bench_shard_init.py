@@ -16,6 +16,7 @@ Providers (the `param_init_fn` a user passes):
 the optimizer's resident bytes (`ZeroAdamW.memory().total`): what construction held above the
 rank's own state. On a machine shared with other jobs, times spread widely; the bytes do not.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,8 +51,12 @@ PROVIDERS = ("zeros", "model", "full-unit")
 
 
 def run(shape: str, W: int, provider: str) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", CHILD, shape, str(W), provider], check=True,
-                         capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-c", CHILD, shape, str(W), provider],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     return json.loads(out.strip().splitlines()[-1])
 
 
@@ -67,8 +72,11 @@ def main() -> None:
         if p == "full-unit" and not a.full:
             continue
         r = run(a.shape, a.W, p)
-        print(f"| {a.shape} | {a.W} | {p} | {r['construct_s']:.1f} | "
-              f"{r['resident'] / 2**30:.3f} | {r['beyond'] / 2**30:.3f} |", flush=True)
+        print(
+            f"| {a.shape} | {a.W} | {p} | {r['construct_s']:.1f} | "
+            f"{r['resident'] / 2**30:.3f} | {r['beyond'] / 2**30:.3f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

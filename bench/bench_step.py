@@ -56,6 +56,7 @@ Env (defaults keep the whole run under ~10 minutes on 2 cores):
   FUSEDZERO_BENCH_SYSTEMS comma-separated names to run (default: all; bare always runs)
   FUSEDZERO_BENCH_BARE_EVERY  bare runs before every N systems of a round (1)
 """
+
 from __future__ import annotations
 
 import gc
@@ -104,8 +105,11 @@ def bare_of(name: str) -> str:
 
 
 def selected(precision: str) -> list[str]:
-    names = [n for n, s in SYSTEMS.items() if s.precision == precision and s.bench
-             and (not _ONLY or n in _ONLY or s.family == "bare")]
+    names = [
+        n
+        for n, s in SYSTEMS.items()
+        if s.precision == precision and s.bench and (not _ONLY or n in _ONLY or s.family == "bare")
+    ]
     return [n for n in names if unavailable(n) is None]
 
 
@@ -134,21 +138,26 @@ def worker(rank: int, world: int, names: list[str]) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
             s = build(name, world)
-            s.step(x0[rank * n:(rank + 1) * n], y0[rank * n:(rank + 1) * n])
+            s.step(x0[rank * n : (rank + 1) * n], y0[rank * n : (rank + 1) * n])
         except Exception:  # noqa: BLE001 - a system that fails is reported, not fatal
             out[name] = {"error": traceback.format_exc(limit=6)}
             dist.barrier()
             continue
         gc.collect()
         systems[name] = s
-        out[name] = {"times": [], "losses": [], "rss_growth": _measure.rss() - rss0,
-                     "build_s": time.perf_counter() - t0, "info": s.info}
+        out[name] = {
+            "times": [],
+            "losses": [],
+            "rss_growth": _measure.rss() - rss0,
+            "build_s": time.perf_counter() - t0,
+            "info": s.info,
+        }
         dist.barrier()
     bare = next((nm for nm in systems if SYSTEMS[nm].family == "bare"), None)
     order = [nm for nm in systems if nm != bare]
     for i in range(WARMUP + STEPS):
         x, y = batch(i + 1)
-        xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+        xs, ys = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
         k = i % max(1, len(order))
         _measure.COUNTING[0] = i < WARMUP
         last_bare = float("nan")
@@ -239,26 +248,50 @@ def test_step(benchmark, name: str) -> None:
     stats = percentiles(times)
     benchmark.extra_info.update({f"time_{k}": v for k, v in stats.items()})
     benchmark.extra_info.update({f"overhead_{k}": v for k, v in percentiles(overhead).items()})
-    benchmark.extra_info.update({
-        "subject": "step", "system": name, "family": spec.family, "precision": spec.precision,
-        "stages": list(spec.stages), "reduce": spec.reduce, "regather": spec.regather,
-        "note": spec.note, "world": WORLD,
-        "model": {"n_layer": CFG.n_layer, "n_embd": CFG.n_embd, "n_head": CFG.n_head,
-                  "block_size": CFG.block_size, "vocab_size": CFG.vocab_size,
-                  "params": make_model().num_params()},
-        "global_batch": BATCH, "steps": STEPS, "warmup": WARMUP, "bucket_numel": BUCKET,
-        "clip": CLIP, "systems_in_run": run["names"], "bf16_matmul": BF16_MATMUL,
-        "round_times": times, "round_overheads": overhead,
-        "comm_bytes": r0["comm"], "comm_bytes_total": sum(r0["comm"].values()),
-        "comm_dtypes": r0.get("comm_dtypes", {}),
-        "tensor_bytes": [r["tensor_bytes"] for r in per_rank],
-        "own_memory": [r.get("own_memory") for r in per_rank],
-        "rss_growth": [r["rss_growth"] for r in per_rank],
-        "build_s": r0["build_s"],
-        "first_loss": r0["losses"][0], "last_loss": r0["losses"][-1],
-        "info": r0["info"], "loadavg_1min": os.getloadavg()[0],
-    })
+    benchmark.extra_info.update(
+        {
+            "subject": "step",
+            "system": name,
+            "family": spec.family,
+            "precision": spec.precision,
+            "stages": list(spec.stages),
+            "reduce": spec.reduce,
+            "regather": spec.regather,
+            "note": spec.note,
+            "world": WORLD,
+            "model": {
+                "n_layer": CFG.n_layer,
+                "n_embd": CFG.n_embd,
+                "n_head": CFG.n_head,
+                "block_size": CFG.block_size,
+                "vocab_size": CFG.vocab_size,
+                "params": make_model().num_params(),
+            },
+            "global_batch": BATCH,
+            "steps": STEPS,
+            "warmup": WARMUP,
+            "bucket_numel": BUCKET,
+            "clip": CLIP,
+            "systems_in_run": run["names"],
+            "bf16_matmul": BF16_MATMUL,
+            "round_times": times,
+            "round_overheads": overhead,
+            "comm_bytes": r0["comm"],
+            "comm_bytes_total": sum(r0["comm"].values()),
+            "comm_dtypes": r0.get("comm_dtypes", {}),
+            "tensor_bytes": [r["tensor_bytes"] for r in per_rank],
+            "own_memory": [r.get("own_memory") for r in per_rank],
+            "rss_growth": [r["rss_growth"] for r in per_rank],
+            "build_s": r0["build_s"],
+            "first_loss": r0["losses"][0],
+            "last_loss": r0["losses"][-1],
+            "info": r0["info"],
+            "loadavg_1min": os.getloadavg()[0],
+        }
+    )
     ov = percentiles(overhead)
-    SUMMARY.append(f"step {spec.precision} {name:>26}: median {stats['median'] * 1e3:7.1f} ms, "
-                   f"overhead {ov['median'] * 1e3:6.1f} ms (p20 {ov['p20'] * 1e3:.1f}, "
-                   f"p80 {ov['p80'] * 1e3:.1f}); comm {sum(r0['comm'].values()) / 1e6:.2f} MB")
+    SUMMARY.append(
+        f"step {spec.precision} {name:>26}: median {stats['median'] * 1e3:7.1f} ms, "
+        f"overhead {ov['median'] * 1e3:6.1f} ms (p20 {ov['p20'] * 1e3:.1f}, "
+        f"p80 {ov['p80'] * 1e3:.1f}); comm {sum(r0['comm'].values()) / 1e6:.2f} MB"
+    )

@@ -33,6 +33,7 @@ FUSEDZERO_BENCH_UPDATE_CUDA_SIZES (default 64M,128M,256M), FUSEDZERO_BENCH_UPDAT
 The per-rep times are replayed into pytest-benchmark, so its table compares medians taken under
 the same conditions.
 """
+
 from __future__ import annotations
 
 import os
@@ -55,8 +56,10 @@ def _sizes(var: str, default: str) -> list[int]:
     return [int(x) for x in os.environ.get(var, default).split(",")]
 
 
-SIZES = {"cpu": _sizes("FUSEDZERO_BENCH_UPDATE_SIZES", f"{1 << 20},{4 << 20},{16 << 20}"),
-         "cuda": _sizes("FUSEDZERO_BENCH_UPDATE_CUDA_SIZES", f"{64 << 20},{128 << 20},{256 << 20}")}
+SIZES = {
+    "cpu": _sizes("FUSEDZERO_BENCH_UPDATE_SIZES", f"{1 << 20},{4 << 20},{16 << 20}"),
+    "cuda": _sizes("FUSEDZERO_BENCH_UPDATE_CUDA_SIZES", f"{64 << 20},{128 << 20},{256 << 20}"),
+}
 SECONDS = float(os.environ.get("FUSEDZERO_BENCH_UPDATE_SECONDS", "1.0"))
 CUDA_ROUNDS = int(os.environ.get("FUSEDZERO_BENCH_UPDATE_ROUNDS", "3"))
 CASES = [(device, n) for device, sizes in SIZES.items() for n in sizes]
@@ -88,21 +91,26 @@ def _bytes(provider: str, device: str) -> Bytes:
     if provider == "torch_foreach":
         # torch 2.13 _multi_tensor_adam, non-capturable: mul_(p) 8, lerp_(m,g) 12, mul_(v) 8,
         # addcmul_(v,g,g) 12, sqrt(v)->d 8, div_(d) 8, add_(d,eps) 8, addcdiv_(p,m,d) 16.
-        return Bytes(FP32, 80, "8 foreach passes (mul, lerp, mul, addcmul, sqrt, div, add, "
-                               "addcdiv)")
+        return Bytes(
+            FP32, 80, "8 foreach passes (mul, lerp, mul, addcmul, sqrt, div, add, addcdiv)"
+        )
     if provider == "fusedzero":
         if device == "cuda":
             return Bytes(FP32, FP32, "Triton kernel, one pass")
         # torch._fused_adamw_ with grad_scale writes the unscaled grad back: +4.
-        return Bytes(FP32, FP32 + 4, "torch fused kernel with grad_scale: the grad is written "
-                                     "back (+4)")
+        return Bytes(
+            FP32, FP32 + 4, "torch fused kernel with grad_scale: the grad is written back (+4)"
+        )
     if provider == "fusedzero_bf16":
         if device == "cuda":
             return Bytes(MIXED, MIXED, "Triton kernel, one pass")
         # CPU path: g.float() (r2 w4), fused kernel with grad write-back (r16 w16),
         # out.copy_(p) (r4 w2).
-        return Bytes(MIXED, 44, "bf16->fp32 grad cast pass + fused pass (+grad write-back) "
-                                "+ bf16 output copy pass")
+        return Bytes(
+            MIXED,
+            44,
+            "bf16->fp32 grad cast pass + fused pass (+grad write-back) + bf16 output copy pass",
+        )
     raise KeyError(provider)
 
 
@@ -116,8 +124,7 @@ def _make(provider: str, n: int, device: str) -> Callable[[], None]:
         p = nn.Parameter(rand())
         p.grad = rand()
         kind = provider.removeprefix("torch_")
-        opt = torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD,
-                                **{kind: True})
+        opt = torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **{kind: True})
         return opt.step
 
     bf16 = provider == "fusedzero_bf16"
@@ -129,12 +136,14 @@ def _make(provider: str, n: int, device: str) -> Callable[[], None]:
     scale, skip = torch.ones(1, **f32), torch.zeros(1, **f32)
 
     # Planned once, as the optimizer does: the timed call is the row update and the launch.
-    plan = AdamWPlan(master, grad, m, v, out, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-                     weight_decay=WD)
+    plan = AdamWPlan(
+        master, grad, m, v, out, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD
+    )
 
     def run() -> None:
         step.add_(1)  # the optimizers count steps too
         plan(lr=lr, step=step, grad_scale=scale, skip=skip)
+
     return run
 
 
@@ -144,14 +153,18 @@ PROVIDERS = ["fusedzero", "fusedzero_bf16", "torch_fused", "torch_foreach"]
 def cuda_skip_reason(n: int) -> str:
     """Why the CUDA rows of size `n` cannot run here ('' when they can)."""
     if not torch.cuda.is_available():
-        return ("no CUDA device here (torch.cuda.is_available() is False): the Triton kernel's "
-                "speed is measured only on a GPU machine")
+        return (
+            "no CUDA device here (torch.cuda.is_available() is False): the Triton kernel's "
+            "speed is measured only on a GPU machine"
+        )
     free, _ = torch.cuda.mem_get_info()
     need = CUDA_BYTES_PER_ELEMENT * n
     if need > free // 2:
-        return (f"{n} elements need ~{need / 2**30:.1f} GiB ({CUDA_BYTES_PER_ELEMENT} B/element "
-                f"for the providers and the copy), more than half the {free / 2**30:.1f} GiB "
-                "free; lower FUSEDZERO_BENCH_UPDATE_CUDA_SIZES")
+        return (
+            f"{n} elements need ~{need / 2**30:.1f} GiB ({CUDA_BYTES_PER_ELEMENT} B/element "
+            f"for the providers and the copy), more than half the {free / 2**30:.1f} GiB "
+            "free; lower FUSEDZERO_BENCH_UPDATE_CUDA_SIZES"
+        )
     return ""
 
 
@@ -180,8 +193,9 @@ def _measure(device: str, n: int) -> dict[str, list[float]]:
             fn()
     if device == "cuda":
         torch.cuda.synchronize()
-    _TIMES[key] = bandwidth.time_with_copy(fns, COPY_BYTES_PER_PARAM * n, torch.device(device),
-                                           rounds=_rounds(fns, device))
+    _TIMES[key] = bandwidth.time_with_copy(
+        fns, COPY_BYTES_PER_PARAM * n, torch.device(device), rounds=_rounds(fns, device)
+    )
     return _TIMES[key]
 
 
@@ -189,8 +203,9 @@ _TIMES: dict[tuple[str, int], dict[str, list[float]]] = {}
 
 
 @pytest.mark.parametrize("provider", PROVIDERS)
-@pytest.mark.parametrize("device,n", CASES, ids=lambda x: x if isinstance(x, str)
-                         else f"{x / (1 << 20):g}M")
+@pytest.mark.parametrize(
+    "device,n", CASES, ids=lambda x: x if isinstance(x, str) else f"{x / (1 << 20):g}M"
+)
 def test_update(benchmark, device: str, provider: str, n: int) -> None:
     if device == "cuda" and (why := cuda_skip_reason(n)):
         pytest.skip(why)
@@ -201,25 +216,41 @@ def test_update(benchmark, device: str, provider: str, n: int) -> None:
     add_stats(benchmark)
     b = _bytes(provider, device)
     med = benchmark.extra_info["time_median"]
-    ours_path = ("triton" if use_triton(torch.device(device)) else "torch") \
-        if provider.startswith("fusedzero") else "torch"
+    ours_path = (
+        ("triton" if use_triton(torch.device(device)) else "torch")
+        if provider.startswith("fusedzero")
+        else "torch"
+    )
     ref, ours = statistics.median(times["torch_fused"]), statistics.median(times["fusedzero"])
     copy_gbps = bandwidth.copy_gbps(times[bandwidth.COPY], COPY_BYTES_PER_PARAM * n)
     gbps_min = bandwidth.gbps(b.min * n, med)
-    benchmark.extra_info.update({
-        "subject": "update", "device": device, "provider": provider, "numel": n,
-        "path": ours_path, "fusedzero_backend": backend(),
-        "timing": bandwidth.timing_method(torch.device(device)),
-        "threads": torch.get_num_threads(), "loadavg_1min": load,
-        "bytes_per_param_min": b.min, "bytes_per_param_impl": b.impl, "bytes_note": b.note,
-        "gbps_min": gbps_min, "gbps_impl": bandwidth.gbps(b.impl * n, med),
-        "copy_gbps": copy_gbps, "pct_of_copy": 100 * gbps_min / copy_gbps,
-        "ratio_vs_torch_fused": med / ref,
-    })
+    benchmark.extra_info.update(
+        {
+            "subject": "update",
+            "device": device,
+            "provider": provider,
+            "numel": n,
+            "path": ours_path,
+            "fusedzero_backend": backend(),
+            "timing": bandwidth.timing_method(torch.device(device)),
+            "threads": torch.get_num_threads(),
+            "loadavg_1min": load,
+            "bytes_per_param_min": b.min,
+            "bytes_per_param_impl": b.impl,
+            "bytes_note": b.note,
+            "gbps_min": gbps_min,
+            "gbps_impl": bandwidth.gbps(b.impl * n, med),
+            "copy_gbps": copy_gbps,
+            "pct_of_copy": 100 * gbps_min / copy_gbps,
+            "ratio_vs_torch_fused": med / ref,
+        }
+    )
     if provider == "fusedzero":
         ratio = ours / ref
         verdict = "within" if ratio <= 1.1 else "NOT within"
-        SUMMARY.append(f"update {device} n={n}: fusedzero fp32 {ours * 1e3:.2f} ms vs torch "
-                       f"fused {ref * 1e3:.2f} ms (medians, interleaved) -> ratio {ratio:.3f} "
-                       f"({verdict} 1.1x); {gbps_min:.1f} GB/s = {100 * gbps_min / copy_gbps:.0f}"
-                       f"% of a device copy ({copy_gbps:.1f} GB/s)")
+        SUMMARY.append(
+            f"update {device} n={n}: fusedzero fp32 {ours * 1e3:.2f} ms vs torch "
+            f"fused {ref * 1e3:.2f} ms (medians, interleaved) -> ratio {ratio:.3f} "
+            f"({verdict} 1.1x); {gbps_min:.1f} GB/s = {100 * gbps_min / copy_gbps:.0f}"
+            f"% of a device copy ({copy_gbps:.1f} GB/s)"
+        )

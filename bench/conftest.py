@@ -7,6 +7,7 @@ Each subject file writes `bench/results/<file stem>.json` at the end of the sess
 of pytest-benchmark's own `--benchmark-json` (`{"machine_info", "benchmarks": [...]}`), so
 `python bench/report.py bench/results -o bench/REPORT.md` reads either.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -28,8 +29,11 @@ RESULTS = Path(__file__).parent / "results"
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Module | None:
     # pytest's default `python_files` is test_*.py; benchmark subjects are bench_*.py.
     # A file named on the command line is collected anyway: don't collect it twice.
-    if (file_path.suffix == ".py" and file_path.name.startswith("bench_")
-            and not parent.session.isinitpath(file_path)):
+    if (
+        file_path.suffix == ".py"
+        and file_path.name.startswith("bench_")
+        and not parent.session.isinitpath(file_path)
+    ):
         return pytest.Module.from_parent(parent, path=file_path)
     return None
 
@@ -37,24 +41,48 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Mod
 def machine_info() -> dict[str, Any]:
     try:
         here = Path(__file__).parent
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                text=True, cwd=here, check=False).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=here,
+            check=False,
+        ).stdout.strip()
         # Tracked files changed since that commit: the numbers are not that commit's alone.
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--",
-                                ".", ":!results", "../fusedzero", "../kernels"],
-                               capture_output=True, text=True, cwd=here,
-                               check=False).stdout.strip()
+        dirty = subprocess.run(
+            [
+                "git",
+                "status",
+                "--porcelain",
+                "--untracked-files=no",
+                "--",
+                ".",
+                ":!results",
+                "../fusedzero",
+                "../kernels",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=here,
+            check=False,
+        ).stdout.strip()
         commit += " (+ uncommitted changes)" if dirty else ""
     except OSError:
         commit = ""
-    return {"node": platform.node(), "machine": platform.machine(),
-            "processor": platform.processor(), "cpu_count": os.cpu_count(),
-            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
-            "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-            "python": platform.python_version(), "commit": commit,
-            "loadavg_at_end": os.getloadavg(),
-            "datetime": datetime.datetime.now().isoformat(timespec="seconds")}
+    return {
+        "node": platform.node(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "commit": commit,
+        "loadavg_at_end": os.getloadavg(),
+        "datetime": datetime.datetime.now().isoformat(timespec="seconds"),
+    }
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -72,8 +100,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     info = machine_info()
     for stem, rows in by_file.items():
         path = RESULTS / f"{stem}.json"
-        path.write_text(json.dumps({"machine_info": info, "benchmarks": rows}, indent=1,
-                                   default=str))
+        path.write_text(
+            json.dumps({"machine_info": info, "benchmarks": rows}, indent=1, default=str)
+        )
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
@@ -81,5 +110,7 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         terminalreporter.section("fusedzero bench summary")
         for line in SUMMARY:
             terminalreporter.write_line(line)
-        terminalreporter.write_line(f"results: {RESULTS}/*.json; report: "
-                                    "python bench/report.py bench/results -o bench/REPORT.md")
+        terminalreporter.write_line(
+            f"results: {RESULTS}/*.json; report: "
+            "python bench/report.py bench/results -o bench/REPORT.md"
+        )

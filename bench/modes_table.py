@@ -5,6 +5,7 @@ the update moves per param, for every (master, states), from the same formulas t
     python bench/modes_table.py            # prints the markdown table
 tests/zero/test_memory_modes_plumbing.py checks that docs/memory_modes.md holds exactly this output.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -16,8 +17,10 @@ from fusedzero.memory_modes import MASTER_MODES, QBLOCK, STATE_MODES, MemoryMode
 
 
 def table() -> str:
-    rows = ["| master | states | optimizer state, bytes/param | update moves, bytes/param |",
-            "| --- | --- | --- | --- |"]
+    rows = [
+        "| master | states | optimizer state, bytes/param | update moves, bytes/param |",
+        "| --- | --- | --- | --- |",
+    ]
     for master, states in itertools.product(MASTER_MODES, STATE_MODES):
         state = MemoryModes(master, states).state_bytes(QBLOCK, torch.bfloat16) / QBLOCK
         # bf16 grads; fp32 master writes the bf16 param copy, the bf16 modes the param itself.

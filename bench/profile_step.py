@@ -20,6 +20,7 @@ in rank 0 and the profile's own time (tottime) is summed per category, in ms per
 Profiling inflates Python time; compare categories within a run. This is a diagnostic, not the
 benchmark: the numbers to quote come from `bench_step.py` (bench/REPORT.md).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,10 +41,27 @@ from fusedzero.testing import run_ranks  # noqa: E402
 from _systems import BATCH, CFG, SYSTEMS, build  # noqa: E402
 
 CATEGORIES = ("model", "comm wait", "comm launch", "update", "norm", "grad passes", "python")
-_COMM = ("allreduce", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "_reduce_scatter",
-         "_allgather")
-_UPDATE = ("_fused_adamw_", "_fused_adam_", "_foreach_copy_", "_foreach_add", "_foreach_mul",
-           "_foreach_addcdiv", "_foreach_lerp", "_foreach_sqrt", "_foreach_div", "_foreach_addcmul")
+_COMM = (
+    "allreduce",
+    "all_reduce",
+    "reduce_scatter",
+    "all_gather",
+    "broadcast",
+    "_reduce_scatter",
+    "_allgather",
+)
+_UPDATE = (
+    "_fused_adamw_",
+    "_fused_adam_",
+    "_foreach_copy_",
+    "_foreach_add",
+    "_foreach_mul",
+    "_foreach_addcdiv",
+    "_foreach_lerp",
+    "_foreach_sqrt",
+    "_foreach_div",
+    "_foreach_addcmul",
+)
 _NORM = ("cat", "square_", "sum", "_foreach_norm", "stack", "vector_norm", "isfinite")
 _PASSES = ("zero_", "mul_", "mul", "copy_", "add_", "div_", "_foreach_zero_")
 
@@ -75,8 +93,7 @@ def _step(name: str, s: Any, xs: Any, ys: Any) -> float:
     return time.perf_counter() - t
 
 
-def worker(rank: int, world: int, names: list[str], rounds: int, prof_steps: int
-           ) -> dict[str, Any]:
+def worker(rank: int, world: int, names: list[str], rounds: int, prof_steps: int) -> dict[str, Any]:
     n = BATCH // world
     systems = {nm: build(nm, world) for nm in names}
     bare = {nm: ("bare-bf16" if SYSTEMS[nm].precision == "bf16" else "bare") for nm in names}
@@ -86,7 +103,7 @@ def worker(rank: int, world: int, names: list[str], rounds: int, prof_steps: int
     over: dict[str, list[float]] = {nm: [] for nm in names}
     for i in range(rounds + 2):
         x, y = batch(i)
-        xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+        xs, ys = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
         for nm in names:
             b = _step(bare[nm], systems[bare[nm]], xs, ys)
             t = _step(nm, systems[nm], xs, ys)
@@ -97,7 +114,7 @@ def worker(rank: int, world: int, names: list[str], rounds: int, prof_steps: int
         pr = cProfile.Profile()
         for i in range(prof_steps):
             x, y = batch(100 + i)
-            xs, ys = x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n]
+            xs, ys = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
             dist.barrier()
             pr.enable()
             systems[nm].step(xs, ys)
@@ -111,18 +128,22 @@ def worker(rank: int, world: int, names: list[str], rounds: int, prof_steps: int
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--systems", default="fusedzero-0,fusedzero-1,fusedzero-2,fusedzero-3",
-                    help="comma-separated names from bench/_systems.py (bare runs anyway)")
+    ap.add_argument(
+        "--systems",
+        default="fusedzero-0,fusedzero-1,fusedzero-2,fusedzero-3",
+        help="comma-separated names from bench/_systems.py (bare runs anyway)",
+    )
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--profile-steps", type=int, default=6)
     ap.add_argument("--world", type=int, default=2)
     a = ap.parse_args(argv)
     names = [s for s in a.systems.split(",") if s and not s.startswith("bare")]
-    ranks = run_ranks(worker, a.world, names, a.rounds, a.profile_steps, timeout=1200,
-                      env=RANK_ENV)
+    ranks = run_ranks(worker, a.world, names, a.rounds, a.profile_steps, timeout=1200, env=RANK_ENV)
     r0 = ranks[0]
-    print(f"GPT {CFG.n_layer}x{CFG.n_embd}, global batch {BATCH}, W={a.world}; "
-          f"{a.rounds} rounds; profile of rank 0 over {a.profile_steps} steps, ms per step")
+    print(
+        f"GPT {CFG.n_layer}x{CFG.n_embd}, global batch {BATCH}, W={a.world}; "
+        f"{a.rounds} rounds; profile of rank 0 over {a.profile_steps} steps, ms per step"
+    )
     head = f"{'system':28s} {'overhead':>9s} " + " ".join(f"{c:>11s}" for c in CATEGORIES)
     print(head)
     for nm in names:

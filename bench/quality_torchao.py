@@ -5,6 +5,7 @@ torchao has no ZeRO, so this is the quality and the per-param optimizer bytes, n
 
     pip install torchao && python bench/quality_torchao.py [--bf16] [--seed N] > out.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,10 +38,17 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--bf16", action="store_true",
-                    help="bf16 params with torchao's bf16_stochastic_round (no fp32 master)")
-    ap.add_argument("--seed", type=int, default=TrainConfig().seed,
-                    help="model init and data order, as `fusedzero train --seed`")
+    ap.add_argument(
+        "--bf16",
+        action="store_true",
+        help="bf16 params with torchao's bf16_stochastic_round (no fp32 master)",
+    )
+    ap.add_argument(
+        "--seed",
+        type=int,
+        default=TrainConfig().seed,
+        help="model init and data order, as `fusedzero train --seed`",
+    )
     args = ap.parse_args()
     from torchao.optim import AdamW8bit
 
@@ -50,8 +58,12 @@ def main() -> None:
     model = GPT(GPTConfig(**cfg.model_config()))
     if args.bf16:
         model = model.to(torch.bfloat16)
-    opt = AdamW8bit(gpt_param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                    betas=(cfg.beta1, cfg.beta2), bf16_stochastic_round=args.bf16)
+    opt = AdamW8bit(
+        gpt_param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        bf16_stochastic_round=args.bf16,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_for(cfg))
     sampler = BatchSampler(train, cfg.block_size, cfg.batch_size, cfg.seed)
     vx, vy = eval_batches(val, cfg.block_size, cfg.eval_seqs, 1)[0]
@@ -68,14 +80,26 @@ def main() -> None:
     model.eval()
     with torch.no_grad():
         logits, _ = model(vx)
-        val_loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                   vy.reshape(-1)).item()
+        val_loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), vy.reshape(-1)
+        ).item()
     n = sum(p.numel() for p in model.parameters())
-    print(json.dumps({"optimizer": "torchao.optim.AdamW8bit", "params": "bf16" if args.bf16 else
-                      "fp32", "bf16_stochastic_round": args.bf16, "seed": cfg.seed,
-                      "val_loss": val_loss, "train_loss": loss.item(), "steps": cfg.steps,
-                      "optimizer_state_bytes": state_bytes(opt), "param_elements": n,
-                      "seconds": time.perf_counter() - t0}))
+    print(
+        json.dumps(
+            {
+                "optimizer": "torchao.optim.AdamW8bit",
+                "params": "bf16" if args.bf16 else "fp32",
+                "bf16_stochastic_round": args.bf16,
+                "seed": cfg.seed,
+                "val_loss": val_loss,
+                "train_loss": loss.item(),
+                "steps": cfg.steps,
+                "optimizer_state_bytes": state_bytes(opt),
+                "param_elements": n,
+                "seconds": time.perf_counter() - t0,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -4,13 +4,24 @@ The public names are imported on first use (PEP 562), so `import fusedzero.app` 
 its own warning policy before torch is first imported; a library never changes its host's.
 docs/api.md lists the public API.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["FullUnitInit", "Groups", "MemoryReport", "Precision", "Sharding", "ShardInit",
-           "Stage", "Wire", "ZeroAdamW", "__version__"]
+__all__ = [
+    "FullUnitInit",
+    "Groups",
+    "MemoryReport",
+    "Precision",
+    "Sharding",
+    "ShardInit",
+    "Stage",
+    "Wire",
+    "ZeroAdamW",
+    "__version__",
+]
 
 if TYPE_CHECKING:
     from fusedzero._units import FullUnitInit, ShardInit
@@ -18,9 +29,17 @@ if TYPE_CHECKING:
     from fusedzero.policy import Groups, Precision, Sharding, Wire
 
 # Public name -> the module that defines it, imported on first use.
-_HOMES = {"MemoryReport": "optim", "Stage": "optim", "ZeroAdamW": "optim",
-          "Groups": "policy", "Precision": "policy", "Sharding": "policy", "Wire": "policy",
-          "ShardInit": "_units", "FullUnitInit": "_units"}
+_HOMES = {
+    "MemoryReport": "optim",
+    "Stage": "optim",
+    "ZeroAdamW": "optim",
+    "Groups": "policy",
+    "Precision": "policy",
+    "Sharding": "policy",
+    "Wire": "policy",
+    "ShardInit": "_units",
+    "FullUnitInit": "_units",
+}
 
 
 def __getattr__(name: str) -> Any:

@@ -11,6 +11,7 @@ flushed before each rep (do_bench zeroes a 256 MB buffer between reps), so a buf
 L2 (50 MB on H100) is not served from it. CPU: `time.perf_counter` around each call, after one
 warm-up call (which also faults the pages in); a CPU op runs synchronously.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -38,8 +39,9 @@ def timing_method(device: torch.device) -> str:
     return "time.perf_counter per call"
 
 
-def time_ops(fns: dict[str, Callable[[], object]], device: torch.device, *, rounds: int,
-             rep_ms: int = 100) -> dict[str, list[float]]:
+def time_ops(
+    fns: dict[str, Callable[[], object]], device: torch.device, *, rounds: int, rep_ms: int = 100
+) -> dict[str, list[float]]:
     """Seconds per call of each op, timed round-robin: round r times every op once, starting
     from a different one each round, so drift and load from other processes hit all alike.
 
@@ -54,15 +56,16 @@ def time_ops(fns: dict[str, Callable[[], object]], device: torch.device, *, roun
 
         with torch.cuda.device(device):  # do_bench's events and cache live on the current device
             for r in range(rounds):
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    ms = triton.testing.do_bench(fns[name], warmup=25, rep=rep_ms,
-                                                 return_mode="all")
+                for name in names[r % len(names) :] + names[: r % len(names)]:
+                    ms = triton.testing.do_bench(
+                        fns[name], warmup=25, rep=rep_ms, return_mode="all"
+                    )
                     times[name] += [t / 1e3 for t in ms]
         return times
     for fn in fns.values():
         fn()
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             t = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - t)
@@ -86,8 +89,14 @@ def gbps(nbytes: int, seconds: float) -> float:
 COPY = "copy"
 
 
-def time_with_copy(fns: dict[str, Callable[[], object]], nbytes: int, device: torch.device, *,
-                   rounds: int, rep_ms: int = 100) -> dict[str, list[float]]:
+def time_with_copy(
+    fns: dict[str, Callable[[], object]],
+    nbytes: int,
+    device: torch.device,
+    *,
+    rounds: int,
+    rep_ms: int = 100,
+) -> dict[str, list[float]]:
     """`time_ops` of `fns` plus, under the key COPY, a device copy moving `nbytes` (the bytes
     the ops must move), in the same rounds."""
     if COPY in fns:

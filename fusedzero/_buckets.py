@@ -37,6 +37,7 @@ Triton kernel (the wire formats), and on NCCL no `mul_` runs before or after one
 ranks' average (a param group this rank's batch did not use) would keep that average
 into the next step. So every launch marks its buffer (`_reduced_into`).
 """
+
 from __future__ import annotations
 
 import collections
@@ -75,8 +76,9 @@ class PendingReduction:
     finish: Finish | None
 
 
-def launch_order(buffers: list[FlatBuffer], order: list[torch.Tensor], by_unit: bool
-                 ) -> list[Bucket]:
+def launch_order(
+    buffers: list[FlatBuffer], order: list[torch.Tensor], by_unit: bool
+) -> list[Bucket]:
     """Launch order, identical on every rank: the bucket expected to be complete first goes
     first. Backward produces grads in about reverse forward order, and a bucket is complete when
     its earliest-used param's grad arrives, so buckets go in descending order of their earliest
@@ -84,14 +86,19 @@ def launch_order(buffers: list[FlatBuffer], order: list[torch.Tensor], by_unit: 
     mixes early and late layers (a small no-decay group of biases and norms) thus waits at the
     end instead of holding up every other bucket. Stage 3 (`by_unit`): units finish backward in
     reverse forward order; the root (unit 0) finishes last."""
-    buckets = [Bucket(buf, k, buf.layout.slots_in(k), buf.layout.holes(k))
-               for buf in buffers for k in range(buf.layout.num_buckets)]
+    buckets = [
+        Bucket(buf, k, buf.layout.slots_in(k), buf.layout.holes(k))
+        for buf in buffers
+        for k in range(buf.layout.num_buckets)
+    ]
     if by_unit:
         buckets.sort(key=lambda b: (b.buf.unit == 0, -b.buf.unit, -b.k))
         return buckets
     place = {id(p): i for i, p in enumerate(order)}
-    first = {id(b): min((place.get(id(b.buf.params[i]), -1) for i in b.slots), default=-1)
-             for b in buckets}
+    first = {
+        id(b): min((place.get(id(b.buf.params[i]), -1) for i in b.slots), default=-1)
+        for b in buckets
+    }
     buckets.sort(key=lambda b: (-first[id(b)], -b.k))
     return buckets
 
@@ -99,22 +106,33 @@ def launch_order(buffers: list[FlatBuffer], order: list[torch.Tensor], by_unit: 
 class BucketSchedule:
     """The grad buckets of every flat buffer, their launch order and their reductions."""
 
-    def __init__(self, buffers: list[FlatBuffer], stage: Stage, ctx: CommContext,
-                 order: list[torch.Tensor], replicas: CommContext | None = None,
-                 wire_format: WireFormat | None = None) -> None:
+    def __init__(
+        self,
+        buffers: list[FlatBuffer],
+        stage: Stage,
+        ctx: CommContext,
+        order: list[torch.Tensor],
+        replicas: CommContext | None = None,
+        wire_format: WireFormat | None = None,
+    ) -> None:
         self.buffers = buffers
         self.ctx = ctx
         # 2-D mesh: each bucket's shard is averaged over the replicas once its reduction is
         # complete (see [Note: replicas and accumulation] in fusedzero/_replicas.py), wire too.
-        self.replicas = (ReplicaReduction(replicas, wire_format)
-                         if replicas is not None and replicas.world_size > 1 else None)
+        self.replicas = (
+            ReplicaReduction(replicas, wire_format)
+            if replicas is not None and replicas.world_size > 1
+            else None
+        )
         self.reduction = reduction_for(stage, wire_format, ctx.world_size)
         self.buckets = launch_order(buffers, order, by_unit=stage.shards_params)
         bucket_of = {(id(b.buf), b.k): b for b in self.buckets}
         # Per param, its buckets: looked up once here, not on every grad of every backward.
         self._buckets_at: dict[tuple[int, int], tuple[Bucket, ...]] = {
             (id(buf), pos): tuple(bucket_of[(id(buf), k)] for k in buf.layout.buckets_of(slot))
-            for buf in buffers for pos, slot in enumerate(buf.layout.params)}
+            for buf in buffers
+            for pos, slot in enumerate(buf.layout.params)
+        }
         # Grads are pre-divided before every reduction (see fusedzero._reduce): the reduced
         # buffers hold the average.
         self.inv_world = 1.0 / ctx.world_size
@@ -218,6 +236,7 @@ class BucketSchedule:
                 replicas.start(b)
             else:
                 b.replica_stale = True
+
         return then
 
     def _bound_inflight(self) -> None:
@@ -265,8 +284,10 @@ class BucketSchedule:
         if any(g.world_size > 1 for g in groups):
             flags = torch.tensor(incomplete, dtype=torch.int32, device=self.buffers[0].device)
             for g in groups:
-                g.wait(comm.all_reduce_uncounted(flags, g.group, g.world_size),
-                       what="all-reduce of the buckets some rank got no grad for")
+                g.wait(
+                    comm.all_reduce_uncounted(flags, g.group, g.world_size),
+                    what="all-reduce of the buckets some rank got no grad for",
+                )
             incomplete = [bool(f) for f in flags.tolist()]  # a host sync, once per optimizer
         late = [b for b, f in zip(self.buckets, incomplete) if f]
         self.buckets = [b for b, f in zip(self.buckets, incomplete) if not f] + late
@@ -319,9 +340,15 @@ class BucketSchedule:
         bucket is the first of its step.
 
         See [Note: zeroing once]."""
-        todo = [buf for buf in self.buffers if buf.grad_flat is not None and (
-            self._zeroed_at.get(id(buf)) != buf.grad_flat._version
-            or id(buf) in self._reduced_into)]
+        todo = [
+            buf
+            for buf in self.buffers
+            if buf.grad_flat is not None
+            and (
+                self._zeroed_at.get(id(buf)) != buf.grad_flat._version
+                or id(buf) in self._reduced_into
+            )
+        ]
         if todo:  # one op for every buffer
             torch._foreach_zero_([buf.grad_flat for buf in todo])
             for buf in todo:

@@ -24,6 +24,7 @@ number, when asynchronous error handling is on (torch's default, 3, since 2.2; a
 hang silently instead). The flight recorder keeps the last collectives of every rank for that
 report (`TORCH_NCCL_TRACE_BUFFER_SIZE`), dumped on a timeout.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -114,34 +115,54 @@ class CommContext:
     host_blocking: bool = True
 
     @classmethod
-    def of(cls, group: Group, counter: CommCounter, trace: list[tuple[str, Any]] | None = None,
-           device: torch.device | None = None) -> CommContext:
+    def of(
+        cls,
+        group: Group,
+        counter: CommCounter,
+        trace: list[tuple[str, Any]] | None = None,
+        device: torch.device | None = None,
+    ) -> CommContext:
         """`device`: where the tensors this context's collectives carry live; its type picks
         the backend of a mixed group (`cpu:gloo,cuda:nccl`) and so what a wait means."""
-        return cls(group=group, world_size=group_size(group), rank=group_rank(group),
-                   counter=counter, trace=trace, timeout=group_timeout(group),
-                   host_blocking=_host_blocking(group, device))
+        return cls(
+            group=group,
+            world_size=group_size(group),
+            rank=group_rank(group),
+            counter=counter,
+            trace=trace,
+            timeout=group_timeout(group),
+            host_blocking=_host_blocking(group, device),
+        )
 
     def record(self, event: str, detail: Any) -> None:
         if self.trace is not None:
             self.trace.append((event, detail))
 
     def wait(self, handle: Handle, what: str) -> None:
-        wait(handle, what=what, group=self.group, timeout=self.timeout,
-             host_blocking=self.host_blocking)
+        wait(
+            handle,
+            what=what,
+            group=self.group,
+            timeout=self.timeout,
+            host_blocking=self.host_blocking,
+        )
 
 
 def check_same_ranks(group: Group, like: Group, what: str) -> None:
     """`group` spans the ranks of `like` in the same order (rank r of one is rank r of the
     other): a second communicator over them. Raises ValueError naming `what` otherwise."""
+
     def ranks(g: Group) -> list[int]:
         if g is None and not dist.is_initialized():
             return [0]
         return dist.get_process_group_ranks(g if g is not None else dist.group.WORLD)
+
     if ranks(group) != ranks(like):
-        raise ValueError(f"{what} must span the ranks of Groups(shard=...) in the same order "
-                         f"(a second group over them, e.g. dist.new_group(ranks)); it spans "
-                         f"{ranks(group)}, the shard group {ranks(like)}")
+        raise ValueError(
+            f"{what} must span the ranks of Groups(shard=...) in the same order "
+            f"(a second group over them, e.g. dist.new_group(ranks)); it spans "
+            f"{ranks(group)}, the shard group {ranks(like)}"
+        )
 
 
 def group_size(group: Group) -> int:
@@ -161,8 +182,9 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int,
-                   counter: CommCounter) -> Handle:
+def reduce_scatter(
+    out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int, counter: CommCounter
+) -> Handle:
     """Sum `inp` over ranks; this rank's 1/W slice lands in `out` (may alias that slice)."""
     if world_size == 1:
         if out.data_ptr() != inp.data_ptr():
@@ -172,8 +194,9 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, world_siz
     return _reduce_scatter(out, inp, group=group, async_op=True)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int,
-               counter: CommCounter) -> Handle:
+def all_gather(
+    out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int, counter: CommCounter
+) -> Handle:
     """Concatenate every rank's `inp` into `out` (`inp` may be this rank's slice of `out`)."""
     if world_size == 1:
         if out.data_ptr() != inp.data_ptr():
@@ -183,8 +206,9 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: i
     return _all_gather(out, inp, group=group, async_op=True)
 
 
-def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int,
-               counter: CommCounter) -> Handle:
+def all_to_all(
+    out: torch.Tensor, inp: torch.Tensor, group: Group, world_size: int, counter: CommCounter
+) -> Handle:
     """Chunk r of `inp` goes to rank r, chunk s of `out` comes from rank s (W equal chunks).
     Counted as the reduce-scatter it replaces: this rank sends W-1 of its W chunks."""
     if world_size == 1:
@@ -228,8 +252,7 @@ def reduce_scatter_mean(out: torch.Tensor, inp: torch.Tensor, ctx: CommContext) 
     if op is None:
         inp.mul_(1.0 / ctx.world_size)
         return reduce_scatter(out, inp, ctx.group, ctx.world_size, ctx.counter)
-    ctx.counter.add(CollectiveKind.REDUCE_SCATTER, inp.numel(), inp.element_size(),
-                    ctx.world_size)
+    ctx.counter.add(CollectiveKind.REDUCE_SCATTER, inp.numel(), inp.element_size(), ctx.world_size)
     return _reduce_scatter(out, inp, op=op, group=ctx.group, async_op=True)
 
 
@@ -240,11 +263,15 @@ def premul_sum_op(ctx: CommContext, t: torch.Tensor, factor: float) -> Any:
     device read, no extra kernel), as a scalar of `t`'s dtype.
     fp32 only, and fp16 where `factor` is exact in fp16: see [Note: premul_sum dtypes]."""
     make = getattr(dist, "_make_nccl_premul_sum", None)
-    if (make is None or t.device.type == "cpu"
-            or serving_backend(ctx.group, t.device.type) != "nccl"):
+    if (
+        make is None
+        or t.device.type == "cpu"
+        or serving_backend(ctx.group, t.device.type) != "nccl"
+    ):
         return None
-    if t.dtype == torch.float32 or (t.dtype == torch.float16
-                                    and math.frexp(factor)[0] == 0.5 and factor >= 2.0 ** -14):
+    if t.dtype == torch.float32 or (
+        t.dtype == torch.float16 and math.frexp(factor)[0] == 0.5 and factor >= 2.0**-14
+    ):
         return make(factor)
     return None
 
@@ -258,15 +285,18 @@ def all_reduce_uncounted(t: torch.Tensor, group: Group, world_size: int) -> Hand
 
 
 # See [Note: a hung NCCL collective].
-NCCL_WATCHDOG_ENV = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
-                     "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
-                     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+NCCL_WATCHDOG_ENV = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+}
 
 
 def nccl_watchdog_env(environ: dict[str, str] | None = None) -> dict[str, str]:
     """Set NCCL_WATCHDOG_ENV's values where the environment does not set them already (before
     the NCCL group is created); returns what was set."""
     import os
+
     env = os.environ if environ is None else environ
     added = {k: v for k, v in NCCL_WATCHDOG_ENV.items() if k not in env}
     env.update(added)
@@ -327,8 +357,7 @@ def _host_blocking(group: Group, device: torch.device | None = None) -> bool:
     every backend is stream-ordered counts as such."""
     try:
         if device is not None:
-            return (device.type == "cpu"
-                    or serving_backend(group, device.type) not in STREAM_ORDERED)
+            return device.type == "cpu" or serving_backend(group, device.type) not in STREAM_ORDERED
         name = str(dist.get_backend(group))
         return not all(part.rsplit(":", 1)[-1] in STREAM_ORDERED for part in name.split(","))
     except (RuntimeError, ValueError):
@@ -338,8 +367,13 @@ def _host_blocking(group: Group, device: torch.device | None = None) -> bool:
 # Dynamo cannot trace a wait on other ranks (nor the process-group internals it reads): when a
 # compiled model's hook waits, the graph breaks here, once.
 @eager
-def wait(handle: Handle, what: str = "a collective", group: Group = None,
-         timeout: float | None = None, host_blocking: bool | None = None) -> None:
+def wait(
+    handle: Handle,
+    what: str = "a collective",
+    group: Group = None,
+    timeout: float | None = None,
+    host_blocking: bool | None = None,
+) -> None:
     """Wait for `handle`; past `timeout` seconds (default: `group_timeout(group)`) raise
     CollectiveTimeout naming this rank and `what` it waited for (e.g. "all-gather of unit 3
     params"), so a stalled or diverged rank ends the run instead of hanging it.

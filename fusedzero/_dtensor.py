@@ -19,6 +19,7 @@ above this module knows a param is a DTensor except through the helpers here.
 The data-parallel group (`Groups(shard=)`) and the tp mesh must be orthogonal: every dp group
 holds one rank of each tp group. See docs/tensor_parallel.md.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -90,8 +91,9 @@ class TpInfo:
         return 1.0 if self.rank == 0 else 0.0
 
 
-def tp_info(params: Iterable[torch.Tensor], names: list[str], dp_group: Group,
-            replicate_group: Group = None) -> TpInfo | None:
+def tp_info(
+    params: Iterable[torch.Tensor], names: list[str], dp_group: Group, replicate_group: Group = None
+) -> TpInfo | None:
     """The tp mesh of the DTensor params (None: no DTensor params, a plain model). Checks that
     they share one 1-D mesh, hold no Partial placement, and that the mesh's group and the dp
     group (and the replicate group) are orthogonal."""
@@ -105,38 +107,51 @@ def tp_info(params: Iterable[torch.Tensor], names: list[str], dp_group: Group,
             raise ValueError(
                 f"param {n} is a DTensor on mesh {p.device_mesh}, param {found[0][1]} on "
                 f"{mesh}: ZeroAdamW supports params on one tensor-parallel mesh; parallelize "
-                "every module with the same mesh['tp']")
+                "every module with the same mesh['tp']"
+            )
         if p.device_mesh.ndim != 1:
             raise ValueError(
                 f"param {n} is a DTensor on a {p.device_mesh.ndim}-D mesh {p.device_mesh}: "
                 "parallelize the model on the 1-D tensor-parallel sub-mesh (mesh['tp']) and "
-                "pass the data-parallel group as groups=Groups(shard=mesh['dp'].get_group())")
+                "pass the data-parallel group as groups=Groups(shard=mesh['dp'].get_group())"
+            )
         for pl in p.placements:
             # _StridedShard: a strided split of one dim (e.g. a fused qkv split by heads).
             if not isinstance(pl, (Shard, _StridedShard, Replicate)) or isinstance(pl, Partial):
-                raise ValueError(f"param {n} has placement {pl} on the tp mesh; params must "
-                                 "be Shard(d) or Replicate()")
+                raise ValueError(
+                    f"param {n} has placement {pl} on the tp mesh; params must "
+                    "be Shard(d) or Replicate()"
+                )
         if p.is_meta:
-            raise ValueError(f"param {n} is a DTensor on the meta device: with tensor "
-                             "parallelism, materialise the model before parallelize_module")
+            raise ValueError(
+                f"param {n} is a DTensor on the meta device: with tensor "
+                "parallelism, materialise the model before parallelize_module"
+            )
     group = mesh.get_group()
     _check_orthogonal(group, dp_group, "Groups(shard=)")
     if replicate_group is not None:
         _check_orthogonal(group, replicate_group, "Groups(replicate=)")
-    return TpInfo(mesh=mesh, group=group, size=mesh.size(), rank=mesh.get_local_rank(),
-                  placements={id(p): tuple(p.placements) for p, _ in found})
+    return TpInfo(
+        mesh=mesh,
+        group=group,
+        size=mesh.size(),
+        rank=mesh.get_local_rank(),
+        placements={id(p): tuple(p.placements) for p, _ in found},
+    )
 
 
 def _check_orthogonal(tp_group: dist.ProcessGroup, other: Group, what: str) -> None:
     """The tp group and a data-parallel group share exactly this rank."""
-    other_ranks = set(dist.get_process_group_ranks(other if other is not None
-                                                   else dist.group.WORLD))
+    other_ranks = set(
+        dist.get_process_group_ranks(other if other is not None else dist.group.WORLD)
+    )
     shared = other_ranks & set(dist.get_process_group_ranks(tp_group))
     if shared != {dist.get_rank()}:
         raise ValueError(
             f"the tp mesh's group and {what} share ranks {sorted(shared)}: {what} must be the "
             "data-parallel group, one rank of each tp group (e.g. mesh['dp'].get_group() of "
-            "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))), not the world")
+            "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))), not the world"
+        )
 
 
 class _Buffer(Protocol):
@@ -148,16 +163,21 @@ class _Buffer(Protocol):
     def grad_view(self) -> Any: ...
 
 
-def grouped_sumsq(buffers: Sequence[_Buffer], device: torch.device, tp: TpInfo | None
-                  ) -> Callable[[], torch.Tensor]:
+def grouped_sumsq(
+    buffers: Sequence[_Buffer], device: torch.device, tp: TpInfo | None
+) -> Callable[[], torch.Tensor]:
     """This rank's share of the global grad sum of squares, as one device scalar. A plain
     model: one grouped launch over every buffer. With tp: its tp-shard buffers in full plus its
     replicated buffers weighted by `tp.replica_weight` (counted on tp rank 0 only): two grouped
     launches."""
+
     def launch(bufs: Sequence[_Buffer]) -> GroupedSumsq:
-        return GroupedSumsq([SumsqView(b.grad_view(), b.layout.num_buckets,
-                                       b.layout.shard_numel) for b in bufs],
-                            device, require_aligned=True)
+        return GroupedSumsq(
+            [SumsqView(b.grad_view(), b.layout.num_buckets, b.layout.shard_numel) for b in bufs],
+            device,
+            require_aligned=True,
+        )
+
     if tp is None:
         return launch(buffers)
     shards = launch([b for b in buffers if not b.tp_replicated])
@@ -166,4 +186,5 @@ def grouped_sumsq(buffers: Sequence[_Buffer], device: torch.device, tp: TpInfo |
 
     def total() -> torch.Tensor:
         return shards() + reps() * w
+
     return total

@@ -1,6 +1,7 @@
 """Code that runs eagerly under `torch.compile`: the hooks and waits of a sharded optimizer read
 process-group state and wait on other ranks, which Dynamo cannot trace. `eager(fn)` keeps such a
 function out of a compiled caller's graph at no cost to an uncompiled one."""
+
 from __future__ import annotations
 
 import functools
@@ -25,12 +26,16 @@ def eager(fn: Callable[P, T], reason: str | None = None) -> Callable[P, T]:
     disable wrapper swaps the frame-evaluation callback on every call, ~10 us, paid per grad
     and per unit on the hook path otherwise. torch._dynamo (about 2 s of imports) is imported
     at the first compiled call: a process that never compiles never pays for it."""
-    disabled = (torch._disable_dynamo(fn) if reason is None  # type: ignore[attr-defined]
-                else torch.compiler.disable(fn, reason=reason))
+    disabled = (
+        torch._disable_dynamo(fn)
+        if reason is None  # type: ignore[attr-defined]
+        else torch.compiler.disable(fn, reason=reason)
+    )
 
     @functools.wraps(fn)
     def call(*args: P.args, **kwargs: P.kwargs) -> T:
         if torch.compiler.is_compiling():
             return disabled(*args, **kwargs)
         return fn(*args, **kwargs)
+
     return call

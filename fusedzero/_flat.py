@@ -26,6 +26,7 @@
 AccumulateGrad adds each new grad in place into the bucket: no per-step grad allocation
 and no copy (DDP's gradient_as_bucket_view).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -49,12 +50,26 @@ ShardView = Strided | torch.Tensor
 class FlatBuffer:
     """One flat buffer, fully built by its constructor at every stage."""
 
-    def __init__(self, *, group_index: int, params: list[nn.Parameter], names: list[str],
-                 indices: list[int], dtype: torch.dtype, stage: Stage, world_size: int,
-                 rank: int, bucket_numel: int | None, reduce_dtype: torch.dtype,
-                 device: torch.device, unit: int = 0, modes: MemoryModes = MemoryModes(),
-                 sr_offset: int = 0, seed: torch.Tensor | None = None,
-                 tp_replicated: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        group_index: int,
+        params: list[nn.Parameter],
+        names: list[str],
+        indices: list[int],
+        dtype: torch.dtype,
+        stage: Stage,
+        world_size: int,
+        rank: int,
+        bucket_numel: int | None,
+        reduce_dtype: torch.dtype,
+        device: torch.device,
+        unit: int = 0,
+        modes: MemoryModes = MemoryModes(),
+        sr_offset: int = 0,
+        seed: torch.Tensor | None = None,
+        tp_replicated: bool = True,
+    ) -> None:
         self.group_index, self.dtype, self.stage, self.unit = group_index, dtype, stage, unit
         # Identical on every tensor-parallel rank (plain params, Replicate DTensors); False:
         # the params are tp shards (fusedzero/_dtensor.py). Each buffer holds one kind.
@@ -71,7 +86,9 @@ class FlatBuffer:
         # DTensor params: the layout holds their local (tp-shard) shapes.
         self.layout: FlatLayout = build_layout(
             [(i, n, tuple(local(p).shape)) for i, n, p in zip(indices, names, params)],
-            world_size if stage.shards_state else 1, bucket_numel)
+            world_size if stage.shards_state else 1,
+            bucket_numel,
+        )
         self.device = device
         self.reduce_dtype = reduce_dtype
         n_local = self.layout.local_numel
@@ -84,8 +101,9 @@ class FlatBuffer:
         n_blocks = n_local // QBLOCK if modes.quantized else 0
         self.exp_avg_scale = torch.zeros(n_blocks, **f32) if modes.quantized else None
         self.exp_avg_sq_scale = torch.zeros(n_blocks, **f32) if modes.quantized else None
-        self.comp = (torch.zeros(n_local, dtype=torch.bfloat16, device=device)
-                     if modes.kahan else None)
+        self.comp = (
+            torch.zeros(n_local, dtype=torch.bfloat16, device=device) if modes.kahan else None
+        )
         # bf16-sr: where this buffer's elements start in the random stream. Disjoint for every
         # (buffer, rank): the caller passes the padded elements of the buffers before this one,
         # and rank r's local shard takes [r * n_local, (r + 1) * n_local) of this buffer's range.
@@ -107,12 +125,14 @@ class FlatBuffer:
         self.grad_flat: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         if stage.keeps_full_grads:
-            self.grad_flat = torch.zeros(self.layout.padded_numel, dtype=reduce_dtype,
-                                         device=device)
+            self.grad_flat = torch.zeros(
+                self.layout.padded_numel, dtype=reduce_dtype, device=device
+            )
         else:
             self.grad_shard = torch.zeros(n_local, dtype=reduce_dtype, device=device)
-        self._grad_views = [self._full_grad_view(s, p)
-                            for s, p in zip(self.layout.params, self.params)]
+        self._grad_views = [
+            self._full_grad_view(s, p) for s, p in zip(self.layout.params, self.params)
+        ]
 
     # -- construction -------------------------------------------------------------------------
     def _build_param_flat(self) -> None:
@@ -120,14 +140,15 @@ class FlatBuffer:
         self.param_flat = torch.zeros(L.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for p, slot in zip(self.params, L.params):
-                self.param_flat[slot.offset:slot.offset + slot.numel].copy_(
-                    local(p).detach().reshape(-1))
+                self.param_flat[slot.offset : slot.offset + slot.numel].copy_(
+                    local(p).detach().reshape(-1)
+                )
         if self._separate_master:
             # From the original values, before the params become (possibly bf16) views.
             self.master = torch.zeros(L.local_numel, dtype=torch.float32, device=self.device)
             self.copy_params_into(self.master)
         for p, slot in zip(self.params, L.params):
-            set_local(p, self.param_flat[slot.offset:slot.offset + slot.numel].view(slot.shape))
+            set_local(p, self.param_flat[slot.offset : slot.offset + slot.numel].view(slot.shape))
 
     @property
     def _separate_master(self) -> bool:
@@ -149,7 +170,7 @@ class FlatBuffer:
         base.set_(self.full.untyped_storage(), 0, (self.full.numel(),))
         self.param_base = base
         for p, slot in zip(self.params, L.params):
-            view = base[slot.offset:slot.offset + slot.numel].view(slot.shape)
+            view = base[slot.offset : slot.offset + slot.numel].view(slot.shape)
             self.param_views.append(view)
             if p.is_meta:
                 # `.data =` cannot move a tensor off the meta device; swapping keeps the Python
@@ -168,8 +189,9 @@ class FlatBuffer:
             for seg in self.layout.segments(self.shard_rank):
                 p = self.params[pos[seg.param]]
                 if not p.is_meta:
-                    dst[seg.local:seg.local + seg.length].copy_(
-                        local(p).detach().reshape(-1)[seg.start:seg.start + seg.length])
+                    dst[seg.local : seg.local + seg.length].copy_(
+                        local(p).detach().reshape(-1)[seg.start : seg.start + seg.length]
+                    )
 
     # -- stage 3: the gathered buffer ---------------------------------------------------------
     def allocate_full(self) -> None:
@@ -201,11 +223,11 @@ class FlatBuffer:
             for k in range(L.num_buckets):
                 lo, hi = L.piece(k, self.shard_rank)
                 S = L.shard_numel
-                self.param_shard[k * S:(k + 1) * S].copy_(self.full[lo:hi])
+                self.param_shard[k * S : (k + 1) * S].copy_(self.full[lo:hi])
                 if self.master is not None:
                     # From the full-precision init when the params are bf16: the values the
                     # eager build would cast from are gone, so the master starts at the cast.
-                    self.master[k * S:(k + 1) * S].copy_(self.full[lo:hi])
+                    self.master[k * S : (k + 1) * S].copy_(self.full[lo:hi])
 
     # -- views the kernel and the collectives use ---------------------------------------------
     def own(self, full: torch.Tensor) -> Strided:
@@ -244,9 +266,11 @@ class FlatBuffer:
         local, else its piece of every bucket."""
         L = self.layout
         if isinstance(view, torch.Tensor):
-            return [view[:L.local_numel]]
-        return [view.tensor[k * view.stride + view.base:k * view.stride + view.base
-                            + L.shard_numel] for k in range(L.num_buckets)]
+            return [view[: L.local_numel]]
+        return [
+            view.tensor[k * view.stride + view.base : k * view.stride + view.base + L.shard_numel]
+            for k in range(L.num_buckets)
+        ]
 
     def read_master(self) -> torch.Tensor:
         """This rank's master as one local-shard tensor in its own dtype (fp32; bf16 in the
@@ -277,12 +301,11 @@ class FlatBuffer:
     # -- grads as autograd sees them ----------------------------------------------------------
     def _full_grad_view(self, slot: ParamSlot, p: torch.Tensor) -> torch.Tensor | None:
         # A DTensor param's grad is a DTensor: autograd cannot accumulate it into a plain view.
-        usable = (self.grad_flat is not None and self.grad_flat.dtype == self.dtype
-                  and local(p) is p)
+        usable = self.grad_flat is not None and self.grad_flat.dtype == self.dtype and local(p) is p
         if not usable:
             return None
         assert self.grad_flat is not None
-        return self.grad_flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+        return self.grad_flat[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
     def param_grad_view(self, pos: int) -> torch.Tensor | None:
         """The param's grad as a view of grad_flat, when autograd can accumulate into it
@@ -301,20 +324,42 @@ class FlatBuffer:
     # -- per step ------------------------------------------------------------------------------
     def resident(self) -> tuple[int, int, int]:
         """Bytes of (params, grads, optimizer state) this buffer holds now."""
+
         def b(t: torch.Tensor | None) -> int:
             return 0 if t is None else t.numel() * t.element_size()
+
         params = b(self.param_flat) + b(self.param_shard)
         grads = b(self.grad_flat) + b(self.grad_shard)
-        opt = sum(b(t) for t in (self.master, self.comp, self.exp_avg, self.exp_avg_sq,
-                                 self.exp_avg_scale, self.exp_avg_sq_scale))
+        opt = sum(
+            b(t)
+            for t in (
+                self.master,
+                self.comp,
+                self.exp_avg,
+                self.exp_avg_sq,
+                self.exp_avg_scale,
+                self.exp_avg_sq_scale,
+            )
+        )
         return params, grads, opt
 
 
-def build_buffers(param_groups: list[dict], names: list[str], units: list[int], *,
-                  param_dtype: torch.dtype | None, stage: Stage, world_size: int, rank: int,
-                  bucket_numel: int | None, reduce_dtype: torch.dtype, device: torch.device,
-                  modes: MemoryModes = MemoryModes(), seed: int = 0,
-                  tp_replicated: list[bool] | None = None) -> list[FlatBuffer]:
+def build_buffers(
+    param_groups: list[dict],
+    names: list[str],
+    units: list[int],
+    *,
+    param_dtype: torch.dtype | None,
+    stage: Stage,
+    world_size: int,
+    rank: int,
+    bucket_numel: int | None,
+    reduce_dtype: torch.dtype,
+    device: torch.device,
+    modes: MemoryModes = MemoryModes(),
+    seed: int = 0,
+    tp_replicated: list[bool] | None = None,
+) -> list[FlatBuffer]:
     """One FlatBuffer per (unit, param group, dtype, tp-replicated), in that order (dtypes and
     tp kinds in order of first appearance). `units[i]` is the stage-3 unit of the i-th param
     (all 0 below stage 3); `tp_replicated[i]` whether it is the same on every tensor-parallel
@@ -326,20 +371,34 @@ def build_buffers(param_groups: list[dict], names: list[str], units: list[int], 
     for gi, g in enumerate(param_groups):
         for p in g["params"]:
             rep = True if tp_replicated is None else tp_replicated[index]
-            by_key.setdefault((units[index], gi, param_dtype or p.dtype, rep),
-                              []).append((index, p))
+            by_key.setdefault((units[index], gi, param_dtype or p.dtype, rep), []).append(
+                (index, p)
+            )
             index += 1
-    keys: Iterable[tuple[int, int, torch.dtype, bool]] = sorted(by_key,
-                                                                key=lambda k: (k[0], k[1]))
+    keys: Iterable[tuple[int, int, torch.dtype, bool]] = sorted(by_key, key=lambda k: (k[0], k[1]))
     out: list[FlatBuffer] = []
     for u, gi, dt, rep in keys:
         items = by_key[(u, gi, dt, rep)]
-        out.append(FlatBuffer(
-            group_index=gi, params=[p for _, p in items], names=[names[i] for i, _ in items],
-            indices=[i for i, _ in items], dtype=dt, stage=stage, world_size=world_size,
-            rank=rank, bucket_numel=bucket_numel, reduce_dtype=reduce_dtype, device=device,
-            unit=u, modes=modes, seed=seed_t, tp_replicated=rep,
-            sr_offset=_sr_offset(out, rep)))
+        out.append(
+            FlatBuffer(
+                group_index=gi,
+                params=[p for _, p in items],
+                names=[names[i] for i, _ in items],
+                indices=[i for i, _ in items],
+                dtype=dt,
+                stage=stage,
+                world_size=world_size,
+                rank=rank,
+                bucket_numel=bucket_numel,
+                reduce_dtype=reduce_dtype,
+                device=device,
+                unit=u,
+                modes=modes,
+                seed=seed_t,
+                tp_replicated=rep,
+                sr_offset=_sr_offset(out, rep),
+            )
+        )
     return out
 
 

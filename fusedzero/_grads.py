@@ -42,6 +42,7 @@ dropped and the counts reset. zero_grad() then discards what the raised backward
 as with a plain torch backward; without it, stages 0-1 keep every grad that arrived (as
 torch's `.grad` does) and stages 2-3 what was already reduced.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -70,13 +71,16 @@ class NoLocalGrad(torch.Tensor):
 
     @staticmethod
     def __new__(cls, like: torch.Tensor, stage: Stage, name: str) -> NoLocalGrad:
-        t = torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype,
-                                                device=like.device)
-        t.why = (f"{name}.grad is not available: ZeroAdamW at stage {int(stage)} keeps grads in "
-                 "flat buffers reduced across ranks, and this rank holds only its shard (or a "
-                 "copy in the reduce dtype), so a norm or clip computed from .grad (e.g. "
-                 "torch.nn.utils.clip_grad_norm_) would be wrong. Clip with "
-                 "ZeroAdamW(max_grad_norm=...) and read the global norm from opt.grad_norm")
+        t = torch.Tensor._make_wrapper_subclass(
+            cls, like.shape, dtype=like.dtype, device=like.device
+        )
+        t.why = (
+            f"{name}.grad is not available: ZeroAdamW at stage {int(stage)} keeps grads in "
+            "flat buffers reduced across ranks, and this rank holds only its shard (or a "
+            "copy in the reduce dtype), so a norm or clip computed from .grad (e.g. "
+            "torch.nn.utils.clip_grad_norm_) would be wrong. Clip with "
+            "ZeroAdamW(max_grad_norm=...) and read the global norm from opt.grad_norm"
+        )
         t.param_id = id(like)  # (an id, not the param: p.grad -> t -> p would be a cycle)
         t.arrived = None
         return t
@@ -128,10 +132,16 @@ class GradHooks:
     """Owns the grad hooks and the backward life cycle (in backward or not, on which graph
     task). `on_unit_grad(buf)` and `on_backward_end()` let stage 3 follow along."""
 
-    def __init__(self, schedule: BucketSchedule, stage: Stage, ctx: CommContext,
-                 module: nn.Module | None, params: list[nn.Parameter],
-                 on_unit_grad: Callable[[FlatBuffer], None] | None = None,
-                 on_backward_end: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        schedule: BucketSchedule,
+        stage: Stage,
+        ctx: CommContext,
+        module: nn.Module | None,
+        params: list[nn.Parameter],
+        on_unit_grad: Callable[[FlatBuffer], None] | None = None,
+        on_backward_end: Callable[[], None] | None = None,
+    ) -> None:
         self.schedule = schedule
         self.stage = stage
         self.ctx = ctx
@@ -144,9 +154,12 @@ class GradHooks:
         # see [Note: one step per backward].
         self.grads_since_step = False
         self._where: dict[int, ParamHook] = {
-            id(p): ParamHook(buf, pos, buf.param_grad_view(pos), schedule.buckets_of(buf, pos), p,
-                             is_dtensor(p))
-            for buf in schedule.buffers for pos, p in enumerate(buf.params)}
+            id(p): ParamHook(
+                buf, pos, buf.param_grad_view(pos), schedule.buckets_of(buf, pos), p, is_dtensor(p)
+            )
+            for buf in schedule.buffers
+            for pos, p in enumerate(buf.params)
+        }
         # The records of the params whose .grad a placeholder was put on since the grads were
         # last consumed: no walk over every param to take them off.
         self._placed: dict[int, ParamHook] = {}
@@ -202,8 +215,10 @@ class GradHooks:
         else:
             # Not (or no longer: reduced, or the user reset .grad) a view of our bucket: put it in.
             if grad.is_sparse:
-                raise RuntimeError(f"param {h.buf.layout.params[h.pos].name} got a sparse grad; "
-                                   "sparse gradients are not supported")
+                raise RuntimeError(
+                    f"param {h.buf.layout.params[h.pos].name} got a sparse grad; "
+                    "sparse gradients are not supported"
+                )
             self.schedule.add_grad(h.buckets, h.pos, local_grad(p, grad) if h.dtensor else grad)
             self._set_idle(h)
         if self.on_unit_grad is not None:
@@ -222,7 +237,8 @@ class GradHooks:
                 "backward callback ran on a nested one (reentrant activation checkpointing, "
                 "torch.utils.checkpoint(..., use_reentrant=True)). Pass module=model to "
                 "ZeroAdamW (the callback is then queued from the model output's grad) or use "
-                "use_reentrant=False")
+                "use_reentrant=False"
+            )
         self._begin_backward()
 
     def _set_idle(self, h: ParamHook) -> None:

@@ -16,6 +16,7 @@ rank's pieces of full buffers in place (see `fusedzero.kernels._adamw`), and bou
 Everything that must survive a change of world size or stage goes through `Segment`s, never raw
 buffer offsets.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -132,8 +133,11 @@ class FlatLayout:
 
     def slots_in(self, k: int) -> list[int]:
         """Positions in `params` of the params overlapping bucket k."""
-        return [i for i in self._overlapping(*self.bucket_range(k))
-                if k in self.buckets_of(self.params[i])]
+        return [
+            i
+            for i in self._overlapping(*self.bucket_range(k))
+            if k in self.buckets_of(self.params[i])
+        ]
 
     def holes(self, k: int) -> list[tuple[int, int]]:
         """Ranges of bucket k that belong to no param (alignment gaps, tail padding)."""
@@ -157,15 +161,22 @@ class FlatLayout:
                     p = self.params[i]
                     a, b = max(lo, p.offset), min(hi, p.offset + p.numel)
                     if a < b:
-                        out.append(Segment(p.index, a - p.offset, b - a, rank,
-                                           k * self.shard_numel + a - lo))
+                        out.append(
+                            Segment(
+                                p.index, a - p.offset, b - a, rank, k * self.shard_numel + a - lo
+                            )
+                        )
             self._segments[rank] = out
         return self._segments[rank]
 
 
-def build_layout(params: list[ParamSlot] | list[tuple[int, str, tuple[int, ...]]],
-                 world_size: int, bucket_numel: int | None = None, *,
-                 itemsize: int = 2) -> FlatLayout:
+def build_layout(
+    params: list[ParamSlot] | list[tuple[int, str, tuple[int, ...]]],
+    world_size: int,
+    bucket_numel: int | None = None,
+    *,
+    itemsize: int = 2,
+) -> FlatLayout:
     """Place params (index, name, shape) back to back at ALIGN offsets and cut equal buckets of
     about `bucket_numel` elements in total (None: `default_bucket_numel(world_size, itemsize)`,
     `itemsize` being the buffer's element size). Offsets are Python ints: exact past 2**31."""

@@ -20,6 +20,7 @@ param all-gather still in flight (it would land on the loaded values) and rewrit
 fp32 master (bf16 params) from the given values: before, the next step wrote the old master
 back over what was loaded.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -62,17 +63,24 @@ class UnitStateDict:
     def install(self, root: nn.Module) -> list[Any]:
         """Register the hooks on `root`; returns their handles."""
         # (Plain functions: torch tags the hook with an attribute, which a bound method refuses.)
-        return [root.register_state_dict_pre_hook(lambda *a: self._save_pre(*a)),
-                root.register_state_dict_post_hook(lambda *a: self._save_post(*a)),
-                root.register_load_state_dict_pre_hook(lambda *a: self._load_pre(*a)),
-                root.register_load_state_dict_post_hook(lambda *a: self._load_post(*a))]
+        return [
+            root.register_state_dict_pre_hook(lambda *a: self._save_pre(*a)),
+            root.register_state_dict_post_hook(lambda *a: self._save_post(*a)),
+            root.register_load_state_dict_pre_hook(lambda *a: self._load_pre(*a)),
+            root.register_load_state_dict_post_hook(lambda *a: self._load_post(*a)),
+        ]
 
     # -- state_dict -------------------------------------------------------------------------------
     def _save_pre(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         pass  # torch records the (possibly freed) params; `_save_post` puts their values in
 
-    def _save_post(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                   local_metadata: dict[str, Any]) -> None:
+    def _save_post(
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+    ) -> None:
         """Each sharded param's entry (under every name of a tied one) becomes a CPU copy of its
         full value, unit by unit: one unit's gathered storage lives on the device at a time
         (the whole model at once was twice its size there: gathered, plus the copies)."""
@@ -95,13 +103,20 @@ class UnitStateDict:
                 self.z.free(u)
 
     # -- load_state_dict --------------------------------------------------------------------------
-    def _load_pre(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
-                  local_metadata: dict[str, Any], *rest: Any) -> None:
+    def _load_pre(
+        self,
+        module: nn.Module,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        *rest: Any,
+    ) -> None:
         if local_metadata.get("assign_to_params_buffers", False):
             raise RuntimeError(
                 "model.load_state_dict(..., assign=True) under ZeroAdamW at stage 3 would replace "
                 "the params it shards; call it without assign=, or set the weights with "
-                "fusedzero.checkpoint.import_weights(opt, state_dict)")
+                "fusedzero.checkpoint.import_weights(opt, state_dict)"
+            )
         free = set(self.z.free_units())
         gathered = [u for u in range(len(self.z.modules)) if u not in free]
         for u in gathered:
@@ -116,8 +131,9 @@ class UnitStateDict:
             self.z.wait(u)
 
 
-def given_values(module: nn.Module, state_dict: dict[str, Any], prefix: str
-                 ) -> dict[int, torch.Tensor]:
+def given_values(
+    module: nn.Module, state_dict: dict[str, Any], prefix: str
+) -> dict[int, torch.Tensor]:
     """id(param) -> its value in `state_dict` (a tied param under any of its names), where the
     shape matches; a shape torch will refuse (its error names it) is left out."""
     given: dict[int, torch.Tensor] = {}
@@ -140,8 +156,9 @@ def write_given(buffers: Iterable[FlatBuffer], given: dict[int, torch.Tensor]) -
             for seg in buf.layout.segments(buf.shard_rank):
                 t = given.get(id(buf.params[pos[seg.param]]))
                 if t is not None:
-                    values[seg.local:seg.local + seg.length].copy_(
-                        local(t).detach().reshape(-1)[seg.start:seg.start + seg.length])
+                    values[seg.local : seg.local + seg.length].copy_(
+                        local(t).detach().reshape(-1)[seg.start : seg.start + seg.length]
+                    )
             buf.write_master(values)
 
 
@@ -154,11 +171,12 @@ class FullParamsLoad:
         self._sources: list[dict[int, torch.Tensor]] = []
 
     def install(self, root: nn.Module) -> list[Any]:
-        return [root.register_load_state_dict_pre_hook(lambda *a: self._pre(*a)),
-                root.register_load_state_dict_post_hook(lambda *a: self._post(*a))]
+        return [
+            root.register_load_state_dict_pre_hook(lambda *a: self._pre(*a)),
+            root.register_load_state_dict_post_hook(lambda *a: self._post(*a)),
+        ]
 
-    def _pre(self, module: nn.Module, state_dict: dict[str, Any], prefix: str,
-             *rest: Any) -> None:
+    def _pre(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *rest: Any) -> None:
         self.wait_params()
         self._sources.append(given_values(module, state_dict, prefix))
 

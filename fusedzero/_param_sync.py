@@ -23,6 +23,7 @@ collectives in different orders, which a mismatched NCCL collective turns into a
 values, so the order is made identical on every rank by taking rank 0's (one broadcast of a
 small index table, at the end of the first `step()`).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
@@ -63,9 +64,14 @@ class ParamSync:
     """Owns the in-flight param all-gathers of `buffers` (empty below stage 1 and at stage 3,
     whose params are gathered per unit by `fusedzero._zero3`) and the forward waits on them."""
 
-    def __init__(self, buffers: list[FlatBuffer], ctx: CommContext,
-                 module: nn.Module | None, unit_policy: UnitPolicy = None,
-                 param_wire: WireFormat | None = None) -> None:
+    def __init__(
+        self,
+        buffers: list[FlatBuffer],
+        ctx: CommContext,
+        module: nn.Module | None,
+        unit_policy: UnitPolicy = None,
+        param_wire: WireFormat | None = None,
+    ) -> None:
         self.buffers = buffers
         self.ctx = ctx
         self.param_wire = param_wire  # fusedzero.wire: other ranks' pieces arrive quantized
@@ -77,10 +83,13 @@ class ParamSync:
         # rank's piece of it, and the rank that piece is.
         self._views: dict[BucketKey, BucketGather] = {
             (id(buf), k): _bucket_gather(buf, k)
-            for buf in buffers for k in range(buf.layout.num_buckets)}
+            for buf in buffers
+            for k in range(buf.layout.num_buckets)
+        }
         # Every bucket, in the flat buffers' order, then (once recorded) in forward order.
-        self.order: list[BucketKey] = [(id(buf), k) for buf in buffers
-                                       for k in range(buf.layout.num_buckets)]
+        self.order: list[BucketKey] = [
+            (id(buf), k) for buf in buffers for k in range(buf.layout.num_buckets)
+        ]
         self._seen: dict[BucketKey, None] = {}  # keys in the order forward first waited
         self._recording = True
         self._module_waits = module is not None and bool(buffers)
@@ -99,8 +108,9 @@ class ParamSync:
             for key in self.order:
                 full, own, shard_rank = views[key]
                 self.ctx.record("param_gather", (self._index[key[0]], key[1]))
-                self._handles[key] = wire.all_gather(full, own, self.param_wire, self.ctx,
-                                                     shard_rank)
+                self._handles[key] = wire.all_gather(
+                    full, own, self.param_wire, self.ctx, shard_rank
+                )
         if not self._module_waits:
             self.wait()
 
@@ -109,12 +119,15 @@ class ParamSync:
         rank (see [Note: gather order]). Once per optimizer; on NCCL `tolist()` is a host sync."""
         self._recording = False
         pos = {key: i for i, key in enumerate(self.order)}
-        perm = [pos[key] for key in self._seen] + [i for key, i in pos.items()
-                                                    if key not in self._seen]
+        perm = [pos[key] for key in self._seen] + [
+            i for key, i in pos.items() if key not in self._seen
+        ]
         if self.ctx.world_size > 1:
             t = torch.tensor(perm, dtype=torch.int64, device=self.buffers[0].device)
-            self.ctx.wait(comm.broadcast(t, self.ctx.group, self.ctx.world_size),
-                          what="broadcast of rank 0's param gather order")
+            self.ctx.wait(
+                comm.broadcast(t, self.ctx.group, self.ctx.world_size),
+                what="broadcast of rank 0's param gather order",
+            )
             perm = t.tolist()
         self.order = [self.order[i] for i in perm]
 
@@ -148,8 +161,11 @@ class ParamSync:
                     for k in buf.layout.buckets_of(buf.layout.params[pos]):
                         keys.setdefault((id(buf), k))
             if keys:
-                self.hooks.append(m.register_forward_pre_hook(
-                    lambda mod, args, keys=tuple(keys): self._before_forward(keys)))
+                self.hooks.append(
+                    m.register_forward_pre_hook(
+                        lambda mod, args, keys=tuple(keys): self._before_forward(keys)
+                    )
+                )
 
     def remove_hooks(self) -> None:
         for h in self.hooks:
@@ -170,8 +186,10 @@ def broadcast_from_rank0(t: torch.Tensor, ctxs: Iterable[CommContext]) -> None:
     """Overwrite `t` (contiguous) with rank 0's value over each group in turn (the shard group,
     then the replicate group: rank 0 of both reaches every rank of a 2-D mesh)."""
     for ctx in ctxs:
-        ctx.wait(comm.broadcast(t, ctx.group, ctx.world_size),
-                 what="broadcast of rank 0's values (construction)")
+        ctx.wait(
+            comm.broadcast(t, ctx.group, ctx.world_size),
+            what="broadcast of rank 0's values (construction)",
+        )
 
 
 def start_from_rank0(tensors: Iterable[torch.Tensor], ctxs: Iterable[CommContext]) -> None:

@@ -21,6 +21,7 @@ _is_profiler_enabled`, read per call: ~0.1 us), and nothing else happens otherwi
   fusedzero::unit_free         stage 3: freeing a unit
   fusedzero::zero_grad         ZeroAdamW.zero_grad()
 """
+
 from __future__ import annotations
 
 import contextlib

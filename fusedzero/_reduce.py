@@ -59,6 +59,7 @@ write into the bucket; FSDP2's `foreach_reduce` builds its reduce-scatter input 
 A param that straddles two buckets costs two views of its grad per bucket; there are at most
 one per bucket boundary.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -84,8 +85,9 @@ MAX_INFLIGHT_BUCKETS = 2
 def divides_after(b: Bucket, inv_world: float) -> bool:
     """See [Note: dividing after the reduction]: exact here (1/W a power of two below 1, not fp16),
     so the first reduction of a step sums raw grads and divides this rank's piece afterwards."""
-    return (inv_world < 1.0 and math.frexp(inv_world)[0] == 0.5
-            and b.buf.reduce_dtype != torch.float16)
+    return (
+        inv_world < 1.0 and math.frexp(inv_world)[0] == 0.5 and b.buf.reduce_dtype != torch.float16
+    )
 
 
 class WireChoice:
@@ -169,12 +171,14 @@ class Bucket:
             a, e, p = L.overlap(pos, self.k)
             slot = L.params[pos]
             whole = e - a == slot.numel
-            parts[pos] = Part(memory[a:e].view(slot.shape) if whole else memory[a:e],
-                              None if whole else p)
+            parts[pos] = Part(
+                memory[a:e].view(slot.shape) if whole else memory[a:e], None if whole else p
+            )
         return parts
 
-    def sources(self, into: list[torch.Tensor], zeros: list[torch.Tensor] | None = None
-                ) -> list[torch.Tensor]:
+    def sources(
+        self, into: list[torch.Tensor], zeros: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor]:
         """The kept grads, as the foreach op reads them, and (`into`) where they go; `zeros`
         (stages 2-3) gets the parts of params without a grad. Empties `got`."""
         assert self.parts is not None
@@ -187,7 +191,7 @@ class Bucket:
             dst, start = self.parts[pos]
             into.append(dst)
             # A straddling param: its run in this bucket (two views, at most one per boundary).
-            srcs.append(g if start is None else g.reshape(-1)[start:start + dst.numel()])
+            srcs.append(g if start is None else g.reshape(-1)[start : start + dst.numel()])
         got.clear()
         return srcs
 
@@ -275,8 +279,9 @@ class ReduceScatterInPlace(WireChoice):
         fused = self.fused(b)
         if b.status is not BucketStatus.EMPTY:
             self._clean(b)  # new grads were added pre-divided: divide nothing again
-        elif fused or (divides_after(b, inv_world)
-                       and comm.premul_sum_op(ctx, buf, inv_world) is None):
+        elif fused or (
+            divides_after(b, inv_world) and comm.premul_sum_op(ctx, buf, inv_world) is None
+        ):
             after = True  # (where the collective multiplies, dividing before costs no pass)
         else:
             mean = ctx.world_size > 1
@@ -319,14 +324,15 @@ class ReduceIntoShard(WireChoice):
         store = b.store
         if store is None:
             L = b.buf.layout
-            store = b.store = torch.empty(L.bucket_numel, dtype=b.buf.reduce_dtype,
-                                          device=b.buf.device)
+            store = b.store = torch.empty(
+                L.bucket_numel, dtype=b.buf.reduce_dtype, device=b.buf.device
+            )
             b.parts = b.make_parts(store)
             b.hole_views = [store[a:e] for a, e in b.holes]
             lo, hi = b.own_piece()
             S = L.shard_numel
             assert b.buf.grad_shard is not None
-            b.piece = ShardPiece(store[lo:hi], b.buf.grad_shard[b.k * S:(b.k + 1) * S])
+            b.piece = ShardPiece(store[lo:hi], b.buf.grad_shard[b.k * S : (b.k + 1) * S])
         else:
             store.untyped_storage().resize_(store.numel() * store.element_size())
         zeros = list(b.hole_views)
@@ -360,10 +366,12 @@ class ReduceIntoShard(WireChoice):
             else:
                 dst.add_(piece, alpha=scale)
             b.release()
+
         return h, finish
 
-    def _launch_wire(self, b: Bucket, ctx: CommContext, inv_world: float
-                     ) -> tuple[Handle, Finish | None]:
+    def _launch_wire(
+        self, b: Bucket, ctx: CommContext, inv_world: float
+    ) -> tuple[Handle, Finish | None]:
         """The bucket (raw grads) over the wire; the finish dequantizes, sums, scales by 1/W and
         writes or adds into the grad shard in one launch."""
         assert self.wire is not None and b.grad is not None and b.piece is not None
@@ -374,6 +382,7 @@ class ReduceIntoShard(WireChoice):
             red.finish(dst, inv_world, accumulate=b.status is not BucketStatus.EMPTY)
             b.status = BucketStatus.REDUCED
             b.release()
+
         return red.handle, finish
 
     def before_step(self, buckets: Iterable[Bucket]) -> None:
@@ -381,7 +390,7 @@ class ReduceIntoShard(WireChoice):
         for b in buckets:
             if b.status is BucketStatus.EMPTY and b.buf.grad_shard is not None:
                 S = b.buf.layout.shard_numel
-                b.buf.grad_shard[b.k * S:(b.k + 1) * S].zero_()
+                b.buf.grad_shard[b.k * S : (b.k + 1) * S].zero_()
                 b.status = BucketStatus.REDUCED
 
 
@@ -403,8 +412,9 @@ def _add_kept(b: Bucket, alpha: float) -> None:
     b.fresh = False
 
 
-def reduction_for(stage: Stage, wire_format: WireFormat | None = None,
-                  world_size: int = 1) -> Reduction:
+def reduction_for(
+    stage: Stage, wire_format: WireFormat | None = None, world_size: int = 1
+) -> Reduction:
     """The stage's strategy; `wire_format` (None: the reduce dtype's own collective) over a
     group of `world_size` ranks, see [Note: reductions over a wire format]."""
     if not stage.shards_state:

@@ -10,6 +10,7 @@ backward inside it (stages 2-3 still reduce the shard) leaves the bucket stale, 
 before the update. Replica all-reduces are issued in the launch order of the buckets (every
 replica issues them in the same order).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
@@ -26,9 +27,9 @@ def shard_piece(b: Bucket) -> torch.Tensor:
     """Bucket b's piece of this rank's reduced grads, where the kernel reads it."""
     view, S = b.buf.grad_view(), b.buf.layout.shard_numel
     if isinstance(view, torch.Tensor):
-        return view[b.k * S:(b.k + 1) * S]
+        return view[b.k * S : (b.k + 1) * S]
     lo = b.k * view.stride + view.base  # as FlatBuffer.pieces, for this bucket only
-    return view.tensor[lo:lo + S]
+    return view.tensor[lo : lo + S]
 
 
 class ReplicaReduction:
@@ -53,7 +54,8 @@ class ReplicaReduction:
         if wire.uses_wire(self.wire, b.buf.reduce_dtype, self.ctx.world_size):
             assert self.wire is not None  # every replica dequantizes the same bytes
             self.finishes.append(
-                wire.all_reduce_start(piece, self.wire, self.ctx, 1.0 / self.ctx.world_size))
+                wire.all_reduce_start(piece, self.wire, self.ctx, 1.0 / self.ctx.world_size)
+            )
         else:
             self.handles.append(comm.all_reduce_mean(piece, self.ctx))
         b.replica_stale = False

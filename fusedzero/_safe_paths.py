@@ -30,6 +30,7 @@ corpus folder read until memory ran out), a socket cannot be opened. The check i
 opened file (O_NONBLOCK, so a FIFO opens at once; then fstat), not on the name before it, so a
 FIFO swapped in between is refused too.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -47,15 +48,22 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 
-_KINDS = ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISLNK, "a symlink"),
+    (stat.S_ISDIR, "a folder"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 # Why each kind is refused, as the error says it.
-_WHY_NOT_READ = {"a FIFO": "a read would wait for a writer forever",
-                 "a character device": "a device is not a file: /dev/zero never ends",
-                 "a block device": "a device is not a file",
-                 "a socket": "a socket cannot be read as a file"}
+_WHY_NOT_READ = {
+    "a FIFO": "a read would wait for a writer forever",
+    "a character device": "a device is not a file: /dev/zero never ends",
+    "a block device": "a device is not a file",
+    "a socket": "a socket cannot be read as a file",
+}
 
 
 class UnsafePath(ValueError):
@@ -75,10 +83,13 @@ def _show(path: str | os.PathLike[str]) -> str:
 # -- outputs: See [Note: no write through a link] -------------------------------------------------
 def _refuse_output(path: str | os.PathLike[str], mode: int, what: str) -> UnsafePath:
     k = kind(mode)
-    why, fix = {"a symlink": ("writing through a link would change its target",
-                              "remove the link or pass another path"),
-                "a folder": ("a file is written there", "pass a file path")}.get(
-        k, ("only a regular file is replaced or appended to", "remove it or pass another path"))
+    why, fix = {
+        "a symlink": (
+            "writing through a link would change its target",
+            "remove the link or pass another path",
+        ),
+        "a folder": ("a file is written there", "pass a file path"),
+    }.get(k, ("only a regular file is replaced or appended to", "remove it or pass another path"))
     return UnsafePath(f"{what} {_show(path)} is {k}; refusing to write there ({why}): {fix}")
 
 
@@ -94,8 +105,9 @@ def check_output(path: str | os.PathLike[str], what: str) -> None:
         raise _refuse_output(path, st.st_mode, what)
 
 
-def replace_file(path: str | os.PathLike[str], write: Callable[[BinaryIO], object],
-                 what: str) -> None:
+def replace_file(
+    path: str | os.PathLike[str], write: Callable[[BinaryIO], object], what: str
+) -> None:
     """Write `path` anew: `write(f)` fills a temporary beside it, which is synced and renamed
     over `path`. A crash leaves the old file or the new one, never a torn one; a link or a
     non-regular file at `path` is refused (UnsafePath) before anything is written."""
@@ -117,8 +129,9 @@ def open_append(path: str | os.PathLike[str], what: str) -> BinaryIO:
     (0666 less the umask); UnsafePath for a link or anything but a regular file."""
     check_output(path, what)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK
-                     | _CLOEXEC, 0o666)
+        fd = os.open(
+            path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW | _NONBLOCK | _CLOEXEC, 0o666
+        )
     except OSError as e:
         if e.errno == errno.ELOOP:  # a link planted since the check
             raise _refuse_output(path, stat.S_IFLNK, what) from None
@@ -169,8 +182,10 @@ def read_bytes(path: str | os.PathLike[str], what: str, limit: int | None = None
             return f.read()
         data = f.read(limit + 1)  # the size read, not the size stat says (it may grow)
     if len(data) > limit:
-        raise UnsafePath(f"{what} {_show(path)} holds more than {limit} bytes; refusing to read "
-                         "it (no such file is that large): pass the right file")
+        raise UnsafePath(
+            f"{what} {_show(path)} holds more than {limit} bytes; refusing to read "
+            "it (no such file is that large): pass the right file"
+        )
     return data
 
 
@@ -180,8 +195,10 @@ def parse_json(text: str | bytes, where: str) -> Any:
     try:
         return json.loads(text)
     except RecursionError:
-        raise UnsafePath(f"{where}: JSON nested too deeply to parse (Python's parser recurses "
-                         "once per level); pass a real JSON file") from None
+        raise UnsafePath(
+            f"{where}: JSON nested too deeply to parse (Python's parser recurses "
+            "once per level); pass a real JSON file"
+        ) from None
 
 
 def read_json(path: str | os.PathLike[str], what: str, limit: int) -> Any:

@@ -2,6 +2,7 @@
 the loss scaler. They live on the device and are written with device ops only, so a step needs no
 host sync and a CUDA graph can capture it (nothing host-cached that a replay would bake in).
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -20,13 +21,20 @@ from fusedzero.kernels._step_scalars import step_scalars
 class LossScaler:
     """Dynamic (or static) loss scale kept on the device; updated without a host sync."""
 
-    def __init__(self, loss_scale: str | float, device: torch.device, init: float = 2.0**16,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5,
-                 growth_interval: int = 2000) -> None:
+    def __init__(
+        self,
+        loss_scale: str | float,
+        device: torch.device,
+        init: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 2000,
+    ) -> None:
         self.dynamic = loss_scale == "dynamic"
         if not self.dynamic and not (isinstance(loss_scale, (int, float)) and loss_scale > 0):
-            raise ValueError(f"loss_scale must be 'dynamic', a positive number or None, "
-                             f"got {loss_scale!r}")
+            raise ValueError(
+                f"loss_scale must be 'dynamic', a positive number or None, got {loss_scale!r}"
+            )
         value = init if self.dynamic else float(loss_scale)
         self.scale = torch.full((1,), value, dtype=torch.float32, device=device)
         self.growth_tracker = torch.zeros(1, dtype=torch.int32, device=device)
@@ -35,9 +43,14 @@ class LossScaler:
 
     def update(self, found_inf: torch.Tensor) -> None:
         if self.dynamic:
-            torch._amp_update_scale_(self.scale, self.growth_tracker, found_inf,
-                                     self.growth_factor, self.backoff_factor,
-                                     self.growth_interval)
+            torch._amp_update_scale_(
+                self.scale,
+                self.growth_tracker,
+                found_inf,
+                self.growth_factor,
+                self.backoff_factor,
+                self.growth_interval,
+            )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {"scale": self.scale.clone(), "growth_tracker": self.growth_tracker.clone()}
@@ -48,8 +61,10 @@ class LossScaler:
 
     def values(self) -> dict[str, float]:
         """Host values for a manifest (a host sync: checkpoints only)."""
-        return {"scale": float(self.scale.reshape(-1)[0]),
-                "growth_tracker": int(self.growth_tracker.reshape(-1)[0])}
+        return {
+            "scale": float(self.scale.reshape(-1)[0]),
+            "growth_tracker": int(self.growth_tracker.reshape(-1)[0]),
+        }
 
     def load_values(self, d: dict[str, float]) -> None:
         self.scale.fill_(d["scale"])
@@ -64,8 +79,14 @@ class StepScalars:
     taken (a non-finite grad with skip_nonfinite or loss scaling); `step` counts taken steps.
     """
 
-    def __init__(self, device: torch.device, *, max_grad_norm: float | None,
-                 skip_nonfinite: bool, scaler: LossScaler | None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        max_grad_norm: float | None,
+        skip_nonfinite: bool,
+        scaler: LossScaler | None,
+    ) -> None:
         f32 = dict(dtype=torch.float32, device=device)
         self.device = device
         self.step = torch.zeros(1, **f32)
@@ -74,14 +95,20 @@ class StepScalars:
         self.norm = torch.zeros(1, **f32)
         self.max_grad_norm = max_grad_norm
         # On the device, as the kernel reads it (no Python number in a launch).
-        self._max_norm = None if max_grad_norm is None else torch.full(
-            (1,), float(max_grad_norm), **f32)
+        self._max_norm = (
+            None if max_grad_norm is None else torch.full((1,), float(max_grad_norm), **f32)
+        )
         self.skip_nonfinite = skip_nonfinite
         self.scaler = scaler
 
-    def prepare(self, sumsq: Callable[[], torch.Tensor], ctx: CommContext | None,
-                tp_ctx: CommContext | None = None, rows: Rows | None = None,
-                hyper: Hyper | None = None) -> None:
+    def prepare(
+        self,
+        sumsq: Callable[[], torch.Tensor],
+        ctx: CommContext | None,
+        tp_ctx: CommContext | None = None,
+        rows: Rows | None = None,
+        hyper: Hyper | None = None,
+    ) -> None:
         """Norm, clip coefficient, skip flag and grad scale from this rank's reduced grad
         shards, and the step counted (only a step that is taken counts); `sumsq()` is their
         sum of squares (the grouped launch over all of them). `ctx` is the group whose ranks
@@ -97,12 +124,22 @@ class StepScalars:
             total = sumsq()
             for c in (ctx, tp_ctx):
                 if c is not None:
-                    c.wait(comm.all_reduce(total, c.group, c.world_size, c.counter),
-                           what="grad-norm all-reduce")
-        step_scalars(total, None if self.scaler is None else self.scaler.scale, self.norm,
-                     self.grad_scale, self.skip, self.step, max_grad_norm=self._max_norm,
-                     skip_nonfinite=self.skip_nonfinite or self.scaler is not None,
-                     rows=rows, hyper=hyper)
+                    c.wait(
+                        comm.all_reduce(total, c.group, c.world_size, c.counter),
+                        what="grad-norm all-reduce",
+                    )
+        step_scalars(
+            total,
+            None if self.scaler is None else self.scaler.scale,
+            self.norm,
+            self.grad_scale,
+            self.skip,
+            self.step,
+            max_grad_norm=self._max_norm,
+            skip_nonfinite=self.skip_nonfinite or self.scaler is not None,
+            rows=rows,
+            hyper=hyper,
+        )
 
     def finish(self) -> None:
         if self.scaler is not None:
@@ -140,8 +177,11 @@ class GroupLr:
         sent = list(self._sent)  # committed once every group is checked
         for i, g in enumerate(param_groups):
             lr = g["lr"]
-            if (isinstance(lr, torch.Tensor) and lr.device.type == "cpu"
-                    and self.lr.device.type != "cpu"):
+            if (
+                isinstance(lr, torch.Tensor)
+                and lr.device.type == "cpu"
+                and self.lr.device.type != "cpu"
+            ):
                 lr = lr.item()  # host memory: no wait on the device
             if isinstance(lr, torch.Tensor):
                 tensors.append((i, lr))
@@ -150,7 +190,8 @@ class GroupLr:
                 if not 0.0 <= lr <= _FP32_MAX:  # (False for NaN)
                     raise ValueError(
                         f"param_groups[{i}]['lr'] is {lr}: lr must be a number in [0, "
-                        f"{_FP32_MAX:.4g}] (finite in fp32); set a valid lr before step()")
+                        f"{_FP32_MAX:.4g}] (finite in fp32); set a valid lr before step()"
+                    )
                 changed = True
                 sent[i] = float(lr)
             beta1, beta2 = g["betas"]
@@ -159,6 +200,7 @@ class GroupLr:
         if changed:
             copy_from_host(self.lr, [x if x is not None else 0.0 for x in self._sent])
         if tensors:  # one op for every group's tensor lr
-            torch._foreach_copy_([self._entries[i] for i, _ in tensors],
-                                 [lr.reshape(()) for _, lr in tensors])
+            torch._foreach_copy_(
+                [self._entries[i] for i, _ in tensors], [lr.reshape(()) for _, lr in tensors]
+            )
         return Hyper(self.lr, tuple(consts))

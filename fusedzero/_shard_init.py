@@ -44,6 +44,7 @@ param keeps its place and global shape; its local tensor is the LocalParam (torc
 copy reads of the given tensors. A unit that was gathered when the load began is gathered
 again from the new shards after it.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -73,8 +74,15 @@ BLOCK = 4096
 # this many runs it is refused (a transposed 8192 x 128256 head is 1G runs of one element).
 MAX_RUNS = 1 << 16
 
-_RANDOM = {aten.uniform_, aten.normal_, aten.bernoulli_, aten.exponential_, aten.log_normal_,
-           aten.cauchy_, aten.geometric_}
+_RANDOM = {
+    aten.uniform_,
+    aten.normal_,
+    aten.bernoulli_,
+    aten.exponential_,
+    aten.log_normal_,
+    aten.cauchy_,
+    aten.geometric_,
+}
 _FILL = {aten.fill_, aten.zero_}
 
 # Initialise the params a module owns directly (`param_init_fn`'s plain form).
@@ -152,10 +160,15 @@ def targets_of(buffers: list[FlatBuffer]) -> dict[int, ParamTarget]:
             out[id(p)] = ParamTarget(s.name, torch.Size(s.shape), buf.dtype, buf.device)
         for seg in buf.layout.segments(buf.shard_rank):
             lo, hi = seg.local, seg.local + seg.length
-            out[id(slots[seg.param][1])].pieces.append(Piece(
-                seg.start, seg.length, buf.param_shard[lo:hi],
-                None if buf.master is None else buf.master[lo:hi],
-                None if buf.comp is None else buf.comp[lo:hi]))
+            out[id(slots[seg.param][1])].pieces.append(
+                Piece(
+                    seg.start,
+                    seg.length,
+                    buf.param_shard[lo:hi],
+                    None if buf.master is None else buf.master[lo:hi],
+                    None if buf.comp is None else buf.comp[lo:hi],
+                )
+            )
     for t in out.values():
         t.pieces.sort(key=lambda p: p.start)  # (`_runs` bisects them)
     return out
@@ -171,8 +184,14 @@ class LocalParam(torch.Tensor):
     @staticmethod
     def __new__(cls, target: ParamTarget, geom: torch.Tensor, ctx: _Context) -> LocalParam:
         t = torch.Tensor._make_wrapper_subclass(
-            cls, geom.shape, strides=geom.stride(), storage_offset=geom.storage_offset(),
-            dtype=target.dtype, device=target.device, requires_grad=False)
+            cls,
+            geom.shape,
+            strides=geom.stride(),
+            storage_offset=geom.storage_offset(),
+            dtype=target.dtype,
+            device=target.device,
+            requires_grad=False,
+        )
         t._target, t._geom, t._ctx = target, geom, ctx
         return t
 
@@ -186,8 +205,9 @@ class LocalParam(torch.Tensor):
         return f"LocalParam({self._target.name}, shape={tuple(self.shape)})"
 
     @classmethod
-    def __torch_dispatch__(cls, func: torch._ops.OpOverload, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        cls, func: torch._ops.OpOverload, types: Any, args: Any = (), kwargs: Any = None
+    ) -> Any:
         return _dispatch(func, args, kwargs or {})
 
 
@@ -195,18 +215,24 @@ def _unsupported(func: torch._ops.OpOverload, what: str) -> NotImplementedError:
     return NotImplementedError(
         f"{func} {what} on a stage-3 param initialised on this rank's elements only; pass "
         "sharding=Sharding(param_init_fn=fusedzero.FullUnitInit(fn)) to build each unit in full "
-        "instead")
+        "instead"
+    )
 
 
 def _dispatch(func: torch._ops.OpOverload, args: Any, kwargs: dict[str, Any]) -> Any:
     self = args[0]
     if func.is_view and isinstance(self, LocalParam):
         geom = func(self._geom, *args[1:], **kwargs)
-        return tree_map(lambda m: LocalParam(self._target, m, self._ctx)
-                        if isinstance(m, torch.Tensor) else m, geom)
+        return tree_map(
+            lambda m: LocalParam(self._target, m, self._ctx) if isinstance(m, torch.Tensor) else m,
+            geom,
+        )
     packet = func.overloadpacket
-    inplace = isinstance(self, LocalParam) and func._schema.name.endswith("_") and \
-        not any(isinstance(a, LocalParam) for a in list(args[1:]) + list(kwargs.values()))
+    inplace = (
+        isinstance(self, LocalParam)
+        and func._schema.name.endswith("_")
+        and not any(isinstance(a, LocalParam) for a in list(args[1:]) + list(kwargs.values()))
+    )
     if not inplace:
         return _refuse(func, args, kwargs)
     runs = _runs(self, func)
@@ -221,7 +247,7 @@ def _dispatch(func: torch._ops.OpOverload, args: Any, kwargs: dict[str, Any]) ->
     elif packet in _FILL or torch.Tag.pointwise in func.tags:
         for r in _bounded(runs, args[1:], self.shape):
             rest = [_same_run(a, self, r, func) for a in args[1:]]
-            func(r.piece.param[r.a:r.b], *rest, **kwargs)
+            func(r.piece.param[r.a : r.b], *rest, **kwargs)
     else:
         raise _unsupported(func, "is not an element-wise in-place op")
     return self
@@ -275,8 +301,11 @@ def _same_run(arg: Any, view: LocalParam, r: _Run, func: torch._ops.OpOverload) 
     try:
         torch.broadcast_shapes(arg.shape, view.shape)
     except RuntimeError:
-        raise _unsupported(func, f"takes a tensor of shape {tuple(arg.shape)}, which does not "
-                                 f"broadcast to {tuple(view.shape)}") from None
+        raise _unsupported(
+            func,
+            f"takes a tensor of shape {tuple(arg.shape)}, which does not "
+            f"broadcast to {tuple(view.shape)}",
+        ) from None
     return _elements(arg, view.shape, r.pos, r.b - r.a).to(view.device)
 
 
@@ -285,7 +314,7 @@ def _elements(t: torch.Tensor, shape: torch.Size, pos: int, n: int) -> torch.Ten
     the broadcast (or a non-contiguous `t`) whole: n indices (`_bounded` keeps n <= BLOCK)."""
     ex = t.detach().expand(shape)
     if ex.is_contiguous():
-        return ex.reshape(-1)[pos:pos + n]
+        return ex.reshape(-1)[pos : pos + n]
     idx = torch.arange(pos, pos + n, device=t.device)
     off = torch.full((n,), ex.storage_offset(), dtype=torch.int64, device=t.device)
     for size, stride in reversed(list(zip(ex.shape, ex.stride()))):
@@ -297,6 +326,7 @@ def _elements(t: torch.Tensor, shape: torch.Size, pos: int, n: int) -> torch.Ten
 def _bounded(runs: list[_Run], args: Any, shape: torch.Size) -> list[_Run]:
     """The runs cut to at most BLOCK elements where an argument is read by gathered indices
     (`_elements`: broadcast or non-contiguous), so its scratch stays one block."""
+
     def direct(t: Any) -> bool:  # read as a slice, or refused by `_same_run`
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             return True
@@ -304,10 +334,14 @@ def _bounded(runs: list[_Run], args: Any, shape: torch.Size) -> list[_Run]:
             return t.expand(shape).is_contiguous()
         except RuntimeError:
             return True
+
     if all(direct(t) for t in args):
         return runs
-    return [_Run(r.piece, a, min(a + BLOCK, r.b), r.pos + a - r.a)
-            for r in runs for a in range(r.a, r.b, BLOCK)]
+    return [
+        _Run(r.piece, a, min(a + BLOCK, r.b), r.pos + a - r.a)
+        for r in runs
+        for a in range(r.a, r.b, BLOCK)
+    ]
 
 
 def _copy(view: LocalParam, runs: list[_Run], src: torch.Tensor, load: bool) -> None:
@@ -316,7 +350,7 @@ def _copy(view: LocalParam, runs: list[_Run], src: torch.Tensor, load: bool) -> 
         if load:
             _load_run(r.piece, r.a, r.b, values)
         else:
-            r.piece.param[r.a:r.b].copy_(values)
+            r.piece.param[r.a : r.b].copy_(values)
 
 
 def _load_run(p: Piece, a: int, b: int, values: torch.Tensor) -> None:
@@ -331,16 +365,18 @@ def _load_run(p: Piece, a: int, b: int, values: torch.Tensor) -> None:
         p.comp[a:b].zero_()
 
 
-def write_runs(buffers: list[FlatBuffer], params: list[nn.Parameter],
-               read: Callable[[int, int, int], torch.Tensor]) -> None:
+def write_runs(
+    buffers: list[FlatBuffer],
+    params: list[nn.Parameter],
+    read: Callable[[int, int, int], torch.Tensor],
+) -> None:
     """Load every run this rank holds of every param: `read(i, a, b)` gives elements [a, b) of
     the flattened full value of `params[i]`. One run is read (and held) at a time."""
     targets = targets_of(buffers)
     with torch.no_grad():
         for i, p in enumerate(params):
             for piece in targets[id(p)].pieces:
-                _load_run(piece, 0, piece.length,
-                          read(i, piece.start, piece.start + piece.length))
+                _load_run(piece, 0, piece.length, read(i, piece.start, piece.start + piece.length))
 
 
 def block_seed(seed: int, name: str, draw: int, block: int) -> int:
@@ -349,13 +385,19 @@ def block_seed(seed: int, name: str, draw: int, block: int) -> int:
     return int.from_bytes(h.digest(), "little") >> 1  # manual_seed takes up to 2^63 - 1
 
 
-def _random(func: torch._ops.OpOverload, view: LocalParam, runs: list[_Run], rest: Any,
-            kwargs: dict[str, Any]) -> None:
+def _random(
+    func: torch._ops.OpOverload,
+    view: LocalParam,
+    runs: list[_Run],
+    rest: Any,
+    kwargs: dict[str, Any],
+) -> None:
     _draw(view, runs, lambda block, gen: func(block, *rest, **{**kwargs, "generator": gen}))
 
 
-def _draw(view: LocalParam, runs: list[_Run],
-          fill: Callable[[torch.Tensor, torch.Generator], Any]) -> None:
+def _draw(
+    view: LocalParam, runs: list[_Run], fill: Callable[[torch.Tensor, torch.Generator], Any]
+) -> None:
     """`fill(block, generator)` block by block over the runs (See [Note: init random stream])."""
     t, ctx = view._target, view._ctx
     draw = t.draws
@@ -381,22 +423,31 @@ def _draw(view: LocalParam, runs: list[_Run],
             assert block is not None
             a, b = max(start, b0), min(end, b0 + n)
             off = r.piece.start
-            r.piece.param[a - off:b - off].copy_(block[a - b0:b - b0])
+            r.piece.param[a - off : b - off].copy_(block[a - b0 : b - b0])
 
 
 _TORCH_TRUNC_NORMAL = nn.init.trunc_normal_
 
 
-def _trunc_normal_(tensor: torch.Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0,
-                   b: float = 2.0, generator: torch.Generator | None = None) -> torch.Tensor:
+def _trunc_normal_(
+    tensor: torch.Tensor,
+    mean: float = 0.0,
+    std: float = 1.0,
+    a: float = -2.0,
+    b: float = 2.0,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """`nn.init.trunc_normal_` while a local init runs: torch's samples by rejection over the
     whole tensor (a re-draw of every element while any one is out of range), which no rank can
     follow alone; a LocalParam gets torch's on each random block instead."""
     if not isinstance(tensor, LocalParam):
         return _TORCH_TRUNC_NORMAL(tensor, mean, std, a, b, generator=generator)
     tensor._ctx.stats.ops += 1
-    _draw(tensor, _runs(tensor, aten.normal_.default),
-          lambda block, gen: _TORCH_TRUNC_NORMAL(block, mean, std, a, b, generator=gen))
+    _draw(
+        tensor,
+        _runs(tensor, aten.normal_.default),
+        lambda block, gen: _TORCH_TRUNC_NORMAL(block, mean, std, a, b, generator=gen),
+    )
     return tensor
 
 
@@ -429,7 +480,8 @@ def _swap_out(swapped: list[_Swap]) -> None:
             f"the init assigned new tensors to {replaced[:4]} instead of writing into them: "
             "at stage 3 on the meta device a param is written in place (w.copy_(t), "
             "nn.init.*_); or pass "
-            "sharding=Sharding(param_init_fn=fusedzero.FullUnitInit(fn))")
+            "sharding=Sharding(param_init_fn=fusedzero.FullUnitInit(fn))"
+        )
 
 
 def applies(buffers: list[FlatBuffer]) -> bool:
@@ -438,24 +490,31 @@ def applies(buffers: list[FlatBuffer]) -> bool:
     return all(local(p) is p for b in buffers for p in b.params)
 
 
-def init_local(root: nn.Module, buffers: list[FlatBuffer], fn: ModuleInit | None,
-               broadcast: Callable[[torch.Tensor], None]) -> LocalInitStats:
+def init_local(
+    root: nn.Module,
+    buffers: list[FlatBuffer],
+    fn: ModuleInit | None,
+    broadcast: Callable[[torch.Tensor], None],
+) -> LocalInitStats:
     """Run `fn(name, module)` (default: `module.reset_parameters()`) for every module that owns
     sharded params, in `named_modules()` order, on this rank's elements only (See [Note:
     local-shard init]); a separate master starts at the param dtype's cast."""
     stats = LocalInitStats()
     if not buffers or any(b.device.type == "meta" for b in buffers):
         return stats  # nothing real to write (a meta-device emulation)
-    seed = torch.tensor([torch.initial_seed() % (1 << 63)], dtype=torch.int64,
-                        device=buffers[0].device)
+    seed = torch.tensor(
+        [torch.initial_seed() % (1 << 63)], dtype=torch.int64, device=buffers[0].device
+    )
     broadcast(seed)  # every rank and replica keys its stream alike (a collective)
     stats.seed = int(seed.item())  # a host sync, once
     targets = targets_of(buffers)
     ctx = _Context(load=False, stats=stats)
     if fn is None:
+
         def fn(name: str, m: nn.Module) -> None:
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
+
     swapped = _swap_in(root, targets, ctx)
     owners = {id(s.module) for s in swapped}
     nn.init.trunc_normal_ = _trunc_normal_  # (the module attribute, restored below)
@@ -494,4 +553,3 @@ class ShardLoad:
         for p, t in self._locals:
             set_local(p, t)
         _swap_out(self._swapped)
-

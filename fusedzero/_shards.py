@@ -3,6 +3,7 @@
 `ShardAccess` is what `ZeroAdamW.shard_infos / param_infos / shard_state / load_shard_state`
 delegate to: it sees the flat buffers, the step scalars and the param all-gather, nothing else.
 """
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -22,17 +23,30 @@ class ShardAccess:
     nothing in flight may read the shards then, and no gathered copy of them may outlive the
     write (ZeroAdamW.quiesce_params)."""
 
-    def __init__(self, buffers: list[FlatBuffer], scalars: StepScalars,
-                 param_sync: ParamSync, before_write: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        buffers: list[FlatBuffer],
+        scalars: StepScalars,
+        param_sync: ParamSync,
+        before_write: Callable[[], None],
+    ) -> None:
         self.buffers = buffers
         self.scalars = scalars
         self.param_sync = param_sync
         self.before_write = before_write
 
     def shard_infos(self) -> list[ShardInfo]:
-        return [ShardInfo(group_index=b.group_index, dtype=b.dtype, unit=b.unit,
-                          layout=b.layout, shard_rank=b.shard_rank, modes=b.modes)
-                for b in self.buffers]
+        return [
+            ShardInfo(
+                group_index=b.group_index,
+                dtype=b.dtype,
+                unit=b.unit,
+                layout=b.layout,
+                shard_rank=b.shard_rank,
+                modes=b.modes,
+            )
+            for b in self.buffers
+        ]
 
     def param_infos(self, param_groups: list[dict[str, Any]]) -> list[ParamInfo]:
         # Shapes from the layout: a stage-3 param is an empty tensor while its unit is freed.
@@ -41,8 +55,11 @@ class ShardAccess:
         for gi, g in enumerate(param_groups):
             for _ in g["params"]:
                 s, b = slots[len(out)]
-                out.append(ParamInfo(index=s.index, name=s.name, shape=s.shape, dtype=b.dtype,
-                                     group_index=gi))
+                out.append(
+                    ParamInfo(
+                        index=s.index, name=s.name, shape=s.shape, dtype=b.dtype, group_index=gi
+                    )
+                )
         return out
 
     def master(self, buf: FlatBuffer) -> torch.Tensor:
@@ -63,12 +80,21 @@ class ShardAccess:
         modes = self.buffers[0].modes if self.buffers else ShardState().modes
         fields = fields_of(modes)
         lists: dict[str, list[torch.Tensor] | None] = {
-            f: ([self.master(b) for b in self.buffers] if f == "master" else
-                [getattr(b, f) for b in self.buffers]) if f in fields else None
-            for f in TENSOR_FIELDS}
-        return ShardState(**lists, modes=modes,
-                          step_count=float(self.scalars.step.reshape(-1)[0]),  # a host sync
-                          scaler=None if scaler is None else scaler.values())
+            f: (
+                [self.master(b) for b in self.buffers]
+                if f == "master"
+                else [getattr(b, f) for b in self.buffers]
+            )
+            if f in fields
+            else None
+            for f in TENSOR_FIELDS
+        }
+        return ShardState(
+            **lists,
+            modes=modes,
+            step_count=float(self.scalars.step.reshape(-1)[0]),  # a host sync
+            scaler=None if scaler is None else scaler.values(),
+        )
 
     def load_shard_state(self, st: ShardState) -> None:
         """Write `st` (converted from its modes into each buffer's, `fusedzero.state.convert`).
@@ -77,11 +103,13 @@ class ShardAccess:
         for name in TENSOR_FIELDS:
             values = getattr(st, name)
             if values is not None and len(values) != n:
-                raise ValueError(f"shard state has {len(values)} {name} buffers, the "
-                                 f"optimizer has {n}")
+                raise ValueError(
+                    f"shard state has {len(values)} {name} buffers, the optimizer has {n}"
+                )
         with torch.no_grad():
-            new = [convert(st.tensors(i), st.modes, buf.modes)
-                   for i, buf in enumerate(self.buffers)]
+            new = [
+                convert(st.tensors(i), st.modes, buf.modes) for i, buf in enumerate(self.buffers)
+            ]
             for t, buf in zip(new, self.buffers):
                 for name in ("exp_avg", "exp_avg_sq"):
                     if name in t and buf.modes.quantized and f"{name}_scale" not in t:
@@ -105,10 +133,12 @@ class ShardAccess:
     # -- torch.optim-style state dicts (this rank's shard, same layout only) -------------------
     def flat_state(self) -> dict[str, Any]:
         st = self.shard_state()
-        flat = [{k: t.clone() for k, t in st.tensors(i).items()}
-                for i in range(len(self.buffers))]
-        state: dict[str, Any] = {"step": self.scalars.step.clone(), "flat": flat,
-                                 "modes": st.modes.to_json()}
+        flat = [{k: t.clone() for k, t in st.tensors(i).items()} for i in range(len(self.buffers))]
+        state: dict[str, Any] = {
+            "step": self.scalars.step.clone(),
+            "flat": flat,
+            "modes": st.modes.to_json(),
+        }
         if self.scalars.scaler is not None:
             state["scaler"] = self.scalars.scaler.state_dict()
         return state
@@ -116,18 +146,21 @@ class ShardAccess:
     def load_flat_state(self, state: dict[str, Any]) -> None:
         flat = state["flat"]
         if len(flat) != len(self.buffers):
-            raise ValueError(f"state dict has {len(flat)} flat buffers, optimizer has "
-                             f"{len(self.buffers)}")
+            raise ValueError(
+                f"state dict has {len(flat)} flat buffers, optimizer has {len(self.buffers)}"
+            )
         with torch.no_grad():
             self.scalars.step.copy_(state["step"])
             if self.scalars.scaler is not None and "scaler" in state:
                 self.scalars.scaler.load_state_dict(state["scaler"])
         modes = MemoryModes(**state.get("modes", {}))
-        self.load_shard_state(ShardState(
-            **{f: [d[f] for d in flat] for f in fields_of(modes)}, modes=modes))
+        self.load_shard_state(
+            ShardState(**{f: [d[f] for d in flat] for f in fields_of(modes)}, modes=modes)
+        )
 
-    def state_dict(self, param_groups: list[dict[str, Any]],
-                   layout_key: dict[str, Any]) -> dict[str, Any]:
+    def state_dict(
+        self, param_groups: list[dict[str, Any]], layout_key: dict[str, Any]
+    ) -> dict[str, Any]:
         groups = []
         index = 0
         for g in param_groups:
@@ -137,17 +170,24 @@ class ShardAccess:
             groups.append(d)
         return {"state": self.flat_state(), "param_groups": groups, "layout": layout_key}
 
-    def load_state_dict(self, state_dict: dict[str, Any], param_groups: list[dict[str, Any]],
-                        layout_key: dict[str, Any]) -> None:
+    def load_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        param_groups: list[dict[str, Any]],
+        layout_key: dict[str, Any],
+    ) -> None:
         key = state_dict.get("layout")
         if key != layout_key:
-            raise ValueError(f"state dict was saved with layout {key}, this optimizer has "
-                             f"{layout_key}; use fusedzero.checkpoint to load across "
-                             "world sizes or stages")
+            raise ValueError(
+                f"state dict was saved with layout {key}, this optimizer has "
+                f"{layout_key}; use fusedzero.checkpoint to load across "
+                "world sizes or stages"
+            )
         groups = state_dict["param_groups"]
         if len(groups) != len(param_groups):
-            raise ValueError(f"state dict has {len(groups)} param groups, optimizer has "
-                             f"{len(param_groups)}")
+            raise ValueError(
+                f"state dict has {len(groups)} param groups, optimizer has {len(param_groups)}"
+            )
         for mine, saved in zip(param_groups, groups):
             if len(saved["params"]) != len(mine["params"]):
                 raise ValueError("param group sizes differ between state dict and optimizer")
@@ -179,10 +219,16 @@ class ShardStateMethods:
         self.shards.load_state_dict(state_dict, self.param_groups, self.layout_key())
 
     def layout_key(self) -> dict[str, Any]:
-        return {"world_size": self.world_size, "rank": self.rank, "stage": int(self.stage),
-                "bucket_numel": self.bucket_numel,
-                "flat": [(buf.group_index, str(buf.dtype), buf.unit, buf.layout.local_numel)
-                         for buf in self.flat_groups]}
+        return {
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "stage": int(self.stage),
+            "bucket_numel": self.bucket_numel,
+            "flat": [
+                (buf.group_index, str(buf.dtype), buf.unit, buf.layout.local_numel)
+                for buf in self.flat_groups
+            ],
+        }
 
     # -- the typed interface of fusedzero/state.py (checkpoints, importers, plan) -------------
     def shard_infos(self) -> list[ShardInfo]:

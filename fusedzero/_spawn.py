@@ -12,6 +12,7 @@ too, can listen on it. A port found free and released (`free_port`) could be tak
 process before rank 0 bound it: a CI run's `fusedzero train` ended with EADDRINUSE while another
 test's ranks started. Close it once the ranks are done (or their group is up).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -92,8 +93,13 @@ def exit_description(code: int | None) -> str:
 
 def set_rank_env(rank: int, world_size: int, port: int) -> None:
     """In a spawned rank: the env:// rendezvous `init_process_group` reads, as torchrun sets it."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
 
 
 def leave(queue: Queue[Report], code: int) -> NoReturn:
@@ -130,6 +136,7 @@ class _Stdio:
 
     def __reduce__(self) -> tuple[Any, tuple]:
         from multiprocessing import reduction
+
         return _use_stdio, tuple(reduction.DupFd(fd) for fd in (1, 2) if _is_open(fd))
 
 
@@ -148,9 +155,16 @@ def _use_stdio(*fds: Any) -> None:
         os.dup2(fd.detach(), target)
 
 
-def _in_env(rank: int, world_size: int, port: int, queue: Queue[Report],
-            target: Callable[..., None], env: dict[str, str], stdio: None,
-            *args: Any) -> None:
+def _in_env(
+    rank: int,
+    world_size: int,
+    port: int,
+    queue: Queue[Report],
+    target: Callable[..., None],
+    env: dict[str, str],
+    stdio: None,
+    *args: Any,
+) -> None:
     """A fork-server child: the caller's environment of now, then `target`."""
     os.environ.clear()
     os.environ.update(env)
@@ -165,9 +179,17 @@ class SpawnedRanks:
     exception kills them at once, since the others may be stuck in a collective.
     """
 
-    def __init__(self, target: Callable[..., None], world_size: int, args: tuple = (), *,
-                 daemon: bool = True, exit_grace_s: float = 10.0,
-                 preload: list[str] | None = None, name: str = "fusedzero") -> None:
+    def __init__(
+        self,
+        target: Callable[..., None],
+        world_size: int,
+        args: tuple = (),
+        *,
+        daemon: bool = True,
+        exit_grace_s: float = 10.0,
+        preload: list[str] | None = None,
+        name: str = "fusedzero",
+    ) -> None:
         ctx = context(preload)
         self.world_size = world_size
         self.queue = ctx.Queue()
@@ -177,17 +199,27 @@ class SpawnedRanks:
         if preload is not None:  # the server's environment and stdio are its start's
             args = (target, dict(os.environ), _Stdio(), *args)
             target = _in_env
-        self.procs = [ctx.Process(target=target, args=(r, world_size, port, self.queue, *args),
-                                  daemon=daemon, name=f"{name} rank {r}")
-                      for r in range(world_size)]
+        self.procs = [
+            ctx.Process(
+                target=target,
+                args=(r, world_size, port, self.queue, *args),
+                daemon=daemon,
+                name=f"{name} rank {r}",
+            )
+            for r in range(world_size)
+        ]
         for p in self.procs:
             p.start()
 
     def __enter__(self) -> SpawnedRanks:
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
         self.close(kill=exc_type is not None)
 
     def close(self, *, kill: bool) -> None:
@@ -203,8 +235,12 @@ class SpawnedRanks:
         self.queue.join_thread()
         self._port.close()
 
-    def next_report(self, waiting_on: Collection[int], deadline: float = float("inf"),
-                    timeout: float | None = None) -> Report | None:
+    def next_report(
+        self,
+        waiting_on: Collection[int],
+        deadline: float = float("inf"),
+        timeout: float | None = None,
+    ) -> Report | None:
         """The next report, or None after POLL_S without one (the caller may check its own
         deadlines). Raises RuntimeError when a rank in `waiting_on` died without reporting, and
         TimeoutError (naming `timeout`, the caller's limit) once `time.monotonic()` passes
@@ -218,11 +254,15 @@ class SpawnedRanks:
             try:  # its report may still be on the way through the pipe
                 return self.queue.get(timeout=LAST_WORDS_S)
             except queue_mod.Empty:
-                raise RuntimeError(f"rank {dead[0]} died without reporting: "
-                                   f"{exit_description(self.procs[dead[0]].exitcode)}") from None
+                raise RuntimeError(
+                    f"rank {dead[0]} died without reporting: "
+                    f"{exit_description(self.procs[dead[0]].exitcode)}"
+                ) from None
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{self.world_size} ranks did not finish within {timeout}s; still "
-                               f"running: {sorted(waiting_on)}")
+            raise TimeoutError(
+                f"{self.world_size} ranks did not finish within {timeout}s; still "
+                f"running: {sorted(waiting_on)}"
+            )
         return None
 
     def failure(self, report: Report, reported: Collection[int]) -> RuntimeError:
@@ -230,8 +270,12 @@ class SpawnedRanks:
         rank's connection error: the ranks that died silently are named too, as the likely
         cause."""
         time.sleep(LAST_WORDS_S)
-        dead = [f"rank {r} died without reporting: {exit_description(p.exitcode)}\n"
-                for r, p in enumerate(self.procs)
-                if r != report.rank and r not in reported and not p.is_alive()
-                and p.exitcode != REPORTED_ERROR_EXIT]
+        dead = [
+            f"rank {r} died without reporting: {exit_description(p.exitcode)}\n"
+            for r, p in enumerate(self.procs)
+            if r != report.rank
+            and r not in reported
+            and not p.is_alive()
+            and p.exitcode != REPORTED_ERROR_EXIT
+        ]
         return RuntimeError("".join(dead) + f"rank {report.rank} failed:\n{report.value}")

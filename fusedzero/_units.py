@@ -2,6 +2,7 @@
 meta device are initialised (`ShardInit`, `FullUnitInit`, `ParamInitFn`). Stages 1-2 use the same
 units for their forward waits (fusedzero/_param_sync.py); fusedzero/_zero3.py gathers and frees
 them."""
+
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -53,8 +54,9 @@ def select_units(root: nn.Module, policy: UnitPolicy) -> list[nn.Module]:
     param elements of their own subtree, innermost first)."""
     if policy is None:
         units = default_policy(root)
-    elif isinstance(policy, type) or (isinstance(policy, tuple)
-                                      and all(isinstance(c, type) for c in policy)):
+    elif isinstance(policy, type) or (
+        isinstance(policy, tuple) and all(isinstance(c, type) for c in policy)
+    ):
         units = [m for m in root.modules() if isinstance(m, policy) and m is not root]
     elif isinstance(policy, int):
         units = []
@@ -71,8 +73,10 @@ def select_units(root: nn.Module, policy: UnitPolicy) -> list[nn.Module]:
     elif callable(policy):
         units = [m for m in root.modules() if m is not root and policy(m)]
     else:
-        raise TypeError(f"unit_policy must be None, a module class, a tuple of classes, a "
-                        f"callable or an int, got {policy!r}")
+        raise TypeError(
+            f"unit_policy must be None, a module class, a tuple of classes, a "
+            f"callable or an int, got {policy!r}"
+        )
     # Nested units: keep the outermost (a param belongs to one unit). One walk per unit, not
     # one per pair of units (80 blocks of 10 modules: 1.5 s of the pairwise walk).
     inner = {id(x) for o in units for x in o.modules() if x is not o}

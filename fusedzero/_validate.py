@@ -1,5 +1,6 @@
 """Checks at the optimizer's boundary: hyper-parameters, params, and the model they belong to.
 Each error names the offending value and the fix."""
+
 from __future__ import annotations
 
 import weakref
@@ -35,15 +36,18 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     if not lr_v >= 0.0:
         raise ValueError(f"Invalid learning rate: {lr}")
     if not lr_v <= _FP32.max:
-        raise ValueError(f"Invalid learning rate: {lr} (must be finite in fp32, at most "
-                         f"{_FP32.max:.4g})")
+        raise ValueError(
+            f"Invalid learning rate: {lr} (must be finite in fp32, at most {_FP32.max:.4g})"
+        )
     eps_v = _number(eps)
     if not eps_v >= 0.0:
         raise ValueError(f"Invalid epsilon value: {eps}")
     if not _FP32.tiny <= eps_v <= _FP32.max:
-        raise ValueError(f"Invalid epsilon value: {eps} (must be > 0 and finite in fp32, in "
-                         f"[{_FP32.tiny:.4g}, {_FP32.max:.4g}]: eps 0 divides by zero where "
-                         "the second moment is zero; torch's default is 1e-8)")
+        raise ValueError(
+            f"Invalid epsilon value: {eps} (must be > 0 and finite in fp32, in "
+            f"[{_FP32.tiny:.4g}, {_FP32.max:.4g}]: eps 0 divides by zero where "
+            "the second moment is zero; torch's default is 1e-8)"
+        )
     if len(betas) != 2 or not 0.0 <= betas[0] < 1.0:
         raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
     if not 0.0 <= betas[1] < 1.0:
@@ -51,8 +55,10 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
     if not weight_decay >= 0.0:
         raise ValueError(f"Invalid weight_decay value: {weight_decay}")
     if not _number(weight_decay) <= _FP32.max:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be finite in fp32, "
-                         f"at most {_FP32.max:.4g})")
+        raise ValueError(
+            f"Invalid weight_decay value: {weight_decay} (must be finite in fp32, "
+            f"at most {_FP32.max:.4g})"
+        )
 
 
 def trainable(params: Any) -> list[Any]:
@@ -65,8 +71,9 @@ def trainable(params: Any) -> list[Any]:
         for g in params:
             g = dict(g)
             ps = g["params"]
-            g["params"] = [p for p in ([ps] if isinstance(ps, torch.Tensor) else ps)
-                           if p.requires_grad]
+            g["params"] = [
+                p for p in ([ps] if isinstance(ps, torch.Tensor) else ps) if p.requires_grad
+            ]
             out.append(g)
         return out
     return [p for p in params if p.requires_grad]
@@ -78,8 +85,7 @@ def check_groups(param_groups: list[dict[str, Any]]) -> list[nn.Parameter]:
         check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
     for gi, g in enumerate(param_groups):
         if len({id(p) for p in g["params"]}) != len(g["params"]):
-            raise ValueError(f"param group {gi} lists a parameter twice; list each "
-                             "parameter once")
+            raise ValueError(f"param group {gi} lists a parameter twice; list each parameter once")
     all_params = [p for g in param_groups for p in g["params"]]
     if len({id(p) for p in all_params}) != len(all_params):
         raise ValueError("a parameter appears in more than one param group")
@@ -96,13 +102,19 @@ def indexed_device(device: torch.device | str) -> torch.device:
         return d
     current = getattr(getattr(torch, d.type, None), "current_device", None)
     if current is None:
-        raise ValueError(f"device {d} has no index and torch.{d.type}.current_device() does not "
-                         f"exist to choose one; pass an indexed device, e.g. '{d.type}:0'")
+        raise ValueError(
+            f"device {d} has no index and torch.{d.type}.current_device() does not "
+            f"exist to choose one; pass an indexed device, e.g. '{d.type}:0'"
+        )
     return torch.device(d.type, current())
 
 
-def resolve_device(params: list[nn.Parameter], module: nn.Module | None, shards_params: bool,
-                   device: torch.device | str | None) -> torch.device:
+def resolve_device(
+    params: list[nn.Parameter],
+    module: nn.Module | None,
+    shards_params: bool,
+    device: torch.device | str | None,
+) -> torch.device:
     """The one device of the params, indexed; for params on the meta device (stage 3 only),
     where they are materialised: `device`, else the current CUDA device if there is one."""
     devices = {indexed_device(p.device) for p in params}
@@ -113,37 +125,49 @@ def resolve_device(params: list[nn.Parameter], module: nn.Module | None, shards_
         if device is not None and torch.device(device).type == "meta":
             return torch.device("meta")  # a dry build: shapes and byte counts, no storage
         if not shards_params:
-            raise ValueError("params on the meta device need stage=3, which materialises "
-                             "them unit by unit; other stages hold the full model anyway")
-        if module is not None and any(p.is_meta for p in module.parameters()
-                                      if not p.requires_grad):
-            raise ValueError("frozen params on the meta device are not supported: "
-                             "materialise them before building the optimizer")
-        return indexed_device(device if device is not None else
-                              ("cuda" if torch.cuda.is_available() else "cpu"))
+            raise ValueError(
+                "params on the meta device need stage=3, which materialises "
+                "them unit by unit; other stages hold the full model anyway"
+            )
+        if module is not None and any(
+            p.is_meta for p in module.parameters() if not p.requires_grad
+        ):
+            raise ValueError(
+                "frozen params on the meta device are not supported: "
+                "materialise them before building the optimizer"
+            )
+        return indexed_device(
+            device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+        )
     if device is not None and indexed_device(device) != found:
-        raise ValueError(f"device={device} (that is {indexed_device(device)}) but the params "
-                         f"are on {found}; pass device={str(found)!r} or leave it out")
+        raise ValueError(
+            f"device={device} (that is {indexed_device(device)}) but the params "
+            f"are on {found}; pass device={str(found)!r} or leave it out"
+        )
     return found
 
 
-def check_params(module: nn.Module | None, params: list[nn.Parameter],
-                 names: list[str]) -> None:
+def check_params(module: nn.Module | None, params: list[nn.Parameter], names: list[str]) -> None:
     for p, n in zip(params, names):
         if p.is_sparse or p.layout != torch.strided:
-            raise ValueError(f"param {n} has layout {p.layout}; only dense params are "
-                             "supported")
+            raise ValueError(f"param {n} has layout {p.layout}; only dense params are supported")
         if p.dtype not in FLOAT_DTYPES:
             raise ValueError(f"param {n} has dtype {p.dtype}; expected one of {FLOAT_DTYPES}")
     if module is not None:
         for n, m in module.named_modules():
             if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse:
-                raise ValueError(f"module {n or type(m).__name__} has sparse=True: sparse "
-                                 "gradients are not supported; build it with sparse=False")
+                raise ValueError(
+                    f"module {n or type(m).__name__} has sparse=True: sparse "
+                    "gradients are not supported; build it with sparse=False"
+                )
 
 
-def check_modes(modes: MemoryModes, params: list[nn.Parameter], names: list[str],
-                param_dtype: torch.dtype | None) -> None:
+def check_modes(
+    modes: MemoryModes,
+    params: list[nn.Parameter],
+    names: list[str],
+    param_dtype: torch.dtype | None,
+) -> None:
     """bf16 master modes need bf16 params: with `param_dtype` given, that; else every param."""
     if param_dtype is not None:
         check_param_dtype(modes, param_dtype, "param_dtype")
@@ -152,8 +176,7 @@ def check_modes(modes: MemoryModes, params: list[nn.Parameter], names: list[str]
         check_param_dtype(modes, p.dtype, f"param {n}'s dtype")
 
 
-def check_not_owned(module: nn.Module | None, params: list[nn.Parameter],
-                    names: list[str]) -> None:
+def check_not_owned(module: nn.Module | None, params: list[nn.Parameter], names: list[str]) -> None:
     """Two optimizers on one model would both hook every grad and both rewrite the params."""
     tensors = list(zip(params, names))
     if module is not None:
@@ -162,9 +185,11 @@ def check_not_owned(module: nn.Module | None, params: list[nn.Parameter],
         ref = getattr(p, OWNER_ATTR, None)
         owner = ref() if ref is not None else None
         if owner is not None and not owner.closed:
-            raise ValueError(f"param {n} already belongs to a live ZeroAdamW (stage "
-                             f"{int(owner.stage)}); call close() on that optimizer before "
-                             "building another one on the same model")
+            raise ValueError(
+                f"param {n} already belongs to a live ZeroAdamW (stage "
+                f"{int(owner.stage)}); call close() on that optimizer before "
+                "building another one on the same model"
+            )
 
 
 def param_names(module: nn.Module | None, params: list[nn.Parameter]) -> list[str]:
@@ -190,7 +215,8 @@ def check_not_frozen(params: list[nn.Parameter], names: list[str]) -> None:
             f"params {frozen} were set requires_grad=False after ZeroAdamW was built; the "
             "fused update would keep moving them (momentum, weight decay). Freeze params "
             "before building the optimizer (frozen params are left out), or unfreeze them; "
-            "to change the set mid-run: checkpoint.save, close(), build a new ZeroAdamW")
+            "to change the set mid-run: checkpoint.save, close(), build a new ZeroAdamW"
+        )
 
 
 def replicated(params: list[nn.Parameter], module: nn.Module | None) -> list[torch.Tensor]:

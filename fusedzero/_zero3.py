@@ -50,6 +50,7 @@ an inplace operation"). Run eagerly, `.data =` leaves the counter alone, as in a
 forward, and the graphs see what the eager forward sees. (`_eager.eager`: uncompiled, the hook is
 called directly, without the disable wrapper's per-call cost.)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -105,9 +106,15 @@ class Unit:
 class Zero3:
     """The per-unit gather/free machinery of stage 3, over flat buffers it is given."""
 
-    def __init__(self, root: nn.Module, policy: UnitPolicy, reshard_after_forward: bool,
-                 ctx: CommContext, broadcast: Broadcast,
-                 param_wire: wire.WireFormat | None = None) -> None:
+    def __init__(
+        self,
+        root: nn.Module,
+        policy: UnitPolicy,
+        reshard_after_forward: bool,
+        ctx: CommContext,
+        broadcast: Broadcast,
+        param_wire: wire.WireFormat | None = None,
+    ) -> None:
         self.root = root
         self.param_wire = param_wire  # fusedzero.wire: other ranks' pieces arrive quantized
         self.reshard_after_forward = reshard_after_forward
@@ -208,16 +215,17 @@ class Zero3:
         # -- shard_init: the model's own init on this rank's elements (issue 43) --
         all_bufs = [buf for unit in self.units for buf in unit.buffers]
         if not isinstance(init_fn, FullUnitInit) and shard_init.applies(all_bufs):
-            self.init_stats = shard_init.init_local(self.root, all_bufs, init_fn,
-                                                    self._broadcast)
+            self.init_stats = shard_init.init_local(self.root, all_bufs, init_fn, self._broadcast)
             return
         if isinstance(init_fn, FullUnitInit):
             init_fn = init_fn.fn
         # -- end shard_init --
         if init_fn is None:
+
             def init_fn(name: str, m: nn.Module) -> None:
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
+
         todo: list[tuple[str, nn.Module, Unit]] = []
         left = [0] * len(self.units)
         for name, m in self.root.named_modules():
@@ -232,9 +240,15 @@ class Zero3:
                     buf.allocate_full()
                     buf.full.zero_()
                 unit.state = UnitState.GATHERED
-                self.materialize_peak = max(self.materialize_peak, sum(
-                    buf.layout.padded_numel for v in self.units if v.state != UnitState.FREE
-                    for buf in v.buffers))
+                self.materialize_peak = max(
+                    self.materialize_peak,
+                    sum(
+                        buf.layout.padded_numel
+                        for v in self.units
+                        if v.state != UnitState.FREE
+                        for buf in v.buffers
+                    ),
+                )
             with torch.no_grad():
                 init_fn(name, m)
             left[unit.index] -= 1
@@ -363,6 +377,7 @@ class Zero3:
             if unit.late and torch.is_grad_enabled():
                 return _free_when_inputs_have_grads(args, free)
             return None
+
         return _eager(hook)
 
     def _make_post_forward(self, unit: Unit) -> Callable[..., Any]:
@@ -370,10 +385,15 @@ class Zero3:
 
         def hook(module: nn.Module, args: Any, output: Any) -> Any:
             self.ctx.record("forward_end", u)
-            tensors = ([output] if output.requires_grad else []) \
-                if isinstance(output, torch.Tensor) else \
-                [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor)
-                 and t.requires_grad]
+            tensors = (
+                ([output] if output.requires_grad else [])
+                if isinstance(output, torch.Tensor)
+                else [
+                    t
+                    for t in tree_flatten(output)[0]
+                    if isinstance(t, torch.Tensor) and t.requires_grad
+                ]
+            )
             if torch.is_grad_enabled() and tensors:
                 # Re-gather before this unit's backward: the grad of its output arrives first.
                 # A pre-hook on the node that made the output runs then (before that node, the
@@ -390,6 +410,7 @@ class Zero3:
             if self.reshard_after_forward and not _in_backward() and not keep:
                 self._free(unit)
             return None
+
         return _eager(hook)
 
     def _make_pre_backward(self, unit: Unit) -> Callable[[Any], None]:
@@ -402,6 +423,7 @@ class Zero3:
             self._wait(unit)
             if prev is not None:
                 self._gather(prev)
+
         return hook
 
     def grad_ready(self, buf: FlatBuffer) -> None:
@@ -426,19 +448,24 @@ def _init_own_shard(buf: FlatBuffer, init: ShardInit) -> None:
     names = {s.index: s.name for s in buf.layout.params}
     with torch.no_grad():
         for seg in buf.layout.segments(buf.shard_rank):
-            out = buf.param_shard[seg.local:seg.local + seg.length]
+            out = buf.param_shard[seg.local : seg.local + seg.length]
             init.fn(names[seg.param], out, seg.start)
             if buf.master is not None:
-                buf.master[seg.local:seg.local + seg.length].copy_(out)
+                buf.master[seg.local : seg.local + seg.length].copy_(out)
 
 
 def _bucket_gathers(buf: FlatBuffer) -> list[BucketGather]:
     """Per bucket of `buf`: its range of the gathered buffer and this rank's shard piece."""
     assert buf.full is not None and buf.param_shard is not None
     L, S = buf.layout, buf.layout.shard_numel
-    return [BucketGather(buf.full[slice(*L.bucket_range(k))], buf.param_shard[k * S:(k + 1) * S],
-                         buf.shard_rank)
-            for k in range(L.num_buckets)]
+    return [
+        BucketGather(
+            buf.full[slice(*L.bucket_range(k))],
+            buf.param_shard[k * S : (k + 1) * S],
+            buf.shard_rank,
+        )
+        for k in range(L.num_buckets)
+    ]
 
 
 def _in_backward() -> bool:

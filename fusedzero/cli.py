@@ -1,4 +1,5 @@
 """`python -m fusedzero.cli` (torchrun needs a module to run): the app's `fusedzero` command."""
+
 import sys
 
 from fusedzero.app.entry import main

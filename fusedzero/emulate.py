@@ -21,6 +21,7 @@ step's collectives (`fusedzero._comm`, the optimizer's own free functions, on me
 each bucket's shape) over the fake group. `python -m fusedzero.emulate --table` prints the
 table of docs/scale.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,19 @@ from fusedzero.policy import Precision, Sharding, Wire
 from fusedzero.stage import Stage
 from fusedzero.wire import WBLOCK, WireFormat
 
-__all__ = ["SHAPES", "TABLE_ROWS", "Emulation", "LlamaShape", "ModelSource", "emulate",
-           "fake_group", "meta_model", "param_groups", "step_comm", "table"]
+__all__ = [
+    "SHAPES",
+    "TABLE_ROWS",
+    "Emulation",
+    "LlamaShape",
+    "ModelSource",
+    "emulate",
+    "fake_group",
+    "meta_model",
+    "param_groups",
+    "step_comm",
+    "table",
+]
 
 
 # -- model shapes (plain nn modules, Llama-style: no forward, they are only ever built) ----------
@@ -122,8 +134,10 @@ def param_groups(model: nn.Module, decay_split: bool = True) -> list[dict]:
     ps = [p for p in model.parameters() if p.requires_grad]
     if not decay_split:
         return [{"params": ps}]
-    groups = [{"params": [p for p in ps if p.dim() >= 2]},
-              {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in ps if p.dim() >= 2]},
+        {"params": [p for p in ps if p.dim() < 2], "weight_decay": 0.0},
+    ]
     return [g for g in groups if g["params"]]
 
 
@@ -136,8 +150,9 @@ def fake_group(rank: int, world_size: int) -> Iterator[None]:
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
     if dist.is_initialized():
-        raise RuntimeError("a process group is already initialised; emulate in a fresh process "
-                           "or destroy it first")
+        raise RuntimeError(
+            "a process group is already initialised; emulate in a fresh process or destroy it first"
+        )
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
@@ -152,9 +167,15 @@ def _zero_init(name: str, out: torch.Tensor, start: int) -> None:
     out.zero_()  # values do not matter to the emulation; writing them touches the pages
 
 
-def step_comm(buffers: list[FlatBuffer], stage: Stage, reshard_after_forward: bool,
-              world_size: int, grad_norm: bool = True, wire_format: WireFormat | None = None,
-              param_wire: WireFormat | None = None) -> CommCounter:
+def step_comm(
+    buffers: list[FlatBuffer],
+    stage: Stage,
+    reshard_after_forward: bool,
+    world_size: int,
+    grad_norm: bool = True,
+    wire_format: WireFormat | None = None,
+    param_wire: WireFormat | None = None,
+) -> CommCounter:
     """One step's collectives of these buffers (one micro-batch), issued through
     `fusedzero._comm` on meta tensors of each bucket's shape: what the optimizer's counter
     records on a real step (tests/zero/test_scale_comm.py checks it against one). Over a wire
@@ -174,7 +195,7 @@ def step_comm(buffers: list[FlatBuffer], stage: Stage, reshard_after_forward: bo
                 assert wire_format is not None
                 packed = new_packed(wire_format, W, -(-B // (W * WBLOCK)) * WBLOCK, _META)
                 comm.all_to_all(packed, packed, None, W, c)
-                comm.all_gather(packed, packed[:packed.numel() // W], None, W, c)
+                comm.all_gather(packed, packed[: packed.numel() // W], None, W, c)
             elif not stage.shards_state:
                 comm.all_reduce(torch.empty(B, dtype=buf.reduce_dtype, device=_META), None, W, c)
             elif grads_wire:  # wire.reduce_scatter_start
@@ -185,9 +206,12 @@ def step_comm(buffers: list[FlatBuffer], stage: Stage, reshard_after_forward: bo
                 grads = torch.empty(B, dtype=buf.reduce_dtype, device=_META)
                 comm.reduce_scatter(grads[:S], grads, None, W, c)
             for _ in range(gathers):  # wire.all_gather
-                full = (new_packed(param_wire, W, S, _META) if params_wire  # type: ignore[arg-type]
-                        else torch.empty(B, dtype=buf.dtype, device=_META))
-                comm.all_gather(full, full[:full.numel() // W], None, W, c)
+                full = (
+                    new_packed(param_wire, W, S, _META)
+                    if params_wire  # type: ignore[arg-type]
+                    else torch.empty(B, dtype=buf.dtype, device=_META)
+                )
+                comm.all_gather(full, full[: full.numel() // W], None, W, c)
     if stage.shards_state and grad_norm:
         comm.all_reduce(torch.empty(1, dtype=torch.float32, device=_META), None, W, c)
     return c
@@ -238,8 +262,10 @@ class Emulation:
     @property
     def equals_plan(self) -> bool:
         """Resident and per-step comm bytes both equal to the plan's, to the byte."""
-        return (self.resident_bytes == self.plan_bytes
-                and self.comm_bytes_per_step == self.plan_comm_bytes)
+        return (
+            self.resident_bytes == self.plan_bytes
+            and self.comm_bytes_per_step == self.plan_comm_bytes
+        )
 
 
 ModelSource = LlamaShape | str | Callable[[], nn.Module]
@@ -249,11 +275,20 @@ def _build(model: ModelSource) -> nn.Module:
     return model() if callable(model) and not isinstance(model, LlamaShape) else meta_model(model)
 
 
-def emulate(model: ModelSource, *, world_size: int, rank: int = 0, stage: int = 3,
-            precision: Precision = PLAN_PRECISION, wire: Wire = Wire(),
-            sharding: Sharding = Sharding(), decay_split: bool = True,
-            materialize: bool | None = None, plan: Plan | None = None,
-            init: Literal["zeros", "model"] = "zeros") -> Emulation:
+def emulate(
+    model: ModelSource,
+    *,
+    world_size: int,
+    rank: int = 0,
+    stage: int = 3,
+    precision: Precision = PLAN_PRECISION,
+    wire: Wire = Wire(),
+    sharding: Sharding = Sharding(),
+    decay_split: bool = True,
+    materialize: bool | None = None,
+    plan: Plan | None = None,
+    init: Literal["zeros", "model"] = "zeros",
+) -> Emulation:
     """Build `ZeroAdamW` as `rank` of `world_size` under the fake backend and report it.
 
     `model`: a name in SHAPES, a LlamaShape, or a function returning a model on the meta
@@ -273,8 +308,10 @@ def emulate(model: ModelSource, *, world_size: int, rank: int = 0, stage: int = 
     if materialize is None:
         materialize = st.shards_params
     if materialize and not st.shards_params:
-        raise ValueError(f"stage {stage} keeps the full params on every rank: only stage 3 "
-                         "can materialise the local shard alone (pass materialize=False)")
+        raise ValueError(
+            f"stage {stage} keeps the full params on every rank: only stage 3 "
+            "can materialise the local shard alone (pass materialize=False)"
+        )
     if plan is not None and plan.world_size != world_size:
         raise ValueError(f"the plan is for W={plan.world_size}, the emulation for W={world_size}")
     from fusedzero.optim import ZeroAdamW
@@ -285,32 +322,54 @@ def emulate(model: ModelSource, *, world_size: int, rank: int = 0, stage: int = 
     with fake_group(rank, world_size):
         rss0 = rss_bytes()
         t0 = time.perf_counter()
-        opt = ZeroAdamW(groups, stage=st, module=m, max_grad_norm=1.0,
-                        device="cpu" if materialize else "meta",
-                        precision=precision, wire=wire,
-                        sharding=dataclasses.replace(
-                            sharding,
-                            param_init_fn=ShardInit(_zero_init) if materialize and init == "zeros"
-                            else None))
+        opt = ZeroAdamW(
+            groups,
+            stage=st,
+            module=m,
+            max_grad_norm=1.0,
+            device="cpu" if materialize else "meta",
+            precision=precision,
+            wire=wire,
+            sharding=dataclasses.replace(
+                sharding,
+                param_init_fn=ShardInit(_zero_init) if materialize and init == "zeros" else None,
+            ),
+        )
         construct_s = time.perf_counter() - t0
         rss = rss_bytes() - rss0
         mem = opt.memory()
-        sent = step_comm(opt.flat_groups, st, sharding.reshard_after_forward, world_size,
-                         wire_format=opt.grad_wire, param_wire=opt.param_wire)
+        sent = step_comm(
+            opt.flat_groups,
+            st,
+            sharding.reshard_after_forward,
+            world_size,
+            wire_format=opt.grad_wire,
+            param_wire=opt.param_wire,
+        )
         # Not closed: close() gathers every unit (the full model). The model is dropped.
         del opt
     if plan is None:
-        cfg = PlanConfig(world_size=world_size, precision=precision, wire=wire,
-                         sharding=sharding)
+        cfg = PlanConfig(world_size=world_size, precision=precision, wire=wire, sharding=sharding)
         plan = plan_model(_build(model), cfg, decay_split=decay_split)
     planned = plan.stages[int(st)]
-    return Emulation(shape=name, world_size=world_size, rank=rank, stage=int(st),
-                     params=mem.param_elements, resident_bytes=mem.total,
-                     params_bytes=mem.params, grads_bytes=mem.grads,
-                     optimizer_bytes=mem.optimizer, padding_elements=mem.padding_elements,
-                     comm_bytes_per_step=sent.total_bytes, plan_bytes=planned.total_bytes,
-                     plan_comm_bytes=planned.comm_bytes_per_step, construct_s=construct_s,
-                     rss_delta_bytes=rss, materialized=materialize)
+    return Emulation(
+        shape=name,
+        world_size=world_size,
+        rank=rank,
+        stage=int(st),
+        params=mem.param_elements,
+        resident_bytes=mem.total,
+        params_bytes=mem.params,
+        grads_bytes=mem.grads,
+        optimizer_bytes=mem.optimizer,
+        padding_elements=mem.padding_elements,
+        comm_bytes_per_step=sent.total_bytes,
+        plan_bytes=planned.total_bytes,
+        plan_comm_bytes=planned.comm_bytes_per_step,
+        construct_s=construct_s,
+        rss_delta_bytes=rss,
+        materialized=materialize,
+    )
 
 
 # -- the table of docs/scale.md ------------------------------------------------------------------
@@ -322,27 +381,42 @@ TABLE_ROWS: tuple[tuple[str, int, tuple[int, ...]], ...] = (
 )
 
 
-def table(rows: tuple[tuple[str, int, tuple[int, ...]], ...] = TABLE_ROWS,
-          rank: int | None = None) -> str:
+def table(
+    rows: tuple[tuple[str, int, tuple[int, ...]], ...] = TABLE_ROWS, rank: int | None = None
+) -> str:
     """A markdown table, one emulated rank per row (the last rank unless `rank` is given), all
     on the meta device (the byte counts are the same as a materialised build's, and fast)."""
-    out = ["| model | stage | W | resident bytes per rank | padding | comm bytes per step "
-           "| = plan |", "| --- | --- | --- | --- | --- | --- | --- |"]
+    out = [
+        "| model | stage | W | resident bytes per rank | padding | comm bytes per step | = plan |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for shape, stage, worlds in rows:
         for W in worlds:
-            e = emulate(shape, world_size=W, rank=W - 1 if rank is None else rank,
-                        stage=stage, materialize=False)
-            out.append(f"| {shape} | {stage} | {W} | {e.resident_bytes:,} | "
-                       f"{100 * e.padding_fraction:.4f}% | {e.comm_bytes_per_step:,} | "
-                       f"{'yes' if e.equals_plan else 'NO'} |")
+            e = emulate(
+                shape,
+                world_size=W,
+                rank=W - 1 if rank is None else rank,
+                stage=stage,
+                materialize=False,
+            )
+            out.append(
+                f"| {shape} | {stage} | {W} | {e.resident_bytes:,} | "
+                f"{100 * e.padding_fraction:.4f}% | {e.comm_bytes_per_step:,} | "
+                f"{'yes' if e.equals_plan else 'NO'} |"
+            )
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m fusedzero.emulate",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--table", action="store_true", required=True,
-                    help="print docs/scale.md's table (model x stage x W, rank W-1)")
+    ap = argparse.ArgumentParser(
+        prog="python -m fusedzero.emulate", description=__doc__.split("\n\n")[0]
+    )
+    ap.add_argument(
+        "--table",
+        action="store_true",
+        required=True,
+        help="print docs/scale.md's table (model x stage x W, rank W-1)",
+    )
     ap.parse_args(argv)
     print(table())
     return 0

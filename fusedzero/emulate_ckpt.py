@@ -8,6 +8,7 @@ need no collective after the first gather, lets rank 0 wait for the others' shar
 thread while they are saved one after the other. `load_emulated` loads it into one rank of
 another world size the same way (its one collective, `agree`, served in process).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,8 +45,14 @@ class SavedEmulated:
     peak_rss_bytes: int
 
 
-def save_emulated(make_opt: MakeOpt, world_size: int, root: Path, *, step: int = 1,
-                  prepare: Callable[[Any], None] | None = None) -> SavedEmulated:
+def save_emulated(
+    make_opt: MakeOpt,
+    world_size: int,
+    root: Path,
+    *,
+    step: int = 1,
+    prepare: Callable[[Any], None] | None = None,
+) -> SavedEmulated:
     """Save a `world_size`-rank checkpoint under `root`, building and saving rank by rank.
     `prepare(opt)` runs on each rank's optimizer before it is saved (e.g. to set its state)."""
     W = world_size
@@ -92,10 +99,13 @@ def save_emulated(make_opt: MakeOpt, world_size: int, root: Path, *, step: int =
                 saving.save(opts.pop(r), root, step=step, async_=True).wait()
             peak = max(peak, rss_bytes())
         path = first.wait()
-    return SavedEmulated(path=path, seconds=time.perf_counter() - t0,
-                         manifest_bytes=(path / "manifest.json").stat().st_size,
-                         shard_files=len(list(path.glob("*.safetensors"))),
-                         peak_rss_bytes=max(peak, rss_bytes()))
+    return SavedEmulated(
+        path=path,
+        seconds=time.perf_counter() - t0,
+        manifest_bytes=(path / "manifest.json").stat().st_size,
+        shard_files=len(list(path.glob("*.safetensors"))),
+        peak_rss_bytes=max(peak, rss_bytes()),
+    )
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ compensation ("bf16-kahan": the effective master is param + comp, in fp32). Into
 States go through fp32: dequantize (int8, bf16) and quantize into the new mode. A load in the
 same mode copies the stored tensors as they are (bit-exact resume).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,16 @@ from fusedzero.kernels._memory_modes import (
     quantize_blockwise,
 )
 
-__all__ = ["MASTER_MODES", "QBLOCK", "STATE_MODES", "MemoryModes", "decode_master", "decode_state",
-           "encode_master", "encode_state"]
+__all__ = [
+    "MASTER_MODES",
+    "QBLOCK",
+    "STATE_MODES",
+    "MemoryModes",
+    "decode_master",
+    "decode_state",
+    "encode_master",
+    "encode_state",
+]
 
 SCALE_BYTES = 4  # one fp32 scale per QBLOCK elements and int8 state
 
@@ -93,9 +102,11 @@ class MemoryModes:
 def check_param_dtype(modes: MemoryModes, dtype: torch.dtype, what: str) -> None:
     """bf16 master modes update the bf16 param itself: the params must be bf16."""
     if not modes.fp32_master and dtype != torch.bfloat16:
-        raise ValueError(f"master={modes.master!r} keeps no fp32 master: the bf16 params are "
-                         f"the master, but {what} is {dtype}; pass param_dtype=torch.bfloat16 "
-                         "(or bf16 params), or master='fp32'")
+        raise ValueError(
+            f"master={modes.master!r} keeps no fp32 master: the bf16 params are "
+            f"the master, but {what} is {dtype}; pass param_dtype=torch.bfloat16 "
+            "(or bf16 params), or master='fp32'"
+        )
 
 
 # -- conversions between modes (checkpoints) ---------------------------------------------------
@@ -122,8 +133,9 @@ def decode_state(t: torch.Tensor, scale: torch.Tensor | None, *, signed: bool) -
     return t.float()
 
 
-def encode_state(x: torch.Tensor, modes: MemoryModes, *, signed: bool
-                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def encode_state(
+    x: torch.Tensor, modes: MemoryModes, *, signed: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fp32 state values as `modes` stores them: (tensor, block scales or None)."""
     if modes.quantized:
         return quantize_blockwise(x.float().contiguous(), signed=signed)

@@ -32,6 +32,7 @@ This class composes the parts and keeps the torch.optim contract; each part owns
   fusedzero/_param_sync.py stages 1-2 param all-gather and its forward waits
   fusedzero/_zero3.py      stage 3 units: gather, prefetch, free
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -127,8 +128,7 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         process_group, replicate_group = groups.shard, groups.replicate
         param_dtype, reduce_dtype = precision.param_dtype, precision.reduce_dtype
         bucket_numel, seed = sharding.bucket_numel, precision.seed
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                        maximize=maximize)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(validate.trainable(params), defaults)
         all_params = validate.check_groups(self.param_groups)
 
@@ -162,55 +162,94 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         gather_group = groups.gather
         if gather_group is not None:
             comm.check_same_ranks(gather_group, process_group, "Groups(gather=...)")
-        self._gather_ctx = (self._ctx if gather_group is None else
-                            CommContext.of(gather_group, self.comm, self.trace, self.device))
-        self._tp_ctx = (None if self.tp is None else
-                        CommContext.of(self.tp.group, self.comm, self.trace, self.device))
+        self._gather_ctx = (
+            self._ctx
+            if gather_group is None
+            else CommContext.of(gather_group, self.comm, self.trace, self.device)
+        )
+        self._tp_ctx = (
+            None
+            if self.tp is None
+            else CommContext.of(self.tp.group, self.comm, self.trace, self.device)
+        )
         # No replicate group: a group of one (None would mean the world here).
-        self._replica_ctx = (CommContext.of(replicate_group, self.comm, self.trace, self.device)
-                             if replicate_group is not None else
-                             CommContext(group=None, world_size=1, rank=0, counter=self.comm,
-                                         trace=self.trace))
+        self._replica_ctx = (
+            CommContext.of(replicate_group, self.comm, self.trace, self.device)
+            if replicate_group is not None
+            else CommContext(group=None, world_size=1, rank=0, counter=self.comm, trace=self.trace)
+        )
         start_from_rank0(validate.replicated(all_params, module), (self._ctx, self._replica_ctx))
 
         ls = precision.loss_scale
         self.scaler = LossScaler(ls, self.device) if ls is not None else None
-        self.scalars = StepScalars(self.device, max_grad_norm=max_grad_norm,
-                                   skip_nonfinite=precision.skip_nonfinite, scaler=self.scaler)
+        self.scalars = StepScalars(
+            self.device,
+            max_grad_norm=max_grad_norm,
+            skip_nonfinite=precision.skip_nonfinite,
+            scaler=self.scaler,
+        )
         self.zero3: Zero3 | None = None
         units = [0] * len(all_params)
         if stage.shards_params:
             assert module is not None
-            self.zero3 = Zero3(module, sharding.units, sharding.reshard_after_forward,
-                               self._gather_ctx,
-                               lambda t: broadcast_from_rank0(t, (self._ctx, self._replica_ctx)),
-                               self.param_wire)
+            self.zero3 = Zero3(
+                module,
+                sharding.units,
+                sharding.reshard_after_forward,
+                self._gather_ctx,
+                lambda t: broadcast_from_rank0(t, (self._ctx, self._replica_ctx)),
+                self.param_wire,
+            )
             units = self.zero3.assign(all_params)
         self.flat_groups: list[FlatBuffer] = build_buffers(
-            self.param_groups, names, units, param_dtype=param_dtype, stage=stage,
-            world_size=self.world_size, rank=self.rank, bucket_numel=bucket_numel,
-            reduce_dtype=reduce_dtype, device=self.device, modes=self.modes, seed=seed,
-            tp_replicated=None if self.tp is None else [self.tp.replicated(p)
-                                                        for p in all_params])
+            self.param_groups,
+            names,
+            units,
+            param_dtype=param_dtype,
+            stage=stage,
+            world_size=self.world_size,
+            rank=self.rank,
+            bucket_numel=bucket_numel,
+            reduce_dtype=reduce_dtype,
+            device=self.device,
+            modes=self.modes,
+            seed=seed,
+            tp_replicated=None if self.tp is None else [self.tp.replicated(p) for p in all_params],
+        )
         self.seed = seed
         if self.zero3 is not None:
             self.zero3.setup(self.flat_groups, sharding.param_init_fn)
         order = list(module.parameters()) if module is not None else all_params
-        self.buckets = BucketSchedule(self.flat_groups, stage, self._ctx, order, self._replica_ctx,
-                                      self.grad_wire)
+        self.buckets = BucketSchedule(
+            self.flat_groups, stage, self._ctx, order, self._replica_ctx, self.grad_wire
+        )
         z = self.zero3
-        self.grads = GradHooks(self.buckets, stage, self._ctx, module, all_params,
-                               on_unit_grad=z.grad_ready if z is not None else None,
-                               on_backward_end=z.end_backward if z is not None else None)
+        self.grads = GradHooks(
+            self.buckets,
+            stage,
+            self._ctx,
+            module,
+            all_params,
+            on_unit_grad=z.grad_ready if z is not None else None,
+            on_backward_end=z.end_backward if z is not None else None,
+        )
         self.param_sync = ParamSync(
-            self.flat_groups if stage.gathers_after_step else [], self._gather_ctx, module,
-            sharding.units, self.param_wire)
-        self.shards = ShardAccess(self.flat_groups, self.scalars, self.param_sync,
-                                  self.quiesce_params)
+            self.flat_groups if stage.gathers_after_step else [],
+            self._gather_ctx,
+            module,
+            sharding.units,
+            self.param_wire,
+        )
+        self.shards = ShardAccess(
+            self.flat_groups, self.scalars, self.param_sync, self.quiesce_params
+        )
         self._build_update()
         # model.load_state_dict() at stages 0-2 (at stage 3 the unit hooks do it).
-        self._load_hooks = ([] if module is None or self.zero3 is not None else
-                            FullParamsLoad(self.flat_groups, self.param_sync.wait).install(module))
+        self._load_hooks = (
+            []
+            if module is None or self.zero3 is not None
+            else FullParamsLoad(self.flat_groups, self.param_sync.wait).install(module)
+        )
         self.closed = False
         validate.claim(self, validate.replicated(all_params, module))
 
@@ -220,7 +259,8 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         if hasattr(self, "flat_groups"):
             raise NotImplementedError(
                 "ZeroAdamW cannot add param groups after construction (its flat buffers are "
-                "sharded at build time); pass every group to the constructor")
+                "sharded at build time); pass every group to the constructor"
+            )
         super().add_param_group(param_group)
 
     def _build_update(self) -> None:
@@ -231,12 +271,30 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         self.group_lr = GroupLr(len(self.param_groups), self.device)
         m = self.modes
         self._update = GroupedAdamW(
-            [AdamWBuffer(b.master_view(), b.grad_view(), b.exp_avg, b.exp_avg_sq, b.out_view(),
-                         b.layout.num_buckets, b.layout.shard_numel, b.group_index, b.comp,
-                         b.exp_avg_scale, b.exp_avg_sq_scale, b.sr_offset)
-             for b in self.flat_groups],
-            self.device, len(self.param_groups), require_aligned=True, master_mode=m.master,
-            states=m.states, seed=self.flat_groups[0].seed if self.flat_groups else None)
+            [
+                AdamWBuffer(
+                    b.master_view(),
+                    b.grad_view(),
+                    b.exp_avg,
+                    b.exp_avg_sq,
+                    b.out_view(),
+                    b.layout.num_buckets,
+                    b.layout.shard_numel,
+                    b.group_index,
+                    b.comp,
+                    b.exp_avg_scale,
+                    b.exp_avg_sq_scale,
+                    b.sr_offset,
+                )
+                for b in self.flat_groups
+            ],
+            self.device,
+            len(self.param_groups),
+            require_aligned=True,
+            master_mode=m.master,
+            states=m.states,
+            seed=self.flat_groups[0].seed if self.flat_groups else None,
+        )
         self._sumsq = self._grouped_sumsq()
 
     def _grouped_sumsq(self) -> Callable[[], torch.Tensor]:
@@ -306,7 +364,8 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
             raise RuntimeError(
                 "step() without a backward since the last step() or zero_grad(): ZeroAdamW's "
                 "step consumes the grads, so this one would apply zero grads (torch.optim.AdamW "
-                "would apply the same .grad again); run backward before each step()")
+                "would apply the same .grad again); run backward before each step()"
+            )
         validate.check_not_frozen(self.params, self.param_names)
         lrs = self.group_lr.update(self.param_groups)
         self.quiesce_params()  # the kernel rewrites this rank's pieces of the param buffer
@@ -318,8 +377,13 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         rows = self._update.rows
         with phase("fusedzero::grad_norm"):
             # Stage 0 grads are replicated: the local sum of squares is already global.
-            s.prepare(self._sumsq, self._ctx if self.stage.shards_state else None,
-                      self._tp_ctx, rows=rows, hyper=lrs)
+            s.prepare(
+                self._sumsq,
+                self._ctx if self.stage.shards_state else None,
+                self._tp_ctx,
+                rows=rows,
+                hyper=lrs,
+            )
         with phase("fusedzero::update"):
             self._update.step(lrs, s.step, s.grad_scale, s.skip, rows_written=rows is not None)
         s.finish()

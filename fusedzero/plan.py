@@ -27,6 +27,7 @@ with comm_bytes_per_step the plan's exact bytes sent. Left out: overlap with com
 real step hides much of it behind backward), tree and NVLS algorithms, contention, the NIC/NVLink
 split of a multi-node ring (give the slowest link).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -43,8 +44,18 @@ from fusedzero.memory_modes import MemoryModes
 from fusedzero.policy import Precision, Sharding, Wire, check_record
 from fusedzero.stage import Stage
 
-__all__ = ["PLAN_PRECISION", "STAGES", "LinkModel", "Plan", "PlanConfig", "StagePlan",
-           "model_layouts", "plan_groups", "plan_model", "plan_params"]
+__all__ = [
+    "PLAN_PRECISION",
+    "STAGES",
+    "LinkModel",
+    "Plan",
+    "PlanConfig",
+    "StagePlan",
+    "model_layouts",
+    "plan_groups",
+    "plan_model",
+    "plan_params",
+]
 
 STAGES = (0, 1, 2, 3)
 # The global grad norm (clipping, non-finite skip) is one fp32 scalar all-reduced per step.
@@ -134,8 +145,10 @@ class LinkModel:
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0 or not self.latency >= 0:
-            raise ValueError(f"link bandwidth must be > 0 and latency >= 0, got "
-                             f"{self.bandwidth} B/s and {self.latency} s")
+            raise ValueError(
+                f"link bandwidth must be > 0 and latency >= 0, got "
+                f"{self.bandwidth} B/s and {self.latency} s"
+            )
 
     def seconds(self, ring_steps: int, comm_bytes: int) -> float:
         return ring_steps * self.latency + comm_bytes / self.bandwidth
@@ -153,30 +166,40 @@ class Plan:
 
     def comm_seconds(self, link: LinkModel) -> dict[int, float]:
         """Per stage, one step's communication time in the alpha-beta ring model."""
-        return {s: link.seconds(self.ring_steps[s], p.comm_bytes_per_step)
-                for s, p in self.stages.items()}
+        return {
+            s: link.seconds(self.ring_steps[s], p.comm_bytes_per_step)
+            for s, p in self.stages.items()
+        }
 
     # Bytes per step per rank of every stage under every grad wire choice ("native": the reduce
     # dtype's own collective), the rest of the config unchanged; filled by `by_wire=True`.
     comm_by_wire: dict[str, dict[int, int]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        out = {"stages": {str(s): p._asdict() for s, p in self.stages.items()},
-               "world_size": self.world_size, "params": self.params}
+        out = {
+            "stages": {str(s): p._asdict() for s, p in self.stages.items()},
+            "world_size": self.world_size,
+            "params": self.params,
+        }
         if self.comm_by_wire:
             out["comm_bytes_per_step_by_wire"] = {
-                w: {str(s): b for s, b in d.items()} for w, d in self.comm_by_wire.items()}
+                w: {str(s): b for s, b in d.items()} for w, d in self.comm_by_wire.items()
+            }
         return out
 
     def wire_table(self) -> str:
         """comm/step of every stage (rows) under every grad wire choice (columns), in MB."""
         names = list(self.comm_by_wire)
-        lines = ["", "comm/step per rank by --wire (MB = 1e6 bytes; int8 includes its fp32 "
-                 f"scales, one per {wire.WBLOCK}):",
-                 "stage " + "".join(f"{n:>12}" for n in names)]
+        lines = [
+            "",
+            "comm/step per rank by --wire (MB = 1e6 bytes; int8 includes its fp32 "
+            f"scales, one per {wire.WBLOCK}):",
+            "stage " + "".join(f"{n:>12}" for n in names),
+        ]
         for s in STAGES:
-            lines.append(f"{s:<6}" + "".join(f"{self.comm_by_wire[n][s] / 1e6:>12.3f}"
-                                           for n in names))
+            lines.append(
+                f"{s:<6}" + "".join(f"{self.comm_by_wire[n][s] / 1e6:>12.3f}" for n in names)
+            )
         return "\n".join(lines)
 
     def table(self) -> str:
@@ -192,36 +215,58 @@ class Plan:
             what = "fp32 exp_avg + exp_avg_sq (fp32 params are their own master)"
         else:
             what = "fp32 master + exp_avg + exp_avg_sq"
-        lines = [f"{self.source}: {self.params:,} params (Psi), world size W={W}",
-                 f"params {pdt}, grads {dtypes.short_name(c.reduce_dtype)}"
-                 + (f" (wire {c.wire.grads})" if c.wire.grads is not None else "")
-                 + (f", params gathered in {c.wire.params}"
-                    if c.wire.params is not None else "") + ", optimizer "
-                 f"{what}: K={k:g} bytes/param", ""]
-        where = {0: ("full", "full", "full"), 1: ("full", "full", "1/W"),
-                 2: ("full", "1/W", "1/W"), 3: ("1/W", "1/W", "1/W")}
+        lines = [
+            f"{self.source}: {self.params:,} params (Psi), world size W={W}",
+            f"params {pdt}, grads {dtypes.short_name(c.reduce_dtype)}"
+            + (f" (wire {c.wire.grads})" if c.wire.grads is not None else "")
+            + (f", params gathered in {c.wire.params}" if c.wire.params is not None else "")
+            + ", optimizer "
+            f"{what}: K={k:g} bytes/param",
+            "",
+        ]
+        where = {
+            0: ("full", "full", "full"),
+            1: ("full", "full", "1/W"),
+            2: ("full", "1/W", "1/W"),
+            3: ("1/W", "1/W", "1/W"),
+        }
         head = ("stage", "params", "grads", "optimizer", "total/rank", "comm/step")
         rows = [head]
         for s, p in self.stages.items():
             a, b, o = where[s]
-            rows.append((str(s), f"{_gb(p.params_bytes)} {a}", f"{_gb(p.grads_bytes)} {b}",
-                         f"{_gb(p.optimizer_bytes)} {o}", _gb(p.total_bytes),
-                         _gb(p.comm_bytes_per_step)))
+            rows.append(
+                (
+                    str(s),
+                    f"{_gb(p.params_bytes)} {a}",
+                    f"{_gb(p.grads_bytes)} {b}",
+                    f"{_gb(p.optimizer_bytes)} {o}",
+                    _gb(p.total_bytes),
+                    _gb(p.comm_bytes_per_step),
+                )
+            )
         widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
         for r in rows:
-            lines.append("  ".join(x.ljust(w) if i < 4 else x.rjust(w)
-                                   for i, (x, w) in enumerate(zip(r, widths))).rstrip())
-        ag = ("2 x all-gather (1 of the root unit, kept from forward into backward)"
-              if c.sharding.reshard_after_forward else "1 x all-gather")
-        lines += ["",
-                  "KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12 bytes, resident per rank (as "
-                  "ZeroAdamW.memory()), padding included.",
-                  "comm/step = bytes this rank sends per step (as opt.comm), one micro-batch: "
-                  "stage 0 all-reduce of grads; 1-2 reduce-scatter of grads + all-gather of "
-                  f"params; 3 reduce-scatter + {ag}"
-                  + (" + the grad-norm scalar." if c.grad_norm else "."),
-                  "Not counted: activations, stage 2-3 transient grad buckets (<= 2 in flight), "
-                  "stage-3 gathered units (the current one and one prefetched)."]
+            lines.append(
+                "  ".join(
+                    x.ljust(w) if i < 4 else x.rjust(w) for i, (x, w) in enumerate(zip(r, widths))
+                ).rstrip()
+            )
+        ag = (
+            "2 x all-gather (1 of the root unit, kept from forward into backward)"
+            if c.sharding.reshard_after_forward
+            else "1 x all-gather"
+        )
+        lines += [
+            "",
+            "KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12 bytes, resident per rank (as "
+            "ZeroAdamW.memory()), padding included.",
+            "comm/step = bytes this rank sends per step (as opt.comm), one micro-batch: "
+            "stage 0 all-reduce of grads; 1-2 reduce-scatter of grads + all-gather of "
+            f"params; 3 reduce-scatter + {ag}"
+            + (" + the grad-norm scalar." if c.grad_norm else "."),
+            "Not counted: activations, stage 2-3 transient grad buckets (<= 2 in flight), "
+            "stage-3 gathered units (the current one and one prefetched).",
+        ]
         return "\n".join(lines) + ("\n" + self.wire_table() if self.comm_by_wire else "")
 
 
@@ -241,9 +286,12 @@ def _gb(n: int) -> str:
 Item = tuple[int, str, tuple[int, ...]]  # (index in the optimizer's param list, name, shape)
 
 
-def _buffers_from_groups(groups: list[list[tuple[str, nn.Parameter]]], stage: int,
-                         cfg: PlanConfig, units: list[int] | None
-                         ) -> list[tuple[torch.dtype, list[Item], int]]:
+def _buffers_from_groups(
+    groups: list[list[tuple[str, nn.Parameter]]],
+    stage: int,
+    cfg: PlanConfig,
+    units: list[int] | None,
+) -> list[tuple[torch.dtype, list[Item], int]]:
     """(dtype, params) of every flat buffer, in ZeroAdamW's order: stages 0-2 group by
     (param group, dtype) (`ZeroAdamW._build_flat_groups`), stage 3 by (unit, group, dtype)
     (`fusedzero._zero3.build_zero3`); with each, its stage-3 unit (0, the root, elsewhere)."""
@@ -274,13 +322,17 @@ def _units(model: nn.Module, params: list[nn.Parameter], policy: Any) -> list[in
 def _layout(items: list[Item], dt: torch.dtype, stage: int, cfg: PlanConfig) -> FlatLayout:
     """One flat buffer's layout, as FlatBuffer builds it. Stage 0 replicates everything: its
     layout is the world-size-1 layout."""
-    bucket = (cfg.bucket_numel if cfg.bucket_numel is not None else
-              default_bucket_numel(cfg.world_size, dt.itemsize))  # as FlatBuffer chooses it
+    bucket = (
+        cfg.bucket_numel
+        if cfg.bucket_numel is not None
+        else default_bucket_numel(cfg.world_size, dt.itemsize)
+    )  # as FlatBuffer chooses it
     return build_layout(items, 1 if stage == 0 else cfg.world_size, bucket)
 
 
-def _stage_plan(buffers: list[tuple[torch.dtype, list[Item], int]], stage: int,
-                cfg: PlanConfig) -> tuple[StagePlan, int]:
+def _stage_plan(
+    buffers: list[tuple[torch.dtype, list[Item], int]], stage: int, cfg: PlanConfig
+) -> tuple[StagePlan, int]:
     """The stage's bytes, and the ring steps of its collectives (LinkModel)."""
     W = cfg.world_size
     g = cfg.reduce_dtype.itemsize
@@ -306,8 +358,7 @@ def _stage_plan(buffers: list[tuple[torch.dtype, list[Item], int]], stage: int,
     return StagePlan(params, grads, opt, params + grads + opt, comm), steps
 
 
-def _bucket_comm(L: FlatLayout, stage: int, cfg: PlanConfig, dt: torch.dtype,
-                 gathers: int) -> int:
+def _bucket_comm(L: FlatLayout, stage: int, cfg: PlanConfig, dt: torch.dtype, gathers: int) -> int:
     """Bytes one flat buffer sends per step (`gathers`: param all-gathers of each bucket,
     `Stage.gathers_per_step`): one collective per bucket, counted as
     comm.CommCounter.add does (ring formulas, integer division per call); over a wire format
@@ -322,65 +373,94 @@ def _bucket_comm(L: FlatLayout, stage: int, cfg: PlanConfig, dt: torch.dtype,
             S = -(-B // (W * wire.WBLOCK)) * wire.WBLOCK
             return nb * 2 * (W - 1) * wire.chunk_bytes(gf, S)
         return nb * (2 * (W - 1) * B * g // W)
-    grads = ((W - 1) * wire.chunk_bytes(gf, B // W)
-             if gf is not None and wire.uses_wire(gf, cfg.reduce_dtype, W)
-             else (W - 1) * B * g // W)
-    gather = ((W - 1) * wire.chunk_bytes(pf, B // W)
-              if pf is not None and wire.gathers_over_wire(pf, dt, W)
-              else (W - 1) * B * p // W)
+    grads = (
+        (W - 1) * wire.chunk_bytes(gf, B // W)
+        if gf is not None and wire.uses_wire(gf, cfg.reduce_dtype, W)
+        else (W - 1) * B * g // W
+    )
+    gather = (
+        (W - 1) * wire.chunk_bytes(pf, B // W)
+        if pf is not None and wire.gathers_over_wire(pf, dt, W)
+        else (W - 1) * B * p // W
+    )
     return nb * (grads + gathers * gather)
 
 
-def plan_groups(groups: list[list[tuple[str, nn.Parameter]]], cfg: PlanConfig, *,
-                model: nn.Module | None = None, source: str = "model",
-                by_wire: bool = False) -> Plan:
+def plan_groups(
+    groups: list[list[tuple[str, nn.Parameter]]],
+    cfg: PlanConfig,
+    *,
+    model: nn.Module | None = None,
+    source: str = "model",
+    by_wire: bool = False,
+) -> Plan:
     """Plan from the optimizer's param groups, each a list of (name, param); params may live on
     the meta device. `model` is needed for stage-3 units (without it: every param in one unit
     that is not the root, as in a model whose blocks hold nearly all of it: 3 Psi per step).
     `by_wire`: also the comm of every stage under every grad wire choice (`Plan.comm_by_wire`)."""
     flat = [p for grp in groups for _, p in grp]
     units = _units(model, flat, cfg.sharding.units) if model is not None else [1] * len(flat)
-    done = {s: _stage_plan(_buffers_from_groups(groups, s, cfg, units), s, cfg)
-            for s in STAGES}
-    result = Plan(sum(p.numel() for p in flat), cfg.world_size, {s: d[0] for s, d in done.items()},
-                  cfg, source, ring_steps={s: d[1] for s, d in done.items()})
+    done = {s: _stage_plan(_buffers_from_groups(groups, s, cfg, units), s, cfg) for s in STAGES}
+    result = Plan(
+        sum(p.numel() for p in flat),
+        cfg.world_size,
+        {s: d[0] for s, d in done.items()},
+        cfg,
+        source,
+        ring_steps={s: d[1] for s, d in done.items()},
+    )
     if by_wire:
         for name in ("native", *wire.WIRES):
             grads = None if name == "native" else name
             c = dataclasses.replace(cfg, wire=dataclasses.replace(cfg.wire, grads=grads))
             result.comm_by_wire[name] = {
-                s: _stage_plan(_buffers_from_groups(groups, s, c, units), s, c)[0]
-                .comm_bytes_per_step for s in STAGES}
+                s: _stage_plan(_buffers_from_groups(groups, s, c, units), s, c)[
+                    0
+                ].comm_bytes_per_step
+                for s in STAGES
+            }
     return result
 
 
 def _model_groups(model: nn.Module, decay_split: bool) -> list[list[tuple[str, nn.Parameter]]]:
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if decay_split:
-        return [[(n, p) for n, p in named if p.dim() >= 2],
-                [(n, p) for n, p in named if p.dim() < 2]]
+        return [
+            [(n, p) for n, p in named if p.dim() >= 2],
+            [(n, p) for n, p in named if p.dim() < 2],
+        ]
     return [named]
 
 
-def plan_model(model: nn.Module, cfg: PlanConfig, *, decay_split: bool = True,
-               source: str = "model", by_wire: bool = False) -> Plan:
+def plan_model(
+    model: nn.Module,
+    cfg: PlanConfig,
+    *,
+    decay_split: bool = True,
+    source: str = "model",
+    by_wire: bool = False,
+) -> Plan:
     """Plan for `ZeroAdamW(groups, module=model)`, the groups as `fusedzero train` makes them
     (`gpt_param_groups`: >= 2-D params decayed, the rest not) or one group of every trainable
     param (`decay_split=False`)."""
-    return plan_groups(_model_groups(model, decay_split), cfg, model=model, source=source,
-                       by_wire=by_wire)
+    return plan_groups(
+        _model_groups(model, decay_split), cfg, model=model, source=source, by_wire=by_wire
+    )
 
 
-def model_layouts(model: nn.Module, cfg: PlanConfig, stage: int, *,
-                  decay_split: bool = True) -> list[FlatLayout]:
+def model_layouts(
+    model: nn.Module, cfg: PlanConfig, stage: int, *, decay_split: bool = True
+) -> list[FlatLayout]:
     """The flat buffers of `ZeroAdamW(groups, module=model, stage=stage)` as layouts (the
     groups as `plan_model`'s), the same on every rank, nothing allocated: where every param
     element lives, so the segments a checkpoint's manifest lists (`FlatLayout.segments`)."""
     groups = _model_groups(model, decay_split)
     flat = [p for grp in groups for _, p in grp]
     units = _units(model, flat, cfg.sharding.units) if stage == 3 else None
-    return [_layout(items, dt, stage, cfg)
-            for dt, items, _ in _buffers_from_groups(groups, stage, cfg, units)]
+    return [
+        _layout(items, dt, stage, cfg)
+        for dt, items, _ in _buffers_from_groups(groups, stage, cfg, units)
+    ]
 
 
 def plan_params(n: int, cfg: PlanConfig, *, by_wire: bool = False) -> Plan:

@@ -18,6 +18,7 @@ and names its choices as `Literal` types checked at runtime.
 `fusedzero plan` (`PlanConfig`) takes the same `Precision`, `Wire` and `Sharding`. Strings are
 kept as given (so a record prints as it was written); the optimizer parses them into enums.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,13 +41,16 @@ StateMode = Literal["fp32", "bf16", "int8"]
 WireFormatName = Literal["fp32", "bf16", "int8"]
 
 
-def _check_choice(record: str, field: str, value: object, choices: Any,
-                  none_ok: bool = False) -> None:
+def _check_choice(
+    record: str, field: str, value: object, choices: Any, none_ok: bool = False
+) -> None:
     """A `Literal` field checked at runtime: the message names the record, field and value."""
     allowed = get_args(choices)
     if value not in allowed and not (none_ok and value is None):
-        raise ValueError(f"{record}({field}={value!r}): expected "
-                         f"{'None or ' if none_ok else ''}one of {list(allowed)}")
+        raise ValueError(
+            f"{record}({field}={value!r}): expected "
+            f"{'None or ' if none_ok else ''}one of {list(allowed)}"
+        )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -83,11 +87,20 @@ class Precision:
         _check_choice("Precision", "master", self.master, MasterMode)
         _check_choice("Precision", "states", self.states, StateMode)
         ls = self.loss_scale
-        if not (ls is None or ls == "dynamic" or (isinstance(ls, (int, float))
-                                                 and not isinstance(ls, bool)
-                                                 and math.isfinite(ls) and ls > 0)):
-            raise ValueError(f"Precision(loss_scale={ls!r}): expected 'dynamic', a positive "
-                             "finite number or None")
+        if not (
+            ls is None
+            or ls == "dynamic"
+            or (
+                isinstance(ls, (int, float))
+                and not isinstance(ls, bool)
+                and math.isfinite(ls)
+                and ls > 0
+            )
+        ):
+            raise ValueError(
+                f"Precision(loss_scale={ls!r}): expected 'dynamic', a positive "
+                "finite number or None"
+            )
         if self.param_dtype is not None:
             check_param_dtype(self.modes, self.param_dtype, "param_dtype")
 
@@ -139,8 +152,9 @@ class Groups:
         for name in ("shard", "replicate", "gather"):
             g = getattr(self, name)
             if g is not None and not isinstance(g, dist.ProcessGroup):
-                raise TypeError(f"Groups({name}={g!r}): expected a torch.distributed "
-                                "ProcessGroup or None")
+                raise TypeError(
+                    f"Groups({name}={g!r}): expected a torch.distributed ProcessGroup or None"
+                )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -167,25 +181,38 @@ class Sharding:
     def __post_init__(self) -> None:
         b = self.bucket_numel
         if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
-            raise ValueError(f"Sharding(bucket_numel={b!r}): expected an int >= 1 or None "
-                             "(chosen per rank)")
+            raise ValueError(
+                f"Sharding(bucket_numel={b!r}): expected an int >= 1 or None (chosen per rank)"
+            )
         if isinstance(self.units, bool) or (isinstance(self.units, int) and self.units < 1):
-            raise ValueError(f"Sharding(units={self.units!r}): a minimum element count must be "
-                             "an int >= 1")
+            raise ValueError(
+                f"Sharding(units={self.units!r}): a minimum element count must be an int >= 1"
+            )
 
 
 # A removed ZeroAdamW keyword -> where it lives now.
 MOVED_KEYWORDS: dict[str, str] = {
-    **{k: f"precision=Precision({k}=...)" for k in (
-        "param_dtype", "reduce_dtype", "master", "states", "seed", "loss_scale",
-        "skip_nonfinite")},
+    **{
+        k: f"precision=Precision({k}=...)"
+        for k in (
+            "param_dtype",
+            "reduce_dtype",
+            "master",
+            "states",
+            "seed",
+            "loss_scale",
+            "skip_nonfinite",
+        )
+    },
     "process_group": "groups=Groups(shard=...)",
     "replicate_group": "groups=Groups(replicate=...)",
     "gather_group": "groups=Groups(gather=...)",
     "param_wire": "wire=Wire(params=...)",
     "unit_policy": "sharding=Sharding(units=...)",
-    **{k: f"sharding=Sharding({k}=...)" for k in (
-        "bucket_numel", "reshard_after_forward", "param_init_fn")},
+    **{
+        k: f"sharding=Sharding({k}=...)"
+        for k in ("bucket_numel", "reshard_after_forward", "param_init_fn")
+    },
 }
 
 _R = TypeVar("_R")
@@ -194,10 +221,12 @@ _R = TypeVar("_R")
 def check_record(name: str, value: object, cls: type[_R]) -> _R:
     """`value` if it is a `cls`, else a TypeError naming the record to pass."""
     if not isinstance(value, cls):
-        hint = f"{name}={cls.__name__}(grads={value!r})" if cls is Wire and isinstance(
-            value, str) else f"{name}={cls.__name__}(...)"
-        raise TypeError(f"{name}={value!r}: expected a fusedzero.{cls.__name__} record; "
-                        f"use {hint}")
+        hint = (
+            f"{name}={cls.__name__}(grads={value!r})"
+            if cls is Wire and isinstance(value, str)
+            else f"{name}={cls.__name__}(...)"
+        )
+        raise TypeError(f"{name}={value!r}: expected a fusedzero.{cls.__name__} record; use {hint}")
     return value
 
 

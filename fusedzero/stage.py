@@ -1,4 +1,5 @@
 """The ZeRO stage, and what each one shards. Code asks these properties, never `stage ==`."""
+
 from __future__ import annotations
 
 import enum

@@ -13,6 +13,7 @@ unit]). Its local shard is this rank's piece of every bucket, back to back; `lay
 shard_rank)` maps param element ranges to local-shard offsets, which is what survives a change of
 world size or stage.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -101,12 +102,16 @@ TENSOR_FIELDS = ("master", "comp", "exp_avg", "exp_avg_sq", "exp_avg_scale", "ex
 
 def fields_of(modes: MemoryModes) -> tuple[str, ...]:
     """The tensor fields a buffer held in `modes` has."""
-    return tuple(f for f in TENSOR_FIELDS
-                 if (f != "comp" or modes.kahan) and (not f.endswith("_scale") or modes.quantized))
+    return tuple(
+        f
+        for f in TENSOR_FIELDS
+        if (f != "comp" or modes.kahan) and (not f.endswith("_scale") or modes.quantized)
+    )
 
 
-def convert(t: dict[str, torch.Tensor], src: MemoryModes,
-            dst: MemoryModes) -> dict[str, torch.Tensor]:
+def convert(
+    t: dict[str, torch.Tensor], src: MemoryModes, dst: MemoryModes
+) -> dict[str, torch.Tensor]:
     """One buffer's tensors held in `src` modes, as `dst` holds them (only the fields present:
     a master without its comp is taken as the effective master; states are converted only
     when both the values and, for int8, their scales are given)."""

@@ -22,6 +22,7 @@ barrier until the run's timeout. So each rank reports its result, and whether it
 the one it joined, before the barrier; the parent kills a pool where any rank's is not, and no
 rank's result waits on a peer's socket.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -61,8 +62,9 @@ def _preload() -> list[str] | None:
     return None if torch.cuda.is_available() else PRELOAD
 
 
-def _join(rank: int, world_size: int, port: int, env: dict[str, str],
-          pg_timeout: float | None) -> None:
+def _join(
+    rank: int, world_size: int, port: int, env: dict[str, str], pg_timeout: float | None
+) -> None:
     os.environ.update(env)
     set_rank_env(rank, world_size, port)
     torch.set_num_threads(1)
@@ -88,8 +90,16 @@ def _leave_group(queue: Queue[Report]) -> None:
         leave(queue, REPORTED_ERROR_EXIT)
 
 
-def _entry(rank: int, world_size: int, port: int, queue: Queue[Report], fn: Callable[..., Any],
-           args: tuple, env: dict[str, str], pg_timeout: float | None) -> None:
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    queue: Queue[Report],
+    fn: Callable[..., Any],
+    args: tuple,
+    env: dict[str, str],
+    pg_timeout: float | None,
+) -> None:
     try:
         _join(rank, world_size, port, env, pg_timeout)
         queue.put(Report(rank, ReportKind.OK, _dumps(fn(rank, world_size, *args))))
@@ -99,9 +109,15 @@ def _entry(rank: int, world_size: int, port: int, queue: Queue[Report], fn: Call
     _leave_group(queue)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 180.0,
-              env: dict[str, str] | None = None, pg_timeout: float | None = None,
-              fresh: bool = False) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 180.0,
+    env: dict[str, str] | None = None,
+    pg_timeout: float | None = None,
+    fresh: bool = False,
+) -> list[Any]:
     """Run `fn(rank, world_size, *args)` on `world_size` spawned gloo ranks; return results.
 
     `fn` must be importable (module level). Raises RuntimeError with the rank's traceback on
@@ -132,8 +148,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         while len(_POOLS) > _MAX_POOLS:  # the least recently used goes
             _POOLS.pop(next(iter(_POOLS))).close(kill=False)
         return out
-    with SpawnedRanks(_entry, world_size, (fn, args, env or {}, pg_timeout), daemon=True,
-                      exit_grace_s=10.0, preload=_preload(), name="fusedzero test") as ranks:
+    with SpawnedRanks(
+        _entry,
+        world_size,
+        (fn, args, env or {}, pg_timeout),
+        daemon=True,
+        exit_grace_s=10.0,
+        preload=_preload(),
+        name="fusedzero test",
+    ) as ranks:
         return [_load(v) for v in _collect(ranks, world_size, deadline, timeout)]
 
 
@@ -141,13 +164,13 @@ def _load(value: bytes) -> Any:
     return torch.load(io.BytesIO(value), weights_only=False)
 
 
-def _collect(ranks: SpawnedRanks, world_size: int, deadline: float,
-             timeout: float) -> list[Any]:
+def _collect(ranks: SpawnedRanks, world_size: int, deadline: float, timeout: float) -> list[Any]:
     """Each rank's OK report value, in rank order; the first ERROR report raises."""
     results: dict[int, Any] = {}
     while len(results) < world_size:
-        report = ranks.next_report([r for r in range(world_size) if r not in results],
-                                   deadline, timeout)
+        report = ranks.next_report(
+            [r for r in range(world_size) if r not in results], deadline, timeout
+        )
         if report is None:
             continue
         if report.kind is ReportKind.ERROR:
@@ -171,8 +194,14 @@ def reuse_ranks(on: bool) -> None:
             _POOLS.popitem()[1].close(kill=False)
 
 
-def _pool_entry(rank: int, world_size: int, port: int, queue: Queue[Report],
-                tasks: list[Queue[Any]], env: dict[str, str]) -> None:
+def _pool_entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    queue: Queue[Report],
+    tasks: list[Queue[Any]],
+    env: dict[str, str],
+) -> None:
     """A reused rank: join the group, then run each task until a None. Each OK report's value
     is (result bytes, whether this rank still has the group it joined), sent before the barrier
     between runs (see [Note: a body that leaves the group])."""
@@ -199,6 +228,7 @@ def _pool_entry(rank: int, world_size: int, port: int, queue: Queue[Report],
 
 # See [Note: a body that leaves the group].
 
+
 class _Pool:
     """`world_size` ranks with their group joined, each taking runs from its own task queue."""
 
@@ -206,11 +236,19 @@ class _Pool:
         preload = _preload()
         self.world_size = world_size
         self.tasks: list[Queue[Any]] = [context(preload).Queue() for _ in range(world_size)]
-        self.ranks = SpawnedRanks(_pool_entry, world_size, (self.tasks, env), daemon=True,
-                                  exit_grace_s=10.0, preload=preload, name="fusedzero test")
+        self.ranks = SpawnedRanks(
+            _pool_entry,
+            world_size,
+            (self.tasks, env),
+            daemon=True,
+            exit_grace_s=10.0,
+            preload=preload,
+            name="fusedzero test",
+        )
 
-    def run(self, fn: Callable[..., Any], args: tuple, deadline: float,
-            timeout: float) -> tuple[list[Any], bool]:
+    def run(
+        self, fn: Callable[..., Any], args: tuple, deadline: float, timeout: float
+    ) -> tuple[list[Any], bool]:
         """Each rank's result, and whether every rank still has the group it joined."""
         for q in self.tasks:
             q.put((fn, args))

@@ -16,6 +16,7 @@ There is no error feedback: the int8 rounding of a step is not carried into the 
 ZeRO++'s qgZ), so no residual is resident. With W = 1 nothing crosses a network and nothing is
 quantized.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -36,8 +37,17 @@ from fusedzero.kernels._quant import (
     quantize_into,
 )
 
-__all__ = ["WBLOCK", "WireFormat", "all_gather", "all_reduce_start", "chunk_bytes",
-           "gathers_over_wire", "parse_wire", "reduce_scatter_start", "uses_wire"]
+__all__ = [
+    "WBLOCK",
+    "WireFormat",
+    "all_gather",
+    "all_reduce_start",
+    "chunk_bytes",
+    "gathers_over_wire",
+    "parse_wire",
+    "reduce_scatter_start",
+    "uses_wire",
+]
 
 WIRES = tuple(w.value for w in WireFormat)
 
@@ -84,8 +94,15 @@ class WireReduce:
         """out = [out +] scale * fp32 sum of the chunks (after the handle was waited on); frees
         the packed buffers."""
         assert self.recv is not None, "finish() called twice"
-        dequant_sum_into(out, self.recv, self.fmt, self.world_size, self.chunk_numel,
-                         scale=scale, accumulate=accumulate)
+        dequant_sum_into(
+            out,
+            self.recv,
+            self.fmt,
+            self.world_size,
+            self.chunk_numel,
+            scale=scale,
+            accumulate=accumulate,
+        )
         self.send = self.recv = None
 
 
@@ -94,13 +111,16 @@ def reduce_scatter_start(inp: torch.Tensor, fmt: WireFormat, ctx: CommContext) -
     The send buffer lives until `finish`: a collective may read it until it is waited on."""
     W = ctx.world_size
     if inp.numel() % (W * WBLOCK):
-        raise ValueError(f"a wire reduce-scatter needs a multiple of W*{WBLOCK} = {W * WBLOCK} "
-                         f"elements, got {inp.numel()}")
+        raise ValueError(
+            f"a wire reduce-scatter needs a multiple of W*{WBLOCK} = {W * WBLOCK} "
+            f"elements, got {inp.numel()}"
+        )
     return reduce_scatter_start_padded(inp, fmt, ctx, inp.numel() // W)
 
 
-def all_reduce_start(t: torch.Tensor, fmt: WireFormat, ctx: CommContext,
-                     scale: float) -> Callable[[], None]:
+def all_reduce_start(
+    t: torch.Tensor, fmt: WireFormat, ctx: CommContext, scale: float
+) -> Callable[[], None]:
     """Start `t = scale * sum over ranks of t` over the wire; returns what completes it (waits on
     the all-to-all, sums this rank's chunk in fp32, all-gathers the chunks quantized, and every
     rank dequantizes the same bytes into `t`). A copy padded to W * WBLOCK is what is sent."""
@@ -115,14 +135,18 @@ def all_reduce_start(t: torch.Tensor, fmt: WireFormat, ctx: CommContext,
         piece = new_packed(fmt, 1, S, t.device)
         quantize_into(mine, piece, fmt, 1, S)
         gathered = new_packed(fmt, W, S, t.device)
-        ctx.wait(comm.all_gather(gathered, piece, ctx.group, W, ctx.counter),
-                 what="wire all-gather of an all-reduce")
+        ctx.wait(
+            comm.all_gather(gathered, piece, ctx.group, W, ctx.counter),
+            what="wire all-gather of an all-reduce",
+        )
         dequantize_into(t, gathered, fmt, W, S)
+
     return finish
 
 
-def reduce_scatter_start_padded(t: torch.Tensor, fmt: WireFormat, ctx: CommContext,
-                                chunk_numel: int) -> WireReduce:
+def reduce_scatter_start_padded(
+    t: torch.Tensor, fmt: WireFormat, ctx: CommContext, chunk_numel: int
+) -> WireReduce:
     """As reduce_scatter_start, `t` taken as zero-padded to W * chunk_numel elements."""
     W = ctx.world_size
     send = new_packed(fmt, W, chunk_numel, t.device)
@@ -136,8 +160,16 @@ class WireGather:
     """A param all-gather in flight over the wire, usable where a work handle is waited on
     (`comm.wait`): `wait` waits for the bytes, then dequantizes every other rank's chunk."""
 
-    def __init__(self, handle: Handle, out: torch.Tensor, gathered: torch.Tensor,
-                 piece: torch.Tensor, fmt: WireFormat, world_size: int, rank: int) -> None:
+    def __init__(
+        self,
+        handle: Handle,
+        out: torch.Tensor,
+        gathered: torch.Tensor,
+        piece: torch.Tensor,
+        fmt: WireFormat,
+        world_size: int,
+        rank: int,
+    ) -> None:
         self.handle, self.out, self.gathered, self.piece = handle, out, gathered, piece
         self.fmt, self.world_size, self.rank = fmt, world_size, rank
         self.done = False
@@ -150,15 +182,22 @@ class WireGather:
                 else:
                     self.handle.wait(timeout)
             with torch.no_grad():
-                dequantize_into(self.out, self.gathered, self.fmt, self.world_size,
-                                self.out.numel() // self.world_size, keep=self.rank)
+                dequantize_into(
+                    self.out,
+                    self.gathered,
+                    self.fmt,
+                    self.world_size,
+                    self.out.numel() // self.world_size,
+                    keep=self.rank,
+                )
             self.done = True
             self.gathered = self.piece = torch.empty(0)
         return True
 
 
-def all_gather(out: torch.Tensor, own: torch.Tensor, fmt: WireFormat | None, ctx: CommContext,
-               rank: int) -> Handle:
+def all_gather(
+    out: torch.Tensor, own: torch.Tensor, fmt: WireFormat | None, ctx: CommContext, rank: int
+) -> Handle:
     """Params: every rank's `own` piece into `out` (`own` may be this rank's slice of `out`),
     in the wire format where `uses_wire`; this rank's piece keeps its exact value (it is, or is
     cast from, the master). Returns a handle for `comm.wait`."""
@@ -167,7 +206,7 @@ def all_gather(out: torch.Tensor, own: torch.Tensor, fmt: WireFormat | None, ctx
         return comm.all_gather(out, own, ctx.group, W, ctx.counter)
     assert fmt is not None
     S = own.numel()
-    mine = out[rank * S:(rank + 1) * S]
+    mine = out[rank * S : (rank + 1) * S]
     if mine.data_ptr() != own.data_ptr():
         with torch.no_grad():
             mine.copy_(own)

@@ -10,21 +10,40 @@ updates one buffer through it (`AdamWPlan`: planned once, launched per call). Th
 (norm, clip, skip, grad scale, step count: `_step_scalars.py`) and the update's per-group rows
 (`_rows.py`) are one small launch together (the rows alone: a launch of their own).
 """
+
 from fusedzero.kernels._adamw import AdamWBuffer, GroupedAdamW, Hyper
 from fusedzero.kernels._adamw_single import AdamWPlan, adamw_reference, adamw_step
 from fusedzero.kernels._launch import LAUNCHES, Strided, backend, use_triton
 from fusedzero.kernels._memory_modes import (
-                                     MASTER_MODES,
-                                     QBLOCK,
-                                     STATE_MODES,
-                                     bytes_per_param,
-                                     dequantize_blockwise,
-                                     quantize_blockwise,
+    MASTER_MODES,
+    QBLOCK,
+    STATE_MODES,
+    bytes_per_param,
+    dequantize_blockwise,
+    quantize_blockwise,
 )
 from fusedzero.kernels._memory_modes_reference import adamw_reference_mode
 from fusedzero.kernels._sum_of_squares import GroupedSumsq, SumsqView, sumsq
 
-__all__ = ["LAUNCHES", "MASTER_MODES", "QBLOCK", "STATE_MODES", "AdamWBuffer", "AdamWPlan",
-           "GroupedAdamW", "GroupedSumsq", "Hyper", "Strided", "SumsqView", "adamw_reference",
-           "adamw_reference_mode", "adamw_step", "backend", "bytes_per_param",
-           "dequantize_blockwise", "quantize_blockwise", "sumsq", "use_triton"]
+__all__ = [
+    "LAUNCHES",
+    "MASTER_MODES",
+    "QBLOCK",
+    "STATE_MODES",
+    "AdamWBuffer",
+    "AdamWPlan",
+    "GroupedAdamW",
+    "GroupedSumsq",
+    "Hyper",
+    "Strided",
+    "SumsqView",
+    "adamw_reference",
+    "adamw_reference_mode",
+    "adamw_step",
+    "backend",
+    "bytes_per_param",
+    "dequantize_blockwise",
+    "quantize_blockwise",
+    "sumsq",
+    "use_triton",
+]

@@ -32,6 +32,7 @@ every path. Not measured on a GPU here; the PTX is checked for the exact forms
 (tests/kernels/test_compile.py). The torch path (torch._fused_adamw_) orders the math differently:
 within 2 * 8 ulps of the interpreter (tests/kernels/test_kernels.py).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -123,13 +124,28 @@ def _offset(col_ptr, ALIGNED: tl.constexpr):
 @triton.jit
 def _grouped_adamw_kernel(
     # pointers: one base per stream kind, the piece table, the rows, the skip flag
-    master_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, out_ptr,
-    piece_ptr, prog_piece_ptr, row_ptr, skip_ptr,
+    master_ptr,
+    grad_ptr,
+    exp_avg_ptr,
+    exp_avg_sq_ptr,
+    out_ptr,
+    piece_ptr,
+    prog_piece_ptr,
+    row_ptr,
+    skip_ptr,
     # memory modes: Kahan comp and int8 scale bases, the SR seed and step (unused in mode 0, 0)
-    comp_ptr, exp_avg_scale_ptr, exp_avg_sq_scale_ptr, seed_ptr, step_ptr,
+    comp_ptr,
+    exp_avg_scale_ptr,
+    exp_avg_sq_scale_ptr,
+    seed_ptr,
+    step_ptr,
     # flags
-    HAS_OUT: tl.constexpr, OUT_BF16: tl.constexpr, ALIGNED: tl.constexpr,
-    BLOCK: tl.constexpr, MASTER_MODE: tl.constexpr = 0, STATE_MODE: tl.constexpr = 0,
+    HAS_OUT: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    MASTER_MODE: tl.constexpr = 0,
+    STATE_MODE: tl.constexpr = 0,
 ):
     # One grid axis over every program of every piece (CUDA caps axes 1-2 at 65535); int64
     # element offsets: a stream may pass 2**31 elements.
@@ -196,8 +212,7 @@ def _grouped_adamw_kernel(
     store_state(a_base, qa, idx, keep, qidx, qkeep, m, STATE_MODE, True, BLOCK)
     store_state(s_base, qs, idx, keep, qidx, qkeep, v, STATE_MODE, False, BLOCK)
     if HAS_OUT:  # fp32 master only
-        _store_out(out_ptr + _offset(entry + table.AdamWCol.OUT, ALIGNED), idx, p, keep,
-                   OUT_BF16)
+        _store_out(out_ptr + _offset(entry + table.AdamWCol.OUT, ALIGNED), idx, p, keep, OUT_BF16)
 
 
 @triton.jit
@@ -228,8 +243,9 @@ class AdamWBuffer(NamedTuple):
     sr_offset: int = 0
 
 
-def _pieces(b: AdamWBuffer, ms: Strided, gs: Strided, os_: Strided | None,
-            default: bool) -> list[Piece]:
+def _pieces(
+    b: AdamWBuffer, ms: Strided, gs: Strided, os_: Strided | None, default: bool
+) -> list[Piece]:
     """The buffer's pieces, their streams in `AdamWCol` order (master, grad, exp_avg, exp_avg_sq
     and out if any); with a memory mode every piece has every stream (None when absent: the
     comp and the two scales, at the local offset and local offset / QBLOCK), then the SR offset
@@ -243,13 +259,29 @@ def _pieces(b: AdamWBuffer, ms: Strided, gs: Strided, os_: Strided | None,
     for p in pieces_of(Buffer(streams, b.num_buckets, S, b.row)):
         lo = p.starts[AdamWCol.EXP_AVG.stream]  # exp_avg is local: the piece's first element
         q = lo // QBLOCK
-        mode = {AdamWCol.COMP: (b.comp, lo), AdamWCol.EXP_AVG_SCALE: (b.exp_avg_scale, q),
-                AdamWCol.EXP_AVG_SQ_SCALE: (b.exp_avg_sq_scale, q)}
-        cols = [mode.get(c) or ((p.tensors[c.stream], p.starts[c.stream])
-                                if c.stream < len(p.tensors) else (None, 0))
-                for c in _MODE_STREAMS]
-        out.append(Piece(tuple(t for t, _ in cols), tuple(st for _, st in cols), p.numel,
-                         p.row, (b.sr_offset + lo,)))
+        mode = {
+            AdamWCol.COMP: (b.comp, lo),
+            AdamWCol.EXP_AVG_SCALE: (b.exp_avg_scale, q),
+            AdamWCol.EXP_AVG_SQ_SCALE: (b.exp_avg_sq_scale, q),
+        }
+        cols = [
+            mode.get(c)
+            or (
+                (p.tensors[c.stream], p.starts[c.stream])
+                if c.stream < len(p.tensors)
+                else (None, 0)
+            )
+            for c in _MODE_STREAMS
+        ]
+        out.append(
+            Piece(
+                tuple(t for t, _ in cols),
+                tuple(st for _, st in cols),
+                p.numel,
+                p.row,
+                (b.sr_offset + lo,),
+            )
+        )
     return out
 
 
@@ -266,9 +298,17 @@ class GroupedAdamW:
     could not access with 128-bit vectors (what the optimizer's layout guarantees).
     """
 
-    def __init__(self, buffers: list[AdamWBuffer], device: torch.device, num_rows: int, *,
-                 require_aligned: bool = False, master_mode: str = "fp32",
-                 states: str = "fp32", seed: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        buffers: list[AdamWBuffer],
+        device: torch.device,
+        num_rows: int,
+        *,
+        require_aligned: bool = False,
+        master_mode: str = "fp32",
+        states: str = "fp32",
+        seed: torch.Tensor | None = None,
+    ) -> None:
         check_modes(master_mode, states)
         self.device = device
         self.triton = use_triton(device)
@@ -290,8 +330,10 @@ class GroupedAdamW:
                 t = build_table(pieces, BLOCK, device, streams=_DEFAULT_STREAMS, loose=_LOOSE)
                 assert t.pieces.shape[1] == (ADAMW_WIDTH if default else ADAMW_MODE_WIDTH)
                 if require_aligned and not t.aligned:
-                    raise ValueError("a piece offset or length is not a multiple of 16 elements: "
-                                     "the layout must keep shards, strides and bases aligned")
+                    raise ValueError(
+                        "a piece offset or length is not a multiple of 16 elements: "
+                        "the layout must keep shards, strides and bases aligned"
+                    )
                 self.launches.append((key, t))
             elif default:
                 self.launches.append((key, adamw_torch.Combo(pieces, num_rows)))
@@ -299,8 +341,14 @@ class GroupedAdamW:
                 self.launches.append((key, ModeCombo(pieces, master_mode, states, seed)))
         self.rows = Rows(num_rows, device) if self.triton or not default else None
 
-    def step(self, hyper: Hyper, step: torch.Tensor, grad_scale: torch.Tensor,
-             skip: torch.Tensor, rows_written: bool = False) -> None:
+    def step(
+        self,
+        hyper: Hyper,
+        step: torch.Tensor,
+        grad_scale: torch.Tensor,
+        skip: torch.Tensor,
+        rows_written: bool = False,
+    ) -> None:
         """One update of every buffer: `step` (already counted), `grad_scale` (multiplies the
         grad) and `skip` (non-zero: leave everything untouched) are one-element device tensors.
         `rows_written`: `self.rows` already holds this step's rows (the step's scalar launch
@@ -328,26 +376,53 @@ class GroupedAdamW:
                 b = [x if x is not None else t.bases[0] for x in t.bases]
                 b += [t.bases[0]] * (len(_MODE_STREAMS) - len(b))
                 _grouped_adamw_kernel[(t.programs,)](
-                    *b[:_DEFAULT_STREAMS], t.pieces, t.prog_piece, rows, skip,
+                    *b[:_DEFAULT_STREAMS],
+                    t.pieces,
+                    t.prog_piece,
+                    rows,
+                    skip,
                     *b[_DEFAULT_STREAMS:],
-                    skip if self.seed is None else self.seed, step,
-                    HAS_OUT=has_out, OUT_BF16=out_dtype == torch.bfloat16, ALIGNED=t.aligned,
-                    BLOCK=BLOCK, MASTER_MODE=mm, STATE_MODE=sm, num_warps=NUM_WARPS,
-                    enable_fp_fusion=ENABLE_FP_FUSION)
+                    skip if self.seed is None else self.seed,
+                    step,
+                    HAS_OUT=has_out,
+                    OUT_BF16=out_dtype == torch.bfloat16,
+                    ALIGNED=t.aligned,
+                    BLOCK=BLOCK,
+                    MASTER_MODE=mm,
+                    STATE_MODE=sm,
+                    num_warps=NUM_WARPS,
+                    enable_fp_fusion=ENABLE_FP_FUSION,
+                )
 
 
-def _check(b: AdamWBuffer, device: torch.device, num_rows: int, master_mode: str, states: str,
-           seed: torch.Tensor | None) -> None:
+def _check(
+    b: AdamWBuffer,
+    device: torch.device,
+    num_rows: int,
+    master_mode: str,
+    states: str,
+    seed: torch.Tensor | None,
+) -> None:
     nb, S = b.num_buckets, b.shard_numel
     m_dtype = torch.float32 if master_mode == "fp32" else torch.bfloat16
     check_stream("master", as_strided(b.master, S), (m_dtype,), nb, S, device)
     check_stream("grad", as_strided(b.grad, S), GRAD_DTYPES, nb, S, device)
-    for name, t, dt in zip(("exp_avg", "exp_avg_sq"), (b.exp_avg, b.exp_avg_sq),
-                           STATE_DTYPES[states]):
+    for name, t, dt in zip(
+        ("exp_avg", "exp_avg_sq"), (b.exp_avg, b.exp_avg_sq), STATE_DTYPES[states]
+    ):
         check_stream(name, Strided(t, S, 0), (dt,), nb, S, device)
-    check_mode_buffers(master_mode, states, out=b.out, exp_avg_scale=b.exp_avg_scale,
-                       exp_avg_sq_scale=b.exp_avg_sq_scale, kahan=b.comp, seed=seed,
-                       num_buckets=nb, shard_numel=S, device=device)
+    check_mode_buffers(
+        master_mode,
+        states,
+        out=b.out,
+        exp_avg_scale=b.exp_avg_scale,
+        exp_avg_sq_scale=b.exp_avg_sq_scale,
+        kahan=b.comp,
+        seed=seed,
+        num_buckets=nb,
+        shard_numel=S,
+        device=device,
+    )
     if b.out is not None:
         check_stream("out", as_strided(b.out, S), OUT_DTYPES, nb, S, device)
     if not 0 <= b.row < num_rows:

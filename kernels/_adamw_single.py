@@ -1,5 +1,6 @@
 """A single buffer's AdamW update through the grouped launch (_adamw.py), and its float64
 reference: the API tests and `fusedzero doctor` use for one shard, in any memory mode."""
+
 from __future__ import annotations
 
 import math
@@ -51,13 +52,27 @@ class AdamWPlan:
         self.device = as_strided(master, shard_numel).tensor.device
         self.consts = ((beta1, beta2, eps, weight_decay, maximize),)
         check_consts(self.consts)
-        buf = AdamWBuffer(master, grad, exp_avg, exp_avg_sq, out, num_buckets, shard_numel, 0,
-                          kahan, exp_avg_scale, exp_avg_sq_scale, sr_offset)
-        self.plan = GroupedAdamW([buf], self.device, 1, master_mode=master_mode, states=states,
-                                 seed=seed)
+        buf = AdamWBuffer(
+            master,
+            grad,
+            exp_avg,
+            exp_avg_sq,
+            out,
+            num_buckets,
+            shard_numel,
+            0,
+            kahan,
+            exp_avg_scale,
+            exp_avg_sq_scale,
+            sr_offset,
+        )
+        self.plan = GroupedAdamW(
+            [buf], self.device, 1, master_mode=master_mode, states=states, seed=seed
+        )
 
-    def __call__(self, *, lr: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor,
-                 skip: torch.Tensor) -> None:
+    def __call__(
+        self, *, lr: torch.Tensor, step: torch.Tensor, grad_scale: torch.Tensor, skip: torch.Tensor
+    ) -> None:
         for name, t in (("lr", lr), ("step", step), ("grad_scale", grad_scale), ("skip", skip)):
             check_scalar(name, t, self.device)
         self.plan.step(Hyper(lr.reshape(1).float(), self.consts), step, grad_scale, skip)
@@ -94,13 +109,25 @@ def adamw_step(
     of QBLOCK).
     """
     AdamWPlan(master, grad, exp_avg, exp_avg_sq, out, **kwargs)(
-        lr=lr, step=step, grad_scale=grad_scale, skip=skip)
+        lr=lr, step=step, grad_scale=grad_scale, skip=skip
+    )
 
 
-def adamw_reference(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                    exp_avg_sq: torch.Tensor, *, lr: float, step: int, grad_scale: float,
-                    beta1: float, beta2: float, eps: float, weight_decay: float,
-                    maximize: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def adamw_reference(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    step: int,
+    grad_scale: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float64 reference of one update on local (contiguous) tensors; returns new (p, m, v)."""
     p, g = master.double(), grad.double() * grad_scale
     m, v = exp_avg.double(), exp_avg_sq.double()

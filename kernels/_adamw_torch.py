@@ -14,6 +14,7 @@ read the master a second time for the output copy (bench/README.md, "Where the o
 Each chunk costs three small foreach calls on the host: at 2**15 elements that is a few
 microseconds per 100 KiB of grads.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -52,8 +53,11 @@ class Combo:
         self.has_out = len(first) > AdamWCol.OUT.stream
         self.total = sum(p.numel for p in pieces)
         # One workspace for every chunk: it stays in cache.
-        self._ws = (torch.empty(min(self._chunk, self.total), dtype=torch.float32,
-                                device=first[0].device) if self.cast else None)
+        self._ws = (
+            torch.empty(min(self._chunk, self.total), dtype=torch.float32, device=first[0].device)
+            if self.cast
+            else None
+        )
         self._chunks: list[_Chunk] | None = None
 
     @property
@@ -67,7 +71,7 @@ class Combo:
 
     def _build(self) -> list[_Chunk]:
         chunk, pieces = self._chunk, self._pieces
-        views = [[t[s:s + p.numel] for t, s in zip(p.tensors, p.starts)] for p in pieces]
+        views = [[t[s : s + p.numel] for t, s in zip(p.tensors, p.starts)] for p in pieces]
         blocked = self.cast or self.has_out
         chunks: list[_Chunk] = []
         for row in sorted({p.row for p in pieces}):
@@ -81,7 +85,7 @@ class Combo:
                         chunks.append(cur)
                         cur = _Chunk(row)
                     n = p.numel - lo if not blocked else min(p.numel - lo, chunk - cur.numel)
-                    self._add(cur, [t[lo:lo + n] for t in v], n)
+                    self._add(cur, [t[lo : lo + n] for t in v], n)
                     lo += n
             if cur.numel:
                 chunks.append(cur)
@@ -93,7 +97,7 @@ class Combo:
         if self.cast:
             assert self._ws is not None
             c.grad_src.append(grad)
-            c.grads.append(self._ws[c.numel:c.numel + n])
+            c.grads.append(self._ws[c.numel : c.numel + n])
         else:
             c.grads.append(grad)
         c.exp_avgs.append(v[AdamWCol.EXP_AVG.stream])
@@ -102,8 +106,9 @@ class Combo:
             c.outs.append(v[AdamWCol.OUT.stream])
         c.numel += n
 
-    def run(self, hyper: Hyper, step: torch.Tensor, grad_scale: torch.Tensor,
-            skip: torch.Tensor) -> None:
+    def run(
+        self, hyper: Hyper, step: torch.Tensor, grad_scale: torch.Tensor, skip: torch.Tensor
+    ) -> None:
         """On CPU, reading `skip` is a memory read, not a device sync. torch's kernel divides
         the grad by `grad_scale` in place: the grads are consumed by the step."""
         if skip.item() != 0:
@@ -113,10 +118,22 @@ class Combo:
             beta1, beta2, eps, wd, maximize = hyper.consts[c.row]
             if c.grad_src:
                 torch._foreach_copy_(c.grads, c.grad_src)
-            torch._fused_adamw_(c.masters, c.grads, c.exp_avgs, c.exp_avg_sqs, [],
-                                [step] * len(c.masters), lr=hyper.lr[c.row:c.row + 1],
-                                beta1=beta1, beta2=beta2, weight_decay=wd, eps=eps,
-                                amsgrad=False, maximize=maximize, grad_scale=inv,
-                                found_inf=None)
+            torch._fused_adamw_(
+                c.masters,
+                c.grads,
+                c.exp_avgs,
+                c.exp_avg_sqs,
+                [],
+                [step] * len(c.masters),
+                lr=hyper.lr[c.row : c.row + 1],
+                beta1=beta1,
+                beta2=beta2,
+                weight_decay=wd,
+                eps=eps,
+                amsgrad=False,
+                maximize=maximize,
+                grad_scale=inv,
+                found_inf=None,
+            )
             if c.outs:
                 torch._foreach_copy_(c.outs, c.masters)

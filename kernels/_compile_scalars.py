@@ -4,6 +4,7 @@ target, no GPU needed: `python -m fusedzero.kernels._compile_scalars [--capabili
 test_step_scalars.py reads the JSON: the fp32 ops must be IEEE round-to-nearest, as the torch
 path and the interpreter compute them).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,8 +25,11 @@ from fusedzero.kernels._launch import ENABLE_FP_FUSION
 
 # (NORM, SCALED, CLIP, SKIP_NONFINITE, ROWS) variants of the scalar kernel: none, the clip
 # alone, all (the last with the update's rows, as `ZeroAdamW.step` launches it).
-SCALAR_FLAGS = ((False, False, False, False, False), (True, False, True, False, False),
-                (True, True, True, True, True))
+SCALAR_FLAGS = (
+    (False, False, False, False, False),
+    (True, False, True, False, False),
+    (True, True, True, True, True),
+)
 
 
 def compile_step_scalars(capability: int, flags: tuple[bool, ...]) -> Any:
@@ -33,22 +37,31 @@ def compile_step_scalars(capability: int, flags: tuple[bool, ...]) -> Any:
     constexprs = dict(zip(("NORM", "SCALED", "CLIP", "SKIP_NONFINITE", "ROWS"), flags))
     constexprs.update(_rows.row_constexprs(16))
     types = {"c64_ptr": "*fp64", "n_rows": "i32"}
-    signature = {a: "constexpr" if a in constexprs else types.get(a, "*fp32")
-                 for a in fn.arg_names}
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                          target=GPUTarget("cuda", capability, 32),
-                          options={"num_warps": 1, "enable_fp_fusion": ENABLE_FP_FUSION})
+    signature = {a: "constexpr" if a in constexprs else types.get(a, "*fp32") for a in fn.arg_names}
+    return triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", capability, 32),
+        options={"num_warps": 1, "enable_fp_fusion": ENABLE_FP_FUSION},
+    )
 
 
 def compile_rows(capability: int) -> Any:
     fn = _jit_fn(_rows, "_adamw_rows_kernel")
     constexprs = _rows.row_constexprs(16)
-    types = {"lr_ptr": "*fp32", "c64_ptr": "*fp64", "step_ptr": "*fp32",
-             "grad_scale_ptr": "*fp32", "rows_ptr": "*fp32", "n": "i32"}
+    types = {
+        "lr_ptr": "*fp32",
+        "c64_ptr": "*fp64",
+        "step_ptr": "*fp32",
+        "grad_scale_ptr": "*fp32",
+        "rows_ptr": "*fp32",
+        "n": "i32",
+    }
     signature = {a: "constexpr" if a in constexprs else types[a] for a in fn.arg_names}
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                          target=GPUTarget("cuda", capability, 32),
-                          options={"num_warps": 1, "enable_fp_fusion": ENABLE_FP_FUSION})
+    return triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", capability, 32),
+        options={"num_warps": 1, "enable_fp_fusion": ENABLE_FP_FUSION},
+    )
 
 
 def arithmetic(ptx: str) -> dict[str, int]:
@@ -69,10 +82,20 @@ def main(argv: list[str] | None = None) -> None:
         built.append(("rows", [], compile_rows(cap)))
         for name, flags, k in built:
             ptx = k.asm["ptx"]
-            rows.append({"kernel": name, "capability": cap, "flags": flags,
-                         "usage": resource_usage(k), "arithmetic": arithmetic(ptx)})
-            print(f"sm_{cap} {name} {flags}: regs={rows[-1]['usage']['REG']} "
-                  f"{rows[-1]['arithmetic']}", file=sys.stderr)
+            rows.append(
+                {
+                    "kernel": name,
+                    "capability": cap,
+                    "flags": flags,
+                    "usage": resource_usage(k),
+                    "arithmetic": arithmetic(ptx),
+                }
+            )
+            print(
+                f"sm_{cap} {name} {flags}: regs={rows[-1]['usage']['REG']} "
+                f"{rows[-1]['arithmetic']}",
+                file=sys.stderr,
+            )
     if args.json is not None:
         args.json.write_text(json.dumps(rows))
 

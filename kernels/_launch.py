@@ -15,6 +15,7 @@ there and copies it back whole; our tables address every buffer of a launch by i
 from one base tensor (_table.py), and an offset between two CUDA allocations lands in arbitrary host
 memory in those copies: heap corruption (glibc's `free(): invalid size`), not an error.
 """
+
 from __future__ import annotations
 
 import collections
@@ -62,15 +63,19 @@ def use_triton(device: torch.device) -> bool:
     if device.type == "cuda":
         if interpreting():
             # See [Note: the interpreter is for CPU tensors].
-            raise RuntimeError(f"tensors on {device} reached the Triton interpreter "
-                               "(TRITON_INTERPRET=1 is set): it runs on CPU tensors only; "
-                               "unset TRITON_INTERPRET (or set it to 0) before fusedzero.kernels "
-                               "is imported to run the compiled kernels")
+            raise RuntimeError(
+                f"tensors on {device} reached the Triton interpreter "
+                "(TRITON_INTERPRET=1 is set): it runs on CPU tensors only; "
+                "unset TRITON_INTERPRET (or set it to 0) before fusedzero.kernels "
+                "is imported to run the compiled kernels"
+            )
         return True
     if b == "triton":
         if not interpreting():
-            raise RuntimeError("FUSEDZERO_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
-                               "set before fusedzero.kernels is imported")
+            raise RuntimeError(
+                "FUSEDZERO_BACKEND=triton on CPU tensors needs TRITON_INTERPRET=1 "
+                "set before fusedzero.kernels is imported"
+            )
         return True
     return False
 
@@ -125,8 +130,14 @@ def copy_from_host(dst: torch.Tensor, values: list) -> None:
     dst.copy_(host, non_blocking=dst.is_cuda)
 
 
-def check_stream(name: str, s: Strided, allowed: tuple[torch.dtype, ...], num_buckets: int,
-                 shard_numel: int, device: torch.device) -> None:
+def check_stream(
+    name: str,
+    s: Strided,
+    allowed: tuple[torch.dtype, ...],
+    num_buckets: int,
+    shard_numel: int,
+    device: torch.device,
+) -> None:
     """dtype, device, a flat contiguous buffer, and room for every piece, with the numbers."""
     t = s.tensor
     if t.dtype not in allowed:
@@ -134,19 +145,26 @@ def check_stream(name: str, s: Strided, allowed: tuple[torch.dtype, ...], num_bu
     if t.device != device:
         raise ValueError(f"{name} is on {t.device}, expected {device} like master")
     if t.dim() != 1 or not t.is_contiguous():
-        raise ValueError(f"{name} must be a flat contiguous 1-D buffer, got shape "
-                         f"{tuple(t.shape)} with strides {t.stride()}")
+        raise ValueError(
+            f"{name} must be a flat contiguous 1-D buffer, got shape "
+            f"{tuple(t.shape)} with strides {t.stride()}"
+        )
     if s.stride < shard_numel or s.base < 0:
-        raise ValueError(f"{name}: stride {s.stride} must be >= shard_numel {shard_numel} "
-                         f"and base {s.base} >= 0")
+        raise ValueError(
+            f"{name}: stride {s.stride} must be >= shard_numel {shard_numel} and base {s.base} >= 0"
+        )
     need = (num_buckets - 1) * s.stride + s.base + shard_numel if num_buckets else 0
     if t.numel() < need:
-        raise ValueError(f"{name} has {t.numel()} elements, but {num_buckets} buckets of "
-                         f"{shard_numel} at stride {s.stride} + base {s.base} need {need}")
+        raise ValueError(
+            f"{name} has {t.numel()} elements, but {num_buckets} buckets of "
+            f"{shard_numel} at stride {s.stride} + base {s.base} need {need}"
+        )
 
 
 def check_scalar(name: str, t: torch.Tensor, device: torch.device) -> None:
     """Per-step scalars are one-element device tensors: read on the device, no host sync."""
     if t.numel() != 1 or t.device != device:
-        raise ValueError(f"{name} must be a one-element tensor on {device}, got "
-                         f"{t.numel()} elements on {t.device}")
+        raise ValueError(
+            f"{name} must be a one-element tensor on {device}, got "
+            f"{t.numel()} elements on {t.device}"
+        )

@@ -45,6 +45,7 @@ non-negative value) so the kernel, the interpreter and the torch path agree bitw
 reference rounds the exact value, and the two can differ by one code where fp32 and float64 sit
 on either side of a rounding boundary (tests count them). A block of zeros has scale 0 and codes 0.
 """
+
 from __future__ import annotations
 
 import math
@@ -66,8 +67,11 @@ STATE_CODE = {s: i for i, s in enumerate(STATE_MODES)}
 # Largest code magnitude of each int8 map (module docstring, see [Note: the int8 map]).
 SIGNED_QMAX = 127.0
 UNSIGNED_QMAX = 255.0
-STATE_DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch.bfloat16),
-                "int8": (torch.int8, torch.uint8)}  # (exp_avg, exp_avg_sq)
+STATE_DTYPES = {
+    "fp32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "int8": (torch.int8, torch.uint8),
+}  # (exp_avg, exp_avg_sq)
 
 _QBLOCK = tl.constexpr(QBLOCK)
 # murmur3 fmix32 multipliers and a golden-ratio constant to separate the hash inputs.
@@ -78,6 +82,7 @@ _M32 = 0xFFFFFFFF
 
 
 # ------------------------------------------------------------------------------ Triton helpers
+
 
 @triton.jit
 def round_to_bf16(x):
@@ -132,8 +137,18 @@ def load_master(master_ptr, m_offs, comp_ptr, local, mask, MASTER_MODE: tl.const
 
 
 @triton.jit
-def store_master(master_ptr, m_offs, comp_ptr, local, mask, p, seed_ptr, step_ptr, sr_offset,
-                 MASTER_MODE: tl.constexpr):
+def store_master(
+    master_ptr,
+    m_offs,
+    comp_ptr,
+    local,
+    mask,
+    p,
+    seed_ptr,
+    step_ptr,
+    sr_offset,
+    MASTER_MODE: tl.constexpr,
+):
     if MASTER_MODE == 0:  # fp32
         tl.store(master_ptr + m_offs, p, mask=mask)
     elif MASTER_MODE == 1:  # bf16-kahan: comp carries x - rne(x), exact in fp32
@@ -186,8 +201,17 @@ def _quantize(x, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def load_state(ptr, scale_ptr, local, mask, qidx, qmask, STATE_MODE: tl.constexpr,
-               SIGNED: tl.constexpr, BLOCK: tl.constexpr):
+def load_state(
+    ptr,
+    scale_ptr,
+    local,
+    mask,
+    qidx,
+    qmask,
+    STATE_MODE: tl.constexpr,
+    SIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """exp_avg (SIGNED) or exp_avg_sq as fp32, whatever it is stored as."""
     if STATE_MODE == 0:  # fp32
         x = tl.load(ptr + local, mask=mask)
@@ -201,8 +225,18 @@ def load_state(ptr, scale_ptr, local, mask, qidx, qmask, STATE_MODE: tl.constexp
 
 
 @triton.jit
-def store_state(ptr, scale_ptr, local, mask, qidx, qmask, x, STATE_MODE: tl.constexpr,
-                SIGNED: tl.constexpr, BLOCK: tl.constexpr):
+def store_state(
+    ptr,
+    scale_ptr,
+    local,
+    mask,
+    qidx,
+    qmask,
+    x,
+    STATE_MODE: tl.constexpr,
+    SIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     if STATE_MODE == 0:
         tl.store(ptr + local, x, mask=mask)
     elif STATE_MODE == 1:
@@ -214,6 +248,7 @@ def store_state(ptr, scale_ptr, local, mask, qidx, qmask, x, STATE_MODE: tl.cons
 
 
 # ------------------------------------------------------------------- the same maps in torch ops
+
 
 def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
     """Correctly rounded fp32 sqrt, as the kernel's tl.sqrt_rn and numpy. torch's own fp32 sqrt
@@ -231,8 +266,10 @@ def quantize_blockwise(x: torch.Tensor, *, signed: bool) -> tuple[torch.Tensor, 
     """(codes, scales) of fp32 `x` (numel a multiple of QBLOCK): exactly the kernel's fp32 ops.
     Codes are int8 (signed, exp_avg) or uint8 (exp_avg_sq); one fp32 scale (absmax) per block."""
     if x.dtype != torch.float32 or x.dim() != 1 or x.numel() % QBLOCK:
-        raise ValueError(f"quantize_blockwise wants a 1-D fp32 tensor of a multiple of {QBLOCK} "
-                         f"elements, got {x.dtype} of shape {tuple(x.shape)}")
+        raise ValueError(
+            f"quantize_blockwise wants a 1-D fp32 tensor of a multiple of {QBLOCK} "
+            f"elements, got {x.dtype} of shape {tuple(x.shape)}"
+        )
     ax = x.view(-1, QBLOCK).abs()
     a = ax.amax(dim=1)
     r = sqrt_rn(ax / torch.where(a > 0, a, 1.0)[:, None])
@@ -248,8 +285,10 @@ def dequantize_blockwise(q: torch.Tensor, scales: torch.Tensor, *, signed: bool)
     """fp32 values of `q` (int8/uint8) under `scales` (one per QBLOCK): the kernel's fp32 ops."""
     want = torch.int8 if signed else torch.uint8
     if q.dtype != want or q.numel() % QBLOCK or scales.numel() != q.numel() // QBLOCK:
-        raise ValueError(f"dequantize_blockwise wants {want} codes of a multiple of {QBLOCK} and "
-                         f"one scale per block, got {q.dtype} x {q.numel()} and {scales.numel()}")
+        raise ValueError(
+            f"dequantize_blockwise wants {want} codes of a multiple of {QBLOCK} and "
+            f"one scale per block, got {q.dtype} x {q.numel()} and {scales.numel()}"
+        )
     u = q.view(-1, QBLOCK).float() / (SIGNED_QMAX if signed else UNSIGNED_QMAX)
     w = u * u.abs() if signed else (u * u) * (u * u)
     return (w * scales.float()[:, None]).view(-1)
@@ -289,8 +328,10 @@ def stochastic_round_bf16_torch(x: torch.Tensor, bits: torch.Tensor) -> torch.Te
 
 # ------------------------------------------------------------------------------ bytes per param
 
-def stream_bytes(master_mode: str, states: str, grad_dtype: torch.dtype,
-                 out_dtype: torch.dtype | None = None) -> dict[str, float]:
+
+def stream_bytes(
+    master_mode: str, states: str, grad_dtype: torch.dtype, out_dtype: torch.dtype | None = None
+) -> dict[str, float]:
     """Bytes per parameter each stream of the update moves (reads + writes), from the kernel's
     loads and stores: master r+w, comp r+w (Kahan), grad r, each state r+w, each int8 state's
     scales r+w (4 bytes per QBLOCK elements), out w (fp32 master only)."""
@@ -299,8 +340,12 @@ def stream_bytes(master_mode: str, states: str, grad_dtype: torch.dtype,
         raise ValueError(f"master={master_mode!r} writes the bf16 param itself; out must be None")
     master = 4 if master_mode == "fp32" else 2
     m_dt, v_dt = STATE_DTYPES[states]
-    out = {"master": 2.0 * master, "grad": float(grad_dtype.itemsize),
-           "exp_avg": 2.0 * m_dt.itemsize, "exp_avg_sq": 2.0 * v_dt.itemsize}
+    out = {
+        "master": 2.0 * master,
+        "grad": float(grad_dtype.itemsize),
+        "exp_avg": 2.0 * m_dt.itemsize,
+        "exp_avg_sq": 2.0 * v_dt.itemsize,
+    }
     if master_mode == "bf16-kahan":
         out["comp"] = 2.0 * 2
     if states == "int8":
@@ -310,8 +355,9 @@ def stream_bytes(master_mode: str, states: str, grad_dtype: torch.dtype,
     return out
 
 
-def bytes_per_param(master_mode: str, states: str, grad_dtype: torch.dtype,
-                    out_dtype: torch.dtype | None = None) -> float:
+def bytes_per_param(
+    master_mode: str, states: str, grad_dtype: torch.dtype, out_dtype: torch.dtype | None = None
+) -> float:
     """Bytes moved per parameter by one update (28 for fp32/fp32 with bf16 grads and out;
     14.125 for bf16-kahan + int8 with bf16 grads)."""
     return sum(stream_bytes(master_mode, states, grad_dtype, out_dtype).values())
@@ -324,24 +370,45 @@ def check_modes(master_mode: str, states: str) -> None:
         raise ValueError(f"states={states!r}, expected one of {STATE_MODES}")
 
 
-def check_mode_buffers(master_mode: str, states: str, *, out: object, exp_avg_scale: torch.Tensor
-                       | None, exp_avg_sq_scale: torch.Tensor | None, kahan: torch.Tensor | None,
-                       seed: torch.Tensor | None, num_buckets: int, shard_numel: int,
-                       device: torch.device) -> None:
+def check_mode_buffers(
+    master_mode: str,
+    states: str,
+    *,
+    out: object,
+    exp_avg_scale: torch.Tensor | None,
+    exp_avg_sq_scale: torch.Tensor | None,
+    kahan: torch.Tensor | None,
+    seed: torch.Tensor | None,
+    num_buckets: int,
+    shard_numel: int,
+    device: torch.device,
+) -> None:
     """The buffers each mode needs, present, and those it does not, absent (with the fix)."""
     if master_mode != "fp32" and out is not None:
-        raise ValueError(f"master_mode={master_mode!r} updates the bf16 param in place; pass "
-                         "out=None (there is no separate low-precision copy)")
+        raise ValueError(
+            f"master_mode={master_mode!r} updates the bf16 param in place; pass "
+            "out=None (there is no separate low-precision copy)"
+        )
     if (kahan is not None) != (master_mode == "bf16-kahan"):
-        raise ValueError(f"kahan (the bf16 compensation buffer) is needed by, and only by, "
-                         f"master_mode='bf16-kahan'; got master_mode={master_mode!r} with "
-                         f"kahan={'a tensor' if kahan is not None else None}")
+        raise ValueError(
+            f"kahan (the bf16 compensation buffer) is needed by, and only by, "
+            f"master_mode='bf16-kahan'; got master_mode={master_mode!r} with "
+            f"kahan={'a tensor' if kahan is not None else None}"
+        )
     if kahan is not None:
-        check_stream("kahan", Strided(kahan, shard_numel, 0), (torch.bfloat16,), num_buckets,
-                     shard_numel, device)
+        check_stream(
+            "kahan",
+            Strided(kahan, shard_numel, 0),
+            (torch.bfloat16,),
+            num_buckets,
+            shard_numel,
+            device,
+        )
     if (seed is not None) != (master_mode == "bf16-sr"):
-        raise ValueError(f"seed is needed by, and only by, master_mode='bf16-sr'; got "
-                         f"master_mode={master_mode!r} with seed={seed}")
+        raise ValueError(
+            f"seed is needed by, and only by, master_mode='bf16-sr'; got "
+            f"master_mode={master_mode!r} with seed={seed}"
+        )
     if seed is not None:
         check_scalar("seed", seed, device)
         if seed.dtype not in (torch.int32, torch.int64):
@@ -350,12 +417,22 @@ def check_mode_buffers(master_mode: str, states: str, *, out: object, exp_avg_sc
     for name, t in scales.items():
         if (t is not None) != (states == "int8"):
             given = "a tensor" if t is not None else None
-            raise ValueError(f"{name} is needed by, and only by, states='int8'; got "
-                             f"states={states!r} with {name}={given}")
+            raise ValueError(
+                f"{name} is needed by, and only by, states='int8'; got "
+                f"states={states!r} with {name}={given}"
+            )
     if states == "int8":
         if shard_numel % QBLOCK:
-            raise ValueError(f"states='int8' quantizes blocks of {QBLOCK} elements: shard_numel "
-                             f"{shard_numel} must be a multiple of {QBLOCK} (the layout's ALIGN)")
+            raise ValueError(
+                f"states='int8' quantizes blocks of {QBLOCK} elements: shard_numel "
+                f"{shard_numel} must be a multiple of {QBLOCK} (the layout's ALIGN)"
+            )
         for name, t in scales.items():
-            check_stream(name, Strided(t, shard_numel // QBLOCK, 0), (torch.float32,),
-                         num_buckets, shard_numel // QBLOCK, device)
+            check_stream(
+                name,
+                Strided(t, shard_numel // QBLOCK, 0),
+                (torch.float32,),
+                num_buckets,
+                shard_numel // QBLOCK,
+                device,
+            )

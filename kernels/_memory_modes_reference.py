@@ -7,6 +7,7 @@ exact values with round-half-up) done exactly in float64. It shares with the ker
 definition of the random bits (`modes.sr_bits`), which are an input of the algorithm, not math to
 check.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,14 +55,28 @@ def dequantize_exact(q: torch.Tensor, scales: torch.Tensor, *, signed: bool) -> 
     return (w * scales.double()[:, None]).view(-1)
 
 
-def adamw_reference_mode(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
-                         exp_avg_sq: torch.Tensor, *, lr: float, step: int, grad_scale: float,
-                         beta1: float, beta2: float, eps: float, weight_decay: float,
-                         maximize: bool = False, master_mode: str = "fp32", states: str = "fp32",
-                         exp_avg_scale: torch.Tensor | None = None,
-                         exp_avg_sq_scale: torch.Tensor | None = None,
-                         kahan: torch.Tensor | None = None, seed: torch.Tensor | None = None,
-                         sr_offset: int = 0) -> dict[str, torch.Tensor]:
+def adamw_reference_mode(
+    master: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    *,
+    lr: float,
+    step: int,
+    grad_scale: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    maximize: bool = False,
+    master_mode: str = "fp32",
+    states: str = "fp32",
+    exp_avg_scale: torch.Tensor | None = None,
+    exp_avg_sq_scale: torch.Tensor | None = None,
+    kahan: torch.Tensor | None = None,
+    seed: torch.Tensor | None = None,
+    sr_offset: int = 0,
+) -> dict[str, torch.Tensor]:
     """One update of local (contiguous) tensors stored as the modes store them. Returns float64
     tensors: "master" (as stored: bf16 values in the bf16 modes), "kahan" (bf16-kahan),
     "exp_avg"/"exp_avg_sq" (as stored; int64 codes for int8) with "exp_avg_scale"/

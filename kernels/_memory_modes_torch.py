@@ -11,6 +11,7 @@ ints: the bf16-sr index offset). A step is one vectorised pass per hyper-paramet
 pieces,
 concatenated (every piece is whole quantization blocks, so the int8 blocks stay the kernel's).
 """
+
 from __future__ import annotations
 
 import torch
@@ -28,15 +29,24 @@ from fusedzero.kernels._table import AdamWCol, Piece
 
 # Stream indices of a piece's tensors.
 _MASTER, _GRAD, _M, _V, _OUT, _COMP, _MS, _VS = (
-    c.stream for c in (AdamWCol.MASTER, AdamWCol.GRAD, AdamWCol.EXP_AVG, AdamWCol.EXP_AVG_SQ,
-                       AdamWCol.OUT, AdamWCol.COMP, AdamWCol.EXP_AVG_SCALE,
-                       AdamWCol.EXP_AVG_SQ_SCALE))
+    c.stream
+    for c in (
+        AdamWCol.MASTER,
+        AdamWCol.GRAD,
+        AdamWCol.EXP_AVG,
+        AdamWCol.EXP_AVG_SQ,
+        AdamWCol.OUT,
+        AdamWCol.COMP,
+        AdamWCol.EXP_AVG_SCALE,
+        AdamWCol.EXP_AVG_SQ_SCALE,
+    )
+)
 
 
 def _views(p: Piece, j: int) -> torch.Tensor | None:
     t = p.tensors[j]
     n = p.numel // QBLOCK if j in (_MS, _VS) else p.numel
-    return None if t is None else t[p.starts[j]:p.starts[j] + n]
+    return None if t is None else t[p.starts[j] : p.starts[j] + n]
 
 
 def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
@@ -51,8 +61,9 @@ def _scatter(dsts: list[torch.Tensor], x: torch.Tensor) -> None:
 class ModeCombo:
     """A memory mode's grouped update of one (grad dtype, out dtype) combination on CPU."""
 
-    def __init__(self, pieces: list[Piece], master_mode: str, states: str,
-                 seed: torch.Tensor | None) -> None:
+    def __init__(
+        self, pieces: list[Piece], master_mode: str, states: str, seed: torch.Tensor | None
+    ) -> None:
         self.master_mode, self.states, self.seed = master_mode, states, seed
         self.by_row: dict[int, list[list[torch.Tensor | None]]] = {}
         self.sr_starts: dict[int, list[tuple[int, int]]] = {}
@@ -85,8 +96,9 @@ class ModeCombo:
             _scatter(col(_MASTER), pb)
             _scatter(col(_COMP), (p - pb.float()).to(torch.bfloat16))
         elif mm == "bf16-sr":
-            idx = torch.cat([torch.arange(s, s + n, dtype=torch.int64)
-                             for s, n in self.sr_starts[r]])
+            idx = torch.cat(
+                [torch.arange(s, s + n, dtype=torch.int64) for s, n in self.sr_starts[r]]
+            )
             _scatter(col(_MASTER), stochastic_round_bf16_torch(p, sr_bits(self.seed, step, idx)))
         else:
             _scatter(col(_MASTER), p.to(torch.bfloat16))
@@ -94,8 +106,9 @@ class ModeCombo:
         _store_state(col(_V), col(_VS), v, st, signed=False)
 
 
-def _update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
-            hp: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _update(
+    p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, hp: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     # The kernel's order of operations (torch.optim.AdamW's single-tensor path), all fp32, with
     # the row's columns (kernels/_rows.py RowCol): the bias corrections are in step_size, bc2_sqrt.
     step_size, bc2_sqrt, decay = hp[RowCol.STEP_SIZE], hp[RowCol.BC2_SQRT], hp[RowCol.DECAY]
@@ -109,15 +122,22 @@ def _update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor,
     return p - step_size * (m / denom), m, v
 
 
-def _load_state(ts: list[torch.Tensor], scales: list[torch.Tensor | None], states: str, *,
-                signed: bool) -> torch.Tensor:
+def _load_state(
+    ts: list[torch.Tensor], scales: list[torch.Tensor | None], states: str, *, signed: bool
+) -> torch.Tensor:
     if states == "int8":
         return dequantize_blockwise(_cat(ts), _cat(scales), signed=signed)
     return _cat(ts).float()
 
 
-def _store_state(ts: list[torch.Tensor], scales: list[torch.Tensor | None], x: torch.Tensor,
-                 states: str, *, signed: bool) -> None:
+def _store_state(
+    ts: list[torch.Tensor],
+    scales: list[torch.Tensor | None],
+    x: torch.Tensor,
+    states: str,
+    *,
+    signed: bool,
+) -> None:
     if states == "int8":
         q, a = quantize_blockwise(x, signed=signed)
         _scatter(ts, q)

@@ -25,6 +25,7 @@ and the step's non-finite check sees it.
 chunk_v: the optimizer's shards are multiples of 128) as such, which makes the masks uniform over a
 vector: 128-bit accesses (_compile_quant.py).
 """
+
 from __future__ import annotations
 
 import enum
@@ -64,20 +65,23 @@ def chunk_bytes(fmt: WireFormat, chunk_numel: int) -> int:
     """Bytes of one chunk of `chunk_numel` elements in `fmt` (int8: scales included)."""
     if fmt is WireFormat.INT8:
         if chunk_numel % WBLOCK:
-            raise ValueError(f"int8 chunks must be a multiple of {WBLOCK} elements, got "
-                             f"{chunk_numel}")
+            raise ValueError(
+                f"int8 chunks must be a multiple of {WBLOCK} elements, got {chunk_numel}"
+            )
         return chunk_numel + 4 * (chunk_numel // WBLOCK)
     return chunk_numel * (4 if fmt is WireFormat.FP32 else 2)
 
 
-def new_packed(fmt: WireFormat, chunks: int, chunk_numel: int,
-               device: torch.device) -> torch.Tensor:
+def new_packed(
+    fmt: WireFormat, chunks: int, chunk_numel: int, device: torch.device
+) -> torch.Tensor:
     """An uninitialised packed buffer of `chunks` chunks."""
     return torch.empty(chunks * chunk_bytes(fmt, chunk_numel), dtype=torch.uint8, device=device)
 
 
-def unpack(packed: torch.Tensor, fmt: WireFormat, chunk_numel: int
-           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def unpack(
+    packed: torch.Tensor, fmt: WireFormat, chunk_numel: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(values or codes as (chunks, chunk_numel), int8 scales as (chunks, blocks) or None):
     views of a packed buffer in its own dtypes."""
     c = chunk_bytes(fmt, chunk_numel)
@@ -96,25 +100,46 @@ def _views(packed: torch.Tensor, fmt: WireFormat) -> tuple[torch.Tensor, torch.T
     return v, v
 
 
-def _check(packed: torch.Tensor, fmt: WireFormat, chunks: int, chunk_numel: int,
-           t: torch.Tensor, name: str, most: int) -> None:
+def _check(
+    packed: torch.Tensor,
+    fmt: WireFormat,
+    chunks: int,
+    chunk_numel: int,
+    t: torch.Tensor,
+    name: str,
+    most: int,
+) -> None:
     need = chunks * chunk_bytes(fmt, chunk_numel)
     if packed.dtype != torch.uint8 or packed.dim() != 1 or packed.numel() != need:
-        raise ValueError(f"packed must be a flat uint8 buffer of {need} bytes ({chunks} chunks "
-                         f"of {chunk_numel} {fmt.value}), got {packed.dtype} of shape "
-                         f"{tuple(packed.shape)}")
+        raise ValueError(
+            f"packed must be a flat uint8 buffer of {need} bytes ({chunks} chunks "
+            f"of {chunk_numel} {fmt.value}), got {packed.dtype} of shape "
+            f"{tuple(packed.shape)}"
+        )
     if t.dim() != 1 or not t.is_contiguous() or t.numel() > most or t.device != packed.device:
-        raise ValueError(f"{name} must be flat, contiguous, on {packed.device} and at most {most} "
-                         f"elements, got shape {tuple(t.shape)} strides {t.stride()} on "
-                         f"{t.device}")
+        raise ValueError(
+            f"{name} must be flat, contiguous, on {packed.device} and at most {most} "
+            f"elements, got shape {tuple(t.shape)} strides {t.stride()} on "
+            f"{t.device}"
+        )
     if chunk_numel % WBLOCK:
         raise ValueError(f"chunk_numel must be a multiple of {WBLOCK}, got {chunk_numel}")
 
 
 # ----------------------------------------------------------------------------------- kernels
 @triton.jit
-def _quantize_kernel(x_ptr, v_ptr, s_ptr, numel, total_blocks, chunk_numel, chunk_v, chunk_s,
-                     FMT: tl.constexpr, ROWS: tl.constexpr):
+def _quantize_kernel(
+    x_ptr,
+    v_ptr,
+    s_ptr,
+    numel,
+    total_blocks,
+    chunk_numel,
+    chunk_v,
+    chunk_s,
+    FMT: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     # Program pid quantizes blocks [pid*ROWS, (pid+1)*ROWS) of the padded bucket; int64 offsets.
     pid = tl.program_id(0).to(tl.int64)
     blk = pid * ROWS + tl.arange(0, ROWS)
@@ -141,9 +166,21 @@ def _quantize_kernel(x_ptr, v_ptr, s_ptr, numel, total_blocks, chunk_numel, chun
 
 
 @triton.jit
-def _dequant_sum_kernel(v_ptr, s_ptr, out_ptr, n_out, chunks, chunk_numel, chunk_v, chunk_s,
-                        scale, FMT: tl.constexpr, ACCUMULATE: tl.constexpr,
-                        OUT_BF16: tl.constexpr, ROWS: tl.constexpr):
+def _dequant_sum_kernel(
+    v_ptr,
+    s_ptr,
+    out_ptr,
+    n_out,
+    chunks,
+    chunk_numel,
+    chunk_v,
+    chunk_s,
+    scale,
+    FMT: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     # out[i] = (out[i] if ACCUMULATE) + scale * sum_r value(chunk r, i), summed in fp32 in chunk
     # order, cast once at the store. 1-D offsets, the int8 rows reshaped to (ROWS, WBLOCK) to
     # meet their scales. See [Note: wire vector widths].
@@ -174,8 +211,19 @@ def _dequant_sum_kernel(v_ptr, s_ptr, out_ptr, n_out, chunks, chunk_numel, chunk
 
 
 @triton.jit
-def _dequantize_kernel(v_ptr, s_ptr, out_ptr, n_out, keep, chunk_numel, chunk_v, chunk_s,
-                       FMT: tl.constexpr, OUT_BF16: tl.constexpr, ROWS: tl.constexpr):
+def _dequantize_kernel(
+    v_ptr,
+    s_ptr,
+    out_ptr,
+    n_out,
+    keep,
+    chunk_numel,
+    chunk_v,
+    chunk_s,
+    FMT: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    ROWS: tl.constexpr,
+):
     # out[i] = value of element i of the concatenated chunks; chunk `keep` is left as it is.
     pid = tl.program_id(0).to(tl.int64)
     blk = pid * ROWS + tl.arange(0, ROWS)
@@ -185,8 +233,11 @@ def _dequantize_kernel(v_ptr, s_ptr, out_ptr, n_out, keep, chunk_numel, chunk_v,
     v = tl.load(v_ptr + r * chunk_v + (idx - r * chunk_numel), mask=mask, other=0).to(tl.float32)
     if FMT == 2:
         rb = blk // (chunk_numel // _WBLOCK)
-        d = tl.load(s_ptr + rb * chunk_s + chunk_numel // 4 + (blk - rb * (chunk_numel // _WBLOCK)),
-                    mask=blk * _WBLOCK < n_out, other=0.0)
+        d = tl.load(
+            s_ptr + rb * chunk_s + chunk_numel // 4 + (blk - rb * (chunk_numel // _WBLOCK)),
+            mask=blk * _WBLOCK < n_out,
+            other=0.0,
+        )
         v = v * d[:, None]
     if OUT_BF16:
         tl.store(out_ptr + idx, round_to_bf16(v), mask=mask)
@@ -202,8 +253,9 @@ def _strides(fmt: WireFormat, chunk_numel: int) -> tuple[int, int]:
 
 
 # --------------------------------------------------------------------------------- launchers
-def quantize_into(x: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks: int,
-                  chunk_numel: int) -> None:
+def quantize_into(
+    x: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks: int, chunk_numel: int
+) -> None:
     """Write `x` (flat, any float dtype, at most chunks * chunk_numel elements, the rest taken
     as zeros) into `packed` in `fmt`: one launch."""
     _check(packed, fmt, chunks, chunk_numel, x, "x", chunks * chunk_numel)
@@ -216,12 +268,30 @@ def quantize_into(x: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks
     cv, cs = _strides(fmt, chunk_numel)
     with device_guard(x.device):
         _quantize_kernel[(triton.cdiv(total_blocks, ROWS),)](
-            x, v, s, x.numel(), total_blocks, chunk_numel, cv, cs, FMT=fmt.code, ROWS=ROWS,
-            num_warps=NUM_WARPS, enable_fp_fusion=ENABLE_FP_FUSION)
+            x,
+            v,
+            s,
+            x.numel(),
+            total_blocks,
+            chunk_numel,
+            cv,
+            cs,
+            FMT=fmt.code,
+            ROWS=ROWS,
+            num_warps=NUM_WARPS,
+            enable_fp_fusion=ENABLE_FP_FUSION,
+        )
 
 
-def _unpacking(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks: int,
-               chunk_numel: int, max_out: int, launch: str) -> bool:
+def _unpacking(
+    out: torch.Tensor,
+    packed: torch.Tensor,
+    fmt: WireFormat,
+    chunks: int,
+    chunk_numel: int,
+    max_out: int,
+    launch: str,
+) -> bool:
     """Check a dequantizing launch's arguments and count it: True where Triton runs it."""
     _check(packed, fmt, chunks, chunk_numel, out, "out", max_out)
     if out.dtype not in OUT_DTYPES:
@@ -230,8 +300,16 @@ def _unpacking(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks:
     return use_triton(out.device)
 
 
-def dequant_sum_into(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks: int,
-                     chunk_numel: int, *, scale: float = 1.0, accumulate: bool = False) -> None:
+def dequant_sum_into(
+    out: torch.Tensor,
+    packed: torch.Tensor,
+    fmt: WireFormat,
+    chunks: int,
+    chunk_numel: int,
+    *,
+    scale: float = 1.0,
+    accumulate: bool = False,
+) -> None:
     """out (flat, fp32/bf16/fp16, at most chunk_numel elements) = [out +] scale * the fp32 sum of
     every chunk's dequantized values (its first out.numel() elements): one launch."""
     if not _unpacking(out, packed, fmt, chunks, chunk_numel, chunk_numel, "wire_dequant_sum"):
@@ -242,17 +320,38 @@ def dequant_sum_into(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, c
     grid = (triton.cdiv(triton.cdiv(out.numel(), WBLOCK), ROWS),)
     with device_guard(out.device):
         _dequant_sum_kernel[grid](
-            v, s, out, out.numel(), chunks, chunk_numel, cv, cs, float(scale), FMT=fmt.code,
-            ACCUMULATE=accumulate, OUT_BF16=out.dtype == torch.bfloat16, ROWS=ROWS,
-            num_warps=NUM_WARPS, enable_fp_fusion=ENABLE_FP_FUSION)
+            v,
+            s,
+            out,
+            out.numel(),
+            chunks,
+            chunk_numel,
+            cv,
+            cs,
+            float(scale),
+            FMT=fmt.code,
+            ACCUMULATE=accumulate,
+            OUT_BF16=out.dtype == torch.bfloat16,
+            ROWS=ROWS,
+            num_warps=NUM_WARPS,
+            enable_fp_fusion=ENABLE_FP_FUSION,
+        )
 
 
-def dequantize_into(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks: int,
-                    chunk_numel: int, *, keep: int = -1) -> None:
+def dequantize_into(
+    out: torch.Tensor,
+    packed: torch.Tensor,
+    fmt: WireFormat,
+    chunks: int,
+    chunk_numel: int,
+    *,
+    keep: int = -1,
+) -> None:
     """out (at most chunks * chunk_numel elements) = the chunks' values back to back, chunk
     `keep` (e.g. this rank's exact piece) left untouched: one launch."""
-    if not _unpacking(out, packed, fmt, chunks, chunk_numel, chunks * chunk_numel,
-                      "wire_dequantize"):
+    if not _unpacking(
+        out, packed, fmt, chunks, chunk_numel, chunks * chunk_numel, "wire_dequantize"
+    ):
         _dequantize_torch(out, packed, fmt, chunks, chunk_numel, keep)
         return
     v, s = _views(packed, fmt)
@@ -260,10 +359,20 @@ def dequantize_into(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, ch
     grid = (triton.cdiv(triton.cdiv(out.numel(), WBLOCK), ROWS),)
     with device_guard(out.device):
         _dequantize_kernel[grid](
-            v, s, out, out.numel(), keep, chunk_numel, cv, cs, FMT=fmt.code,
-            OUT_BF16=out.dtype == torch.bfloat16, ROWS=ROWS,
+            v,
+            s,
+            out,
+            out.numel(),
+            keep,
+            chunk_numel,
+            cv,
+            cs,
+            FMT=fmt.code,
+            OUT_BF16=out.dtype == torch.bfloat16,
+            ROWS=ROWS,
             num_warps=NUM_WARPS,
-            enable_fp_fusion=ENABLE_FP_FUSION)
+            enable_fp_fusion=ENABLE_FP_FUSION,
+        )
 
 
 # ------------------------------------------------------------------ torch path (same fp32 ops)
@@ -277,8 +386,9 @@ def quantize_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(xb < 0, -c, c).to(torch.int8).view(-1), d
 
 
-def _quantize_torch(x: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks: int,
-                    chunk_numel: int) -> None:
+def _quantize_torch(
+    x: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks: int, chunk_numel: int
+) -> None:
     vals, scales = unpack(packed, fmt, chunk_numel)
     n = x.numel()
     if fmt is not WireFormat.INT8:
@@ -294,8 +404,7 @@ def _quantize_torch(x: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chun
     scales.copy_(d.view(chunks, -1))
 
 
-def _chunk_values(packed: torch.Tensor, fmt: WireFormat, chunk_numel: int, n: int
-                  ) -> torch.Tensor:
+def _chunk_values(packed: torch.Tensor, fmt: WireFormat, chunk_numel: int, n: int) -> torch.Tensor:
     """fp32 values of every chunk's first `n` elements, (chunks, n)."""
     vals, scales = unpack(packed, fmt, chunk_numel)
     m = -(-n // WBLOCK) * WBLOCK  # whole blocks (chunk_numel is whole blocks)
@@ -306,8 +415,15 @@ def _chunk_values(packed: torch.Tensor, fmt: WireFormat, chunk_numel: int, n: in
     return v[:, :n]
 
 
-def _dequant_sum_torch(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks: int,
-                       chunk_numel: int, scale: float, accumulate: bool) -> None:
+def _dequant_sum_torch(
+    out: torch.Tensor,
+    packed: torch.Tensor,
+    fmt: WireFormat,
+    chunks: int,
+    chunk_numel: int,
+    scale: float,
+    accumulate: bool,
+) -> None:
     v = _chunk_values(packed, fmt, chunk_numel, out.numel())
     acc = torch.zeros(out.numel(), dtype=torch.float32, device=out.device)
     for r in range(chunks):  # in chunk order, as the kernel
@@ -318,8 +434,14 @@ def _dequant_sum_torch(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat,
     out.copy_(acc)
 
 
-def _dequantize_torch(out: torch.Tensor, packed: torch.Tensor, fmt: WireFormat, chunks: int,
-                      chunk_numel: int, keep: int) -> None:
+def _dequantize_torch(
+    out: torch.Tensor,
+    packed: torch.Tensor,
+    fmt: WireFormat,
+    chunks: int,
+    chunk_numel: int,
+    keep: int,
+) -> None:
     v = _chunk_values(packed, fmt, chunk_numel, chunk_numel).reshape(-1)
     n = out.numel()
     if 0 <= keep < chunks:

@@ -9,6 +9,7 @@ would be a launch and ~15-25 us of host on CUDA (see [Note: one launch for the s
 kernels/_step_scalars.py). Both compute the same fp64 values up to a few fp64 ulps (the kernel's
 expm1 is Kahan's, from exp and log), so the same fp32 rows. Nothing is read back to the host.
 """
+
 from __future__ import annotations
 
 import math
@@ -80,10 +81,17 @@ class Rows:
         """The constant columns and the fp64 per-group constants, where they changed."""
         if hyper.consts != self.consts:
             check_consts(hyper.consts)
-            copy_from_host(self.rows[:, _CONSTS[0]:_CONSTS[-1] + 1],
-                           [[b1, 1 - b1, b2, 1 - b2, eps] for b1, b2, eps, _, _ in hyper.consts])
-            copy_from_host(self.c64, [[wd, -1.0 if mx else 1.0, _log(b1), _log(b2)]  # _C64
-                                      for b1, b2, _, wd, mx in hyper.consts])
+            copy_from_host(
+                self.rows[:, _CONSTS[0] : _CONSTS[-1] + 1],
+                [[b1, 1 - b1, b2, 1 - b2, eps] for b1, b2, eps, _, _ in hyper.consts],
+            )
+            copy_from_host(
+                self.c64,
+                [
+                    [wd, -1.0 if mx else 1.0, _log(b1), _log(b2)]  # _C64
+                    for b1, b2, _, wd, mx in hyper.consts
+                ],
+            )
             self.consts = hyper.consts
 
     def update(self, hyper: Hyper, step: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tensor:
@@ -94,8 +102,16 @@ class Rows:
             count_launch("rows")
             with device_guard(self.rows.device):
                 _adamw_rows_kernel[(1,)](
-                    hyper.lr, self.c64, step, grad_scale, self.rows, self.rows.shape[0],
-                    **self.constexprs(), num_warps=1, enable_fp_fusion=ENABLE_FP_FUSION)
+                    hyper.lr,
+                    self.c64,
+                    step,
+                    grad_scale,
+                    self.rows,
+                    self.rows.shape[0],
+                    **self.constexprs(),
+                    num_warps=1,
+                    enable_fp_fusion=ENABLE_FP_FUSION,
+                )
         else:
             adamw_rows(hyper.lr, self.c64, step, grad_scale, self.rows)
         return self.rows
@@ -106,20 +122,34 @@ class Rows:
 
 
 def row_constexprs(block: int) -> dict[str, int]:
-    return dict(NCOLS=NCOLS, NC64=len(_C64), BLOCK=block, STEP_SIZE=int(RowCol.STEP_SIZE),
-                BC2_SQRT=int(RowCol.BC2_SQRT), DECAY=int(RowCol.DECAY),
-                GRAD_MULT=int(RowCol.GRAD_MULT), WD=int(_C64.WEIGHT_DECAY), SIGN=int(_C64.SIGN),
-                LOG_BETA1=int(_C64.LOG_BETA1), LOG_BETA2=int(_C64.LOG_BETA2))
+    return dict(
+        NCOLS=NCOLS,
+        NC64=len(_C64),
+        BLOCK=block,
+        STEP_SIZE=int(RowCol.STEP_SIZE),
+        BC2_SQRT=int(RowCol.BC2_SQRT),
+        DECAY=int(RowCol.DECAY),
+        GRAD_MULT=int(RowCol.GRAD_MULT),
+        WD=int(_C64.WEIGHT_DECAY),
+        SIGN=int(_C64.SIGN),
+        LOG_BETA1=int(_C64.LOG_BETA1),
+        LOG_BETA2=int(_C64.LOG_BETA2),
+    )
 
 
-def adamw_rows(lr: torch.Tensor, c64: torch.Tensor, step: torch.Tensor,
-               grad_scale: torch.Tensor, rows: torch.Tensor) -> None:
+def adamw_rows(
+    lr: torch.Tensor,
+    c64: torch.Tensor,
+    step: torch.Tensor,
+    grad_scale: torch.Tensor,
+    rows: torch.Tensor,
+) -> None:
     """The per-step columns of `rows` on the device, in fp64 rounded once to fp32: step_size =
     lr / (1 - beta1**step), bc2_sqrt = sqrt(1 - beta2**step), decay = 1 - lr * weight_decay,
     grad_mult = +-grad_scale. Bias corrections as -expm1(step * log(beta)): in fp32,
     1 - 0.999**1 would lose 4-5 digits to cancellation."""
     lr64 = lr.double()
-    bc1, bc2 = torch.expm1(step.double() * c64[:, _C64.LOG_BETA1:_C64.LOG_BETA2 + 1]).neg_().T
+    bc1, bc2 = torch.expm1(step.double() * c64[:, _C64.LOG_BETA1 : _C64.LOG_BETA2 + 1]).neg_().T
     rows[:, RowCol.STEP_SIZE].copy_(lr64 / bc1)
     rows[:, RowCol.BC2_SQRT].copy_(bc2.sqrt())
     rows[:, RowCol.DECAY].copy_(1.0 - lr64 * c64[:, _C64.WEIGHT_DECAY])
@@ -139,23 +169,67 @@ def _expm1_f64(x):
 
 
 @triton.jit
-def _adamw_rows_kernel(lr_ptr, c64_ptr, step_ptr, grad_scale_ptr, rows_ptr, n,
-                       NCOLS: tl.constexpr, NC64: tl.constexpr, BLOCK: tl.constexpr,
-                       STEP_SIZE: tl.constexpr, BC2_SQRT: tl.constexpr, DECAY: tl.constexpr,
-                       GRAD_MULT: tl.constexpr, WD: tl.constexpr, SIGN: tl.constexpr,
-                       LOG_BETA1: tl.constexpr, LOG_BETA2: tl.constexpr):
+def _adamw_rows_kernel(
+    lr_ptr,
+    c64_ptr,
+    step_ptr,
+    grad_scale_ptr,
+    rows_ptr,
+    n,
+    NCOLS: tl.constexpr,
+    NC64: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STEP_SIZE: tl.constexpr,
+    BC2_SQRT: tl.constexpr,
+    DECAY: tl.constexpr,
+    GRAD_MULT: tl.constexpr,
+    WD: tl.constexpr,
+    SIGN: tl.constexpr,
+    LOG_BETA1: tl.constexpr,
+    LOG_BETA2: tl.constexpr,
+):
     """`adamw_rows` in one program, a lane per group."""
-    _write_rows(lr_ptr, c64_ptr, tl.load(step_ptr), tl.load(grad_scale_ptr), rows_ptr, n,
-                NCOLS, NC64, BLOCK, STEP_SIZE, BC2_SQRT, DECAY, GRAD_MULT, WD, SIGN, LOG_BETA1,
-                LOG_BETA2)
+    _write_rows(
+        lr_ptr,
+        c64_ptr,
+        tl.load(step_ptr),
+        tl.load(grad_scale_ptr),
+        rows_ptr,
+        n,
+        NCOLS,
+        NC64,
+        BLOCK,
+        STEP_SIZE,
+        BC2_SQRT,
+        DECAY,
+        GRAD_MULT,
+        WD,
+        SIGN,
+        LOG_BETA1,
+        LOG_BETA2,
+    )
 
 
 @triton.jit
-def _write_rows(lr_ptr, c64_ptr, step32, grad_scale, rows_ptr, n, NCOLS: tl.constexpr,
-                NC64: tl.constexpr, BLOCK: tl.constexpr, STEP_SIZE: tl.constexpr,
-                BC2_SQRT: tl.constexpr, DECAY: tl.constexpr, GRAD_MULT: tl.constexpr,
-                WD: tl.constexpr, SIGN: tl.constexpr, LOG_BETA1: tl.constexpr,
-                LOG_BETA2: tl.constexpr):
+def _write_rows(
+    lr_ptr,
+    c64_ptr,
+    step32,
+    grad_scale,
+    rows_ptr,
+    n,
+    NCOLS: tl.constexpr,
+    NC64: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STEP_SIZE: tl.constexpr,
+    BC2_SQRT: tl.constexpr,
+    DECAY: tl.constexpr,
+    GRAD_MULT: tl.constexpr,
+    WD: tl.constexpr,
+    SIGN: tl.constexpr,
+    LOG_BETA1: tl.constexpr,
+    LOG_BETA2: tl.constexpr,
+):
     """The rows from this step's count and grad scale (fp32 values): the same fp64 operations
     as `adamw_rows` in the same order, each rounded once to fp32. Also called by the step's
     scalar kernel with the values it just computed (kernels/_step_scalars.py)."""
@@ -170,7 +244,6 @@ def _write_rows(lr_ptr, c64_ptr, step32, grad_scale, rows_ptr, n, NCOLS: tl.cons
     out = rows_ptr + r * NCOLS
     tl.store(out + STEP_SIZE, (lr / bc1).to(tl.float32), mask=m)
     tl.store(out + BC2_SQRT, tl.sqrt(bc2).to(tl.float32), mask=m)
-    tl.store(out + DECAY, (1.0 - lr * tl.load(c + WD, mask=m, other=0.0)).to(tl.float32),
-             mask=m)
+    tl.store(out + DECAY, (1.0 - lr * tl.load(c + WD, mask=m, other=0.0)).to(tl.float32), mask=m)
     gs = grad_scale.to(tl.float64)
     tl.store(out + GRAD_MULT, (tl.load(c + SIGN, mask=m, other=0.0) * gs).to(tl.float32), mask=m)

@@ -13,6 +13,7 @@ update's rows (`rows.Rows`), the same program then writes them from the step cou
 scale it just computed (kernels/_rows.py, the same fp64 operations as their own launch): the
 step's scalars, bias corrections and lr rows are one launch.
 """
+
 from __future__ import annotations
 
 import torch
@@ -31,14 +32,35 @@ from fusedzero.kernels._rows import Rows, _write_rows, adamw_rows, row_constexpr
 
 
 @triton.jit
-def _step_scalars_kernel(total_ptr, loss_scale_ptr, norm_ptr, grad_scale_ptr, skip_ptr,
-                         step_ptr, max_norm_ptr, lr_ptr, c64_ptr, rows_ptr, n_rows,
-                         NORM: tl.constexpr, SCALED: tl.constexpr, CLIP: tl.constexpr,
-                         SKIP_NONFINITE: tl.constexpr, ROWS: tl.constexpr,
-                         NCOLS: tl.constexpr, NC64: tl.constexpr, BLOCK: tl.constexpr,
-                         STEP_SIZE: tl.constexpr, BC2_SQRT: tl.constexpr, DECAY: tl.constexpr,
-                         GRAD_MULT: tl.constexpr, WD: tl.constexpr, SIGN: tl.constexpr,
-                         LOG_BETA1: tl.constexpr, LOG_BETA2: tl.constexpr):
+def _step_scalars_kernel(
+    total_ptr,
+    loss_scale_ptr,
+    norm_ptr,
+    grad_scale_ptr,
+    skip_ptr,
+    step_ptr,
+    max_norm_ptr,
+    lr_ptr,
+    c64_ptr,
+    rows_ptr,
+    n_rows,
+    NORM: tl.constexpr,
+    SCALED: tl.constexpr,
+    CLIP: tl.constexpr,
+    SKIP_NONFINITE: tl.constexpr,
+    ROWS: tl.constexpr,
+    NCOLS: tl.constexpr,
+    NC64: tl.constexpr,
+    BLOCK: tl.constexpr,
+    STEP_SIZE: tl.constexpr,
+    BC2_SQRT: tl.constexpr,
+    DECAY: tl.constexpr,
+    GRAD_MULT: tl.constexpr,
+    WD: tl.constexpr,
+    SIGN: tl.constexpr,
+    LOG_BETA1: tl.constexpr,
+    LOG_BETA2: tl.constexpr,
+):
     inv = tl.full((), 1.0, tl.float32)
     if SCALED:
         inv = tl.div_rn(inv, tl.load(loss_scale_ptr))
@@ -60,15 +82,40 @@ def _step_scalars_kernel(total_ptr, loss_scale_ptr, norm_ptr, grad_scale_ptr, sk
     step = tl.load(step_ptr) + (1.0 - skip)
     tl.store(step_ptr, step)
     if ROWS:
-        _write_rows(lr_ptr, c64_ptr, step, scale, rows_ptr, n_rows, NCOLS, NC64, BLOCK,
-                    STEP_SIZE, BC2_SQRT, DECAY, GRAD_MULT, WD, SIGN, LOG_BETA1, LOG_BETA2)
+        _write_rows(
+            lr_ptr,
+            c64_ptr,
+            step,
+            scale,
+            rows_ptr,
+            n_rows,
+            NCOLS,
+            NC64,
+            BLOCK,
+            STEP_SIZE,
+            BC2_SQRT,
+            DECAY,
+            GRAD_MULT,
+            WD,
+            SIGN,
+            LOG_BETA1,
+            LOG_BETA2,
+        )
 
 
-def step_scalars(total: torch.Tensor | None, loss_scale: torch.Tensor | None,
-                 norm: torch.Tensor, grad_scale: torch.Tensor, skip: torch.Tensor,
-                 step: torch.Tensor, *, max_grad_norm: torch.Tensor | None,
-                 skip_nonfinite: bool, rows: Rows | None = None,
-                 hyper: Hyper | None = None) -> None:
+def step_scalars(
+    total: torch.Tensor | None,
+    loss_scale: torch.Tensor | None,
+    norm: torch.Tensor,
+    grad_scale: torch.Tensor,
+    skip: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    max_grad_norm: torch.Tensor | None,
+    skip_nonfinite: bool,
+    rows: Rows | None = None,
+    hyper: Hyper | None = None,
+) -> None:
     """Write `norm` (the grad norm over the loss scale), `grad_scale` (1 / loss scale, times
     the clip coefficient with `max_grad_norm`) and `skip` (1.0 for a non-finite norm with
     `skip_nonfinite`), and count the step in `step` unless it is skipped. `total`: the sum of
@@ -77,9 +124,15 @@ def step_scalars(total: torch.Tensor | None, loss_scale: torch.Tensor | None,
     launch: a CUDA graph replays the arguments it captured); nothing is read back to the
     host. With `rows` (and this step's `hyper`), the update's rows too, in the same launch."""
     dev = step.device
-    for name, t in (("total", total), ("loss_scale", loss_scale), ("norm", norm),
-                    ("grad_scale", grad_scale), ("skip", skip), ("step", step),
-                    ("max_grad_norm", max_grad_norm)):
+    for name, t in (
+        ("total", total),
+        ("loss_scale", loss_scale),
+        ("norm", norm),
+        ("grad_scale", grad_scale),
+        ("skip", skip),
+        ("step", step),
+        ("max_grad_norm", max_grad_norm),
+    ):
         if t is not None:
             check_scalar(name, t, dev)
     if max_grad_norm is not None and total is None:
@@ -90,27 +143,54 @@ def step_scalars(total: torch.Tensor | None, loss_scale: torch.Tensor | None,
         rows.write_consts(hyper)  # host values, copied only when they changed
     count_launch("step_scalars")
     if not use_triton(dev):
-        _step_scalars_torch(total, loss_scale, norm, grad_scale, skip, step,
-                            max_grad_norm=max_grad_norm, skip_nonfinite=skip_nonfinite)
+        _step_scalars_torch(
+            total,
+            loss_scale,
+            norm,
+            grad_scale,
+            skip,
+            step,
+            max_grad_norm=max_grad_norm,
+            skip_nonfinite=skip_nonfinite,
+        )
         if rows is not None and hyper is not None:
             adamw_rows(hyper.lr, rows.c64, step, grad_scale, rows.rows)
         return
     with device_guard(dev):
         _step_scalars_kernel[(1,)](
-            step if total is None else total, step if loss_scale is None else loss_scale,
-            norm, grad_scale, skip, step, step if max_grad_norm is None else max_grad_norm,
-            step if hyper is None else hyper.lr, step if rows is None else rows.c64,
-            step if rows is None else rows.rows, 0 if rows is None else rows.rows.shape[0],
-            NORM=total is not None, SCALED=loss_scale is not None,
-            CLIP=max_grad_norm is not None, SKIP_NONFINITE=skip_nonfinite and total is not None,
-            ROWS=rows is not None, **(row_constexprs(16) if rows is None else rows.constexprs()),
-            num_warps=1, enable_fp_fusion=ENABLE_FP_FUSION)
+            step if total is None else total,
+            step if loss_scale is None else loss_scale,
+            norm,
+            grad_scale,
+            skip,
+            step,
+            step if max_grad_norm is None else max_grad_norm,
+            step if hyper is None else hyper.lr,
+            step if rows is None else rows.c64,
+            step if rows is None else rows.rows,
+            0 if rows is None else rows.rows.shape[0],
+            NORM=total is not None,
+            SCALED=loss_scale is not None,
+            CLIP=max_grad_norm is not None,
+            SKIP_NONFINITE=skip_nonfinite and total is not None,
+            ROWS=rows is not None,
+            **(row_constexprs(16) if rows is None else rows.constexprs()),
+            num_warps=1,
+            enable_fp_fusion=ENABLE_FP_FUSION,
+        )
 
 
-def _step_scalars_torch(total: torch.Tensor | None, loss_scale: torch.Tensor | None,
-                        norm: torch.Tensor, grad_scale: torch.Tensor, skip: torch.Tensor,
-                        step: torch.Tensor, *, max_grad_norm: torch.Tensor | None,
-                        skip_nonfinite: bool) -> None:
+def _step_scalars_torch(
+    total: torch.Tensor | None,
+    loss_scale: torch.Tensor | None,
+    norm: torch.Tensor,
+    grad_scale: torch.Tensor,
+    skip: torch.Tensor,
+    step: torch.Tensor,
+    *,
+    max_grad_norm: torch.Tensor | None,
+    skip_nonfinite: bool,
+) -> None:
     """The same arithmetic as torch ops (CPU tensors, and the reference the kernel is tested
     against)."""
     one = torch.ones(1, dtype=torch.float32, device=step.device)

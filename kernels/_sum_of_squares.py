@@ -6,6 +6,7 @@ one launch per grad dtype (a piece table as in the AdamW kernel, kernels/_table.
 writes the fp32 partial sum of each of its programs into one partials buffer, then one `sum`
 over it. Deterministic: the same partials in the same order every step.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -41,8 +42,12 @@ _CHUNK = 1 << 18
 
 @triton.jit
 def _grouped_sumsq_kernel(
-    x_ptr, piece_ptr, prog_piece_ptr, partial_ptr,
-    ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
+    x_ptr,
+    piece_ptr,
+    prog_piece_ptr,
+    partial_ptr,
+    ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     # Program `prog` squares BLOCK elements of its piece and writes partial `prog`; one grid
     # axis (CUDA caps axes 1-2 at 65535), int64 offsets.
@@ -62,8 +67,9 @@ def _grouped_sumsq_kernel(
 class SumsqView:
     """One grad view for `GroupedSumsq`: `num_buckets` pieces of `shard_numel` elements."""
 
-    def __init__(self, x: torch.Tensor | Strided, num_buckets: int = 1,
-                 shard_numel: int | None = None) -> None:
+    def __init__(
+        self, x: torch.Tensor | Strided, num_buckets: int = 1, shard_numel: int | None = None
+    ) -> None:
         self.shard_numel = shard_numel_of(x, num_buckets, shard_numel)
         self.stream = as_strided(x, self.shard_numel)
         self.num_buckets = num_buckets
@@ -76,8 +82,9 @@ class GroupedSumsq:
     chunks of at most `_CHUNK` elements, each chunk squared in one scratch buffer and summed.
     """
 
-    def __init__(self, views: list[SumsqView], device: torch.device, *,
-                 require_aligned: bool = False) -> None:
+    def __init__(
+        self, views: list[SumsqView], device: torch.device, *, require_aligned: bool = False
+    ) -> None:
         self.device = device
         self.triton = use_triton(device)
         by_dtype: dict[torch.dtype, list[Piece]] = {}
@@ -97,11 +104,11 @@ class GroupedSumsq:
                     raise ValueError("a grad piece is not 16-element aligned")
                 self.tables.append(t)
             else:
-                self.chunks += _pack([p.tensors[0][p.starts[0]:p.starts[0] + p.numel]
-                                      for p in pieces])
+                self.chunks += _pack(
+                    [p.tensors[0][p.starts[0] : p.starts[0] + p.numel] for p in pieces]
+                )
         self.programs = sum(t.programs for t in self.tables)
-        self.launches = len(self.tables) if self.triton else len(
-            {c[0].dtype for c in self.chunks})
+        self.launches = len(self.tables) if self.triton else len({c[0].dtype for c in self.chunks})
         self._scratch: torch.Tensor | None = None
         self._partial: torch.Tensor | None = None  # the Triton path's per-program partial sums
         self._outs: list[torch.Tensor] = []  # each table's slice of them
@@ -120,8 +127,11 @@ class GroupedSumsq:
         # ~log2(n) ulps for any thread count, as the kernel's in-block tree then sum over
         # partials. Chunk sums are summed as a tree too.
         if self._scratch is None:
-            self._scratch = torch.empty(max(sum(t.numel() for t in c) for c in self.chunks),
-                                        dtype=torch.float32, device=self.device)
+            self._scratch = torch.empty(
+                max(sum(t.numel() for t in c) for c in self.chunks),
+                dtype=torch.float32,
+                device=self.device,
+            )
         sums = []
         for c in self.chunks:
             n = sum(t.numel() for t in c)
@@ -132,10 +142,11 @@ class GroupedSumsq:
 
     def _triton(self) -> torch.Tensor:
         if self._partial is None:  # made once, with each table's slice: no op per step
-            self._partial = torch.empty(max(self.programs, 1), dtype=torch.float32,
-                                        device=self.device)
+            self._partial = torch.empty(
+                max(self.programs, 1), dtype=torch.float32, device=self.device
+            )
             starts = itertools.accumulate((t.programs for t in self.tables), initial=0)
-            self._outs = [self._partial[s:] for s in starts][:len(self.tables)]
+            self._outs = [self._partial[s:] for s in starts][: len(self.tables)]
         partial = self._partial
         if not self.tables:
             return partial.zero_()[:1]
@@ -143,8 +154,15 @@ class GroupedSumsq:
             for t, out in zip(self.tables, self._outs):
                 count_launch("sumsq")
                 _grouped_sumsq_kernel[(t.programs,)](
-                    t.bases[0], t.pieces, t.prog_piece, out, ALIGNED=t.aligned,
-                    BLOCK=BLOCK, num_warps=NUM_WARPS, enable_fp_fusion=ENABLE_FP_FUSION)
+                    t.bases[0],
+                    t.pieces,
+                    t.prog_piece,
+                    out,
+                    ALIGNED=t.aligned,
+                    BLOCK=BLOCK,
+                    num_warps=NUM_WARPS,
+                    enable_fp_fusion=ENABLE_FP_FUSION,
+                )
         return partial.sum().reshape(1)
 
 
@@ -163,8 +181,9 @@ def _pack(views: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return [c for c in chunks if c]
 
 
-def sumsq(x: torch.Tensor | Strided, *, num_buckets: int = 1,
-          shard_numel: int | None = None) -> torch.Tensor:
+def sumsq(
+    x: torch.Tensor | Strided, *, num_buckets: int = 1, shard_numel: int | None = None
+) -> torch.Tensor:
     """fp32 one-element tensor: sum of squares over one shard (inf/nan if any is non-finite)."""
     v = SumsqView(x, num_buckets, shard_numel)
     return GroupedSumsq([v], v.stream.tensor.device)()

@@ -25,6 +25,7 @@ without the hints. A plan that needs it (`require_aligned`) refuses an unaligned
 The tables hold addresses: a tensor a plan was built over must never be replaced (only written
 in place) while the plan lives; the optimizer's buffers are built once and loaded with `copy_`.
 """
+
 from __future__ import annotations
 
 from enum import IntEnum
@@ -43,8 +44,9 @@ INT64_MAX = 2**63 - 1
 def check_entry(name: str, value: int) -> None:
     """An offset or count the kernels read from the table: exact in int64, never negative."""
     if not 0 <= value <= INT64_MAX:
-        raise ValueError(f"table {name} {value} does not fit the table's int64 "
-                         f"(0 <= value <= 2**63 - 1)")
+        raise ValueError(
+            f"table {name} {value} does not fit the table's int64 (0 <= value <= 2**63 - 1)"
+        )
 
 
 class Col(IntEnum):
@@ -128,8 +130,10 @@ def pieces_of(buf: Buffer) -> list[Piece]:
     tensors = tuple(s.tensor for s in buf.streams)
     if all(s.stride == S and s.base == 0 for s in buf.streams):
         return [Piece(tensors, (0,) * len(tensors), nb * S, buf.row)]
-    return [Piece(tensors, tuple(k * s.stride + s.base for s in buf.streams), S, buf.row)
-            for k in range(nb)]
+    return [
+        Piece(tensors, tuple(k * s.stride + s.base for s in buf.streams), S, buf.row)
+        for k in range(nb)
+    ]
 
 
 class Table(NamedTuple):
@@ -153,8 +157,13 @@ def _base(pieces: list[Piece], j: int) -> torch.Tensor | None:
     return min(ts, key=lambda t: t.data_ptr())
 
 
-def build_table(pieces: list[Piece], block: int, device: torch.device,
-                streams: int | None = None, loose: tuple[int, ...] = ()) -> Table:
+def build_table(
+    pieces: list[Piece],
+    block: int,
+    device: torch.device,
+    streams: int | None = None,
+    loose: tuple[int, ...] = (),
+) -> Table:
     """The table of `pieces` (non-empty, all with the same number of streams). Rows have at
     least `streams` stream columns (missing ones padded with 0 before the ints: a kernel with a
     fixed row shape). Streams in `loose` (indices) need not be 16-element aligned (e.g. int8
@@ -172,8 +181,10 @@ def build_table(pieces: list[Piece], block: int, device: torch.device,
             diff = t.data_ptr() - b.data_ptr()
             size = t.element_size()
             if diff % size or t.dtype != b.dtype:
-                raise ValueError(f"stream {j}: tensors of one launch must share a dtype "
-                                 f"({t.dtype} vs {b.dtype}) and element grid")
+                raise ValueError(
+                    f"stream {j}: tensors of one launch must share a dtype "
+                    f"({t.dtype} vs {b.dtype}) and element grid"
+                )
             offs.append(diff // size + start)
             check_entry(f"stream {j} offset", offs[-1])
             aligned = aligned and (j in loose or offs[-1] % ALIGN == 0)
@@ -187,11 +198,15 @@ def build_table(pieces: list[Piece], block: int, device: torch.device,
         counts.append(nprog)
         first += nprog
     if first > MAX_GRID_X:
-        raise ValueError(f"{first} programs of {block} elements exceed CUDA's grid limit "
-                         f"{MAX_GRID_X}; use larger buckets")
-    aligned = aligned and all(b.data_ptr() % 16 == 0 for j, b in enumerate(bases)
-                              if b is not None and j not in loose)
+        raise ValueError(
+            f"{first} programs of {block} elements exceed CUDA's grid limit "
+            f"{MAX_GRID_X}; use larger buckets"
+        )
+    aligned = aligned and all(
+        b.data_ptr() % 16 == 0 for j, b in enumerate(bases) if b is not None and j not in loose
+    )
     table = torch.tensor(rows, dtype=torch.int64)
-    prog_piece = torch.repeat_interleave(torch.arange(len(pieces), dtype=torch.int32),
-                                         torch.tensor(counts))
+    prog_piece = torch.repeat_interleave(
+        torch.arange(len(pieces), dtype=torch.int32), torch.tensor(counts)
+    )
     return Table(bases, table.to(device), prog_piece.to(device), first, aligned)

@@ -3,6 +3,7 @@ folder of the root conftest.py, in the test process and in the ranks it spawns).
 
 Library-side helpers (ranks on gloo, a fake process group) are `fusedzero.testing`.
 """
+
 from __future__ import annotations
 
 import json
@@ -68,22 +69,32 @@ def fast_only(cases: Iterable[Any], fast: Callable[[Any], bool]) -> list[Any]:
     """`cases` for `pytest.mark.parametrize`, those `fast` rejects marked slow: the fast tier
     runs a few that together still reach every branch, the slow tier the rest. A tuple case is
     the values of several argnames."""
-    return [c if fast(c) else pytest.param(*(c if isinstance(c, tuple) else (c,)),
-                                           marks=pytest.mark.slow)
-            for c in cases]
+    return [
+        c
+        if fast(c)
+        else pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.slow)
+        for c in cases
+    ]
 
 
 # -- a tiny trained checkpoint, the input of the checkpoint trust and hostile-input tests ------
 TINY_CKPT = GPTConfig(vocab_size=31, block_size=8, n_layer=1, n_head=2, n_embd=16)
 
 
-def tiny_ckpt_opt(cfg: GPTConfig = TINY_CKPT, stage: int = 1, pg: Any = None,
-                  rep: Any = None) -> tuple[GPT, ZeroAdamW]:
+def tiny_ckpt_opt(
+    cfg: GPTConfig = TINY_CKPT, stage: int = 1, pg: Any = None, rep: Any = None
+) -> tuple[GPT, ZeroAdamW]:
     """The GPT of `cfg` (seed 0) and its optimizer: small buckets, so params cross them."""
     torch.manual_seed(0)
     model = GPT(cfg)
-    opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-2, stage=stage, module=model,
-                    groups=Groups(shard=pg, replicate=rep), sharding=Sharding(bucket_numel=700))
+    opt = ZeroAdamW(
+        gpt_param_groups(model, 0.1),
+        lr=1e-2,
+        stage=stage,
+        module=model,
+        groups=Groups(shard=pg, replicate=rep),
+        sharding=Sharding(bucket_numel=700),
+    )
     return model, opt
 
 
@@ -99,6 +110,7 @@ def tiny_train(model: GPT, opt: ZeroAdamW, steps: int, seed: int = 0) -> None:
 def two_step_root(root: Path, build: Callable[[], tuple[GPT, ZeroAdamW]]) -> Path:
     """`root` holding step-1 and step-2 of a trained model (non-zero moments)."""
     from fusedzero import checkpoint
+
     model, opt = build()
     tiny_train(model, opt, 1)
     checkpoint.save(opt, root, step=1)
@@ -113,9 +125,13 @@ def refused_then_upgraded(old: Path, opt: ZeroAdamW, version: int, root: Path) -
     verifies as format 3."""
     from fusedzero import checkpoint as ck
     from fusedzero.app.ckpt_cli import main as ckpt_main
+
     for call in (lambda: ck.verify(old), lambda: ck.load(opt, old)):
-        with pytest.raises(ck.CheckpointError, match=rf"format version {version}, .* convert it "
-                                                     r"with `fusedzero ckpt upgrade"):
+        with pytest.raises(
+            ck.CheckpointError,
+            match=rf"format version {version}, .* convert it "
+            r"with `fusedzero ckpt upgrade",
+        ):
             call()
     assert ckpt_main(["ckpt", "upgrade", str(old), str(root)]) == 0
     ck.verify(root)
@@ -130,8 +146,12 @@ def copy_root(src: Path, tmp_path: Path, tag: str = "c") -> Path:
     return dst
 
 
-def run_forked(body: Callable[[], None], out_dir: Path, timeout: float = 120.0,
-               env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def run_forked(
+    body: Callable[[], None],
+    out_dir: Path,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     """`body()` in a fork of this process, as a subprocess would run it but without a fresh
     interpreter importing torch (seconds): its own stdout and stderr (files in `out_dir`), `env`
     added to its environment, one torch thread; a crash (SIGSEGV) or an exception is its exit
@@ -170,15 +190,21 @@ def run_forked(body: Callable[[], None], out_dir: Path, timeout: float = 120.0,
             os.waitpid(pid, 0)
             raise subprocess.TimeoutExpired([f"fork of {os.getpid()}"], timeout)
         time.sleep(0.02)
-    return subprocess.CompletedProcess([f"fork of {os.getpid()}"],
-                                       os.waitstatus_to_exitcode(done[1]),
-                                       out.read_text(errors="replace"),
-                                       err.read_text(errors="replace"))
+    return subprocess.CompletedProcess(
+        [f"fork of {os.getpid()}"],
+        os.waitstatus_to_exitcode(done[1]),
+        out.read_text(errors="replace"),
+        err.read_text(errors="replace"),
+    )
 
 
-def run_isolated(fn: Callable[..., None], args: tuple[Any, ...], out_dir: Path,
-                 timeout: float = 120.0, env: dict[str, str] | None = None
-                 ) -> subprocess.CompletedProcess:
+def run_isolated(
+    fn: Callable[..., None],
+    args: tuple[Any, ...],
+    out_dir: Path,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     """`fn(*args)` (a module-level function of a test file; `args` by repr) away from this
     process, a crash its exit status: in a fork (`run_forked`, milliseconds) where torch sees no
     GPU, else in a fresh interpreter (seconds). Where torch sees a GPU, this process's first
@@ -188,10 +214,17 @@ def run_isolated(fn: Callable[..., None], args: tuple[Any, ...], out_dir: Path,
     if not torch.cuda.is_available():
         return run_forked(lambda: fn(*args), out_dir, timeout, env)
     here = Path(__file__).resolve().parent
-    code = (f"import sys; sys.path[:0] = [{str(here)!r}]; import runpy; "
-            f"runpy.run_path({fn.__code__.co_filename!r})[{fn.__name__!r}](*{args!r})")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})})
+    code = (
+        f"import sys; sys.path[:0] = [{str(here)!r}]; import runpy; "
+        f"runpy.run_path({fn.__code__.co_filename!r})[{fn.__name__!r}](*{args!r})"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def compile_offline(module: str, out: Path, *args: str, timeout: float = 300) -> list[dict]:
@@ -199,9 +232,13 @@ def compile_offline(module: str, out: Path, *args: str, timeout: float = 300) ->
     an offline compile for a CUDA target, no GPU) in a child process without the interpreter
     (this process imported triton with it, where nothing compiles); its JSON rows."""
     env = dict(os.environ, TRITON_INTERPRET="0")
-    proc = subprocess.run([sys.executable, "-m", f"fusedzero.kernels.{module}", "--json",
-                           str(out), *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, "-m", f"fusedzero.kernels.{module}", "--json", str(out), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, f"offline compile failed:\n{proc.stderr[-4000:]}"
     return json.loads(out.read_text())
 
@@ -213,6 +250,7 @@ def rewrite_shard(d: Path, edit: Callable[[str, torch.Tensor], torch.Tensor]) ->
     from safetensors import safe_open
 
     from fusedzero import checkpoint as ck
+
     p = d / ck.shard_file_name(0, 1)
     with safe_open(p, framework="pt") as f:
         meta = f.metadata()

@@ -24,6 +24,7 @@ millions of Python calls, and a Python-level trace call each costs more than cPr
 The fast tier, one run each on this 2-core machine: 61 s with that trace, 55 s with the
 profiler on throughout, 45-49 s with the pauses, 36-38 s unchecked.
 """
+
 from __future__ import annotations
 
 import ast
@@ -45,28 +46,28 @@ PACKAGES = ("fusedzero", "kernels")  # kernels/ installs as fusedzero.kernels
 # the fast tier. Adding a module here is a decision a reviewer sees, not a way around the check.
 SLOW_ONLY = {
     "fusedzero/__init__.py": "lazy re-exports (PEP 562 __getattr__), run when test modules import "
-                             "`from fusedzero import ...` at collection, before the test loop",
+    "`from fusedzero import ...` at collection, before the test loop",
     "fusedzero/_spawn.py": "starts rank processes: every run_ranks test and "
-                           "tests/app/test_train.py",
+    "tests/app/test_train.py",
     "fusedzero/app/loop.py": "the training loop of `fusedzero train`: tests/app/test_train.py",
     "fusedzero/app/lifecycle.py": "a training run's start and end: tests/app/test_train.py",
     "fusedzero/app/log.py": "a training run's console log: tests/app/test_train.py",
     "fusedzero/app/resume.py": "`fusedzero train --resume`: tests/app/test_train.py, "
-                               "tests/checkpoint/test_checkpoint_hostile.py",
+    "tests/checkpoint/test_checkpoint_hostile.py",
     "fusedzero/app/summary.py": "a training run's summary: tests/app/test_train.py",
     "fusedzero/checkpoint/dcp.py": "needs a torch.distributed.checkpoint folder: "
-                                   "tests/checkpoint/test_dcp_import.py",
+    "tests/checkpoint/test_dcp_import.py",
     "fusedzero/checkpoint/hf.py": "needs transformers models: tests/checkpoint/test_hf.py",
     "fusedzero/integrations/hf.py": "a transformers.Trainer subclass: importing the Trainer costs "
-                                    "seconds; tests/integrations/test_hf_trainer.py",
+    "seconds; tests/integrations/test_hf_trainer.py",
     "fusedzero/integrations/lightning.py": "a Lightning strategy: importing lightning costs "
-                                           "seconds; tests/integrations/test_lightning_strategy.py",
+    "seconds; tests/integrations/test_lightning_strategy.py",
     "kernels/_compile_memory_modes.py": "offline compilation (a child without the interpreter): "
-                                       "tests/kernels/test_compile.py",
+    "tests/kernels/test_compile.py",
     "kernels/_compile_quant.py": "offline compilation of the wire kernels (a child without the "
-                                "interpreter): tests/kernels/test_quant.py",
+    "interpreter): tests/kernels/test_quant.py",
     "kernels/_compile_scalars.py": "offline compilation of the step's scalar kernels (a child "
-                                  "without the interpreter): tests/kernels/test_step_scalars.py",
+    "without the interpreter): tests/kernels/test_step_scalars.py",
 }
 
 _ran: set[str] = set()
@@ -130,6 +131,7 @@ def _pause_in_interpreted_grids() -> Callable[[], None]:
 
     def undo() -> None:
         GridExecutor.__call__ = run  # type: ignore[method-assign]
+
     return undo
 
 
@@ -150,9 +152,12 @@ def _modules() -> list[Path]:
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--check-modules", action="store_true",
-                     help="fail unless the run's tests ran code of every module under "
-                          f"{', '.join(PACKAGES)}/ (tests/_module_check.py)")
+    parser.addoption(
+        "--check-modules",
+        action="store_true",
+        help="fail unless the run's tests ran code of every module under "
+        f"{', '.join(PACKAGES)}/ (tests/_module_check.py)",
+    )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -160,8 +165,11 @@ def pytest_runtestloop(session: pytest.Session) -> Iterator[None]:
     global _profiler
     on = session.config.getoption("check_modules")
     if on:
-        _pending.update(str(p) for p in _modules() if _has_function(p)
-                        and p.relative_to(ROOT).as_posix() not in SLOW_ONLY)
+        _pending.update(
+            str(p)
+            for p in _modules()
+            if _has_function(p) and p.relative_to(ROOT).as_posix() not in SLOW_ONLY
+        )
         _profiler = cProfile.Profile(builtins=False)
         unpause = _pause_in_interpreted_grids()
         threading.settrace(_trace)
@@ -186,8 +194,11 @@ def untouched() -> list[str]:
     """The package's modules (repo-relative paths) that this run did not touch, but for
     `SLOW_ONLY`."""
     ran = {str(Path(f).resolve()) for f in _ran if not f.startswith("<")}
-    imported = {str(Path(m.__file__).resolve()) for m in list(sys.modules.values())
-                if getattr(m, "__file__", None)}
+    imported = {
+        str(Path(m.__file__).resolve())
+        for m in list(sys.modules.values())
+        if getattr(m, "__file__", None)
+    }
     missing = []
     for path in _modules():
         f, name = str(path.resolve()), path.relative_to(ROOT).as_posix()
@@ -203,8 +214,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     missing = untouched()
     if missing:
         reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        msg = (f"--check-modules: {len(missing)} module(s) ran no code in this run's tests: "
-               f"{', '.join(missing)}; add a test of the tier that exercises them")
+        msg = (
+            f"--check-modules: {len(missing)} module(s) ran no code in this run's tests: "
+            f"{', '.join(missing)}; add a test of the tier that exercises them"
+        )
         if reporter is not None:
             reporter.write_line(msg, red=True)
         else:

@@ -20,6 +20,7 @@ Which tests run:
 `--check-modules` (tests/_module_check.py) fails a run that ran no code of some module of the
 package; CI runs the fast tier with it.
 """
+
 import os
 
 # One intra-op thread (set before anything imports torch; ranks and CLIs the tests spawn
@@ -51,19 +52,23 @@ reuse_ranks(True)
 
 _NO_INTERPRETER = pytest.mark.skip(
     reason="runs Triton kernel code on CPU tensors through the interpreter, which is off here "
-           "(a GPU is visible); run it with CUDA_VISIBLE_DEVICES= pytest -m interpreter")
+    "(a GPU is visible); run it with CUDA_VISIBLE_DEVICES= pytest -m interpreter"
+)
 _NO_GPU = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
 _INTERPRETED_GPU = pytest.mark.skip(
-    reason="TRITON_INTERPRET=1 is set: cuda tests run the compiled kernels; unset it")
+    reason="TRITON_INTERPRET=1 is set: cuda tests run the compiled kernels; unset it"
+)
 
 
 def needs_interpreter(item: pytest.Item) -> bool:
     """Does this test run the Triton kernel code on CPU tensors?"""
     callspec = getattr(item, "callspec", None)
     params = callspec.params if callspec is not None else {}
-    return (item.get_closest_marker("interpreter") is not None
-            or params.get("backend") == "triton"
-            or "triton_interpreter" in getattr(item, "fixturenames", ()))
+    return (
+        item.get_closest_marker("interpreter") is not None
+        or params.get("backend") == "triton"
+        or "triton_interpreter" in getattr(item, "fixturenames", ())
+    )
 
 
 # First: `-m cuda` / `-m interpreter` deselect on the markers added here.

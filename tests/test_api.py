@@ -1,6 +1,7 @@
 """The public API (docs/api.md): every public module lists its names in `__all__`, every name
 there exists, and docs/api.md names each one, so the page and the code cannot drift apart. What is
 not API is private by name (a `_` in its dotted name), and tests that import it say so."""
+
 from __future__ import annotations
 
 import ast
@@ -11,13 +12,25 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PUBLIC = ("fusedzero", "fusedzero.policy", "fusedzero.optim", "fusedzero.checkpoint",
-          "fusedzero.checkpoint.dcp", "fusedzero.checkpoint.hf", "fusedzero.kernels",
-          "fusedzero.plan", "fusedzero.emulate", "fusedzero.emulate_ckpt", "fusedzero.testing",
-          "fusedzero.stage", "fusedzero.state", "fusedzero.memory_modes", "fusedzero.wire")
+PUBLIC = (
+    "fusedzero",
+    "fusedzero.policy",
+    "fusedzero.optim",
+    "fusedzero.checkpoint",
+    "fusedzero.checkpoint.dcp",
+    "fusedzero.checkpoint.hf",
+    "fusedzero.kernels",
+    "fusedzero.plan",
+    "fusedzero.emulate",
+    "fusedzero.emulate_ckpt",
+    "fusedzero.testing",
+    "fusedzero.stage",
+    "fusedzero.state",
+    "fusedzero.memory_modes",
+    "fusedzero.wire",
+)
 # Listed in __all__ for import-star and tools; the page describes these modules as a whole.
-NOT_NAMED = {"fusedzero": {"__version__"}, "fusedzero.memory_modes": None,
-             "fusedzero.wire": None}
+NOT_NAMED = {"fusedzero": {"__version__"}, "fusedzero.memory_modes": None, "fusedzero.wire": None}
 
 
 @pytest.mark.parametrize("name", PUBLIC)
@@ -46,11 +59,13 @@ INTERNAL = re.compile(r"About (?:an internal|internals): ([^\n]+(?:\n[^\n]+)*)")
 def _modules() -> list[str]:
     """Every module of the installed package (kernels/ installs as fusedzero.kernels)."""
     names = []
-    for folder, dotted in ((ROOT / "fusedzero", "fusedzero"),
-                           (ROOT / "kernels", "fusedzero.kernels")):
+    for folder, dotted in (
+        (ROOT / "fusedzero", "fusedzero"),
+        (ROOT / "kernels", "fusedzero.kernels"),
+    ):
         for path in sorted(folder.rglob("*.py")):
             parts = path.relative_to(folder).with_suffix("").parts
-            names.append(".".join((dotted, *parts[:-1 if parts[-1] == "__init__" else None])))
+            names.append(".".join((dotted, *parts[: -1 if parts[-1] == "__init__" else None])))
     return names
 
 
@@ -62,11 +77,19 @@ def test_every_public_module_is_listed_in_docs_api_md() -> None:
     """A module without a leading underscore anywhere in its name is API: docs/api.md names it
     (a private one may change without notice; start its name with `_`)."""
     page = (ROOT / "docs" / "api.md").read_text()
-    unlisted = [m for m in _modules() if not _private(m) and m not in PUBLIC + DROP_INS
-                and not m.startswith(tuple(a + "." for a in APPLICATION)) and m not in APPLICATION
-                and m != "fusedzero.integrations"]
-    assert not unlisted, (f"{unlisted} are public by name but not API: start their names with `_`, "
-                          "or add them to PUBLIC and docs/api.md")
+    unlisted = [
+        m
+        for m in _modules()
+        if not _private(m)
+        and m not in PUBLIC + DROP_INS
+        and not m.startswith(tuple(a + "." for a in APPLICATION))
+        and m not in APPLICATION
+        and m != "fusedzero.integrations"
+    ]
+    assert not unlisted, (
+        f"{unlisted} are public by name but not API: start their names with `_`, "
+        "or add them to PUBLIC and docs/api.md"
+    )
     for name in DROP_INS + APPLICATION + ("fusedzero.integrations",):
         assert f"`{name}" in page, f"docs/api.md does not name {name}"
 
@@ -74,8 +97,12 @@ def test_every_public_module_is_listed_in_docs_api_md() -> None:
 @pytest.mark.parametrize("name", DROP_INS)
 def test_drop_ins_list_names_that_docs_api_md_names(name: str) -> None:
     path = ROOT / Path(*name.split(".")).with_suffix(".py")
-    found = [node.value for node in ast.parse(path.read_text()).body if isinstance(node, ast.Assign)
-             and any(getattr(t, "id", None) == "__all__" for t in node.targets)]
+    found = [
+        node.value
+        for node in ast.parse(path.read_text()).body
+        if isinstance(node, ast.Assign)
+        and any(getattr(t, "id", None) == "__all__" for t in node.targets)
+    ]
     assert found, f"{name} has no __all__: list its public names"
     page = (ROOT / "docs" / "api.md").read_text()
     unnamed = [n for n in ast.literal_eval(found[0]) if not re.search(rf"\b{n}\b", page)]
@@ -109,5 +136,7 @@ def test_tests_of_internals_say_so() -> None:
         named = set(re.findall(r"fusedzero[\w.]*\w", said.group(1))) if said else set()
         if used - named:
             silent[str(path.relative_to(ROOT))] = sorted(used - named)
-    assert not silent, ("these tests import private modules without saying so in their module "
-                        f"docstring ('About an internal: fusedzero._x.'): {silent}")
+    assert not silent, (
+        "these tests import private modules without saying so in their module "
+        f"docstring ('About an internal: fusedzero._x.'): {silent}"
+    )

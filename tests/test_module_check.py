@@ -1,5 +1,6 @@
 """`--check-modules` (tests/_module_check.py): the profiler it runs on the test loop's thread
 sees the functions that ran, including after a test replaced it with a cProfile of its own."""
+
 from __future__ import annotations
 
 import cProfile
@@ -50,8 +51,11 @@ def test_harvest_records_what_ran_and_stops_when_nothing_is_pending(fresh) -> No
     assert pending == set() and mc._profiler is None
 
 
-@pytest.mark.skipif(MONITORING, reason="Python 3.12+: a test's own cProfile cannot replace the "
-                                        "check's, it fails to start (see MONITORING)")
+@pytest.mark.skipif(
+    MONITORING,
+    reason="Python 3.12+: a test's own cProfile cannot replace the "
+    "check's, it fails to start (see MONITORING)",
+)
 def test_a_test_s_own_cprofile_does_not_hide_what_runs_after_it(fresh) -> None:
     ran, pending = fresh
     mc._profiler.enable()
@@ -70,6 +74,7 @@ def test_profiler_is_paused_inside_an_interpreted_grid_only(fresh, monkeypatch) 
     own), which is back on after the grid, also after one that raised."""
 
     from triton.runtime.interpreter import GridExecutor
+
     seen = []
 
     def grid(self, fail: bool) -> None:

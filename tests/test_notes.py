@@ -6,6 +6,7 @@ A definition is an occurrence not preceded by "see"; a reference is one that is.
 every note has exactly one definition, every definition sits at its module's top, and every
 reference (and every mention in docs) names a defined note.
 """
+
 from __future__ import annotations
 
 import ast
@@ -42,9 +43,15 @@ def mentions(path: Path, text: str) -> list[Mention]:
     for m in _NOTE.finditer(text):
         if m.group(1) == "...":
             continue
-        before = " ".join(text[max(0, m.start() - 40):m.start()].replace("#", " ").split())
-        out.append(Mention(rel, text.count("\n", 0, m.start()) + 1, _name(m.group(1)),
-                           bool(_SEE.search(before))))
+        before = " ".join(text[max(0, m.start() - 40) : m.start()].replace("#", " ").split())
+        out.append(
+            Mention(
+                rel,
+                text.count("\n", 0, m.start()) + 1,
+                _name(m.group(1)),
+                bool(_SEE.search(before)),
+            )
+        )
     return out
 
 
@@ -53,15 +60,22 @@ def top_lines(text: str) -> int:
     the first statement that is not the docstring."""
     body = ast.parse(text).body
     first = body[0] if body else None
-    if (isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant)
-            and isinstance(first.value.value, str)):
+    if (
+        isinstance(first, ast.Expr)
+        and isinstance(first.value, ast.Constant)
+        and isinstance(first.value.value, str)
+    ):
         body = body[1:]
     return body[0].lineno - 1 if body else text.count("\n") + 1
 
 
 def _code_files() -> list[Path]:
-    return sorted(p for d in CODE_DIRS for p in (ROOT / d).rglob("*.py")
-                  if ".venv" not in p.parts and "results" not in p.parts)
+    return sorted(
+        p
+        for d in CODE_DIRS
+        for p in (ROOT / d).rglob("*.py")
+        if ".venv" not in p.parts and "results" not in p.parts
+    )
 
 
 def _doc_files() -> list[Path]:
@@ -91,15 +105,19 @@ def problems() -> list[str]:
             else:
                 defs[m.name].append(m)
                 if m.line > top:
-                    bad.append(f"{rel}:{m.line}: [Note: {m.name}] is defined below the module's "
-                               f"top (line {top}): move it into the module docstring or the "
-                               "comment block after it, or write `See [Note: ...]` for a use")
+                    bad.append(
+                        f"{rel}:{m.line}: [Note: {m.name}] is defined below the module's "
+                        f"top (line {top}): move it into the module docstring or the "
+                        "comment block after it, or write `See [Note: ...]` for a use"
+                    )
     for name, ds in sorted(defs.items()):
         if len(ds) > 1:
             where = ", ".join(f"{d.path}:{d.line}" for d in ds)
-            bad.append(f"[Note: {name}] is defined {len(ds)} times ({where}): keep the one at "
-                       "the top of the module that owns it and write `See [Note: ...]` for "
-                       "the others")
+            bad.append(
+                f"[Note: {name}] is defined {len(ds)} times ({where}): keep the one at "
+                "the top of the module that owns it and write `See [Note: ...]` for "
+                "the others"
+            )
     defined = set(defs)
     for m in refs:
         if m.name not in defined:
@@ -117,12 +135,18 @@ def test_every_note_is_defined_once_at_a_module_top_and_every_use_resolves() -> 
 
 
 def test_the_checker_tells_definitions_from_references(tmp_path: Path) -> None:
-    text = ('"""Doc.\n\n[Note: alpha] What it is.\n"""\n# [Note: beta\n# split] More.\n'
-            'import os\n\n\ndef f() -> None:\n'
-            '    # See [Note: alpha]; see\n    # [Note: beta split]\n'
-            '    # [Note: gamma] defined in a body\n    pass\n')
+    text = (
+        '"""Doc.\n\n[Note: alpha] What it is.\n"""\n# [Note: beta\n# split] More.\n'
+        "import os\n\n\ndef f() -> None:\n"
+        "    # See [Note: alpha]; see\n    # [Note: beta split]\n"
+        "    # [Note: gamma] defined in a body\n    pass\n"
+    )
     found = mentions(ROOT / "x.py", text)
     assert [(m.name, m.see, m.line) for m in found] == [
-        ("alpha", False, 3), ("beta split", False, 5), ("alpha", True, 11),
-        ("beta split", True, 12), ("gamma", False, 13)]
+        ("alpha", False, 3),
+        ("beta split", False, 5),
+        ("alpha", True, 11),
+        ("beta split", True, 12),
+        ("gamma", False, 13),
+    ]
     assert top_lines(text) == 6

@@ -8,6 +8,7 @@ views (one kernel each), one `torch.cat(out=)` of mixed dtypes, `torch.cat` in b
 cast, and `torch._foreach_copy_` into the views. Device time by CUDA events (host time on CPU),
 median of REPS, and the bytes a copy must move (bf16 read + fp32 write) over that time.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -62,7 +63,7 @@ def main() -> None:
     bucket = torch.empty(n, dtype=torch.float32, device=dev)
     views, off = [], 0
     for g in grads:
-        views.append(bucket[off:off + g.numel()])
+        views.append(bucket[off : off + g.numel()])
         off += g.numel()
     flat = [g.reshape(-1) for g in grads]
 
@@ -81,15 +82,30 @@ def main() -> None:
 
     rows = []
     ref = None
-    for name, fn in (("copy_ per grad", per_copy), ("cat(out=fp32)", cat_mixed),
-                     ("cat bf16, then cast", cat_then_cast), ("_foreach_copy_", foreach)):
+    for name, fn in (
+        ("copy_ per grad", per_copy),
+        ("cat(out=fp32)", cat_mixed),
+        ("cat bf16, then cast", cat_then_cast),
+        ("_foreach_copy_", foreach),
+    ):
         bucket.zero_()
         s = _time(fn, dev)
         ref = bucket.clone() if ref is None else ref
-        rows.append({"method": name, "seconds": s, "GB_per_s": n * 6 / s / 1e9,
-                     "same_values": bool(torch.equal(bucket, ref))})
-    out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-           "torch": torch.__version__, "elements": n, "grads": len(grads), "rows": rows}
+        rows.append(
+            {
+                "method": name,
+                "seconds": s,
+                "GB_per_s": n * 6 / s / 1e9,
+                "same_values": bool(torch.equal(bucket, ref)),
+            }
+        )
+    out = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "elements": n,
+        "grads": len(grads),
+        "rows": rows,
+    }
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
 

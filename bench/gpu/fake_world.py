@@ -14,6 +14,7 @@ host sync. Per stage and rank index it records
 Every rank index must show the same trace and kernel sequence: a rank-dependent path is a hang
 or wrong values at that world size on a real cluster.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,15 +38,27 @@ STEPS = 3
 
 def one(dev: torch.device, rank: int, world: int, stage: int) -> dict[str, Any]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
     dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
     try:
         torch.manual_seed(0)
         with torch.device(dev):
             model = GPT(S.CFG)
-        opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-3, stage=stage, module=model,
-                        max_grad_norm=1.0, trace=True, sharding=Sharding(bucket_numel=S.BUCKET))
-        t = torch.randint(0, S.CFG.vocab_size, (S.BATCH, S.CFG.block_size + 1),
-                          generator=torch.Generator().manual_seed(0))
+        opt = ZeroAdamW(
+            gpt_param_groups(model, 0.1),
+            lr=1e-3,
+            stage=stage,
+            module=model,
+            max_grad_norm=1.0,
+            trace=True,
+            sharding=Sharding(bucket_numel=S.BUCKET),
+        )
+        t = torch.randint(
+            0,
+            S.CFG.vocab_size,
+            (S.BATCH, S.CFG.block_size + 1),
+            generator=torch.Generator().manual_seed(0),
+        )
         x, y = t[:, :-1].to(dev), t[:, 1:].to(dev)
         kernels: list[str] = []
         for step in range(STEPS):
@@ -53,14 +66,16 @@ def one(dev: torch.device, rank: int, world: int, stage: int) -> dict[str, Any]:
             loss.backward()
             if dev.type == "cuda" and step > 0:
                 from torch.profiler import ProfilerActivity, profile
+
                 torch.cuda.set_sync_debug_mode("error")
                 try:
                     with profile(activities=[ProfilerActivity.CUDA]) as prof:
                         opt.step()
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
-                kernels = [e.name for e in prof.events()
-                           if e.device_type == torch.autograd.DeviceType.CUDA]
+                kernels = [
+                    e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                ]
             else:
                 opt.step()
             opt.zero_grad()
@@ -68,8 +83,12 @@ def one(dev: torch.device, rank: int, world: int, stage: int) -> dict[str, Any]:
             torch.cuda.synchronize(dev)
         assert opt.trace is not None
         trace = [[e, str(d)] for e, d in opt.trace]
-        return {"trace": trace, "kernels": kernels, "comm": opt.comm.snapshot(),
-                "host_sync_in_step": False if dev.type == "cuda" else None}
+        return {
+            "trace": trace,
+            "kernels": kernels,
+            "comm": opt.comm.snapshot(),
+            "host_sync_in_step": False if dev.type == "cuda" else None,
+        }
     except RuntimeError as e:
         if "synchroniz" in str(e):
             return {"host_sync_in_step": True, "error": str(e)[-500:]}
@@ -96,18 +115,31 @@ def main() -> None:
             except Exception:  # noqa: BLE001 - reported in the results
                 per_rank[r] = {"error": traceback.format_exc()[-1500:]}
         first = per_rank[ranks[0]]
-        same = all(per_rank[r].get("trace") == first.get("trace")
-                   and per_rank[r].get("kernels") == first.get("kernels")
-                   and per_rank[r].get("comm") == first.get("comm") for r in ranks)
-        rows.append({"stage": stage, "world": args.world, "ranks": ranks,
-                     "same_on_every_rank": same and "error" not in first,
-                     "host_sync_in_step": [per_rank[r].get("host_sync_in_step") for r in ranks],
-                     "trace_events": len(first.get("trace", [])),
-                     "kernels_per_step": len(first.get("kernels", [])),
-                     "errors": {r: v["error"] for r, v in per_rank.items() if "error" in v}})
-    args.out.write_text(json.dumps({"device": str(dev) if args.cpu else
-                                    torch.cuda.get_device_name(dev), "rows": rows},
-                                   indent=1) + "\n")
+        same = all(
+            per_rank[r].get("trace") == first.get("trace")
+            and per_rank[r].get("kernels") == first.get("kernels")
+            and per_rank[r].get("comm") == first.get("comm")
+            for r in ranks
+        )
+        rows.append(
+            {
+                "stage": stage,
+                "world": args.world,
+                "ranks": ranks,
+                "same_on_every_rank": same and "error" not in first,
+                "host_sync_in_step": [per_rank[r].get("host_sync_in_step") for r in ranks],
+                "trace_events": len(first.get("trace", [])),
+                "kernels_per_step": len(first.get("kernels", [])),
+                "errors": {r: v["error"] for r, v in per_rank.items() if "error" in v},
+            }
+        )
+    args.out.write_text(
+        json.dumps(
+            {"device": str(dev) if args.cpu else torch.cuda.get_device_name(dev), "rows": rows},
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ the graph (a deterministic eager step must replay bit for bit).
 Same model, batch and bucket size as bench/gpu/step_overhead.py (FUSEDZERO_BENCH_MODEL, ...).
 Each section records its error instead of ending the run; rank 0 writes OUT.json.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,7 +67,7 @@ import _systems as S  # noqa: E402  (bench/ is a folder of scripts)
 
 PARITY_STEPS = 5
 RTOL = ATOL = 1e-6  # fp32 (see the docstring)
-BF16_LOSS_RTOL = 2.0 ** -7
+BF16_LOSS_RTOL = 2.0**-7
 NOISE_K = 3.0  # See [Note: a check's noise floor]
 
 
@@ -116,8 +117,10 @@ def full_params(s: S.System) -> list[torch.Tensor]:
         model, opt = s.roots
         with opt.gathered_params():
             return [p.detach().float().clone() for p in model.parameters()]
-    return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
-            for p in s.roots[-2 if s.name.startswith("fsdp2") else 1].parameters()]
+    return [
+        (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+        for p in s.roots[-2 if s.name.startswith("fsdp2") else 1].parameters()
+    ]
 
 
 def run_losses(s: S.System, dev: torch.device, steps: int) -> list[float]:
@@ -152,8 +155,7 @@ class Pair(NamedTuple):
     kind: str
 
 
-def parity(dev: torch.device, pairs: list[Pair], attention: str = "math"
-           ) -> list[dict[str, Any]]:
+def parity(dev: torch.device, pairs: list[Pair], attention: str = "math") -> list[dict[str, Any]]:
     with attention_kernels(dev, attention):
         rows = _parity(dev, pairs)
     for r in rows:
@@ -178,8 +180,9 @@ def _compare(a: Run, b: Run) -> dict[str, float]:
     out = {"loss_rel_diff": max(abs(x - y) / abs(y) for x, y in zip(a.losses, b.losses))}
     if a.params is not None and b.params is not None:
         out["param_worst_over_tol"] = worst(a.params, b.params)
-        out["param_max_abs_diff"] = max((x - y).abs().max().item()
-                                        for x, y in zip(a.params, b.params))
+        out["param_max_abs_diff"] = max(
+            (x - y).abs().max().item() for x, y in zip(a.params, b.params)
+        )
     return out
 
 
@@ -244,14 +247,17 @@ def timing(dev: torch.device, names: list[str], rounds: int, steps: int) -> dict
                 s.step(x, y)
             sync(dev)
             times[n].append((time.perf_counter() - t0) / steps)
-    rows = [{"system": n, "median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
-            for n, t in times.items()]
+    rows = [
+        {"system": n, "median_s": statistics.median(t), "min_s": min(t), "max_s": max(t)}
+        for n, t in times.items()
+    ]
     return {"rows": rows, "errors": errors, "rounds": rounds, "steps_per_round": steps}
 
 
 def exposed(dev: torch.device, name: str, steps: int) -> dict[str, Any]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
+
     s = build(name, dev)
     x, y = batch(0, dev)
     for _ in range(3):
@@ -265,18 +271,30 @@ def exposed(dev: torch.device, name: str, steps: int) -> dict[str, Any]:
         sync(dev)
     wall = time.perf_counter() - t0
     want = DeviceType.CUDA if dev.type == "cuda" else DeviceType.CPU
-    kernels = [(e.time_range.start, e.time_range.end,
-                # CPU stand-in: the host's gloo calls play the collectives' part.
-                e.name if dev.type == "cuda" or "gloo" not in e.name else "nccl:" + e.name)
-               for e in prof.events() if e.device_type == want]
+    kernels = [
+        (
+            e.time_range.start,
+            e.time_range.end,
+            # CPU stand-in: the host's gloo calls play the collectives' part.
+            e.name if dev.type == "cuda" or "gloo" not in e.name else "nccl:" + e.name,
+        )
+        for e in prof.events()
+        if e.device_type == want
+    ]
     out = exposed_fraction(kernels)
-    out.update(system=name, steps=steps, wall_s=wall, kernels=len(kernels),
-               timeline="device" if dev.type == "cuda" else "host (CPU stand-in)")
+    out.update(
+        system=name,
+        steps=steps,
+        wall_s=wall,
+        kernels=len(kernels),
+        timeline="device" if dev.type == "cuda" else "host (CPU stand-in)",
+    )
     return out
 
 
-def graph_capture(dev: torch.device, name: str, steps: int, attention: str = "math"
-                  ) -> dict[str, Any]:
+def graph_capture(
+    dev: torch.device, name: str, steps: int, attention: str = "math"
+) -> dict[str, Any]:
     """Capture one whole step after warm-up; replay it `steps` times on one system and run the
     same steps eagerly on two twins: replayed vs eager beside eager vs eager (the control, see
     [Note: a check's noise floor])."""
@@ -308,9 +326,15 @@ def _graph_capture(dev: torch.device, name: str, steps: int) -> dict[str, Any]:
     diff = max((p - q).abs().max().item() for p, q in zip(a, b))
     control = max((p - q).abs().max().item() for p, q in zip(c, b))
     v = noise_verdict(diff, control, 0.0)
-    return {"system": name, "replays": steps, "max_abs_diff_vs_eager": diff,
-            "control_max_abs_diff_eager_vs_eager": control, "tolerance": v.tolerance,
-            "ok_bit_exact": diff == 0.0, "ok": v.ok}
+    return {
+        "system": name,
+        "replays": steps,
+        "max_abs_diff_vs_eager": diff,
+        "control_max_abs_diff_eager_vs_eager": control,
+        "tolerance": v.tolerance,
+        "ok_bit_exact": diff == 0.0,
+        "ok": v.ok,
+    }
 
 
 def _listed(var: str, default: str) -> list[str]:
@@ -325,37 +349,53 @@ def main() -> None:
     dev = setup(args.cpu)
     W = dist.get_world_size()
     rounds, steps = int(os.environ.get("ROUNDS", "5")), int(os.environ.get("STEPS", "10"))
-    pairs = {"fp32": [Pair(f"fusedzero-{s}", "ddp+adamw", "fp32") for s in range(4)]
-             + [Pair("fusedzero-2", "ddp+adamw_fused", "fp32")],
-             "bf16": [Pair(f"fusedzero-{s}-bf16-r32", "fsdp2-keep-bf16-r32", "bf16")
-                      for s in range(4)]}
+    pairs = {
+        "fp32": [Pair(f"fusedzero-{s}", "ddp+adamw", "fp32") for s in range(4)]
+        + [Pair("fusedzero-2", "ddp+adamw_fused", "fp32")],
+        "bf16": [Pair(f"fusedzero-{s}-bf16-r32", "fsdp2-keep-bf16-r32", "bf16") for s in range(4)],
+    }
     kinds = _listed("FUSEDZERO_PARITY_KINDS", "fp32,bf16")
     if not set(kinds) <= set(pairs):
         ap.error(f"FUSEDZERO_PARITY_KINDS={','.join(kinds)}: expected a list of fp32, bf16")
     chosen = [p for k in kinds for p in pairs[k]]
-    names = ["bare", *(f"fusedzero-{s}" for s in range(4)), "fusedzero-3-keep",
-             "ddp+adamw_fused", "fsdp2-keep", "fsdp2-reshard"]
+    names = [
+        "bare",
+        *(f"fusedzero-{s}" for s in range(4)),
+        "fusedzero-3-keep",
+        "ddp+adamw_fused",
+        "fsdp2-keep",
+        "fsdp2-reshard",
+    ]
     if not args.cpu:
         names += ["deepspeed-1", "deepspeed-2", "deepspeed-3"]
-    result: dict[str, Any] = {"world_size": W, "device": (torch.cuda.get_device_name(dev)
-                                                          if dev.type == "cuda" else "cpu"),
-                              "torch": torch.__version__, "model": S.CFG.__dict__,
-                              "batch_per_rank": S.BATCH, "bucket_numel": S.BUCKET,
-                              "errors": {}}
-    sections = {"parity": lambda: [r for a in _listed("FUSEDZERO_PARITY_ATTENTION", "math")
-                                   for r in parity(dev, chosen, a)],
-                "timing": lambda: timing(dev, names, rounds, steps)}
+    result: dict[str, Any] = {
+        "world_size": W,
+        "device": (torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"),
+        "torch": torch.__version__,
+        "model": S.CFG.__dict__,
+        "batch_per_rank": S.BATCH,
+        "bucket_numel": S.BUCKET,
+        "errors": {},
+    }
+    sections = {
+        "parity": lambda: [
+            r for a in _listed("FUSEDZERO_PARITY_ATTENTION", "math") for r in parity(dev, chosen, a)
+        ],
+        "timing": lambda: timing(dev, names, rounds, steps),
+    }
     if dev.type == "cuda" or W == 1:
         sections["exposed"] = lambda: exposed(dev, "fusedzero-2", steps)
     else:  # the CPU dry run at W > 1
         result["exposed_skipped"] = (
             "CPU at W>1: torch's CPU profiler killed a gloo rank with SIGSEGV after "
             "profiler_stop in 2 of about 6 dry runs on the 2-core CI machine (torch 2.13.0); "
-            "W=1 and every CUDA run are profiled")
+            "W=1 and every CUDA run are profiled"
+        )
     if dev.type == "cuda" and W == 1:
         sections["graph"] = lambda: [
             graph_capture(dev, "fusedzero-2", steps, a)
-            for a in _listed("FUSEDZERO_GRAPH_ATTENTION", "math,default")]
+            for a in _listed("FUSEDZERO_GRAPH_ATTENTION", "math,default")
+        ]
     only = _listed("FUSEDZERO_MULTI_SECTIONS", "")
     for key, fn in sections.items():
         if only and key not in only:

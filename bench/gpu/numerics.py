@@ -13,6 +13,7 @@
 Nothing here uses a process group. On CPU (--cpu, the dry run) the same code runs, compiled
 kernels or not as fusedzero picks them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,28 +37,34 @@ LR, BETAS, EPS, WD, STEPS = 3e-3, (0.9, 0.95), 1e-8, 0.1, 5
 def _data(n: int, dev: torch.device) -> tuple[torch.Tensor, list[torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     p = torch.randn(n, generator=g) * 0.02
-    grads = [torch.randn(n, generator=g) * 10.0 ** (-6 * torch.rand(n, generator=g))
-             for _ in range(STEPS)]
+    grads = [
+        torch.randn(n, generator=g) * 10.0 ** (-6 * torch.rand(n, generator=g))
+        for _ in range(STEPS)
+    ]
     return p.to(dev), [x.to(dev) for x in grads]
 
 
 def _fp64(p: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
-    p, m, v = p.double(), torch.zeros_like(p, dtype=torch.float64), \
-        torch.zeros_like(p, dtype=torch.float64)
+    p, m, v = (
+        p.double(),
+        torch.zeros_like(p, dtype=torch.float64),
+        torch.zeros_like(p, dtype=torch.float64),
+    )
     b1, b2 = BETAS
     for t, g in enumerate(grads, 1):
         g = g.double()
         p = p * (1 - LR * WD)
         m = b1 * m + (1 - b1) * g
         v = b2 * v + (1 - b2) * g * g
-        p = p - LR / (1 - b1 ** t) * m / (v.sqrt() / (1 - b2 ** t) ** 0.5 + EPS)
+        p = p - LR / (1 - b1**t) * m / (v.sqrt() / (1 - b2**t) ** 0.5 + EPS)
     return p
 
 
 def _torch(p: torch.Tensor, grads: list[torch.Tensor], impl: str) -> torch.Tensor:
     param = torch.nn.Parameter(p.clone())
-    kw = {"fused": {"fused": True}, "foreach": {"foreach": True},
-          "forloop": {"foreach": False}}[impl]
+    kw = {"fused": {"fused": True}, "foreach": {"foreach": True}, "forloop": {"foreach": False}}[
+        impl
+    ]
     opt = torch.optim.AdamW([param], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD, **kw)
     for g in grads:
         param.grad = g.clone()
@@ -68,8 +75,7 @@ def _torch(p: torch.Tensor, grads: list[torch.Tensor], impl: str) -> torch.Tenso
 def _ours(p: torch.Tensor, grads: list[torch.Tensor]) -> torch.Tensor:
     dev = p.device
     master, m, v, grad = p.clone(), torch.zeros_like(p), torch.zeros_like(p), torch.empty_like(p)
-    plan = AdamWPlan(master, grad, m, v, beta1=BETAS[0], beta2=BETAS[1], eps=EPS,
-                     weight_decay=WD)
+    plan = AdamWPlan(master, grad, m, v, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
     one = lambda x: torch.tensor([x], device=dev)  # noqa: E731
     lr, skip, scale = one(LR), torch.zeros(1, dtype=torch.int32, device=dev), one(1.0)
     for t, g in enumerate(grads, 1):
@@ -86,8 +92,9 @@ def update(dev: torch.device, n: int) -> list[dict[str, Any]]:
         try:
             got = _ours(p, grads) if impl == "fusedzero" else _torch(p, grads, impl)
             rel = (got.double() - ref).abs() / ref.abs().clamp_min(1e-3)
-            rows.append({"impl": impl, "worst_rel": rel.max().item(),
-                         "past_1e-6": int((rel > 1e-6).sum())})
+            rows.append(
+                {"impl": impl, "worst_rel": rel.max().item(), "past_1e-6": int((rel > 1e-6).sum())}
+            )
         except Exception as e:  # noqa: BLE001 - an implementation this device lacks is reported
             rows.append({"impl": impl, "error": f"{type(e).__name__}: {e}"[:300]})
     return rows
@@ -110,8 +117,7 @@ def determinism(dev: torch.device) -> list[dict[str, Any]]:
                 model(x, y)[1].backward()
                 runs.append([q.grad.clone() for q in model.parameters()])
         diff = max((a - b).abs().max().item() for a, b in zip(*runs))
-        rows.append({"attention": kernels, "grads_bit_equal": diff == 0.0,
-                     "max_abs_diff": diff})
+        rows.append({"attention": kernels, "grads_bit_equal": diff == 0.0, "max_abs_diff": diff})
     return rows
 
 
@@ -125,10 +131,12 @@ def main() -> None:
         torch.cuda.set_device(dev)
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
-    out = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-           "torch": torch.__version__,
-           "update": update(dev, 1 << 20 if dev.type == "cuda" else 1 << 14),
-           "determinism": determinism(dev)}
+    out = {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "update": update(dev, 1 << 20 if dev.type == "cuda" else 1 << 14),
+        "determinism": determinism(dev),
+    }
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out, indent=1))
 

@@ -34,6 +34,7 @@ fp32 grads) and copy_bandwidth is a device copy of the same bytes measured in th
 (fusedzero._bandwidth: a copy of B/2 bytes each way). Issue 40's target for stages 0-2:
 total <= bare + 1.2 x limit; stage 3: total <= stage 2 + 1 ms.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -87,8 +88,17 @@ class SystemName(NamedTuple):
     graph: bool
 
 
-BASES = ("bare", "bare-autocast", "fusedzero-0", "fusedzero-1", "fusedzero-2", "fusedzero-3",
-         "ddp-autocast", "fsdp2", "fsdp2-keep")
+BASES = (
+    "bare",
+    "bare-autocast",
+    "fusedzero-0",
+    "fusedzero-1",
+    "fusedzero-2",
+    "fusedzero-3",
+    "ddp-autocast",
+    "fsdp2",
+    "fsdp2-keep",
+)
 GRAPHABLE = ("bare", "fusedzero-0", "fusedzero-1", "fusedzero-2")
 
 
@@ -97,8 +107,10 @@ def parse(name: str) -> SystemName:
     if base not in BASES:
         raise ValueError(f"system {name!r}: expected one of {BASES}, optionally +graph")
     if graph and base not in GRAPHABLE:
-        raise ValueError(f"system {name!r}: +graph applies to {GRAPHABLE} (FSDP2 and DDP hooks "
-                         "and stage 3's frees allocate per step)")
+        raise ValueError(
+            f"system {name!r}: +graph applies to {GRAPHABLE} (FSDP2 and DDP hooks "
+            "and stage 3's frees allocate per step)"
+        )
     return SystemName(base, graph)
 
 
@@ -152,13 +164,23 @@ def _bare(base: str, model: GPT) -> tuple[StepFn, None, str]:
         loss.backward()
         model.zero_grad(set_to_none=True)
         return loss
-    return step, None, ("fp32 params, autocast bf16" if autocast else "bf16 params") + \
-        ", no optimizer"
+
+    return (
+        step,
+        None,
+        ("fp32 params, autocast bf16" if autocast else "bf16 params") + ", no optimizer",
+    )
 
 
 def _fusedzero(base: str, model: GPT) -> tuple[StepFn, ZeroAdamW, str]:
-    opt = ZeroAdamW(gpt_param_groups(model, WD), lr=LR, stage=int(base.rsplit("-", 1)[1]),
-                    module=model, max_grad_norm=CLIP, precision=Precision(param_dtype=BF16))
+    opt = ZeroAdamW(
+        gpt_param_groups(model, WD),
+        lr=LR,
+        stage=int(base.rsplit("-", 1)[1]),
+        module=model,
+        max_grad_norm=CLIP,
+        precision=Precision(param_dtype=BF16),
+    )
 
     def step(x: torch.Tensor, y: torch.Tensor) -> object:
         loss = model(x, y)[1]
@@ -166,11 +188,13 @@ def _fusedzero(base: str, model: GPT) -> tuple[StepFn, ZeroAdamW, str]:
         opt.step()
         opt.zero_grad()
         return loss
+
     return step, opt, "bf16 params, fp32 master and moments, fp32 reduce (defaults)"
 
 
 def _ddp(base: str, model: GPT) -> tuple[StepFn, torch.optim.Optimizer, str]:
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     ddp = DDP(model)
     opt = torch.optim.AdamW(gpt_param_groups(model, WD), lr=LR, fused=True)
     params = list(model.parameters())
@@ -183,11 +207,13 @@ def _ddp(base: str, model: GPT) -> tuple[StepFn, torch.optim.Optimizer, str]:
         opt.step()
         opt.zero_grad()
         return loss
+
     return step, opt, "fp32 params, autocast bf16, AdamW(fused=True), fp32 all-reduce"
 
 
 def _fsdp2(base: str, model: GPT) -> tuple[StepFn, torch.optim.Optimizer, str]:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     mp = MixedPrecisionPolicy(param_dtype=BF16)
     reshard = base != "fsdp2-keep"
     for block in model.blocks:
@@ -203,12 +229,23 @@ def _fsdp2(base: str, model: GPT) -> tuple[StepFn, torch.optim.Optimizer, str]:
         opt.step()
         opt.zero_grad()
         return loss
-    return step, opt, (f"MixedPrecisionPolicy(param_dtype=bf16), reshard_after_forward="
-                       f"{reshard}, AdamW(fused=True)")
+
+    return (
+        step,
+        opt,
+        (
+            f"MixedPrecisionPolicy(param_dtype=bf16), reshard_after_forward="
+            f"{reshard}, AdamW(fused=True)"
+        ),
+    )
 
 
 _STEPS: dict[str, Callable[[str, GPT], tuple[StepFn, object, str]]] = {
-    "bare": _bare, "fusedzero": _fusedzero, "ddp": _ddp, "fsdp2": _fsdp2}
+    "bare": _bare,
+    "fusedzero": _fusedzero,
+    "ddp": _ddp,
+    "fsdp2": _fsdp2,
+}
 
 
 # -- the update's memory-traffic limit -------------------------------------------------------------
@@ -231,8 +268,18 @@ def traffic_limit(params: int, device: torch.device) -> dict[str, object]:
     assert per_param == sum(streams.values()), (per_param, streams)
     nbytes = int(params * per_param)
     gbps = copy_gbps(nbytes, device)
-    return {"params": params, "streams": streams, "bytes_per_param": per_param,
-            "dtypes": {"master": MASTER, "states": STATES, "grad": str(GRAD_DTYPE),
-                       "param": str(PARAM_DTYPE)},
-            "bytes": nbytes, "copy_gbps": gbps, "limit_s": nbytes / (gbps * 1e9),
-            "formula": "params x bytes_per_param / copy_gbps"}
+    return {
+        "params": params,
+        "streams": streams,
+        "bytes_per_param": per_param,
+        "dtypes": {
+            "master": MASTER,
+            "states": STATES,
+            "grad": str(GRAD_DTYPE),
+            "param": str(PARAM_DTYPE),
+        },
+        "bytes": nbytes,
+        "copy_gbps": gbps,
+        "limit_s": nbytes / (gbps * 1e9),
+        "formula": "params x bytes_per_param / copy_gbps",
+    }

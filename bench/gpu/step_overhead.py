@@ -19,6 +19,7 @@ over their median, which issue 40 wants at most 10% for the bf16 rows. A world o
 collective traffic worth the name: this measures what each system adds on one device (hooks,
 copies, casts, the update, clipping), not communication.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,8 +49,17 @@ from fusedzero.app.model import GPT  # noqa: E402
 ROUNDS = int(os.environ.get("ROUNDS", "5"))
 STEPS = int(os.environ.get("STEPS", "10"))
 WARMUP = int(os.environ.get("WARMUP", "5"))
-SHAPE_SYSTEMS = ("bare", "bare-autocast", "fusedzero-0", "fusedzero-1", "fusedzero-2",
-                 "fusedzero-3", "ddp-autocast", "fsdp2", "fsdp2-keep")
+SHAPE_SYSTEMS = (
+    "bare",
+    "bare-autocast",
+    "fusedzero-0",
+    "fusedzero-1",
+    "fusedzero-2",
+    "fusedzero-3",
+    "ddp-autocast",
+    "fsdp2",
+    "fsdp2-keep",
+)
 
 
 @contextlib.contextmanager
@@ -58,9 +68,14 @@ def one_rank_group(dev: torch.device) -> Iterator[None]:
     if cuda:
         torch.cuda.set_device(dev)
     with reserved_port() as port:  # held until the store listens on it
-        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=120),
-                                **({"device_id": dev} if cuda else {}))
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=120),
+            **({"device_id": dev} if cuda else {}),
+        )
     try:
         yield
     finally:
@@ -72,10 +87,15 @@ def sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def time_rounds(steps: dict[str, Callable[[], object]], dev: torch.device, *, rounds: int,
-                steps_per_round: int, warmup: int,
-                after_round: Callable[[dict[str, list[float]]], None] = lambda t: None
-                ) -> dict[str, list[float]]:
+def time_rounds(
+    steps: dict[str, Callable[[], object]],
+    dev: torch.device,
+    *,
+    rounds: int,
+    steps_per_round: int,
+    warmup: int,
+    after_round: Callable[[dict[str, list[float]]], None] = lambda t: None,
+) -> dict[str, list[float]]:
     """Seconds per step of each system, one entry per round; `after_round` sees the times so
     far after each round (a run cut short keeps them). See [Note: stable rounds]."""
     for step in steps.values():
@@ -88,7 +108,7 @@ def time_rounds(steps: dict[str, Callable[[], object]], dev: torch.device, *, ro
         for r in range(rounds):
             gc.collect()
             gc.disable()
-            for n in names[r % len(names):] + names[:r % len(names)]:
+            for n in names[r % len(names) :] + names[: r % len(names)]:
                 sync(dev)
                 t0 = time.perf_counter()
                 for _ in range(steps_per_round):
@@ -105,18 +125,23 @@ def time_rounds(steps: dict[str, Callable[[], object]], dev: torch.device, *, ro
 
 def row_stats(t: list[float]) -> dict[str, object]:
     med = statistics.median(t)
-    return {"median_s": med, "min_s": min(t), "max_s": max(t), "times_s": t,
-            "range_over_median": (max(t) - min(t)) / med}
+    return {
+        "median_s": med,
+        "min_s": min(t),
+        "max_s": max(t),
+        "times_s": t,
+        "range_over_median": (max(t) - min(t)) / med,
+    }
 
 
 def bench_systems(names: list[str], out: Path, cpu: bool) -> None:
     """The first form: bench/_systems.py's systems on cuda:0 (`cpu`: gloo on the CPU)."""
     import _systems as S
+
     dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
     with one_rank_group(dev):
         gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, S.CFG.vocab_size, (S.BATCH, S.CFG.block_size + 1),
-                               generator=gen)
+        tokens = torch.randint(0, S.CFG.vocab_size, (S.BATCH, S.CFG.block_size + 1), generator=gen)
         x, y = tokens[:, :-1].to(dev), tokens[:, 1:].to(dev)
         steps, errors = {}, {}
         for n in names:
@@ -127,18 +152,38 @@ def bench_systems(names: list[str], out: Path, cpu: bool) -> None:
             except Exception as e:  # noqa: BLE001 - a system that cannot run here is reported
                 errors[n] = f"{type(e).__name__}: {e}"[:300]
         times = _timed(steps, errors, dev)
-        rows = [{"system": n, **dataclasses.asdict(S.SYSTEMS[n]), **row_stats(t)}
-                for n, t in times.items()]
-        out.write_text(json.dumps({
-            "device": _device_name(dev), "torch": torch.__version__,
-            "model": dataclasses.asdict(S.CFG), "batch": S.BATCH, "bucket_numel": S.BUCKET,
-            "clip": S.CLIP, "warmup": WARMUP, "steps_per_round": STEPS, "rounds": ROUNDS,
-            "world_size": 1, "rows": rows, "errors": errors}, indent=1) + "\n")
+        rows = [
+            {"system": n, **dataclasses.asdict(S.SYSTEMS[n]), **row_stats(t)}
+            for n, t in times.items()
+        ]
+        out.write_text(
+            json.dumps(
+                {
+                    "device": _device_name(dev),
+                    "torch": torch.__version__,
+                    "model": dataclasses.asdict(S.CFG),
+                    "batch": S.BATCH,
+                    "bucket_numel": S.BUCKET,
+                    "clip": S.CLIP,
+                    "warmup": WARMUP,
+                    "steps_per_round": STEPS,
+                    "rounds": ROUNDS,
+                    "world_size": 1,
+                    "rows": rows,
+                    "errors": errors,
+                },
+                indent=1,
+            )
+            + "\n"
+        )
 
 
-def _timed(steps: dict[str, Callable[[], object]], errors: dict[str, str], dev: torch.device,
-           after_round: Callable[[dict[str, list[float]]], None] = lambda t: None
-           ) -> dict[str, list[float]]:
+def _timed(
+    steps: dict[str, Callable[[], object]],
+    errors: dict[str, str],
+    dev: torch.device,
+    after_round: Callable[[dict[str, list[float]]], None] = lambda t: None,
+) -> dict[str, list[float]]:
     """Warm each system up alone (one that fails is reported and dropped), then time them."""
     for n in list(steps):
         try:
@@ -146,8 +191,9 @@ def _timed(steps: dict[str, Callable[[], object]], errors: dict[str, str], dev: 
         except Exception as e:  # noqa: BLE001
             errors[n] = f"{type(e).__name__}: {e}"[:300]
             del steps[n]
-    return time_rounds(steps, dev, rounds=ROUNDS, steps_per_round=STEPS, warmup=WARMUP,
-                       after_round=after_round)
+    return time_rounds(
+        steps, dev, rounds=ROUNDS, steps_per_round=STEPS, warmup=WARMUP, after_round=after_round
+    )
 
 
 def bench_shape(name: str, systems: list[str], out: Path, cpu: bool) -> None:
@@ -158,8 +204,9 @@ def bench_shape(name: str, systems: list[str], out: Path, cpu: bool) -> None:
     dev = torch.device("cpu") if cpu else torch.device("cuda", 0)
     with one_rank_group(dev):
         gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, sh.config.vocab_size, (sh.batch, sh.config.block_size + 1),
-                               generator=gen)
+        tokens = torch.randint(
+            0, sh.config.vocab_size, (sh.batch, sh.config.block_size + 1), generator=gen
+        )
         x, y = tokens[:, :-1].to(dev), tokens[:, 1:].to(dev)
         limit = SH.traffic_limit(_count_params(sh), dev)  # before the systems take memory
         built, errors = {}, {}
@@ -169,16 +216,28 @@ def bench_shape(name: str, systems: list[str], out: Path, cpu: bool) -> None:
             except Exception as e:  # noqa: BLE001 - a system that cannot run here is reported
                 errors[s] = f"{type(e).__name__}: {e}"[:300]
         record = {
-            "subject": "step_rows", "shape": name, "tiny": cpu,
+            "subject": "step_rows",
+            "shape": name,
+            "tiny": cpu,
             "device": _device_name(dev),
-            "torch": torch.__version__, "model": dataclasses.asdict(sh.config),
-            "batch": sh.batch, "clip": SH.CLIP, "warmup": WARMUP, "steps_per_round": STEPS,
-            "rounds": ROUNDS, "world_size": 1, "traffic": limit, "rows": [], "errors": errors}
+            "torch": torch.__version__,
+            "model": dataclasses.asdict(sh.config),
+            "batch": sh.batch,
+            "clip": SH.CLIP,
+            "warmup": WARMUP,
+            "steps_per_round": STEPS,
+            "rounds": ROUNDS,
+            "world_size": 1,
+            "traffic": limit,
+            "rows": [],
+            "errors": errors,
+        }
 
         def write(times: dict[str, list[float]]) -> None:
             record["rounds_done"] = min(len(t) for t in times.values()) if times else 0
-            record["rows"] = [{"system": s, "note": built[s].note, **row_stats(t)}
-                              for s, t in times.items() if t]
+            record["rows"] = [
+                {"system": s, "note": built[s].note, **row_stats(t)} for s, t in times.items() if t
+            ]
             out.write_text(json.dumps(record, indent=1) + "\n")
 
         write({})  # what was built, and what failed to, before minutes of stepping
@@ -203,10 +262,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("systems_or_out", help="SYSTEM,SYSTEM,... then OUT.json; with --shape: OUT")
     ap.add_argument("out", nargs="?", type=Path)
     ap.add_argument("--shape", choices=("gpt2-124m", "llama-255m"))
-    ap.add_argument("--systems", default=",".join(SHAPE_SYSTEMS),
-                    help=f"with --shape (default {','.join(SHAPE_SYSTEMS)})")
-    ap.add_argument("--cpu", action="store_true",
-                    help="gloo on the CPU (the dry run; with --shape at a tiny size)")
+    ap.add_argument(
+        "--systems",
+        default=",".join(SHAPE_SYSTEMS),
+        help=f"with --shape (default {','.join(SHAPE_SYSTEMS)})",
+    )
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="gloo on the CPU (the dry run; with --shape at a tiny size)",
+    )
     args = ap.parse_args(argv)
     if args.shape:
         if args.out is not None:

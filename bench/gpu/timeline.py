@@ -7,6 +7,7 @@ steps as (start, end, name) intervals, `exposed_fraction` is the measure of (com
 minus compute) divided by the span of the steps. Collectives are NCCL's kernels ("nccl" in the
 name: `ncclDevKernel_AllGather_RING_LL`, ...).
 """
+
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -47,8 +48,9 @@ def is_collective(name: str) -> bool:
     return "nccl" in name.lower()
 
 
-def exposed_fraction(kernels: Iterable[tuple[float, float, str]], span: float | None = None
-                     ) -> dict[str, float]:
+def exposed_fraction(
+    kernels: Iterable[tuple[float, float, str]], span: float | None = None
+) -> dict[str, float]:
     """Communication time no compute kernel overlaps, over the span of the kernels (or `span`,
     the measured wall time of the same steps)."""
     ks = list(kernels)
@@ -57,5 +59,10 @@ def exposed_fraction(kernels: Iterable[tuple[float, float, str]], span: float | 
     if span is None:
         span = (max(b for _, b, _ in ks) - min(a for a, _, _ in ks)) if ks else 0.0
     exposed = minus(comm, comp)
-    return {"comm": measure(comm), "compute": measure(comp), "exposed": exposed,
-            "span": span, "exposed_fraction": exposed / span if span > 0 else 0.0}
+    return {
+        "comm": measure(comm),
+        "compute": measure(comp),
+        "exposed": exposed,
+        "span": span,
+        "exposed_fraction": exposed / span if span > 0 else 0.0,
+    }

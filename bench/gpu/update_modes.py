@@ -9,6 +9,7 @@ master, bf16 grad, bf16 out), fp32 throughout, and bf16-kahan master + int8 stat
 grads. Launch shapes other than the shipped one (kernels/_adamw.py BLOCK, NUM_WARPS) are set by
 patching those module constants before the plan is built: a sweep, not a product setting.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,9 @@ MODES = {  # name: (master_mode, states, grad dtype, out dtype)
 }
 
 
-def _streams(master_mode: str, states: str, g_dt: torch.dtype, o_dt: torch.dtype | None,
-             dev: torch.device) -> tuple[tuple, dict]:
+def _streams(
+    master_mode: str, states: str, g_dt: torch.dtype, o_dt: torch.dtype | None, dev: torch.device
+) -> tuple[tuple, dict]:
     gen = torch.Generator(device=dev).manual_seed(0)
 
     def rand(dt: torch.dtype = torch.float32, scale: float = 1.0) -> torch.Tensor:
@@ -41,24 +43,34 @@ def _streams(master_mode: str, states: str, g_dt: torch.dtype, o_dt: torch.dtype
         return (rand(), rand(g_dt), rand(scale=0.1), rand(scale=0.01).abs(), out), {}
     q = N // QBLOCK
     f32 = dict(dtype=torch.float32, device=dev)
-    kw = dict(master_mode=master_mode, states=states,
-              kahan=torch.zeros(N, dtype=torch.bfloat16, device=dev),
-              exp_avg_scale=torch.full((q,), 1e-3, **f32),
-              exp_avg_sq_scale=torch.full((q,), 1e-4, **f32))
-    codes = (torch.randint(-100, 100, (N,), dtype=torch.int8, device=dev),
-             torch.randint(0, 200, (N,), dtype=torch.uint8, device=dev))
+    kw = dict(
+        master_mode=master_mode,
+        states=states,
+        kahan=torch.zeros(N, dtype=torch.bfloat16, device=dev),
+        exp_avg_scale=torch.full((q,), 1e-3, **f32),
+        exp_avg_sq_scale=torch.full((q,), 1e-4, **f32),
+    )
+    codes = (
+        torch.randint(-100, 100, (N,), dtype=torch.int8, device=dev),
+        torch.randint(0, 200, (N,), dtype=torch.uint8, device=dev),
+    )
     return (rand(torch.bfloat16), rand(g_dt), *codes, None), kw
 
 
 def main(out: Path, shapes: list[tuple[int, int]]) -> None:
     dev = torch.device("cuda", 0)
     f32 = dict(dtype=torch.float32, device=dev)
-    scalars = dict(lr=torch.full((1,), 1e-3, **f32), step=torch.full((1,), 5.0, **f32),
-                   grad_scale=torch.ones(1, **f32), skip=torch.zeros(1, **f32))
+    scalars = dict(
+        lr=torch.full((1,), 1e-3, **f32),
+        step=torch.full((1,), 5.0, **f32),
+        grad_scale=torch.ones(1, **f32),
+        skip=torch.zeros(1, **f32),
+    )
     src = torch.empty(N * 14, dtype=torch.uint8, device=dev)
     dst = torch.empty_like(src)
-    copy_s = do_bench(lambda dst=dst, src=src: dst.copy_(src), warmup=25,
-                      rep=300) / 1e3  # 28 B/element moved
+    copy_s = (
+        do_bench(lambda dst=dst, src=src: dst.copy_(src), warmup=25, rep=300) / 1e3
+    )  # 28 B/element moved
     del src, dst
     p = torch.nn.Parameter(torch.randn(N, **f32))
     p.grad = torch.randn(N, **f32)
@@ -76,16 +88,35 @@ def main(out: Path, shapes: list[tuple[int, int]]) -> None:
             plan = AdamWPlan(*streams, **HP, **kw)
             plan(**scalars)
             t = do_bench(lambda: plan(**scalars), warmup=25, rep=300) / 1e3  # noqa: B023
-            rows.append({"mode": name, "block": block, "warps": warps,
-                         "shipped": (block, warps) == shipped, "seconds": t,
-                         "bytes_per_param": bpp, "gbps": N * bpp / t / 1e9})
+            rows.append(
+                {
+                    "mode": name,
+                    "block": block,
+                    "warps": warps,
+                    "shipped": (block, warps) == shipped,
+                    "seconds": t,
+                    "bytes_per_param": bpp,
+                    "gbps": N * bpp / t / 1e9,
+                }
+            )
         A.BLOCK, A.NUM_WARPS = shipped
         del streams, kw
-    out.write_text(json.dumps({
-        "device": torch.cuda.get_device_name(dev), "torch": torch.__version__, "numel": N,
-        "copy_28B_seconds": copy_s, "copy_gbps": N * 28 / copy_s / 1e9,
-        "torch_fused_fp32_seconds": torch_s, "torch_fused_gbps": N * 28 / torch_s / 1e9,
-        "rows": rows}, indent=1) + "\n")
+    out.write_text(
+        json.dumps(
+            {
+                "device": torch.cuda.get_device_name(dev),
+                "torch": torch.__version__,
+                "numel": N,
+                "copy_28B_seconds": copy_s,
+                "copy_gbps": N * 28 / copy_s / 1e9,
+                "torch_fused_fp32_seconds": torch_s,
+                "torch_fused_gbps": N * 28 / torch_s / 1e9,
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 if __name__ == "__main__":

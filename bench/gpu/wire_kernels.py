@@ -8,6 +8,7 @@ shard, write the shard).
 CUDA: `triton.testing.do_bench` (CUDA events). CPU (`--device cpu`, the torch path): a smoke run
 with perf_counter, not a figure to quote.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,6 +32,7 @@ def _time(fn, device: torch.device) -> float:
     """Median seconds of one call."""
     if device.type == "cuda":
         import triton.testing
+
         return triton.testing.do_bench(fn, return_mode="median") / 1e3
     fn()
     times = []
@@ -58,14 +60,28 @@ def main() -> None:
         moved_q = x.numel() * 4 + packed.numel()
         moved_d = packed.numel() + 2 * S * 4
         tq = _time(lambda packed=packed, fmt=fmt: quantize_into(x, packed, fmt, W, S), dev)
-        td = _time(lambda packed=packed, fmt=fmt: dequant_sum_into(
-            shard, packed, fmt, W, S, scale=1.0 / W, accumulate=True), dev)
-        rows.append({"wire": fmt.value, "world": W, "bucket_numel": W * S,
-                     "wire_bytes_per_rank": (W - 1) * chunk_bytes(fmt, S),
-                     "quantize_s": tq, "quantize_gbps": moved_q / tq / 1e9,
-                     "dequant_sum_s": td, "dequant_sum_gbps": moved_d / td / 1e9})
-        print(f"{fmt.value}: quantize {tq * 1e6:.1f} us ({rows[-1]['quantize_gbps']:.0f} GB/s), "
-              f"dequant-sum {td * 1e6:.1f} us ({rows[-1]['dequant_sum_gbps']:.0f} GB/s)")
+        td = _time(
+            lambda packed=packed, fmt=fmt: dequant_sum_into(
+                shard, packed, fmt, W, S, scale=1.0 / W, accumulate=True
+            ),
+            dev,
+        )
+        rows.append(
+            {
+                "wire": fmt.value,
+                "world": W,
+                "bucket_numel": W * S,
+                "wire_bytes_per_rank": (W - 1) * chunk_bytes(fmt, S),
+                "quantize_s": tq,
+                "quantize_gbps": moved_q / tq / 1e9,
+                "dequant_sum_s": td,
+                "dequant_sum_gbps": moved_d / td / 1e9,
+            }
+        )
+        print(
+            f"{fmt.value}: quantize {tq * 1e6:.1f} us ({rows[-1]['quantize_gbps']:.0f} GB/s), "
+            f"dequant-sum {td * 1e6:.1f} us ({rows[-1]['dequant_sum_gbps']:.0f} GB/s)"
+        )
     meta = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
 

@@ -15,6 +15,7 @@ error (no checkpoint there, a model mismatch, bad flags), reported as one line
 The `fusedzero` CLI wires this in with `add_ckpt_subparser(subparsers)`; the parsed namespace
 carries `func=run_ckpt`. `python -m fusedzero.app.ckpt_cli ...` runs it alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,40 +28,71 @@ from fusedzero import _dtypes as dtypes, checkpoint
 from fusedzero.app.runlock import LOCK_NAME, RunLock
 from fusedzero.checkpoint._placements import check_bound, check_folder, folder, read as tp_record
 
-_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
-          "GIB": 2**30}
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
 
 
 def add_ckpt_subparser(subparsers: Any) -> argparse.ArgumentParser:
     """Add the `ckpt` command (with inspect / verify / export) to an argparse subparsers set."""
-    p = subparsers.add_parser("ckpt", help="inspect, verify or export a sharded checkpoint",
-                              description=__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "ckpt",
+        help="inspect, verify or export a sharded checkpoint",
+        description=__doc__.split("\n\n")[0],
+    )
     sub = p.add_subparsers(dest="ckpt_command", required=True)
     a = sub.add_parser("inspect", help="world size, stage, step, params, files")
     a.add_argument("dir", help="checkpoint directory, or a root holding `latest`")
     a = sub.add_parser("verify", help="check sizes, headers and sha256 of every shard")
     a.add_argument("dir", help="checkpoint directory, or a root holding `latest`")
     a = sub.add_parser("export", help="one safetensors file with the model's param names")
-    a.add_argument("dir", help="checkpoint directory, a root holding `latest`, or a "
-                   "tensor-parallel root")
+    a.add_argument(
+        "dir", help="checkpoint directory, a root holding `latest`, or a tensor-parallel root"
+    )
     a.add_argument("out", help="output .safetensors path")
-    a.add_argument("--dtype", choices=sorted(dtypes.SHORT_NAMES), default="fp32",
-                   help="dtype of the exported params (default fp32, the master values)")
-    a.add_argument("--max-shard-size", default=None, type=_parse_size,
-                   help="split into HF-style shards + index above this size, e.g. 5GB")
+    a.add_argument(
+        "--dtype",
+        choices=sorted(dtypes.SHORT_NAMES),
+        default="fp32",
+        help="dtype of the exported params (default fp32, the master values)",
+    )
+    a.add_argument(
+        "--max-shard-size",
+        default=None,
+        type=_parse_size,
+        help="split into HF-style shards + index above this size, e.g. 5GB",
+    )
     a.add_argument("--no-verify", action="store_true", help="skip the sha256 check")
-    a.add_argument("--hf-config", default=None, metavar="CONFIG_JSON",
-                   help="OUT is a folder for transformers' from_pretrained: model.safetensors "
-                        "(or shards + index) and this config.json (see fusedzero.checkpoint.hf)")
-    a = sub.add_parser("import-dcp", help="an FSDP2 + AdamW torch.distributed.checkpoint "
-                       "folder -> a fusedzero checkpoint (see fusedzero.checkpoint.dcp)")
+    a.add_argument(
+        "--hf-config",
+        default=None,
+        metavar="CONFIG_JSON",
+        help="OUT is a folder for transformers' from_pretrained: model.safetensors "
+        "(or shards + index) and this config.json (see fusedzero.checkpoint.hf)",
+    )
+    a = sub.add_parser(
+        "import-dcp",
+        help="an FSDP2 + AdamW torch.distributed.checkpoint "
+        "folder -> a fusedzero checkpoint (see fusedzero.checkpoint.dcp)",
+    )
     a.add_argument("dcp_dir", help="DCP folder of {'model': ..., 'optim': ...} state dicts")
     a.add_argument("out", help="fusedzero checkpoint root to write (out/step-N, out/latest)")
-    a = sub.add_parser("upgrade", help="convert a checkpoint of format version 1 or 2 (or a "
-                       "tensor-parallel root of record version 1) into the current version "
-                       "(see fusedzero.checkpoint._upgrade, tp_upgrade)")
-    a.add_argument("dir", help="old checkpoint directory, a root holding `latest`, or a "
-                   "tensor-parallel root")
+    a = sub.add_parser(
+        "upgrade",
+        help="convert a checkpoint of format version 1 or 2 (or a "
+        "tensor-parallel root of record version 1) into the current version "
+        "(see fusedzero.checkpoint._upgrade, tp_upgrade)",
+    )
+    a.add_argument(
+        "dir", help="old checkpoint directory, a root holding `latest`, or a tensor-parallel root"
+    )
     a.add_argument("out", help="checkpoint root to write (out/step-N, out/latest)")
     p.set_defaults(func=run_ckpt)
     return p
@@ -96,27 +128,39 @@ def run_ckpt(args: argparse.Namespace) -> int:
             return _upgrade(args.dir, args.out)
         if args.ckpt_command == "import-dcp":
             from fusedzero.checkpoint.dcp import run_import_dcp
+
             return run_import_dcp(args)
         if args.ckpt_command == "export" and getattr(args, "hf_config", None):
             from fusedzero.app.plan_cli import read_hf_config
             from fusedzero.checkpoint import hf
+
             read_hf_config(args.hf_config)  # a FIFO or device refused, not read (safe_paths)
-            r = hf.export_hf(args.dir, args.out, hf_config=args.hf_config,
-                             dtype=dtypes.SHORT_NAMES[args.dtype],
-                             max_shard_bytes=args.max_shard_size,
-                             verify=not args.no_verify)
+            r = hf.export_hf(
+                args.dir,
+                args.out,
+                hf_config=args.hf_config,
+                dtype=dtypes.SHORT_NAMES[args.dtype],
+                max_shard_bytes=args.max_shard_size,
+                verify=not args.no_verify,
+            )
             _print(f"wrote {hf.CONFIG_NAME} and {len(r.files)} weight file(s) in {args.out}")
             return 0
         if args.ckpt_command == "export":
-            r = checkpoint.export(args.dir, args.out, dtype=dtypes.SHORT_NAMES[args.dtype],
-                                  max_shard_bytes=args.max_shard_size,
-                                  verify=not args.no_verify)
+            r = checkpoint.export(
+                args.dir,
+                args.out,
+                dtype=dtypes.SHORT_NAMES[args.dtype],
+                max_shard_bytes=args.max_shard_size,
+                verify=not args.no_verify,
+            )
             for f in r.files:
                 _print(f"wrote {f}")
             if r.index is not None:
                 _print(f"wrote {r.index}")
-            _print(f"{_human(r.bytes)} of {args.dtype} params; peak buffer "
-                  f"{_human(r.peak_buffer_bytes)}")
+            _print(
+                f"{_human(r.bytes)} of {args.dtype} params; peak buffer "
+                f"{_human(r.peak_buffer_bytes)}"
+            )
             return 0
     except BrokenPipeError:
         raise  # `fusedzero ckpt inspect | head`: the CLI ends quietly
@@ -134,10 +178,14 @@ def _upgrade(src: str, out: str) -> int:
     with RunLock(out):
         if tp_record(Path(src)) is not None:
             from fusedzero.checkpoint._tp_upgrade import upgrade_tp
-            _print(f"wrote {upgrade_tp(src, out, allowed={LOCK_NAME})} (a tensor-parallel root, "
-                  "its tp folders bound to its record)")
+
+            _print(
+                f"wrote {upgrade_tp(src, out, allowed={LOCK_NAME})} (a tensor-parallel root, "
+                "its tp folders bound to its record)"
+            )
             return 0
         from fusedzero.checkpoint._upgrade import upgrade
+
         d = upgrade(src, out)
         _print(f"wrote {d} (format version {checkpoint.read_manifest(d)['version']})")
         return 0
@@ -180,11 +228,15 @@ def _verify(path: str) -> int:
         _print(f"FAILED {line}")
     n = len(checkpoint.read_manifest(d)["files"])
     if bad:
-        _print(f"{d}: failed verification, {len(bad)} problem(s) ({n} shard file(s), the "
-              "rank states and the folder's name checked)")
+        _print(
+            f"{d}: failed verification, {len(bad)} problem(s) ({n} shard file(s), the "
+            "rank states and the folder's name checked)"
+        )
         return 1
-    _print(f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest; rank "
-          "states and folder name sound")
+    _print(
+        f"ok: {d}: {n} shard file(s), sizes, headers and sha256 match the manifest; rank "
+        "states and folder name sound"
+    )
     return 0
 
 
@@ -220,8 +272,7 @@ def _inspect(path: str) -> int:
     width = max(len(n) for n in names)
     _print(f"{'param':<{width}}  {'shape':<16} dtype")
     for p, name in zip(m["params"], names):
-        alias = (f"  (also {', '.join(_shown(a) for a in p['aliases'])})" if p.get("aliases")
-                 else "")
+        alias = f"  (also {', '.join(_shown(a) for a in p['aliases'])})" if p.get("aliases") else ""
         _print(f"{name:<{width}}  {str(tuple(p['shape'])):<16} {p['dtype']}{alias}")
     return 0 if ok else 1
 

@@ -12,6 +12,7 @@ a closed stdout (`fusedzero train | head`) ends the run quietly with 141 (128 + 
 Anything else that goes wrong (a rank killed, a disk error) is one line too, exit 1: tracebacks
 only with `--debug` (anywhere on the command line) or FUSEDZERO_DEBUG=1.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -28,15 +29,15 @@ from fusedzero.app.plan_cli import add_plan_subparser
 
 # Each adds its subparser to the `subparsers` action and calls `set_defaults(func=...)` with a
 # function of the parsed args that returns the exit code.
-SUBCOMMANDS = (add_train_subparser, add_ckpt_subparser, add_plan_subparser,
-               add_doctor_subparser)
+SUBCOMMANDS = (add_train_subparser, add_ckpt_subparser, add_plan_subparser, add_doctor_subparser)
 
 
 def build_parser() -> ArgParser:
     parser = ArgParser(prog="fusedzero", description="Sharded data-parallel AdamW (ZeRO-0..3)")
     # Taken out of argv by `main` wherever it stands; here for --help.
-    parser.add_argument("--debug", action="store_true",
-                        help="show Python tracebacks (also FUSEDZERO_DEBUG=1)")
+    parser.add_argument(
+        "--debug", action="store_true", help="show Python tracebacks (also FUSEDZERO_DEBUG=1)"
+    )
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for add_subparser in SUBCOMMANDS:
         add_subparser(subparsers)
@@ -86,10 +87,12 @@ def main(argv: list[str] | None = None) -> int:
             if detail:
                 print(detail, file=sys.stderr)
             raise
-        kind = "" if type(e).__name__ in ("RankFailed", "CheckpointError") \
-            else f"{type(e).__name__}: "
-        print(f"fusedzero: error: {kind}{_one_line(e)} (--debug shows the traceback)",
-              file=sys.stderr)
+        kind = (
+            "" if type(e).__name__ in ("RankFailed", "CheckpointError") else f"{type(e).__name__}: "
+        )
+        print(
+            f"fusedzero: error: {kind}{_one_line(e)} (--debug shows the traceback)", file=sys.stderr
+        )
         return 1
 
 

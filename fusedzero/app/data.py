@@ -125,8 +125,9 @@ def load_corpus(path: str | Path | None = None, block_size: int = 128) -> bytes:
             try:
                 data = read_bytes(p, "corpus")
             except PermissionError:
-                raise ValueError(f"{where} is not readable (permission denied); pass a file "
-                                 "you can read") from None
+                raise ValueError(
+                    f"{where} is not readable (permission denied); pass a file you can read"
+                ) from None
     need = 2 * block_size + 2
     if len(data) < need:
         raise ValueError(

@@ -16,6 +16,7 @@ The module reads top to bottom: the rows of the table and how one check becomes 
 distributed checks (a 1-rank process group, a ZeroAdamW step in it, a checkpoint round trip);
 then the single-process checks and the command.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -91,7 +92,6 @@ def row(check: str, fn: Callable[[], tuple[str, dict[str, Any]] | str]) -> Row:
     return Row(check, status, detail, time.perf_counter() - t, data)
 
 
-
 # -- distributed checks --------------------------------------------------------------------------
 # --checks names that stand for several checks.
 GROUPS = {"distributed": ("process-group", "zero-step", "checkpoint")}
@@ -107,8 +107,13 @@ def one_rank_group(device: torch.device) -> Iterator[str]:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     with reserved_port() as port:  # held until the store listens on it
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1, timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=60),
+        )
     try:
         yield backend
     finally:
@@ -165,26 +170,32 @@ def checkpoint_round_trip(device: torch.device) -> tuple[str, dict[str, Any]]:
         if got.step != 2:
             raise RuntimeError(f"loaded step {got.step}, saved 2")
         a, b = opts[0].shard_state(), opts[1].shard_state()
-        pairs = [(f"{f}[{i}]", x, y) for f in ("master", "exp_avg", "exp_avg_sq")
-                 for i, (x, y) in enumerate(zip(getattr(a, f), getattr(b, f)))]
+        pairs = [
+            (f"{f}[{i}]", x, y)
+            for f in ("master", "exp_avg", "exp_avg_sq")
+            for i, (x, y) in enumerate(zip(getattr(a, f), getattr(b, f)))
+        ]
         with opts[0].gathered_params(), opts[1].gathered_params():
             pairs += [(n, p, q) for (n, p), q in zip(model.named_parameters(), other.parameters())]
             diff = [n for n, x, y in pairs if not torch.equal(x, y)]
         if diff or a.step_count != b.step_count:
-            raise RuntimeError(f"not bit-exact after load: {diff[:5]}, step count "
-                               f"{a.step_count} vs {b.step_count}")
+            raise RuntimeError(
+                f"not bit-exact after load: {diff[:5]}, step count {a.step_count} vs {b.step_count}"
+            )
     finally:
         for o in opts:
             o.close()
     return f"save + load of {len(pairs)} tensors in a temp dir, bit-exact", {}
 
 
-def distributed_rows(device: torch.device, checks: tuple[str, ...] = GROUPS["distributed"]
-                     ) -> list[Row]:
+def distributed_rows(
+    device: torch.device, checks: tuple[str, ...] = GROUPS["distributed"]
+) -> list[Row]:
     """The process group (always: the others run in it), then the ZeroAdamW step and the
     checkpoint round trip where `checks` names them."""
     rows: list[Row] = []
     with contextlib.ExitStack() as stack:
+
         def group() -> str:
             backend = stack.enter_context(one_rank_group(device))
             t = torch.arange(4, dtype=torch.float32, device=device)
@@ -194,8 +205,10 @@ def distributed_rows(device: torch.device, checks: tuple[str, ...] = GROUPS["dis
             return f"{backend}, 1 rank: init, all_reduce, destroy"
 
         rows.append(row("process group", group))
-        for check, name, fn in (("zero-step", "ZeroAdamW step", zero_step),
-                                ("checkpoint", "checkpoint", checkpoint_round_trip)):
+        for check, name, fn in (
+            ("zero-step", "ZeroAdamW step", zero_step),
+            ("checkpoint", "checkpoint", checkpoint_round_trip),
+        ):
             if check not in checks:
                 continue
             if rows[0].status is Status.OK:
@@ -210,16 +223,31 @@ def distributed_rows(device: torch.device, checks: tuple[str, ...] = GROUPS["dis
 # modest 4M (112 MB per update), a fraction of a second per rep.
 GPU_NUMEL, CPU_NUMEL = 64 << 20, 4 << 20
 CHILD_TIMEOUT_S = 240.0
-CHECKS = ("versions", "device", "kernels", "interpreter", "compile", "bandwidth",
-          "process-group", "zero-step", "checkpoint")
+CHECKS = (
+    "versions",
+    "device",
+    "kernels",
+    "interpreter",
+    "compile",
+    "bandwidth",
+    "process-group",
+    "zero-step",
+    "checkpoint",
+)
 
 
 # -- versions and device ---------------------------------------------------------------------------
 
+
 def _driver_version() -> str:
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10, check=True).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout
         return out.split()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return "unknown (no nvidia-smi)"
@@ -229,15 +257,22 @@ def versions() -> tuple[str, dict[str, Any]]:
     import safetensors
     import triton
 
-    v = {"python": platform.python_version(), "torch": torch.__version__,
-         "triton": triton.__version__, "safetensors": safetensors.__version__,
-         "fusedzero": importlib.metadata.version("fusedzero")}
+    v = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "safetensors": safetensors.__version__,
+        "fusedzero": importlib.metadata.version("fusedzero"),
+    }
     if torch.cuda.is_available():
         v["cuda_runtime"] = torch.version.cuda or "?"
         v["driver"] = _driver_version()
     else:
-        v["cuda"] = f"none (torch built with CUDA {torch.version.cuda})" if torch.version.cuda \
+        v["cuda"] = (
+            f"none (torch built with CUDA {torch.version.cuda})"
+            if torch.version.cuda
             else "none (CPU build of torch)"
+        )
     return ", ".join(f"{k} {x}" for k, x in v.items()), v
 
 
@@ -247,27 +282,37 @@ def device_row(device: torch.device) -> tuple[str, dict[str, Any]]:
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         free, total = torch.cuda.mem_get_info(device)
-        what = (f"{p.name}, sm_{p.major}{p.minor}, {total / 2**30:.1f} GiB "
-                f"({free / 2**30:.1f} free), {p.multi_processor_count} SMs")
+        what = (
+            f"{p.name}, sm_{p.major}{p.minor}, {total / 2**30:.1f} GiB "
+            f"({free / 2**30:.1f} free), {p.multi_processor_count} SMs"
+        )
         if _launch.interpreting():
-            raise RuntimeError(f"{what}: TRITON_INTERPRET=1 is set, so the CUDA kernels would "
-                               "run in the interpreter; unset it")
+            raise RuntimeError(
+                f"{what}: TRITON_INTERPRET=1 is set, so the CUDA kernels would "
+                "run in the interpreter; unset it"
+            )
     else:
-        what = f"CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores, " \
-               f"{torch.get_num_threads()} torch threads"
-    path = ("Triton kernels, compiled" if _launch.use_triton(device) else "torch path") + \
-        f" (FUSEDZERO_BACKEND={_launch.backend()})"
+        what = (
+            f"CPU ({platform.processor() or platform.machine()}), {os.cpu_count()} cores, "
+            f"{torch.get_num_threads()} torch threads"
+        )
+    path = (
+        "Triton kernels, compiled" if _launch.use_triton(device) else "torch path"
+    ) + f" (FUSEDZERO_BACKEND={_launch.backend()})"
     return f"{what}; kernels: {path}", {"device": str(device), "kernel_path": path}
 
 
 # -- kernels ---------------------------------------------------------------------------------------
 
+
 def _summary(results: list[kernel_checks.VariantResult]) -> tuple[str, dict[str, Any]]:
     data = {"variants": [dataclasses.asdict(r) for r in results]}
     bad = [r for r in results if not r.ok]
     if bad:
-        raise RuntimeError(f"{len(bad)}/{len(results)} variants wrong: "
-                           + "; ".join(f"{r.name}: {r.error}" for r in bad[:4]))
+        raise RuntimeError(
+            f"{len(bad)}/{len(results)} variants wrong: "
+            + "; ".join(f"{r.name}: {r.error}" for r in bad[:4])
+        )
     parts = []
     for kernel in ("adamw", "sumsq"):
         rs = [r for r in results if r.kernel == kernel]
@@ -307,11 +352,15 @@ def kernels_compiled(job: kernel_checks.CompileJob | None, why_not: str) -> tupl
     if spills:
         raise RuntimeError(f"{len(spills)} variants spill: {spills[:3]}")
     regs = [int(r["regs"]) for r in rows]
-    return (f"{len(rows)} variants compiled for sm_90, no spills, {min(regs)}-{max(regs)} "
-            f"registers per thread", {"variants": rows})
+    return (
+        f"{len(rows)} variants compiled for sm_90, no spills, {min(regs)}-{max(regs)} "
+        f"registers per thread",
+        {"variants": rows},
+    )
 
 
 # -- bandwidth -------------------------------------------------------------------------------------
+
 
 def _update_numel(device: torch.device, bytes_per_param: int) -> int:
     if device.type != "cuda":
@@ -334,61 +383,90 @@ def update_bandwidth(device: torch.device) -> tuple[str, dict[str, Any]]:
     f32 = dict(dtype=torch.float32, device=device)
     master, m, v = torch.randn(n, **f32), torch.zeros(n, **f32), torch.zeros(n, **f32)
     grad, out = torch.randn(n, **f32).to(g), torch.empty(n, dtype=o, device=device)
-    scalars = dict(lr=torch.full((1,), 1e-3, **f32), step=torch.ones(1, **f32),
-                   grad_scale=torch.ones(1, **f32), skip=torch.zeros(1, **f32))
+    scalars = dict(
+        lr=torch.full((1,), 1e-3, **f32),
+        step=torch.ones(1, **f32),
+        grad_scale=torch.ones(1, **f32),
+        skip=torch.zeros(1, **f32),
+    )
 
     # Planned once, as the optimizer does (a plan per call would time the table's copy to the
     # device). The torch path divides the grad in place by grad_scale = 1: values stay.
-    plan = AdamWPlan(master, grad, m, v, out, beta1=0.9, beta2=0.999, eps=1e-8,
-                     weight_decay=0.01)
+    plan = AdamWPlan(master, grad, m, v, out, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01)
 
     def update() -> None:
         plan(**scalars)
 
     nbytes = per_param * n
     # CPU: 7 rounds of ~0.05 s; CUDA: do_bench's ~100 ms of reps per op and round.
-    times = bandwidth.time_with_copy({"update": update}, nbytes, device,
-                                     rounds=7 if device.type == "cpu" else 3)
+    times = bandwidth.time_with_copy(
+        {"update": update}, nbytes, device, rounds=7 if device.type == "cpu" else 3
+    )
     t_update = statistics.median(times["update"])
     copy_gbps = bandwidth.copy_gbps(times[bandwidth.COPY], nbytes)
     got = bandwidth.gbps(nbytes, t_update)
-    data = {"numel": n, "bytes_per_param": per_param, "update_s": t_update, "update_gbps": got,
-            "copy_gbps": copy_gbps, "pct_of_copy": 100 * got / copy_gbps,
-            "timing": bandwidth.timing_method(device)}
-    figure = (f"bf16 grad + bf16 out, {n / 2**20:g}M elements ({per_param} B/param): "
-              f"{got:.1f} GB/s = {data['pct_of_copy']:.0f}% of a device copy of the same bytes "
-              f"({copy_gbps:.1f} GB/s); {data['timing']}")
+    data = {
+        "numel": n,
+        "bytes_per_param": per_param,
+        "update_s": t_update,
+        "update_gbps": got,
+        "copy_gbps": copy_gbps,
+        "pct_of_copy": 100 * got / copy_gbps,
+        "timing": bandwidth.timing_method(device),
+    }
+    figure = (
+        f"bf16 grad + bf16 out, {n / 2**20:g}M elements ({per_param} B/param): "
+        f"{got:.1f} GB/s = {data['pct_of_copy']:.0f}% of a device copy of the same bytes "
+        f"({copy_gbps:.1f} GB/s); {data['timing']}"
+    )
     if device.type != "cuda":
         # The fused kernel runs only on a GPU; on CPU the update is the torch path, several
         # passes over memory, so its share of a copy says nothing about the kernel.
-        raise Measured(f"no verdict on CPU: the update ran on the torch path (several passes "
-                       f"over memory; the one-pass fused kernel runs on a GPU, where this row "
-                       f"compares it with a copy): {figure}", data)
+        raise Measured(
+            f"no verdict on CPU: the update ran on the torch path (several passes "
+            f"over memory; the one-pass fused kernel runs on a GPU, where this row "
+            f"compares it with a copy): {figure}",
+            data,
+        )
     return figure, data
 
 
 # -- the command -----------------------------------------------------------------------------------
 
+
 def run(checks: tuple[str, ...] = CHECKS) -> list[Row]:
     """Every check in `checks` (names of CHECKS or GROUPS), in CHECKS order; the child
     processes start first and run meanwhile."""
     checks = tuple(c for name in checks for c in GROUPS.get(name, (name,)))
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if torch.cuda.is_available()
         else torch.device("cpu")
+    )
     on_cpu = device.type == "cpu"
     interp = kernel_checks.start_interpreter() if on_cpu and "interpreter" in checks else None
-    why_not = "a GPU is here: the compiled kernels ran on it" if not on_cpu else \
-        kernel_checks.ptxas_missing() if "compile" in checks else ""
+    why_not = (
+        "a GPU is here: the compiled kernels ran on it"
+        if not on_cpu
+        else kernel_checks.ptxas_missing()
+        if "compile" in checks
+        else ""
+    )
     job = kernel_checks.start_compile(90) if "compile" in checks and not why_not else None
     plan: list[tuple[str, Callable[[], Any]]] = [
-        ("versions", versions), ("device", lambda: device_row(device)),
+        ("versions", versions),
+        ("device", lambda: device_row(device)),
         ("kernels", lambda: kernels_here(device)),
         ("interpreter", lambda: kernels_interpreter(interp)),
         ("compile", lambda: kernels_compiled(job, why_not)),
-        ("bandwidth", lambda: update_bandwidth(device))]
-    labels = {"kernels": f"kernels on {device} ({_kernel_path(device)})",
-              "interpreter": "kernels, Triton interpreter", "compile": "offline compile sm_90",
-              "bandwidth": "update bandwidth"}
+        ("bandwidth", lambda: update_bandwidth(device)),
+    ]
+    labels = {
+        "kernels": f"kernels on {device} ({_kernel_path(device)})",
+        "interpreter": "kernels, Triton interpreter",
+        "compile": "offline compile sm_90",
+        "bandwidth": "update bandwidth",
+    }
     try:
         rows = [row(labels.get(name, name), fn) for name, fn in plan if name in checks]
         if any(c in checks for c in GROUPS["distributed"]):
@@ -408,8 +486,10 @@ def format_table(rows: list[Row]) -> str:
     lines = [f"{'check':{width}}  status   secs  detail"]
     lines += [f"{r.check:{width}}  {r.status.value:7} {r.seconds:5.1f}  {r.detail}" for r in rows]
     bad = sum(r.status is Status.FAIL for r in rows)
-    lines.append(f"{'FAIL' if bad else 'ok'}: {len(rows) - bad}/{len(rows)} checks passed, "
-                 f"skipped with a reason, or measured without a verdict (info)")
+    lines.append(
+        f"{'FAIL' if bad else 'ok'}: {len(rows) - bad}/{len(rows)} checks passed, "
+        f"skipped with a reason, or measured without a verdict (info)"
+    )
     return "\n".join(lines)
 
 
@@ -417,10 +497,16 @@ def doctor(args: argparse.Namespace) -> int:
     t = time.perf_counter()
     rows = run(tuple(args.checks))
     if args.json:
-        print(json.dumps({"ok": all(r.status is not Status.FAIL for r in rows),
-                          "seconds": time.perf_counter() - t,
-                          "rows": [{**dataclasses.asdict(r), "status": r.status.value}
-                                   for r in rows]}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "ok": all(r.status is not Status.FAIL for r in rows),
+                    "seconds": time.perf_counter() - t,
+                    "rows": [{**dataclasses.asdict(r), "status": r.status.value} for r in rows],
+                },
+                indent=1,
+            )
+        )
     else:
         print(format_table(rows))
         print(f"({time.perf_counter() - t:.1f} s)")
@@ -428,11 +514,20 @@ def doctor(args: argparse.Namespace) -> int:
 
 
 def add_doctor_subparser(subparsers: Any) -> None:
-    p = subparsers.add_parser("doctor", help="check this install: versions, device, kernels vs "
-                              "float64, bandwidth, process group, checkpoint")
+    p = subparsers.add_parser(
+        "doctor",
+        help="check this install: versions, device, kernels vs "
+        "float64, bandwidth, process group, checkpoint",
+    )
     p.add_argument("--json", action="store_true", help="print the rows as JSON")
-    p.add_argument("--checks", nargs="+", choices=CHECKS + tuple(GROUPS), default=list(CHECKS),
-                   metavar="CHECK", help=f"run only these ({', '.join(CHECKS)}; distributed: "
-                   f"the last three; zero-step and checkpoint run in a process group, whose row "
-                   f"shows too); default all")
+    p.add_argument(
+        "--checks",
+        nargs="+",
+        choices=CHECKS + tuple(GROUPS),
+        default=list(CHECKS),
+        metavar="CHECK",
+        help=f"run only these ({', '.join(CHECKS)}; distributed: "
+        f"the last three; zero-step and checkpoint run in a process group, whose row "
+        f"shows too); default all",
+    )
     p.set_defaults(func=doctor)

@@ -7,6 +7,7 @@ few seconds off every CPU run. Skipped where no local CPU ranks will be started 
 `--device cuda`); under `--device auto` on a GPU machine the server idles and leaves with the
 launcher.
 """
+
 from __future__ import annotations
 
 import os
@@ -39,4 +40,5 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     start_rank_server(argv)
     from fusedzero.app.cli import main as cli_main
+
     return cli_main(argv)

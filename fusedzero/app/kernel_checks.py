@@ -10,6 +10,7 @@ child process with the Triton interpreter, which must be switched on before trit
 prints one JSON list of `VariantResult`s. `compile_sm90` compiles every variant offline for
 sm_90 in another child (no GPU needed, only Triton's bundled ptxas) and checks for spills.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -79,34 +80,65 @@ def _ulps(actual: torch.Tensor, expected: torch.Tensor, magnitude: torch.Tensor)
     return math.inf if err.isnan().any() else float(err.max())
 
 
-def check_adamw(device: torch.device, grad_dtype: torch.dtype, out_dtype: torch.dtype | None,
-                maximize: bool, seed: int = 0) -> VariantResult:
+def check_adamw(
+    device: torch.device,
+    grad_dtype: torch.dtype,
+    out_dtype: torch.dtype | None,
+    maximize: bool,
+    seed: int = 0,
+) -> VariantResult:
     """One update of NUMEL random elements on `device` vs `adamw_reference` in float64."""
     gen = torch.Generator().manual_seed(seed)
-    s0 = dict(master=torch.randn(NUMEL, generator=gen),
-              grad=(torch.randn(NUMEL, generator=gen) * 2).to(grad_dtype),
-              exp_avg=torch.randn(NUMEL, generator=gen) * 0.1,
-              exp_avg_sq=torch.rand(NUMEL, generator=gen) * 0.02 + 1e-4)
+    s0 = dict(
+        master=torch.randn(NUMEL, generator=gen),
+        grad=(torch.randn(NUMEL, generator=gen) * 2).to(grad_dtype),
+        exp_avg=torch.randn(NUMEL, generator=gen) * 0.1,
+        exp_avg_sq=torch.rand(NUMEL, generator=gen) * 0.02 + 1e-4,
+    )
     s = {k: v.to(device, copy=True) for k, v in s0.items()}
-    out = None if out_dtype is None else torch.full((NUMEL,), math.nan, dtype=out_dtype,
-                                                     device=device)
+    out = (
+        None
+        if out_dtype is None
+        else torch.full((NUMEL,), math.nan, dtype=out_dtype, device=device)
+    )
     f32 = dict(dtype=torch.float32, device=device)
-    kernels.adamw_step(s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], out,
-                       lr=torch.tensor([LR], **f32), step=torch.tensor([float(STEP)], **f32),
-                       grad_scale=torch.tensor([SCALE], **f32),
-                       skip=torch.zeros(1, dtype=torch.int32, device=device),
-                       maximize=maximize, **HP)
+    kernels.adamw_step(
+        s["master"],
+        s["grad"],
+        s["exp_avg"],
+        s["exp_avg_sq"],
+        out,
+        lr=torch.tensor([LR], **f32),
+        step=torch.tensor([float(STEP)], **f32),
+        grad_scale=torch.tensor([SCALE], **f32),
+        skip=torch.zeros(1, dtype=torch.int32, device=device),
+        maximize=maximize,
+        **HP,
+    )
     p_ref, m_ref, v_ref = kernels.adamw_reference(
-        s0["master"], s0["grad"], s0["exp_avg"], s0["exp_avg_sq"], lr=LR, step=STEP,
-        grad_scale=SCALE, maximize=maximize, **HP)
+        s0["master"],
+        s0["grad"],
+        s0["exp_avg"],
+        s0["exp_avg_sq"],
+        lr=LR,
+        step=STEP,
+        grad_scale=SCALE,
+        maximize=maximize,
+        **HP,
+    )
     # exp_avg = lerp(m, g) can cancel: its error is relative to |m| + |g|, and the update,
     # proportional to exp_avg, inherits that.
     m_mag = s0["exp_avg"].double().abs() + s0["grad"].double().abs() * SCALE
     denom = v_ref.sqrt() / math.sqrt(1 - HP["beta2"] ** STEP) + HP["eps"]
-    p_mag = (s0["master"].double().abs() * (1 - LR * HP["weight_decay"])
-             + LR / (1 - HP["beta1"] ** STEP) * m_mag / denom)
-    worst = max(_ulps(s["master"], p_ref, p_mag), _ulps(s["exp_avg"], m_ref, m_mag),
-                _ulps(s["exp_avg_sq"], v_ref, v_ref.abs()))
+    p_mag = (
+        s0["master"].double().abs() * (1 - LR * HP["weight_decay"])
+        + LR / (1 - HP["beta1"] ** STEP) * m_mag / denom
+    )
+    worst = max(
+        _ulps(s["master"], p_ref, p_mag),
+        _ulps(s["exp_avg"], m_ref, m_mag),
+        _ulps(s["exp_avg_sq"], v_ref, v_ref.abs()),
+    )
     error = "" if worst <= ADAMW_ULPS else f"off by {worst:.3g} ulps > {ADAMW_ULPS:g}"
     if out is not None:
         # The low-precision copy is this step's fp32 master rounded to nearest-even: bitwise.
@@ -114,8 +146,16 @@ def check_adamw(device: torch.device, grad_dtype: torch.dtype, out_dtype: torch.
         bad = int((out.view(bits) != s["master"].to(out_dtype).view(bits)).sum())
         if bad:
             error += f"{'; ' if error else ''}{bad} out elements != master.to({_short(out_dtype)})"
-    return VariantResult("adamw", _short(grad_dtype), _short(out_dtype), maximize, not error,
-                         worst, ADAMW_ULPS, error)
+    return VariantResult(
+        "adamw",
+        _short(grad_dtype),
+        _short(out_dtype),
+        maximize,
+        not error,
+        worst,
+        ADAMW_ULPS,
+        error,
+    )
 
 
 def check_sumsq(device: torch.device, dtype: torch.dtype, seed: int = 0) -> VariantResult:
@@ -157,65 +197,101 @@ def check_scalars(device: torch.device) -> VariantResult:
         return torch.tensor([v], dtype=torch.float32, device=dev)
 
     bad = 0
-    for total, scale, clip, skip in [(t, s, c, k) for t in (3.7, 0.0, 2.5e9, math.inf, math.nan)
-                                     for s in (None, 65536.0) for c in (None, 0.37)
-                                     for k in (False, True)]:
+    for total, scale, clip, skip in [
+        (t, s, c, k)
+        for t in (3.7, 0.0, 2.5e9, math.inf, math.nan)
+        for s in (None, 65536.0)
+        for c in (None, 0.37)
+        for k in (False, True)
+    ]:
         got, want = [], []
-        for dev, out, run in ((device, got, sc.step_scalars), (torch.device("cpu"), want,
-                                                               sc._step_scalars_torch)):
+        for dev, out, run in (
+            (device, got, sc.step_scalars),
+            (torch.device("cpu"), want, sc._step_scalars_torch),
+        ):
             out += [one(-1.0, dev), one(-1.0, dev), one(-1.0, dev), one(41.0, dev)]
-            run(one(total, dev), None if scale is None else one(scale, dev), *out,
-                max_grad_norm=None if clip is None else one(clip, dev), skip_nonfinite=skip)
+            run(
+                one(total, dev),
+                None if scale is None else one(scale, dev),
+                *out,
+                max_grad_norm=None if clip is None else one(clip, dev),
+                skip_nonfinite=skip,
+            )
         bad += sum(differing_bits(g.cpu(), w) for g, w in zip(got, want))
     gen = torch.Generator().manual_seed(1)
-    consts = tuple((b1, b2, 1e-8, wd, i % 3 == 2) for i, (b1, b2, wd) in enumerate(
-        [(0.9, 0.95, 0.1), (0.9, 0.999, 0.0), (0.0, 0.9999, 0.01), (0.5, 0.99, 0.1)] * 2))
+    consts = tuple(
+        (b1, b2, 1e-8, wd, i % 3 == 2)
+        for i, (b1, b2, wd) in enumerate(
+            [(0.9, 0.95, 0.1), (0.9, 0.999, 0.0), (0.0, 0.9999, 0.01), (0.5, 0.99, 0.1)] * 2
+        )
+    )
     lr = torch.rand(len(consts), generator=gen) * 1e-2
     for step in (1.0, 2.0, 1000.0, 1e6):
         got = rows_mod.Rows(len(consts), device).update(
-            kernels.Hyper(lr.to(device), consts), one(step, device), one(0.3125, device))
+            kernels.Hyper(lr.to(device), consts), one(step, device), one(0.3125, device)
+        )
         want = rows_mod.Rows(len(consts), torch.device("cpu"))
         want.write_consts(kernels.Hyper(lr, consts))
-        rows_mod.adamw_rows(lr, want.c64, one(step, torch.device("cpu")),
-                            one(0.3125, torch.device("cpu")), want.rows)  # the torch path
+        rows_mod.adamw_rows(
+            lr,
+            want.c64,
+            one(step, torch.device("cpu")),
+            one(0.3125, torch.device("cpu")),
+            want.rows,
+        )  # the torch path
         bad += differing_bits(got.cpu(), want.rows)
     error = f"{bad} values differ from the torch path" if bad else ""
     return VariantResult("scalars", "fp32", "none", False, not bad, float(bad), 0.0, error)
 
 
-def _guarded(variant: tuple[str, str, str, bool], fn: Callable[..., VariantResult],
-             *args: Any) -> VariantResult:
+def _guarded(
+    variant: tuple[str, str, str, bool], fn: Callable[..., VariantResult], *args: Any
+) -> VariantResult:
     """`fn(*args)`, or where it raises the failure of `variant` (kernel, grad dtype, out dtype,
     maximize): a crash is this variant's failure, the rest still run."""
     try:
         return fn(*args)
     except Exception as e:  # noqa: BLE001
-        return VariantResult(*variant, False, math.inf, 0.0,
-                             f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
+        return VariantResult(
+            *variant, False, math.inf, 0.0, f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        )
 
 
 def run_all(device: torch.device) -> list[VariantResult]:
     """adamw: grad dtype x out (none/bf16/fp16) x maximize; sumsq: per dtype; the scalars."""
-    results = [_guarded(("adamw", _short(g), _short(o), mx), check_adamw, device, g, o, mx, i)
-               for i, (g, o, mx) in enumerate((g, o, mx) for g in GRAD_DTYPES
-                                              for o in OUT_DTYPES for mx in (False, True))]
-    results += [_guarded(("sumsq", _short(g), "none", False), check_sumsq, device, g, i)
-                for i, g in enumerate(GRAD_DTYPES)]
+    results = [
+        _guarded(("adamw", _short(g), _short(o), mx), check_adamw, device, g, o, mx, i)
+        for i, (g, o, mx) in enumerate(
+            (g, o, mx) for g in GRAD_DTYPES for o in OUT_DTYPES for mx in (False, True)
+        )
+    ]
+    results += [
+        _guarded(("sumsq", _short(g), "none", False), check_sumsq, device, g, i)
+        for i, g in enumerate(GRAD_DTYPES)
+    ]
     results.append(_guarded(("scalars", "fp32", "none", False), check_scalars, device))
     return results
 
 
 # -- children ------------------------------------------------------------------------------------
 
+
 def _child(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, *args], env={**os.environ, **env},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, *args],
+        env={**os.environ, **env},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def start_interpreter() -> subprocess.Popen[str]:
     """The variants on CPU through the Triton interpreter, in a child (see the module doc)."""
-    return _child(["-m", "fusedzero.app.kernel_checks"],
-                  {"TRITON_INTERPRET": "1", "FUSEDZERO_BACKEND": "triton"})
+    return _child(
+        ["-m", "fusedzero.app.kernel_checks"],
+        {"TRITON_INTERPRET": "1", "FUSEDZERO_BACKEND": "triton"},
+    )
 
 
 def interpreter_results(proc: subprocess.Popen[str], timeout: float) -> list[VariantResult]:
@@ -249,8 +325,10 @@ def start_compile(capability: int = 90) -> CompileJob:
     interpreter, whatever this process has."""
     tmp = tempfile.TemporaryDirectory(prefix="fusedzero-doctor-")
     path = Path(tmp.name) / "variants.json"
-    proc = _child(["-m", "fusedzero.kernels._compile", "--capability", str(capability),
-                   "--json", str(path)], {"TRITON_INTERPRET": "0"})
+    proc = _child(
+        ["-m", "fusedzero.kernels._compile", "--capability", str(capability), "--json", str(path)],
+        {"TRITON_INTERPRET": "0"},
+    )
     return CompileJob(proc, path, tmp)
 
 
@@ -259,14 +337,23 @@ def compile_results(job: CompileJob, timeout: float) -> list[dict[str, object]]:
     try:
         _, err = job.proc.communicate(timeout=timeout)
         if job.proc.returncode != 0:
-            raise RuntimeError(f"offline compile exited {job.proc.returncode}: "
-                               f"{err.strip()[-800:]}")
+            raise RuntimeError(
+                f"offline compile exited {job.proc.returncode}: {err.strip()[-800:]}"
+            )
         rows = json.loads(job.json_path.read_text())
     finally:
         job.tmp.cleanup()
-    return [{"kernel": r["kernel"], "grad_dtype": r["grad_dtype"], "out_dtype": r["out_dtype"],
-             "regs": r["usage"]["REG"], "spill_bytes": r["usage"]["STACK"] + r["usage"]["LOCAL"],
-             "shared_bytes": r["shared_bytes"]} for r in rows]
+    return [
+        {
+            "kernel": r["kernel"],
+            "grad_dtype": r["grad_dtype"],
+            "out_dtype": r["out_dtype"],
+            "regs": r["usage"]["REG"],
+            "spill_bytes": r["usage"]["STACK"] + r["usage"]["LOCAL"],
+            "shared_bytes": r["shared_bytes"],
+        }
+        for r in rows
+    ]
 
 
 def main() -> None:

@@ -12,6 +12,7 @@ at once with its own error: the other ranks are then in some other collective, w
 would not match (on NCCL: a hang until the watchdog's abort, the real error never printed).
 torchrun ends the other ranks when one exits with an error.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,13 +74,15 @@ class RankFailed(RuntimeError):
 
 
 def add_train_subparser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("train", help="pretrain the small GPT with ZeroAdamW",
-                              description=__doc__.split("\n\n")[0],
-                              formatter_class=HelpFormatter)
+    p = subparsers.add_parser(
+        "train",
+        help="pretrain the small GPT with ZeroAdamW",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=HelpFormatter,
+    )
     add_arguments(p)
     p.set_defaults(func=_cli_train)
     return p
-
 
 
 def _cli_train(args: argparse.Namespace) -> int:
@@ -114,12 +117,12 @@ def run_config(cfg: TrainConfig) -> dict[str, Any]:
             return _spawn(cfg, nproc, use_cuda, data)
 
 
-
-
 def check_tp_world(cfg: TrainConfig, world: int) -> None:
     if world % cfg.tp:
-        raise UsageError(f"--tp {cfg.tp} must divide the number of ranks ({world}): "
-                         f"use --nproc {cfg.tp * max(1, world // cfg.tp)}")
+        raise UsageError(
+            f"--tp {cfg.tp} must divide the number of ranks ({world}): "
+            f"use --nproc {cfg.tp * max(1, world // cfg.tp)}"
+        )
 
 
 def _use_cuda(cfg: TrainConfig) -> bool:
@@ -135,11 +138,11 @@ def local_ranks(cfg: TrainConfig) -> tuple[bool, int]:
     gpus = torch.cuda.device_count() if use_cuda else 0
     nproc = cfg.nproc or (gpus if use_cuda else 2)
     if use_cuda and nproc > gpus:
-        raise UsageError(f"--nproc {nproc} exceeds the {gpus} visible GPUs; use --nproc {gpus}, "
-                         "or --device cpu for gloo ranks on the CPU")
+        raise UsageError(
+            f"--nproc {nproc} exceeds the {gpus} visible GPUs; use --nproc {gpus}, "
+            "or --device cpu for gloo ranks on the CPU"
+        )
     return use_cuda, nproc
-
-
 
 
 # CPU ranks start from a fork server that imported RANK_PRELOAD once (fusedzero/_spawn.py; the
@@ -157,19 +160,27 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool, data: Split) -> dict[st
     progress = context(preload).Array("q", nproc, lock=False)
     # Not daemons: a daemon process may not start processes of its own; the ranks' end is tied
     # to the launcher by die_with_parent instead.
-    with SpawnedRanks(_spawn_entry, nproc, (use_cuda, cfg, data, os.getpid(), progress),
-                      daemon=False, exit_grace_s=60.0, name="fusedzero train",
-                      preload=preload) as ranks:
+    with SpawnedRanks(
+        _spawn_entry,
+        nproc,
+        (use_cuda, cfg, data, os.getpid(), progress),
+        daemon=False,
+        exit_grace_s=60.0,
+        name="fusedzero train",
+        preload=preload,
+    ) as ranks:
         while len(reported) < nproc:
             if stalls and (time.monotonic() > stall_deadline or len(stalls) == nproc):
                 silent = [r for r in range(nproc) if r not in stalls]
                 raise StalledError(
                     "; ".join(stalls[r] for r in sorted(stalls))
-                    + (f"; ranks {silent} did not report and were ended" if silent else ""))
+                    + (f"; ranks {silent} did not report and were ended" if silent else "")
+                )
             # A rank that exits without a report (killed, out of memory) would hang the rest.
             try:
-                report = ranks.next_report([r for r in range(nproc)
-                                            if r not in reported and r not in stalls])
+                report = ranks.next_report(
+                    [r for r in range(nproc) if r not in reported and r not in stalls]
+                )
             except RuntimeError as e:
                 raise _rank_failed(cfg, ranks, progress, None, str(e)) from None
             if report is None:
@@ -191,14 +202,18 @@ def _spawn(cfg: TrainConfig, nproc: int, use_cuda: bool, data: Split) -> dict[st
     return summary
 
 
-def _rank_failed(cfg: TrainConfig, ranks: SpawnedRanks, progress: Any, rank: int | None,
-                 detail: str) -> RankFailed:
+def _rank_failed(
+    cfg: TrainConfig, ranks: SpawnedRanks, progress: Any, rank: int | None, detail: str
+) -> RankFailed:
     """One line for a rank's end: a rank killed by a signal (often the cause of the others'
     connection errors) first, else the reporting rank's exception; with its step and the
     checkpoint a resume would pick."""
     time.sleep(LAST_WORDS_S)  # a killed peer's exit code arrives after the others' errors
-    dead = [r for r, p in enumerate(ranks.procs)
-            if not p.is_alive() and p.exitcode not in (0, REPORTED_ERROR_EXIT)]
+    dead = [
+        r
+        for r, p in enumerate(ranks.procs)
+        if not p.is_alive() and p.exitcode not in (0, REPORTED_ERROR_EXIT)
+    ]
     if dead:
         r = dead[0]
         what = f"rank {r} {exit_description(ranks.procs[r].exitcode)}"
@@ -210,17 +225,29 @@ def _rank_failed(cfg: TrainConfig, ranks: SpawnedRanks, progress: Any, rank: int
     what += f" at step {step}" if step > 0 else " before its first step"
     if cfg.ckpt_dir is not None:
         from fusedzero import checkpoint
+
         try:
             found = checkpoint.find_latest(cfg.ckpt_dir, checksums=False)
-            what += (f"; the ranks were ended; the newest checkpoint, {found.path.name} in "
-                     f"{str(found.root)!r}, is intact: continue with --resume")
+            what += (
+                f"; the ranks were ended; the newest checkpoint, {found.path.name} in "
+                f"{str(found.root)!r}, is intact: continue with --resume"
+            )
         except checkpoint.CheckpointError:
             what += "; the ranks were ended; no checkpoint was saved yet"
     return RankFailed(what, detail)
 
 
-def _spawn_entry(rank: int, world: int, port: int, q: Queue[Report], use_cuda: bool,
-                 cfg: TrainConfig, data: Split, parent_pid: int, progress: Any = None) -> None:
+def _spawn_entry(
+    rank: int,
+    world: int,
+    port: int,
+    q: Queue[Report],
+    use_cuda: bool,
+    cfg: TrainConfig,
+    data: Split,
+    parent_pid: int,
+    progress: Any = None,
+) -> None:
     die_with_parent(parent_pid)  # never train on as an orphan (see fusedzero.app.lifecycle)
     set_rank_env(rank, world, port)
     code = REPORTED_ERROR_EXIT
@@ -229,10 +256,15 @@ def _spawn_entry(rank: int, world: int, port: int, q: Queue[Report], use_cuda: b
         if use_cuda:  # a hung collective ends in a report (see [Note: a hung NCCL collective])
             comm.nccl_watchdog_env()
         # The group's timeout bounds every wait (fusedzero._comm.wait reads it back).
-        dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg.timeout),
-                                **({"device_id": device} if use_cuda else {}))
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=cfg.timeout),
+            **({"device_id": device} if use_cuda else {}),
+        )
         from fusedzero.app.loop import train_rank  # the ranks', not the launcher's, import
+
         summary = train_rank(cfg, device, data, progress=progress)
         q.put(Report(rank, ReportKind.OK, summary if rank == 0 else None))
         # A gloo process can abort at exit after its work is done: barrier, destroy, then exit.
@@ -267,9 +299,11 @@ def _run_in_group(cfg: TrainConfig) -> dict[str, Any]:
         if use_cuda:  # a hung collective ends in a report (see [Note: a hung NCCL collective])
             comm.nccl_watchdog_env()
         # device_id: the communicator is made now, bound to this rank's GPU (barriers too).
-        dist.init_process_group("nccl" if use_cuda else "gloo",
-                                timeout=datetime.timedelta(seconds=cfg.timeout),
-                                **({"device_id": device} if use_cuda else {}))
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            timeout=datetime.timedelta(seconds=cfg.timeout),
+            **({"device_id": device} if use_cuda else {}),
+        )
     else:
         use_cuda, device = _device_in_group(cfg)
     summary = _train_in_group(cfg, device, use_cuda)
@@ -285,9 +319,11 @@ def _device_in_group(cfg: TrainConfig) -> tuple[bool, torch.device]:
     (set_device before calling), never GPU 0 for every rank."""
     nccl = comm.serving_backend(None, "cuda") == "nccl"
     if cfg.device == "cuda" and not nccl:
-        raise UsageError(f"--device cuda in a process group whose backend is "
-                         f"{dist.get_backend()!r}: its collectives cannot take CUDA tensors; "
-                         "initialise it with nccl (or 'cpu:gloo,cuda:nccl'), or use --device cpu")
+        raise UsageError(
+            f"--device cuda in a process group whose backend is "
+            f"{dist.get_backend()!r}: its collectives cannot take CUDA tensors; "
+            "initialise it with nccl (or 'cpu:gloo,cuda:nccl'), or use --device cpu"
+        )
     use_cuda = _use_cuda(cfg) and nccl
     if not use_cuda:
         return False, _setup_device(False, 0, _env_int("LOCAL_WORLD_SIZE", 1, 1))
@@ -316,8 +352,10 @@ def _env_int(name: str, default: int, minimum: int) -> int:
     except ValueError:
         value = None
     if value is None or value < minimum:
-        raise UsageError(f"environment variable {name}={raw!r} is not an integer >= {minimum} "
-                         "(torchrun sets it; unset it to spawn local ranks)")
+        raise UsageError(
+            f"environment variable {name}={raw!r} is not an integer >= {minimum} "
+            "(torchrun sets it; unset it to spawn local ranks)"
+        )
     return value
 
 
@@ -352,6 +390,7 @@ def _train_in_group(cfg: TrainConfig, device: torch.device, use_cuda: bool) -> d
         raise UsageError(box[0])
     with lock:
         from fusedzero.app.loop import train_rank
+
         return train_rank(cfg, device, preflight.load_data(cfg))
 
 
@@ -362,8 +401,10 @@ def _setup_device(use_cuda: bool, local_rank: int, local_world: int) -> torch.de
         visible = torch.cuda.device_count()
         index = 0 if visible == 1 else local_rank
         if index >= visible:
-            raise UsageError(f"local rank {local_rank} has no GPU of its own: torch sees "
-                             f"{visible}; run one process per visible GPU")
+            raise UsageError(
+                f"local rank {local_rank} has no GPU of its own: torch sees "
+                f"{visible}; run one process per visible GPU"
+            )
         torch.cuda.set_device(index)
         return torch.device("cuda", index)
     # Ranks share the cores: oversubscribing threads makes every rank slower.

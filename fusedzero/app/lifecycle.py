@@ -8,6 +8,7 @@ its report into a pipe nobody reads. Two guards, because each has a gap:
   by comparing the parent pid right after.
 - A daemon thread polling `os.getppid()` (every POLL_S): covers systems without prctl.
 """
+
 from __future__ import annotations
 
 import contextlib

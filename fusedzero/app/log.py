@@ -4,6 +4,7 @@
 as device tensors and read, all-reduced over ranks with `torch.distributed` directly (not counted in
 `opt.comm`), only at log points (`--log-every`), evals and checkpoints.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,10 +26,11 @@ def waiting_for(what: str) -> Iterator[None]:
     except RuntimeError as e:
         if isinstance(e, CollectiveTimeout) or not is_timeout(e):
             raise
-        raise CollectiveTimeout(f"rank {group_rank(None)}: timed out (limit {group_timeout():g}s) "
-                                f"waiting for {what} ({' '.join(str(e).split())}); another rank "
-                                "stalled or crashed (raise --timeout if it is just slow)"
-                                ) from None
+        raise CollectiveTimeout(
+            f"rank {group_rank(None)}: timed out (limit {group_timeout():g}s) "
+            f"waiting for {what} ({' '.join(str(e).split())}); another rank "
+            "stalled or crashed (raise --timeout if it is just slow)"
+        ) from None
 
 
 class PendingStep(NamedTuple):
@@ -62,8 +64,9 @@ class RunLog:
         with waiting_for("the all-reduce of logged losses"):
             dist.all_reduce(losses)
         losses = (losses / self.world).tolist()  # host sync
-        for p, loss, norm, skip in zip(self.pending, losses, norms.tolist(), skipped.tolist(),
-                                       strict=True):
+        for p, loss, norm, skip in zip(
+            self.pending, losses, norms.tolist(), skipped.tolist(), strict=True
+        ):
             self.steps.append({"step": p.step, "loss": loss, "grad_norm": norm, "lr": p.lr})
             self.skipped[p.step] = skip  # --log-jsonl only: the --out-json schema stays as is
         self.pending.clear()

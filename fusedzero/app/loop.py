@@ -4,6 +4,7 @@ Reproducibility: the model is initialised from `--seed` on every rank; the globa
 is drawn from (seed, s) alone (`fusedzero.app.data.BatchSampler`), so the same seed and global
 batch train on the same data at any world size and grad accumulation.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +46,9 @@ def lr_lambda_for(cfg: TrainConfig) -> Callable[[int], float]:
     return lr_lambda
 
 
-def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
-               progress: Any = None) -> dict[str, Any]:
+def train_rank(
+    cfg: TrainConfig, device: torch.device, data: Split, progress: Any = None
+) -> dict[str, Any]:
     """The training loop of one rank in an initialised process group. Returns the summary
     (identical on every rank); rank 0 also prints the closing table and writes --out-json.
     `progress` (a shared array, one slot per rank) gets this rank's step as each one starts,
@@ -65,11 +67,18 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
     dpr, dpw = mesh.dp_rank, mesh.dp_size
     # NCCL: param all-gathers on a communicator of their own.
     gather = tp_plan.gather_group(mesh) if device.type == "cuda" else None
-    opt = ZeroAdamW(gpt_param_groups(model, cfg.weight_decay), lr=cfg.lr,
-                    betas=(cfg.beta1, cfg.beta2), stage=cfg.stage, module=model,
-                    max_grad_norm=cfg.clip or None, precision=cfg.precision(device.type == "cuda"),
-                    wire=cfg.wire_policy(), groups=Groups(shard=mesh.dp_group, gather=gather),
-                    sharding=cfg.sharding())
+    opt = ZeroAdamW(
+        gpt_param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        stage=cfg.stage,
+        module=model,
+        max_grad_norm=cfg.clip or None,
+        precision=cfg.precision(device.type == "cuda"),
+        wire=cfg.wire_policy(),
+        groups=Groups(shard=mesh.dp_group, gather=gather),
+        sharding=cfg.sharding(),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_for(cfg))
     sampler = BatchSampler(train_data, cfg.block_size, cfg.batch_size, cfg.seed)
     val = eval_batches(val_data, cfg.block_size, cfg.eval_seqs, 1)[0]
@@ -94,22 +103,30 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
         # os._exit would leave behind (resource_tracker warns): one process, one thread lock.
         tqdm.set_lock(threading.RLock())
         # Redrawn at most every 0.2 s on a terminal, every 10 s into a log file.
-        bar = tqdm(total=cfg.steps, initial=start, desc=f"ZeRO-{cfg.stage} x{world}",
-                   unit="step", dynamic_ncols=True, file=sys.stderr,
-                   mininterval=0.2 if sys.stderr.isatty() else 10.0)
+        bar = tqdm(
+            total=cfg.steps,
+            initial=start,
+            desc=f"ZeRO-{cfg.stage} x{world}",
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+            mininterval=0.2 if sys.stderr.isatty() else 10.0,
+        )
 
     def say(msg: str) -> None:
         if rank == 0:
             (bar.write if bar is not None else print)(msg)
 
     try:
-        metrics = watch.MetricsLog(cfg.log_jsonl, run_id=log.run_id, start_step=start) if (
-            rank == 0 and cfg.log_jsonl) else None
+        metrics = (
+            watch.MetricsLog(cfg.log_jsonl, run_id=log.run_id, start_step=start)
+            if (rank == 0 and cfg.log_jsonl)
+            else None
+        )
     except ValueError as e:  # the launcher ends the other ranks, waiting in the first eval
         raise UsageError(str(e)) from None
     if start == 0 or not log.val:
-        log.val.append({"step": start,
-                        "val_loss": evaluate(model, val, dpr, dpw, micro_rows)})
+        log.val.append({"step": start, "val_loss": evaluate(model, val, dpr, dpw, micro_rows)})
         if metrics is not None:  # the untrained model's: where the curve starts
             metrics.write(start, val_loss=log.val[-1]["val_loss"])
         say(f"step {start:5d}: val loss {log.val[-1]['val_loss']:.4f}")
@@ -137,10 +154,15 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
         nonlocal written
         if metrics is not None:
             for s in log.steps[written:]:
-                metrics.write(s["step"], loss=s["loss"], grad_norm=s["grad_norm"], lr=s["lr"],
-                              skipped=log.skipped.get(s["step"]),
-                              tokens_per_s=tokens_per_step / per_step if per_step else None,
-                              step_ms=per_step * 1e3 if per_step else None)
+                metrics.write(
+                    s["step"],
+                    loss=s["loss"],
+                    grad_norm=s["grad_norm"],
+                    lr=s["lr"],
+                    skipped=log.skipped.get(s["step"]),
+                    tokens_per_s=tokens_per_step / per_step if per_step else None,
+                    step_ms=per_step * 1e3 if per_step else None,
+                )
         written = len(log.steps)
 
     launches: dict[str, int] | None = None
@@ -164,14 +186,21 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
         opt.zero_grad()
         for k, v in opt.comm.bytes.items():
             comm_total[k] += v - before[k]
-        log.pending.append(PendingStep(step, loss_sum / A,
-                                       opt.grad_norm.detach().clone().reshape(()), lr,
-                                       opt.skipped.detach().clone().reshape(())))
+        log.pending.append(
+            PendingStep(
+                step,
+                loss_sum / A,
+                opt.grad_norm.detach().clone().reshape(()),
+                lr,
+                opt.skipped.detach().clone().reshape(()),
+            )
+        )
         seg_steps += 1
 
         is_eval = cfg.eval_every > 0 and step % cfg.eval_every == 0 and step != stop
         is_save = cfg.ckpt_dir is not None and (
-            step == stop or (cfg.save_every > 0 and step % cfg.save_every == 0))
+            step == stop or (cfg.save_every > 0 and step % cfg.save_every == 0)
+        )
         if step % cfg.log_every == 0 or step == stop or step == start + 1 or is_eval or is_save:
             log.flush()  # host sync: all-reduce of the pending losses
             if step == start + 1 and stop > start + 1:
@@ -181,20 +210,24 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
                 write_metrics(close_segment())
             if bar is not None:
                 s = log.steps[-1]
-                post = {"loss": f"{s['loss']:.3f}", "gnorm": f"{s['grad_norm']:.2f}",
-                        "lr": f"{s['lr']:.2e}"}
+                post = {
+                    "loss": f"{s['loss']:.3f}",
+                    "gnorm": f"{s['grad_norm']:.2f}",
+                    "lr": f"{s['lr']:.2e}",
+                }
                 if timed_steps:
                     post["tok/s"] = f"{tokens_per_step * timed_steps / train_time:,.0f}"
                 bar.set_postfix(post, refresh=False)
         if bar is not None:
             bar.update(1)
         if is_eval:
-            log.val.append({"step": step,
-                            "val_loss": evaluate(model, val, dpr, dpw, micro_rows)})
+            log.val.append({"step": step, "val_loss": evaluate(model, val, dpr, dpw, micro_rows)})
             if metrics is not None:
                 metrics.write(step, val_loss=log.val[-1]["val_loss"])
-            say(f"step {step:5d}: val loss {log.val[-1]['val_loss']:.4f}  "
-                f"train loss {log.steps[-1]['loss']:.4f}")
+            say(
+                f"step {step:5d}: val loss {log.val[-1]['val_loss']:.4f}  "
+                f"train loss {log.steps[-1]['loss']:.4f}"
+            )
             seg_start = time.perf_counter()
         if is_save:
             resume_mod.save(cfg, opt, sched, log, step, replace_old=replace_old)
@@ -207,18 +240,25 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
 
     final_step = max(stop, start)
     if not log.val or log.val[-1]["step"] != final_step:
-        log.val.append({"step": final_step,
-                        "val_loss": evaluate(model, val, dpr, dpw, micro_rows)})
+        log.val.append({"step": final_step, "val_loss": evaluate(model, val, dpr, dpw, micro_rows)})
         if metrics is not None:
             metrics.write(final_step, val_loss=log.val[-1]["val_loss"])
     if metrics is not None:
         metrics.close()
     finish_watch(cfg, model, log, rank, world, say)
     run_steps = max(0, stop - start)
-    summary = summarize(cfg, opt, world, device, param_dtype, reduce_dtype, log,
-                       {k: v / run_steps if run_steps else 0.0 for k, v in comm_total.items()},
-                       tokens_per_step * timed_steps / train_time if train_time > 0 else 0.0,
-                       launches)
+    summary = summarize(
+        cfg,
+        opt,
+        world,
+        device,
+        param_dtype,
+        reduce_dtype,
+        log,
+        {k: v / run_steps if run_steps else 0.0 for k, v in comm_total.items()},
+        tokens_per_step * timed_steps / train_time if train_time > 0 else 0.0,
+        launches,
+    )
     if rank == 0:
         print(format_table(summary, stopped=cfg.stop_at is not None and stop < cfg.steps))
         if cfg.out_json:
@@ -228,22 +268,51 @@ def train_rank(cfg: TrainConfig, device: torch.device, data: Split,
     return summary
 
 
-def _nothing_to_train(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device,
-                      param_dtype: torch.dtype, reduce_dtype: torch.dtype, log: RunLog,
-                      start: int) -> dict[str, Any]:
+def _nothing_to_train(
+    cfg: TrainConfig,
+    opt: ZeroAdamW,
+    world: int,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    log: RunLog,
+    start: int,
+) -> dict[str, Any]:
     """A resume at or past its last step: say so, train, evaluate and print nothing more, and
     return the checkpoint's summary (--out-json is left as the finished run wrote it)."""
     if dist.get_rank() == 0:
-        where = f"its last step (--steps {cfg.steps})" if start >= cfg.steps else \
-            f"past --stop-at {cfg.stop_at}"
-        print(f"fusedzero: the run in {cfg.ckpt_dir} is already at step {start}, {where}: "
-              "nothing to train", flush=True)
-    return summarize(cfg, opt, world, device, param_dtype, reduce_dtype, log,
-                     dict.fromkeys(opt.comm.bytes, 0.0), 0.0, None)
+        where = (
+            f"its last step (--steps {cfg.steps})"
+            if start >= cfg.steps
+            else f"past --stop-at {cfg.stop_at}"
+        )
+        print(
+            f"fusedzero: the run in {cfg.ckpt_dir} is already at step {start}, {where}: "
+            "nothing to train",
+            flush=True,
+        )
+    return summarize(
+        cfg,
+        opt,
+        world,
+        device,
+        param_dtype,
+        reduce_dtype,
+        log,
+        dict.fromkeys(opt.comm.bytes, 0.0),
+        0.0,
+        None,
+    )
 
 
-def finish_watch(cfg: TrainConfig, model: torch.nn.Module, log: RunLog, rank: int, world: int,
-                 say: Callable[[str], None]) -> None:
+def finish_watch(
+    cfg: TrainConfig,
+    model: torch.nn.Module,
+    log: RunLog,
+    rank: int,
+    world: int,
+    say: Callable[[str], None],
+) -> None:
     """The end of a run a person looks at: the loss-curve PNG (--plot) and a text sample."""
     if cfg.plot and rank == 0:
         records = [{"step": s["step"], "loss": s["loss"]} for s in log.steps]
@@ -254,10 +323,19 @@ def finish_watch(cfg: TrainConfig, model: torch.nn.Module, log: RunLog, rank: in
         # Every rank generates (at stage 3 each forward gathers params collectively), from the
         # same seeded generator, so all ranks draw the same bytes.
         with torch.no_grad():
-            text = watch.sample_text(model, b"\n", cfg.sample_tokens,
-                                     temperature=cfg.temperature, top_k=cfg.top_k, seed=cfg.seed)
-        how = "greedy" if cfg.temperature == 0 else \
-            f"temperature {cfg.temperature:g}, top-k {cfg.top_k or 'off'}"
+            text = watch.sample_text(
+                model,
+                b"\n",
+                cfg.sample_tokens,
+                temperature=cfg.temperature,
+                top_k=cfg.top_k,
+                seed=cfg.seed,
+            )
+        how = (
+            "greedy"
+            if cfg.temperature == 0
+            else f"temperature {cfg.temperature:g}, top-k {cfg.top_k or 'off'}"
+        )
         say(f"sample ({cfg.sample_tokens} bytes, {how}, after a newline):\n" + text.strip("\n"))
 
 
@@ -270,8 +348,9 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, val: Split, rank: int, world: int,
-             rows: int | None = None) -> float:
+def evaluate(
+    model: torch.nn.Module, val: Split, rank: int, world: int, rows: int | None = None
+) -> float:
     """Mean next-byte cross-entropy over the fixed validation windows, split over ranks (with
     --tp, the dp ranks: a replica's tp ranks score the same slice, which scales both sums alike),
     `rows` windows per forward (a training micro-batch: all of a rank's at once held logits 16x
@@ -292,10 +371,11 @@ def evaluate(model: torch.nn.Module, val: Split, rank: int, world: int,
         if lo >= x.shape[0]:
             model(to_device(val[0][:1], device))  # keep collective forwards in step
             continue
-        logits, _ = model(to_device(x[lo:lo + rows], device))
-        yy = to_device(y[lo:lo + rows], device)
-        totals[0] += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                     yy.reshape(-1), reduction="sum").double()
+        logits, _ = model(to_device(x[lo : lo + rows], device))
+        yy = to_device(y[lo : lo + rows], device)
+        totals[0] += F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), yy.reshape(-1), reduction="sum"
+        ).double()
         totals[1] += yy.numel()
     with waiting_for("the all-reduce of the validation loss"):
         dist.all_reduce(totals)

@@ -63,8 +63,10 @@ class GPTConfig:
             )
         kv = self.kv_heads
         if kv < 1 or self.n_head % kv != 0:
-            raise ValueError(f"GPTConfig.n_kv_head={self.n_kv_head} must be >= 1 and divide "
-                             f"n_head={self.n_head} (each kv head serves n_head/n_kv_head heads)")
+            raise ValueError(
+                f"GPTConfig.n_kv_head={self.n_kv_head} must be >= 1 and divide "
+                f"n_head={self.n_head} (each kv head serves n_head/n_kv_head heads)"
+            )
         if self.mlp not in ("gelu", "swiglu"):
             raise ValueError(f"GPTConfig.mlp={self.mlp!r}, expected 'gelu' or 'swiglu'")
         if self.mlp_hidden is not None and self.mlp_hidden < 1:
@@ -171,10 +173,16 @@ class GPT(nn.Module):
         with torch.device("meta"):
             # `_weight=` skips nn.Embedding's own normal_() init: on the meta device that call
             # goes through torch._refs and imports torch._dynamo (seconds per process).
-            self.wte = nn.Embedding(config.vocab_size, config.n_embd,
-                                    _weight=torch.empty(config.vocab_size, config.n_embd))
-            self.wpe = nn.Embedding(config.block_size, config.n_embd,
-                                    _weight=torch.empty(config.block_size, config.n_embd))
+            self.wte = nn.Embedding(
+                config.vocab_size,
+                config.n_embd,
+                _weight=torch.empty(config.vocab_size, config.n_embd),
+            )
+            self.wpe = nn.Embedding(
+                config.block_size,
+                config.n_embd,
+                _weight=torch.empty(config.block_size, config.n_embd),
+            )
             self.drop = nn.Dropout(config.dropout)
             self.blocks = nn.ModuleList(Block(config) for _ in range(config.n_layer))
             self.ln_f = nn.LayerNorm(config.n_embd)
@@ -212,8 +220,11 @@ class GPT(nn.Module):
         if module is self.lm_head and self.config.tie_head:
             return  # its weight is wte.weight, initialised as an embedding
         if isinstance(module, nn.Linear):
-            std = INIT_STD / math.sqrt(2 * self.config.n_layer) if name.endswith(".proj") \
+            std = (
+                INIT_STD / math.sqrt(2 * self.config.n_layer)
+                if name.endswith(".proj")
                 else INIT_STD
+            )
             nn.init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
@@ -293,8 +304,17 @@ PRESETS: dict[str, dict[str, Any]] = {
     # 2816, vocab 32000, untied head. Here with LayerNorm and learned positions instead of
     # RMSNorm and RoPE, and the attention output's bias: 255.4M params (+1.1M: positions
     # 1024 x 1024, norm biases, output biases), the same matmuls and so the same FLOPs per token.
-    "llama-254m": dict(n_layer=16, n_head=16, n_kv_head=8, n_embd=1024, mlp="swiglu",
-                       mlp_hidden=2816, vocab_size=32000, block_size=1024, tie_head=False),
+    "llama-254m": dict(
+        n_layer=16,
+        n_head=16,
+        n_kv_head=8,
+        n_embd=1024,
+        mlp="swiglu",
+        mlp_hidden=2816,
+        vocab_size=32000,
+        block_size=1024,
+        tie_head=False,
+    ),
 }
 """Model shapes by name, for `fusedzero train --preset` (GPTConfig fields)."""
 

@@ -1,6 +1,7 @@
 """`fusedzero plan` on the command line: the parser, the model presets and Hugging Face configs
 on the meta device. The planning itself (no torch.distributed, nothing allocated) is
 `fusedzero.plan`."""
+
 from __future__ import annotations
 
 import argparse
@@ -35,8 +36,12 @@ def _gpt_presets() -> dict[str, dict[str, int]]:
     gpt2 = dict(vocab_size=50257, block_size=1024)
     return {
         # `fusedzero train`'s default model (byte-level, runs on a laptop CPU)
-        "train": dict(n_layer=DEFAULT_N_LAYER, n_head=DEFAULT_N_HEAD, n_embd=DEFAULT_N_EMBD,
-                      block_size=DEFAULT_BLOCK),
+        "train": dict(
+            n_layer=DEFAULT_N_LAYER,
+            n_head=DEFAULT_N_HEAD,
+            n_embd=DEFAULT_N_EMBD,
+            block_size=DEFAULT_BLOCK,
+        ),
         # GPTConfig's defaults: the model the tests train
         "tiny": {},
         # GPT-2 shapes in fusedzero.app.model.GPT (tied head, no qkv bias: a few params fewer)
@@ -87,8 +92,9 @@ def hf_model_from_config(path: str | Path) -> nn.Module:
     try:
         import transformers
     except ImportError:
-        raise ImportError("--hf-config needs the transformers package: "
-                          "pip install 'fusedzero[hf]'") from None
+        raise ImportError(
+            "--hf-config needs the transformers package: pip install 'fusedzero[hf]'"
+        ) from None
     config = transformers.AutoConfig.for_model(**d)
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(config)
@@ -96,58 +102,123 @@ def hf_model_from_config(path: str | Path) -> nn.Module:
 
 # -- CLI ----------------------------------------------------------------------------------------
 def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("plan", help="memory and communication per rank, every stage",
-                              description=plan.__doc__.split("\n\n")[0])
+    p = subparsers.add_parser(
+        "plan",
+        help="memory and communication per rank, every stage",
+        description=plan.__doc__.split("\n\n")[0],
+    )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--params", type=float, metavar="N",
-                     help="parameter count, e.g. 7.5e9 (one flat buffer)")
+    src.add_argument(
+        "--params", type=float, metavar="N", help="parameter count, e.g. 7.5e9 (one flat buffer)"
+    )
     src.add_argument("--preset", choices=PRESETS, help="a fusedzero.app.model.GPT shape")
-    src.add_argument("--hf-config", metavar="PATH",
-                     help="a Hugging Face config.json or its folder (needs transformers)")
-    src.add_argument("--shape", choices=sorted(SHAPES),
-                     help="a Llama-shaped model of plain nn modules (fusedzero.emulate)")
+    src.add_argument(
+        "--hf-config",
+        metavar="PATH",
+        help="a Hugging Face config.json or its folder (needs transformers)",
+    )
+    src.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        help="a Llama-shaped model of plain nn modules (fusedzero.emulate)",
+    )
     p.add_argument("--world-size", "-W", type=int, required=True, help="ranks sharding the state")
-    p.add_argument("--param-dtype", choices=sorted(dtypes.SHORT_NAMES), default="bf16",
-                   help="model param dtype (default bf16; fp32: no separate master)")
-    p.add_argument("--reduce-dtype", choices=sorted(dtypes.SHORT_NAMES), default="bf16",
-                   help="grad reduction dtype (default bf16, the ZeRO paper's; ZeroAdamW's "
-                        "own default is fp32)")
-    p.add_argument("--master", choices=MASTER_MODES, default="fp32",
-                   help="master weights (Precision(master=); bf16 modes need bf16 params)")
-    p.add_argument("--states", choices=STATE_MODES, default="fp32",
-                   help="exp_avg / exp_avg_sq storage (Precision(states=))")
-    p.add_argument("--wire", choices=(*WIRES, "all"), default=None,
-                   help="what grads cross the network as (Wire(grads=)), summed in fp32; "
-                        "all: the main table native, plus comm/step of every stage by wire")
-    p.add_argument("--param-wire", choices=WIRES, default=None,
-                   help="what the param all-gathers send (Wire(params=))")
-    p.add_argument("--bucket-numel", type=int, default=None,
-                   help="elements per bucket, all ranks together (default: chosen per rank, "
-                        "as ZeroAdamW's; see docs/scale.md)")
-    p.add_argument("--no-reshard-after-forward", dest="reshard", action="store_false",
-                   help="stage 3 keeps units gathered from forward to backward (2 Psi comm)")
-    p.add_argument("--one-group", action="store_true",
-                   help="one param group (default: decay / no-decay groups, as `train`)")
-    p.add_argument("--tp", type=int, default=1, metavar="N",
-                   help="--preset only: tensor-parallel ranks per replica (fusedzero train's "
-                        "plan); -W is then the data-parallel size, nproc = W * N")
+    p.add_argument(
+        "--param-dtype",
+        choices=sorted(dtypes.SHORT_NAMES),
+        default="bf16",
+        help="model param dtype (default bf16; fp32: no separate master)",
+    )
+    p.add_argument(
+        "--reduce-dtype",
+        choices=sorted(dtypes.SHORT_NAMES),
+        default="bf16",
+        help="grad reduction dtype (default bf16, the ZeRO paper's; ZeroAdamW's "
+        "own default is fp32)",
+    )
+    p.add_argument(
+        "--master",
+        choices=MASTER_MODES,
+        default="fp32",
+        help="master weights (Precision(master=); bf16 modes need bf16 params)",
+    )
+    p.add_argument(
+        "--states",
+        choices=STATE_MODES,
+        default="fp32",
+        help="exp_avg / exp_avg_sq storage (Precision(states=))",
+    )
+    p.add_argument(
+        "--wire",
+        choices=(*WIRES, "all"),
+        default=None,
+        help="what grads cross the network as (Wire(grads=)), summed in fp32; "
+        "all: the main table native, plus comm/step of every stage by wire",
+    )
+    p.add_argument(
+        "--param-wire",
+        choices=WIRES,
+        default=None,
+        help="what the param all-gathers send (Wire(params=))",
+    )
+    p.add_argument(
+        "--bucket-numel",
+        type=int,
+        default=None,
+        help="elements per bucket, all ranks together (default: chosen per rank, "
+        "as ZeroAdamW's; see docs/scale.md)",
+    )
+    p.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard",
+        action="store_false",
+        help="stage 3 keeps units gathered from forward to backward (2 Psi comm)",
+    )
+    p.add_argument(
+        "--one-group",
+        action="store_true",
+        help="one param group (default: decay / no-decay groups, as `train`)",
+    )
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--preset only: tensor-parallel ranks per replica (fusedzero train's "
+        "plan); -W is then the data-parallel size, nproc = W * N",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     m = p.add_argument_group("communication time (an alpha-beta ring model, see docs/scale.md)")
-    m.add_argument("--link-gbps", type=float, default=LinkModel().bandwidth / 1e9,
-                   metavar="GB/s", help="bytes per second one rank's link sends, in GB/s "
-                                        "(default %(default)g)")
-    m.add_argument("--link-latency-us", type=float, default=LinkModel().latency * 1e6,
-                   metavar="US", help="latency of one ring step in microseconds "
-                                      "(default %(default)g)")
+    m.add_argument(
+        "--link-gbps",
+        type=float,
+        default=LinkModel().bandwidth / 1e9,
+        metavar="GB/s",
+        help="bytes per second one rank's link sends, in GB/s (default %(default)g)",
+    )
+    m.add_argument(
+        "--link-latency-us",
+        type=float,
+        default=LinkModel().latency * 1e6,
+        metavar="US",
+        help="latency of one ring step in microseconds (default %(default)g)",
+    )
     e = p.add_argument_group("emulation (a real ZeroAdamW as one rank, fake process group)")
-    e.add_argument("--emulate", action="store_true",
-                   help="also build the optimizer as --rank of W (model on the meta device, "
-                        "stage 3: only the local shard in memory) and compare with the plan")
+    e.add_argument(
+        "--emulate",
+        action="store_true",
+        help="also build the optimizer as --rank of W (model on the meta device, "
+        "stage 3: only the local shard in memory) and compare with the plan",
+    )
     e.add_argument("--rank", type=int, default=0, help="the emulated rank (default 0)")
-    e.add_argument("--stage", type=int, choices=STAGES, default=3,
-                   help="the emulated stage (default 3)")
-    e.add_argument("--meta", action="store_true",
-                   help="build everything on the meta device (stages 0-2 always are)")
+    e.add_argument(
+        "--stage", type=int, choices=STAGES, default=3, help="the emulated stage (default 3)"
+    )
+    e.add_argument(
+        "--meta",
+        action="store_true",
+        help="build everything on the meta device (stages 0-2 always are)",
+    )
     p.set_defaults(func=_cli_plan)
     return p
 
@@ -155,17 +226,23 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
 def _cli_plan(args: argparse.Namespace) -> int:
     try:
         if args.emulate and args.tp > 1:
-            raise ValueError("--emulate builds a data-parallel ZeroAdamW only, not a tensor-"
-                             f"parallel one: drop --tp {args.tp} or --emulate")
+            raise ValueError(
+                "--emulate builds a data-parallel ZeroAdamW only, not a tensor-"
+                f"parallel one: drop --tp {args.tp} or --emulate"
+            )
         link = LinkModel(bandwidth=args.link_gbps * 1e9, latency=args.link_latency_us * 1e-6)
-        cfg = PlanConfig(world_size=args.world_size, tp=args.tp,
-                         precision=Precision(param_dtype=dtypes.SHORT_NAMES[args.param_dtype],
-                                             reduce_dtype=dtypes.SHORT_NAMES[args.reduce_dtype],
-                                             master=args.master, states=args.states),
-                         wire=Wire(grads=None if args.wire == "all" else args.wire,
-                                   params=args.param_wire),
-                         sharding=Sharding(bucket_numel=args.bucket_numel,
-                                           reshard_after_forward=args.reshard))
+        cfg = PlanConfig(
+            world_size=args.world_size,
+            tp=args.tp,
+            precision=Precision(
+                param_dtype=dtypes.SHORT_NAMES[args.param_dtype],
+                reduce_dtype=dtypes.SHORT_NAMES[args.reduce_dtype],
+                master=args.master,
+                states=args.states,
+            ),
+            wire=Wire(grads=None if args.wire == "all" else args.wire, params=args.param_wire),
+            sharding=Sharding(bucket_numel=args.bucket_numel, reshard_after_forward=args.reshard),
+        )
         by_wire = args.wire == "all"
         if args.tp > 1:
             result = _plan_tp(args, cfg)
@@ -173,36 +250,57 @@ def _cli_plan(args: argparse.Namespace) -> int:
             if not (math.isfinite(args.params) and args.params == int(args.params)):
                 raise ValueError(f"--params must be a whole number, got {args.params}")
             if args.params > PARAMS_MAX:
-                raise ValueError(f"--params must be at most {PARAMS_MAX:.0e} (its bytes must "
-                                 f"fit the int64 sizes torch counts in), got {args.params:g}")
+                raise ValueError(
+                    f"--params must be at most {PARAMS_MAX:.0e} (its bytes must "
+                    f"fit the int64 sizes torch counts in), got {args.params:g}"
+                )
             result = plan_params(int(args.params), cfg, by_wire=by_wire)
         elif args.preset is not None:
-            result = plan_model(preset_model(args.preset), cfg, decay_split=not args.one_group,
-                              source=f"preset {args.preset}", by_wire=by_wire)
+            result = plan_model(
+                preset_model(args.preset),
+                cfg,
+                decay_split=not args.one_group,
+                source=f"preset {args.preset}",
+                by_wire=by_wire,
+            )
         elif args.shape is not None:
-            result = plan_model(meta_model(args.shape), cfg, decay_split=not args.one_group,
-                                source=f"shape {args.shape}", by_wire=by_wire)
+            result = plan_model(
+                meta_model(args.shape),
+                cfg,
+                decay_split=not args.one_group,
+                source=f"shape {args.shape}",
+                by_wire=by_wire,
+            )
         else:
-            result = plan_model(hf_model_from_config(args.hf_config), cfg,
-                              decay_split=not args.one_group, source=str(args.hf_config),
-                              by_wire=by_wire)
+            result = plan_model(
+                hf_model_from_config(args.hf_config),
+                cfg,
+                decay_split=not args.one_group,
+                source=str(args.hf_config),
+                by_wire=by_wire,
+            )
         emulated = _emulate(args, result) if args.emulate else None
     except (ValueError, ImportError, OSError) as e:
         raise UsageError(str(e)) from None
     seconds = result.comm_seconds(link)
     if args.json:
         d = result.to_json()
-        d["comm_model"] = {"model": "alpha-beta ring", "link_bytes_per_s": link.bandwidth,
-                           "latency_s": link.latency,
-                           "seconds_per_step": {str(k): v for k, v in seconds.items()}}
+        d["comm_model"] = {
+            "model": "alpha-beta ring",
+            "link_bytes_per_s": link.bandwidth,
+            "latency_s": link.latency,
+            "seconds_per_step": {str(k): v for k, v in seconds.items()},
+        }
         if emulated is not None:
             d["emulation"] = dataclasses.asdict(emulated)
         print(json.dumps(d, indent=1))
         return 0
     print(result.table())
-    print(f"\ncomm time/step, an alpha-beta ring model (not a measurement; docs/scale.md): "
-          f"link {link.bandwidth / 1e9:g} GB/s, {link.latency * 1e6:g} us per ring step, "
-          "no overlap with compute")
+    print(
+        f"\ncomm time/step, an alpha-beta ring model (not a measurement; docs/scale.md): "
+        f"link {link.bandwidth / 1e9:g} GB/s, {link.latency * 1e6:g} us per ring step, "
+        "no overlap with compute"
+    )
     print("  " + "   ".join(f"stage {k}: {_seconds(v)}" for k, v in seconds.items()))
     if emulated is not None:
         print(_emulation_lines(emulated))
@@ -212,15 +310,17 @@ def _cli_plan(args: argparse.Namespace) -> int:
 def _plan_tp(args: argparse.Namespace, cfg: PlanConfig) -> plan.Plan:
     """A GPT preset split over --tp ranks as `fusedzero train --tp` splits it."""
     if args.preset is None:
-        raise ValueError("--tp needs --preset: the tensor-parallel plan is the GPT's "
-                         "(fusedzero/app/tp_plan.py)")
+        raise ValueError(
+            "--tp needs --preset: the tensor-parallel plan is the GPT's (fusedzero/app/tp_plan.py)"
+        )
     model = preset_model(args.preset)
     why = tp_plan.check_tp(args.tp, model.config.n_head, model.config.n_embd)
     if why is not None:
         raise ValueError(why.replace("--n-head", "n_head").replace("--n-embd", "n_embd"))
     groups = tp_plan.local_groups(model, args.tp, decay_split=not args.one_group)
-    return plan.plan_groups(groups, cfg, model=model,
-                            source=f"preset {args.preset}, tp={args.tp} (one tp rank)")
+    return plan.plan_groups(
+        groups, cfg, model=model, source=f"preset {args.preset}, tp={args.tp} (one tp rank)"
+    )
 
 
 def _model_source(args: argparse.Namespace) -> Any:
@@ -236,6 +336,7 @@ def _model_source(args: argparse.Namespace) -> Any:
         m = nn.Module()
         m.params = nn.Parameter(torch.empty(int(args.params), device="meta"))
         return m
+
     return params
 
 
@@ -244,23 +345,34 @@ def _emulate(args: argparse.Namespace, printed: plan.Plan) -> Emulation:
     if not 0 <= args.rank < args.world_size:
         raise ValueError(f"--rank must be in [0, {args.world_size}), got {args.rank}")
     cfg = printed.config
-    return emulate(_model_source(args), world_size=args.world_size, rank=args.rank,
-                   stage=args.stage, precision=cfg.precision, wire=cfg.wire,
-                   sharding=cfg.sharding, decay_split=not args.one_group,
-                   materialize=args.stage == 3 and not args.meta, plan=printed)
+    return emulate(
+        _model_source(args),
+        world_size=args.world_size,
+        rank=args.rank,
+        stage=args.stage,
+        precision=cfg.precision,
+        wire=cfg.wire,
+        sharding=cfg.sharding,
+        decay_split=not args.one_group,
+        materialize=args.stage == 3 and not args.meta,
+        plan=printed,
+    )
 
 
 def _emulation_lines(e: Emulation) -> str:
     where = "local shard in CPU memory" if e.materialized else "meta device, nothing allocated"
-    return "\n".join([
-        f"\nemulated: ZeroAdamW as rank {e.rank} of {e.world_size}, stage {e.stage} "
-        f"(fake process group; {where})",
-        f"  resident bytes {e.resident_bytes:,} (params {e.params_bytes:,}, grads "
-        f"{e.grads_bytes:,}, optimizer {e.optimizer_bytes:,}); plan {e.plan_bytes:,}",
-        f"  comm bytes/step {e.comm_bytes_per_step:,}; plan {e.plan_comm_bytes:,}"
-        f"  -> {'equal to the plan' if e.equals_plan else 'DIFFERENT from the plan'}",
-        f"  padding {e.padding_elements:,} elements ({100 * e.padding_fraction:.4f}% of Psi)",
-        f"  construction {e.construct_s:.2f} s, RSS +{e.rss_delta_bytes / 1e9:.3g} GB"])
+    return "\n".join(
+        [
+            f"\nemulated: ZeroAdamW as rank {e.rank} of {e.world_size}, stage {e.stage} "
+            f"(fake process group; {where})",
+            f"  resident bytes {e.resident_bytes:,} (params {e.params_bytes:,}, grads "
+            f"{e.grads_bytes:,}, optimizer {e.optimizer_bytes:,}); plan {e.plan_bytes:,}",
+            f"  comm bytes/step {e.comm_bytes_per_step:,}; plan {e.plan_comm_bytes:,}"
+            f"  -> {'equal to the plan' if e.equals_plan else 'DIFFERENT from the plan'}",
+            f"  padding {e.padding_elements:,} elements ({100 * e.padding_fraction:.4f}% of Psi)",
+            f"  construction {e.construct_s:.2f} s, RSS +{e.rss_delta_bytes / 1e9:.3g} GB",
+        ]
+    )
 
 
 def _seconds(v: float) -> str:

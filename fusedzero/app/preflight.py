@@ -2,6 +2,7 @@
 the ranks spent minutes starting: the batch split, writable outputs, the checkpoint folder (and
 its lock, held for the run's life), and the corpus.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -30,9 +31,11 @@ def check_batch(cfg: TrainConfig, world: int) -> None:
     dp = world // cfg.tp
     parts = dp * cfg.grad_accum
     if cfg.batch_size % parts:
-        raise UsageError(f"--batch-size {cfg.batch_size} is not divisible by data-parallel "
-                         f"ranks*grad_accum = {dp}*{cfg.grad_accum} = {parts}; use a multiple "
-                         f"of {parts}")
+        raise UsageError(
+            f"--batch-size {cfg.batch_size} is not divisible by data-parallel "
+            f"ranks*grad_accum = {dp}*{cfg.grad_accum} = {parts}; use a multiple "
+            f"of {parts}"
+        )
 
 
 def load_data(cfg: TrainConfig) -> Split:
@@ -53,22 +56,28 @@ def check_run_folder(cfg: TrainConfig) -> None:
         mode = os.lstat(latest).st_mode
         if not (stat.S_ISREG(mode) or stat.S_ISLNK(mode)):
             kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file"
-            raise UsageError(f"--ckpt-dir: {str(latest)!r} is {kind}, but every checkpoint save "
-                             "replaces it with a file naming the newest step: remove it or "
-                             "pass another --ckpt-dir")
+            raise UsageError(
+                f"--ckpt-dir: {str(latest)!r} is {kind}, but every checkpoint save "
+                "replaces it with a file naming the newest step: remove it or "
+                "pass another --ckpt-dir"
+            )
     if cfg.resume:
         # A root or one step folder; sizes and headers only here, sha256 when the ranks load.
         try:
             latest_checkpoint(cfg, checksums=False)
         except checkpoint.CheckpointError as e:
             msg = " ".join(str(e).split())
-            raise UsageError(f"--resume: no usable checkpoint in {cfg.ckpt_dir!r} ({msg}); "
-                             "drop --resume to start a new run") from None
+            raise UsageError(
+                f"--resume: no usable checkpoint in {cfg.ckpt_dir!r} ({msg}); "
+                "drop --resume to start a new run"
+            ) from None
         return
     if tp_record(Path(cfg.ckpt_dir)) is not None:  # its steps lie in tp folders
-        raise UsageError(f"--ckpt-dir {cfg.ckpt_dir!r} holds a tensor-parallel run's "
-                         "checkpoints; pass --resume to continue it, or another --ckpt-dir "
-                         "(--overwrite does not apply to tensor-parallel roots)")
+        raise UsageError(
+            f"--ckpt-dir {cfg.ckpt_dir!r} holds a tensor-parallel run's "
+            "checkpoints; pass --resume to continue it, or another --ckpt-dir "
+            "(--overwrite does not apply to tensor-parallel roots)"
+        )
     try:
         check_ckpt_dir(cfg.ckpt_dir, resume=False, overwrite=cfg.overwrite)
     except RunFolderError as e:
@@ -85,10 +94,12 @@ def checkpoint_bytes(cfg: TrainConfig, world: int, param_dtype: torch.dtype) -> 
 
     with torch.device("meta"):
         model = GPT(GPTConfig(**cfg.model_config()))
-    precision = dataclasses.replace(PLAN_PRECISION, param_dtype=param_dtype, master=cfg.master,
-                                    states=cfg.states)
-    plan = plan_model(model, PlanConfig(world_size=world, precision=precision,
-                                        sharding=cfg.sharding()))
+    precision = dataclasses.replace(
+        PLAN_PRECISION, param_dtype=param_dtype, master=cfg.master, states=cfg.states
+    )
+    plan = plan_model(
+        model, PlanConfig(world_size=world, precision=precision, sharding=cfg.sharding())
+    )
     return plan.stages[cfg.stage].optimizer_bytes * (1 if cfg.stage == 0 else world)
 
 
@@ -105,17 +116,20 @@ def check_disk(cfg: TrainConfig, world: int, use_cuda: bool) -> None:
     root = checkpoint.save_root(cfg.ckpt_dir)
     free = shutil.disk_usage(root).free
     if free < need:
-        raise UsageError(f"--ckpt-dir: {str(root)!r} has {free} bytes free, but one checkpoint "
-                         f"of this run needs at least {need} (`fusedzero plan`'s optimizer "
-                         "state of every writing rank); free space or pass another --ckpt-dir")
+        raise UsageError(
+            f"--ckpt-dir: {str(root)!r} has {free} bytes free, but one checkpoint "
+            f"of this run needs at least {need} (`fusedzero plan`'s optimizer "
+            "state of every writing rank); free space or pass another --ckpt-dir"
+        )
 
 
 def check_outputs_writable(cfg: TrainConfig) -> None:
     """--ckpt-dir and --out-json must be writable before training starts (for a step folder
     given to --resume, the root that holds it: later saves go there)."""
     try:
-        check_writable(None if cfg.ckpt_dir is None else checkpoint.save_root(cfg.ckpt_dir),
-                       cfg.out_json)
+        check_writable(
+            None if cfg.ckpt_dir is None else checkpoint.save_root(cfg.ckpt_dir), cfg.out_json
+        )
     except RunFolderError as e:
         raise UsageError(str(e)) from None
     try:
@@ -142,8 +156,10 @@ def run_folder_lock(cfg: TrainConfig) -> Iterator[None]:
         raise UsageError(f"--ckpt-dir: {e}") from None
     try:
         if lock.took_over:
-            print(f"fusedzero: note: took over the stale lock of {lock.took_over} (not running)",
-                  file=sys.stderr)
+            print(
+                f"fusedzero: note: took over the stale lock of {lock.took_over} (not running)",
+                file=sys.stderr,
+            )
         yield
     finally:
         lock.release()

@@ -12,6 +12,7 @@ The owner record is what the error message shows; the flock is what decides. On 
 system without working flock the lock may not exclude runs on other hosts; the owner record
 still names the holder there.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,16 +43,21 @@ class RunLockError(RunFolderError):
 
 
 def _owner() -> dict[str, Any]:
-    return {"host": socket.gethostname(), "pid": os.getpid(),
-            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "command": " ".join(sys.argv)[:500]}
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join(sys.argv)[:500],
+    }
 
 
 def _describe(path: Path) -> str:
     try:
         o = json.loads(path.read_text())
-        return (f"pid {o.get('pid')} on host {o.get('host')!r} since {o.get('started')} "
-                f"({o.get('command')!r})")
+        return (
+            f"pid {o.get('pid')} on host {o.get('host')!r} since {o.get('started')} "
+            f"({o.get('command')!r})"
+        )
     except (OSError, ValueError, AttributeError):
         return "an unknown process (unreadable owner record)"
 
@@ -90,7 +96,8 @@ class RunLock:
                 os.close(fd)
                 raise RunLockError(
                     f"{self.folder} is in use by another run: {_describe(self.path)}; wait for "
-                    f"it to finish or use another folder (its lock file is {self.path})") from None
+                    f"it to finish or use another folder (its lock file is {self.path})"
+                ) from None
             except BaseException:
                 os.close(fd)
                 raise
@@ -116,7 +123,8 @@ class RunLock:
         except FileExistsError:
             raise RunLockError(
                 f"{self.folder} is in use by another run: {_describe(self.path)}; if that "
-                f"process is gone, delete {self.path}") from None
+                f"process is gone, delete {self.path}"
+            ) from None
         os.write(fd, (json.dumps(_owner()) + "\n").encode())
         self._fd = fd
         return self
@@ -148,13 +156,15 @@ def check_ckpt_dir(root: str | os.PathLike[str], *, resume: bool, overwrite: boo
     root = Path(root)
     found = checkpoint.list_checkpoints(root) if root.is_dir() else []
     if resume and not found:
-        raise RunFolderError(f"--resume: no complete checkpoint in {str(root)!r}; "
-                             "drop --resume to start a new run")
+        raise RunFolderError(
+            f"--resume: no complete checkpoint in {str(root)!r}; drop --resume to start a new run"
+        )
     if found and not resume and not overwrite:
         raise RunFolderError(
             f"--ckpt-dir {str(root)!r} already holds {len(found)} checkpoint(s) (newest "
             f"{found[-1].name}); pass --resume to continue that run or --overwrite to start "
-            "over (the old ones are removed after this run's first save)")
+            "over (the old ones are removed after this run's first save)"
+        )
 
 
 def _probe(folder: Path, flag: str) -> None:
@@ -166,22 +176,27 @@ def _probe(folder: Path, flag: str) -> None:
         os.close(fd)
         os.unlink(name)
     except (FileExistsError, NotADirectoryError):
-        raise RunFolderError(f"{flag}: {str(folder)!r} (or a folder above it) is a file, not a "
-                             "folder; pass a folder path") from None
+        raise RunFolderError(
+            f"{flag}: {str(folder)!r} (or a folder above it) is a file, not a "
+            "folder; pass a folder path"
+        ) from None
     except OSError as e:
-        raise RunFolderError(f"{flag}: cannot write in {str(folder)!r}: {e.strerror or e}; "
-                             "pass a writable folder") from None
+        raise RunFolderError(
+            f"{flag}: cannot write in {str(folder)!r}: {e.strerror or e}; pass a writable folder"
+        ) from None
 
 
-def check_writable(ckpt_dir: str | os.PathLike[str] | None,
-                   out_json: str | os.PathLike[str] | None) -> None:
+def check_writable(
+    ckpt_dir: str | os.PathLike[str] | None, out_json: str | os.PathLike[str] | None
+) -> None:
     """Fail now, not after the run (or at its first save), if the checkpoint folder or the
     summary file cannot be written."""
     if ckpt_dir is not None:
         root = Path(ckpt_dir)
         if root.exists() and not root.is_dir():
-            raise RunFolderError(f"--ckpt-dir {str(root)!r} is a file, not a folder; "
-                                 "pass a folder path")
+            raise RunFolderError(
+                f"--ckpt-dir {str(root)!r} is a file, not a folder; pass a folder path"
+            )
         _probe(root, "--ckpt-dir")
     if out_json is not None:
         out = Path(out_json)

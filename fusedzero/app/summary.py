@@ -3,6 +3,7 @@
 Resident and communicated bytes sit next to what plain DDP would hold and send, from the
 formulas of docs/design.md, so the table shows what sharding saves.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,15 @@ from fusedzero.optim import ZeroAdamW
 # against torch.cuda.get_device_name (first match wins: each variant before the name it
 # contains: "H200 NVL" before "H200", "L40S" and "L40" before "L4").
 BF16_PEAKS: tuple[tuple[str, float], ...] = (
-    ("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200 NVL", 835e12),
-    ("H200", 989e12), ("A100", 312e12), ("L40S", 362e12), ("L40", 181e12), ("L4", 121e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H200 NVL", 835e12),
+    ("H200", 989e12),
+    ("A100", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
 )
 
 
@@ -40,10 +48,18 @@ def mfu(tokens_per_s: float, flops: int, world: int, peak: float | None) -> floa
     return None if peak is None or tokens_per_s <= 0 else tokens_per_s * flops / (world * peak)
 
 
-def summarize(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device,
-             param_dtype: torch.dtype, reduce_dtype: torch.dtype, log: RunLog,
-             comm_per_step: dict[str, float], tokens_per_s: float,
-             launches_per_step: dict[str, int] | None = None) -> dict[str, Any]:
+def summarize(
+    cfg: TrainConfig,
+    opt: ZeroAdamW,
+    world: int,
+    device: torch.device,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    log: RunLog,
+    comm_per_step: dict[str, float],
+    tokens_per_s: float,
+    launches_per_step: dict[str, int] | None = None,
+) -> dict[str, Any]:
     mem = opt.memory()
     # Max over ranks: shards can differ by padding. Logging, so dist directly.
     res = torch.tensor([mem.params, mem.grads, mem.optimizer], dtype=torch.int64, device=device)
@@ -62,8 +78,9 @@ def summarize(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device
         "params": psi,
         "padded_params": sum(fg.layout.padded_numel for fg in opt.flat_groups),
         # Stage 3: the root unit's share (gathered once a step; every other unit twice).
-        "padded_root_params": sum(fg.layout.padded_numel for fg in opt.flat_groups
-                                  if fg.unit == 0) if cfg.stage == 3 else None,
+        "padded_root_params": sum(fg.layout.padded_numel for fg in opt.flat_groups if fg.unit == 0)
+        if cfg.stage == 3
+        else None,
         "steps": list(log.steps),
         "train_loss": log.steps[-1]["loss"] if log.steps else None,
         "val_loss": log.val[-1]["val_loss"] if log.val else None,
@@ -81,10 +98,14 @@ def summarize(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device
         # Fused-kernel launches counted over the run's last step (None: no step was run).
         "kernel_launches_per_step": launches_per_step,
         "ddp_comm_bytes_per_step": {"all_reduce": ddp_comm},
-        "dtypes": {"param": dtypes.name(param_dtype),
-                   "master": "float32" if opt.modes.fp32_master else opt.modes.master,
-                   "states": opt.modes.states, "grad_reduce": dtypes.name(reduce_dtype),
-                   "wire": opt.wire.grads, "param_wire": opt.wire.params},
+        "dtypes": {
+            "param": dtypes.name(param_dtype),
+            "master": "float32" if opt.modes.fp32_master else opt.modes.master,
+            "states": opt.modes.states,
+            "grad_reduce": dtypes.name(reduce_dtype),
+            "wire": opt.wire.grads,
+            "param_wire": opt.wire.params,
+        },
         "modes": opt.modes.to_json(),
         "device": device.type,
         "config": dataclasses.asdict(cfg),
@@ -93,11 +114,16 @@ def summarize(cfg: TrainConfig, opt: ZeroAdamW, world: int, device: torch.device
 
 def _mfu_text(s: dict[str, Any]) -> str:
     if s.get("mfu") is None:
-        why = "no bf16 peak for a CPU" if s.get("device") == "cpu" else \
-            f"no known bf16 peak for {s.get('device_name')}"
+        why = (
+            "no bf16 peak for a CPU"
+            if s.get("device") == "cpu"
+            else f"no known bf16 peak for {s.get('device_name')}"
+        )
         return f"MFU n/a: {why}"
-    return (f"MFU {s['mfu']:.1%} of {s['world_size']} x {s['device_name']} at "
-            f"{s['bf16_peak_flops'] / 1e12:.0f} TFLOP/s bf16")
+    return (
+        f"MFU {s['mfu']:.1%} of {s['world_size']} x {s['device_name']} at "
+        f"{s['bf16_peak_flops'] / 1e12:.0f} TFLOP/s bf16"
+    )
 
 
 def format_table(s: dict[str, Any], stopped: bool = False) -> str:
@@ -106,18 +132,28 @@ def format_table(s: dict[str, Any], stopped: bool = False) -> str:
     c = s["comm_bytes_per_step"]
     first_val = s["val"][0]["val_loss"] if s["val"] else float("nan")
     last = s["steps"][-1]["step"] if s["steps"] else 0
+
     def fmt(v):
         return "-" if v is None else f"{v:.4f}"
+
     rows = [
         ("stage", f"ZeRO-{s['stage']}"),
         ("world size", f"{s['world_size']} ({s['device']})"),
         ("params", f"{s['params']:,} ({s['padded_params']:,} padded)"),
-        ("dtypes", (f"params {s['dtypes']['param']}, master {s['dtypes']['master']}, "
-                   f"states {s['dtypes'].get('states', 'fp32')}, "
-                   f"grad reduce {s['dtypes']['grad_reduce']}"
-                   + (f", wire {s['dtypes']['wire']}" if s['dtypes'].get('wire') else "")
-                   + (f", param wire {s['dtypes']['param_wire']}"
-                      if s['dtypes'].get('param_wire') else ""))),
+        (
+            "dtypes",
+            (
+                f"params {s['dtypes']['param']}, master {s['dtypes']['master']}, "
+                f"states {s['dtypes'].get('states', 'fp32')}, "
+                f"grad reduce {s['dtypes']['grad_reduce']}"
+                + (f", wire {s['dtypes']['wire']}" if s["dtypes"].get("wire") else "")
+                + (
+                    f", param wire {s['dtypes']['param_wire']}"
+                    if s["dtypes"].get("param_wire")
+                    else ""
+                )
+            ),
+        ),
         ("steps", f"{last}" + ("  (stopped early: resume with --resume)" if stopped else "")),
         ("train loss", fmt(s["train_loss"])),
         ("val loss", f"{fmt(s['val_loss'])}  (at start {first_val:.4f})"),
@@ -131,8 +167,10 @@ def format_table(s: dict[str, Any], stopped: bool = False) -> str:
         out.append(f"  {k:<22}{r[k] / MB:>12.3f}{d[k] / MB:>12.3f}")
     out.append(f"  {'total':<22}{sum(r.values()) / MB:>12.3f}{sum(d.values()) / MB:>12.3f}")
     out.append("  comm MB per step per rank")
-    out.append(f"  {'  all_reduce':<22}{c['all_reduce'] / MB:>12.3f}"
-               f"{s['ddp_comm_bytes_per_step']['all_reduce'] / MB:>12.3f}")
+    out.append(
+        f"  {'  all_reduce':<22}{c['all_reduce'] / MB:>12.3f}"
+        f"{s['ddp_comm_bytes_per_step']['all_reduce'] / MB:>12.3f}"
+    )
     for k in ("reduce_scatter", "all_gather", "all_to_all"):
         out.append(f"  {'  ' + k:<22}{c[k] / MB:>12.3f}{0.0:>12.3f}")
     return "\n".join(out)

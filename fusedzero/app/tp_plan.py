@@ -11,6 +11,7 @@ The usual Megatron plan, written with `torch.distributed.tensor.parallel`:
 Ranks are laid out dp-major: rank = dp_rank * tp + tp_rank, so a tp group is `tp` consecutive
 ranks (on GPUs: one node's NVLink). The tp ranks of one dp replica read the same batches.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -40,13 +41,22 @@ class _Styles:
 
             def _partition_linear_fn(self, name: str, module: nn.Module, mesh: Any) -> None:
                 for n, p in module.named_parameters():
-                    module.register_parameter(n, nn.Parameter(
-                        distribute_tensor(p, mesh, [_StridedShard(0, split_factor=3)]),
-                        requires_grad=p.requires_grad))
+                    module.register_parameter(
+                        n,
+                        nn.Parameter(
+                            distribute_tensor(p, mesh, [_StridedShard(0, split_factor=3)]),
+                            requires_grad=p.requires_grad,
+                        ),
+                    )
 
             @staticmethod
-            def _prepare_output_fn(output_layouts: Any, use_local_output: bool, mod: Any,
-                                   outputs: Any, device_mesh: Any) -> Any:
+            def _prepare_output_fn(
+                output_layouts: Any,
+                use_local_output: bool,
+                mod: Any,
+                outputs: Any,
+                device_mesh: Any,
+            ) -> Any:
                 return outputs.to_local()  # [q_r, k_r, v_r]: no redistribution
 
         return HeadwiseQkv()
@@ -55,6 +65,7 @@ class _Styles:
 def gpt_plan(model: nn.Module) -> dict[str, Any]:
     """The plan of `fusedzero.app.model.GPT` for `parallelize_module`."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
     plan: dict[str, Any] = {}
     for i in range(len(model.blocks)):
         b = f"blocks.{i}"
@@ -109,10 +120,15 @@ def parallelize(model: nn.Module, tp: int, device: torch.device) -> Mesh:
         raise ValueError(f"--tp {tp} must divide the number of ranks {world}")
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
+
     mesh = init_device_mesh(device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
     parallelize_module(model, mesh["tp"], gpt_plan(model))
-    return Mesh(dp_group=mesh["dp"].get_group(), dp_rank=mesh["dp"].get_local_rank(),
-                dp_size=world // tp, tp=tp)
+    return Mesh(
+        dp_group=mesh["dp"].get_group(),
+        dp_rank=mesh["dp"].get_local_rank(),
+        dp_size=world // tp,
+        tp=tp,
+    )
 
 
 def gather_group(mesh: Mesh) -> Group:
@@ -132,8 +148,9 @@ def gather_group(mesh: Mesh) -> Group:
     return mine
 
 
-def local_groups(model: nn.Module, tp: int, decay_split: bool = True
-                 ) -> list[list[tuple[str, nn.Parameter]]]:
+def local_groups(
+    model: nn.Module, tp: int, decay_split: bool = True
+) -> list[list[tuple[str, nn.Parameter]]]:
     """`fusedzero plan --tp`: the GPT (on the meta device) with every param replaced by one tp
     rank's local shard, in the param groups ZeroAdamW would get, each split into its tp-sharded
     and its replicated params (ZeroAdamW keeps them in separate flat buffers). The model is
@@ -147,8 +164,13 @@ def local_groups(model: nn.Module, tp: int, decay_split: bool = True
             setattr(model.get_submodule(mod_name), leaf, q)
             local[name] = q
     named = list(model.named_parameters())
-    groups = ([[(n, p) for n, p in named if p.dim() >= 2], [(n, p) for n, p in named
-                                                              if p.dim() < 2]]
-              if decay_split else [named])
-    return [[(n, p) for n, p in g if (n in local) == sharded] for g in groups
-            for sharded in (True, False)]
+    groups = (
+        [[(n, p) for n, p in named if p.dim() >= 2], [(n, p) for n, p in named if p.dim() < 2]]
+        if decay_split
+        else [named]
+    )
+    return [
+        [(n, p) for n, p in g if (n in local) == sharded]
+        for g in groups
+        for sharded in (True, False)
+    ]

@@ -8,6 +8,7 @@
 matplotlib is an optional extra (`pip install 'fusedzero[plot]'`); nothing here imports it until
 a plot is drawn, and `require_matplotlib()` lets a CLI refuse `--plot` before training starts.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,8 +27,17 @@ from fusedzero import _safe_paths as safe_paths
 
 # Every record has every key (null where unknown), so a reader gets one fixed schema. `run_id`
 # tells the runs apart in a file that several runs appended to (a resume keeps its run's id).
-FIELDS = ("run_id", "step", "loss", "val_loss", "grad_norm", "lr", "tokens_per_s", "skipped",
-          "step_ms")
+FIELDS = (
+    "run_id",
+    "step",
+    "loss",
+    "val_loss",
+    "grad_norm",
+    "lr",
+    "tokens_per_s",
+    "skipped",
+    "step_ms",
+)
 PLOT_INSTALL_HINT = "pip install 'fusedzero[plot]'"
 # The sample's temperature, besides 0 (greedy). Below 1e-3 the sample is the greedy one in all
 # but name, and logits / T leaves fp32's range (1e-300 is 0 there: the softmax is NaN and the
@@ -45,8 +55,10 @@ def _json_value(v: Any) -> Any:
 
 
 def _unwritable(flag: str, path: str | os.PathLike[str], e: OSError) -> ValueError:
-    return ValueError(f"{flag} {str(path)!r}: cannot write there ({e.strerror or e}); "
-                      f"pass a file path in a writable folder")
+    return ValueError(
+        f"{flag} {str(path)!r}: cannot write there ({e.strerror or e}); "
+        f"pass a file path in a writable folder"
+    )
 
 
 def check_writable(path: str | os.PathLike[str], flag: str) -> None:
@@ -83,8 +95,9 @@ class MetricsLog:
     past the checkpoint the run resumes from), so the run reads as one uninterrupted run.
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, run_id: str | None = None,
-                 start_step: int = 0) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, run_id: str | None = None, start_step: int = 0
+    ) -> None:
         self.path = Path(path)
         self.run_id = new_run_id() if run_id is None else run_id
         try:
@@ -104,36 +117,61 @@ class MetricsLog:
         try:
             records = read_jsonl(self.path)
         except ValueError as e:
-            raise ValueError(f"--log-jsonl {str(self.path)!r} is not a metrics log to append to "
-                             f"({e}); pass a new file or an earlier run's log") from None
+            raise ValueError(
+                f"--log-jsonl {str(self.path)!r} is not a metrics log to append to "
+                f"({e}); pass a new file or an earlier run's log"
+            ) from None
         # Records without a run id are from before ids were written: a resume counts them as its.
-        keep = records if start_step == 0 else [
-            r for r in records
-            if r.get("run_id") not in (self.run_id, None) or r["step"] <= start_step]
+        keep = (
+            records
+            if start_step == 0
+            else [
+                r
+                for r in records
+                if r.get("run_id") not in (self.run_id, None) or r["step"] <= start_step
+            ]
+        )
         if len(keep) < len(records) or (data and not data.endswith(b"\n")):
-            safe_paths.replace_file(self.path,
-                                    lambda f: f.write(b"".join(self._line(r) for r in keep)),
-                                    "--log-jsonl")
+            safe_paths.replace_file(
+                self.path, lambda f: f.write(b"".join(self._line(r) for r in keep)), "--log-jsonl"
+            )
 
     @staticmethod
     def _line(record: dict[str, Any]) -> bytes:
         clean = {k: _json_value(record.get(k)) for k in FIELDS}
         return (json.dumps(clean, allow_nan=False) + "\n").encode()
 
-    def write(self, step: int, *, loss: float | None = None, val_loss: float | None = None,
-              grad_norm: float | None = None, lr: float | None = None,
-              tokens_per_s: float | None = None, skipped: bool | None = None,
-              step_ms: float | None = None) -> None:
+    def write(
+        self,
+        step: int,
+        *,
+        loss: float | None = None,
+        val_loss: float | None = None,
+        grad_norm: float | None = None,
+        lr: float | None = None,
+        tokens_per_s: float | None = None,
+        skipped: bool | None = None,
+        step_ms: float | None = None,
+    ) -> None:
         """Append the record of ``step`` (None: not measured at this step, written as null)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
-        line = self._line({"run_id": self.run_id, "step": step, "loss": loss, "val_loss": val_loss,
-                           "grad_norm": grad_norm, "lr": lr, "tokens_per_s": tokens_per_s,
-                           "skipped": None if skipped is None else bool(skipped),
-                           "step_ms": step_ms})
+        line = self._line(
+            {
+                "run_id": self.run_id,
+                "step": step,
+                "loss": loss,
+                "val_loss": val_loss,
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "tokens_per_s": tokens_per_s,
+                "skipped": None if skipped is None else bool(skipped),
+                "step_ms": step_ms,
+            }
+        )
         view = memoryview(line)
         while view:  # a regular file takes it in one call; loop in case the OS returns short
-            view = view[self._file.write(view):]
+            view = view[self._file.write(view) :]
 
     def close(self) -> None:
         self._file.close()
@@ -160,8 +198,9 @@ def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: line {n} is not JSON ({e.msg}): {raw[:80]!r}") from e
         if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
-            raise ValueError(f"{path}: line {n} is not a metrics record with an int 'step': "
-                             f"{raw[:80]!r}")
+            raise ValueError(
+                f"{path}: line {n} is not a metrics record with an int 'step': {raw[:80]!r}"
+            )
         records.append(rec)
     return records
 
@@ -172,12 +211,12 @@ def require_matplotlib() -> None:
     try:
         import matplotlib  # noqa: F401
     except ImportError as e:
-        raise ImportError(f"plotting the loss curve needs matplotlib, which is not installed: "
-                          f"{PLOT_INSTALL_HINT}") from e
+        raise ImportError(
+            f"plotting the loss curve needs matplotlib, which is not installed: {PLOT_INSTALL_HINT}"
+        ) from e
 
 
-def plot_losses(records: list[dict[str, Any]], out_png: str | os.PathLike[str],
-                title: str) -> None:
+def plot_losses(records: list[dict[str, Any]], out_png: str | os.PathLike[str], title: str) -> None:
     """Draw train loss and val loss against step into ``out_png``.
 
     ``records`` are metrics records (``read_jsonl``); null losses (not measured, non-finite)
@@ -213,14 +252,23 @@ def check_temperature(temperature: float, name: str = "temperature") -> None:
     """Raise ValueError naming `name` unless `temperature` is 0 or in TEMPERATURE_RANGE."""
     lo, hi = TEMPERATURE_RANGE
     if not (temperature == 0.0 or lo <= temperature <= hi):
-        raise ValueError(f"{name} must be 0 (greedy) or in [{lo:g}, {hi:g}] (below, the sample "
-                         f"is greedy in all but name and logits / T overflow fp32; above, it "
-                         f"is uniform noise), got {temperature:g}")
+        raise ValueError(
+            f"{name} must be 0 (greedy) or in [{lo:g}, {hi:g}] (below, the sample "
+            f"is greedy in all but name and logits / T overflow fp32; above, it "
+            f"is uniform noise), got {temperature:g}"
+        )
 
 
 @torch.no_grad()
-def sample_text(model: nn.Module, prompt: bytes, max_new_tokens: int, *,
-                temperature: float = 0.0, top_k: int = 0, seed: int = 0) -> str:
+def sample_text(
+    model: nn.Module,
+    prompt: bytes,
+    max_new_tokens: int,
+    *,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+) -> str:
     """Continue ``prompt`` with ``max_new_tokens`` bytes from a byte-level GPT (model.py).
 
     ``temperature == 0`` is greedy (argmax); ``> 0`` samples from softmax(logits / temperature)
@@ -267,7 +315,7 @@ def sample_text(model: nn.Module, prompt: bytes, max_new_tokens: int, *,
 
 # C0 controls and DEL but newline and tab, and the C1 controls: a model that emits ESC or CR
 # would move the cursor or redraw the caller's terminal.
-_CONTROLS = {c: "\ufffd" for c in [*range(0x20), 0x7f, *range(0x80, 0xa0)] if c not in (9, 10)}
+_CONTROLS = {c: "\ufffd" for c in [*range(0x20), 0x7F, *range(0x80, 0xA0)] if c not in (9, 10)}
 
 
 def printable(data: bytes) -> str:

@@ -26,24 +26,25 @@ The package, bottom up (each module imports only those above it):
 The optimizer is reached only through `opt.shard_infos()`, `opt.param_infos()`,
 `opt.shard_state()` and `opt.load_shard_state()` (fusedzero/state.py) and public attributes.
 """
+
 from fusedzero.checkpoint._catalog import (
-                                          Latest,
-                                          find_latest,
-                                          inspect,
-                                          list_checkpoints,
-                                          problems,
-                                          read_manifest,
-                                          resolve,
-                                          save_root,
-                                          verify,
+    Latest,
+    find_latest,
+    inspect,
+    list_checkpoints,
+    problems,
+    read_manifest,
+    resolve,
+    save_root,
+    verify,
 )
 from fusedzero.checkpoint._format import (
-                                          KINDS,
-                                          LATEST,
-                                          MANIFEST,
-                                          SafetensorsWriter,
-                                          shard_file_name,
-                                          step_dir_name,
+    KINDS,
+    LATEST,
+    MANIFEST,
+    SafetensorsWriter,
+    shard_file_name,
+    step_dir_name,
 )
 from fusedzero.checkpoint._loading import Loaded, load
 from fusedzero.checkpoint._manifest import CheckpointError
@@ -51,8 +52,30 @@ from fusedzero.checkpoint._saving import SaveHandle, save, wait_pending
 from fusedzero.checkpoint._tp_export import export, export_tp  # export: plain and tp roots
 from fusedzero.checkpoint._weights import Exported, import_weights
 
-__all__ = ["KINDS", "LATEST", "MANIFEST", "CheckpointError", "Exported", "Latest", "Loaded",
-           "SafetensorsWriter", "SaveHandle", "export", "export_tp", "find_latest",
-           "import_weights",
-           "inspect", "list_checkpoints", "load", "problems", "read_manifest", "resolve", "save",
-           "save_root", "shard_file_name", "step_dir_name", "verify", "wait_pending"]
+__all__ = [
+    "KINDS",
+    "LATEST",
+    "MANIFEST",
+    "CheckpointError",
+    "Exported",
+    "Latest",
+    "Loaded",
+    "SafetensorsWriter",
+    "SaveHandle",
+    "export",
+    "export_tp",
+    "find_latest",
+    "import_weights",
+    "inspect",
+    "list_checkpoints",
+    "load",
+    "problems",
+    "read_manifest",
+    "resolve",
+    "save",
+    "save_root",
+    "shard_file_name",
+    "step_dir_name",
+    "verify",
+    "wait_pending",
+]

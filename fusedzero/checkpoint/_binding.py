@@ -14,6 +14,7 @@ The check is a table: a new manifest field whose meaning the shard bytes depend 
 param's tensor-parallel placement) is one more `Bound` row, written by `shard_metadata` and
 checked by `header_problems` with no other change.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -40,8 +41,11 @@ def canonical(v: Any) -> str:
 def _touched(m: dict[str, Any], e: dict[str, Any]) -> list[dict[str, Any]]:
     """The manifest's param entries (name, shape, dtype, group, aliases) this file holds."""
     held = {s[0] for g in e["groups"] for s in g["segments"]}
-    return [{k: p.get(k) for k in ("index", "name", "shape", "dtype", "group", "aliases")}
-            for p in m["params"] if p["index"] in held]
+    return [
+        {k: p.get(k) for k in ("index", "name", "shape", "dtype", "group", "aliases")}
+        for p in m["params"]
+        if p["index"] in held
+    ]
 
 
 class Bound(NamedTuple):
@@ -93,7 +97,9 @@ def _show(got: str | None, want: str) -> str:
         return f"({got!r}, {want!r})"
     i = next((k for k, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     a = max(0, i - 30)
-    return f"(...{got[a:i + 40]!r}..., ...{want[a:i + 40]!r}...) first differing at character {i}"
+    return (
+        f"(...{got[a : i + 40]!r}..., ...{want[a : i + 40]!r}...) first differing at character {i}"
+    )
 
 
 def header_problems(m: dict[str, Any], e: dict[str, Any], meta: dict[str, str]) -> str | None:
@@ -101,16 +107,21 @@ def header_problems(m: dict[str, Any], e: dict[str, Any], meta: dict[str, str]) 
     version < 3 checks the rows its shards carry (`step_count` only when present)."""
     legacy = m["version"] < 3
     rows = _bound(m)
-    want = {b.key: b.value(m, e) for b in rows
-            if not legacy or b.since == 1 or (b.key == "step_count" and b.key in meta)}
+    want = {
+        b.key: b.value(m, e)
+        for b in rows
+        if not legacy or b.since == 1 or (b.key == "step_count" and b.key in meta)
+    }
     if not legacy:
         want[DIGEST] = _digest({b.key: want[b.key] for b in rows})
     bad = [k for k, v in want.items() if meta.get(k) != v]
     if not bad:
         return None
-    return ("header metadata does not match the manifest (the manifest was edited, or it "
-            "belongs to other shard files) (got, expected): "
-            + "; ".join(f"'{k}': {_show(meta.get(k), want[k])}" for k in bad))
+    return (
+        "header metadata does not match the manifest (the manifest was edited, or it "
+        "belongs to other shard files) (got, expected): "
+        + "; ".join(f"'{k}': {_show(meta.get(k), want[k])}" for k in bad)
+    )
 
 
 def saved_dtype(kind: str, saved: MemoryModes) -> torch.dtype:
@@ -124,8 +135,9 @@ def saved_dtype(kind: str, saved: MemoryModes) -> torch.dtype:
     return saved.state_dtypes[0 if kind == "exp_avg" else 1]
 
 
-def expected_tensors(m: dict[str, Any], e: dict[str, Any]
-                     ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+def expected_tensors(
+    m: dict[str, Any], e: dict[str, Any]
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Every tensor entry `e`'s file must hold: name -> (dtype, shape)."""
     modes = manifest_modes(m)
     out = {}
@@ -136,15 +148,17 @@ def expected_tensors(m: dict[str, Any], e: dict[str, Any]
     return out
 
 
-def tensor_problems(m: dict[str, Any], e: dict[str, Any],
-                    have: dict[str, tuple[str, list[int]]]) -> str | None:
+def tensor_problems(
+    m: dict[str, Any], e: dict[str, Any], have: dict[str, tuple[str, list[int]]]
+) -> str | None:
     """Why the tensors `have` (name -> (safetensors dtype code, shape), from the file's header)
     differ from what the manifest implies, or None. Read before any tensor is allocated."""
     want = expected_tensors(m, e)
     if set(have) != set(want):
         return f"tensors {sorted(set(have) ^ set(want))} differ from the manifest"
-    bad = [f"{k} is {have[k][0]} {list(have[k][1])}, the manifest implies "
-           f"{ST_DTYPE[dt]} {list(shape)}"
-           for k, (dt, shape) in sorted(want.items())
-           if (have[k][0], tuple(have[k][1])) != (ST_DTYPE[dt], shape)]
+    bad = [
+        f"{k} is {have[k][0]} {list(have[k][1])}, the manifest implies {ST_DTYPE[dt]} {list(shape)}"
+        for k, (dt, shape) in sorted(want.items())
+        if (have[k][0], tuple(have[k][1])) != (ST_DTYPE[dt], shape)
+    ]
     return "; ".join(bad) or None

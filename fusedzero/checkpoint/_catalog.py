@@ -15,6 +15,7 @@ reason in `skipped` that callers print as a warning: to the newest step folder t
 than the step `latest` named when it named one (newer folders belong to another branch). A folder
 whose name disagrees with its manifest's step never verifies.
 """
+
 from __future__ import annotations
 
 import math
@@ -49,13 +50,14 @@ def resolve(path: str | os.PathLike[str]) -> Path:
     if os.path.lexists(latest):
         target = p / latest_name(latest)
         if not _has_manifest(target):
-            raise CheckpointError(f"{latest} names {target.name!r}, but {target} has no "
-                                  f"{MANIFEST}")
+            raise CheckpointError(f"{latest} names {target.name!r}, but {target} has no {MANIFEST}")
         return target
     if not p.exists():
         raise CheckpointError(f"not a checkpoint: {p} does not exist")
-    raise CheckpointError(f"not a checkpoint: {p} has no {MANIFEST} (and no `{LATEST}` file "
-                          "naming a checkpoint inside it)")
+    raise CheckpointError(
+        f"not a checkpoint: {p} has no {MANIFEST} (and no `{LATEST}` file "
+        "naming a checkpoint inside it)"
+    )
 
 
 def _has_manifest(d: Path) -> bool:
@@ -79,12 +81,15 @@ def latest_name(latest: Path) -> str:
     except OSError as e:
         raise CheckpointError(f"{latest}: unreadable ({e.strerror or e})") from None
     if len(raw) > MAX_LATEST:
-        raise CheckpointError(f"{latest}: larger than {MAX_LATEST} bytes; it must hold "
-                              "one step folder's name")
+        raise CheckpointError(
+            f"{latest}: larger than {MAX_LATEST} bytes; it must hold one step folder's name"
+        )
     name = raw.decode(errors="replace").strip()
     if not (name.isascii() and STEP_DIR.match(name)):
-        raise CheckpointError(f"{latest}: holds {snippet(name)}; it must name a step folder "
-                              "('step-N') inside the checkpoint root")
+        raise CheckpointError(
+            f"{latest}: holds {snippet(name)}; it must name a step folder "
+            "('step-N') inside the checkpoint root"
+        )
     return name
 
 
@@ -106,8 +111,10 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     if len(raw) > size:
         raise CheckpointError(f"{f}: grew while it was read; not a finished manifest")
     if len(raw) > MAX_MANIFEST:
-        raise CheckpointError(f"{f}: larger than {MAX_MANIFEST} bytes, the largest manifest "
-                              "of 1024 ranks x a 70B model; not a manifest")
+        raise CheckpointError(
+            f"{f}: larger than {MAX_MANIFEST} bytes, the largest manifest "
+            "of 1024 ranks x a 70B model; not a manifest"
+        )
     try:
         text = raw.decode()
     except UnicodeDecodeError as e:
@@ -145,8 +152,9 @@ def find_latest(path: str | os.PathLike[str], *, checksums: bool = True) -> Late
     if _has_manifest(p):
         return Latest(verify(p, checksums=checksums), p.parent, [])
     if not p.is_dir():
-        raise CheckpointError(f"not a checkpoint: {p} " + ("is not a folder" if p.exists()
-                                                           else "does not exist"))
+        raise CheckpointError(
+            f"not a checkpoint: {p} " + ("is not a folder" if p.exists() else "does not exist")
+        )
     latest = p / LATEST
     skipped: list[str] = []
     below: int | None = None  # fall back only to steps older than the one `latest` named
@@ -159,8 +167,10 @@ def find_latest(path: str | os.PathLike[str], *, checksums: bool = True) -> Late
             skipped.append(_reason(e))
     candidates = [d for d in reversed(list_checkpoints(p)) if below is None or _step_of(d) < below]
     if not candidates and not skipped:
-        raise CheckpointError(f"not a checkpoint: {p} holds no complete checkpoint "
-                              f"(no step-N folder with a {MANIFEST})")
+        raise CheckpointError(
+            f"not a checkpoint: {p} holds no complete checkpoint "
+            f"(no step-N folder with a {MANIFEST})"
+        )
     failed: list[str] = []
     for d in candidates:
         try:
@@ -171,25 +181,29 @@ def find_latest(path: str | os.PathLike[str], *, checksums: bool = True) -> Late
         if not skipped:
             skipped.append(f"{latest}: missing")
         skipped[0] += f"; took {found.name}, the newest step folder that verifies" + (
-            f" older than step {below}" if below is not None else "")
+            f" older than step {below}" if below is not None else ""
+        )
         return Latest(found, p, skipped + _bounded(failed))
     older = f" older than step {below}" if below is not None else ""
-    raise CheckpointError(f"no checkpoint under {p} passes verification ("
-                          f"{len(candidates)} step folder(s){older} tried):\n  "
-                          + "\n  ".join(skipped + _bounded(failed)))
+    raise CheckpointError(
+        f"no checkpoint under {p} passes verification ("
+        f"{len(candidates)} step folder(s){older} tried):\n  "
+        + "\n  ".join(skipped + _bounded(failed))
+    )
 
 
 def _reason(e: BaseException) -> str:
     """One failure as one line of at most _MAX_REASON characters."""
     line = " ".join(str(e).split())
-    return line if len(line) <= _MAX_REASON else line[:_MAX_REASON - 3] + "..."
+    return line if len(line) <= _MAX_REASON else line[: _MAX_REASON - 3] + "..."
 
 
 def _bounded(failed: list[str]) -> list[str]:
     """The first _MAX_LISTED failures, then how many more there were."""
     more = len(failed) - _MAX_LISTED
-    return failed[:_MAX_LISTED] + ([f"... and {more} more step folder(s) failed verification"]
-                                   if more > 0 else [])
+    return failed[:_MAX_LISTED] + (
+        [f"... and {more} more step folder(s) failed verification"] if more > 0 else []
+    )
 
 
 def save_root(path: str | os.PathLike[str]) -> Path:
@@ -210,22 +224,32 @@ def name_problem(d: Path, manifest: dict[str, Any]) -> str | None:
     n = _step_of(d)
     if n < 0 or n == manifest["step"]:
         return None
-    return (f"{d}: the folder is named for step {n}, but its manifest is of step "
-            f"{manifest['step']} (copied or renamed); a step folder must be named "
-            f"step-{manifest['step']:08d}")
+    return (
+        f"{d}: the folder is named for step {n}, but its manifest is of step "
+        f"{manifest['step']} (copied or renamed); a step folder must be named "
+        f"step-{manifest['step']:08d}"
+    )
 
 
-def file_problems(d: Path, manifest: dict[str, Any], names: list[str] | None,
-                  checksums: bool, *, legacy: bool = False) -> list[str]:
+def file_problems(
+    d: Path,
+    manifest: dict[str, Any],
+    names: list[str] | None,
+    checksums: bool,
+    *,
+    legacy: bool = False,
+) -> list[str]:
     """Problems with the shard files `names` (all if None): missing, size, header rows bound to
     the manifest (`_binding.py`), tensor dtypes and shapes, sha256 -- in that order, so nothing
     is hashed or allocated for a file whose header already disagrees. A manifest of an older
     format version is one problem (convert it) unless `legacy` (the converter's own check)."""
     if manifest["version"] < VERSION and not legacy:
-        return [f"{d}: written in checkpoint format version {manifest['version']}, whose shard "
-                "headers do not record what their bytes mean, so edits to its manifest cannot "
-                f"be detected; convert it with `fusedzero ckpt upgrade {d} NEW_ROOT` (checks "
-                "every sha256, then writes version-3 shards)"]
+        return [
+            f"{d}: written in checkpoint format version {manifest['version']}, whose shard "
+            "headers do not record what their bytes mean, so edits to its manifest cannot "
+            f"be detected; convert it with `fusedzero ckpt upgrade {d} NEW_ROOT` (checks "
+            "every sha256, then writes version-3 shards)"
+        ]
     named = name_problem(d, manifest)
     out = [named] if named is not None else []
     for entry in manifest["files"]:
@@ -239,8 +263,9 @@ def file_problems(d: Path, manifest: dict[str, Any], names: list[str] | None,
     return out
 
 
-def shard_problem(p: Path, manifest: dict[str, Any], entry: dict[str, Any],
-                  checksums: bool) -> str | None:
+def shard_problem(
+    p: Path, manifest: dict[str, Any], entry: dict[str, Any], checksums: bool
+) -> str | None:
     """Why shard file `p` (manifest entry `entry`) fails verification, or None. Read through
     one descriptor (see [Note: load what was verified] in _shardfile.py)."""
     why = link_problem(p)
@@ -264,8 +289,7 @@ def link_problem(p: Path) -> str | None:
     shards are regular files here); anything else is found by opening it (`ShardFile`)."""
     try:
         if stat.S_ISLNK(os.lstat(p).st_mode):
-            return (f"{p}: a symlink; shard files must be regular files inside the "
-                    "checkpoint folder")
+            return f"{p}: a symlink; shard files must be regular files inside the checkpoint folder"
     except FileNotFoundError:
         return f"{p}: missing shard file"
     except OSError:
@@ -278,11 +302,14 @@ def open_problem(f: ShardFile, manifest: dict[str, Any], entry: dict[str, Any]) 
     bound to the manifest (`_binding.py`), tensor dtypes and shapes; nothing is allocated for a
     file whose header already disagrees."""
     if f.size != entry["bytes"]:
-        return (f"{f.path}: {f.size} bytes, manifest says {entry['bytes']} "
-                f"({'truncated' if f.size < entry['bytes'] else 'replaced or appended'})")
+        return (
+            f"{f.path}: {f.size} bytes, manifest says {entry['bytes']} "
+            f"({'truncated' if f.size < entry['bytes'] else 'replaced or appended'})"
+        )
     head = f.header()
-    why = (header_problems(manifest, entry, head.meta)
-           or tensor_problems(manifest, entry, head.have()))
+    why = header_problems(manifest, entry, head.meta) or tensor_problems(
+        manifest, entry, head.have()
+    )
     return f"{f.path}: {why}" if why else None
 
 
@@ -328,13 +355,26 @@ def inspect(path: str | os.PathLike[str]) -> dict[str, Any]:
         p = d / e["name"]
         link = p.is_symlink()  # never stat through it: it would tell the size of its target
         size = p.stat().st_size if p.is_file() and not link else None
-        files.append({"name": e["name"], "bytes": e["bytes"], "present_bytes": size,
-                      "symlink": link, "ok": size == e["bytes"]})
-    return {"path": str(d), "world_size": m["world_size"], "stage": m["stage"],
-            "step": m["step"], "step_count": m.get("step_count"),
-            "num_params": len(m["params"]),
-            "param_elements": sum(math.prod(p["shape"]) for p in m["params"]),
-            "bytes": sum(e["bytes"] for e in m["files"]), "files": files}
+        files.append(
+            {
+                "name": e["name"],
+                "bytes": e["bytes"],
+                "present_bytes": size,
+                "symlink": link,
+                "ok": size == e["bytes"],
+            }
+        )
+    return {
+        "path": str(d),
+        "world_size": m["world_size"],
+        "stage": m["stage"],
+        "step": m["step"],
+        "step_count": m.get("step_count"),
+        "num_params": len(m["params"]),
+        "param_elements": sum(math.prod(p["shape"]) for p in m["params"]),
+        "bytes": sum(e["bytes"] for e in m["files"]),
+        "files": files,
+    }
 
 
 def list_checkpoints(root: str | os.PathLike[str]) -> list[Path]:

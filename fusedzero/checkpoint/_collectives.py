@@ -1,5 +1,6 @@
 """The collectives a checkpoint needs: gather every rank's record on the first, and agree on
 success (raise the same error on every rank) so that no rank is left in a later collective."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -9,8 +10,9 @@ import torch.distributed as dist
 from fusedzero.checkpoint._manifest import CheckpointError
 
 
-def gather_to_first(obj: Any, group: dist.ProcessGroup | None, W: int, rank: int
-                    ) -> list[Any] | None:
+def gather_to_first(
+    obj: Any, group: dist.ProcessGroup | None, W: int, rank: int
+) -> list[Any] | None:
     """Every rank's `obj` on group rank 0 (None elsewhere)."""
     if W == 1:
         return [obj]
@@ -37,8 +39,9 @@ def agree(err: BaseException | None, group: dist.ProcessGroup | None, W: int, wh
     msgs = {}
     for r, (_, m) in bad:
         msgs.setdefault(m, []).append(r)
-    text = "\n".join(f"ranks {rs}: {m}" if len(rs) > 1 else f"rank {rs[0]}: {m}"
-                     for m, rs in msgs.items())
+    text = "\n".join(
+        f"ranks {rs}: {m}" if len(rs) > 1 else f"rank {rs[0]}: {m}" for m, rs in msgs.items()
+    )
     cls: type[Exception] = ValueError if kinds == {"ValueError"} else CheckpointError
     # The same error on every rank, failing or not: callers may compare or log any rank's.
     raise cls(f"{what} failed:\n{text}") from err

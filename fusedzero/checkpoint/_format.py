@@ -90,6 +90,7 @@ thread waits for them before the manifest; they are deleted before the rename. (
 existing step swaps the old directory out just before the new one is renamed in; a crash between
 the two renames leaves `latest` naming a missing directory, which `load` reports as such.)
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -122,9 +123,18 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")
 _CHUNK = 16 << 20
 
 # The safetensors spelling of each dtype (its own codes, not the manifest's names in `dtypes`).
-ST_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
-             torch.float64: "F64", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
-             torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+ST_DTYPE = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
 
 # Test hook: called as _write_hook(path, bytes_written) after every chunk written to a shard or
 # export file (lets a test kill a save part-way through a write).
@@ -149,6 +159,7 @@ def count_str(step_count: float) -> str:
 # Streaming safetensors writer
 # ---------------------------------------------------------------------------------------------
 
+
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (keep `t` alive while in use)."""
     n = t.numel() * t.element_size()
@@ -166,8 +177,12 @@ class SafetensorsWriter:
     whole file is computed on the way.
     """
 
-    def __init__(self, path: Path, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        path: Path,
+        specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
         header: dict[str, Any] = {}
         if metadata:
             header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -177,8 +192,11 @@ class SafetensorsWriter:
             if dtype not in ST_DTYPE:
                 raise ValueError(f"{name}: dtype {dtype} has no safetensors code")
             n = math.prod(shape) * dtypes.itemsize(dtype)
-            header[name] = {"dtype": ST_DTYPE[dtype], "shape": list(shape),
-                            "data_offsets": [off, off + n]}
+            header[name] = {
+                "dtype": ST_DTYPE[dtype],
+                "shape": list(shape),
+                "data_offsets": [off, off + n],
+            }
             off += n
         hb = json.dumps(header, separators=(",", ":")).encode()
         hb += b" " * (-len(hb) % 8)  # safetensors aligns the data start to 8 bytes
@@ -196,7 +214,7 @@ class SafetensorsWriter:
 
     def _write(self, data: memoryview) -> None:
         for i in range(0, len(data), _CHUNK):
-            chunk = data[i:i + _CHUNK]
+            chunk = data[i : i + _CHUNK]
             self._f.write(chunk)
             self._sha.update(chunk)
             self._n += len(chunk)
@@ -209,8 +227,10 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path.name}: unexpected extra tensor {name}")
         want = self._specs[self._next]
         if (name, t.dtype, tuple(t.shape)) != (want[0], want[1], tuple(want[2])):
-            raise ValueError(f"{self.path.name}: got tensor {name} {t.dtype} {tuple(t.shape)}, "
-                             f"expected {want[0]} {want[1]} {tuple(want[2])}")
+            raise ValueError(
+                f"{self.path.name}: got tensor {name} {t.dtype} {tuple(t.shape)}, "
+                f"expected {want[0]} {want[1]} {tuple(want[2])}"
+            )
         t = t.detach().contiguous().cpu()
         self._write(raw_bytes(t))
         self._next += 1
@@ -219,8 +239,9 @@ class SafetensorsWriter:
         """Flush, fsync, rename into place; return (size in bytes, sha256 hex)."""
         if self._next != len(self._specs):
             self.abort()
-            raise ValueError(f"{self.path.name}: {len(self._specs) - self._next} tensors "
-                             "were never written")
+            raise ValueError(
+                f"{self.path.name}: {len(self._specs) - self._next} tensors were never written"
+            )
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
@@ -250,8 +271,13 @@ def create_temp(path: Path) -> tuple[Path, io.BufferedWriter]:
     or symlink planted in advance (say `latest.tmp` -> /etc/passwd) is never written through.
     The final `os.replace` then swaps in the new file for `path` itself (a link at `path` is
     replaced, its target untouched)."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) \
+    flags = (
+        os.O_WRONLY
+        | os.O_CREAT
+        | os.O_EXCL
+        | getattr(os, "O_NOFOLLOW", 0)
         | getattr(os, "O_CLOEXEC", 0)
+    )
     for _ in range(16):
         tmp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.tmp")
         try:
@@ -274,17 +300,30 @@ def check_replaceable(path: Path, what: str) -> None:
         raise CheckpointError(f"{what} {path}: cannot inspect it ({e.strerror or e})") from None
     if stat.S_ISREG(st.st_mode):
         return
-    raise CheckpointError(f"{what} {path} exists and is {file_kind(st.st_mode)}; refusing to "
-                          "replace it (only a regular file is replaced): remove it or choose "
-                          "another path")
+    raise CheckpointError(
+        f"{what} {path} exists and is {file_kind(st.st_mode)}; refusing to "
+        "replace it (only a regular file is replaced): remove it or choose "
+        "another path"
+    )
 
 
 def file_kind(mode: int) -> str:
     """What a non-regular file is, in words ("a symlink", "a FIFO", ...)."""
-    return next((k for test, k in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a folder"),
-                                   (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-                                   (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
-                 if test(mode)), "not a regular file")
+    return next(
+        (
+            k
+            for test, k in (
+                (stat.S_ISLNK, "a symlink"),
+                (stat.S_ISDIR, "a folder"),
+                (stat.S_ISFIFO, "a FIFO"),
+                (stat.S_ISCHR, "a character device"),
+                (stat.S_ISBLK, "a block device"),
+                (stat.S_ISSOCK, "a socket"),
+            )
+            if test(mode)
+        ),
+        "not a regular file",
+    )
 
 
 def open_regular(path: Path, what: str, *, follow: bool = False) -> int:
@@ -293,22 +332,31 @@ def open_regular(path: Path, what: str, *, follow: bool = False) -> int:
     cache's config.json, it is), a FIFO is not waited on (O_NONBLOCK), a folder or device is
     refused (fstat of what was opened, so nothing swapped in between is read), and a missing
     file and a permission denied are told apart. Nothing of the file is read."""
-    flags = (os.O_RDONLY | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
-             | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    flags = (
+        os.O_RDONLY
+        | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
+        | getattr(os, "O_NONBLOCK", 0)
+        | getattr(os, "O_CLOEXEC", 0)
+    )
     try:
         fd = os.open(path, flags)
     except OSError as e:
         if e.errno == errno.ELOOP and os.path.islink(path):
-            raise CheckpointError(f"{what} {path} is a symlink; it must be a regular file "
-                                  "(refused, not followed)") from None
-        why = {errno.ENOENT: "missing", errno.EACCES: "permission denied",
-               errno.EPERM: "permission denied"}.get(e.errno or 0, e.strerror or str(e))
+            raise CheckpointError(
+                f"{what} {path} is a symlink; it must be a regular file (refused, not followed)"
+            ) from None
+        why = {
+            errno.ENOENT: "missing",
+            errno.EACCES: "permission denied",
+            errno.EPERM: "permission denied",
+        }.get(e.errno or 0, e.strerror or str(e))
         raise CheckpointError(f"{what} {path}: {why}") from None
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise CheckpointError(f"{what} {path} is {file_kind(st.st_mode)}; it must be a "
-                                  "regular file")
+            raise CheckpointError(
+                f"{what} {path} is {file_kind(st.st_mode)}; it must be a regular file"
+            )
     except BaseException:
         os.close(fd)
         raise

@@ -16,6 +16,7 @@ would train by gradient ascent) are the constructor's: a manifest whose value di
 (CheckpointError naming the field). With `load_hyperparams=False` (`fusedzero train --resume`) none
 of them is read.
 """
+
 from __future__ import annotations
 
 import os
@@ -63,9 +64,15 @@ class Loaded(NamedTuple):
     peak_buffer_bytes: int  # peak bytes of staging buffers (see format.Peak), this rank
 
 
-def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
-         restore_rng: bool = True, load_hyperparams: bool = True,
-         check_caller: Callable[[Any], None] | None = None) -> Loaded:
+def load(
+    opt: ZeroAdamW,
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    restore_rng: bool = True,
+    load_hyperparams: bool = True,
+    check_caller: Callable[[Any], None] | None = None,
+) -> Loaded:
     """Load a checkpoint into `opt` at any world size and stage. Collective and transactional.
 
     `path` is a checkpoint directory or a root, whose `latest` names the one loaded (a broken
@@ -177,8 +184,14 @@ def load(opt: ZeroAdamW, path: str | os.PathLike[str], *, verify: bool = True,
     return Loaded(d, manifest["step"], caller, restored, peak.peak)
 
 
-def _read_staged(d: Path, manifest: dict[str, Any], infos: list[ShardInfo],
-                 plan: list[list[Read]], peak: Peak, verify: bool) -> ShardState:
+def _read_staged(
+    d: Path,
+    manifest: dict[str, Any],
+    infos: list[ShardInfo],
+    plan: list[list[Read]],
+    peak: Peak,
+    verify: bool,
+) -> ShardState:
     """Every buffer's state from the shard files, on the host, as it was saved (the manifest's
     modes: `load_shard_state` converts it into the optimizer's). Each file is opened once, its
     size and header checked against the manifest, and its slices read into the staging
@@ -204,10 +217,10 @@ def _read_staged(d: Path, manifest: dict[str, Any], infos: list[ShardInfo],
                     if src % QBLOCK or dl % QBLOCK:
                         raise CheckpointError(
                             f"{d / fname}: {key} segment at local {src} is not on a "
-                            f"{QBLOCK}-element block, so its int8 scales cannot be resharded")
+                            f"{QBLOCK}-element block, so its int8 scales cannot be resharded"
+                        )
                     src, dl, n = src // QBLOCK, dl // QBLOCK, -(-n // QBLOCK)
-                by_file.setdefault(fname, []).append(Slice(f"{key}.{kind}", src,
-                                                           dst[dl:dl + n]))
+                by_file.setdefault(fname, []).append(Slice(f"{key}.{kind}", src, dst[dl : dl + n]))
     entries = {e["name"]: e for e in manifest["files"]}
     for fname, slices in sorted(by_file.items()):
         p, entry = d / fname, entries[fname]
@@ -218,7 +231,7 @@ def _read_staged(d: Path, manifest: dict[str, Any], infos: list[ShardInfo],
                     why = open_problem(f, manifest, entry)
                     got = f.read_slices(slices, hashed=verify) if why is None else ""
                 if why is None and verify and got != entry["sha256"]:
-                    why = (f"{p}: sha256 mismatch (expected {entry['sha256']}, got {got})")
+                    why = f"{p}: sha256 mismatch (expected {entry['sha256']}, got {got})"
         except CheckpointError as e:
             why = str(e)
         except OSError as e:  # an I/O error mid-read
@@ -246,24 +259,25 @@ def _check_values(staged: ShardState, d: Path) -> None:
                     f"checkpoint {d}: its {kind} (buffer {i}) holds {n} value(s) that are "
                     f"{'negative or ' if kind == 'exp_avg_sq' else ''}not finite, the first "
                     f"{float(t[j])} at element {j}: saved from a diverged run or edited; "
-                    "resume from an earlier step")
+                    "resume from an earlier step"
+                )
 
 
-def _staged_state(manifest: dict[str, Any], rank: int, replica: int, d: Path,
-                  check_rng: bool) -> dict[str, Any] | None:
+def _staged_state(
+    manifest: dict[str, Any], rank: int, replica: int, d: Path, check_rng: bool
+) -> dict[str, Any] | None:
     """This rank's saved caller and RNG state (this replica's with a replicate_group), decoded
     and checked; None when the saving run had no such rank."""
     ranks = manifest["ranks"]
-    entry = next((e for e in ranks if e["rank"] == rank and e.get("replica", 0) == replica),
-                 None)
+    entry = next((e for e in ranks if e["rank"] == rank and e.get("replica", 0) == replica), None)
     if entry is None:
         return None
-    return decode(entry["state"], f"{d / MANIFEST}: ranks[{ranks.index(entry)}].state",
-                  check_rng)
+    return decode(entry["state"], f"{d / MANIFEST}: ranks[{ranks.index(entry)}].state", check_rng)
 
 
-def _staged_groups(opt: ZeroAdamW, saved: list[dict[str, Any]], d: Path
-                   ) -> list[dict[str, Any]] | None:
+def _staged_groups(
+    opt: ZeroAdamW, saved: list[dict[str, Any]], d: Path
+) -> list[dict[str, Any]] | None:
     """The saved hyper-parameters, typed like the optimizer's own, or None when the saved
     groups hold other params. CheckpointError when a value does not fit (e.g. a string lr)."""
     if [g.get("param_names") for g in saved] != group_names(opt):
@@ -276,8 +290,9 @@ def _staged_groups(opt: ZeroAdamW, saved: list[dict[str, Any]], d: Path
                 continue
             cur = g[k]
             field = f"{d / MANIFEST}: param_groups[{i}].{k}"
-            if isinstance(cur, (torch.Tensor, float)) or (isinstance(cur, int)
-                                                          and not isinstance(cur, bool)):
+            if isinstance(cur, (torch.Tensor, float)) or (
+                isinstance(cur, int) and not isinstance(cur, bool)
+            ):
                 if isinstance(v, bool) or not isinstance(v, (int, float)):
                     raise CheckpointError(f"{field} is {snippet(v)}, expected a number")
                 new[k] = v
@@ -288,17 +303,23 @@ def _staged_groups(opt: ZeroAdamW, saved: list[dict[str, Any]], d: Path
                         f"{field} is {snippet(v)}, this optimizer has {cur!r}: a checkpoint "
                         f"restores numbers (lr, betas, eps, weight_decay), not switches; "
                         f"construct ZeroAdamW({k}={snippet(v)}) to load it as saved, or "
-                        "load_hyperparams=False to keep this optimizer's own")
+                        "load_hyperparams=False to keep this optimizer's own"
+                    )
             elif isinstance(cur, tuple):
-                if (not isinstance(v, list) or len(v) != len(cur) or any(
-                        isinstance(x, bool) or not isinstance(x, (int, float)) for x in v)):
+                if (
+                    not isinstance(v, list)
+                    or len(v) != len(cur)
+                    or any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in v)
+                ):
                     raise CheckpointError(f"{field} is {snippet(v)}, expected {len(cur)} numbers")
                 new[k] = tuple(v)
         merged = {**g, **new}
         try:  # the constructor's rules: a manifest installs nothing ZeroAdamW(...) would refuse
             check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
         except (ValueError, TypeError) as e:
-            raise CheckpointError(f"{d / MANIFEST}: param_groups[{i}]: {e} (ZeroAdamW refuses "
-                                  "it; the checkpoint's hyper-parameters were edited)") from None
+            raise CheckpointError(
+                f"{d / MANIFEST}: param_groups[{i}]: {e} (ZeroAdamW refuses "
+                "it; the checkpoint's hyper-parameters were edited)"
+            ) from None
         out.append(new)
     return out

@@ -12,6 +12,7 @@ TypeError or RecursionError from a hostile manifest.
 The bottom of the checkpoint package: it imports nothing from it, and `CheckpointError` lives
 here (re-exported by `fusedzero.checkpoint`).
 """
+
 from __future__ import annotations
 
 import json
@@ -59,8 +60,10 @@ _SEGMENTS, _SEGMENT_BYTES = 346_656, 78
 _GROUPS, _GROUP_BYTES = _RANKS * 162, 156
 _RANK_BYTES = 64 << 10
 _REST_BYTES = 1 << 20
-MAX_MANIFEST = int((1 + MARGIN) * (_SEGMENTS * _SEGMENT_BYTES + _GROUPS * _GROUP_BYTES
-                                   + _RANKS * _RANK_BYTES + _REST_BYTES))
+MAX_MANIFEST = int(
+    (1 + MARGIN)
+    * (_SEGMENTS * _SEGMENT_BYTES + _GROUPS * _GROUP_BYTES + _RANKS * _RANK_BYTES + _REST_BYTES)
+)
 # `latest` holds one step folder's name ("step-00000120\n"): a few KB is more than plenty.
 MAX_LATEST = 4096
 # Ints stay below 2**62: products of shapes and offset sums then fit an int64 everywhere.
@@ -76,8 +79,9 @@ def parse(text: str, where: Path) -> dict[str, Any]:
     try:
         m = json.loads(text, parse_constant=_no_constant)
     except RecursionError:
-        raise CheckpointError(f"{where}: manifest is nested too deeply to be a "
-                              f"{FORMAT} manifest") from None
+        raise CheckpointError(
+            f"{where}: manifest is nested too deeply to be a {FORMAT} manifest"
+        ) from None
     except ValueError as e:
         raise CheckpointError(f"{where}: unreadable manifest ({e})") from None
     validate(m, where)
@@ -96,10 +100,18 @@ def _no_constant(name: str) -> Any:
 
 def plain_name(name: Any, field: str, where: Path) -> str:
     """A file or folder name that stays inside its folder: no separator, not '.', '..'."""
-    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name
-            or "\\" in name or "\0" in name):
-        raise CheckpointError(f"{where}: {field} is {snippet(name)}; it must be a plain name "
-                              "inside the checkpoint folder (no '/', '..' or absolute path)")
+    if (
+        not isinstance(name, str)
+        or not name
+        or name in (".", "..")
+        or "/" in name
+        or "\\" in name
+        or "\0" in name
+    ):
+        raise CheckpointError(
+            f"{where}: {field} is {snippet(name)}; it must be a plain name "
+            "inside the checkpoint folder (no '/', '..' or absolute path)"
+        )
     return name
 
 
@@ -107,7 +119,7 @@ def snippet(v: Any, n: int = 40) -> str:
     """At most ~`n` characters of `v` for an error message, escaped: what a file holds is never
     echoed whole (a `latest` linked to a credentials file) nor raw (terminal escapes)."""
     r = ascii(v) if isinstance(v, (str, bytes)) else repr(v)
-    return r if len(r) <= n else r[:n - 3] + "..."
+    return r if len(r) <= n else r[: n - 3] + "..."
 
 
 class _Check:
@@ -173,17 +185,21 @@ def validate(m: Any, where: Path) -> None:
     if not isinstance(m, dict):
         raise CheckpointError(f"{where}: not a JSON object")
     if m.get("format") != FORMAT:
-        raise CheckpointError(f"{where}: not a {FORMAT} manifest "
-                              f"(format={_short(m.get('format'))})")
+        raise CheckpointError(
+            f"{where}: not a {FORMAT} manifest (format={_short(m.get('format'))})"
+        )
     if m.get("version") not in READABLE_VERSIONS or isinstance(m.get("version"), bool):
-        raise CheckpointError(f"{where}: format version {m.get('version')!r}, this fusedzero "
-                              f"reads versions {list(READABLE_VERSIONS)}")
+        raise CheckpointError(
+            f"{where}: format version {m.get('version')!r}, this fusedzero "
+            f"reads versions {list(READABLE_VERSIONS)}"
+        )
     if "modes" in m:
         modes = c.dict_(m["modes"], "modes")
         for key, allowed in (("master", MASTER_MODES), ("states", STATE_MODES)):
             if c.get(modes, key, "modes") not in allowed:
-                raise c.fail(f"modes.{key}", f"is {_short(modes[key])}, expected one of "
-                             f"{list(allowed)}")
+                raise c.fail(
+                    f"modes.{key}", f"is {_short(modes[key])}, expected one of {list(allowed)}"
+                )
     W = c.int_(c.get(m, "world_size", ""), "world_size", 1, 1 << 20)
     c.int_(c.get(m, "stage", ""), "stage", 0, 4)
     c.int_(c.get(m, "step", ""), "step")
@@ -193,8 +209,9 @@ def validate(m: Any, where: Path) -> None:
     if m.get("bucket_numel") is not None:
         c.int_(m["bucket_numel"], "bucket_numel", 1)
     if m.get("param_dtype") is not None and m["param_dtype"] not in _DTYPES:
-        raise c.fail("param_dtype", f"is {_short(m['param_dtype'])}, expected null or one of "
-                     f"{list(_DTYPES)}")
+        raise c.fail(
+            "param_dtype", f"is {_short(m['param_dtype'])}, expected null or one of {list(_DTYPES)}"
+        )
     if "seed" in m:
         c.int_(m["seed"], "seed", -(1 << 63), 1 << 63)
     if "created" in m:
@@ -268,8 +285,11 @@ def validate(m: Any, where: Path) -> None:
         r = c.int_(c.get(e, "rank", f), f"{f}.rank", 0, W)
         mt = _SHARD.match(name)
         if mt is None or (int(mt.group(1)), int(mt.group(2))) != (r, W):
-            raise c.fail(f"{f}.name", f"is {name!r}, expected "
-                         f"'rank{r:05d}-of-{W:05d}.safetensors' (rank {r} of world size {W})")
+            raise c.fail(
+                f"{f}.name",
+                f"is {name!r}, expected "
+                f"'rank{r:05d}-of-{W:05d}.safetensors' (rank {r} of world size {W})",
+            )
         if r in seen_ranks:
             raise c.fail(f"{f}.rank", f"is {r}, which files[{seen_ranks[r]}] has too")
         seen_ranks[r] = fi
@@ -287,8 +307,7 @@ def validate(m: Any, where: Path) -> None:
             keys.add(key)
             c.int_(c.get(g, "group_index", gf), f"{gf}.group_index")
             if c.str_(c.get(g, "dtype", gf), f"{gf}.dtype") not in _DTYPES:
-                raise c.fail(f"{gf}.dtype", f"is {g['dtype']!r}, expected one of "
-                             f"{list(_DTYPES)}")
+                raise c.fail(f"{gf}.dtype", f"is {g['dtype']!r}, expected one of {list(_DTYPES)}")
             unit = g.get("unit")
             if unit is not None and not isinstance(unit, (int, str)) or isinstance(unit, bool):
                 raise c.fail(f"{gf}.unit", f"is {_short(unit)}, expected null, int or string")
@@ -304,46 +323,67 @@ def validate(m: Any, where: Path) -> None:
                 length = c.int_(s[2], f"{sf}[2]", 1)
                 local = c.int_(s[3], f"{sf}[3]")
                 if start + length > numels[p]:
-                    raise c.fail(sf, f"is {s}: elements [{start}, {start + length}) lie outside "
-                                 f"{params[p]['name']} ({numels[p]} elements)")
+                    raise c.fail(
+                        sf,
+                        f"is {s}: elements [{start}, {start + length}) lie outside "
+                        f"{params[p]['name']} ({numels[p]} elements)",
+                    )
                 if local + length > local_numel:
-                    raise c.fail(sf, f"is {s}: local elements [{local}, {local + length}) lie "
-                                 f"outside the shard's {local_numel}")
+                    raise c.fail(
+                        sf,
+                        f"is {s}: local elements [{local}, {local + length}) lie "
+                        f"outside the shard's {local_numel}",
+                    )
                 covered[p].append((start, length, sf))
     _check_coverage(c, params, numels, covered)
     # Stage 0: every rank holds the same state and rank 0 alone writes it; stages 1-3: each
     # rank writes its own shard. Other files would load as another layout than was saved.
     want = [0] if m["stage"] == 0 else list(range(W))
     if sorted(seen_ranks) != want:
-        raise c.fail("files", f"has shards of ranks {sorted(seen_ranks)[:8]}, but stage "
-                     f"{m['stage']} at world size {W} writes ranks "
-                     f"{want if len(want) <= 8 else f'0..{W - 1}'}")
+        raise c.fail(
+            "files",
+            f"has shards of ranks {sorted(seen_ranks)[:8]}, but stage "
+            f"{m['stage']} at world size {W} writes ranks "
+            f"{want if len(want) <= 8 else f'0..{W - 1}'}",
+        )
 
     ranks = c.list_(c.get(m, "ranks", ""), "ranks")
     seen: set[tuple[int, int]] = set()
     for ri, e in enumerate(ranks):
         f = f"ranks[{ri}]"
         c.dict_(e, f)
-        key = (c.int_(c.get(e, "rank", f), f"{f}.rank", 0, W),
-               c.int_(e.get("replica", 0), f"{f}.replica", 0, 1 << 20))
+        key = (
+            c.int_(c.get(e, "rank", f), f"{f}.rank", 0, W),
+            c.int_(e.get("replica", 0), f"{f}.replica", 0, 1 << 20),
+        )
         if key in seen:
             raise c.fail(f, f"repeats rank {key[0]} replica {key[1]}")
         seen.add(key)
         c.str_(c.get(e, "state", f), f"{f}.state")
 
 
-def _check_coverage(c: _Check, params: list[dict[str, Any]], numels: list[int],
-                    covered: list[list[tuple[int, int, str]]]) -> None:
+def _check_coverage(
+    c: _Check,
+    params: list[dict[str, Any]],
+    numels: list[int],
+    covered: list[list[tuple[int, int, str]]],
+) -> None:
     """Every element of every param in exactly one segment (the shards partition the model)."""
     for i, segs in enumerate(covered):
         end = 0
         for start, length, sf in sorted(segs):
             if start < end:
-                raise c.fail(sf, f"overlaps another segment of {params[i]['name']} at element "
-                             f"{start}: every element must be saved exactly once")
+                raise c.fail(
+                    sf,
+                    f"overlaps another segment of {params[i]['name']} at element "
+                    f"{start}: every element must be saved exactly once",
+                )
             if start > end:
                 break
             end = start + length
         if end != numels[i]:
-            raise c.fail("files", f"segments cover elements [0, {end}) of {params[i]['name']}, "
-                         f"which has {numels[i]}: every element must be saved exactly once")
+            raise c.fail(
+                "files",
+                f"segments cover elements [0, {end}) of {params[i]['name']}, "
+                f"which has {numels[i]}: every element must be saved exactly once",
+            )

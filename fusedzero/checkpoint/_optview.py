@@ -1,6 +1,7 @@
 """The optimizer as a checkpoint sees it: tables built from fusedzero/state.py's records and the
 optimizer's public attributes (`params`, `param_names`, `param_groups`, `module`), never from its
 private ones."""
+
 from __future__ import annotations
 
 import json

@@ -37,6 +37,7 @@ folders' newest steps differ, every tp rank takes the newest step all folders ho
 it), or raises where they share none. Never raises before its collective; after it, every tp rank
 raises alike (same data).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -75,6 +76,7 @@ def placement_str(p: Any) -> str:
     """A DTensor placement as the file writes it."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.placement_types import _StridedShard
+
     if isinstance(p, _StridedShard):
         return f"SS({p.dim},{p.split_factor})"
     if isinstance(p, Shard):
@@ -92,16 +94,28 @@ def describe(opt: Any) -> dict[str, Any]:
         pl = tp.placements.get(id(p))
         # A DTensor's shape is the global one; a plain param's from the layout (at stage 3 it
         # is an empty tensor while its unit is freed).
-        params.append({"name": info.name, "shape": list(p.shape if pl else info.shape),
-                       "placement": "R" if pl is None else placement_str(pl[0])})
-    return {"format": TP_FORMAT, "version": TP_VERSION, "tp": tp.size,
-            "dp": opt.world_size * opt.replicas, "params": params}
+        params.append(
+            {
+                "name": info.name,
+                "shape": list(p.shape if pl else info.shape),
+                "placement": "R" if pl is None else placement_str(pl[0]),
+            }
+        )
+    return {
+        "format": TP_FORMAT,
+        "version": TP_VERSION,
+        "tp": tp.size,
+        "dp": opt.world_size * opt.replicas,
+        "params": params,
+    }
 
 
 def parse(text: str, where: Path) -> dict[str, Any]:
     """`tensor_parallel.json` -> a validated record; CheckpointError for anything malformed."""
+
     def bad(msg: str) -> CheckpointError:
         return CheckpointError(f"{where}: {msg}")
+
     try:
         d = json.loads(text)
     except (ValueError, RecursionError) as e:
@@ -126,8 +140,11 @@ def parse(text: str, where: Path) -> dict[str, Any]:
         if not isinstance(n, str) or not n or len(n) > 1000 or n in names:
             raise bad(f"params[{i}].name {n!r} is not a new non-empty name")
         names.add(n)
-        if (not isinstance(shape, list) or len(shape) > _MAX_DIMS
-                or not all(type(x) is int and 0 <= x < 1 << 48 for x in shape)):
+        if (
+            not isinstance(shape, list)
+            or len(shape) > _MAX_DIMS
+            or not all(type(x) is int and 0 <= x < 1 << 48 for x in shape)
+        ):
             raise bad(f"param {n}: shape {shape!r} is not a list of sizes")
         m = _PLACEMENT.fullmatch(pl) if isinstance(pl, str) else None
         if m is None:
@@ -151,9 +168,10 @@ def read(root: Path) -> dict[str, Any] | None:
     try:
         text = f.read_bytes().decode()
     except (OSError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{f}: unreadable ({type(e).__name__}: "
-                              f"{snippet(str(e), 120)}); not a record this library wrote"
-                              ) from None
+        raise CheckpointError(
+            f"{f}: unreadable ({type(e).__name__}: "
+            f"{snippet(str(e), 120)}); not a record this library wrote"
+        ) from None
     return parse(text, f)
 
 
@@ -162,18 +180,22 @@ def _check_matches(saved: dict[str, Any], live: dict[str, Any], root: Path) -> N
         raise CheckpointError(
             f"{root} was saved at tp={saved['tp']}, this optimizer has tp={live['tp']}: "
             "checkpoint.load reshards it, but a root holds one tp size: save into another "
-            "root")
+            "root"
+        )
     mine = {p["name"]: p for p in live["params"]}
     theirs = {p["name"]: p for p in saved["params"]}
     if set(mine) != set(theirs):
-        raise CheckpointError(f"{root}: params differ: only saved "
-                              f"{sorted(set(theirs) - set(mine))[:5]}, only live "
-                              f"{sorted(set(mine) - set(theirs))[:5]}")
+        raise CheckpointError(
+            f"{root}: params differ: only saved "
+            f"{sorted(set(theirs) - set(mine))[:5]}, only live "
+            f"{sorted(set(mine) - set(theirs))[:5]}"
+        )
     for n, p in mine.items():
         if (theirs[n]["shape"], theirs[n]["placement"]) != (p["shape"], p["placement"]):
             raise CheckpointError(
                 f"{root}: param {n} was saved as {theirs[n]['shape']} {theirs[n]['placement']}, "
-                f"the model has {p['shape']} {p['placement']}")
+                f"the model has {p['shape']} {p['placement']}"
+            )
 
 
 def folder(root: Path, t: int, size: int) -> Path:
@@ -199,8 +221,10 @@ def _binding_problem(f: Path, want: dict[str, Any]) -> str | None:
     if f.is_symlink() or (f.exists() and not f.is_file()):
         return "not a regular file"
     if not f.is_file():
-        return (f"missing: the folder is not bound to {TP_FILE} (an incomplete save, or a "
-                "folder copied in from elsewhere)")
+        return (
+            f"missing: the folder is not bound to {TP_FILE} (an incomplete save, or a "
+            "folder copied in from elsewhere)"
+        )
     if f.stat().st_size > 4096:  # the file this library writes is ~200 bytes
         return "larger than 4 KiB; not a binding this library wrote"
     try:
@@ -208,9 +232,11 @@ def _binding_problem(f: Path, want: dict[str, Any]) -> str | None:
     except (ValueError, RecursionError, UnicodeDecodeError) as e:
         return f"not JSON ({e})"
     if got != want:
-        return (f"does not match {TP_FILE} (got {canonical(got)[:200]}, expected "
-                f"{canonical(want)}): the record was edited after the folder was saved, or the "
-                "folder belongs to another root or tp rank; nothing was read")
+        return (
+            f"does not match {TP_FILE} (got {canonical(got)[:200]}, expected "
+            f"{canonical(want)}): the record was edited after the folder was saved, or the "
+            "folder belongs to another root or tp rank; nothing was read"
+        )
     return None
 
 
@@ -221,7 +247,8 @@ def check_bound(root: Path, rec: dict[str, Any], ranks: range | None = None) -> 
         raise CheckpointError(
             f"{root / TP_FILE}: record version {rec['version']}, written before tp folders "
             "were bound to it: its placements cannot be checked against the folders; convert "
-            f"the root, if you trust it, with `fusedzero ckpt upgrade {root} NEW_ROOT`")
+            f"the root, if you trust it, with `fusedzero ckpt upgrade {root} NEW_ROOT`"
+        )
     for t in range(rec["tp"]) if ranks is None else ranks:
         f = folder(root, t, rec["tp"]) / BINDING_FILE
         why = _binding_problem(f, binding(rec, t))
@@ -242,7 +269,8 @@ def tp_directory(opt: Any, path: str | os.PathLike[str], *, saving: bool) -> Pat
         if saving and read(root) is not None:  # load would read the tp folders, not this save
             raise CheckpointError(
                 f"{root} holds a tensor-parallel checkpoint ({TP_FILE}); an optimizer without "
-                "tp saves into another root (checkpoint.load reads this one at any tp size)")
+                "tp saves into another root (checkpoint.load reads this one at any tp size)"
+            )
         return root
     live = describe(opt)
     saved = read(root)
@@ -254,8 +282,10 @@ def tp_directory(opt: Any, path: str | os.PathLike[str], *, saving: bool) -> Pat
         elif saved["version"] < TP_VERSION or (mine.is_dir() and list_checkpoints(mine)):
             check_bound(root, saved, range(tp.rank, tp.rank + 1))
     elif not saving:
-        raise CheckpointError(f"{root}: no {TP_FILE}; a tensor-parallel optimizer loads the "
-                              "root that checkpoint.save wrote for it")
+        raise CheckpointError(
+            f"{root}: no {TP_FILE}; a tensor-parallel optimizer loads the "
+            "root that checkpoint.save wrote for it"
+        )
     if saving and opt.rank == 0 and opt.replica_rank == 0:
         # The record on disk is what the folder is bound to (its dp may be another run's).
         write_binding(root, live if saved is None else saved, tp.rank)
@@ -280,7 +310,8 @@ def check_origin(d: Path, m: dict[str, Any], t: int, size: int) -> None:
         raise CheckpointError(
             f"{d}: saved by tp rank {got['rank']} of {got['size']}, but it sits in the folder "
             f"of tp rank {t} of {size} (a step folder moved between tp folders); nothing was "
-            "read")
+            "read"
+        )
 
 
 def check_folder(d: Path, m: dict[str, Any], rec: dict[str, Any], t: int) -> None:
@@ -292,11 +323,16 @@ def check_folder(d: Path, m: dict[str, Any], rec: dict[str, Any], t: int) -> Non
     saved = {p["name"]: p for p in rec["params"]}
     for p in m["params"]:
         s = saved.get(p["name"])
-        want = None if s is None else list(local_of(
-            torch.empty(s["shape"], device="meta"), s["placement"], t, T).shape)
+        want = (
+            None
+            if s is None
+            else list(local_of(torch.empty(s["shape"], device="meta"), s["placement"], t, T).shape)
+        )
         if want != p["shape"]:
-            raise CheckpointError(f"{d}: param {p['name']} has local shape {p['shape']}, "
-                                  f"the record's placement gives {want}")
+            raise CheckpointError(
+                f"{d}: param {p['name']} has local shape {p['shape']}, "
+                f"the record's placement gives {want}"
+            )
     if len(m["params"]) != len(saved):
         raise CheckpointError(f"{d}: {len(m['params'])} params, the record has {len(saved)}")
 
@@ -348,6 +384,7 @@ def tp_source(opt: Any, source: Any) -> Any:
         return source
     if not isinstance(source, Mapping):
         from safetensors.torch import load_file
+
         source = load_file(str(source))
     live = {p["name"]: p for p in describe(opt)["params"]}
     out = {}
@@ -379,11 +416,16 @@ def common_step(opt: Any, mine: Path) -> Path:
     shared = set.intersection(*(set(p[1]) for p in everyone))
     where = ", ".join(f"tp{t}: {p[0]}" for t, p in enumerate(everyone))
     if not shared:
-        raise CheckpointError(f"{mine.parent}: the tp folders' newest checkpoints differ "
-                              f"({where}) and no step is in every folder")
+        raise CheckpointError(
+            f"{mine.parent}: the tp folders' newest checkpoints differ "
+            f"({where}) and no step is in every folder"
+        )
     pick = max(shared, key=lambda n: int(n.split("-")[1]))
     if tp.rank == 0 and opt.rank == 0:
-        warnings.warn(f"{mine.parent}: the tp folders' newest checkpoints differ ({where}; a "
-                      f"save that did not finish in every folder): loading {pick}, the newest "
-                      "in every folder", stacklevel=3)
+        warnings.warn(
+            f"{mine.parent}: the tp folders' newest checkpoints differ ({where}; a "
+            f"save that did not finish in every folder): loading {pick}, the newest "
+            "in every folder",
+            stacklevel=3,
+        )
     return mine / pick

@@ -8,6 +8,7 @@ every visible GPU's (`get_rng_state_all`), whose restore indexed GPUs the resumi
 have (fewer GPUs, one visible per process: an IndexError after the optimizer was loaded): the entry
 of the current device is taken, where there is one.
 """
+
 from __future__ import annotations
 
 import base64
@@ -26,15 +27,22 @@ def rng_state() -> dict[str, Any]:
     # loads as one storage, a list as 625 objects through the weights-only unpickler (~7 ms a
     # rank state, which rank 0 pays for every rank at every save). Older states hold lists.
     version, words, gauss = random.getstate()
-    st: dict[str, Any] = {"torch": torch.get_rng_state(),
-                          "python": (version, torch.tensor(words, dtype=torch.int64), gauss)}
+    st: dict[str, Any] = {
+        "torch": torch.get_rng_state(),
+        "python": (version, torch.tensor(words, dtype=torch.int64), gauss),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         st["cuda"] = torch.cuda.get_rng_state()  # See [Note: one GPU's RNG state per rank]
     np = sys.modules.get("numpy")
     if np is not None:
         name, keys, pos, has_gauss, cached = np.random.get_state()
-        st["numpy"] = (name, torch.tensor(keys.tolist(), dtype=torch.int64), int(pos),
-                       int(has_gauss), float(cached))
+        st["numpy"] = (
+            name,
+            torch.tensor(keys.tolist(), dtype=torch.int64),
+            int(pos),
+            int(has_gauss),
+            float(cached),
+        )
     return st
 
 
@@ -48,8 +56,7 @@ def set_rng_state(st: dict[str, Any]) -> None:
     np = sys.modules.get("numpy")
     if "numpy" in st and np is not None:
         name, keys, pos, has_gauss, cached = st["numpy"]
-        np.random.set_state((name, np.array(_words(keys), dtype=np.uint32), pos, has_gauss,
-                             cached))
+        np.random.set_state((name, np.array(_words(keys), dtype=np.uint32), pos, has_gauss, cached))
 
 
 def _own_cuda_state(st: dict[str, Any]) -> torch.Tensor | None:
@@ -81,8 +88,10 @@ def unpack(s: str, what: str = "state") -> Any:
         return torch.load(io.BytesIO(base64.b64decode(s, validate=True)), weights_only=True)
     except Exception as e:  # noqa: BLE001 - binascii, pickle and torch all raise their own
         # Not torch's own text: it suggests weights_only=False, i.e. running the payload.
-        why = next((ln.strip() for ln in str(e).splitlines()
-                    if "GLOBAL" in ln or "Unsupported" in ln), type(e).__name__)
+        why = next(
+            (ln.strip() for ln in str(e).splitlines() if "GLOBAL" in ln or "Unsupported" in ln),
+            type(e).__name__,
+        )
         raise CheckpointError(
             f"{what} is refused: only tensors, numbers, strings, lists, tuples and dicts are "
             f"loaded from a checkpoint, never objects that would run code ({why[:200]})"
@@ -111,8 +120,9 @@ def check_rng_state(st: Any, where: str) -> None:
             _check_numpy(st["numpy"])
     except Exception as e:  # noqa: BLE001
         msg = " ".join(str(e).split())
-        raise CheckpointError(f"{where}: RNG state is malformed ({type(e).__name__}: "
-                              f"{msg[:200]})") from None
+        raise CheckpointError(
+            f"{where}: RNG state is malformed ({type(e).__name__}: {msg[:200]})"
+        ) from None
 
 
 # The words of a Mersenne Twister state, Python's and numpy's: 624 of 32 bits (Python's
@@ -120,23 +130,28 @@ def check_rng_state(st: Any, where: str) -> None:
 _MT_WORDS = 624
 
 
-def _check_words(words: tuple[Any, ...], n: int, what: str, last: tuple[int, int] | None = None
-                 ) -> None:
+def _check_words(
+    words: tuple[Any, ...], n: int, what: str, last: tuple[int, int] | None = None
+) -> None:
     if len(words) != n:
         raise ValueError(f"the {what} generator has {len(words)} state words, expected {n}")
     for i, w in enumerate(words):
         lo, hi = last if last is not None and i == n - 1 else (0, 1 << 32)
         if isinstance(w, bool) or not isinstance(w, int) or not lo <= w < hi:
-            raise ValueError(f"the {what} generator's state word {i} is {str(w)[:24]}, "
-                             f"expected an integer in [{lo}, {hi})")
+            raise ValueError(
+                f"the {what} generator's state word {i} is {str(w)[:24]}, "
+                f"expected an integer in [{lo}, {hi})"
+            )
 
 
 def _check_cuda(t: Any) -> None:
     """A CUDA generator state: 16 bytes, seed then offset, the offset a multiple of 4 (what
     torch.cuda.set_rng_state checks), or 8 (the seed alone, older torch)."""
     if not (isinstance(t, torch.Tensor) and t.dtype == torch.uint8 and t.dim() == 1):
-        raise TypeError(f"a CUDA generator state is a 1-D uint8 tensor, got "
-                        f"{type(t).__name__} {getattr(t, 'dtype', '')}")
+        raise TypeError(
+            f"a CUDA generator state is a 1-D uint8 tensor, got "
+            f"{type(t).__name__} {getattr(t, 'dtype', '')}"
+        )
     if t.numel() not in (8, 16):
         raise ValueError(f"a CUDA generator state has 16 bytes, got {t.numel()}")
     if t.numel() == 16 and int.from_bytes(bytes(t[8:].tolist()), "little") % 4:
@@ -153,14 +168,16 @@ def _check_numpy(st: Any) -> None:
     _check_words(_words(keys), _MT_WORDS, "numpy")
     for v, what, hi in ((pos, "pos", _MT_WORDS + 1), (has_gauss, "has_gauss", 2)):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < hi:
-            raise ValueError(f"the numpy state's {what} is {str(v)[:24]}, expected an "
-                             f"integer in [0, {hi})")
+            raise ValueError(
+                f"the numpy state's {what} is {str(v)[:24]}, expected an integer in [0, {hi})"
+            )
     if isinstance(cached, bool) or not isinstance(cached, (int, float)):
         raise ValueError(f"the numpy state's cached_gaussian is {type(cached).__name__}")
     np = sys.modules.get("numpy")
     if np is not None:  # and numpy's own checks, on a scratch generator
-        np.random.RandomState().set_state((name, np.array(_words(keys), dtype=np.uint32), pos,
-                                           has_gauss, cached))
+        np.random.RandomState().set_state(
+            (name, np.array(_words(keys), dtype=np.uint32), pos, has_gauss, cached)
+        )
 
 
 def decode(s: str, where: str, check_rng: bool = True) -> dict[str, Any]:

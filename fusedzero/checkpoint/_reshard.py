@@ -4,6 +4,7 @@ A saved segment `[param, start, length, local]` and a new one overlap in a run o
 overlap becomes one read (file, tensor key, source offset, destination offset, length). Reads
 that continue each other are merged, so loading at the saving layout is one slice per tensor.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,8 +27,9 @@ class Read(NamedTuple):
     length: int
 
 
-def match_params(manifest: dict[str, Any], table: dict[int, tuple[str, tuple[int, ...]]],
-                  d: Path) -> dict[int, int]:
+def match_params(
+    manifest: dict[str, Any], table: dict[int, tuple[str, tuple[int, ...]]], d: Path
+) -> dict[int, int]:
     """saved param index -> new param index, matched by name; ValueError lists differences."""
     saved = {p["name"]: (p["index"], tuple(p["shape"])) for p in manifest["params"]}
     new = {name: (i, shape) for i, (name, shape) in table.items()}
@@ -40,16 +42,22 @@ def match_params(manifest: dict[str, Any], table: dict[int, tuple[str, tuple[int
         diffs.append(f"in the checkpoint, not in the model: {only_ckpt}")
     for n, (_, shape) in new.items():
         if n in saved and saved[n][1] != shape:
-            diffs.append(f"{n}: shape {list(saved[n][1])} in the checkpoint, {list(shape)} in "
-                         "the model")
+            diffs.append(
+                f"{n}: shape {list(saved[n][1])} in the checkpoint, {list(shape)} in the model"
+            )
     if diffs:
-        raise ValueError(f"checkpoint {d} does not match this model's parameters:\n  "
-                         + "\n  ".join(diffs))
+        raise ValueError(
+            f"checkpoint {d} does not match this model's parameters:\n  " + "\n  ".join(diffs)
+        )
     return {saved[n][0]: new[n][0] for n in new}
 
 
-def plan(infos: list[ShardInfo], table: dict[int, tuple[str, tuple[int, ...]]],
-         manifest: dict[str, Any], mapping: dict[int, int]) -> list[list[Read]]:
+def plan(
+    infos: list[ShardInfo],
+    table: dict[int, tuple[str, tuple[int, ...]]],
+    manifest: dict[str, Any],
+    mapping: dict[int, int],
+) -> list[list[Read]]:
     """Per buffer of `infos`: the reads covering exactly every element of this rank's new
     segments (`table`: param index -> (name, shape), for the error message)."""
     saved: list[Segment] = []
@@ -68,14 +76,16 @@ def plan(infos: list[ShardInfo], table: dict[int, tuple[str, tuple[int, ...]]],
         reads = []
         for sa, sb, start, length in intersect(segs, saved):
             fname, key = source[id(sb)]
-            reads.append(Read(fname, key, sb.local + start - sb.start,
-                              sa.local + start - sa.start, length))
+            reads.append(
+                Read(fname, key, sb.local + start - sb.start, sa.local + start - sa.start, length)
+            )
             covered[pos[id(sa)]] += length
         for i, s in enumerate(segs):
             if covered[i] != s.length:
                 raise CheckpointError(
                     f"the checkpoint's segment tables cover {covered[i]} of the {s.length} "
-                    f"elements [{s.start}, {s.start + s.length}) of {table[s.param][0]}")
+                    f"elements [{s.start}, {s.start + s.length}) of {table[s.param][0]}"
+                )
         out.append(merge(reads))
     return out
 
@@ -86,8 +96,11 @@ def merge(reads: list[Read]) -> list[Read]:
     for r in sorted(reads, key=lambda r: (r.file, r.key, r.src)):
         if out:
             last = out[-1]
-            if ((last.file, last.key) == (r.file, r.key) and last.src + last.length == r.src
-                    and last.dst + last.length == r.dst):
+            if (
+                (last.file, last.key) == (r.file, r.key)
+                and last.src + last.length == r.src
+                and last.dst + last.length == r.dst
+            ):
                 out[-1] = last._replace(length=last.length + r.length)
                 continue
         out.append(r)

@@ -11,6 +11,7 @@ host copies of the shard) is carried by that gather, and rank 0 raises it for ev
 `agree`: a rank that raised here alone would leave the others waiting in the gather until the
 group's timeout.
 """
+
 from __future__ import annotations
 
 import json
@@ -84,9 +85,16 @@ def wait_pending(opt: ZeroAdamW) -> None:
         h.wait()
 
 
-def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
-         caller_state: Any = None, keep_last: int | None = None, async_: bool = False,
-         timeout: float | None = None) -> SaveHandle:
+def save(
+    opt: ZeroAdamW,
+    directory: str | os.PathLike[str],
+    *,
+    step: int,
+    caller_state: Any = None,
+    keep_last: int | None = None,
+    async_: bool = False,
+    timeout: float | None = None,
+) -> SaveHandle:
     """Save a sharded checkpoint of `opt` (a `ZeroAdamW`) as `directory/step-{step:08d}`.
 
     Collective: every rank of the optimizer's process group calls it with the same arguments
@@ -126,8 +134,10 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
         packed = pack({"caller": caller_state, "rng": rng_state()})
         unpack(packed)  # fail now, not at resume time
     except Exception as e:  # noqa: BLE001
-        bad_state = (f"rank {rank}: caller_state must be loadable by torch.load("
-                     f"weights_only=True) (tensors, numbers, strings, lists, tuples, dicts): {e}")
+        bad_state = (
+            f"rank {rank}: caller_state must be loadable by torch.load("
+            f"weights_only=True) (tensors, numbers, strings, lists, tuples, dicts): {e}"
+        )
     # 2-D mesh: replicas hold the same shards and the first replica's shard group writes them,
     # but RNG and caller state differ per replica (dropout on other data): each replica's goes
     # to its first-replica peer, which writes them all into the manifest.
@@ -158,20 +168,34 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
                     # Async: a private copy, so training may go on updating the live buffers.
                     t = t.to("cpu", copy=True) if async_ else t.cpu()
                     tensors[f"fg{i}.{kind}"] = t.reshape(-1).contiguous()
-                groups_meta.append({
-                    "key": f"fg{i}", "group_index": info.group_index,
-                    "dtype": dtypes.name(info.dtype), "unit": info.unit,
-                    "local_numel": info.local_numel,
-                    "segments": [[s.param, s.start, s.length, s.local]
-                                 for s in info.segments()]})
+                groups_meta.append(
+                    {
+                        "key": f"fg{i}",
+                        "group_index": info.group_index,
+                        "dtype": dtypes.name(info.dtype),
+                        "unit": info.unit,
+                        "local_numel": info.local_numel,
+                        "segments": [
+                            [s.param, s.start, s.length, s.local] for s in info.segments()
+                        ],
+                    }
+                )
         except Exception as e:  # noqa: BLE001 - see [Note: a failure before the first gather]
             tensors.clear()
             failed = f"rank {rank}: copying its shard to the host: {type(e).__name__}: {e}"
-    errors = [f"replica {k} {b}" if replicas > 1 else b for k, (_, b) in enumerate(states)
-              if b is not None]
-    local = {"rank": rank, "writer": writer, "groups": groups_meta,
-             "states": [packed for packed, _ in states], "error": "\n".join(errors) or None,
-             "failed": failed}
+    errors = [
+        f"replica {k} {b}" if replicas > 1 else b
+        for k, (_, b) in enumerate(states)
+        if b is not None
+    ]
+    local = {
+        "rank": rank,
+        "writer": writer,
+        "groups": groups_meta,
+        "states": [packed for packed, _ in states],
+        "error": "\n".join(errors) or None,
+        "failed": failed,
+    }
     everyone = gather_to_first(local, group, W, rank)
 
     base: dict[str, Any] | None = None
@@ -186,8 +210,10 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
             if bad:
                 raise ValueError("\n".join(bad))
             if (root / MANIFEST).is_file():
-                raise CheckpointError(f"{root} is a checkpoint (it has {MANIFEST}); save into "
-                                      f"its root {root.parent} (see `save_root`)")
+                raise CheckpointError(
+                    f"{root} is a checkpoint (it has {MANIFEST}); save into "
+                    f"its root {root.parent} (see `save_root`)"
+                )
             assert st is not None
             base = _manifest_base(opt, step, step_count, everyone, st)
             root.mkdir(parents=True, exist_ok=True)
@@ -199,11 +225,22 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
 
     # What this shard's bytes mean, in its own header (_binding.py): the manifest rank 0
     # writes must agree with it row by row, or nothing loads.
-    meta = shard_metadata({"world_size": W, "stage": int(opt.stage), "step": step,
-                           "step_count": step_count, "modes": st.modes.to_json()
-                           if st is not None else None, "params": param_entries(opt),
-                           **tp_origin(opt)},
-                          {"rank": rank, "groups": groups_meta}) if writer else {}
+    meta = (
+        shard_metadata(
+            {
+                "world_size": W,
+                "stage": int(opt.stage),
+                "step": step,
+                "step_count": step_count,
+                "modes": st.modes.to_json() if st is not None else None,
+                "params": param_entries(opt),
+                **tp_origin(opt),
+            },
+            {"rank": rank, "groups": groups_meta},
+        )
+        if writer
+        else {}
+    )
     fname = shard_file_name(rank, W)
     writers = [e["rank"] for e in everyone if e["writer"]] if everyone is not None else []
     handle = SaveHandle(root / name)
@@ -221,8 +258,15 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
             if rank == 0:
                 assert base is not None and written is not None
                 try:
-                    _finalize(root, staging, name, base,
-                              {r: i for r, i in written if i is not None}, everyone, keep_last)
+                    _finalize(
+                        root,
+                        staging,
+                        name,
+                        base,
+                        {r: i for r, i in written if i is not None},
+                        everyone,
+                        keep_last,
+                    )
                 except Exception as e:  # noqa: BLE001
                     err = e
             agree(err, group, W, "save")
@@ -260,11 +304,13 @@ def save(opt: ZeroAdamW, directory: str | os.PathLike[str], *, step: int,
     return handle
 
 
-def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]
-                 ) -> dict[str, Any]:
+def _write_shard(
+    path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, str]
+) -> dict[str, Any]:
     try:
-        w = SafetensorsWriter(path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()],
-                              meta)
+        w = SafetensorsWriter(
+            path, [(k, t.dtype, tuple(t.shape)) for k, t in tensors.items()], meta
+        )
     except OSError as e:
         raise named(e, path) from e
     try:
@@ -280,8 +326,9 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, s
     return {"name": path.name, "bytes": size, "sha256": sha}
 
 
-def _collect_sidecars(staging: Path, writers: list[int], W: int, timeout: float
-                      ) -> dict[int, dict[str, Any]]:
+def _collect_sidecars(
+    staging: Path, writers: list[int], W: int, timeout: float
+) -> dict[int, dict[str, Any]]:
     """Async save, rank 0: wait for every writer's `<shard>.json` (or `.error`)."""
     out: dict[int, dict[str, Any]] = {}
     deadline = time.monotonic() + timeout
@@ -299,8 +346,9 @@ def _collect_sidecars(staging: Path, writers: list[int], W: int, timeout: float
         if len(out) < len(writers):
             if time.monotonic() > deadline:
                 missing = [r for r in writers if r not in out]
-                raise CheckpointError(f"ranks {missing} did not finish their shards in "
-                                      f"{timeout}s ({staging})")
+                raise CheckpointError(
+                    f"ranks {missing} did not finish their shards in {timeout}s ({staging})"
+                )
             time.sleep(delay)
             delay = min(delay * 2, 0.5)
     for r in writers:
@@ -311,52 +359,85 @@ def _collect_sidecars(staging: Path, writers: list[int], W: int, timeout: float
 def param_entries(opt: ZeroAdamW) -> list[dict[str, Any]]:
     """The manifest's `params` table (every rank can build it: shard headers record theirs)."""
     names = aliases(opt)
-    return [{"index": p.index, "name": p.name, "shape": list(p.shape),
-             "dtype": dtypes.name(p.dtype), "group": p.group_index,
-             "aliases": [a for a in names.get(id(opt.params[p.index]), []) if a != p.name]}
-            for p in opt.param_infos()]
+    return [
+        {
+            "index": p.index,
+            "name": p.name,
+            "shape": list(p.shape),
+            "dtype": dtypes.name(p.dtype),
+            "group": p.group_index,
+            "aliases": [a for a in names.get(id(opt.params[p.index]), []) if a != p.name],
+        }
+        for p in opt.param_infos()
+    ]
 
 
-def _manifest_base(opt: ZeroAdamW, step: int, step_count: float,
-                   everyone: list[dict[str, Any]], st: ShardState) -> dict[str, Any]:
+def _manifest_base(
+    opt: ZeroAdamW, step: int, step_count: float, everyone: list[dict[str, Any]], st: ShardState
+) -> dict[str, Any]:
     params = param_entries(opt)
     scaler = None
     if st.scaler is not None:
         scaler = {"scale": st.scaler["scale"], "growth_tracker": int(st.scaler["growth_tracker"])}
     return {
-        "format": FORMAT, "version": VERSION, "world_size": opt.world_size,
-        "stage": int(opt.stage), "step": step,
+        "format": FORMAT,
+        "version": VERSION,
+        "world_size": opt.world_size,
+        "stage": int(opt.stage),
+        "step": step,
         "step_count": step_count,
         "bucket_numel": opt.bucket_numel,
         "param_dtype": dtypes.name(opt.param_dtype) if opt.param_dtype is not None else None,
-        "modes": st.modes.to_json(), "seed": opt.seed,
-        "params": params, "param_groups": hyperparams(opt), "scaler": scaler,
+        "modes": st.modes.to_json(),
+        "seed": opt.seed,
+        "params": params,
+        "param_groups": hyperparams(opt),
+        "scaler": scaler,
         **tp_origin(opt),
         # One entry per rank; with a replicate_group one per (rank, replica), "replica" added.
-        "ranks": [{"rank": e["rank"], "state": packed} if len(e["states"]) == 1 else
-                  {"rank": e["rank"], "replica": k, "state": packed}
-                  for e in everyone for k, packed in enumerate(e["states"])],
+        "ranks": [
+            {"rank": e["rank"], "state": packed}
+            if len(e["states"]) == 1
+            else {"rank": e["rank"], "replica": k, "state": packed}
+            for e in everyone
+            for k, packed in enumerate(e["states"])
+        ],
     }
 
 
-def _finalize(root: Path, staging: Path, name: str, base: dict[str, Any],
-              infos: dict[int, dict[str, Any]], everyone: list[dict[str, Any]],
-              keep_last: int | None) -> None:
+def _finalize(
+    root: Path,
+    staging: Path,
+    name: str,
+    base: dict[str, Any],
+    infos: dict[int, dict[str, Any]],
+    everyone: list[dict[str, Any]],
+    keep_last: int | None,
+) -> None:
     """Rank 0: manifest last, rename the directory into place, then `latest`, then rotate."""
     files = []
     for e in everyone:
         if not e["writer"]:
             continue
         info = infos[e["rank"]]
-        files.append({"name": info["name"], "rank": e["rank"], "bytes": info["bytes"],
-                      "sha256": info["sha256"], "groups": e["groups"]})
+        files.append(
+            {
+                "name": info["name"],
+                "rank": e["rank"],
+                "bytes": info["bytes"],
+                "sha256": info["sha256"],
+                "groups": e["groups"],
+            }
+        )
     manifest = dict(base, files=files, created=time.time())
     text = json.dumps(manifest, indent=1)
     if len(text) > MAX_MANIFEST:
         states = max(len(r["state"]) for r in manifest["ranks"])
-        raise CheckpointError(f"the manifest would be {len(text)} bytes, more than the "
-                              f"{MAX_MANIFEST} a reader accepts (the largest rank state is "
-                              f"{states} bytes): save a smaller caller_state")
+        raise CheckpointError(
+            f"the manifest would be {len(text)} bytes, more than the "
+            f"{MAX_MANIFEST} a reader accepts (the largest rank state is "
+            f"{states} bytes): save a smaller caller_state"
+        )
     write_text_atomic(staging / MANIFEST, text)
     final = root / name
     old = root / f".{name}.old"
@@ -382,8 +463,13 @@ def _rotate(root: Path, keep_last: int, current: str) -> None:
     for p in root.iterdir():
         m = STEP_DIR.match(p.name)
         try:
-            if m and p.name.isascii() and int(m.group(1)) <= upto and p.is_dir() \
-                    and (p / MANIFEST).is_file():
+            if (
+                m
+                and p.name.isascii()
+                and int(m.group(1)) <= upto
+                and p.is_dir()
+                and (p / MANIFEST).is_file()
+            ):
                 done.append((int(m.group(1)), p))
         except OSError:  # cannot be looked into (mode 000): not counted, not removed
             continue

@@ -14,6 +14,7 @@ The header is parsed here, not by safetensors: bounded (`MAX_HEADER`), JSON of t
 form, every tensor's offsets inside the file and tiling the data exactly (what safetensors
 checks), before anything is allocated for it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,8 +36,18 @@ from fusedzero.checkpoint._manifest import CheckpointError, snippet
 MAX_HEADER = 100_000_000
 # Bytes per read while hashing: one reused buffer, so hashing allocates nothing per file.
 _CHUNK = 4 << 20
-_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
-             "U8": 1, "BOOL": 1}
+_ITEMSIZE = {
+    "F32": 4,
+    "BF16": 2,
+    "F16": 2,
+    "F64": 8,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+}
 
 
 class Entry(NamedTuple):
@@ -72,8 +83,10 @@ def _pread(fd: int, n: int, at: int, path: Path) -> bytes:
     while len(out) < n:
         got = os.pread(fd, n - len(out), at + len(out))
         if not got:
-            raise CheckpointError(f"{path}: ended at byte {at + len(out)}, expected {at + n} "
-                                  "(truncated while it was read)")
+            raise CheckpointError(
+                f"{path}: ended at byte {at + len(out)}, expected {at + n} "
+                "(truncated while it was read)"
+            )
         out += got
     return out
 
@@ -85,14 +98,16 @@ def read_header(fd: int, size: int, path: Path) -> Header:
     (n,) = struct.unpack("<Q", _pread(fd, 8, 0, path))
     # Never more than the file or MAX_HEADER: a length field of 2**60 allocates nothing.
     if n > min(size - 8, MAX_HEADER):
-        raise CheckpointError(f"{path}: safetensors header of {n} bytes in a file of {size}; "
-                              "not a safetensors file")
+        raise CheckpointError(
+            f"{path}: safetensors header of {n} bytes in a file of {size}; not a safetensors file"
+        )
     raw = _pread(fd, 8 + n, 0, path)
     try:
         h = json.loads(raw[8:])
     except (ValueError, RecursionError) as e:
-        raise CheckpointError(f"{path}: unreadable safetensors header "
-                              f"({type(e).__name__}: {snippet(str(e), 80)})") from None
+        raise CheckpointError(
+            f"{path}: unreadable safetensors header ({type(e).__name__}: {snippet(str(e), 80)})"
+        ) from None
     if not isinstance(h, dict):
         raise CheckpointError(f"{path}: safetensors header is not a JSON object")
     meta = h.pop("__metadata__", {})
@@ -108,22 +123,31 @@ def read_header(fd: int, size: int, path: Path) -> Header:
         dt, shape, off = t["dtype"], t["shape"], t["data_offsets"]
         if dt not in _ITEMSIZE:
             raise CheckpointError(f"{where}: dtype {snippet(dt)} is none of {list(_ITEMSIZE)}")
-        if not (isinstance(shape, list) and all(type(s) is int and s >= 0 for s in shape)
-                and isinstance(off, list) and len(off) == 2
-                and all(type(o) is int and 0 <= o <= size - data for o in off)):
-            raise CheckpointError(f"{where}: shape {snippet(shape)} or data_offsets "
-                                  f"{snippet(off)} malformed or outside the file")
+        if not (
+            isinstance(shape, list)
+            and all(type(s) is int and s >= 0 for s in shape)
+            and isinstance(off, list)
+            and len(off) == 2
+            and all(type(o) is int and 0 <= o <= size - data for o in off)
+        ):
+            raise CheckpointError(
+                f"{where}: shape {snippet(shape)} or data_offsets "
+                f"{snippet(off)} malformed or outside the file"
+            )
         nbytes = math.prod(shape) * _ITEMSIZE[dt]
         if off[1] - off[0] != nbytes:
-            raise CheckpointError(f"{where}: data_offsets {off} hold {off[1] - off[0]} bytes, "
-                                  f"its shape and dtype {nbytes}")
+            raise CheckpointError(
+                f"{where}: data_offsets {off} hold {off[1] - off[0]} bytes, "
+                f"its shape and dtype {nbytes}"
+            )
         tensors[k] = Entry(dt, tuple(shape), data + off[0], nbytes)
         spans.append((off[0], off[1]))
     end = 0
     for a, b in sorted(spans):  # the tensors tile the data: no gap, no overlap, no tail
         if a != end:
-            raise CheckpointError(f"{path}: safetensors tensors overlap or leave a gap at data "
-                                  f"byte {min(a, end)}")
+            raise CheckpointError(
+                f"{path}: safetensors tensors overlap or leave a gap at data byte {min(a, end)}"
+            )
         end = b
     if end != size - data:
         raise CheckpointError(f"{path}: {size - data} data bytes, its tensors hold {end}")
@@ -167,13 +191,16 @@ class ShardFile:
             if t is None:
                 raise CheckpointError(f"{self.path}: no tensor {s.tensor}")
             if ST_DTYPE.get(s.dst.dtype) != t.dtype:
-                raise CheckpointError(f"{self.path}: {s.tensor} is {t.dtype}, read as "
-                                      f"{s.dst.dtype}")
+                raise CheckpointError(
+                    f"{self.path}: {s.tensor} is {t.dtype}, read as {s.dst.dtype}"
+                )
             size = s.dst.element_size()
             n = s.dst.numel()
             if not (0 <= s.start and (s.start + n) * size <= t.nbytes):
-                raise CheckpointError(f"{self.path}: {s.tensor}[{s.start}:{s.start + n}] lies "
-                                      f"outside its {t.nbytes // size} elements")
+                raise CheckpointError(
+                    f"{self.path}: {s.tensor}[{s.start}:{s.start + n}] lies "
+                    f"outside its {t.nbytes // size} elements"
+                )
             if not s.dst.is_contiguous() or s.dst.device.type != "cpu":
                 raise ValueError("read_slices reads into contiguous CPU tensors")
             spans.append((t.start + s.start * size, raw_bytes(s.dst)))
@@ -188,8 +215,9 @@ class ShardFile:
         while done < len(view):
             got = os.preadv(self.fd, [view[done:]], at + done)
             if got == 0:
-                raise CheckpointError(f"{self.path}: ended at byte {at + done} (truncated "
-                                      "while it was read)")
+                raise CheckpointError(
+                    f"{self.path}: ended at byte {at + done} (truncated while it was read)"
+                )
             done += got
 
     def _stream(self, spans: list[tuple[int, memoryview]], head: Header | None) -> str:
@@ -199,14 +227,16 @@ class ShardFile:
         first = b""  # the header's bytes, as streamed: compared with those parsed
         pos, i = 0, 0
         while pos < self.size:
-            n = os.preadv(self.fd, [view[:min(len(buf), self.size - pos)]], pos)
+            n = os.preadv(self.fd, [view[: min(len(buf), self.size - pos)]], pos)
             if n == 0:
-                raise CheckpointError(f"{self.path}: ended at byte {pos}, expected "
-                                      f"{self.size} (truncated while it was read)")
+                raise CheckpointError(
+                    f"{self.path}: ended at byte {pos}, expected "
+                    f"{self.size} (truncated while it was read)"
+                )
             chunk = view[:n]
             sha.update(chunk)
             if head is not None and pos < len(head.raw):
-                first += bytes(chunk[:len(head.raw) - pos])
+                first += bytes(chunk[: len(head.raw) - pos])
             while i < len(spans) and spans[i][0] + len(spans[i][1]) <= pos:
                 i += 1
             j = i
@@ -214,7 +244,7 @@ class ShardFile:
                 at, dst = spans[j]
                 a, b = max(at, pos), min(at + len(dst), pos + n)
                 if a < b:
-                    dst[a - at:b - at] = chunk[a - pos:b - pos]
+                    dst[a - at : b - at] = chunk[a - pos : b - pos]
                 j += 1
             pos += n
         if head is not None and first != head.raw:
@@ -251,12 +281,14 @@ class ShardReaders:
             if self._sha256 is not None:
                 got = sf.sha256()
                 if got != self._sha256[fname]:
-                    raise CheckpointError(f"{p}: sha256 mismatch (expected "
-                                          f"{self._sha256[fname]}, got {got})")
+                    raise CheckpointError(
+                        f"{p}: sha256 mismatch (expected {self._sha256[fname]}, got {got})"
+                    )
             proc = f"/proc/self/fd/{sf.fd}"
             try:
-                f = self._stack.enter_context(safe_open(
-                    proc if os.path.exists(proc) else p, framework="pt"))
+                f = self._stack.enter_context(
+                    safe_open(proc if os.path.exists(proc) else p, framework="pt")
+                )
             except Exception as e:  # noqa: BLE001
                 raise CheckpointError(f"{p}: cannot open ({e})") from None
             self._files[fname] = f

@@ -2,6 +2,7 @@
 (see fusedzero/checkpoint/_placements.py for the layout), and `export`, which `checkpoint.export`,
 `fusedzero ckpt export` and `hf.export_hf` call: a tp root through `export_tp`, any other
 checkpoint through `weights.export`."""
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,14 @@ from fusedzero.checkpoint._weights import Exported
 _FOLDER = re.compile(r"tp\d+of\d+")
 
 
-def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
-           dtype: torch.dtype = torch.float32, max_shard_bytes: int | None = None,
-           verify: bool = True) -> Exported:
+def export(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int | None = None,
+    verify: bool = True,
+) -> Exported:
     """`checkpoint.export` (see `weights.export` for the arguments), for any checkpoint: a
     tensor-parallel root (it holds tensor_parallel.json) is exported with `export_tp`."""
     if read(Path(src)) is not None:
@@ -40,13 +46,20 @@ def saved_params(src: str | os.PathLike[str]) -> list[dict[str, Any]]:
     check_bound(root, rec)
     m = read_manifest(resolve(folder(root, 0, rec["tp"])))
     aliases = {p["name"]: p.get("aliases", []) for p in m["params"]}
-    return [{"name": p["name"], "shape": p["shape"], "aliases": aliases.get(p["name"], [])}
-            for p in rec["params"]]
+    return [
+        {"name": p["name"], "shape": p["shape"], "aliases": aliases.get(p["name"], [])}
+        for p in rec["params"]
+    ]
 
 
-def export_tp(root: str | os.PathLike[str], out: str | os.PathLike[str], *,
-              dtype: torch.dtype = torch.float32, max_shard_bytes: int | None = None,
-              verify: bool = True) -> Exported:
+def export_tp(
+    root: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int | None = None,
+    verify: bool = True,
+) -> Exported:
     """One safetensors file (or HF-style shards + index above `max_shard_bytes`, as
     `weights.export`) of full tensors under the model's names from a tensor-parallel checkpoint
     root: each tp folder's latest checkpoint exported, then assembled by the recorded
@@ -61,10 +74,12 @@ def export_tp(root: str | os.PathLike[str], out: str | os.PathLike[str], *,
         raise CheckpointError(f"{root}: no {TP_FILE}: not a tensor-parallel checkpoint root")
     check_bound(root, rec)
     target = out.resolve()
-    if target.parent == root.resolve() and (target.name == TP_FILE
-                                            or _FOLDER.fullmatch(target.name)):
-        raise CheckpointError(f"export output {out} would replace the root's {target.name}; "
-                              "choose another name")
+    if target.parent == root.resolve() and (
+        target.name == TP_FILE or _FOLDER.fullmatch(target.name)
+    ):
+        raise CheckpointError(
+            f"export output {out} would replace the root's {target.name}; choose another name"
+        )
     T = rec["tp"]
     parts = []
     for t in range(T):
@@ -88,8 +103,9 @@ def export_tp(root: str | os.PathLike[str], out: str | os.PathLike[str], *,
     return Exported(files, index, total, held)
 
 
-def _write(full: dict[str, torch.Tensor], out: Path, max_shard_bytes: int | None
-           ) -> tuple[list[Path], Path | None, int]:
+def _write(
+    full: dict[str, torch.Tensor], out: Path, max_shard_bytes: int | None
+) -> tuple[list[Path], Path | None, int]:
     """`full` as `out`, or as HF-style shards plus an index (`weights.export_files`):
     (files, index, tensor bytes)."""
     names = list(full)
@@ -97,8 +113,11 @@ def _write(full: dict[str, torch.Tensor], out: Path, max_shard_bytes: int | None
     with weights.export_files(out, sizes, max_shard_bytes) as ex:
         for k, c in enumerate(ex.cut):
             mine = [names[i] for i in c]
-            ex.write(k, [(x, full[x].dtype, tuple(full[x].shape)) for x in mine],
-                     ((x, full[x]) for x in mine))
+            ex.write(
+                k,
+                [(x, full[x].dtype, tuple(full[x].shape)) for x in mine],
+                ((x, full[x]) for x in mine),
+            )
         ex.commit()
     files, index, total = ex.paths, ex.index, ex.total
     return files, index, total

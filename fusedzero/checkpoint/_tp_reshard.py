@@ -19,6 +19,7 @@ would otherwise assemble other rows), each tp folder's manifest must hold exactl
 shapes the saved placement gives, and the folders must agree on the step count, before a value
 is copied.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -66,12 +67,19 @@ def _live(opt: ZeroAdamW) -> tuple[dict[str, dict[str, Any]], int, int]:
     tp = getattr(opt, "tp", None)
     if tp is not None:
         return {p["name"]: p for p in describe(opt)["params"]}, tp.size, tp.rank
-    return ({i.name: {"name": i.name, "shape": list(i.shape), "placement": "R"}
-             for i in opt.param_infos()}, 1, 0)
+    return (
+        {
+            i.name: {"name": i.name, "shape": list(i.shape), "placement": "R"}
+            for i in opt.param_infos()
+        },
+        1,
+        0,
+    )
 
 
-def read_across(opt: ZeroAdamW, root: Path, rec: dict[str, Any], peak: Peak, verify: bool
-                ) -> tuple[Path, dict[str, Any], ShardState]:
+def read_across(
+    opt: ZeroAdamW, root: Path, rec: dict[str, Any], peak: Peak, verify: bool
+) -> tuple[Path, dict[str, Any], ShardState]:
     """This rank's optimizer state from every tp folder of `root` (see the module docstring):
     (tp rank 0's checkpoint directory, its manifest, the staged state in the default modes).
     Reads only; CheckpointError / ValueError for anything that does not fit."""
@@ -79,12 +87,16 @@ def read_across(opt: ZeroAdamW, root: Path, rec: dict[str, Any], peak: Peak, ver
     live, size, rank = _live(opt)
     saved = {p["name"]: p for p in rec["params"]}
     if set(saved) != set(live):
-        raise ValueError(f"{root}: params differ: only saved {sorted(set(saved) - set(live))[:5]}"
-                         f", only live {sorted(set(live) - set(saved))[:5]}")
+        raise ValueError(
+            f"{root}: params differ: only saved {sorted(set(saved) - set(live))[:5]}"
+            f", only live {sorted(set(live) - set(saved))[:5]}"
+        )
     for n, p in live.items():
         if saved[n]["shape"] != p["shape"]:
-            raise ValueError(f"{root}: param {n} has global shape {saved[n]['shape']} in the "
-                             f"checkpoint, {p['shape']} in the model")
+            raise ValueError(
+                f"{root}: param {n} has global shape {saved[n]['shape']} in the "
+                f"checkpoint, {p['shape']} in the model"
+            )
     check_bound(root, rec)  # before any data: the folders were saved with this record
     dirs, manifests, pieces = [], [], []
     for t in range(T):
@@ -96,10 +108,12 @@ def read_across(opt: ZeroAdamW, root: Path, rec: dict[str, Any], peak: Peak, ver
             raise CheckpointError(
                 f"{d}: saved with master={modes.master!r}, states={modes.states!r}; only the "
                 "default memory modes (fp32 master and moments) reshard across tp sizes: load "
-                f"it at tp={T}, or export_tp + import_weights (weights only)")
+                f"it at tp={T}, or export_tp + import_weights (weights only)"
+            )
         if manifests and m["step_count"] != manifests[0]["step_count"]:
-            raise CheckpointError(f"{d}: step count {m['step_count']}, tp folder 0 has "
-                                  f"{manifests[0]['step_count']}")
+            raise CheckpointError(
+                f"{d}: step count {m['step_count']}, tp folder 0 has {manifests[0]['step_count']}"
+            )
         check_folder(d, m, rec, t)
         dirs.append(d)
         manifests.append(m)
@@ -108,8 +122,7 @@ def read_across(opt: ZeroAdamW, root: Path, rec: dict[str, Any], peak: Peak, ver
 
     infos = opt.shard_infos()
     names = {i.index: (i.name, i.shape) for i in opt.param_infos()}
-    out = {k: [torch.zeros(info.local_numel, dtype=torch.float32) for info in infos]
-           for k in KINDS}
+    out = {k: [torch.zeros(info.local_numel, dtype=torch.float32) for info in infos] for k in KINDS}
     for bufs in out.values():
         for b in bufs:
             peak.add(b)
@@ -118,24 +131,31 @@ def read_across(opt: ZeroAdamW, root: Path, rec: dict[str, Any], peak: Peak, ver
         for s in info.segments():
             where.setdefault(s.param, []).append((b, s))
     with contextlib.ExitStack() as stack, torch.no_grad():
-        readers = [stack.enter_context(ShardReaders(d, digests(m) if verify else None))
-                   for d, m in zip(dirs, manifests)]
+        readers = [
+            stack.enter_context(ShardReaders(d, digests(m) if verify else None))
+            for d, m in zip(dirs, manifests)
+        ]
         for idx, segs in sorted(where.items()):
             name, local_shape = names[idx]
             pl, shape = saved[name]["placement"], saved[name]["shape"]
             folders = [0] if pl == "R" else list(range(T))
             for kind in KINDS:
-                parts = [read_param(readers[t], pieces[t], entries[t][name], kind, peak)
-                         for t in folders]
-                whole = full_of([x.view(entries[t][name]["shape"])
-                                 for t, x in zip(folders, parts)], pl, shape)
+                parts = [
+                    read_param(readers[t], pieces[t], entries[t][name], kind, peak) for t in folders
+                ]
+                whole = full_of(
+                    [x.view(entries[t][name]["shape"]) for t, x in zip(folders, parts)], pl, shape
+                )
                 mine = local_of(whole, live[name]["placement"], rank, size).reshape(-1)
                 if mine.numel() != math.prod(local_shape):
-                    raise CheckpointError(f"{root}: param {name}: {mine.numel()} local "
-                                          f"elements, the optimizer holds {local_shape}")
+                    raise CheckpointError(
+                        f"{root}: param {name}: {mine.numel()} local "
+                        f"elements, the optimizer holds {local_shape}"
+                    )
                 for b, s in segs:
-                    out[kind][b][s.local:s.local + s.length].copy_(
-                        mine[s.start:s.start + s.length])
+                    out[kind][b][s.local : s.local + s.length].copy_(
+                        mine[s.start : s.start + s.length]
+                    )
                 for x in parts:
                     peak.sub(x)
     return dirs[0], manifests[0], ShardState(**out)

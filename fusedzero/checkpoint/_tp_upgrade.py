@@ -13,6 +13,7 @@ is: convert only a root whose record you trust. As `_upgrade.py`, it writes a ne
 the old one untouched: each tp folder's newest checkpoint copied into `NEW_ROOT/tp{t}of{T}`
 (format 1 or 2 converted on the way) and bound, `tensor_parallel.json` written last.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ from fusedzero.checkpoint._placements import (
 from fusedzero.checkpoint._upgrade import upgrade
 
 
-def upgrade_tp(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
-               allowed: Collection[str] = ()) -> Path:
+def upgrade_tp(
+    src: str | os.PathLike[str], out: str | os.PathLike[str], *, allowed: Collection[str] = ()
+) -> Path:
     """Write tensor-parallel root `src` (record version 1) as a current one in the empty root
     `out` (empty but for the names in `allowed`: the run lock its caller holds); returns
     `out`. CheckpointError if a check fails or `src` is already current."""
@@ -53,11 +55,13 @@ def upgrade_tp(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
     if rec is None:
         raise CheckpointError(f"{src}: no {TP_FILE}: not a tensor-parallel checkpoint root")
     if rec["version"] >= TP_VERSION:
-        raise CheckpointError(f"{src / TP_FILE} is already record version {rec['version']}; "
-                              "nothing to do")
+        raise CheckpointError(
+            f"{src / TP_FILE} is already record version {rec['version']}; nothing to do"
+        )
     if out.exists() and (not out.is_dir() or any(p.name not in allowed for p in out.iterdir())):
-        raise CheckpointError(f"{out} exists and is not an empty folder; convert into an "
-                              "empty root")
+        raise CheckpointError(
+            f"{out} exists and is not an empty folder; convert into an empty root"
+        )
     T = rec["tp"]
     found: list[tuple[Path, dict[str, Any]]] = []
     for t in range(T):
@@ -67,8 +71,9 @@ def upgrade_tp(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
             catalog.verify(d, checksums=True)
         check_folder(d, m, rec, t)
         if found and m["step_count"] != found[0][1]["step_count"]:
-            raise CheckpointError(f"{d}: step count {m['step_count']}, tp folder 0 has "
-                                  f"{found[0][1]['step_count']}")
+            raise CheckpointError(
+                f"{d}: step count {m['step_count']}, tp folder 0 has {found[0][1]['step_count']}"
+            )
         found.append((d, m))
     rec = dict(rec, version=TP_VERSION)
     for t, (d, m) in enumerate(found):

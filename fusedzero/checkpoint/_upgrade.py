@@ -8,6 +8,7 @@ manifest's schema, every shard's size, header rows, tensor names, dtypes and sha
 sha256 -- then rewrites each shard with the same tensors (one tensor in memory at a time) and a
 version-3 header, and writes the manifest last, as `save` does. The old checkpoint is not touched.
 """
+
 from __future__ import annotations
 
 import json
@@ -45,8 +46,9 @@ def upgrade(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
         raise CheckpointError(f"{d} is already format version {m['version']}; nothing to do")
     bad = file_problems(d, m, None, checksums=True, legacy=True)
     if bad:
-        raise CheckpointError(f"checkpoint {d} failed verification, so it is not converted:\n  "
-                              + "\n  ".join(bad))
+        raise CheckpointError(
+            f"checkpoint {d} failed verification, so it is not converted:\n  " + "\n  ".join(bad)
+        )
     root = Path(out)
     name = step_dir_name(m["step"])
     final = root / name
@@ -60,8 +62,9 @@ def upgrade(src: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
     staging.mkdir()
     try:
         for e in new["files"]:
-            e["bytes"], e["sha256"] = _rewrite(d / e["name"], staging / e["name"],
-                                               shard_metadata(new, e))
+            e["bytes"], e["sha256"] = _rewrite(
+                d / e["name"], staging / e["name"], shard_metadata(new, e)
+            )
         write_text_atomic(staging / MANIFEST, json.dumps(new, indent=1))
         os.replace(staging, final)
     except BaseException:
@@ -76,8 +79,10 @@ def _rewrite(src: Path, dst: Path, meta: dict[str, str]) -> tuple[int, str]:
     """The tensors of `src`, in its order, into `dst` with header `meta`: (bytes, sha256)."""
     with safe_open(src, framework="pt") as f:
         keys = list(f.keys())
-        specs = [(k, _TORCH_DTYPE[f.get_slice(k).get_dtype()], tuple(f.get_slice(k).get_shape()))
-                 for k in keys]
+        specs = [
+            (k, _TORCH_DTYPE[f.get_slice(k).get_dtype()], tuple(f.get_slice(k).get_shape()))
+            for k in keys
+        ]
         try:
             w = SafetensorsWriter(dst, specs, meta)
         except OSError as e:

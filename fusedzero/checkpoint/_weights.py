@@ -11,6 +11,7 @@ header and the index carry the export's random id (`EXPORT_ID`; a single file ca
 bytes depend on the weights alone): `import_weights` refuses an index over shards of another export
 (files copied together by hand).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,9 +62,14 @@ class Exported(NamedTuple):
     peak_buffer_bytes: int  # peak bytes of staging buffers (one param at a time)
 
 
-def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
-           dtype: torch.dtype = torch.float32, max_shard_bytes: int | None = None,
-           verify: bool = True) -> Exported:
+def export(
+    src: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int | None = None,
+    verify: bool = True,
+) -> Exported:
     """Write the model's params from checkpoint `src` as safetensors with the model's own names.
 
     Offline (no process group). Param by param: each param's pieces are read from the shard
@@ -98,11 +104,17 @@ def export(src: str | os.PathLike[str], out: str | os.PathLike[str], *,
             peak.sub(buf)
             del buf, t
 
-    with export_files(out, [u[2] * len(u[1]) for u in units], max_shard_bytes) as ex, \
-            ShardReaders(d, digests(m) if verify else None) as readers, torch.no_grad():
+    with (
+        export_files(out, [u[2] * len(u[1]) for u in units], max_shard_bytes) as ex,
+        ShardReaders(d, digests(m) if verify else None) as readers,
+        torch.no_grad(),
+    ):
         for k, c in enumerate(ex.cut):
-            ex.write(k, [(name, dtype, tuple(units[i][0]["shape"])) for i in c
-                         for name in units[i][1]], tensors(c))
+            ex.write(
+                k,
+                [(name, dtype, tuple(units[i][0]["shape"])) for i in c for name in units[i][1]],
+                tensors(c),
+            )
         ex.commit()
     return Exported(ex.paths, ex.index, ex.total, peak.peak)
 
@@ -129,8 +141,12 @@ class ExportFiles:
         if self.stage is not None:
             remove(self.stage, quiet=True)
 
-    def write(self, k: int, specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
-              tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def write(
+        self,
+        k: int,
+        specs: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        tensors: Iterable[tuple[str, torch.Tensor]],
+    ) -> None:
         """Write file `k` (into the staging folder when sharded): `tensors` in the order of
         `specs`; a failure leaves no temporary behind."""
         p = self.paths[k] if self.stage is None else self.stage / self.paths[k].name
@@ -156,10 +172,16 @@ class ExportFiles:
                 stale.unlink()
             return
         assert self.index is not None
-        write_text_atomic(self.stage / self.index.name, json.dumps(
-            {"metadata": {"total_size": self.total, EXPORT_ID: self.id},
-             "weight_map": self.weight_map},
-            indent=1))
+        write_text_atomic(
+            self.stage / self.index.name,
+            json.dumps(
+                {
+                    "metadata": {"total_size": self.total, EXPORT_ID: self.id},
+                    "weight_map": self.weight_map,
+                },
+                indent=1,
+            ),
+        )
         if self.index.is_file():
             self.index.unlink()  # from here until the last rename: no index, nothing mixed
             fsync_dir(self.index.parent)
@@ -185,8 +207,11 @@ def export_files(out: Path, sizes: list[int], max_shard_bytes: int | None) -> Ex
         size += b
     n = len(cut)
     stem = out.name.removesuffix(".safetensors")
-    paths = [out] if n == 1 else [out.with_name(f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors")
-                                  for k in range(n)]
+    paths = (
+        [out]
+        if n == 1
+        else [out.with_name(f"{stem}-{k + 1:05d}-of-{n:05d}.safetensors") for k in range(n)]
+    )
     index = out.with_name(out.name + ".index.json")
     for p in [*paths, index]:
         check_replaceable(p, "export output")
@@ -209,22 +234,26 @@ def param_pieces(m: dict[str, Any], d: Path) -> dict[int, list[Piece]]:
         numel = math.prod(p["shape"])
         got = sum(x[4] for x in pieces.get(p["index"], ()))
         if got != numel:
-            raise CheckpointError(f"{d}: the segment tables cover {got} of the {numel} elements "
-                                  f"of {p['name']}")
+            raise CheckpointError(
+                f"{d}: the segment tables cover {got} of the {numel} elements of {p['name']}"
+            )
     return pieces
 
 
-def read_param(readers: ShardReaders, pieces: dict[int, list[Piece]], p: dict[str, Any],
-               kind: str, peak: Peak) -> torch.Tensor:
+def read_param(
+    readers: ShardReaders, pieces: dict[int, list[Piece]], p: dict[str, Any], kind: str, peak: Peak
+) -> torch.Tensor:
     """Manifest param `p`'s `kind` (master, exp_avg, exp_avg_sq) as one flat fp32 tensor
     (counted in `peak`: the caller subtracts it), read slice by slice."""
     buf = peak.add(torch.empty(math.prod(p["shape"]), dtype=torch.float32))
     for fname, key, local, start, length in pieces[p["index"]]:
         piece = peak.add(readers.slice(fname, f"{key}.{kind}", local, local + length))
         if piece.numel() != length:
-            raise CheckpointError(f"{fname}: {key}.{kind}[{local}:{local + length}] has "
-                                  f"{piece.numel()} elements, expected {length}")
-        buf[start:start + length].copy_(piece)
+            raise CheckpointError(
+                f"{fname}: {key}.{kind}[{local}:{local + length}] has "
+                f"{piece.numel()} elements, expected {length}"
+            )
+        buf[start : start + length].copy_(piece)
         peak.sub(piece)
     return buf
 
@@ -235,14 +264,23 @@ def _refuse_inside_checkpoint(out: Path, d: Path) -> None:
     step folders. Links are resolved first. Beside the step folders, in the root, is fine."""
     target = out.resolve()
     for a in target.parents:
-        if a == d.resolve() or (a / MANIFEST).is_file() or STEP_DIR.match(a.name) \
-                or (a.name.startswith(".step-") and a.name.endswith(".tmp")):
-            raise CheckpointError(f"export output {out} lies inside the checkpoint {a}; "
-                                  "write it outside any checkpoint folder")
+        if (
+            a == d.resolve()
+            or (a / MANIFEST).is_file()
+            or STEP_DIR.match(a.name)
+            or (a.name.startswith(".step-") and a.name.endswith(".tmp"))
+        ):
+            raise CheckpointError(
+                f"export output {out} lies inside the checkpoint {a}; "
+                "write it outside any checkpoint folder"
+            )
     if (target.parent / LATEST).is_file() and (
-            target.name == LATEST or STEP_DIR.match(target.name)):
-        raise CheckpointError(f"export output {out} would replace a checkpoint root's "
-                              f"{target.name!r}; choose another name")
+        target.name == LATEST or STEP_DIR.match(target.name)
+    ):
+        raise CheckpointError(
+            f"export output {out} would replace a checkpoint root's "
+            f"{target.name!r}; choose another name"
+        )
 
 
 class _WeightSource:
@@ -267,9 +305,11 @@ class _WeightSource:
             got = (h.metadata() or {}).get(EXPORT_ID)
             # see [Note: an export replaces the old one whole]
             if export is not None and got != export:
-                raise CheckpointError(f"{f}: a shard of export {snippet(got)}, but its index "
-                                      f"is of export {snippet(export)}: the folder mixes two "
-                                      "exports; export again")
+                raise CheckpointError(
+                    f"{f}: a shard of export {snippet(got)}, but its index "
+                    f"is of export {snippet(export)}: the folder mixes two "
+                    "exports; export again"
+                )
             for k in h.keys():
                 self.where[k] = h
                 self.shapes[k] = tuple(h.get_slice(k).get_shape())
@@ -288,7 +328,7 @@ class _WeightSource:
         row = math.prod(shape[1:])
         r0, r1 = a // row, -(-b // row)
         rows = h.get_slice(name)[r0:r1]
-        return rows.reshape(-1)[a - r0 * row:b - r0 * row]
+        return rows.reshape(-1)[a - r0 * row : b - r0 * row]
 
 
 def _weight_files(p: Path) -> tuple[list[Path], str | None]:
@@ -309,27 +349,41 @@ def _weight_files(p: Path) -> tuple[list[Path], str | None]:
             meta = idx.get("metadata") or {}
             export = meta.get(EXPORT_ID) if isinstance(meta, dict) else None
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{p}: not a safetensors index "
-                                  f"({type(e).__name__}: {snippet(str(e), 80)})") from None
+            raise CheckpointError(
+                f"{p}: not a safetensors index ({type(e).__name__}: {snippet(str(e), 80)})"
+            ) from None
         if not isinstance(wm, dict):
-            raise CheckpointError(f"{p}: weight_map is {type(wm).__name__}, expected an object "
-                                  "of tensor name -> shard file name")
+            raise CheckpointError(
+                f"{p}: weight_map is {type(wm).__name__}, expected an object "
+                "of tensor name -> shard file name"
+            )
         for f in wm.values():
             # An index names shard files beside it: a path ("../x", "/x", "a/b") would read a
             # file outside the folder it came with.
-            if not isinstance(f, str) or f in ("", ".", "..") or Path(f).name != f or (
-                    os.altsep and os.altsep in f) or "\0" in f:
-                raise CheckpointError(f"{p}: weight_map names {str(f)[:200]!r}, which is not a "
-                                      f"plain file name in {p.parent}; an index lists the shard "
-                                      "files beside it")
+            if (
+                not isinstance(f, str)
+                or f in ("", ".", "..")
+                or Path(f).name != f
+                or (os.altsep and os.altsep in f)
+                or "\0" in f
+            ):
+                raise CheckpointError(
+                    f"{p}: weight_map names {str(f)[:200]!r}, which is not a "
+                    f"plain file name in {p.parent}; an index lists the shard "
+                    "files beside it"
+                )
         return [p.parent / f for f in sorted(set(wm.values()))], export
     if not p.is_file():
         raise CheckpointError(f"{p}: no such file")
     return [p], None
 
 
-def import_weights(opt: ZeroAdamW, source: str | os.PathLike[str] | Mapping[str, torch.Tensor], *,
-                   strict: bool = True) -> None:
+def import_weights(
+    opt: ZeroAdamW,
+    source: str | os.PathLike[str] | Mapping[str, torch.Tensor],
+    *,
+    strict: bool = True,
+) -> None:
     """Set the params (fp32 master and model params) of a sharded optimizer from full weights.
 
     Collective. `source` is a state dict, a safetensors file, an HF-style `*.index.json`, or a
@@ -350,8 +404,9 @@ def import_weights(opt: ZeroAdamW, source: str | os.PathLike[str] | Mapping[str,
     try:
         source = tp_source(opt, source)  # tp: full tensors sliced to this rank's shards
         src = _WeightSource(source)
-        found = _match_weights(opt, src, strict, str(source) if not isinstance(source, Mapping)
-                               else "state dict")
+        found = _match_weights(
+            opt, src, strict, str(source) if not isinstance(source, Mapping) else "state dict"
+        )
         if opt.zero3 is not None:
             # Stage 3: each segment read and written into the shards at once, nothing staged.
             # A read failing on one rank still fails every rank (`agree`), with the params
@@ -360,11 +415,12 @@ def import_weights(opt: ZeroAdamW, source: str | os.PathLike[str] | Mapping[str,
             read = src.read_flat
             write_runs(opt.flat_groups, opt.params, lambda i, a, b: read(found[i], a, b))
         with torch.no_grad():
-            for info in ([] if opt.zero3 is not None else opt.shard_infos()):
+            for info in [] if opt.zero3 is not None else opt.shard_infos():
                 buf = torch.zeros(info.local_numel, dtype=torch.float32)
                 for s in info.segments():
-                    buf[s.local:s.local + s.length].copy_(
-                        src.read_flat(found[s.param], s.start, s.start + s.length))
+                    buf[s.local : s.local + s.length].copy_(
+                        src.read_flat(found[s.param], s.start, s.start + s.length)
+                    )
                 masters.append(buf)
     except Exception as e:  # noqa: BLE001
         err = e
@@ -376,8 +432,7 @@ def import_weights(opt: ZeroAdamW, source: str | os.PathLike[str] | Mapping[str,
             src.close()
 
 
-def _match_weights(opt: ZeroAdamW, src: _WeightSource, strict: bool, what: str
-                   ) -> dict[int, str]:
+def _match_weights(opt: ZeroAdamW, src: _WeightSource, strict: bool, what: str) -> dict[int, str]:
     other_names = aliases(opt)
     table = param_table(opt)
     found, diffs, used = {}, [], set()
@@ -388,8 +443,9 @@ def _match_weights(opt: ZeroAdamW, src: _WeightSource, strict: bool, what: str
         if hit is None:
             diffs.append(f"missing: {name}")
         elif src.shapes[hit] != shape:
-            diffs.append(f"{hit}: shape {list(src.shapes[hit])} in {what}, {list(shape)} in the "
-                         "model")
+            diffs.append(
+                f"{hit}: shape {list(src.shapes[hit])} in {what}, {list(shape)} in the model"
+            )
         else:
             found[i] = hit
     extra = [n for n in src.shapes if n not in used]

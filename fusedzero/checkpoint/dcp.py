@@ -27,6 +27,7 @@ other global by name; the items are read with `torch.load(weights_only=True)`; e
 file named in it must be a plain name inside the folder; and the tensors it declares must fit
 in the folder's bytes before anything is allocated for them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,13 +53,28 @@ HYPER = ("lr", "betas", "eps", "weight_decay", "maximize")
 
 
 # What `.metadata` may build (module, name); anything else is refused with its name.
-_ALLOWED = {("torch.distributed.checkpoint.metadata", n) for n in (
-    "Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-    "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"), ("collections", "OrderedDict"), ("builtins", "set"),
-    ("builtins", "frozenset")}
+_ALLOWED = {
+    ("torch.distributed.checkpoint.metadata", n)
+    for n in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+}
 # `.metadata` is a few bytes per tensor chunk: 256 MiB is millions of chunks.
 _MAX_METADATA = 256 << 20
 
@@ -68,8 +84,9 @@ class _MetadataUnpickler(pickle.Unpickler):
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         if (module, name) not in _ALLOWED:
-            raise pickle.UnpicklingError(f"refused global {module}.{name}: not a "
-                                         "torch.distributed.checkpoint metadata class")
+            raise pickle.UnpicklingError(
+                f"refused global {module}.{name}: not a torch.distributed.checkpoint metadata class"
+            )
         return super().find_class(module, name)
 
 
@@ -94,17 +111,28 @@ def read_dcp_metadata(d: Path) -> Any:
         raise ValueError(f"{f}: holds a {type(md).__name__}, not DCP Metadata")
     for idx, info in (md.storage_data or {}).items():
         rel = getattr(info, "relative_path", None)
-        if (not isinstance(rel, str) or not rel or rel in (".", "..") or "/" in rel
-                or "\\" in rel or "\0" in rel):
-            raise ValueError(f"{f}: storage file {rel!r} of {getattr(idx, 'fqn', idx)!r} is not "
-                             "a plain file name inside the DCP folder")
+        if (
+            not isinstance(rel, str)
+            or not rel
+            or rel in (".", "..")
+            or "/" in rel
+            or "\\" in rel
+            or "\0" in rel
+        ):
+            raise ValueError(
+                f"{f}: storage file {rel!r} of {getattr(idx, 'fqn', idx)!r} is not "
+                "a plain file name inside the DCP folder"
+            )
     have = sum(p.stat().st_size for p in d.iterdir() if p.is_file() and not p.is_symlink())
     need = 0
     for k, v in md.state_dict_metadata.items():
         if isinstance(v, TensorStorageMetadata):
             size, dt = v.size, getattr(v.properties, "dtype", None)
-            if (not isinstance(dt, torch.dtype) or not isinstance(size, tuple)
-                    or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in size)):
+            if (
+                not isinstance(dt, torch.dtype)
+                or not isinstance(size, tuple)
+                or any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in size)
+            ):
                 raise ValueError(f"{f}: {k!r} has size {size!r} and dtype {dt!r}")
             need += math.prod(size) * dt.itemsize
     if need > have:
@@ -137,13 +165,13 @@ def read_dcp(dcp_dir: str | os.PathLike[str]) -> dict[str, Any]:
             try:
                 obj = torch.load(value, weights_only=True)
             except pickle.UnpicklingError as e:
-                refused.append(f"{d}: item {read_item.dest_index.fqn!r} is refused: "
-                               f"{_first_line(e)}")
+                refused.append(
+                    f"{d}: item {read_item.dest_index.fqn!r} is refused: {_first_line(e)}"
+                )
                 raise ValueError(refused[-1]) from None
             # DefaultLoadPlanner.load_bytes, with the item loaded as above.
             if self.flatten_state_dict:
-                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
-                            obj)
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
@@ -155,8 +183,10 @@ def read_dcp(dcp_dir: str | os.PathLike[str]) -> dict[str, Any]:
         if refused:
             raise ValueError(refused[0]) from None
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
-        raise ValueError(f"{d}: not a readable DCP folder: {type(e).__name__}: "
-                         f"{' '.join(lines[-1].split()) if lines else ''}") from None
+        raise ValueError(
+            f"{d}: not a readable DCP folder: {type(e).__name__}: "
+            f"{' '.join(lines[-1].split()) if lines else ''}"
+        ) from None
     return sd
 
 
@@ -187,8 +217,13 @@ def _full(t: Any) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def import_dcp(dcp_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
-               model_key: str = "model", optim_key: str = "optim") -> Path:
+def import_dcp(
+    dcp_dir: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    model_key: str = "model",
+    optim_key: str = "optim",
+) -> Path:
     """Convert an FSDP2 + torch.optim.AdamW DCP folder into a fusedzero checkpoint at `out`
     (a checkpoint root: `out/step-N` and `out/latest`, N the AdamW step). Returns the step folder.
 
@@ -199,32 +234,44 @@ def import_dcp(dcp_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
     sd = read_dcp(dcp_dir)
     for k in (model_key, optim_key):
         if k not in sd:
-            raise ValueError(f"{dcp_dir}: no {k!r} entry (found {sorted(sd)}); save "
-                             f"{{'{model_key}': model_sd, '{optim_key}': optim_sd}} from "
-                             "get_state_dict(model, optim), or pass model_key/optim_key")
+            raise ValueError(
+                f"{dcp_dir}: no {k!r} entry (found {sorted(sd)}); save "
+                f"{{'{model_key}': model_sd, '{optim_key}': optim_sd}} from "
+                "get_state_dict(model, optim), or pass model_key/optim_key"
+            )
     model_sd = {k: _full(v) for k, v in sd[model_key].items()}
     osd = sd[optim_key]
     groups, state = osd["param_groups"], osd["state"]
     names = [n for g in groups for n in g["params"]]
     missing = [n for n in names if n not in model_sd]
     if missing:
-        raise ValueError(f"{dcp_dir}: the optimizer has params the model state lacks: {missing} "
-                         "(was optim_sd made by get_state_dict, which keys state by name?)")
+        raise ValueError(
+            f"{dcp_dir}: the optimizer has params the model state lacks: {missing} "
+            "(was optim_sd made by get_state_dict, which keys state by name?)"
+        )
     for g in groups:
         if g.get("amsgrad"):
-            raise ValueError(f"{dcp_dir}: a param group has amsgrad=True; ZeroAdamW has no "
-                             "amsgrad: the max of exp_avg_sq would be lost")
+            raise ValueError(
+                f"{dcp_dir}: a param group has amsgrad=True; ZeroAdamW has no "
+                "amsgrad: the max of exp_avg_sq would be lost"
+            )
     steps = {float(_full(state[n]["step"])) for n in names if n in state}
     if len(steps) > 1:
-        raise ValueError(f"{dcp_dir}: AdamW steps differ between params ({sorted(steps)}); "
-                         "ZeroAdamW keeps one step count")
+        raise ValueError(
+            f"{dcp_dir}: AdamW steps differ between params ({sorted(steps)}); "
+            "ZeroAdamW keeps one step count"
+        )
     step = steps.pop() if steps else 0.0
 
     module = _standin({n: tuple(model_sd[n].shape) for n in names})
     params = dict(module.named_parameters())
-    opt_groups = [{"params": [params[n] for n in g["params"]],
-                   **{k: (tuple(g[k]) if k == "betas" else g[k]) for k in HYPER if k in g}}
-                  for g in groups]
+    opt_groups = [
+        {
+            "params": [params[n] for n in g["params"]],
+            **{k: (tuple(g[k]) if k == "betas" else g[k]) for k in HYPER if k in g},
+        }
+        for g in groups
+    ]
     # One rank, stage 1: its local shard is every param; checkpoint.save writes the manifest.
     opt = ZeroAdamW(opt_groups, stage=1, module=module)
     if opt.world_size != 1:
@@ -234,23 +281,30 @@ def import_dcp(dcp_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
     with torch.no_grad():
         for info in opt.shard_infos():
             # A param AdamW never stepped has no state: its moments stay zero, as torch's.
-            master, exp_avg, exp_avg_sq = (torch.zeros(info.local_numel, dtype=torch.float32)
-                                           for _ in range(3))
+            master, exp_avg, exp_avg_sq = (
+                torch.zeros(info.local_numel, dtype=torch.float32) for _ in range(3)
+            )
             for s in info.segments():
                 n = names[s.param]
                 assert index[n] == s.param
                 ranges = [(master, model_sd[n])]
                 if n in state:
-                    ranges += [(exp_avg, _full(state[n]["exp_avg"])),
-                               (exp_avg_sq, _full(state[n]["exp_avg_sq"]))]
+                    ranges += [
+                        (exp_avg, _full(state[n]["exp_avg"])),
+                        (exp_avg_sq, _full(state[n]["exp_avg_sq"])),
+                    ]
                 for dst, src in ranges:
                     if math.prod(src.shape) != math.prod(model_sd[n].shape):
-                        raise ValueError(f"{dcp_dir}: {n} has {src.numel()} optimizer elements "
-                                         f"for {model_sd[n].numel()} params")
-                    dst[s.local:s.local + s.length].copy_(
-                        src.detach().reshape(-1)[s.start:s.start + s.length].float())
-            for bufs, t in zip((full.master, full.exp_avg, full.exp_avg_sq),
-                               (master, exp_avg, exp_avg_sq)):
+                        raise ValueError(
+                            f"{dcp_dir}: {n} has {src.numel()} optimizer elements "
+                            f"for {model_sd[n].numel()} params"
+                        )
+                    dst[s.local : s.local + s.length].copy_(
+                        src.detach().reshape(-1)[s.start : s.start + s.length].float()
+                    )
+            for bufs, t in zip(
+                (full.master, full.exp_avg, full.exp_avg_sq), (master, exp_avg, exp_avg_sq)
+            ):
                 assert bufs is not None
                 bufs.append(t)
     opt.load_shard_state(full)
@@ -260,6 +314,8 @@ def import_dcp(dcp_dir: str | os.PathLike[str], out: str | os.PathLike[str], *,
 def run_import_dcp(args: argparse.Namespace) -> int:
     """`fusedzero ckpt import-dcp DCP_DIR OUT`."""
     d = import_dcp(args.dcp_dir, args.out)
-    print(f"wrote {d} (step {read_manifest(d)['step']}); resume with "
-          "fusedzero.checkpoint.load(opt, OUT) at any world size and stage")
+    print(
+        f"wrote {d} (step {read_manifest(d)['step']}); resume with "
+        "fusedzero.checkpoint.load(opt, OUT) at any world size and stage"
+    )
     return 0

@@ -17,6 +17,7 @@ transformers is optional (`pip install 'fusedzero[hf]'`): the export itself need
 safetensors; with transformers installed the config is also checked against the checkpoint's
 parameter names and shapes before anything is written.
 """
+
 from __future__ import annotations
 
 import json
@@ -72,21 +73,28 @@ def check_against_config(src: str | os.PathLike[str], config: dict[str, Any]) ->
     for p in saved_params(src):  # a tensor-parallel root: full shapes from its record
         for name in [p["name"], *p.get("aliases", [])]:
             have[name] = tuple(p["shape"])
-    diffs = [f"{n}: shape {list(have[n])} in the checkpoint, {list(s)} in the config"
-             for n, s in want.items() if n in have and have[n] != s]
+    diffs = [
+        f"{n}: shape {list(have[n])} in the checkpoint, {list(s)} in the config"
+        for n, s in want.items()
+        if n in have and have[n] != s
+    ]
     # A tied weight may be saved under one of its names only: HF ties it again on load.
-    tied = {n for n in want if n not in have and any(
-        want[o] == want[n] and o in have for o in _tied_names(model, n))}
+    tied = {
+        n
+        for n in want
+        if n not in have and any(want[o] == want[n] and o in have for o in _tied_names(model, n))
+    }
     missing = [n for n in want if n not in have and n not in tied]
     extra = [n for n in have if n not in want]
     if missing:
         diffs.append(f"missing from the checkpoint: {missing}")
     if extra:
-        diffs.append(f"not params of {cfg.model_type} {type(model).__name__}: {extra} (was the "
-                     "optimizer built with module= the HF model?)")
+        diffs.append(
+            f"not params of {cfg.model_type} {type(model).__name__}: {extra} (was the "
+            "optimizer built with module= the HF model?)"
+        )
     if diffs:
-        raise ValueError(f"checkpoint {src} does not match the HF config:\n  "
-                         + "\n  ".join(diffs))
+        raise ValueError(f"checkpoint {src} does not match the HF config:\n  " + "\n  ".join(diffs))
 
 
 def _tied_names(model: torch.nn.Module, name: str) -> list[str]:
@@ -96,10 +104,15 @@ def _tied_names(model: torch.nn.Module, name: str) -> list[str]:
     return next((ns for ns in by_id.values() if name in ns), [])
 
 
-def export_hf(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
-              hf_config: str | os.PathLike[str] | dict[str, Any] | None = None,
-              dtype: torch.dtype = torch.float32, max_shard_bytes: int | None = None,
-              verify: bool = True) -> Exported:
+def export_hf(
+    src: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
+    *,
+    hf_config: str | os.PathLike[str] | dict[str, Any] | None = None,
+    dtype: torch.dtype = torch.float32,
+    max_shard_bytes: int | None = None,
+    verify: bool = True,
+) -> Exported:
     """Write checkpoint `src` as a folder `AutoModelForCausalLM.from_pretrained` loads:
     `model.safetensors` (or `model-0000k-of-0000n.safetensors` + `model.safetensors.index.json`
     above `max_shard_bytes`) and, with `hf_config` (a config.json path or dict), `config.json`
@@ -116,13 +129,14 @@ def export_hf(src: str | os.PathLike[str], out_dir: str | os.PathLike[str], *,
             check_against_config(src, config)
     out = Path(out_dir)
     if out.suffix == ".safetensors":
-        raise ValueError(f"{out} looks like a file: export_hf writes a folder (model.safetensors "
-                         "and config.json inside it)")
+        raise ValueError(
+            f"{out} looks like a file: export_hf writes a folder (model.safetensors "
+            "and config.json inside it)"
+        )
     if config is not None:
         check_replaceable(out / CONFIG_NAME, "export output")
     out.mkdir(parents=True, exist_ok=True)
-    r = export(src, out / WEIGHTS_NAME, dtype=dtype, max_shard_bytes=max_shard_bytes,
-               verify=verify)
+    r = export(src, out / WEIGHTS_NAME, dtype=dtype, max_shard_bytes=max_shard_bytes, verify=verify)
     if config is not None:
         # transformers 4.x reads `torch_dtype`, 5.x `dtype`: set the ones the config has.
         keys = [k for k in ("torch_dtype", "dtype") if k in config] or ["torch_dtype"]

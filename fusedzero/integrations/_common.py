@@ -1,5 +1,6 @@
 """What both integrations share: the framework import with the extra that installs it, the
 ZeroAdamW keywords a user may pass through, and the full model state dict (a collective)."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,15 +20,20 @@ def import_framework(module: str, extra: str, what: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"{what} needs {module.split('.')[0]} ({e}); install it with "
-                          f"pip install 'fusedzero[{extra}]'") from e
+        raise ImportError(
+            f"{what} needs {module.split('.')[0]} ({e}); install it with "
+            f"pip install 'fusedzero[{extra}]'"
+        ) from e
 
 
 def zero_keywords() -> frozenset[str]:
     """The keywords ZeroAdamW's constructor takes, read from its signature (so a keyword it
     gains or loses is passed through without a change here)."""
-    return frozenset(n for n, p in inspect.signature(ZeroAdamW.__init__).parameters.items()
-                     if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    return frozenset(
+        n
+        for n, p in inspect.signature(ZeroAdamW.__init__).parameters.items()
+        if n != "self" and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    )
 
 
 def check_zero_kwargs(zero_kwargs: dict[str, Any], taken: dict[str, str], where: str) -> None:
@@ -37,9 +43,11 @@ def check_zero_kwargs(zero_kwargs: dict[str, Any], taken: dict[str, str], where:
         if k in taken:
             raise TypeError(f"{where} got {k}=: it comes from {taken[k]}; set it there")
         if k not in zero_keywords():
-            raise TypeError(f"{where} got an unexpected keyword {k}=: it takes the framework's "
-                            f"own arguments plus stage= and ZeroAdamW's keywords "
-                            f"({', '.join(sorted(zero_keywords() - set(taken)))})")
+            raise TypeError(
+                f"{where} got an unexpected keyword {k}=: it takes the framework's "
+                f"own arguments plus stage= and ZeroAdamW's keywords "
+                f"({', '.join(sorted(zero_keywords() - set(taken)))})"
+            )
 
 
 def full_state_dict(opt: ZeroAdamW | None, module: nn.Module) -> dict[str, torch.Tensor]:
@@ -47,7 +55,6 @@ def full_state_dict(opt: ZeroAdamW | None, module: nn.Module) -> dict[str, torch
     call it on every rank. Stage 3's state-dict hooks gather unit by unit
     (fusedzero/_model_state_dict.py); stages 1-2 wait for the param all-gather in flight."""
     shards_params = opt is not None and opt.stage.shards_params
-    ctx = (contextlib.nullcontext() if opt is None or shards_params
-           else opt.gathered_params())
+    ctx = contextlib.nullcontext() if opt is None or shards_params else opt.gathered_params()
     with ctx:
         return module.state_dict()

@@ -37,6 +37,7 @@ ZeroAdamW in `optimizers=`. The optimizer is prepared without device placement t
 trip ZeroAdamW's state dict); the Trainer's clipping and norm are left to ZeroAdamW's step. The
 dataloaders are still sharded per rank by Accelerate, as with DDP.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -53,9 +54,11 @@ from fusedzero.optim import ZeroAdamW
 
 transformers = import_framework("transformers", "hf", "fusedzero.integrations.hf")
 if not all(hasattr(transformers.Trainer, m) for m in ("_clip_grad_norm", "_get_grad_norm")):
-    raise ImportError(f"fusedzero.integrations.hf needs transformers>=5.24 (its Trainer's "
-                      f"_clip_grad_norm/_get_grad_norm), found {transformers.__version__}; "
-                      f"pip install 'fusedzero[hf]'")
+    raise ImportError(
+        f"fusedzero.integrations.hf needs transformers>=5.24 (its Trainer's "
+        f"_clip_grad_norm/_get_grad_norm), found {transformers.__version__}; "
+        f"pip install 'fusedzero[hf]'"
+    )
 
 __all__ = ["ZERO_DIR", "ZeroTrainer"]
 
@@ -64,13 +67,15 @@ ZERO_DIR = "zero"
 _SCHEDULER = "scheduler.pt"  # the Trainer's own name for its scheduler state
 
 # ZeroAdamW keywords ZeroTrainer sets itself, and where each comes from.
-_TAKEN = {"params": "the model (the Trainer's param groups)",
-          "module": "the model",
-          "lr": "TrainingArguments(learning_rate=...)",
-          "betas": "TrainingArguments(adam_beta1=..., adam_beta2=...)",
-          "eps": "TrainingArguments(adam_epsilon=...)",
-          "weight_decay": "TrainingArguments(weight_decay=...)",
-          "max_grad_norm": "TrainingArguments(max_grad_norm=...)"}
+_TAKEN = {
+    "params": "the model (the Trainer's param groups)",
+    "module": "the model",
+    "lr": "TrainingArguments(learning_rate=...)",
+    "betas": "TrainingArguments(adam_beta1=..., adam_beta2=...)",
+    "eps": "TrainingArguments(adam_epsilon=...)",
+    "weight_decay": "TrainingArguments(weight_decay=...)",
+    "max_grad_norm": "TrainingArguments(max_grad_norm=...)",
+}
 
 
 class ZeroTrainer(transformers.Trainer):
@@ -96,28 +101,34 @@ class ZeroTrainer(transformers.Trainer):
         super().__init__(*args, **kwargs)
         clip = _max_grad_norm(self.args)
         if self.zero_optimizer is not None and self.zero_optimizer.max_grad_norm != clip:
-            raise ValueError(f"ZeroTrainer got a ZeroAdamW with max_grad_norm="
-                             f"{self.zero_optimizer.max_grad_norm} and TrainingArguments("
-                             f"max_grad_norm={self.args.max_grad_norm}): the ZeroAdamW clips; "
-                             f"give both the same value (0 in the arguments for None)")
+            raise ValueError(
+                f"ZeroTrainer got a ZeroAdamW with max_grad_norm="
+                f"{self.zero_optimizer.max_grad_norm} and TrainingArguments("
+                f"max_grad_norm={self.args.max_grad_norm}): the ZeroAdamW clips; "
+                f"give both the same value (0 in the arguments for None)"
+            )
 
     # -- the model and optimizer as Accelerate prepares them ---------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         """See [Note: the Trainer without DDP]."""
         super().create_accelerator_and_postprocess()
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
-            raise ValueError("ZeroTrainer cannot run under Accelerate's DeepSpeed or FSDP plugin "
-                             "(an `accelerate launch` config): ZeroAdamW shards the model itself; "
-                             "launch with torchrun or `accelerate launch` without them")
+            raise ValueError(
+                "ZeroTrainer cannot run under Accelerate's DeepSpeed or FSDP plugin "
+                "(an `accelerate launch` config): ZeroAdamW shards the model itself; "
+                "launch with torchrun or `accelerate launch` without them"
+            )
         acc = self.accelerator
         prepare_model, prepare_optimizer = acc.prepare_model, acc.prepare_optimizer
 
-        def model_without_wrapper(model: nn.Module, device_placement: bool | None = None,
-                                  evaluation_mode: bool = False) -> nn.Module:
+        def model_without_wrapper(
+            model: nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+        ) -> nn.Module:
             return prepare_model(model, device_placement=False, evaluation_mode=True)
 
-        def optimizer_in_place(optimizer: torch.optim.Optimizer,
-                               device_placement: bool | None = None) -> Any:
+        def optimizer_in_place(
+            optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+        ) -> Any:
             return prepare_optimizer(optimizer, device_placement=False)
 
         def no_sync(model: nn.Module) -> contextlib.AbstractContextManager[None]:
@@ -143,18 +154,27 @@ class ZeroTrainer(transformers.Trainer):
             model = self.model if model is None else model
             decay = set(self.get_decay_parameter_names(model))
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            groups = [{"params": [p for n, p in named if n in decay],
-                       "weight_decay": self.args.weight_decay},
-                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+            groups = [
+                {
+                    "params": [p for n, p in named if n in decay],
+                    "weight_decay": self.args.weight_decay,
+                },
+                {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+            ]
             a = self.args
             if hasattr(model, "num_parameters"):
                 self._dense_params = model.num_parameters(exclude_embeddings=True)
             self.zero_optimizer = ZeroAdamW(
-                [g for g in groups if g["params"]], lr=a.learning_rate,
-                betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon,
-                weight_decay=a.weight_decay, stage=self.zero_stage, module=model,
+                [g for g in groups if g["params"]],
+                lr=a.learning_rate,
+                betas=(a.adam_beta1, a.adam_beta2),
+                eps=a.adam_epsilon,
+                weight_decay=a.weight_decay,
+                stage=self.zero_stage,
+                module=model,
                 max_grad_norm=_max_grad_norm(a),
-                **self.zero_kwargs)
+                **self.zero_kwargs,
+            )
             self.optimizer = self.zero_optimizer
         return self.optimizer
 
@@ -173,8 +193,9 @@ class ZeroTrainer(transformers.Trainer):
     def _get_grad_norm(self, model: nn.Module, grad_norm: Any = None) -> None:
         return None  # known after the step: see _maybe_log_save_evaluate
 
-    def _maybe_log_save_evaluate(self, tr_loss: torch.Tensor, grad_norm: Any, *args: Any,
-                                 **kwargs: Any) -> None:
+    def _maybe_log_save_evaluate(
+        self, tr_loss: torch.Tensor, grad_norm: Any, *args: Any, **kwargs: Any
+    ) -> None:
         """The logged `grad_norm` is the last step's norm before clipping, `opt.grad_norm`."""
         if self.zero_optimizer is not None and self.state.global_step > 0:
             grad_norm = self.zero_optimizer.grad_norm.detach().clone()
@@ -193,8 +214,9 @@ class ZeroTrainer(transformers.Trainer):
         """Our sharded checkpoint in `output_dir/zero/` (every rank writes its shard), the
         scheduler as the Trainer saves it."""
         assert self.zero_optimizer is not None
-        checkpoint.save(self.zero_optimizer, os.path.join(output_dir, ZERO_DIR),
-                        step=self.state.global_step)
+        checkpoint.save(
+            self.zero_optimizer, os.path.join(output_dir, ZERO_DIR), step=self.state.global_step
+        )
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
 
@@ -209,7 +231,8 @@ class ZeroTrainer(transformers.Trainer):
             raise FileNotFoundError(
                 f"{resume_from} has no {ZERO_DIR}/ folder: it was not saved by ZeroTrainer (a "
                 f"plain Trainer checkpoint holds a torch optimizer state); resume from a "
-                f"ZeroTrainer checkpoint, or load its weights with from_pretrained and start anew")
+                f"ZeroTrainer checkpoint, or load its weights with from_pretrained and start anew"
+            )
         checkpoint.load(self.zero_optimizer, zero_dir, restore_rng=False)
         sched = os.path.join(resume_from, _SCHEDULER)
         if os.path.isfile(sched):
@@ -224,31 +247,45 @@ def _max_grad_norm(args: Any) -> float | None:
 def _refuse_optimizers(kwargs: dict[str, Any]) -> None:
     opt, _ = kwargs.get("optimizers") or (None, None)
     if opt is not None and not isinstance(opt, ZeroAdamW):
-        raise TypeError(f"ZeroTrainer got optimizers=({type(opt).__name__}, ...): it builds "
-                        f"ZeroAdamW from TrainingArguments; leave optimizers= out (or pass a "
-                        f"ZeroAdamW built with module=model)")
+        raise TypeError(
+            f"ZeroTrainer got optimizers=({type(opt).__name__}, ...): it builds "
+            f"ZeroAdamW from TrainingArguments; leave optimizers= out (or pass a "
+            f"ZeroAdamW built with module=model)"
+        )
     if kwargs.get("optimizer_cls_and_kwargs") is not None:
-        raise TypeError("ZeroTrainer got optimizer_cls_and_kwargs=: it builds ZeroAdamW; pass "
-                        "ZeroAdamW keywords to ZeroTrainer itself (e.g. sharding=Sharding(...))")
+        raise TypeError(
+            "ZeroTrainer got optimizer_cls_and_kwargs=: it builds ZeroAdamW; pass "
+            "ZeroAdamW keywords to ZeroTrainer itself (e.g. sharding=Sharding(...))"
+        )
 
 
 def _check_args(args: Any) -> None:
     """One line for each TrainingArguments setting ZeroTrainer cannot honour."""
     if args.deepspeed:
-        raise ValueError(f"ZeroTrainer got TrainingArguments(deepspeed={args.deepspeed!r}): "
-                         f"ZeroAdamW shards the model itself; leave deepspeed= out (stage= is "
-                         f"ZeroTrainer's)")
+        raise ValueError(
+            f"ZeroTrainer got TrainingArguments(deepspeed={args.deepspeed!r}): "
+            f"ZeroAdamW shards the model itself; leave deepspeed= out (stage= is "
+            f"ZeroTrainer's)"
+        )
     if args.fsdp:
-        raise ValueError(f"ZeroTrainer got TrainingArguments(fsdp={args.fsdp!r}): ZeroAdamW "
-                         f"shards the model itself; leave fsdp= out and pass stage=3 to "
-                         f"ZeroTrainer for sharded params")
+        raise ValueError(
+            f"ZeroTrainer got TrainingArguments(fsdp={args.fsdp!r}): ZeroAdamW "
+            f"shards the model itself; leave fsdp= out and pass stage=3 to "
+            f"ZeroTrainer for sharded params"
+        )
     if args.fp16:
-        raise ValueError("ZeroTrainer got TrainingArguments(fp16=True): the Trainer's grad scaler "
-                         "reads .grad, which ZeroAdamW keeps in its buffers; use bf16=True")
+        raise ValueError(
+            "ZeroTrainer got TrainingArguments(fp16=True): the Trainer's grad scaler "
+            "reads .grad, which ZeroAdamW keeps in its buffers; use bf16=True"
+        )
     optim = str(getattr(args.optim, "value", args.optim))
     if "adamw" not in optim.lower():
-        raise ValueError(f"ZeroTrainer got TrainingArguments(optim={optim!r}): it trains with "
-                         f"ZeroAdamW; leave optim= at an AdamW (the default)")
+        raise ValueError(
+            f"ZeroTrainer got TrainingArguments(optim={optim!r}): it trains with "
+            f"ZeroAdamW; leave optim= at an AdamW (the default)"
+        )
     if args.n_gpu > 1:
-        raise ValueError(f"ZeroTrainer sees {args.n_gpu} GPUs in one process (the Trainer would "
-                         f"use nn.DataParallel): launch one process per GPU with torchrun")
+        raise ValueError(
+            f"ZeroTrainer sees {args.n_gpu} GPUs in one process (the Trainer would "
+            f"use nn.DataParallel): launch one process per GPU with torchrun"
+        )

@@ -32,6 +32,7 @@ AdamW's param groups with their hyper-parameters (and `initial_lr`, which schedu
 defaults, the Trainer's clipping. The AdamW never steps; its lr schedulers are re-pointed at the
 ZeroAdamW (`scheduler.optimizer`), where they keep writing each group's lr.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -57,14 +58,16 @@ __all__ = ["META_FILE", "ZeroStrategy"]
 META_FILE = "lightning.pt"  # in a checkpoint folder: what Lightning saves besides params and state
 
 # The ZeroAdamW keywords the strategy sets itself, and where each comes from.
-_TAKEN = {"params": "configure_optimizers (the AdamW's param groups)",
-          "module": "the LightningModule",
-          "lr": "configure_optimizers (the AdamW's lr)",
-          "betas": "configure_optimizers (the AdamW's betas)",
-          "eps": "configure_optimizers (the AdamW's eps)",
-          "weight_decay": "configure_optimizers (the AdamW's weight_decay)",
-          "maximize": "configure_optimizers (the AdamW's maximize)",
-          "max_grad_norm": "Trainer(gradient_clip_val=...)"}
+_TAKEN = {
+    "params": "configure_optimizers (the AdamW's param groups)",
+    "module": "the LightningModule",
+    "lr": "configure_optimizers (the AdamW's lr)",
+    "betas": "configure_optimizers (the AdamW's betas)",
+    "eps": "configure_optimizers (the AdamW's eps)",
+    "weight_decay": "configure_optimizers (the AdamW's weight_decay)",
+    "maximize": "configure_optimizers (the AdamW's maximize)",
+    "max_grad_norm": "Trainer(gradient_clip_val=...)",
+}
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize", "initial_lr")
 
 
@@ -91,13 +94,17 @@ class ZeroStrategy(DDPStrategy):
 
     def setup(self, trainer: L.Trainer) -> None:
         if type(self.precision_plugin) is not Precision:
-            raise ValueError(f"ZeroStrategy runs precision='32-true' (got "
-                             f"{type(self.precision_plugin).__name__}); for bf16 params pass "
-                             "ZeroStrategy(precision=fusedzero.Precision("
-                             "param_dtype=torch.bfloat16))")
+            raise ValueError(
+                f"ZeroStrategy runs precision='32-true' (got "
+                f"{type(self.precision_plugin).__name__}); for bf16 params pass "
+                "ZeroStrategy(precision=fusedzero.Precision("
+                "param_dtype=torch.bfloat16))"
+            )
         if trainer.gradient_clip_algorithm not in (None, "norm"):
-            raise ValueError(f"ZeroStrategy clips by norm only (gradient_clip_algorithm="
-                             f"{trainer.gradient_clip_algorithm!r}); use 'norm'")
+            raise ValueError(
+                f"ZeroStrategy clips by norm only (gradient_clip_algorithm="
+                f"{trainer.gradient_clip_algorithm!r}); use 'norm'"
+            )
         self._max_grad_norm = trainer.gradient_clip_val or None
         super().setup(trainer)
         # Clipping happens in ZeroAdamW's step (max_grad_norm); Lightning's own clip would read
@@ -109,15 +116,19 @@ class ZeroStrategy(DDPStrategy):
         super().setup_optimizers(trainer)
         lm = self.lightning_module
         if not lm.automatic_optimization:
-            raise ValueError("ZeroStrategy needs automatic optimization (ZeroAdamW's step runs "
-                             "where Lightning's does); manual optimization is not supported")
+            raise ValueError(
+                "ZeroStrategy needs automatic optimization (ZeroAdamW's step runs "
+                "where Lightning's does); manual optimization is not supported"
+            )
         old = self.optimizers[0]
         clip = self._max_grad_norm
         if isinstance(old, ZeroAdamW) and clip is not None and clip != old.max_grad_norm:
-            raise ValueError(f"configure_optimizers returned a ZeroAdamW with max_grad_norm="
-                             f"{old.max_grad_norm} but Trainer(gradient_clip_val={clip}): the "
-                             f"ZeroAdamW clips; pass max_grad_norm={clip} to it, or leave "
-                             f"gradient_clip_val out")
+            raise ValueError(
+                f"configure_optimizers returned a ZeroAdamW with max_grad_norm="
+                f"{old.max_grad_norm} but Trainer(gradient_clip_val={clip}): the "
+                f"ZeroAdamW clips; pass max_grad_norm={clip} to it, or leave "
+                f"gradient_clip_val out"
+            )
         self.zero_optimizer = old if isinstance(old, ZeroAdamW) else self._to_zero(old)
         self.optimizers = [self.zero_optimizer]
         for cfg in self.lr_scheduler_configs:
@@ -125,19 +136,32 @@ class ZeroStrategy(DDPStrategy):
 
     def _to_zero(self, opt: torch.optim.Optimizer) -> ZeroAdamW:
         if type(opt) is not torch.optim.AdamW:
-            raise TypeError(f"ZeroStrategy turns a torch.optim.AdamW from configure_optimizers "
-                            f"into ZeroAdamW; got {type(opt).__module__}.{type(opt).__name__}: "
-                            f"return torch.optim.AdamW (or a ZeroAdamW) instead")
+            raise TypeError(
+                f"ZeroStrategy turns a torch.optim.AdamW from configure_optimizers "
+                f"into ZeroAdamW; got {type(opt).__module__}.{type(opt).__name__}: "
+                f"return torch.optim.AdamW (or a ZeroAdamW) instead"
+            )
         if any(g.get("amsgrad") for g in opt.param_groups):
-            raise ValueError("ZeroStrategy: AdamW(amsgrad=True) has no ZeroAdamW counterpart; "
-                             "drop amsgrad")
-        groups = [{"params": g["params"], **{k: g[k] for k in _GROUP_KEYS if k in g}}
-                  for g in opt.param_groups]
+            raise ValueError(
+                "ZeroStrategy: AdamW(amsgrad=True) has no ZeroAdamW counterpart; drop amsgrad"
+            )
+        groups = [
+            {"params": g["params"], **{k: g[k] for k in _GROUP_KEYS if k in g}}
+            for g in opt.param_groups
+        ]
         d = opt.defaults
-        return ZeroAdamW(groups, lr=d["lr"], betas=d["betas"], eps=d["eps"],
-                         weight_decay=d["weight_decay"], maximize=d.get("maximize", False),
-                         stage=self.zero_stage, module=self.lightning_module,
-                         max_grad_norm=self._max_grad_norm, **self.zero_kwargs)
+        return ZeroAdamW(
+            groups,
+            lr=d["lr"],
+            betas=d["betas"],
+            eps=d["eps"],
+            weight_decay=d["weight_decay"],
+            maximize=d.get("maximize", False),
+            stage=self.zero_stage,
+            module=self.lightning_module,
+            max_grad_norm=self._max_grad_norm,
+            **self.zero_kwargs,
+        )
 
     # -- steps: through the module's own __call__, so its forward hooks run -------------------
     # (stage 3 gathers the params outside units in the root module's forward pre-hook; the end
@@ -181,22 +205,25 @@ class ZeroStrategy(DDPStrategy):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return {}  # the sharded checkpoint holds it (save_checkpoint)
 
-    def save_checkpoint(self, checkpoint_dict: dict[str, Any], filepath: Any,
-                        storage_options: Any = None) -> None:
+    def save_checkpoint(
+        self, checkpoint_dict: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
         """`filepath` becomes a folder: our sharded checkpoint (every rank writes its shard) and
         `lightning.pt` (rank 0: everything else Lightning saves, buffers included)."""
         opt = self._live_optimizer()
         if opt is None:
-            raise RuntimeError("ZeroStrategy saves checkpoints while fitting (its optimizer holds "
-                               "the params); after fit, save the module's state_dict yourself")
+            raise RuntimeError(
+                "ZeroStrategy saves checkpoints while fitting (its optimizer holds "
+                "the params); after fit, save the module's state_dict yourself"
+            )
         path = os.fspath(filepath)
         checkpoint.save(opt, path, step=int(checkpoint_dict.get("global_step", 0)), keep_last=1)
         if self.is_global_zero:
-            params = {n for n, _ in self.lightning_module.named_parameters(
-                remove_duplicate=False)}
+            params = {n for n, _ in self.lightning_module.named_parameters(remove_duplicate=False)}
             meta = dict(checkpoint_dict)
-            meta["state_dict"] = {k: v for k, v in checkpoint_dict.get("state_dict", {}).items()
-                                  if k not in params}
+            meta["state_dict"] = {
+                k: v for k, v in checkpoint_dict.get("state_dict", {}).items() if k not in params
+            }
             meta["optimizer_states"] = [{"fusedzero": "sharded, in this folder"}]
             torch.save(meta, os.path.join(path, META_FILE))
 
@@ -208,8 +235,9 @@ class ZeroStrategy(DDPStrategy):
     def lightning_restore_optimizer(self) -> bool:
         return False  # load_checkpoint did
 
-    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None
-                        ) -> dict[str, Any]:
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
         """Fitting: params, moments, step and hyper-parameters into ZeroAdamW (any world size and
         stage); returns what Lightning restores itself (loops, callbacks, schedulers, buffers).
         Validating, testing, predicting (no optimizer, the module whole): the full weights go
@@ -217,9 +245,11 @@ class ZeroStrategy(DDPStrategy):
         path = os.fspath(checkpoint_path)
         meta_file = os.path.join(path, META_FILE)
         if not os.path.isfile(meta_file):
-            raise FileNotFoundError(f"{path} is not a ZeroStrategy checkpoint (a folder with "
-                                    f"{META_FILE}); pass one that trainer.save_checkpoint or "
-                                    f"ModelCheckpoint wrote under ZeroStrategy")
+            raise FileNotFoundError(
+                f"{path} is not a ZeroStrategy checkpoint (a folder with "
+                f"{META_FILE}); pass one that trainer.save_checkpoint or "
+                f"ModelCheckpoint wrote under ZeroStrategy"
+            )
         meta = torch.load(meta_file, map_location="cpu", weights_only=bool(weights_only))
         opt = self._live_optimizer()
         if opt is None:
@@ -231,8 +261,9 @@ class ZeroStrategy(DDPStrategy):
 
     def load_model_state_dict(self, checkpoint_dict: Any, strict: bool = True) -> None:
         # Fitting: the params came with load_checkpoint and this dict holds the buffers.
-        self.lightning_module.load_state_dict(checkpoint_dict["state_dict"],
-                                              strict=strict and self._live_optimizer() is None)
+        self.lightning_module.load_state_dict(
+            checkpoint_dict["state_dict"], strict=strict and self._live_optimizer() is None
+        )
 
     def load_optimizer_state_dict(self, checkpoint_dict: Any) -> None:
         pass  # load_checkpoint restored ZeroAdamW

@@ -14,6 +14,7 @@ forks of the command instead of children of a fork server that imports the train
 The console script itself, its fork server and a killed launcher are tested by tests/app/
 (test_entry, test_train, test_lifecycle), which start it as users do.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 # The client: plain standard library (python -S skips site-packages), so it starts in ~20 ms.
-CLIENT = r'''#!{python} -S
+CLIENT = r"""#!{python} -S
 import json, os, signal, socket, struct, sys
 s = socket.socket(socket.AF_UNIX)
 s.connect({sock!r})
@@ -41,18 +42,20 @@ for sig in (signal.SIGINT, signal.SIGTERM):
     signal.signal(sig, lambda n, _: os.kill(pid, n))
 line = f.readline()
 sys.exit(int(line) if line else 1)  # no status: the command was killed
-'''
+"""
 
 
 class CliServer:
     """The server process and the folder holding its `fusedzero` client."""
 
-    def __init__(self, folder: Path, env: dict[str, str] | None = None,
-                 timeout_s: float = 120.0) -> None:
+    def __init__(
+        self, folder: Path, env: dict[str, str] | None = None, timeout_s: float = 120.0
+    ) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         sock = folder / "cli.sock"
-        self.proc = subprocess.Popen([sys.executable, __file__, str(sock)],
-                                     stdin=subprocess.DEVNULL, env=env)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, str(sock)], stdin=subprocess.DEVNULL, env=env
+        )
         deadline = time.monotonic() + timeout_s
         while not sock.exists():
             if self.proc.poll() is not None or time.monotonic() > deadline:
@@ -77,6 +80,7 @@ def _serve(path: str) -> None:
     import fusedzero._spawn
     import fusedzero.app.cli
     import fusedzero.app.loop  # noqa: F401
+
     # Ranks are forks of the command, which has everything imported (see the module docstring).
     fusedzero._spawn.forkserver = lambda preload: mp.get_context("fork")
     srv = socket.socket(socket.AF_UNIX)
@@ -91,7 +95,7 @@ def _serve(path: str) -> None:
             data += conn.recv(1 << 16)
         if os.fork() == 0:
             srv.close()
-            _run(conn, fds, json.loads(data[4:4 + n]), fusedzero.app.cli.main)
+            _run(conn, fds, json.loads(data[4 : 4 + n]), fusedzero.app.cli.main)
         conn.close()
         for fd in fds:
             os.close(fd)
@@ -102,8 +106,7 @@ def _serve(path: str) -> None:
             pass
 
 
-def _run(conn: socket.socket, fds: list[int], req: dict, main: Callable[[list[str]], int]
-         ) -> None:
+def _run(conn: socket.socket, fds: list[int], req: dict, main: Callable[[list[str]], int]) -> None:
     """In the fork: the client's stdio, folder and environment, then the command."""
     for target, fd in enumerate(fds):
         os.dup2(fd, target)

@@ -1,6 +1,7 @@
 """Issue 40's GPU evidence, proven on CPU: the step rows' systems and the update's memory-traffic
 limit (bench/gpu/shape_systems.py), the targets report.py judges them by, the parity and graph
 checks' noise floor (bench/gpu/multi.py), and `bash bench/gpu/lease.sh --dry-run` end to end."""
+
 from __future__ import annotations
 
 import gc
@@ -34,16 +35,31 @@ def _gpu_script(name: str) -> ModuleType:
 def test_shapes_are_the_issue_shapes_and_the_limit_counts_the_kernels_bytes() -> None:
     sh = _gpu_script("shape_systems")
     gpt2, llama = sh.shape("gpt2-124m"), sh.shape("llama-255m")
-    assert (gpt2.config.n_layer, gpt2.config.n_embd, gpt2.config.vocab_size,
-            gpt2.config.block_size, gpt2.batch) == (12, 768, 50257, 1024, 8)
-    assert (llama.config.n_layer, llama.config.n_embd, llama.config.n_kv_head,
-            llama.config.vocab_size, llama.batch) == (16, 1024, 8, 32000, 8)
+    assert (
+        gpt2.config.n_layer,
+        gpt2.config.n_embd,
+        gpt2.config.vocab_size,
+        gpt2.config.block_size,
+        gpt2.batch,
+    ) == (12, 768, 50257, 1024, 8)
+    assert (
+        llama.config.n_layer,
+        llama.config.n_embd,
+        llama.config.n_kv_head,
+        llama.config.vocab_size,
+        llama.batch,
+    ) == (16, 1024, 8, 32000, 8)
     with torch.device("meta"):
         assert sum(p.numel() for p in sh.GPT(gpt2.config).parameters()) == 124_412_160
         assert sum(p.numel() for p in sh.GPT(llama.config).parameters()) == 255_412_224
     # fp32 master r+w, fp32 grad r, both moments r+w, bf16 param w: the kernel's own count.
-    assert sh.update_streams() == {"master": 8.0, "grad": 4.0, "exp_avg": 8.0,
-                                   "exp_avg_sq": 8.0, "out": 2.0}
+    assert sh.update_streams() == {
+        "master": 8.0,
+        "grad": 4.0,
+        "exp_avg": 8.0,
+        "exp_avg_sq": 8.0,
+        "out": 2.0,
+    }
     rec = sh.traffic_limit(1000, torch.device("cpu"))
     assert rec["bytes_per_param"] == 30.0 and rec["bytes"] == 30_000
     assert rec["limit_s"] == pytest.approx(30_000 / (rec["copy_gbps"] * 1e9))
@@ -61,29 +77,47 @@ def test_rounds_rotate_systems_and_keep_the_collector_out_of_them() -> None:
 
     def step(name: str):
         return lambda: calls.append((name, gc.isenabled()))
-    times = so.time_rounds({n: step(n) for n in "abc"}, torch.device("cpu"), rounds=3,
-                           steps_per_round=2, warmup=1,
-                           after_round=lambda t: seen.append(len(t["c"])))
-    assert [n for n, _ in calls] == list("abc") + list("aabbcc") + list("bbccaa") \
-        + list("ccaabb")  # warm-up, then round r starts at system r mod 3
+
+    times = so.time_rounds(
+        {n: step(n) for n in "abc"},
+        torch.device("cpu"),
+        rounds=3,
+        steps_per_round=2,
+        warmup=1,
+        after_round=lambda t: seen.append(len(t["c"])),
+    )
+    assert [n for n, _ in calls] == list("abc") + list("aabbcc") + list("bbccaa") + list(
+        "ccaabb"
+    )  # warm-up, then round r starts at system r mod 3
     assert [on for _, on in calls[3:]] == [False] * 18 and gc.isenabled()
     assert seen == [1, 2, 3] and {n: len(t) for n, t in times.items()} == dict.fromkeys("abc", 3)
     assert so.row_stats([1.0, 3.0, 2.0])["range_over_median"] == 1.0
 
 
 def _rows(**ms: float) -> list[dict[str, object]]:
-    return [{"system": k.replace("_", "-"), "median_s": v * 1e-3, "range_over_median": 0.02}
-            for k, v in ms.items()]
+    return [
+        {"system": k.replace("_", "-"), "median_s": v * 1e-3, "range_over_median": 0.02}
+        for k, v in ms.items()
+    ]
 
 
 def test_step_rows_targets_are_judged_as_issue_40_states() -> None:
     report = _gpu_script("report")
     # bare 20 ms, limit 1 ms: stages 0-2 pass at <= 21.2 ms; stage 3 at <= stage 2 + 1 ms.
-    rows = _rows(bare=20.0, fusedzero_0=21.2, fusedzero_1=21.3, fusedzero_2=21.0,
-                 fusedzero_3=22.1, ddp_autocast=21.25, fsdp2=30.0, fsdp2_keep=21.1)
+    rows = _rows(
+        bare=20.0,
+        fusedzero_0=21.2,
+        fusedzero_1=21.3,
+        fusedzero_2=21.0,
+        fusedzero_3=22.1,
+        ddp_autocast=21.25,
+        fsdp2=30.0,
+        fsdp2_keep=21.1,
+    )
     rows[0]["range_over_median"] = 0.11
-    checks = {c.what: c.met for c in report.step_rows_checks(
-        {"rows": rows, "traffic": {"limit_s": 1e-3}})}
+    checks = {
+        c.what: c.met for c in report.step_rows_checks({"rows": rows, "traffic": {"limit_s": 1e-3}})
+    }
     assert checks == {
         "stage 0 total <= bare + 1.2 x limit": True,
         "stage 0 faster than ddp-autocast": True,
@@ -103,16 +137,35 @@ def test_step_rows_targets_are_judged_as_issue_40_states() -> None:
 
 def test_step_rows_section_states_the_limit_formula_with_its_numbers() -> None:
     report = _gpu_script("report")
-    rows = [dict(r, min_s=r["median_s"], max_s=r["median_s"], note="n")
-            for r in _rows(bare=20.0, fusedzero_2=21.0)]
-    d = {"shape": "gpt2-124m", "batch": 8, "clip": 1.0, "rounds": 7, "rounds_done": 3,
-         "steps_per_round": 10, "warmup": 5, "device": "H", "torch": "t", "rows": rows,
-         "model": {"n_layer": 12, "n_embd": 768, "vocab_size": 50257, "block_size": 1024},
-         "traffic": {"params": 1000, "bytes_per_param": 30.0, "copy_gbps": 4000.0,
-                     "limit_s": 7.5e-9, "streams": {"master": 8.0, "grad": 4.0}}}
+    rows = [
+        dict(r, min_s=r["median_s"], max_s=r["median_s"], note="n")
+        for r in _rows(bare=20.0, fusedzero_2=21.0)
+    ]
+    d = {
+        "shape": "gpt2-124m",
+        "batch": 8,
+        "clip": 1.0,
+        "rounds": 7,
+        "rounds_done": 3,
+        "steps_per_round": 10,
+        "warmup": 5,
+        "device": "H",
+        "torch": "t",
+        "rows": rows,
+        "model": {"n_layer": 12, "n_embd": 768, "vocab_size": 50257, "block_size": 1024},
+        "traffic": {
+            "params": 1000,
+            "bytes_per_param": 30.0,
+            "copy_gbps": 4000.0,
+            "limit_s": 7.5e-9,
+            "streams": {"master": 8.0, "grad": 4.0},
+        },
+    }
     text = report.step_rows_section([d])
-    assert ("= 1,000 x 30 B (master 8 + grad 4) / 4000 GB/s = 0.000 ms" in text
-            and "3 (of 7: cut short) interleaved rounds" in text)
+    assert (
+        "= 1,000 x 30 B (master 8 + grad 4) / 4000 GB/s = 0.000 ms" in text
+        and "3 (of 7: cut short) interleaved rounds" in text
+    )
     assert "| fusedzero-2 | 21.00 | 21.00-21.00 | 2.0% | 1.050 | 1.00 | n |" in text
 
 
@@ -120,20 +173,48 @@ def test_cuda_only_results_render_beside_their_controls(tmp_path: Path) -> None:
     """What only a GPU writes (the graph check's rows, the graph step rows) renders; the dry
     run cannot show it."""
     report = _gpu_script("report")
-    graph = {"system": "fusedzero-2", "attention": "default", "replays": 5,
-             "max_abs_diff_vs_eager": 1.95e-4, "control_max_abs_diff_eager_vs_eager": 1e-4,
-             "tolerance": 3e-4, "ok_bit_exact": False, "ok": True}
-    (tmp_path / "multi_w1.json").write_text(json.dumps(
-        {"world_size": 1, "graph": [graph], "errors": {}}))
-    rows = [dict(r, min_s=r["median_s"], max_s=r["median_s"], note="n", times_s=[])
-            for r in _rows(bare=20.0, bare_graph=19.0)]
+    graph = {
+        "system": "fusedzero-2",
+        "attention": "default",
+        "replays": 5,
+        "max_abs_diff_vs_eager": 1.95e-4,
+        "control_max_abs_diff_eager_vs_eager": 1e-4,
+        "tolerance": 3e-4,
+        "ok_bit_exact": False,
+        "ok": True,
+    }
+    (tmp_path / "multi_w1.json").write_text(
+        json.dumps({"world_size": 1, "graph": [graph], "errors": {}})
+    )
+    rows = [
+        dict(r, min_s=r["median_s"], max_s=r["median_s"], note="n", times_s=[])
+        for r in _rows(bare=20.0, bare_graph=19.0)
+    ]
     rows[1]["system"] = "bare+graph"
-    (tmp_path / "step_graph_gpt2-124m.json").write_text(json.dumps(
-        {"shape": "gpt2-124m", "batch": 8, "clip": 1.0, "rounds": 7, "steps_per_round": 10,
-         "warmup": 5, "device": "H", "torch": "t", "rows": rows, "errors": {},
-         "model": {"n_layer": 12, "n_embd": 768, "vocab_size": 50257, "block_size": 1024},
-         "traffic": {"params": 1, "bytes_per_param": 30.0, "copy_gbps": 1.0, "limit_s": 1.0,
-                     "streams": {"master": 8.0}}}))
+    (tmp_path / "step_graph_gpt2-124m.json").write_text(
+        json.dumps(
+            {
+                "shape": "gpt2-124m",
+                "batch": 8,
+                "clip": 1.0,
+                "rounds": 7,
+                "steps_per_round": 10,
+                "warmup": 5,
+                "device": "H",
+                "torch": "t",
+                "rows": rows,
+                "errors": {},
+                "model": {"n_layer": 12, "n_embd": 768, "vocab_size": 50257, "block_size": 1024},
+                "traffic": {
+                    "params": 1,
+                    "bytes_per_param": 30.0,
+                    "copy_gbps": 1.0,
+                    "limit_s": 1.0,
+                    "streams": {"master": 8.0},
+                },
+            }
+        )
+    )
     text = report.render(tmp_path)
     assert "| 1 | fusedzero-2 | default | 5 | 1.95e-04 | 1.00e-04 | 3.00e-04 | no | ok |" in text
     assert "| bare+graph | 19.00 |" in text
@@ -151,10 +232,19 @@ def test_noise_verdict_is_k_times_the_control_above_the_floor() -> None:
 def _lease_dry_run(out: Path, timeout: float, **env: str) -> None:
     """`bash bench/gpu/lease.sh --dry-run OUT` with `env` added; it must exit 0."""
     # `python` on PATH is this interpreter (the venv), as docs/gpu.md runs it.
-    env = dict(os.environ, PYTHON=sys.executable, **env,
-               PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]))
-    proc = subprocess.run(["bash", str(ROOT / "bench/gpu/lease.sh"), "--dry-run", str(out)],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    env = dict(
+        os.environ,
+        PYTHON=sys.executable,
+        **env,
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ["PATH"]]),
+    )
+    proc = subprocess.run(
+        ["bash", str(ROOT / "bench/gpu/lease.sh"), "--dry-run", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -162,8 +252,11 @@ def test_lease_skips_what_its_budget_has_no_room_for(tmp_path: Path) -> None:
     out = tmp_path / "r"
     _lease_dry_run(out, 120, FUSEDZERO_LEASE_S="0")
     assert sorted(p.name for p in out.glob("*.skipped")) == [
-        "controls_default.skipped", "controls_math.skipped", "step_gpt2.skipped",
-        "step_llama.skipped"]
+        "controls_default.skipped",
+        "controls_math.skipped",
+        "step_gpt2.skipped",
+        "step_llama.skipped",
+    ]
     assert "| step_gpt2 | skipped | 0 |" in (out / "REPORT.md").read_text()
 
 
@@ -173,8 +266,11 @@ def test_lease_cuts_a_piece_at_its_time_limit(tmp_path: Path) -> None:
     _lease_dry_run(out, 300, FUSEDZERO_RUN_TIMEOUT="1")
     lines = [ln.split("\t") for ln in (out / "lease.tsv").read_text().splitlines()]
     assert [(name, rc) for name, rc, _ in lines] == [
-        ("step_gpt2", "124"), ("step_llama", "124"), ("controls_default", "124"),
-        ("controls_math", "124")]
+        ("step_gpt2", "124"),
+        ("step_llama", "124"),
+        ("controls_default", "124"),
+        ("controls_math", "124"),
+    ]
     assert all(int(s) <= 8 for _, _, s in lines), lines  # 1 s, then SIGKILL 5 s later
 
 
@@ -182,19 +278,29 @@ def test_lease_cuts_a_piece_at_its_time_limit(tmp_path: Path) -> None:
 def test_lease_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "r"
     _lease_dry_run(out, 900)
-    assert not list(out.glob("*.failed")) and not list(out.glob("*.skipped")), \
-        (out / "lease.tsv").read_text()
+    assert not list(out.glob("*.failed")) and not list(out.glob("*.skipped")), (
+        out / "lease.tsv"
+    ).read_text()
     assert json.loads((out / "meta.json").read_text())["lease"] is True
     for shape in ("gpt2-124m", "llama-255m"):
         d = json.loads((out / f"step_{shape}.json").read_text())
         assert not d["errors"], d["errors"]
         assert [r["system"] for r in d["rows"]] == [
-            "bare", "bare-autocast", "fusedzero-0", "fusedzero-1", "fusedzero-2", "fusedzero-3",
-            "ddp-autocast", "fsdp2", "fsdp2-keep"]
+            "bare",
+            "bare-autocast",
+            "fusedzero-0",
+            "fusedzero-1",
+            "fusedzero-2",
+            "fusedzero-3",
+            "ddp-autocast",
+            "fsdp2",
+            "fsdp2-keep",
+        ]
         for r in d["rows"]:
             assert len(r["times_s"]) == d["rounds"] == d["rounds_done"] == 2
             assert r["range_over_median"] == pytest.approx(
-                (max(r["times_s"]) - min(r["times_s"])) / r["median_s"])
+                (max(r["times_s"]) - min(r["times_s"])) / r["median_s"]
+            )
         t = d["traffic"]
         assert t["bytes"] == t["params"] * 30 and t["limit_s"] > 0
     rows = []
@@ -202,7 +308,8 @@ def test_lease_dry_run(tmp_path: Path) -> None:
         multi = json.loads((out / name).read_text())
         assert not multi["errors"], multi["errors"]
         assert [(r["ours"], r["attention"]) for r in multi["parity"]] == [
-            (f"fusedzero-{s}", attention) for s in (0, 1, 2, 3, 2)]
+            (f"fusedzero-{s}", attention) for s in (0, 1, 2, 3, 2)
+        ]
         rows += multi["parity"]
     for r in rows:  # on CPU the reference repeats bit for bit: the floor is the tolerance
         assert r["ok"] and r["control"]["param_max_abs_diff"] == 0.0, r

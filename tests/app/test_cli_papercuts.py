@@ -4,6 +4,7 @@ plan's units, the resume lines, a closed stdout, and the model config an export 
 The end-to-end runs of the same fixes (a real sample, resume, JSONL, export) are in
 test_first_hour_runs.py (slow tier).
 """
+
 from __future__ import annotations
 
 import io
@@ -26,8 +27,11 @@ def _help(*argv: str) -> str:
     """The help text of a subcommand, as `fusedzero ... --help` prints it, on one line (a
     terminal 1000 wide: argparse wraps at hyphens too)."""
     parser = build_parser()
-    sub = next(a for a in parser._subparsers._group_actions  # noqa: SLF001 - argparse has no API
-               if a.dest == "command").choices[argv[0]]
+    sub = next(
+        a
+        for a in parser._subparsers._group_actions  # noqa: SLF001 - argparse has no API
+        if a.dest == "command"
+    ).choices[argv[0]]
     old = os.environ.get("COLUMNS")
     os.environ["COLUMNS"] = "1000"
     try:
@@ -53,8 +57,10 @@ def test_sample_flags_have_documented_defaults() -> None:
     assert "--top-k K sample among the K likeliest bytes, 0: all (default 40)" in text
     cfg = TrainConfig()
     assert (cfg.temperature, cfg.top_k) == (0.8, 40)
-    for field, value, words in (("temperature", -1.0, "--temperature must be 0 .greedy. or"),
-                                ("top_k", -2, "--top-k must be >= 0")):
+    for field, value, words in (
+        ("temperature", -1.0, "--temperature must be 0 .greedy. or"),
+        ("top_k", -2, "--top-k must be >= 0"),
+    ):
         with pytest.raises(UsageError, match=words):
             TrainConfig(**{field: value})
 
@@ -86,7 +92,8 @@ def test_doctor_accepts_every_listed_check(capsys: pytest.CaptureFixture[str]) -
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["no_gpu", "one_gpu_visible"])
 def test_doctor_bandwidth_on_cpu_is_measured_without_a_verdict(
-        monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, gpu: bool) -> None:
+    monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest, gpu: bool
+) -> None:
     """On CPU the update runs on the torch path: the row says what ran and what its share of a
     copy means here, with status info, not ok. The doctor measures the GPU where torch sees one:
     this test tells it there is none, as test_doctor_is_green_on_the_cpu does (before, on the
@@ -103,10 +110,19 @@ def test_doctor_bandwidth_on_cpu_is_measured_without_a_verdict(
     assert doctor.format_table([row]).splitlines()[-1].startswith("ok: 1/1")
 
 
-@pytest.mark.parametrize("n, want", [(0, "0 B"), (999, "999 B"), (1000, "1 KB"),
-                                     (445_184, "445 KB"), (999_500, "1 MB"),
-                                     (1_875_000_000, "1.88 GB"), (120 * 10**9, "120 GB"),
-                                     (3 * 10**15, "3,000 TB")])
+@pytest.mark.parametrize(
+    "n, want",
+    [
+        (0, "0 B"),
+        (999, "999 B"),
+        (1000, "1 KB"),
+        (445_184, "445 KB"),
+        (999_500, "1 MB"),
+        (1_875_000_000, "1.88 GB"),
+        (120 * 10**9, "120 GB"),
+        (3 * 10**15, "3,000 TB"),
+    ],
+)
 def test_plan_unit_per_value(n: int, want: str) -> None:
     assert _gb(n) == want
 
@@ -126,35 +142,44 @@ def _opt(world: int, stage: int, shapes: dict[str, list[int]]) -> SimpleNamespac
 
 def test_resumed_line_names_step_layout_and_what_changed() -> None:
     manifest = {"world_size": 2, "stage": 2}
-    assert resume.resumed_line(20, manifest, _opt(2, 2, {}), []) == \
-        "fusedzero: resumed from step 20 (world 2, stage 2)"
+    assert (
+        resume.resumed_line(20, manifest, _opt(2, 2, {}), [])
+        == "fusedzero: resumed from step 20 (world 2, stage 2)"
+    )
     line = resume.resumed_line(20, manifest, _opt(1, 3, {}), ["--lr 0.001 (checkpoint: 0.003)"])
-    assert line == ("fusedzero: resumed from step 20 (world 2, stage 2); now world 1, stage 3 "
-                    "(resharded); flags override the checkpoint: --lr 0.001 (checkpoint: 0.003)")
+    assert line == (
+        "fusedzero: resumed from step 20 (world 2, stage 2); now world 1, stage 3 "
+        "(resharded); flags override the checkpoint: --lr 0.001 (checkpoint: 0.003)"
+    )
 
 
 def test_shape_mismatch_is_one_short_phrase() -> None:
     """A model one flag wider differs in every param: name the first, with both shapes."""
-    width = {"wte.weight": [256, 32], **{f"blocks.{i}.mlp.fc.weight": [128, 32]
-                                         for i in range(40)}}
+    width = {"wte.weight": [256, 32], **{f"blocks.{i}.mlp.fc.weight": [128, 32] for i in range(40)}}
     wider = {n: [s[0] * 2 if s[0] != 256 else 256, 64] for n, s in width.items()}
     manifest = {"params": [{"name": n, "shape": s} for n, s in width.items()]}
     msg = resume.other_model(manifest, _opt(2, 2, wider))
-    assert msg == ("wte.weight is [256, 32] there, [256, 64] in this run (41 of 41 param names "
-                   "differ)")
+    assert msg == (
+        "wte.weight is [256, 32] there, [256, 64] in this run (41 of 41 param names differ)"
+    )
     assert resume.other_model(manifest, _opt(2, 2, width)) is None
     fewer = dict(list(width.items())[:-1])
-    assert resume.other_model(manifest, _opt(1, 0, fewer)) == \
-        "blocks.39.mlp.fc.weight is only in the checkpoint (1 of 41 param names differ)"
+    assert (
+        resume.other_model(manifest, _opt(1, 0, fewer))
+        == "blocks.39.mlp.fc.weight is only in the checkpoint (1 of 41 param names differ)"
+    )
     # Another model altogether: never more differing than there are (was "17 of 15").
     other = {f"h.{i}.w": [4, 4] for i in range(17)}
-    msg = resume.other_model({"params": [{"name": n, "shape": s} for n, s in other.items()]},
-                             _opt(1, 0, dict(list(width.items())[:15])))
+    msg = resume.other_model(
+        {"params": [{"name": n, "shape": s} for n, s in other.items()]},
+        _opt(1, 0, dict(list(width.items())[:15])),
+    )
     assert msg.endswith("(32 of 32 param names differ)"), msg
 
 
-def test_closed_stdout_ends_quietly_with_141(monkeypatch: pytest.MonkeyPatch,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_closed_stdout_ends_quietly_with_141(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """`fusedzero plan | head`, the reader gone before the first line: no BrokenPipeError
     traceback, exit status 128 + SIGPIPE, as `yes | head` gives."""
     r, w = os.pipe()
@@ -168,4 +193,3 @@ def test_closed_stdout_ends_quietly_with_141(monkeypatch: pytest.MonkeyPatch,
     closed.write("more\n")  # the fd now goes to /dev/null: no second BrokenPipeError at exit
     closed.close()
     assert capsys.readouterr().err == ""
-

@@ -6,6 +6,7 @@ Every case here fails before the ranks start: nothing is spawned.
 
 About an internal: fusedzero._safe_paths.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,9 +19,28 @@ from fusedzero import _safe_paths as safe_paths
 from fusedzero.app import cli  # the CLI proper: no fork server for ranks that never start
 from fusedzero.app.watch import MetricsLog
 
-T = ["train", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
-     "--batch-size", "4", "--eval-seqs", "2", "--no-progress", "--sample-tokens", "0",
-     "--device", "cpu", "--steps", "2"]
+T = [
+    "train",
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "4",
+    "--eval-seqs",
+    "2",
+    "--no-progress",
+    "--sample-tokens",
+    "0",
+    "--device",
+    "cpu",
+    "--steps",
+    "2",
+]
 
 
 def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
@@ -33,8 +53,9 @@ def _error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 
 # -- outputs: See [Note: no write through a link] ------------------------------------------------
 @pytest.mark.parametrize("flag", ["--out-json", "--log-jsonl", "--plot"])
-def test_output_through_a_symlink_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                             flag: str) -> None:
+def test_output_through_a_symlink_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, flag: str
+) -> None:
     """Before: a symlinked --out-json replaced its target; a dangling --log-jsonl link created
     its target. Both links, to a file and dangling, are refused; nothing is written."""
     target = tmp_path / "target"
@@ -47,8 +68,9 @@ def test_output_through_a_symlink_is_refused(capsys: pytest.CaptureFixture[str],
     assert not (tmp_path / "made").exists()
 
 
-def test_output_that_is_a_fifo_is_refused(capsys: pytest.CaptureFixture[str],
-                                          tmp_path: Path) -> None:
+def test_output_that_is_a_fifo_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """An open of a FIFO for writing waits for a reader: refused, never opened."""
     os.mkfifo(tmp_path / "fifo")
     for flag in ("--out-json", "--log-jsonl"):
@@ -68,9 +90,9 @@ def test_metrics_log_never_follows_a_link(tmp_path: Path) -> None:
     assert real.read_text() == '{"step": 1}\n' and not (tmp_path / "made.jsonl").exists()
 
 
-def test_replace_file_replaces_a_link_planted_after_the_check(tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch
-                                                              ) -> None:
+def test_replace_file_replaces_a_link_planted_after_the_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The rename replaces the name: a link that appears between the check and the write is
     replaced itself, its target untouched."""
     target, out = tmp_path / "target", tmp_path / "out.json"
@@ -97,7 +119,8 @@ def _corpus_folder(tmp_path: Path) -> Path:
 
 @pytest.mark.timeout(60)  # before the fix: the read of the FIFO waited forever
 def test_data_folder_holding_a_fifo_or_a_device_link_is_refused(
-        capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """Before: a FIFO in a --data folder hung the launcher; a `*.txt -> /dev/zero` link read
     until MemoryError. Both are one line naming --data and the file (exit 2)."""
     folder = _corpus_folder(tmp_path)
@@ -111,16 +134,18 @@ def test_data_folder_holding_a_fifo_or_a_device_link_is_refused(
 
 
 @pytest.mark.timeout(60)
-def test_hf_config_fifo_is_refused_by_plan_and_export(capsys: pytest.CaptureFixture[str],
-                                                      tmp_path: Path) -> None:
+def test_hf_config_fifo_is_refused_by_plan_and_export(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """`ckpt export ... --hf-config FIFO` hung; `plan --hf-config FIFO` said "no config.json
     there". Both name --hf-config and the FIFO, before any checkpoint is read."""
     fifo = tmp_path / "config.json"
     os.mkfifo(fifo)
-    for argv in (["plan", "-W", "2", "--hf-config", str(fifo)],
-                 ["plan", "-W", "2", "--hf-config", str(tmp_path)],  # the folder holding it
-                 ["ckpt", "export", str(tmp_path / "ckpt"), str(tmp_path / "out"),
-                  "--hf-config", str(fifo)]):
+    for argv in (
+        ["plan", "-W", "2", "--hf-config", str(fifo)],
+        ["plan", "-W", "2", "--hf-config", str(tmp_path)],  # the folder holding it
+        ["ckpt", "export", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--hf-config", str(fifo)],
+    ):
         line = _error(capsys, argv)
         assert "--hf-config" in line and "is a FIFO" in line, line
 
@@ -131,8 +156,10 @@ def test_read_bytes_refuses_sockets_and_files_over_the_limit(tmp_path: Path) -> 
     sock_path = tmp_path / "s"
     with socket.socket(socket.AF_UNIX) as s:
         s.bind(str(sock_path))
-        for read in (lambda: safe_paths.read_bytes(sock_path, "--data"),
-                     lambda: safe_paths.check_input(sock_path, "--data")):
+        for read in (
+            lambda: safe_paths.read_bytes(sock_path, "--data"),
+            lambda: safe_paths.check_input(sock_path, "--data"),
+        ):
             with pytest.raises(safe_paths.UnsafePath, match=r"--data .*is a socket"):
                 read()
     f = tmp_path / "f.json"
@@ -142,8 +169,9 @@ def test_read_bytes_refuses_sockets_and_files_over_the_limit(tmp_path: Path) -> 
         safe_paths.read_bytes(f, "--hf-config", limit=99)
 
 
-def test_deeply_nested_json_is_one_line_naming_the_file(capsys: pytest.CaptureFixture[str],
-                                                        tmp_path: Path) -> None:
+def test_deeply_nested_json_is_one_line_naming_the_file(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """100000-deep JSON in --hf-config or in an existing --log-jsonl raised RecursionError (exit
     1, no file named); now one line naming the file (plan: exit 2; the log: a ValueError, which
     rank 0 reports as a usage error)."""
@@ -158,11 +186,11 @@ def test_deeply_nested_json_is_one_line_naming_the_file(capsys: pytest.CaptureFi
     assert log.read_text().endswith("}\n")  # left as it was
 
 
-
 # -- flags out of range: refused up front, naming the flag -----------------------------------------
 @pytest.mark.parametrize("value", ["1e10", "0.0004", "1e-9", "1e30", "inf", "nan", "0"])
-def test_timeout_out_of_range_is_refused_naming_the_flag(capsys: pytest.CaptureFixture[str],
-                                                         value: str) -> None:
+def test_timeout_out_of_range_is_refused_naming_the_flag(
+    capsys: pytest.CaptureFixture[str], value: str
+) -> None:
     """Before: 1e10, 0.0004 and 1e-9 failed on the ranks with 30 lines of C++ frames or "timed
     out after 0ms"; 1e30 with an OverflowError naming no flag."""
     line = _error(capsys, [*T, "--timeout", value])
@@ -178,20 +206,28 @@ def test_timeout_range_is_in_the_help() -> None:
     assert "1 to 1e+09" in (timeout.help or "")
 
 
-@pytest.mark.parametrize("flag, value, words", [
-    # Before: checked on the ranks (exit 1) or not at all.
-    ("--seed", "100000000000000000000000", "--seed must be in [0, 4294967295]"),
-    ("--seed", "-1", "--seed must be in [0, 4294967295]"),
-    ("--weight-decay", "inf", "--weight-decay must be in [0, 3.403e+38]"),
-    ("--weight-decay", "1e39", "--weight-decay must be in [0, 3.403e+38]"),
-    ("--lr", "1e39", "--lr must be in [1.175e-38, 3.403e+38], a normal fp32 number"),
-    ("--lr", "1e-46", "--lr must be in [1.175e-38, 3.403e+38], a normal fp32 number"),  # 0 in fp32
-    ("--clip", "1e39", "--clip must be >= 0 (0 disables) and within fp32's range"),
-    # Before: refused after the whole run, when the sample was drawn.
-    ("--temperature", "1e-300", "--temperature must be 0 (greedy) or in [0.001, 1000]"),
-])
+@pytest.mark.parametrize(
+    "flag, value, words",
+    [
+        # Before: checked on the ranks (exit 1) or not at all.
+        ("--seed", "100000000000000000000000", "--seed must be in [0, 4294967295]"),
+        ("--seed", "-1", "--seed must be in [0, 4294967295]"),
+        ("--weight-decay", "inf", "--weight-decay must be in [0, 3.403e+38]"),
+        ("--weight-decay", "1e39", "--weight-decay must be in [0, 3.403e+38]"),
+        ("--lr", "1e39", "--lr must be in [1.175e-38, 3.403e+38], a normal fp32 number"),
+        (
+            "--lr",
+            "1e-46",
+            "--lr must be in [1.175e-38, 3.403e+38], a normal fp32 number",
+        ),  # 0 in fp32
+        ("--clip", "1e39", "--clip must be >= 0 (0 disables) and within fp32's range"),
+        # Before: refused after the whole run, when the sample was drawn.
+        ("--temperature", "1e-300", "--temperature must be 0 (greedy) or in [0.001, 1000]"),
+    ],
+)
 def test_hyper_parameters_out_of_range_are_refused_up_front(
-        capsys: pytest.CaptureFixture[str], flag: str, value: str, words: str) -> None:
+    capsys: pytest.CaptureFixture[str], flag: str, value: str, words: str
+) -> None:
     line = _error(capsys, [*T, flag, value])
     assert words in line, line
 
@@ -199,19 +235,36 @@ def test_hyper_parameters_out_of_range_are_refused_up_front(
 def test_edges_of_the_ranges_are_accepted() -> None:
     from fusedzero.app.config import FP32, SEED_MAX, TrainConfig
 
-    for kw in (dict(lr=FP32.tiny), dict(lr=FP32.max), dict(seed=SEED_MAX), dict(seed=0),
-               dict(weight_decay=FP32.max), dict(clip=math.inf), dict(temperature=0.0),
-               dict(temperature=1e-3), dict(temperature=1e3), dict(timeout=1.0),
-               dict(timeout=1e9)):
+    for kw in (
+        dict(lr=FP32.tiny),
+        dict(lr=FP32.max),
+        dict(seed=SEED_MAX),
+        dict(seed=0),
+        dict(weight_decay=FP32.max),
+        dict(clip=math.inf),
+        dict(temperature=0.0),
+        dict(temperature=1e-3),
+        dict(temperature=1e3),
+        dict(timeout=1.0),
+        dict(timeout=1e9),
+    ):
         TrainConfig(**kw)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("var, value", [("WORLD_SIZE", "abc"), ("WORLD_SIZE", "0"),
-                                        ("RANK", "x"), ("RANK", "2"), ("LOCAL_RANK", "-1"),
-                                        ("LOCAL_WORLD_SIZE", "1.5")])
-def test_bad_torchrun_variable_is_one_line_naming_it(capsys: pytest.CaptureFixture[str],
-                                                     monkeypatch: pytest.MonkeyPatch, var: str,
-                                                     value: str) -> None:
+@pytest.mark.parametrize(
+    "var, value",
+    [
+        ("WORLD_SIZE", "abc"),
+        ("WORLD_SIZE", "0"),
+        ("RANK", "x"),
+        ("RANK", "2"),
+        ("LOCAL_RANK", "-1"),
+        ("LOCAL_WORLD_SIZE", "1.5"),
+    ],
+)
+def test_bad_torchrun_variable_is_one_line_naming_it(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, var: str, value: str
+) -> None:
     """Before: WORLD_SIZE=abc gave a bare "ValueError: invalid literal for int()" (exit 1)."""
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", var: value}.items():
         monkeypatch.setenv(k, v)
@@ -220,8 +273,7 @@ def test_bad_torchrun_variable_is_one_line_naming_it(capsys: pytest.CaptureFixtu
 
 
 @pytest.mark.parametrize("value", ["1e30", "1e19", "9.2e18"])
-def test_plan_params_too_large_is_one_line(capsys: pytest.CaptureFixture[str],
-                                           value: str) -> None:
+def test_plan_params_too_large_is_one_line(capsys: pytest.CaptureFixture[str], value: str) -> None:
     """Before: a TypeError or RuntimeError from torch with C++ frame text (exit 1)."""
     line = _error(capsys, ["plan", "--params", value, "-W", "2"])
     assert "--params must be at most 1e+18" in line and "frame" not in line, line

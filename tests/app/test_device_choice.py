@@ -3,6 +3,7 @@
 No GPU is needed: torch.cuda.is_available / device_count are monkeypatched (the `one_gpu`
 fixture, tests/conftest.py), and nothing is spawned (the checks run before any rank starts).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -33,13 +34,16 @@ def test_more_ranks_than_gpus_is_refused_naming_the_fix(one_gpu, capsys) -> None
         assert "--nproc 2 exceeds the 1 visible GPUs" in line and "--device cpu" in line, line
 
 
-def test_device_cpu_runs_gloo_ranks_whatever_gpus_are_visible(one_gpu, capsys,
-                                                              tmp_path: Path) -> None:
+def test_device_cpu_runs_gloo_ranks_whatever_gpus_are_visible(
+    one_gpu, capsys, tmp_path: Path
+) -> None:
     assert local_ranks(parse_args(["--device", "cpu", "--nproc", "2"])) == (False, 2)
     assert local_ranks(parse_args(["--device", "cpu"])) == (False, 2)  # the CPU default
     # The whole command gets past the device check to the next one (the data path).
-    line = _error(capsys, ["train", "--device", "cpu", "--nproc", "4",
-                           "--data", str(tmp_path / "missing.txt")])
+    line = _error(
+        capsys,
+        ["train", "--device", "cpu", "--nproc", "4", "--data", str(tmp_path / "missing.txt")],
+    )
     assert "--data" in line and "does not exist" in line, line
 
 

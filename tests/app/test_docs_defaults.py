@@ -1,6 +1,7 @@
 """The defaults README.md and docs/train.md state are the CLI's and the library's (the
 README once ran stage 1 where the CLI defaults to 2, and said params were bf16 on CPU where the
 run is fp32). Each claim is read from the page's text; a reworded claim fails here by name."""
+
 from __future__ import annotations
 
 import inspect
@@ -46,22 +47,34 @@ def test_readme_states_the_cli_and_library_defaults(monkeypatch: pytest.MonkeyPa
     assert inspect.signature(ZeroAdamW).parameters["precision"].default.param_dtype is None
 
 
-def test_train_md_states_the_train_defaults(one_gpu: None, tmp_path: Path,
-                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    m = _claim("docs/train.md", r"Defaults: stage (\d), (\d) gloo ranks on CPU \(NCCL, one rank "
-               r"per GPU and (bf16) params on a GPU machine\), (\d+) layers x (\d+) wide, global "
-               r"batch (\d+) x (\d+) bytes, (\d+) steps, cosine schedule with warmup, clip "
-               r"([\d.]+)\.")
+def test_train_md_states_the_train_defaults(
+    one_gpu: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    m = _claim(
+        "docs/train.md",
+        r"Defaults: stage (\d), (\d) gloo ranks on CPU \(NCCL, one rank "
+        r"per GPU and (bf16) params on a GPU machine\), (\d+) layers x (\d+) wide, global "
+        r"batch (\d+) x (\d+) bytes, (\d+) steps, cosine schedule with warmup, clip "
+        r"([\d.]+)\.",
+    )
     cfg = parse_args([])
-    assert (cfg.stage, cfg.n_layer, cfg.n_embd, cfg.batch_size, cfg.block_size, cfg.steps,
-            cfg.clip) == (int(m[1]), int(m[4]), int(m[5]), int(m[6]), int(m[7]), int(m[8]),
-                          float(m[9]))
+    assert (
+        cfg.stage,
+        cfg.n_layer,
+        cfg.n_embd,
+        cfg.batch_size,
+        cfg.block_size,
+        cfg.steps,
+        cfg.clip,
+    ) == (int(m[1]), int(m[4]), int(m[5]), int(m[6]), int(m[7]), int(m[8]), float(m[9]))
     assert local_ranks(cfg) == (True, 1)  # one rank per GPU (one faked visible)
     assert _param_dtype(tmp_path, monkeypatch, use_cuda=True) == torch.bfloat16
     assert _param_dtype(tmp_path, monkeypatch, use_cuda=False) == torch.float32
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert local_ranks(cfg) == (False, int(m[2]))
-    s = _claim("docs/train.md", r"`--sample-tokens N` \(default (\d+), 0: none\).*?"
-               r"`--temperature`, default ([\d.]+), 0: greedy; `--top-k`, default (\d+)\)")
-    assert (cfg.sample_tokens, cfg.temperature, cfg.top_k) == (int(s[1]), float(s[2]),
-                                                                int(s[3]))
+    s = _claim(
+        "docs/train.md",
+        r"`--sample-tokens N` \(default (\d+), 0: none\).*?"
+        r"`--temperature`, default ([\d.]+), 0: greedy; `--top-k`, default (\d+)\)",
+    )
+    assert (cfg.sample_tokens, cfg.temperature, cfg.top_k) == (int(s[1]), float(s[2]), int(s[3]))

@@ -40,6 +40,7 @@ of the block), each with why: they are reported as xfail and not run (some would
 or train for minutes). The list only shrinks: `test_xfail_list_is_current` fails when an entry
 no longer names a block, so a rewrite of the README empties it.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -56,8 +57,10 @@ from _cli_server import CliServer
 from _helpers import run_forked
 
 REPO = Path(__file__).resolve().parents[2]
-DOC_FILES = ["README.md", *sorted(p.relative_to(REPO).as_posix()
-                                  for p in (REPO / "docs").glob("*.md"))]
+DOC_FILES = [
+    "README.md",
+    *sorted(p.relative_to(REPO).as_posix() for p in (REPO / "docs").glob("*.md")),
+]
 RUN_LANGS = {"python", "sh"}
 FLAGS = {"slow", "cuda", "install-only", "repo"}
 FAST_TIMEOUT_S, SLOW_TIMEOUT_S = 300, 900
@@ -99,8 +102,8 @@ def extract_blocks(text: str, file: str) -> list[Block]:
             i += 1
             continue
         indent = len(lines[i]) - len(stripped)
-        fence = stripped[:len(stripped) - len(stripped.lstrip("`"))]
-        words = stripped[len(fence):].split()
+        fence = stripped[: len(stripped) - len(stripped.lstrip("`"))]
+        words = stripped[len(fence) :].split()
         start = i
         body = []
         i += 1
@@ -109,10 +112,18 @@ def extract_blocks(text: str, file: str) -> list[Block]:
             body.append(line[indent:] if indent == 0 or line[:indent].isspace() else line.lstrip())
             i += 1
         if i == len(lines):
-            raise ValueError(f"{file}:{start + 1}: the fence {fence}{' '.join(words)} is "
-                             "never closed")
-        blocks.append(Block(file, start + 1, words[0] if words else "",
-                            frozenset(words[1:]), "\n".join(body) + "\n"))
+            raise ValueError(
+                f"{file}:{start + 1}: the fence {fence}{' '.join(words)} is never closed"
+            )
+        blocks.append(
+            Block(
+                file,
+                start + 1,
+                words[0] if words else "",
+                frozenset(words[1:]),
+                "\n".join(body) + "\n",
+            )
+        )
         i += 1
     return blocks
 
@@ -125,14 +136,19 @@ def _marks(b: Block) -> list[pytest.MarkDecorator]:
     marks = []
     # The fast tier runs README.md's cheap python blocks only: a python block starts torch (about
     # 4 s of a 60 s tier); docs/ pages' blocks run in the slow tier.
-    if ("slow" in b.flags or (b.lang == "sh" and "install-only" not in b.flags)
-            or (b.lang == "python" and b.file != "README.md")):
+    if (
+        "slow" in b.flags
+        or (b.lang == "sh" and "install-only" not in b.flags)
+        or (b.lang == "python" and b.file != "README.md")
+    ):
         marks += [pytest.mark.slow, pytest.mark.timeout(SLOW_TIMEOUT_S + 60)]
     else:
         marks.append(pytest.mark.timeout(FAST_TIMEOUT_S + 60))
     if "cuda" in b.flags:
-        marks += [pytest.mark.cuda, pytest.mark.skipif(not CUDA_SEEN,
-                                                       reason="a ```cuda block needs a GPU")]
+        marks += [
+            pytest.mark.cuda,
+            pytest.mark.skipif(not CUDA_SEEN, reason="a ```cuda block needs a GPU"),
+        ]
     why = README_XFAIL.get((b.file, b.first_line))
     if why is not None:
         marks.append(pytest.mark.xfail(reason=f"fails today: {why}", run=False))
@@ -140,8 +156,9 @@ def _marks(b: Block) -> list[pytest.MarkDecorator]:
 
 
 def _params() -> list:
-    return [pytest.param(b, id=b.where, marks=_marks(b)) for b in _all_blocks()
-            if b.lang in RUN_LANGS]
+    return [
+        pytest.param(b, id=b.where, marks=_marks(b)) for b in _all_blocks() if b.lang in RUN_LANGS
+    ]
 
 
 def _env(block: Block, cli: Path | None = None) -> dict[str, str]:
@@ -169,30 +186,46 @@ def cli_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[]
 
     def folder() -> Path:
         if not servers:
-            servers.append(CliServer(tmp_path_factory.mktemp("cli"),
-                                     env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}))
+            servers.append(
+                CliServer(
+                    tmp_path_factory.mktemp("cli"), env={**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+                )
+            )
         return servers[0].folder
+
     yield folder
     for s in servers:
         s.close()
 
 
 @pytest.mark.parametrize("block", _params())
-def test_block_runs(block: Block, tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
-                    cli_server: Callable[[], Path]) -> None:
+def test_block_runs(
+    block: Block,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    cli_server: Callable[[], Path],
+) -> None:
     nproc = [f for f in block.flags if f.startswith("nproc=")]
     tested_by = [f for f in block.flags if f.startswith("tested-by=")]
     unknown = block.flags - FLAGS - set(nproc) - set(tested_by)
-    assert not unknown, (f"{block.where}: unknown fence flags {sorted(unknown)}; use {FLAGS}, "
-                         "nproc=N or tested-by=FILE")
+    assert not unknown, (
+        f"{block.where}: unknown fence flags {sorted(unknown)}; use {FLAGS}, "
+        "nproc=N or tested-by=FILE"
+    )
     if tested_by:
         _check_tested_by(block, REPO / tested_by[0].split("=", 1)[1])
         return
     if block.lang == "python" and nproc:
         # A multi-rank example, as its page says to run it: torchrun, N local gloo ranks.
         script = tmp_path / "block.py"
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={int(nproc[0].split('=')[1])}", str(script)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={int(nproc[0].split('=')[1])}",
+            str(script),
+        ]
     elif block.lang == "python":
         script = tmp_path / "block.py"
         cmd = [sys.executable, str(script)]
@@ -215,20 +248,32 @@ def test_block_runs(block: Block, tmp_path: Path, tmp_path_factory: pytest.TempP
             p = _run_python_forked(script, work, timeout, _env(block))
         else:
             # sh blocks' `fusedzero` is the CLI server's (not for a GPU: it hides it).
-            cli = (cli_server() if cmd[:2] == ["bash", "-euo"] and "cuda" not in block.flags
-                   else None)
-            p = subprocess.run(cmd, cwd=work, env=_env(block, cli), capture_output=True, text=True,
-                               timeout=timeout, check=False)
+            cli = (
+                cli_server() if cmd[:2] == ["bash", "-euo"] and "cuda" not in block.flags else None
+            )
+            p = subprocess.run(
+                cmd,
+                cwd=work,
+                env=_env(block, cli),
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"{block.where}: the block ran past {e.timeout} s:\n{block.code}")
     if p.returncode != 0:
-        pytest.fail(f"{block.where}: the ```{block.lang} block exited with {p.returncode}:\n"
-                    f"{block.code}\n--- stdout (end) ---\n{p.stdout[-2000:]}\n"
-                    f"--- stderr (end) ---\n{p.stderr[-3000:]}", pytrace=False)
+        pytest.fail(
+            f"{block.where}: the ```{block.lang} block exited with {p.returncode}:\n"
+            f"{block.code}\n--- stdout (end) ---\n{p.stdout[-2000:]}\n"
+            f"--- stderr (end) ---\n{p.stderr[-3000:]}",
+            pytrace=False,
+        )
 
 
-def _run_python_forked(script: Path, cwd: Path, timeout: float,
-                       env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _run_python_forked(
+    script: Path, cwd: Path, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
     """`python script` in cwd, as a fork of this process: the same interpreter with torch and
     fusedzero already imported (a fresh one spends seconds importing them), run as __main__
     with its own stdout and stderr; the block cannot touch this process's state."""
@@ -236,11 +281,13 @@ def _run_python_forked(script: Path, cwd: Path, timeout: float,
     def body() -> None:
         import runpy
         import warnings
+
         warnings.simplefilter("ignore")
         os.chdir(cwd)
         sys.argv = [str(script)]
         sys.path.insert(0, str(script.parent))
         runpy.run_path(str(script), run_name="__main__")
+
     return run_forked(body, script.parent, timeout, env)
 
 
@@ -249,7 +296,8 @@ def _check_tested_by(block: Block, test_file: Path) -> None:
     sh block's scripts and `fusedzero` subcommands; a python block's page, whose copy the test
     reads)."""
     assert test_file.is_file() and test_file.name.startswith("test_"), (
-        f"{block.where}: tested-by names {test_file}, which is no test module")
+        f"{block.where}: tested-by names {test_file}, which is no test module"
+    )
     text = test_file.read_text()
     if block.lang == "python":
         compile(block.code, block.where, "exec")
@@ -274,12 +322,17 @@ def test_xfail_list_is_current() -> None:
 
 
 def test_extract_blocks_reads_fences_flags_and_indents() -> None:
-    text = ("intro\n```python\nprint(1)\n```\n- item\n\n  ```sh slow\n  echo a\n    echo b\n"
-            "  ```\n```\noutput\n```\n````text\n```\n````\n")
+    text = (
+        "intro\n```python\nprint(1)\n```\n- item\n\n  ```sh slow\n  echo a\n    echo b\n"
+        "  ```\n```\noutput\n```\n````text\n```\n````\n"
+    )
     got = extract_blocks(text, "x.md")
     assert [(b.line, b.lang, sorted(b.flags), b.code) for b in got] == [
-        (2, "python", [], "print(1)\n"), (7, "sh", ["slow"], "echo a\n  echo b\n"),
-        (11, "", [], "output\n"), (14, "text", [], "```\n")]
+        (2, "python", [], "print(1)\n"),
+        (7, "sh", ["slow"], "echo a\n  echo b\n"),
+        (11, "", [], "output\n"),
+        (14, "text", [], "```\n"),
+    ]
     assert got[1].first_line == "echo a" and got[1].where == "x.md:7"
     with pytest.raises(ValueError, match=r"x.md:1: the fence ```sh is never closed"):
         extract_blocks("```sh\necho\n", "x.md")
@@ -289,7 +342,8 @@ def test_extract_blocks_reads_fences_flags_and_indents() -> None:
 
 
 def test_a_failing_block_names_its_file_line_and_code(
-        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
     bad = Block("docs/x.md", 7, "sh", frozenset({"install-only"}), "if then fi\n")
     with pytest.raises(pytest.fail.Exception) as e:
         test_block_runs(bad, tmp_path, tmp_path_factory, lambda: tmp_path)
@@ -314,8 +368,10 @@ def test_forked_python_block_reports_exit_output_and_errors(tmp_path: Path) -> N
         a = torch.randn(512, 512)
         (a @ a).sum()
         torch.randn(10**6).exp().sum()
-        script.write_text("import torch\na = torch.randn(512, 512)\n(a @ a).sum()\n"
-                          "torch.randn(10**6).exp().sum()\n")
+        script.write_text(
+            "import torch\na = torch.randn(512, 512)\n(a @ a).sum()\n"
+            "torch.randn(10**6).exp().sum()\n"
+        )
         assert _run_python_forked(script, tmp_path, 60).returncode == 0
     finally:
         torch.set_num_threads(threads)

@@ -1,6 +1,7 @@
 """`fusedzero doctor`: green on this machine, and non-zero as soon as one check fails.
 
 About an internal: fusedzero.kernels._step_scalars."""
+
 from __future__ import annotations
 
 import json
@@ -26,11 +27,22 @@ def _check_green(report: dict, rc: int, gpu: bool) -> None:
     by_check = {r["check"]: r for r in report["rows"]}
     bad = {c: r["detail"] for c, r in by_check.items() if r["status"] == "FAIL"}
     assert rc == 0 and report["ok"] and not bad, bad
-    here = f"kernels on cuda:{torch.cuda.current_device()} (compiled)" if gpu else \
-        "kernels on cpu (torch path)"
-    want = ["versions", "device", here, "kernels, Triton interpreter",
-            "offline compile sm_90", "update bandwidth", "process group", "ZeroAdamW step",
-            "checkpoint"]
+    here = (
+        f"kernels on cuda:{torch.cuda.current_device()} (compiled)"
+        if gpu
+        else "kernels on cpu (torch path)"
+    )
+    want = [
+        "versions",
+        "device",
+        here,
+        "kernels, Triton interpreter",
+        "offline compile sm_90",
+        "update bandwidth",
+        "process group",
+        "ZeroAdamW step",
+        "checkpoint",
+    ]
     assert list(by_check) == want
     if gpu:  # the compiled kernels ran on the GPU: no interpreter or offline-compile child
         assert by_check["kernels, Triton interpreter"]["status"] == "skipped"
@@ -42,8 +54,9 @@ def _check_green(report: dict, rc: int, gpu: bool) -> None:
         assert len(variants) == 3 * 3 * 2 + 3 + 1 and all(v["ok"] for v in variants), check
         assert variants[-1]["kernel"] == "scalars" and variants[-1]["worst_ulps"] == 0.0
     if by_check["offline compile sm_90"]["status"] == "ok":  # skipped (with why) without ptxas
-        assert all(v["spill_bytes"] == 0 for v in by_check["offline compile sm_90"]["data"]
-                   ["variants"])
+        assert all(
+            v["spill_bytes"] == 0 for v in by_check["offline compile sm_90"]["data"]["variants"]
+        )
     assert by_check["update bandwidth"]["status"] == ("ok" if gpu else "info")
     bw = by_check["update bandwidth"]["data"]
     assert bw["bytes_per_param"] == 28 and bw["update_gbps"] > 0 and bw["copy_gbps"] > 0
@@ -104,8 +117,11 @@ def test_sumsq_check_catches_a_lost_block(monkeypatch):
 
 
 def test_table_says_fail():
-    rows = [Row("a", Status.OK, "fine"), Row("b", Status.FAIL, "broken"),
-            Row("c", Status.SKIPPED, "no ptxas")]
+    rows = [
+        Row("a", Status.OK, "fine"),
+        Row("b", Status.FAIL, "broken"),
+        Row("c", Status.SKIPPED, "no ptxas"),
+    ]
     text = format_table(rows)
     assert text.splitlines()[-1].startswith("FAIL: 2/3") and "broken" in text
 

@@ -1,5 +1,6 @@
 """The `fusedzero` entry point: which commands start the rank fork server early, and that it
 hands every command to the CLI."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,19 +8,22 @@ import pytest
 from fusedzero.app import entry
 
 
-@pytest.mark.parametrize("argv, env, starts", [
-    (["train"], {}, True),
-    (["train", "--device", "cpu", "--nproc", "4"], {}, True),
-    (["train", "--device", "cuda"], {}, False),
-    (["train", "--device=cuda"], {}, False),
-    (["train", "--help"], {}, False),
-    (["train"], {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, False),  # under torchrun
-    (["plan", "--params", "1e9"], {}, False),
-    ([], {}, False),
-])
+@pytest.mark.parametrize(
+    "argv, env, starts",
+    [
+        (["train"], {}, True),
+        (["train", "--device", "cpu", "--nproc", "4"], {}, True),
+        (["train", "--device", "cuda"], {}, False),
+        (["train", "--device=cuda"], {}, False),
+        (["train", "--help"], {}, False),
+        (["train"], {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, False),  # under torchrun
+        (["plan", "--params", "1e9"], {}, False),
+        ([], {}, False),
+    ],
+)
 def test_fork_server_starts_only_where_cpu_ranks_will(
-        argv: list[str], env: dict[str, str], starts: bool,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    argv: list[str], env: dict[str, str], starts: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     for k in entry.TORCHRUN_ENV:
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
@@ -27,8 +31,9 @@ def test_fork_server_starts_only_where_cpu_ranks_will(
     assert entry._starts_cpu_ranks(argv) is starts
 
 
-def test_main_hands_the_command_to_the_cli(capsys: pytest.CaptureFixture[str],
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_main_hands_the_command_to_the_cli(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     seen: list[list[str]] = []
     monkeypatch.setattr(entry, "start_rank_server", seen.append)  # no server in this process
     assert entry.main(["plan", "--params", "1e9", "-W", "8", "--json"]) == 0

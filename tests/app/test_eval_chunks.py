@@ -5,6 +5,7 @@ most windows (ZeRO-3 and tp meet in every forward). Before: one forward over all
 windows, whose logits were 16x a training step's at --grad-accum 16. And `check_batch`
 divides the batch by the data-parallel ranks, not every rank (with --tp, a replica's tp ranks
 share its rows)."""
+
 from __future__ import annotations
 
 import pytest
@@ -37,8 +38,10 @@ def test_chunks_give_the_loss_of_one_forward_and_every_rank_the_same_count(one_r
     torch.manual_seed(0)
     m = Counting(GPTConfig(n_layer=1, n_embd=32, n_head=2, block_size=16))
     g = torch.Generator().manual_seed(1)
-    val = (torch.randint(0, 256, (11, 16), generator=g), torch.randint(0, 256, (11, 16),
-                                                                        generator=g))
+    val = (
+        torch.randint(0, 256, (11, 16), generator=g),
+        torch.randint(0, 256, (11, 16), generator=g),
+    )
     whole = evaluate(m, val, 0, 1)
     Counting.forwards = 0
     chunked = evaluate(m, val, 0, 1, rows=4)

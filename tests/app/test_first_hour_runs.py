@@ -7,6 +7,7 @@ stdout ends the run quietly.
 One run folder is shared by the module (each launch costs seconds of start-up): the model is
 `fusedzero train`'s default shape (so its export fits GPTConfig()), on a small corpus and batch.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,21 @@ SAMPLE = 300
 
 def _base(corpus: Path, ckpt: Path) -> list[str]:
     # --device cpu: 2 gloo ranks whatever GPUs are visible (auto would take one per GPU).
-    return ["--data", str(corpus), "--steps", str(STEPS), "--batch-size", "16",
-            "--eval-seqs", "8", "--ckpt-dir", str(ckpt), "--device", "cpu", "--no-progress"]
+    return [
+        "--data",
+        str(corpus),
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        "16",
+        "--eval-seqs",
+        "8",
+        "--ckpt-dir",
+        str(ckpt),
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +58,22 @@ def first(tmp_path_factory: pytest.TempPathFactory) -> dict:
     corpus = d / "argparse.py"
     shutil.copy(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py", corpus)
     ckpt, jsonl = d / "ckpt", d / "metrics.jsonl"
-    argv = [*_base(corpus, ckpt), "--stop-at", str(STOP), "--log-jsonl", str(jsonl),
-            "--sample-tokens", str(SAMPLE)]
-    p = subprocess.run([sys.executable, "-m", "fusedzero.cli", "train", *argv],
-                       capture_output=True, timeout=900, check=False,
-                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    argv = [
+        *_base(corpus, ckpt),
+        "--stop-at",
+        str(STOP),
+        "--log-jsonl",
+        str(jsonl),
+        "--sample-tokens",
+        str(SAMPLE),
+    ]
+    p = subprocess.run(
+        [sys.executable, "-m", "fusedzero.cli", "train", *argv],
+        capture_output=True,
+        timeout=900,
+        check=False,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert p.returncode == 0, p.stderr.decode(errors="replace")[-3000:]
     return {"dir": d, "corpus": corpus, "ckpt": ckpt, "jsonl": jsonl, "stdout": p.stdout}
 
@@ -83,11 +108,26 @@ def resumed(first: dict) -> dict:
     jsonl = first["dir"] / "resumed.jsonl"
     shutil.copy(first["jsonl"], jsonl)
     out = first["dir"] / "resumed.out"
-    argv = [*_base(first["corpus"], ckpt), "--resume", "--nproc", "1", "--stage", "1",
-            "--log-jsonl", str(jsonl), "--sample-tokens", "0"]
-    p = subprocess.run([sys.executable, "-m", "fusedzero.cli", "train", *argv],
-                       capture_output=True, text=True, timeout=900, check=False,
-                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    argv = [
+        *_base(first["corpus"], ckpt),
+        "--resume",
+        "--nproc",
+        "1",
+        "--stage",
+        "1",
+        "--log-jsonl",
+        str(jsonl),
+        "--sample-tokens",
+        "0",
+    ]
+    p = subprocess.run(
+        [sys.executable, "-m", "fusedzero.cli", "train", *argv],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     out.write_text(p.stdout)
     return {"ckpt": ckpt, "jsonl": jsonl, "stdout": p.stdout}
@@ -95,33 +135,37 @@ def resumed(first: dict) -> dict:
 
 def test_resume_says_where_from_and_what_changed(resumed: dict) -> None:
     lines = [x for x in resumed["stdout"].splitlines() if x.startswith("fusedzero: resumed")]
-    assert lines == [f"fusedzero: resumed from step {STOP} (world 2, stage 2); now world 1, "
-                     "stage 1 (resharded)"], resumed["stdout"]
+    assert lines == [
+        f"fusedzero: resumed from step {STOP} (world 2, stage 2); now world 1, stage 1 (resharded)"
+    ], resumed["stdout"]
 
 
 def test_resume_appends_to_the_log_under_the_same_run_id(first: dict, resumed: dict) -> None:
     before = read_jsonl(first["jsonl"])
     after = read_jsonl(resumed["jsonl"])
-    assert after[:len(before)] == before  # appended, not rewritten
+    assert after[: len(before)] == before  # appended, not rewritten
     assert {r["run_id"] for r in after} == {before[0]["run_id"]}
     assert [r["step"] for r in after if r["loss"] is not None] == list(range(1, STEPS + 1))
     assert [r["step"] for r in after if r["val_loss"] is not None][0] == 0
     assert sum(r["step"] == 0 for r in after) == 1  # no second step-0 record on resume
 
 
-def test_finished_run_says_so_and_exits_0(first: dict, resumed: dict,
-                                          capfd: pytest.CaptureFixture[str]) -> None:
+def test_finished_run_says_so_and_exits_0(
+    first: dict, resumed: dict, capfd: pytest.CaptureFixture[str]
+) -> None:
     capfd.readouterr()
     assert main(["train", *_base(first["corpus"], resumed["ckpt"]), "--resume"]) == 0
     out = capfd.readouterr().out
-    assert f"is already at step {STEPS}, its last step (--steps {STEPS}): nothing to train" \
-        in out, out
+    assert (
+        f"is already at step {STEPS}, its last step (--steps {STEPS}): nothing to train" in out
+    ), out
     assert "tokens/s" not in out and "fusedzero train: done" not in out, out
     assert len(out.strip().splitlines()) == 1, out  # no "resumed from" line before it
 
 
-def test_resume_into_another_shape_is_one_short_line(first: dict, resumed: dict,
-                                                     capfd: pytest.CaptureFixture[str]) -> None:
+def test_resume_into_another_shape_is_one_short_line(
+    first: dict, resumed: dict, capfd: pytest.CaptureFixture[str]
+) -> None:
     capfd.readouterr()
     argv = [*_base(first["corpus"], resumed["ckpt"]), "--resume", "--n-embd", "64"]
     assert main(["train", *argv]) == 2
@@ -132,7 +176,8 @@ def test_resume_into_another_shape_is_one_short_line(first: dict, resumed: dict,
 
 
 def test_export_of_a_default_run_loads_into_the_documented_model(
-        resumed: dict, tmp_path: Path) -> None:
+    resumed: dict, tmp_path: Path
+) -> None:
     """`fusedzero ckpt export` -> GPT(GPTConfig()).load_state_dict(load_file(...)), strict."""
     import torch
     from safetensors.torch import load_file
@@ -152,20 +197,28 @@ def test_closed_stdout_ends_the_run_quietly(first: dict, tmp_path: Path) -> None
     """`fusedzero train | head` with the reader gone: rank 0's first print fails, the run ends
     with 141 (128 + SIGPIPE) and no traceback."""
     argv = [*_base(first["corpus"], tmp_path / "ckpt"), "--steps", "2", "--sample-tokens", "0"]
-    p = subprocess.Popen([sys.executable, "-m", "fusedzero.cli", "train", *argv],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    p = subprocess.Popen(
+        [sys.executable, "-m", "fusedzero.cli", "train", *argv],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     p.stdout.close()  # the reader leaves before the first line
     err = p.stderr.read().decode(errors="replace")
     assert p.wait(timeout=600) == 141, err
     assert "Traceback" not in err and "BrokenPipeError" not in err, err
 
 
-def test_summary_json_is_untouched_by_a_finished_resume(first: dict, resumed: dict,
-                                                        tmp_path: Path) -> None:
+def test_summary_json_is_untouched_by_a_finished_resume(
+    first: dict, resumed: dict, tmp_path: Path
+) -> None:
     """A finished run's resume writes no --out-json: nothing ran that it could describe."""
     out = tmp_path / "run.json"
     out.write_text(json.dumps({"mine": 1}))
-    assert run([*_base(first["corpus"], resumed["ckpt"]), "--resume",
-                "--out-json", str(out)])["steps"][-1]["step"] == STEPS
+    assert (
+        run([*_base(first["corpus"], resumed["ckpt"]), "--resume", "--out-json", str(out)])[
+            "steps"
+        ][-1]["step"]
+        == STEPS
+    )
     assert json.loads(out.read_text()) == {"mine": 1}

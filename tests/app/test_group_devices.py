@@ -3,6 +3,7 @@ torch.cuda where a GPU would be needed: a process that sees one GPU (a scheduler
 CUDA_VISIBLE_DEVICES per task) uses it whatever its local rank; a local rank without a GPU is a
 usage error; inside a group the caller made without NCCL, `--device cuda` is a usage error
 (its collectives cannot take CUDA tensors) and `--device auto` stays on the CPU."""
+
 from __future__ import annotations
 
 import pytest

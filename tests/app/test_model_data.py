@@ -108,9 +108,12 @@ def test_num_params_counts_tied_weight_once() -> None:
     per_block = (
         2 * 2 * c.n_embd  # two LayerNorms
         + c.n_embd * 3 * c.n_embd  # qkv (no bias)
-        + c.n_embd * c.n_embd + c.n_embd  # attn proj
-        + c.n_embd * 4 * c.n_embd + 4 * c.n_embd  # fc
-        + 4 * c.n_embd * c.n_embd + c.n_embd  # mlp proj
+        + c.n_embd * c.n_embd
+        + c.n_embd  # attn proj
+        + c.n_embd * 4 * c.n_embd
+        + 4 * c.n_embd  # fc
+        + 4 * c.n_embd * c.n_embd
+        + c.n_embd  # mlp proj
     )
     expected = (
         c.vocab_size * c.n_embd + c.block_size * c.n_embd + c.n_layer * per_block + 2 * c.n_embd

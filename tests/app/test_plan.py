@@ -6,6 +6,7 @@ backend (a real process group whose collectives move no data): its buffers, layo
 counters are those of rank `rank` of W, which is all the plan has to match, and it costs no
 spawned ranks. tests/zero/test_zero.py checks the same counters on real gloo ranks.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,12 @@ def test_reproduces_the_zero_paper_table_for_7_5b_params_at_64_ranks() -> None:
     got = {s: f"{p.total_bytes / 1e9:.3g}" for s, p in plan.stages.items()}
     assert got == {0: "120", 1: "31.4", 2: "16.6", 3: "1.88"}
     psi = 7.5e9
-    for s, (params, grads, optim) in {0: (2, 2, 12), 1: (2, 2, 12 / 64), 2: (2, 2 / 64, 12 / 64),
-                                      3: (2 / 64, 2 / 64, 12 / 64)}.items():
+    for s, (params, grads, optim) in {
+        0: (2, 2, 12),
+        1: (2, 2, 12 / 64),
+        2: (2, 2 / 64, 12 / 64),
+        3: (2 / 64, 2 / 64, 12 / 64),
+    }.items():
         p = plan.stages[s]
         # Bucket padding adds < 1e-3 relative (224 buckets * 64 * 128 elements at most).
         assert p.params_bytes == pytest.approx(params * psi, rel=1e-3), s
@@ -43,7 +48,8 @@ def test_reproduces_the_zero_paper_table_for_7_5b_params_at_64_ranks() -> None:
     # elements of 2 bytes, times (W-1)/W.
     for s, factor in {0: 2, 1: 2, 2: 2, 3: 3}.items():
         assert plan.stages[s].comm_bytes_per_step == pytest.approx(
-            factor * 2 * psi * 63 / 64, rel=1e-3), s
+            factor * 2 * psi * 63 / 64, rel=1e-3
+        ), s
 
 
 def test_cli_json_schema_and_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -53,8 +59,13 @@ def test_cli_json_schema_and_table(capsys: pytest.CaptureFixture[str]) -> None:
     assert d["world_size"] == 64 and d["params"] == 7_500_000_000
     assert set(d["stages"]) == {"0", "1", "2", "3"}
     for s in d["stages"].values():
-        assert set(s) == {"params_bytes", "grads_bytes", "optimizer_bytes", "total_bytes",
-                          "comm_bytes_per_step"}
+        assert set(s) == {
+            "params_bytes",
+            "grads_bytes",
+            "optimizer_bytes",
+            "total_bytes",
+            "comm_bytes_per_step",
+        }
         assert s["total_bytes"] == s["params_bytes"] + s["grads_bytes"] + s["optimizer_bytes"]
     assert main(["plan", "--params", "7.5e9", "-W", "64"]) == 0
     table = capsys.readouterr().out
@@ -80,19 +91,25 @@ def test_plan_equals_memory_and_comm_of_a_real_optimizer(W, rank, pdt, rdt, buck
     with torch.device("meta"):  # the plan's model: shapes only, nothing allocated
         meta = GPT(GPTConfig(**CFG))
     for reshard in (True, False):
-        cfg = PlanConfig(world_size=W, precision=Precision(param_dtype=pdt, reduce_dtype=rdt),
-                         sharding=Sharding(bucket_numel=bucket, reshard_after_forward=reshard))
+        cfg = PlanConfig(
+            world_size=W,
+            precision=Precision(param_dtype=pdt, reduce_dtype=rdt),
+            sharding=Sharding(bucket_numel=bucket, reshard_after_forward=reshard),
+        )
         plan = plan_model(meta, cfg)
         assert plan.params == sum(p.numel() for p in meta.parameters())
         for stage in (0, 1, 2, 3) if reshard else (3,):
             with fake_group(rank, W):
                 torch.manual_seed(0)
                 model = GPT(GPTConfig(**CFG))
-                opt = ZeroAdamW(gpt_param_groups(model, 0.1), stage=stage, module=model,
-                                max_grad_norm=1.0,
-                                precision=Precision(param_dtype=pdt, reduce_dtype=rdt),
-                                sharding=Sharding(bucket_numel=bucket,
-                                                  reshard_after_forward=reshard))
+                opt = ZeroAdamW(
+                    gpt_param_groups(model, 0.1),
+                    stage=stage,
+                    module=model,
+                    max_grad_norm=1.0,
+                    precision=Precision(param_dtype=pdt, reduce_dtype=rdt),
+                    sharding=Sharding(bucket_numel=bucket, reshard_after_forward=reshard),
+                )
                 x = torch.randint(0, CFG["vocab_size"], (2, CFG["block_size"]))
                 _, loss = model(x, x)
                 loss.backward()
@@ -102,10 +119,12 @@ def test_plan_equals_memory_and_comm_of_a_real_optimizer(W, rank, pdt, rdt, buck
                 want = plan.stages[stage]
                 what = f"W={W} rank={rank} stage={stage} {pdt}/{rdt} reshard={reshard}"
                 assert (mem.params, mem.grads, mem.optimizer, mem.total) == (
-                    want.params_bytes, want.grads_bytes, want.optimizer_bytes,
-                    want.total_bytes), what
-                assert opt.comm.total_bytes == want.comm_bytes_per_step, (
-                    what, opt.comm.snapshot())
+                    want.params_bytes,
+                    want.grads_bytes,
+                    want.optimizer_bytes,
+                    want.total_bytes,
+                ), what
+                assert opt.comm.total_bytes == want.comm_bytes_per_step, (what, opt.comm.snapshot())
 
 
 MODE_CASES = [("bf16-kahan", "int8"), ("bf16-sr", "bf16"), ("bf16", "fp32"), ("fp32", "int8")]
@@ -118,35 +137,65 @@ def test_plan_equals_memory_in_every_memory_mode(master: str, states: str) -> No
     W, rank, bucket = 3, 1, 5000
     with torch.device("meta"):
         meta = GPT(GPTConfig(**CFG))
-    cfg = PlanConfig(world_size=W, precision=Precision(param_dtype=torch.bfloat16,
-                                                       reduce_dtype=torch.bfloat16,
-                                                       master=master, states=states),
-                     sharding=Sharding(bucket_numel=bucket))
+    cfg = PlanConfig(
+        world_size=W,
+        precision=Precision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16, master=master, states=states
+        ),
+        sharding=Sharding(bucket_numel=bucket),
+    )
     plan = plan_model(meta, cfg)
     for stage in (0, 1, 3):
         with fake_group(rank, W):
             model = GPT(GPTConfig(**CFG))
-            opt = ZeroAdamW(gpt_param_groups(model, 0.1), stage=stage, module=model,
-                            precision=Precision(param_dtype=torch.bfloat16,
-                                                reduce_dtype=torch.bfloat16, master=master,
-                                                states=states),
-                            sharding=Sharding(bucket_numel=bucket))
+            opt = ZeroAdamW(
+                gpt_param_groups(model, 0.1),
+                stage=stage,
+                module=model,
+                precision=Precision(
+                    param_dtype=torch.bfloat16,
+                    reduce_dtype=torch.bfloat16,
+                    master=master,
+                    states=states,
+                ),
+                sharding=Sharding(bucket_numel=bucket),
+            )
             mem, want = opt.memory(), plan.stages[stage]
             assert (mem.params, mem.grads, mem.optimizer) == (
-                want.params_bytes, want.grads_bytes, want.optimizer_bytes), (master, states, stage)
+                want.params_bytes,
+                want.grads_bytes,
+                want.optimizer_bytes,
+            ), (master, states, stage)
 
 
 def test_plan_cli_modes(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--params", "1e6", "-W", "4", "--master", "bf16-kahan", "--states",
-                 "int8", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--params",
+                "1e6",
+                "-W",
+                "4",
+                "--master",
+                "bf16-kahan",
+                "--states",
+                "int8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     d = json.loads(capsys.readouterr().out)
     # The rank's shard (padding included) from the default plan's 12 bytes per element; kahan +
     # int8 holds comp 2 + exp_avg 1 + exp_avg_sq 1 bytes per element and two fp32 scales per 128.
     opt_bytes = d["stages"]["1"]["optimizer_bytes"]
     local = plan_params(1_000_000, PlanConfig(world_size=4)).stages[1].optimizer_bytes // 12
     assert opt_bytes == local * 4 + 2 * 4 * local // 128
-    assert main(["plan", "--params", "1e6", "-W", "4", "--master", "bf16-sr",
-                 "--param-dtype", "fp32"]) == 2
+    assert (
+        main(["plan", "--params", "1e6", "-W", "4", "--master", "bf16-sr", "--param-dtype", "fp32"])
+        == 2
+    )
     assert "keeps no fp32 master" in capsys.readouterr().err
 
 
@@ -166,21 +215,26 @@ def _tiny_gpt2_config(tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_hf_config_plan_equals_real_hf_model(tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_hf_config_plan_equals_real_hf_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra")
     path = _tiny_gpt2_config(tmp_path)
     assert main(["plan", "--hf-config", str(path), "-W", "2", "--json", "--one-group"]) == 0
     got = json.loads(capsys.readouterr().out)
     real = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.from_pretrained(tmp_path))
+        transformers.AutoConfig.from_pretrained(tmp_path)
+    )
     # The tied lm_head / wte weight counted once, as the optimizer sees it.
     assert got["params"] == sum(p.numel() for p in real.parameters())
     for stage in (0, 3):
         with fake_group(0, 2):
-            opt = ZeroAdamW(real.parameters(), stage=stage, module=real,
-                            precision=Precision(param_dtype=torch.bfloat16,
-                                                reduce_dtype=torch.bfloat16))
+            opt = ZeroAdamW(
+                real.parameters(),
+                stage=stage,
+                module=real,
+                precision=Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
+            )
             mem = opt.memory()
             assert mem.total == got["stages"][str(stage)]["total_bytes"], stage
             assert mem.params == got["stages"][str(stage)]["params_bytes"], stage
@@ -189,8 +243,8 @@ def test_hf_config_plan_equals_real_hf_model(tmp_path: Path,
 
 
 def test_hf_config_without_transformers_says_how_to_install(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
     monkeypatch.setitem(__import__("sys").modules, "transformers", None)  # import fails
     assert main(["plan", "--hf-config", str(tmp_path), "-W", "2"]) == 2
@@ -198,8 +252,7 @@ def test_hf_config_without_transformers_says_how_to_install(
 
 
 def test_cli_comm_time_model(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["plan", "--params", "1e9", "-W", "1024", "--link-gbps", "50",
-            "--link-latency-us", "5"]
+    args = ["plan", "--params", "1e9", "-W", "1024", "--link-gbps", "50", "--link-latency-us", "5"]
     assert main(args + ["--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     m = d["comm_model"]
@@ -220,8 +273,7 @@ def test_cli_comm_time_model(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_emulate_equals_plan(capsys: pytest.CaptureFixture[str]) -> None:
     # A real ZeroAdamW as the last of 64 ranks (fake process group, model on meta, only the
     # local shard materialised): its resident and comm bytes are the plan's.
-    assert main(["plan", "--shape", "tiny", "-W", "64", "--emulate", "--rank", "63",
-                 "--json"]) == 0
+    assert main(["plan", "--shape", "tiny", "-W", "64", "--emulate", "--rank", "63", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     e = d["emulation"]
     assert (e["world_size"], e["rank"], e["stage"], e["materialized"]) == (64, 63, 3, True)
@@ -236,16 +288,49 @@ def test_cli_emulate_equals_plan(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_emulate_follows_wire_and_refuses_tp(capsys: pytest.CaptureFixture[str]) -> None:
     # --wire / --param-wire reach the emulated optimizer and the plan it is compared with: the
     # emulation equals the very numbers the table prints (int8 both ways: about half of bf16's).
-    assert main(["plan", "--shape", "tiny", "-W", "8", "--emulate", "--wire", "int8",
-                 "--param-wire", "int8", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--shape",
+                "tiny",
+                "-W",
+                "8",
+                "--emulate",
+                "--wire",
+                "int8",
+                "--param-wire",
+                "int8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     d = json.loads(capsys.readouterr().out)
     e, printed = d["emulation"], d["stages"]["3"]
     assert e["comm_bytes_per_step"] == printed["comm_bytes_per_step"] == e["plan_comm_bytes"]
     assert e["resident_bytes"] == printed["total_bytes"] == e["plan_bytes"]
     native = plan_model(meta_model("tiny"), PlanConfig(world_size=8)).stages[3]
     assert printed["comm_bytes_per_step"] < 0.6 * native.comm_bytes_per_step, printed
-    assert main(["plan", "--shape", "tiny", "-W", "8", "--emulate", "--stage", "0",
-                 "--wire", "bf16", "--reduce-dtype", "fp32"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--shape",
+                "tiny",
+                "-W",
+                "8",
+                "--emulate",
+                "--stage",
+                "0",
+                "--wire",
+                "bf16",
+                "--reduce-dtype",
+                "fp32",
+            ]
+        )
+        == 0
+    )
     assert "equal to the plan" in capsys.readouterr().out
     # Tensor parallelism is not emulated: refused, rather than compared with another plan.
     assert main(["plan", "--preset", "tiny", "-W", "2", "--tp", "2", "--emulate"]) == 2

@@ -1,5 +1,6 @@
 """`fusedzero train --preset`: the named shapes (GPT-2 sizes, a Llama-shaped 254M decoder),
 their FLOPs per token, and MFU against a known bf16 peak (n/a on a CPU). All on the CPU."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,10 @@ def test_llama_254m_has_the_llama_matrices() -> None:
     m = _meta(**PRESETS["llama-254m"])
     # Llama's 254.2M: q, o 1024^2; k, v 1024 x 512; SwiGLU 3 x 1024 x 2816; embed + head 32000 x
     # 1024.
-    assert _linear_weights(m) + m.wte.weight.numel() == 16 * (2 * 1024**2 + 2 * 1024 * 512
-                                                              + 3 * 1024 * 2816) + 2 * 32000 * 1024
+    assert (
+        _linear_weights(m) + m.wte.weight.numel()
+        == 16 * (2 * 1024**2 + 2 * 1024 * 512 + 3 * 1024 * 2816) + 2 * 32000 * 1024
+    )
     assert m.lm_head.weight is not m.wte.weight  # untied
     assert tuple(m.blocks[0].attn.qkv.weight.shape) == (1024 + 2 * 512, 1024)
     assert tuple(m.blocks[0].mlp.fc.weight.shape) == (2 * 2816, 1024)
@@ -48,8 +51,17 @@ def test_grouped_query_attention_equals_repeated_kv_heads() -> None:
 
 
 def test_swiglu_untied_model_trains_and_inits_reproducibly() -> None:
-    cfg = dict(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp="swiglu", mlp_hidden=40,
-               vocab_size=50, block_size=16, tie_head=False)
+    cfg = dict(
+        n_layer=2,
+        n_head=4,
+        n_kv_head=2,
+        n_embd=32,
+        mlp="swiglu",
+        mlp_hidden=40,
+        vocab_size=50,
+        block_size=16,
+        tie_head=False,
+    )
     torch.manual_seed(3)
     a = GPT(GPTConfig(**cfg))
     b = _meta(**cfg)
@@ -75,13 +87,20 @@ def test_preset_flag_sets_the_shape_and_given_flags_override_it() -> None:
     cfg = parse_args(["--preset", "llama-254m", "--block-size", "256"]).model_config()
     assert cfg == {**PRESETS["llama-254m"], "block_size": 256}
     assert parse_args(["--preset", "gpt2"]).model_config() == PRESETS["gpt2"]
-    assert parse_args([]).model_config() == {"n_layer": 2, "n_head": 4, "n_embd": 128,
-                                             "block_size": 128}
+    assert parse_args([]).model_config() == {
+        "n_layer": 2,
+        "n_head": 4,
+        "n_embd": 128,
+        "block_size": 128,
+    }
     with pytest.raises(UsageError, match="invalid choice: 'gpt3'"):
         parse_args(["--preset", "gpt3"])
     # Checked before any rank starts: one line naming the clash, not a rank's traceback.
-    with pytest.raises(UsageError, match="--preset llama-254m with these shape flags: .*"
-                                         "n_kv_head=8 must be >= 1 and divide n_head=4"):
+    with pytest.raises(
+        UsageError,
+        match="--preset llama-254m with these shape flags: .*"
+        "n_kv_head=8 must be >= 1 and divide n_head=4",
+    ):
         parse_args(["--preset", "llama-254m", "--n-head", "4", "--n-embd", "64"])
 
 
@@ -97,10 +116,17 @@ def test_mfu_against_a_known_peak_and_n_a_elsewhere(monkeypatch) -> None:
     cuda = torch.device("cuda", 0)
     # Each variant before the name it contains (before: "H200 NVL" took the H200's 989 and
     # "L40" the L4's 121).
-    for name, peak in (("NVIDIA H100 80GB HBM3", 989e12), ("NVIDIA H100 PCIe", 756e12),
-                       ("NVIDIA A100-SXM4-80GB", 312e12), ("NVIDIA GeForce GTX 1080", None),
-                       ("NVIDIA H200 NVL", 835e12), ("NVIDIA H200", 989e12),
-                       ("NVIDIA L40", 181e12), ("NVIDIA L40S", 362e12), ("NVIDIA L4", 121e12)):
+    for name, peak in (
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA H100 PCIe", 756e12),
+        ("NVIDIA A100-SXM4-80GB", 312e12),
+        ("NVIDIA GeForce GTX 1080", None),
+        ("NVIDIA H200 NVL", 835e12),
+        ("NVIDIA H200", 989e12),
+        ("NVIDIA L40", 181e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L4", 121e12),
+    ):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda d, name=name: name)
         assert summary.bf16_peak(cuda) == (peak, name)
     assert summary.bf16_peak(torch.device("cpu")) == (None, "cpu")
@@ -109,8 +135,15 @@ def test_mfu_against_a_known_peak_and_n_a_elsewhere(monkeypatch) -> None:
     assert summary.mfu(1e5, 1_500_000_000, 2, None) is None
     row = summary._mfu_text({"mfu": None, "device": "cpu"})
     assert row == "MFU n/a: no bf16 peak for a CPU"
-    row = summary._mfu_text({"mfu": 0.4123, "device": "cuda", "world_size": 8,
-                             "device_name": "NVIDIA H100 80GB HBM3", "bf16_peak_flops": 989e12})
+    row = summary._mfu_text(
+        {
+            "mfu": 0.4123,
+            "device": "cuda",
+            "world_size": 8,
+            "device_name": "NVIDIA H100 80GB HBM3",
+            "bf16_peak_flops": 989e12,
+        }
+    )
     assert row == "MFU 41.2% of 8 x NVIDIA H100 80GB HBM3 at 989 TFLOP/s bf16"
 
 

@@ -9,6 +9,7 @@ their assignments in the function, then the module). An argv of string constants
 through the CLI instead, with one GPU faked visible (the `one_gpu` fixture): it passes if the
 parser refuses it (a usage-error test: no rank starts) or the device choice keeps it on the CPU.
 """
+
 from __future__ import annotations
 
 import ast
@@ -55,8 +56,11 @@ class _Scope:
                 for t in sub.targets:
                     if isinstance(t, ast.Name):
                         self.assigned.setdefault(t.id, []).append(sub.value)
-            elif isinstance(sub, ast.AnnAssign) and isinstance(sub.target, ast.Name) \
-                    and sub.value is not None:
+            elif (
+                isinstance(sub, ast.AnnAssign)
+                and isinstance(sub.target, ast.Name)
+                and sub.value is not None
+            ):
                 self.assigned.setdefault(sub.target.id, []).append(sub.value)
             elif isinstance(sub, ast.FunctionDef):
                 self.functions[sub.name] = sub
@@ -81,9 +85,15 @@ def _states_device(node: ast.expr, scope: _Scope, depth: int = 0) -> bool:
         return _states_device(sub, scope, depth + 1)
 
     if isinstance(node, (ast.List, ast.Tuple)):
-        return any((isinstance(e, ast.Constant) and isinstance(e.value, str)
-                    and (e.value == "--device" or e.value.startswith("--device=")))
-                   or (isinstance(e, ast.Starred) and again(e.value)) for e in node.elts)
+        return any(
+            (
+                isinstance(e, ast.Constant)
+                and isinstance(e.value, str)
+                and (e.value == "--device" or e.value.startswith("--device="))
+            )
+            or (isinstance(e, ast.Starred) and again(e.value))
+            for e in node.elts
+        )
     if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
         return again(node.left) or again(node.right)
     if isinstance(node, (ast.Starred, ast.Subscript)):  # *TINY, TINY[:-3]
@@ -102,31 +112,42 @@ def _states_device(node: ast.expr, scope: _Scope, depth: int = 0) -> bool:
 
 
 def _constants(node: ast.expr) -> list[str] | None:
-    if isinstance(node, ast.List) and all(isinstance(e, ast.Constant)
-                                          and isinstance(e.value, str) for e in node.elts):
+    if isinstance(node, ast.List) and all(
+        isinstance(e, ast.Constant) and isinstance(e.value, str) for e in node.elts
+    ):
         return [e.value for e in node.elts]
     return None
 
 
 def _is_train_argv(node: ast.List) -> bool:
     words = [e.value if isinstance(e, ast.Constant) else None for e in node.elts]
-    return words[:1] == ["train"] or any(a == "fusedzero.cli" and b == "train"
-                                         for a, b in zip(words, words[1:]))
+    return words[:1] == ["train"] or any(
+        a == "fusedzero.cli" and b == "train" for a, b in zip(words, words[1:])
+    )
 
 
 def train_argvs(source: str) -> list[tuple[int, ast.expr, _Scope]]:
     """(line, argv expression, its scope) of every `fusedzero train` argv in a test module."""
     tree = ast.parse(source)
-    run_names = {a.asname or a.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
-                 for a in n.names if (n.module, a.name) == _LAUNCH_RUN}
+    run_names = {
+        a.asname or a.name
+        for n in ast.walk(tree)
+        if isinstance(n, ast.ImportFrom)
+        for a in n.names
+        if (n.module, a.name) == _LAUNCH_RUN
+    }
     found: list[tuple[int, ast.expr, _Scope]] = []
 
     def visit(node: ast.AST, scope: _Scope) -> None:
         for sub in _shallow(node):
             if isinstance(sub, ast.List) and _is_train_argv(sub):
                 found.append((sub.lineno, sub, scope))
-            elif isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) \
-                    and sub.func.id in run_names and sub.args:
+            elif (
+                isinstance(sub, ast.Call)
+                and isinstance(sub.func, ast.Name)
+                and sub.func.id in run_names
+                and sub.args
+            ):
                 found.append((sub.lineno, sub.args[0], scope))
             elif isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 visit(sub, _Scope(sub, scope))
@@ -167,10 +188,11 @@ def _unstated(module: str) -> list[str]:
 
 
 def test_train_argvs_state_their_device(one_gpu: None) -> None:
-    bad = [b for m in _module_files() if m not in EXEMPT
-           for b in _unstated(m)]
-    assert not bad, ("`fusedzero train` argvs that leave the device to auto (on a GPU machine "
-                     "it takes the GPUs; pass --device cpu):\n" + "\n".join(bad))
+    bad = [b for m in _module_files() if m not in EXEMPT for b in _unstated(m)]
+    assert not bad, (
+        "`fusedzero train` argvs that leave the device to auto (on a GPU machine "
+        "it takes the GPUs; pass --device cpu):\n" + "\n".join(bad)
+    )
 
 
 def test_exempt_and_pending_name_modules_that_exist() -> None:
@@ -180,7 +202,7 @@ def test_exempt_and_pending_name_modules_that_exist() -> None:
 
 def test_the_scan_finds_what_it_should(one_gpu: None) -> None:
     """The scan itself, on a made-up module: each shape of argv, with and without a device."""
-    source = '''
+    source = """
 from fusedzero.app.launch import run as train_run
 TINY = ["--n-layer", "1", "--device", "cpu"]
 BARE = ["--n-layer", "1"]
@@ -198,7 +220,7 @@ def test_a(cli_main, data):
     cli_main(["train", "--device", "cpu", "--nproc", "2"])     # ok: constant, on the CPU
     subprocess.run([sys.executable, "-m", "fusedzero.cli", "train", *BARE])  # 17: no device
     subprocess.run(["x", "-m", "fusedzero.cli", "train", "--device=cpu", *BARE])  # ok
-'''
+"""
     bad = devices_unstated(source)
     assert [b.split(":")[0] for b in bad] == ["line 13", "line 14", "line 17"], bad
     assert "exceeds the 1 visible GPUs" in bad[1], bad

@@ -10,6 +10,7 @@ all-reduce. The group's timeout is 30 s: rank 0 must be out with its error long 
 
 About an internal: fusedzero._spawn.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -27,9 +28,15 @@ TIMEOUT_S = 30
 
 
 def _rank(rank: int, port: int, q: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                      OMP_NUM_THREADS="1")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE="2",
+        OMP_NUM_THREADS="1",
+    )
     import torch
     import torch.distributed as dist
 
@@ -57,6 +64,7 @@ def _rank(rank: int, port: int, q: Any) -> None:
 
 def test_a_rank_that_raises_leaves_with_its_own_error() -> None:
     import torch
+
     # Forks of this process (which imported torch already: no seconds of imports per rank),
     # but where torch sees a GPU, whose state a fork would share.
     ctx = mp.get_context("spawn" if torch.cuda.is_available() else "fork")

@@ -2,6 +2,7 @@
 trains like the unsplit GPT on 2 dp ranks (same global batch), and its resident bytes and
 bytes per step are what the plan says, exactly (stage 2 in the first run, stage 3 in the
 resume test's uninterrupted run)."""
+
 from __future__ import annotations
 
 import json
@@ -18,9 +19,33 @@ from fusedzero.app.model import GPT, GPTConfig
 from fusedzero.app.tp_plan import local_groups, local_shape
 from fusedzero.plan import PlanConfig, plan_groups
 
-TINY = ["--device", "cpu", "--n-layer", "1", "--n-embd", "32", "--n-head", "2",
-        "--block-size", "32", "--batch-size", "8", "--steps", "4", "--warmup", "1", "--lr", "3e-3",
-        "--eval-seqs", "8", "--no-progress", "--sample-tokens", "0", "--stage", "2"]
+TINY = [
+    "--device",
+    "cpu",
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "8",
+    "--steps",
+    "4",
+    "--warmup",
+    "1",
+    "--lr",
+    "3e-3",
+    "--eval-seqs",
+    "8",
+    "--no-progress",
+    "--sample-tokens",
+    "0",
+    "--stage",
+    "2",
+]
 
 
 @pytest.mark.slow  # spawns 4 + 2 ranks
@@ -51,7 +76,10 @@ def assert_as_planned(result: dict, stage: int) -> None:
     want = plan_groups(local_groups(meta, 2), cfg, model=meta).stages[stage]
     got = result["resident_bytes"]
     assert (got["params"], got["grads"], got["optimizer"]) == (
-        want.params_bytes, want.grads_bytes, want.optimizer_bytes), (stage, got, want)
+        want.params_bytes,
+        want.grads_bytes,
+        want.optimizer_bytes,
+    ), (stage, got, want)
     assert sum(result["comm_bytes_per_step"].values()) == want.comm_bytes_per_step, stage
     # one AdamW launch; sum-of-squares launches: tp-sharded and replicated buffers
     assert result["kernel_launches_per_step"] == {"adamw": 1, "sumsq": 2}, stage
@@ -65,12 +93,15 @@ def test_local_shapes_of_the_plan() -> None:
     assert local_shape("wte.weight", (256, 32), 2) == (256, 32)
 
 
-@pytest.mark.parametrize("argv,msg", [
-    (["train", "--tp", "3", "--n-head", "4"], "--tp 3 must divide --n-head 4"),
-    (["train", "--tp", "0"], "--tp must be >= 1"),
-    (["plan", "--params", "1e6", "-W", "2", "--tp", "2"], "--tp needs --preset"),
-    (["plan", "--preset", "gpt2", "-W", "2", "--tp", "5"], "--tp 5 must divide n_head 12"),
-])
+@pytest.mark.parametrize(
+    "argv,msg",
+    [
+        (["train", "--tp", "3", "--n-head", "4"], "--tp 3 must divide --n-head 4"),
+        (["train", "--tp", "0"], "--tp must be >= 1"),
+        (["plan", "--params", "1e6", "-W", "2", "--tp", "2"], "--tp needs --preset"),
+        (["plan", "--preset", "gpt2", "-W", "2", "--tp", "5"], "--tp 5 must divide n_head 12"),
+    ],
+)
 def test_tp_usage_errors(argv: list[str], msg: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(argv) == 2
     err = capsys.readouterr().err.strip()
@@ -84,6 +115,7 @@ def test_train_tp2_checkpoint_resume(tmp_path: Path) -> None:
     line (a root holds one layout; the library's checkpoint.load reshards it:
     test_tp_checkpoint.py). The uninterrupted run's bytes are the plan's at stage 3."""
     from fusedzero.app.config import UsageError
+
     corpus = tmp_path / "argparse.py"
     shutil.copy(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py", corpus)
     base = TINY + ["--data", str(corpus), "--tp", "2", "--nproc", "4", "--stage", "3"]

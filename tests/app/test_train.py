@@ -4,6 +4,7 @@ resume is exact, and bad input gives one line, not a traceback.
 Each run spawns 2 ranks (start-up dominates: a few seconds each), so the stage runs are shared by
 a module fixture and the model is tiny.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,31 @@ W = 2
 STEPS = 4
 # Tiny model, 2 ranks x 4 sequences; warmup 1 so the 4 steps see warmup and cosine decay.
 # --device cpu: gloo ranks on the CPU whatever GPUs are visible (auto would take one per GPU).
-TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32",
-        "--batch-size", "8", "--steps", str(STEPS), "--warmup", "1", "--lr", "3e-3",
-        "--eval-seqs", "8", "--device", "cpu", "--nproc", str(W), "--no-progress"]
+TINY = [
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "32",
+    "--n-head",
+    "2",
+    "--block-size",
+    "32",
+    "--batch-size",
+    "8",
+    "--steps",
+    str(STEPS),
+    "--warmup",
+    "1",
+    "--lr",
+    "3e-3",
+    "--eval-seqs",
+    "8",
+    "--device",
+    "cpu",
+    "--nproc",
+    str(W),
+    "--no-progress",
+]
 STAGES = [0, 1, 2, 3]
 
 
@@ -48,8 +71,9 @@ def stage_runs(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[i
     out = {}
     for stage in (0, 1, 2, 3):
         path = tmp_path_factory.mktemp("runs") / f"stage{stage}.json"
-        summary = run(TINY + ["--stage", str(stage), "--data", str(corpus),
-                              "--out-json", str(path)])
+        summary = run(
+            TINY + ["--stage", str(stage), "--data", str(corpus), "--out-json", str(path)]
+        )
         out[stage] = json.loads(path.read_text())
         assert out[stage]["steps"] == summary["steps"]
     return out
@@ -67,13 +91,24 @@ def test_json_has_every_field(stage_runs: dict[int, dict], stage: int) -> None:
     assert [x["step"] for x in s["steps"]] == list(range(1, STEPS + 1))
     for x in s["steps"]:
         assert set(x) == {"step", "loss", "grad_norm", "lr"}
-        assert all(isinstance(x[k], float) and math.isfinite(x[k])
-                   for k in ("loss", "grad_norm", "lr"))
+        assert all(
+            isinstance(x[k], float) and math.isfinite(x[k]) for k in ("loss", "grad_norm", "lr")
+        )
     assert set(s["resident_bytes"]) == {"params", "grads", "optimizer"}
-    assert set(s["comm_bytes_per_step"]) == {"all_reduce", "reduce_scatter", "all_gather",
-                                             "all_to_all"}
-    assert s["dtypes"] == {"param": "float32", "master": "float32", "states": "fp32",
-                           "grad_reduce": "float32", "wire": None, "param_wire": None}
+    assert set(s["comm_bytes_per_step"]) == {
+        "all_reduce",
+        "reduce_scatter",
+        "all_gather",
+        "all_to_all",
+    }
+    assert s["dtypes"] == {
+        "param": "float32",
+        "master": "float32",
+        "states": "fp32",
+        "grad_reduce": "float32",
+        "wire": None,
+        "param_wire": None,
+    }
     assert s["params"] <= s["padded_params"]
     assert s["tokens_per_s"] > 0
     # MFU: model FLOPs per token counted, no bf16 peak claimed for a CPU
@@ -114,11 +149,15 @@ def test_resident_bytes_follow_zero_formulas(stage_runs: dict[int, dict]) -> Non
         psi = s["padded_params"]
         got = s["resident_bytes"]
         p, g, o = expect[stage]
-        assert (got["params"], got["grads"], got["optimizer"]) == (p * psi, g * psi, o * psi), \
+        assert (got["params"], got["grads"], got["optimizer"]) == (p * psi, g * psi, o * psi), (
             f"stage {stage} with Psi_pad={psi}"
+        )
         # Plain DDP holds Psi (unpadded) * (4 + 4 + 8) bytes.
-        assert s["ddp_resident_bytes"] == {"params": 4 * s["params"], "grads": 4 * s["params"],
-                                           "optimizer": 8 * s["params"]}
+        assert s["ddp_resident_bytes"] == {
+            "params": 4 * s["params"],
+            "grads": 4 * s["params"],
+            "optimizer": 8 * s["params"],
+        }
     totals = [sum(stage_runs[k]["resident_bytes"].values()) for k in sorted(stage_runs)]
     assert totals == sorted(totals, reverse=True) and len(set(totals)) == len(totals)
 
@@ -135,13 +174,19 @@ def test_comm_bytes_match_ring_formulas(stage_runs: dict[int, dict]) -> None:
         if stage == 0:
             want = {"all_reduce": 2 * (W - 1) * psi * 4 // W, "reduce_scatter": 0, "all_gather": 0}
         elif stage in (1, 2):
-            want = {"all_reduce": scalar, "reduce_scatter": (W - 1) * psi * 4 // W,
-                    "all_gather": (W - 1) * psi * 4 // W}
+            want = {
+                "all_reduce": scalar,
+                "reduce_scatter": (W - 1) * psi * 4 // W,
+                "all_gather": (W - 1) * psi * 4 // W,
+            }
         else:  # ZeRO-3: params all-gathered in forward and again in backward, but the root's
             root = s["padded_root_params"]  # kept gathered from its forward into its backward
             assert 0 < root < psi
-            want = {"all_reduce": scalar, "reduce_scatter": (W - 1) * psi * 4 // W,
-                    "all_gather": (W - 1) * (2 * psi - root) * 4 // W}
+            want = {
+                "all_reduce": scalar,
+                "reduce_scatter": (W - 1) * psi * 4 // W,
+                "all_gather": (W - 1) * (2 * psi - root) * 4 // W,
+            }
         assert c == {**want, "all_to_all": 0}, f"stage {stage} with Psi_pad={psi}"
 
 
@@ -158,8 +203,9 @@ def test_lr_follows_warmup_then_cosine(stage_runs: dict[int, dict]) -> None:
 
 
 @pytest.mark.slow
-def test_resume_after_stop_is_bitwise_and_reshards(stage_runs: dict[int, dict], corpus: Path,
-                                                   tmp_path: Path) -> None:
+def test_resume_after_stop_is_bitwise_and_reshards(
+    stage_runs: dict[int, dict], corpus: Path, tmp_path: Path
+) -> None:
     """--stop-at 2 then --resume gives the uninterrupted run's losses bit for bit (same world
     size and stage); the same checkpoint resumed on 1 rank at stage 1 continues closely (only
     the grouping of the batch mean changes: fp32 rounding)."""
@@ -192,20 +238,26 @@ def _cli_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("argv, words", [
-    (["train", "--stage", "4"], "invalid choice: 4"),
-    (["train", "--steps", "0"], "--steps must be >= 1"),
-    (["train", "--lr", "abc"], "invalid float value"),
-    (["train", "--bogus"], "unrecognized arguments: --bogus"),
-    (["train", "--n-embd", "30", "--n-head", "4"], "not divisible by --n-head 4"),
-    (["train", "--batch-size", "6", "--nproc", "4", "--device", "cpu"],
-     "not divisible by data-parallel ranks*grad_accum"),
-    (["train", "--resume"], "--resume needs --ckpt-dir"),
-    (["train", "--stop-at", "9", "--steps", "5", "--ckpt-dir", "x"], "--stop-at must be in"),
-    (["nope"], "invalid choice: 'nope'"),
-])
-def test_bad_flags_give_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],
-                                 words: str) -> None:
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["train", "--stage", "4"], "invalid choice: 4"),
+        (["train", "--steps", "0"], "--steps must be >= 1"),
+        (["train", "--lr", "abc"], "invalid float value"),
+        (["train", "--bogus"], "unrecognized arguments: --bogus"),
+        (["train", "--n-embd", "30", "--n-head", "4"], "not divisible by --n-head 4"),
+        (
+            ["train", "--batch-size", "6", "--nproc", "4", "--device", "cpu"],
+            "not divisible by data-parallel ranks*grad_accum",
+        ),
+        (["train", "--resume"], "--resume needs --ckpt-dir"),
+        (["train", "--stop-at", "9", "--steps", "5", "--ckpt-dir", "x"], "--stop-at must be in"),
+        (["nope"], "invalid choice: 'nope'"),
+    ],
+)
+def test_bad_flags_give_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], words: str
+) -> None:
     assert words in _cli_error(capsys, argv)
 
 
@@ -214,17 +266,17 @@ def test_bad_data_paths_give_one_line(capsys: pytest.CaptureFixture[str], tmp_pa
     (tmp_path / "tiny.txt").write_text("too short")
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "x.bin").write_bytes(b"\0" * 1000)
-    for path, words in [(tmp_path / "missing.txt", "does not exist"),
-                        (tmp_path / "empty", "no text files"),
-                        (tmp_path / "bin", "no text files"),
-                        (tmp_path / "tiny.txt", "fewer than 2*block_size+2"),
-                        (Path("/dev/null"), "is a character device; refusing to read it")]:
-        line = _cli_error(capsys, ["train", "--data", str(path), "--nproc", "1",
-                                   "--device", "cpu"])
+    for path, words in [
+        (tmp_path / "missing.txt", "does not exist"),
+        (tmp_path / "empty", "no text files"),
+        (tmp_path / "bin", "no text files"),
+        (tmp_path / "tiny.txt", "fewer than 2*block_size+2"),
+        (Path("/dev/null"), "is a character device; refusing to read it"),
+    ]:
+        line = _cli_error(capsys, ["train", "--data", str(path), "--nproc", "1", "--device", "cpu"])
         assert "--data" in line and words in line, line
     with pytest.raises(UsageError, match="no complete checkpoint"):
-        run(["--ckpt-dir", str(tmp_path / "empty"), "--resume", "--nproc", "1",
-             "--device", "cpu"])
+        run(["--ckpt-dir", str(tmp_path / "empty"), "--resume", "--nproc", "1", "--device", "cpu"])
 
 
 @pytest.mark.slow
@@ -233,9 +285,14 @@ def test_console_script_error_is_one_line_without_traceback(tmp_path: Path) -> N
     error found after parsing; argparse's own errors are checked in process): exit code 2, one
     line on stderr."""
     argv = ["train", "--device", "cpu", "--data", str(tmp_path / "nope")]
-    p = subprocess.run([sys.executable, "-m", "fusedzero.cli", *argv], check=False,
-                       capture_output=True, text=True, timeout=120,
-                       env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    p = subprocess.run(
+        [sys.executable, "-m", "fusedzero.cli", *argv],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
     assert p.returncode == 2, p.stderr
     assert p.stdout == ""
     assert "Traceback" not in p.stderr
@@ -244,19 +301,22 @@ def test_console_script_error_is_one_line_without_traceback(tmp_path: Path) -> N
 
 
 # -- the run folder: pre-flight checks, lock, new run vs resume vs overwrite -----------------------
-def test_unwritable_paths_fail_before_training(capsys: pytest.CaptureFixture[str],
-                                               tmp_path: Path) -> None:
+def test_unwritable_paths_fail_before_training(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     """Each fails at once with one line and rc 2 (before: after the whole run, or at the first
     save with a traceback). /proc stands for a read-only mount: refused even for root, where
     permission bits are not."""
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
-    for argv, words in [(["--ckpt-dir", str(a_file)], "is a file, not a folder"),
-                        (["--ckpt-dir", "/proc/fusedzero-ckpt"], "cannot write in"),
-                        (["--ckpt-dir", "/proc"], "cannot write in"),
-                        (["--out-json", str(tmp_path)], "is a folder"),
-                        (["--out-json", str(a_file / "run.json")], "is a file, not a folder"),
-                        (["--out-json", "/proc/run.json"], "cannot write in")]:
+    for argv, words in [
+        (["--ckpt-dir", str(a_file)], "is a file, not a folder"),
+        (["--ckpt-dir", "/proc/fusedzero-ckpt"], "cannot write in"),
+        (["--ckpt-dir", "/proc"], "cannot write in"),
+        (["--out-json", str(tmp_path)], "is a folder"),
+        (["--out-json", str(a_file / "run.json")], "is a file, not a folder"),
+        (["--out-json", "/proc/run.json"], "cannot write in"),
+    ]:
         line = _cli_error(capsys, ["train", *TINY, *argv])
         assert argv[0] in line and words in line, line
 
@@ -268,20 +328,26 @@ def _checkpoint_names(root: Path) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_locked_folder_is_refused_naming_the_holder_and_stale_lock_is_taken_over(
-        capsys: pytest.CaptureFixture[str], tmp_path: Path, corpus: Path) -> None:
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, corpus: Path
+) -> None:
     """A live process holding --ckpt-dir (another run) is named in the error; once it is killed
     (SIGKILL: no cleanup), its lock is stale and the next user takes it over."""
     from fusedzero.app.runlock import RunLock
 
     ckpt = tmp_path / "ckpt"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time; from fusedzero.app.runlock import RunLock; "
-         f"RunLock({str(ckpt)!r}).acquire(); print('locked', flush=True); time.sleep(600)"],
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import sys, time; from fusedzero.app.runlock import RunLock; "
+            f"RunLock({str(ckpt)!r}).acquire(); print('locked', flush=True); time.sleep(600)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        line = _cli_error(capsys, ["train", *TINY, "--data", str(corpus), "--ckpt-dir",
-                                   str(ckpt)])
+        line = _cli_error(capsys, ["train", *TINY, "--data", str(corpus), "--ckpt-dir", str(ckpt)])
         assert "is in use by another run" in line and f"pid {holder.pid} " in line, line
     finally:
         holder.kill()
@@ -294,8 +360,9 @@ def test_locked_folder_is_refused_naming_the_holder_and_stale_lock_is_taken_over
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # includes the 4 runs of stage_runs on a busy machine
-def test_new_run_resume_flags_and_overwrite(capfd: pytest.CaptureFixture[str], tmp_path: Path,
-                                            corpus: Path, stage_runs: dict[int, dict]) -> None:
+def test_new_run_resume_flags_and_overwrite(
+    capfd: pytest.CaptureFixture[str], tmp_path: Path, corpus: Path, stage_runs: dict[int, dict]
+) -> None:
     """One folder through its life: a run stops at step 2; a new run into it is refused; a
     resume with changed --lr/--beta2/--weight-decay says so in one line and runs (and records)
     the new values; --overwrite starts over and, after its first save, the old steps are gone."""
@@ -307,17 +374,25 @@ def test_new_run_resume_flags_and_overwrite(capfd: pytest.CaptureFixture[str], t
 
     assert cli.main(["train", *base, "--ckpt-dir", str(ckpt)]) == 2
     err = capfd.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "already holds 1 checkpoint(s) (newest step-00000002)" in err[0] \
-        and "--resume" in err[0] and "--overwrite" in err[0], err
+    assert (
+        len(err) == 1
+        and "already holds 1 checkpoint(s) (newest step-00000002)" in err[0]
+        and "--resume" in err[0]
+        and "--overwrite" in err[0]
+    ), err
 
     out_json = tmp_path / "resumed.json"
     changed = ["--lr", "1e-3", "--beta2", "0.99", "--weight-decay", "0.2"]
-    resumed = run(base + changed + ["--ckpt-dir", str(ckpt), "--resume",
-                                    "--out-json", str(out_json)])
+    resumed = run(
+        base + changed + ["--ckpt-dir", str(ckpt), "--resume", "--out-json", str(out_json)]
+    )
     lines = [x for x in capfd.readouterr().out.splitlines() if "override the checkpoint" in x]
     assert len(lines) == 1, lines
-    for words in ("--lr 0.001 (checkpoint: 0.003)", "--beta2 0.99 (checkpoint: 0.95)",
-                  "--weight-decay 0.2 (checkpoint: 0.1)"):
+    for words in (
+        "--lr 0.001 (checkpoint: 0.003)",
+        "--beta2 0.99 (checkpoint: 0.95)",
+        "--weight-decay 0.2 (checkpoint: 0.1)",
+    ):
         assert words in lines[0], lines
     assert "--beta1" not in lines[0] and "--clip" not in lines[0]
     # Steps 1-2 come from the checkpoint; steps 3-4 ran at the new peak lr on the same schedule.
@@ -337,12 +412,28 @@ def test_new_run_resume_flags_and_overwrite(capfd: pytest.CaptureFixture[str], t
 
 @pytest.mark.slow
 def test_watch_flags_write_jsonl_plot_and_print_a_sample(
-        capfd: pytest.CaptureFixture[str], corpus: Path, tmp_path: Path) -> None:
+    capfd: pytest.CaptureFixture[str], corpus: Path, tmp_path: Path
+) -> None:
     """--log-jsonl gets one line per step (plus val lines), --plot a PNG, and the run ends with
     a text sample; at stage 3, where every rank must run the sample's forwards."""
     jsonl, png = tmp_path / "m" / "metrics.jsonl", tmp_path / "loss.png"
-    summary = run(TINY + ["--stage", "3", "--data", str(corpus), "--eval-every", "2",
-                          "--log-jsonl", str(jsonl), "--plot", str(png), "--sample-tokens", "16"])
+    summary = run(
+        TINY
+        + [
+            "--stage",
+            "3",
+            "--data",
+            str(corpus),
+            "--eval-every",
+            "2",
+            "--log-jsonl",
+            str(jsonl),
+            "--plot",
+            str(png),
+            "--sample-tokens",
+            "16",
+        ]
+    )
     lines = [json.loads(x) for x in jsonl.read_text().splitlines()]
     train = [x for x in lines if x["loss"] is not None]
     assert [x["step"] for x in train] == list(range(1, STEPS + 1))
@@ -353,5 +444,6 @@ def test_watch_flags_write_jsonl_plot_and_print_a_sample(
     assert [x["step"] for x in lines if x["val_loss"] is not None] == [0, 2, STEPS]
     assert len({x["run_id"] for x in lines}) == 1
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "sample (16 bytes, temperature 0.8, top-k 40, after a newline):" in \
-        capfd.readouterr().out
+    assert (
+        "sample (16 bytes, temperature 0.8, top-k 40, after a newline):" in capfd.readouterr().out
+    )

@@ -1,4 +1,5 @@
 """fusedzero.watch: the metrics log, the loss-curve PNG and the text sample, on tiny inputs."""
+
 from __future__ import annotations
 
 import json
@@ -30,12 +31,18 @@ def _records(n: int, val_every: int, seed: int = 0) -> list[dict]:
     rng = random.Random(seed)
     recs = [{"step": 0, "val_loss": 5.5 + rng.random()}]
     for s in range(1, n + 1):
-        recs.append({"step": s, "loss": 5.5 * 0.98 ** s + 0.3 * rng.random(),
-                     "grad_norm": rng.uniform(0.1, 3.0), "lr": 3e-4 * rng.random(),
-                     "tokens_per_s": rng.uniform(1e4, 5e4), "skipped": rng.random() < 0.1,
-                     "step_ms": rng.uniform(5, 50),
-                     "val_loss": 5.0 * 0.98 ** s + 0.1 * rng.random()
-                     if s % val_every == 0 else None})
+        recs.append(
+            {
+                "step": s,
+                "loss": 5.5 * 0.98**s + 0.3 * rng.random(),
+                "grad_norm": rng.uniform(0.1, 3.0),
+                "lr": 3e-4 * rng.random(),
+                "tokens_per_s": rng.uniform(1e4, 5e4),
+                "skipped": rng.random() < 0.1,
+                "step_ms": rng.uniform(5, 50),
+                "val_loss": 5.0 * 0.98**s + 0.1 * rng.random() if s % val_every == 0 else None,
+            }
+        )
     return recs
 
 
@@ -80,15 +87,18 @@ def test_metrics_log_appends_and_tells_runs_apart(tmp_path: Path) -> None:
     assert first.run_id != second.run_id and first.run_id[:4].isdigit()
     got = read_jsonl(path)
     assert got == [_full(r, first.run_id) for r in recs] + [
-        _full({"step": 0, "val_loss": 5.0}, second.run_id)]
+        _full({"step": 0, "val_loss": 5.0}, second.run_id)
+    ]
 
 
 def test_metrics_log_non_finite_values_are_strict_json_null(tmp_path: Path) -> None:
     path = tmp_path / "m.jsonl"
     with MetricsLog(path) as log:
         log.write(1, loss=float("nan"), grad_norm=float("inf"), lr=1e-3, skipped=True)
+
     def no_constants(name: str) -> None:
         raise AssertionError(f"non-standard JSON constant {name} in the log")
+
     obj = json.loads(path.read_text(), parse_constant=no_constants)
     assert obj["loss"] is None and obj["grad_norm"] is None and obj["lr"] == 1e-3
     assert obj["skipped"] is True
@@ -139,8 +149,11 @@ def test_metrics_log_resume_drops_later_steps_and_torn_tail(tmp_path: Path) -> N
 def test_metrics_log_refuses_to_append_to_a_file_that_is_no_log(tmp_path: Path) -> None:
     path = tmp_path / "notes.txt"
     path.write_text("my notes\n")
-    with pytest.raises(ValueError, match=r"--log-jsonl .*notes.txt' is not a metrics log to "
-                                         r"append to \(.*line 1 is not JSON"):
+    with pytest.raises(
+        ValueError,
+        match=r"--log-jsonl .*notes.txt' is not a metrics log to "
+        r"append to \(.*line 1 is not JSON",
+    ):
         MetricsLog(path)
     assert path.read_text() == "my notes\n"
 
@@ -160,8 +173,11 @@ def test_metrics_log_refuses_unwritable_path_and_bad_step(tmp_path: Path) -> Non
     a_file.write_text("x")
     # The tests may run as root, which ignores permission bits: use paths no user can write.
     for bad in (tmp_path, a_file / "m.jsonl"):  # a folder; a "folder" that is a file
-        with pytest.raises(ValueError, match=r"--log-jsonl .*(cannot write there.*writable "
-                           r"folder|is a folder.*pass a file path)"):
+        with pytest.raises(
+            ValueError,
+            match=r"--log-jsonl .*(cannot write there.*writable "
+            r"folder|is a folder.*pass a file path)",
+        ):
             MetricsLog(bad)
         assert str(bad) in str(pytest.raises(ValueError, MetricsLog, bad).value)
         for flag in ("--log-jsonl", "--plot"):  # the launcher's check, before training
@@ -250,7 +266,7 @@ def _reference(model: GPT, prompt: bytes, n: int, temperature: float, seed: int)
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            ctx = torch.tensor([ids[-model.config.block_size:]])
+            ctx = torch.tensor([ids[-model.config.block_size :]])
             logits = model(ctx)[0][0, -1].float()
             if temperature == 0.0:
                 ids.append(int(logits.argmax()))
@@ -320,8 +336,9 @@ def test_sample_text_top_k_keeps_only_the_likeliest_bytes(tiny_gpt: GPT) -> None
     """top_k=1 is greedy at any temperature; top_k=3 draws only among each step's 3 likeliest
     bytes, checked step by step against the model's own logits."""
     prompt = b"\nde"
-    assert sample_text(tiny_gpt, prompt, 12, temperature=5.0, top_k=1) == \
-        sample_text(tiny_gpt, prompt, 12)
+    assert sample_text(tiny_gpt, prompt, 12, temperature=5.0, top_k=1) == sample_text(
+        tiny_gpt, prompt, 12
+    )
     ids = list(prompt)
     got = sample_text(tiny_gpt, prompt, 12, temperature=5.0, top_k=3, seed=2)
     # Redo the draw with the reference filter and the same generator: the same bytes.

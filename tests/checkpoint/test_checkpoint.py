@@ -13,6 +13,7 @@ Process start-up dominates: each spawn runs several scenarios, shared through mo
 
 About an internal: fusedzero.checkpoint._format.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,6 +57,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
 # Workers (module level: spawned ranks import them)
 # ---------------------------------------------------------------------------------------------
 
+
 def make_model(seed: int = 0) -> GPT:
     return make_gpt(CFG, seed)
 
@@ -64,25 +66,31 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return gpt_batch(CFG, GLOBAL_BATCH, step)
 
 
-def build(cfg: dict[str, Any], stage: int | None = None, seed: int = 0, bucket: int = BUCKET
-          ) -> tuple[GPT, ZeroAdamW, LambdaLR]:
+def build(
+    cfg: dict[str, Any], stage: int | None = None, seed: int = 0, bucket: int = BUCKET
+) -> tuple[GPT, ZeroAdamW, LambdaLR]:
     model = make_model(seed)
-    opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, module=model,
-                    stage=cfg["stage"] if stage is None else stage, max_grad_norm=1.0,
-                    precision=Precision(param_dtype=cfg.get("param_dtype"),
-                                        loss_scale=cfg.get("loss_scale")),
-                    sharding=Sharding(bucket_numel=bucket))
+    opt = ZeroAdamW(
+        gpt_param_groups(model, 0.1),
+        lr=LR,
+        module=model,
+        stage=cfg["stage"] if stage is None else stage,
+        max_grad_norm=1.0,
+        precision=Precision(param_dtype=cfg.get("param_dtype"), loss_scale=cfg.get("loss_scale")),
+        sharding=Sharding(bucket_numel=bucket),
+    )
     sched = LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.25 * s))
     return model, opt, sched
 
 
-def train(model: GPT, opt: ZeroAdamW, sched: LambdaLR, rank: int, world: int,
-          steps: range) -> list[torch.Tensor]:
+def train(
+    model: GPT, opt: ZeroAdamW, sched: LambdaLR, rank: int, world: int, steps: range
+) -> list[torch.Tensor]:
     losses = []
     for step in steps:
         x, y = global_batch(step)
         n = GLOBAL_BATCH // world
-        _, loss = model(x[rank * n:(rank + 1) * n], y[rank * n:(rank + 1) * n])
+        _, loss = model(x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n])
         opt.scale_loss(loss).backward()
         opt.step()
         opt.zero_grad()
@@ -97,10 +105,15 @@ def local_state(opt: ZeroAdamW, model: GPT | None = None) -> dict[str, Any]:
     assert st.master is not None and st.exp_avg is not None and st.exp_avg_sq is not None
     out = {
         "names": list(opt.param_names),
-        "groups": [{"segments": list(info.segments()),
-                    "master": st.master[i].clone(), "exp_avg": st.exp_avg[i].clone(),
-                    "exp_avg_sq": st.exp_avg_sq[i].clone()}
-                   for i, info in enumerate(opt.shard_infos())],
+        "groups": [
+            {
+                "segments": list(info.segments()),
+                "master": st.master[i].clone(),
+                "exp_avg": st.exp_avg[i].clone(),
+                "exp_avg_sq": st.exp_avg_sq[i].clone(),
+            }
+            for i, info in enumerate(opt.shard_infos())
+        ],
         "step_count": opt.step_count.clone(),
         "lrs": [g["lr"] for g in opt.param_groups],
         "scaler": None if opt.scaler is None else opt.scaler.state_dict(),
@@ -125,8 +138,12 @@ def train_save(rank: int, world: int, name: str, d: Path) -> dict[str, Any]:
     at_save = local_state(opt, model)
     losses += train(model, opt, sched, rank, world, range(K, N))
     h.wait()
-    return {"at_save": at_save, "final": local_state(opt, model), "losses": losses,
-            "dirs": sorted(p.name for p in d.iterdir())}
+    return {
+        "at_save": at_save,
+        "final": local_state(opt, model),
+        "losses": losses,
+        "dirs": sorted(p.name for p in d.iterdir()),
+    }
 
 
 def w_train_save(rank: int, world: int, root: str) -> dict[str, Any]:
@@ -144,8 +161,12 @@ def w_resume(rank: int, world: int, root: str, runs: dict[str, str]) -> dict[str
         sched.load_state_dict(got.caller_state["sched"])
         start = got.caller_state["next_step"]
         losses = train(model, opt, sched, rank, world, range(start, N))
-        out[name] = {"final": local_state(opt, model), "losses": losses,
-                     "caller": got.caller_state, "step": got.step}
+        out[name] = {
+            "final": local_state(opt, model),
+            "losses": losses,
+            "caller": got.caller_state,
+            "step": got.step,
+        }
     return out
 
 
@@ -201,14 +222,14 @@ def assemble(states: list[dict[str, Any]]) -> dict[str, dict[str, torch.Tensor]]
                 if n not in full:
                     full[n] = {k: torch.full((NUMEL[n],), float("nan")) for k in ck.KINDS}
                     seen[n] = torch.zeros(NUMEL[n], dtype=torch.bool)
-                covered[s.local:s.local + s.length] = True
+                covered[s.local : s.local + s.length] = True
                 for k in ck.KINDS:
-                    v = g[k][s.local:s.local + s.length]
-                    dst = full[n][k][s.start:s.start + s.length]
-                    was = seen[n][s.start:s.start + s.length]
+                    v = g[k][s.local : s.local + s.length]
+                    dst = full[n][k][s.start : s.start + s.length]
+                    was = seen[n][s.start : s.start + s.length]
                     assert torch.equal(dst[was], v[was]), f"{n} {k}: ranks disagree"
                     dst.copy_(v)
-                seen[n][s.start:s.start + s.length] = True
+                seen[n][s.start : s.start + s.length] = True
             for k in ck.KINDS:
                 assert not g[k][~covered].any(), f"{k}: padding is not zero"
     for n in NUMEL:
@@ -230,6 +251,7 @@ def assert_state_equal(got: dict, ref: dict, what: str) -> None:
 # Fixtures: one spawn each, shared by the tests
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("ckpt")
@@ -243,8 +265,10 @@ def s1(root: Path) -> list[dict[str, Any]]:
 @pytest.fixture(scope="module")
 def exported(s1: list, root: Path) -> dict[str, Any]:
     """A exported in fp32, B in bf16 (this process, offline)."""
-    return {"A": ck.export(root / "A", root / "A.safetensors"),
-            "B": ck.export(root / "B", root / "B.safetensors", dtype=torch.bfloat16)}
+    return {
+        "A": ck.export(root / "A", root / "A.safetensors"),
+        "B": ck.export(root / "B", root / "B.safetensors", dtype=torch.bfloat16),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -257,20 +281,26 @@ def s2(s1: list, exported: dict, root: Path) -> list[list[Any]]:
     data = bytearray(f.read_bytes())
     data[-5] ^= 0x40
     f.write_bytes(bytes(data))
-    jobs = [{"cfg": "A", "src": "A", "stage": 1}, {"cfg": "A", "src": "A", "stage": 0},
-            {"cfg": "B", "src": "B", "stage": 2, "bucket": 700},
-            {"cfg": "A", "src": "A", "stage": 2, "import": "A.safetensors", "save": "A-import"},
-            {"cfg": "A", "src": "A-bad", "stage": 1},
-            {"train": "A", "save": "C"}, {"train": "B", "save": "D"}]
+    jobs = [
+        {"cfg": "A", "src": "A", "stage": 1},
+        {"cfg": "A", "src": "A", "stage": 0},
+        {"cfg": "B", "src": "B", "stage": 2, "bucket": 700},
+        {"cfg": "A", "src": "A", "stage": 2, "import": "A.safetensors", "save": "A-import"},
+        {"cfg": "A", "src": "A-bad", "stage": 1},
+        {"train": "A", "save": "C"},
+        {"train": "B", "save": "D"},
+    ]
     jobs += [{"cfg": "B", "src": "B", "stage": 3, "save": "B-zero3"}]
     return run_ranks(w_reshard, 2, str(root), jobs)
 
 
 @pytest.fixture(scope="module")
 def s4(s1: list, root: Path) -> list[list[Any]]:
-    jobs = [{"cfg": "A", "src": "A", "stage": 2},
-            {"cfg": "B", "src": "B", "stage": 1, "save": "B-3ranks"},
-            {"cfg": "A", "src": "A", "stage": 0, "save": "A-stage0"}]  # rank 0 alone writes
+    jobs = [
+        {"cfg": "A", "src": "A", "stage": 2},
+        {"cfg": "B", "src": "B", "stage": 1, "save": "B-3ranks"},
+        {"cfg": "A", "src": "A", "stage": 0, "save": "A-stage0"},
+    ]  # rank 0 alone writes
     return run_ranks(w_reshard, 3, str(root), jobs)
 
 
@@ -292,6 +322,7 @@ def load_here(cfg: str, src: Path, stage: int, bucket: int = BUCKET) -> tuple[di
 # Tests
 # ---------------------------------------------------------------------------------------------
 
+
 def test_resume_is_bitwise_identical_on_2_ranks(s1: list, s2: list, root: Path) -> None:
     runs = {"A": "C", "B": "D"}  # trained, saved at K and continued to N in S2
     first = {"A": 5, "B": 6}
@@ -300,8 +331,9 @@ def test_resume_is_bitwise_identical_on_2_ranks(s1: list, s2: list, root: Path) 
         for r in range(2):
             ref, got = s2[r][first[name]], out[r][name]
             assert got["step"] == K and got["caller"]["rank"] == r
-            assert torch.equal(torch.stack(got["losses"]), torch.stack(ref["losses"][K:])), \
+            assert torch.equal(torch.stack(got["losses"]), torch.stack(ref["losses"][K:])), (
                 f"{name} rank {r}: losses {got['losses']} vs {ref['losses'][K:]}"
+            )
             a, b = got["final"], ref["final"]
             for n in b["params"]:
                 assert torch.equal(a["params"][n], b["params"][n]), f"{name} rank {r}: {n}"
@@ -319,12 +351,14 @@ def test_resume_is_bitwise_identical_on_2_ranks(s1: list, s2: list, root: Path) 
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_reshard_4_to_2_1_3_ranks_and_across_stages_bitwise(s1: list, s2: list, s4: list,
-                                                              root: Path, name: str) -> None:
+def test_reshard_4_to_2_1_3_ranks_and_across_stages_bitwise(
+    s1: list, s2: list, s4: list, root: Path, name: str
+) -> None:
     ref = saved_state(s1, name)
-    cases = {"A": [(s2, 0, "2 ranks stage 1"), (s2, 1, "2 ranks stage 0"),
-                   (s4, 0, "3 ranks stage 2")],
-             "B": [(s2, 2, "2 ranks stage 2, other bucket size"), (s4, 1, "3 ranks stage 1")]}
+    cases = {
+        "A": [(s2, 0, "2 ranks stage 1"), (s2, 1, "2 ranks stage 0"), (s4, 0, "3 ranks stage 2")],
+        "B": [(s2, 2, "2 ranks stage 2, other bucket size"), (s4, 1, "3 ranks stage 1")],
+    }
     for out, j, what in cases[name]:
         states = [o[j] for o in out]
         assert_state_equal(assemble(states), ref, f"{name} -> {what}")
@@ -341,8 +375,9 @@ def test_reshard_4_to_2_1_3_ranks_and_across_stages_bitwise(s1: list, s2: list, 
     st, _ = load_here(name, root / again, 2, bucket=900)
     assert_state_equal(assemble([st]), ref, f"{name} -> 3 ranks -> 1 rank")
     files = [e["name"] for e in ck.read_manifest(root / again)["files"]]
-    assert files == ([ck.shard_file_name(0, 3)] if name == "A" else
-                     [ck.shard_file_name(r, 3) for r in range(3)])
+    assert files == (
+        [ck.shard_file_name(0, 3)] if name == "A" else [ck.shard_file_name(r, 3) for r in range(3)]
+    )
 
 
 def test_reshard_stage_1_to_3_and_back_bitwise(s1: list, s2: list, root: Path) -> None:
@@ -354,7 +389,8 @@ def test_reshard_stage_1_to_3_and_back_bitwise(s1: list, s2: list, root: Path) -
 
 
 def test_export_equals_trained_params_and_import_export_roundtrip(
-        s1: list, s2: list, exported: dict, root: Path) -> None:
+    s1: list, s2: list, exported: dict, root: Path
+) -> None:
     # A: fp32 params, exported fp32; B: bf16 params (fp32 master), exported bf16.
     for name, dtype in (("A", torch.float32), ("B", torch.bfloat16)):
         params = s1[0][name]["at_save"]["params"]
@@ -367,8 +403,9 @@ def test_export_equals_trained_params_and_import_export_roundtrip(
     again = ck.export(root / "A-import", root / "A-again.safetensors")
     assert again.files[0].read_bytes() == exported["A"].files[0].read_bytes()
     # And B at 1 rank through HF-style shards + index.
-    sharded = ck.export(root / "B", root / "B-hf" / "model.safetensors", dtype=torch.bfloat16,
-                        max_shard_bytes=8000)
+    sharded = ck.export(
+        root / "B", root / "B-hf" / "model.safetensors", dtype=torch.bfloat16, max_shard_bytes=8000
+    )
     assert len(sharded.files) > 2 and sharded.index is not None
     model, opt, _ = build(CONFIGS["B"], seed=9)
     ck.import_weights(opt, root / "B-hf")
@@ -384,13 +421,17 @@ def test_export_equals_trained_params_and_import_export_roundtrip(
     del sd["ln_f.bias"]
     with pytest.raises(ValueError) as e:
         ck.import_weights(opt, sd)
-    for part in ("wpe.weight: shape [5, 22] in state dict, [12, 22] in the model",
-                 "missing: ln_f.bias", "not params of the model: ['extra']"):
+    for part in (
+        "wpe.weight: shape [5, 22] in state dict, [12, 22] in the model",
+        "missing: ln_f.bias",
+        "not params of the model: ['extra']",
+    ):
         assert part in str(e.value)
 
 
-def test_peak_memory_of_export_and_reshard_load_is_bounded(s1: list, s2: list, s4: list,
-                                                           exported: dict, root: Path) -> None:
+def test_peak_memory_of_export_and_reshard_load_is_bounded(
+    s1: list, s2: list, s4: list, exported: dict, root: Path
+) -> None:
     """Staging buffers, counted exactly from the tensors the code allocates: export holds one
     param (fp32 + its cast) and one slice; a load (transactional: everything is read before the
     optimizer is written) holds this rank's three fp32 shards and one slice, never more of the
@@ -404,8 +445,7 @@ def test_peak_memory_of_export_and_reshard_load_is_bounded(s1: list, s2: list, s
             for res in o[:3]:
                 if res is None or "error" in res:
                     continue
-                assert res["peak"] <= 3 * 4 * sum(res["local_numel"]) \
-                    + 4 * max(res["local_numel"])
+                assert res["peak"] <= 3 * 4 * sum(res["local_numel"]) + 4 * max(res["local_numel"])
 
 
 def test_corrupt_shard_on_one_rank_fails_every_rank_clearly(s2: list) -> None:
@@ -417,8 +457,13 @@ def test_corrupt_shard_on_one_rank_fails_every_rank_clearly(s2: list) -> None:
 def _small_ckpt(root: Path, steps: int = 1, cfg: GPTConfig = CFG, stage: int = 1) -> ZeroAdamW:
     torch.manual_seed(0)
     model = GPT(cfg)
-    opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, stage=stage, module=model,
-                    sharding=Sharding(bucket_numel=BUCKET))
+    opt = ZeroAdamW(
+        gpt_param_groups(model, 0.1),
+        lr=LR,
+        stage=stage,
+        module=model,
+        sharding=Sharding(bucket_numel=BUCKET),
+    )
     x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size + 1))
     for _ in range(steps):
         model(x[:, :-1], x[:, 1:])[1].backward()
@@ -484,14 +529,18 @@ def test_errors_name_the_file_and_the_problem(tmp_path: Path) -> None:
     # A checkpoint of another model: ValueError listing every difference.
     small = GPTConfig(vocab_size=61, block_size=10, n_layer=1, n_head=2, n_embd=22)
     _small_ckpt(tmp_path / "small", cfg=small)
-    must_fail(tmp_path / "small", r"(?s)does not match this model's parameters.*"
-              r"in the model, not in the checkpoint: \['blocks.1.*"
-              r"wpe.weight: shape \[10, 22\] in the checkpoint, \[12, 22\] in the model",
-              ValueError)
+    must_fail(
+        tmp_path / "small",
+        r"(?s)does not match this model's parameters.*"
+        r"in the model, not in the checkpoint: \['blocks.1.*"
+        r"wpe.weight: shape \[10, 22\] in the checkpoint, \[12, 22\] in the model",
+        ValueError,
+    )
 
 
-def test_failed_save_leaves_latest_on_the_previous_checkpoint(tmp_path: Path,
-                                                              monkeypatch: Any) -> None:
+def test_failed_save_leaves_latest_on_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
     opt = _small_ckpt(tmp_path)
 
     def disk_full(path: Path, n: int) -> None:
@@ -516,8 +565,7 @@ def test_failed_save_leaves_latest_on_the_previous_checkpoint(tmp_path: Path,
 
 def _killed_save_child(root: str, marker: str) -> None:
     opt = _small_ckpt(Path(root))
-    torch.save([m.clone() for m in opt.shard_state().master or []],
-               Path(root) / "expected.pt")
+    torch.save([m.clone() for m in opt.shard_state().master or []], Path(root) / "expected.pt")
 
     def hang(path: Path, n: int) -> None:
         # Written whole, then renamed: the parent polls for the marker and kills at once, and
@@ -537,7 +585,8 @@ def _killed_save_child(root: str, marker: str) -> None:
 def test_save_killed_part_way_leaves_previous_checkpoint_loadable(tmp_path: Path) -> None:
     marker = tmp_path / "writing"
     p = multiprocessing.get_context("spawn").Process(
-        target=_killed_save_child, args=(str(tmp_path), str(marker)))
+        target=_killed_save_child, args=(str(tmp_path), str(marker))
+    )
     p.start()
     deadline = time.monotonic() + 120
     while not marker.exists():
@@ -558,37 +607,52 @@ def test_save_killed_part_way_leaves_previous_checkpoint_loadable(tmp_path: Path
     for info, m in zip(opt1.shard_infos(), expected):
         for s in info.layout.segments(0):
             n = opt1.param_names[s.param]
-            assert torch.equal(full[n]["master"][s.start:s.start + s.length],
-                               m[s.local:s.local + s.length]), n
+            assert torch.equal(
+                full[n]["master"][s.start : s.start + s.length], m[s.local : s.local + s.length]
+            ), n
 
 
 def test_keep_last_rotation_and_cli(tmp_path: Path, capsys: Any) -> None:
     opt = _small_ckpt(tmp_path)
     for step in (2, 3, 4):
         ck.save(opt, tmp_path, step=step, keep_last=2)
-    assert [p.name for p in ck.list_checkpoints(tmp_path)] == [ck.step_dir_name(3),
-                                                              ck.step_dir_name(4)]
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == [
+        ck.step_dir_name(3),
+        ck.step_dir_name(4),
+    ]
     assert cli_main(["ckpt", "inspect", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "world size   1" in out and "step         4" in out
     assert "wte.weight" in out and "also lm_head.weight" in out
     assert cli_main(["ckpt", "verify", str(tmp_path)]) == 0
-    assert cli_main(["ckpt", "export", str(tmp_path), str(tmp_path / "m.safetensors"),
-                     "--dtype", "bf16"]) == 0
+    assert (
+        cli_main(
+            ["ckpt", "export", str(tmp_path), str(tmp_path / "m.safetensors"), "--dtype", "bf16"]
+        )
+        == 0
+    )
     sd = safetensors.torch.load_file(tmp_path / "m.safetensors")
     assert {v.dtype for v in sd.values()} == {torch.bfloat16}
-    assert {n: tuple(t.shape) for n, t in sd.items()} == \
-        {n: tuple(t.shape) for n, t in make_model().state_dict().items()}
+    assert {n: tuple(t.shape) for n, t in sd.items()} == {
+        n: tuple(t.shape) for n, t in make_model().state_dict().items()
+    }
     assert cli_main(["ckpt", "inspect", str(tmp_path / "nothing")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("fusedzero: error: not a checkpoint") and err.count("\n") == 1
 
 
 def test_streaming_writer_matches_safetensors(tmp_path: Path) -> None:
-    ts = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.bfloat16),
-          "c": torch.zeros(0), "d": torch.tensor(2.5, dtype=torch.float16)}
-    w = ck.SafetensorsWriter(tmp_path / "x.safetensors",
-                             [(k, t.dtype, tuple(t.shape)) for k, t in ts.items()], {"k": "v"})
+    ts = {
+        "a": torch.randn(3, 5),
+        "b": torch.arange(7, dtype=torch.bfloat16),
+        "c": torch.zeros(0),
+        "d": torch.tensor(2.5, dtype=torch.float16),
+    }
+    w = ck.SafetensorsWriter(
+        tmp_path / "x.safetensors",
+        [(k, t.dtype, tuple(t.shape)) for k, t in ts.items()],
+        {"k": "v"},
+    )
     for k, t in ts.items():
         w.write(k, t)
     size, sha = w.close()

@@ -3,6 +3,7 @@ count, hyper-parameters) and every RNG (torch, python, numpy) are bit-identical 
 `verify` refuses the same checkpoint (see [Note: transactional load] in checkpoint/_loading.py).
 
 Each case edits one rank state of a real 1-rank checkpoint of a tiny model (milliseconds)."""
+
 from __future__ import annotations
 
 import base64
@@ -27,6 +28,7 @@ from _helpers import TINY_CKPT, copy_root, rewrite_shard, tiny_ckpt_opt, tiny_tr
 @pytest.fixture(scope="module")
 def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import numpy  # noqa: F401 - saved states carry numpy's generator (rank_state.rng_state)
+
     return two_step_root(tmp_path_factory.mktemp("good"), lambda: tiny_ckpt_opt(TINY_CKPT))
 
 
@@ -34,9 +36,13 @@ def everything(opt: ZeroAdamW) -> list[Any]:
     """What a load may change, as exact values: every state buffer, every param, the step
     count, the hyper-parameters, and the torch, python and numpy RNG states."""
     st = opt.shard_state()
-    out: list[Any] = [opt.step_count.clone(), torch.get_rng_state(), random.getstate(),
-                      repr(np.random.get_state(legacy=True)),
-                      [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]]
+    out: list[Any] = [
+        opt.step_count.clone(),
+        torch.get_rng_state(),
+        random.getstate(),
+        repr(np.random.get_state(legacy=True)),
+        [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+    ]
     for kind in ("master", "exp_avg", "exp_avg_sq"):
         out += [t.clone() for t in getattr(st, kind)]
     return out + [p.detach().clone() for p in opt.params]
@@ -44,7 +50,8 @@ def everything(opt: ZeroAdamW) -> list[Any]:
 
 def identical(a: list[Any], b: list[Any]) -> bool:
     return len(a) == len(b) and all(
-        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b)
+    )
 
 
 def edit_state(root: Path, fn: Callable[[dict[str, Any]], None]) -> None:
@@ -64,6 +71,7 @@ def _np(i: int, v: Any) -> Callable[[dict[str, Any]], None]:
         n = list(st["rng"]["numpy"])
         n[i] = v(n[i]) if callable(v) else v
         st["rng"]["numpy"] = tuple(n)
+
     return f
 
 
@@ -73,6 +81,7 @@ def _word(kind: str, value: int) -> Callable[[dict[str, Any]], None]:
         s[1] = s[1].clone()
         s[1][5] = value
         st["rng"][kind] = tuple(s)
+
     return f
 
 
@@ -84,21 +93,34 @@ MALFORMED = [
     ("numpy 3 words", _np(1, lambda k: k[:3]), "numpy generator has 3 state words"),
     ("numpy pos", _np(2, 10**6), "pos is 1000000"),
     ("numpy not a tuple", lambda st: st["rng"].update(numpy=7), "numpy state is not"),
-    ("torch state cut", lambda st: st["rng"].update(torch=st["rng"]["torch"][:100]),
-     "RNG state is malformed"),
-    ("cuda offset", lambda st: st["rng"].update(cuda=torch.tensor([0] * 8 + [1] + [0] * 7,
-                                                                  dtype=torch.uint8)),
-     "offset must be a multiple of 4"),
-    ("cuda size", lambda st: st["rng"].update(cuda=torch.zeros(5, dtype=torch.uint8)),
-     "has 16 bytes, got 5"),
+    (
+        "torch state cut",
+        lambda st: st["rng"].update(torch=st["rng"]["torch"][:100]),
+        "RNG state is malformed",
+    ),
+    (
+        "cuda offset",
+        lambda st: st["rng"].update(cuda=torch.tensor([0] * 8 + [1] + [0] * 7, dtype=torch.uint8)),
+        "offset must be a multiple of 4",
+    ),
+    (
+        "cuda size",
+        lambda st: st["rng"].update(cuda=torch.zeros(5, dtype=torch.uint8)),
+        "has 16 bytes, got 5",
+    ),
     ("state not a dict", lambda st: st.update(rng=[1, 2]), "RNG state is malformed"),
 ]
 
 
 @pytest.mark.parametrize("case, edit, words", MALFORMED, ids=[c[0] for c in MALFORMED])
 def test_a_malformed_rank_state_fails_the_load_and_changes_nothing(
-        good: Path, tmp_path: Path, case: str, edit: Callable[[dict[str, Any]], None],
-        words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    good: Path,
+    tmp_path: Path,
+    case: str,
+    edit: Callable[[dict[str, Any]], None],
+    words: str,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     root = copy_root(good, tmp_path)
     edit_state(root, edit)
     model, opt = tiny_ckpt_opt(TINY_CKPT)
@@ -123,8 +145,7 @@ def _payload(root: Path) -> bytes:
     return base64.b64decode(m["ranks"][0]["state"])
 
 
-def test_byte_flips_in_a_packed_state_fail_whole_or_load_whole(good: Path,
-                                                               tmp_path: Path) -> None:
+def test_byte_flips_in_a_packed_state_fail_whole_or_load_whole(good: Path, tmp_path: Path) -> None:
     """A flip in the high byte of a generator word (its storage located by its first words),
     and flips spread over the whole payload: each load either succeeds or raises
     CheckpointError with nothing changed."""
@@ -161,26 +182,37 @@ def test_byte_flips_in_a_packed_state_fail_whole_or_load_whole(good: Path,
 def _poison(root: Path, tensor: str, value: float) -> None:
     """Element 0 of shard tensor `tensor` set to `value`, the manifest's size and sha256
     updated to match (so only the value check can catch it)."""
+
     def edit(k: str, t: torch.Tensor) -> torch.Tensor:
         if k == tensor:
             t[0] = value
         return t
+
     rewrite_shard(ck.resolve(root), edit)
 
 
-@pytest.mark.parametrize("tensor, value", [("fg0.master", float("nan")),
-                                           ("fg1.exp_avg", float("inf")),
-                                           ("fg0.exp_avg_sq", float("-inf")),
-                                           ("fg0.exp_avg_sq", -1.0)])
+@pytest.mark.parametrize(
+    "tensor, value",
+    [
+        ("fg0.master", float("nan")),
+        ("fg1.exp_avg", float("inf")),
+        ("fg0.exp_avg_sq", float("-inf")),
+        ("fg0.exp_avg_sq", -1.0),
+    ],
+)
 def test_non_finite_saved_states_fail_the_load_and_change_nothing(
-        good: Path, tmp_path: Path, tensor: str, value: float) -> None:
+    good: Path, tmp_path: Path, tensor: str, value: float
+) -> None:
     root = copy_root(good, tmp_path)
     _poison(root, tensor, value)
     model, opt = tiny_ckpt_opt(TINY_CKPT)
     tiny_train(model, opt, 1, seed=7)
     before = everything(opt)
     kind = tensor.split(".")[1]
-    with pytest.raises(ck.CheckpointError, match=rf"its {kind} \(buffer \d\) holds 1 value\(s\) "
-                                                 r"that are .*not finite, the first"):
+    with pytest.raises(
+        ck.CheckpointError,
+        match=rf"its {kind} \(buffer \d\) holds 1 value\(s\) "
+        r"that are .*not finite, the first",
+    ):
         ck.load(opt, root)
     assert identical(everything(opt), before)

@@ -7,6 +7,7 @@ in this process (milliseconds each); the cross-rank cases (a read failing on one
 About internals: fusedzero.checkpoint._format, fusedzero.checkpoint._saving,
 fusedzero.checkpoint._shardfile, fusedzero.checkpoint._weights.
 """
+
 from __future__ import annotations
 
 import base64
@@ -70,8 +71,9 @@ def good(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return two_step_root(tmp_path_factory.mktemp("good"), build)
 
 
-def edit_manifest(root: Path, fn: Callable[[dict[str, Any]], Any] | None = None,
-                  text: str | None = None) -> Path:
+def edit_manifest(
+    root: Path, fn: Callable[[dict[str, Any]], Any] | None = None, text: str | None = None
+) -> Path:
     f = ck.resolve(root) / ck.MANIFEST
     if fn is not None:
         m = json.loads(f.read_text())
@@ -95,9 +97,11 @@ def one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 # 1 path traversal, 3 schema, 14 CLI errors
 # ---------------------------------------------------------------------------------------------
 
+
 def _set_seg(i: int, v: Any) -> Callable[[dict[str, Any]], None]:
     def f(m: dict[str, Any]) -> None:
         m["files"][0]["groups"][0]["segments"][0][i] = v
+
     return f
 
 
@@ -107,96 +111,192 @@ def _nested(depth: int) -> str:
 
 HOSTILE: list[tuple[str, Callable[[dict[str, Any]], Any] | None, str | None, str]] = [
     # (case, manifest edit, or raw text, words the error must contain)
-    ("absolute shard name", lambda m: m["files"][0].update(name="/etc/passwd"), None,
-     "files[0].name is '/etc/passwd'; it must be a plain name"),
-    ("../ shard name", lambda m: m["files"][0].update(name="../../step-00000001/" + SHARD),
-     None, "files[0].name"),
-    ("other plain name", lambda m: m["files"][0].update(name="notes.txt"), None,
-     "files[0].name is 'notes.txt', expected 'rank00000-of-00001.safetensors'"),
+    (
+        "absolute shard name",
+        lambda m: m["files"][0].update(name="/etc/passwd"),
+        None,
+        "files[0].name is '/etc/passwd'; it must be a plain name",
+    ),
+    (
+        "../ shard name",
+        lambda m: m["files"][0].update(name="../../step-00000001/" + SHARD),
+        None,
+        "files[0].name",
+    ),
+    (
+        "other plain name",
+        lambda m: m["files"][0].update(name="notes.txt"),
+        None,
+        "files[0].name is 'notes.txt', expected 'rank00000-of-00001.safetensors'",
+    ),
     ("step_count NaN", None, "NaN", "NaN is not valid JSON"),
-    ("step_count string", lambda m: m.update(step_count="2"), None,
-     "step_count is str '2', expected a finite number"),
-    ("step_count fraction", lambda m: m.update(step_count=2.5), None,
-     "step_count is 2.5, expected a whole number"),
+    (
+        "step_count string",
+        lambda m: m.update(step_count="2"),
+        None,
+        "step_count is str '2', expected a finite number",
+    ),
+    (
+        "step_count fraction",
+        lambda m: m.update(step_count=2.5),
+        None,
+        "step_count is 2.5, expected a whole number",
+    ),
     ("negative offset", _set_seg(3, -4), None, "segments[0][3] is -4, expected 0 <= value"),
     ("huge offset", _set_seg(3, 10**15), None, "lie outside the shard's"),
     ("float offset", _set_seg(1, 1.5), None, "segments[0][1] is float 1.5, expected an integer"),
     ("string offset", _set_seg(2, "7"), None, "segments[0][2] is str '7', expected an integer"),
     ("segment past its param", _set_seg(2, 10**6), None, "lie outside"),
     ("missing key", lambda m: m.pop("files"), None, "manifest field files is missing"),
-    ("wrong type", lambda m: m.update(params={"a": 1}), None,
-     "params is dict {'a': 1}, expected a JSON list"),
-    ("param without shape", lambda m: m["params"][0].pop("shape"), None,
-     "params[0].shape is missing"),
-    ("deep nesting", None, '{"format": "fusedzero-checkpoint", "x": ' + _nested(100000) + "}",
-     "nested too deeply"),
-    ("deep hyper-parameter", lambda m: m["param_groups"][0].update(
-        lr=json.loads(_nested(100))), None, "nested deeper than"),
-    ("segment twice", lambda m: m["files"][0]["groups"][0]["segments"].append(
-        m["files"][0]["groups"][0]["segments"][0]), None, "every element must be saved exactly"),
-    ("segment missing", lambda m: m["files"][0]["groups"][0]["segments"].pop(), None,
-     "every element must be saved exactly once"),
-    ("param twice in one group", lambda m: m["param_groups"][0]["param_names"].append(
-        m["param_groups"][0]["param_names"][0]), None, "twice in the same param group"),
-    ("param in two groups", lambda m: m["param_groups"][1]["param_names"].append(
-        m["param_groups"][0]["param_names"][0]), None, "which param_groups[0] lists too"),
-    ("rank outside the world", lambda m: m["ranks"][0].update(rank=5), None,
-     "ranks[0].rank is 5, expected 0 <= value < 1"),
+    (
+        "wrong type",
+        lambda m: m.update(params={"a": 1}),
+        None,
+        "params is dict {'a': 1}, expected a JSON list",
+    ),
+    (
+        "param without shape",
+        lambda m: m["params"][0].pop("shape"),
+        None,
+        "params[0].shape is missing",
+    ),
+    (
+        "deep nesting",
+        None,
+        '{"format": "fusedzero-checkpoint", "x": ' + _nested(100000) + "}",
+        "nested too deeply",
+    ),
+    (
+        "deep hyper-parameter",
+        lambda m: m["param_groups"][0].update(lr=json.loads(_nested(100))),
+        None,
+        "nested deeper than",
+    ),
+    (
+        "segment twice",
+        lambda m: m["files"][0]["groups"][0]["segments"].append(
+            m["files"][0]["groups"][0]["segments"][0]
+        ),
+        None,
+        "every element must be saved exactly",
+    ),
+    (
+        "segment missing",
+        lambda m: m["files"][0]["groups"][0]["segments"].pop(),
+        None,
+        "every element must be saved exactly once",
+    ),
+    (
+        "param twice in one group",
+        lambda m: m["param_groups"][0]["param_names"].append(
+            m["param_groups"][0]["param_names"][0]
+        ),
+        None,
+        "twice in the same param group",
+    ),
+    (
+        "param in two groups",
+        lambda m: m["param_groups"][1]["param_names"].append(
+            m["param_groups"][0]["param_names"][0]
+        ),
+        None,
+        "which param_groups[0] lists too",
+    ),
+    (
+        "rank outside the world",
+        lambda m: m["ranks"][0].update(rank=5),
+        None,
+        "ranks[0].rank is 5, expected 0 <= value < 1",
+    ),
     ("bad sha", lambda m: m["files"][0].update(sha256="zz"), None, "files[0].sha256"),
-    ("scaler NaN-free", lambda m: m.update(scaler={"scale": -1.0, "growth_tracker": 0}), None,
-     "scaler.scale is -1.0, expected > 0"),
-    ("tp rank past its size", lambda m: m.update(tp={"rank": 2, "size": 2}), None,
-     "tp.rank is 2, expected 0 <= value < 2"),
-    ("tp with an extra key", lambda m: m.update(tp={"rank": 0, "size": 2, "x": 1}), None,
-     "tp has keys ['rank', 'size', 'x']"),
+    (
+        "scaler NaN-free",
+        lambda m: m.update(scaler={"scale": -1.0, "growth_tracker": 0}),
+        None,
+        "scaler.scale is -1.0, expected > 0",
+    ),
+    (
+        "tp rank past its size",
+        lambda m: m.update(tp={"rank": 2, "size": 2}),
+        None,
+        "tp.rank is 2, expected 0 <= value < 2",
+    ),
+    (
+        "tp with an extra key",
+        lambda m: m.update(tp={"rank": 0, "size": 2, "x": 1}),
+        None,
+        "tp has keys ['rank', 'size', 'x']",
+    ),
 ]
 
 
 # The fast tier: one case of each kind of check (file names, JSON text, ranges, presence,
 # nesting, coverage of the params); the slow tier runs them all.
-FAST_HOSTILE = {"absolute shard name", "step_count NaN", "negative offset", "missing key",
-                "deep nesting", "segment twice"}
+FAST_HOSTILE = {
+    "absolute shard name",
+    "step_count NaN",
+    "negative offset",
+    "missing key",
+    "deep nesting",
+    "segment twice",
+}
 
 
-@pytest.mark.parametrize("case, fn, text, words",
-                         fast_only(HOSTILE, lambda h: h[0] in FAST_HOSTILE),
-                         ids=[h[0] for h in HOSTILE])
+@pytest.mark.parametrize(
+    "case, fn, text, words",
+    fast_only(HOSTILE, lambda h: h[0] in FAST_HOSTILE),
+    ids=[h[0] for h in HOSTILE],
+)
 def test_hostile_manifest_is_one_clear_error_everywhere(
-        good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str,
-        fn: Callable[[dict[str, Any]], Any] | None, text: str | None, words: str) -> None:
+    good: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    case: str,
+    fn: Callable[[dict[str, Any]], Any] | None,
+    text: str | None,
+    words: str,
+) -> None:
     root = copy(good, tmp_path)
     edit_manifest(root, fn, text)
     model, opt = build()
     train(model, opt, 1, seed=5)
     before = snapshot(opt)
-    for call in (lambda: ck.verify(root), lambda: ck.inspect(root),
-                 lambda: ck.export(root, tmp_path / "out.safetensors"),
-                 lambda: ck.load(opt, root), lambda: ck.find_latest(root / "step-00000002")):
+    for call in (
+        lambda: ck.verify(root),
+        lambda: ck.inspect(root),
+        lambda: ck.export(root, tmp_path / "out.safetensors"),
+        lambda: ck.load(opt, root),
+        lambda: ck.find_latest(root / "step-00000002"),
+    ):
         with pytest.raises(ck.CheckpointError) as e:
             call()
         assert words in str(e.value), f"{case}: {e.value}"
     assert same(snapshot(opt), before)
     for cmd in (["verify"], ["inspect"], ["export"]):
-        argv = ["ckpt", *cmd, str(root)] + ([str(tmp_path / "o.safetensors")]
-                                            if cmd == ["export"] else [])
+        argv = ["ckpt", *cmd, str(root)] + (
+            [str(tmp_path / "o.safetensors")] if cmd == ["export"] else []
+        )
         assert words.split("'")[0] in one_line_error(capsys, argv)
     # Recovery passes over it to the previous checkpoint.
     found = ck.find_latest(root)
     assert found.path.name == "step-00000001" and words in found.skipped[0]
 
 
-def test_step_count_edited_to_another_number_fails_verification(good: Path,
-                                                                tmp_path: Path) -> None:
+def test_step_count_edited_to_another_number_fails_verification(good: Path, tmp_path: Path) -> None:
     root = copy(good, tmp_path)
     edit_manifest(root, lambda m: m.update(step_count=9))
-    with pytest.raises(ck.CheckpointError, match=r"header metadata does not match the manifest "
-                                                 r".*'step_count': \('2', '9'\)"):
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"header metadata does not match the manifest "
+        r".*'step_count': \('2', '9'\)",
+    ):
         ck.verify(root)
     assert cli_main(["ckpt", "verify", str(root)]) == 1
 
 
 def test_latest_and_shards_never_lead_outside_the_checkpoint(
-        good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     secret = tmp_path / "secret"
     secret.write_bytes(b"s" * 1234)
     root = copy(good, tmp_path)
@@ -253,6 +353,7 @@ def test_param_listed_twice_in_one_group_is_reported_as_such() -> None:
 # 2 planted symlinks, 6 export into the checkpoint, 13 failed saves, 14 keep_last + symlink
 # ---------------------------------------------------------------------------------------------
 
+
 def test_planted_symlinks_are_never_written_through(good: Path, tmp_path: Path) -> None:
     root = copy(good, tmp_path)
     victim = tmp_path / "victim"
@@ -279,13 +380,19 @@ def test_planted_symlinks_are_never_written_through(good: Path, tmp_path: Path) 
     assert victim.read_text() == "precious" and not (root / ck.LATEST).is_symlink()
 
 
-def test_export_into_a_checkpoint_is_refused(good: Path, tmp_path: Path,
-                                             capsys: pytest.CaptureFixture[str]) -> None:
+def test_export_into_a_checkpoint_is_refused(
+    good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     root = copy(good, tmp_path)
     d = ck.resolve(root)
-    for out in (d / SHARD, d / "model.safetensors", d / "sub" / "m.safetensors",
-                root / "step-00000001" / "m.safetensors", root / ck.LATEST,
-                root / "step-00000009"):
+    for out in (
+        d / SHARD,
+        d / "model.safetensors",
+        d / "sub" / "m.safetensors",
+        root / "step-00000001" / "m.safetensors",
+        root / ck.LATEST,
+        root / "step-00000009",
+    ):
         with pytest.raises(ck.CheckpointError, match="checkpoint"):
             ck.export(root, out)
         assert "export output" in one_line_error(capsys, ["ckpt", "export", str(root), str(out)])
@@ -294,8 +401,9 @@ def test_export_into_a_checkpoint_is_refused(good: Path, tmp_path: Path,
     ck.export(root, root / "beside.safetensors")  # beside the step folders is fine
 
 
-def test_failed_save_removes_staging_and_names_the_path(good: Path, tmp_path: Path,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_failed_save_removes_staging_and_names_the_path(
+    good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = copy(good, tmp_path)
     model, opt = build()
 
@@ -304,9 +412,12 @@ def test_failed_save_removes_staging_and_names_the_path(good: Path, tmp_path: Pa
             raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ckformat, "_write_hook", disk_full)
-    with pytest.raises(OSError, match=r"No space left on device \(writing .*\.step-00000003"
-                                      rf"\.tmp/{SHARD}: the file needs \d+ bytes, \d+ bytes "
-                                      r"free\)") as e:
+    with pytest.raises(
+        OSError,
+        match=r"No space left on device \(writing .*\.step-00000003"
+        rf"\.tmp/{SHARD}: the file needs \d+ bytes, \d+ bytes "
+        r"free\)",
+    ) as e:
         ck.save(opt, root, step=3)
     assert e.value.filename is not None
     assert not (root / ".step-00000003.tmp").exists()
@@ -314,8 +425,7 @@ def test_failed_save_removes_staging_and_names_the_path(good: Path, tmp_path: Pa
     with pytest.raises(ck.CheckpointError, match=rf"No space left on device \(writing .*{SHARD}"):
         h.wait()
     assert not (root / ".step-00000004.tmp").exists()
-    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001",
-                                                      "step-00000002"]
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step-00000001", "step-00000002"]
     # Saving into a checkpoint folder (not a root) is refused, not nested.
     monkeypatch.setattr(ckformat, "_write_hook", None)
     with pytest.raises(ck.CheckpointError, match="is a checkpoint"):
@@ -337,8 +447,10 @@ def test_keep_last_with_a_symlinked_step_folder(good: Path, tmp_path: Path) -> N
 # 7 recovery
 # ---------------------------------------------------------------------------------------------
 
-def test_find_latest_falls_back_to_the_newest_verified_checkpoint(good: Path,
-                                                                  tmp_path: Path) -> None:
+
+def test_find_latest_falls_back_to_the_newest_verified_checkpoint(
+    good: Path, tmp_path: Path
+) -> None:
     root = copy(good, tmp_path)
     assert ck.find_latest(root) == ck.Latest(root / "step-00000002", root, [])
     (root / ck.LATEST).unlink()  # lost pointer: still found
@@ -365,15 +477,36 @@ def test_find_latest_falls_back_to_the_newest_verified_checkpoint(good: Path,
 
 @pytest.mark.slow
 def test_train_resumes_from_the_newest_verified_checkpoint(
-        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """`fusedzero train --resume`: newest corrupt and `latest` gone -> the previous one, with a
     warning, and the run goes on from there."""
     data = tmp_path / "data.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     ckpt = tmp_path / "ckpt"
-    base = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
-            "--batch-size", "2", "--steps", "3", "--eval-seqs", "2", "--nproc", "1",
-            "--device", "cpu", "--no-progress", "--data", str(data)]
+    base = [
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "16",
+        "--n-head",
+        "2",
+        "--block-size",
+        "16",
+        "--batch-size",
+        "2",
+        "--steps",
+        "3",
+        "--eval-seqs",
+        "2",
+        "--nproc",
+        "1",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--data",
+        str(data),
+    ]
     train_run(base + ["--ckpt-dir", str(ckpt), "--save-every", "1", "--stop-at", "2"])
     assert [p.name for p in ck.list_checkpoints(ckpt)] == ["step-00000001", "step-00000002"]
     f = ckpt / "step-00000002" / SHARD
@@ -394,6 +527,7 @@ def test_train_resumes_from_the_newest_verified_checkpoint(
 # ---------------------------------------------------------------------------------------------
 # 2 gloo ranks
 # ---------------------------------------------------------------------------------------------
+
 
 def w_cross_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -450,6 +584,7 @@ def w_cross_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     # -- 11: import_weights, a read of the source fails on rank 1 only: every rank raises the
     # same error (before: after the ranks agreed, so rank 0 waited in load_shard_state).
     from fusedzero.checkpoint import _weights as ckweights
+
     full = {n: p.detach().clone() for n, p in model.named_parameters()}
     real_read = ckweights._WeightSource.read_flat
 
@@ -477,8 +612,11 @@ def w_cross_rank(rank: int, world: int, root: str) -> dict[str, Any]:
     expected = torch.rand(4)
     torch.manual_seed(999)
     got = ck.load(opt, Path(root) / "hsdp")
-    out["hsdp"] = {"caller": got.caller_state, "rng_restored": got.rng_restored,
-                   "rng_ok": torch.equal(torch.rand(4), expected)}
+    out["hsdp"] = {
+        "caller": got.caller_state,
+        "rng_restored": got.rng_restored,
+        "rng_ok": torch.equal(torch.rand(4), expected),
+    }
     return out
 
 
@@ -500,5 +638,7 @@ def test_load_is_transactional_and_hsdp_state_is_per_replica(tmp_path: Path) -> 
     manifest = ck.read_manifest(tmp_path / "hsdp")
     assert sorted((e["rank"], e.get("replica")) for e in manifest["ranks"]) == [(0, 0), (0, 1)]
     for rank, r in enumerate(res):
-        assert r["hsdp"] == {"caller": {"replica": rank}, "rng_restored": True,
-                             "rng_ok": True}, (rank, r["hsdp"])
+        assert r["hsdp"] == {"caller": {"replica": rank}, "rng_restored": True, "rng_ok": True}, (
+            rank,
+            r["hsdp"],
+        )

@@ -5,6 +5,7 @@ a branch (a run resumed from an older step), a folder copied in under another st
 verifying checkpoint of another model, the old run's folders beside `--overwrite`'s new one,
 and `latest` missing, broken or a link to a secret.
 """
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,7 @@ def test_resume_takes_what_latest_names_not_the_highest_step(branched: Path) -> 
     assert ck.resolve(branched) == branched / "step-00000004"
 
 
-def test_keep_last_keeps_the_step_latest_names_and_leaves_the_other_branch(
-        branched: Path) -> None:
+def test_keep_last_keeps_the_step_latest_names_and_leaves_the_other_branch(branched: Path) -> None:
     """keep_last counts the steps up to the one just saved: the branch's step 6 (now `latest`)
     and nothing of it older; the abandoned branch's step 8 is left for the run to replace."""
     model, opt = tiny_ckpt_opt(TINY_CKPT)
@@ -62,11 +62,15 @@ def test_keep_last_keeps_the_step_latest_names_and_leaves_the_other_branch(
 
 
 def test_a_folder_copied_under_another_steps_name_is_refused(
-        branched: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    branched: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     shutil.copytree(branched / "step-00000002", branched / "step-00000099")
     assert ck.find_latest(branched).path.name == "step-00000004"
-    with pytest.raises(ck.CheckpointError, match=r"named for step 99, but its manifest is of "
-                                                 r"step 2 \(copied or renamed\)"):
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"named for step 99, but its manifest is of "
+        r"step 2 \(copied or renamed\)",
+    ):
         ck.verify(branched / "step-00000099")
     assert cli_main(["ckpt", "verify", str(branched / "step-00000099")]) == 1
     assert "FAILED" in capsys.readouterr().out
@@ -76,10 +80,10 @@ def test_a_folder_copied_under_another_steps_name_is_refused(
 
 
 def test_a_verifying_checkpoint_of_another_model_as_a_newer_step_is_not_taken(
-        branched: Path, tmp_path: Path) -> None:
+    branched: Path, tmp_path: Path
+) -> None:
     other = tmp_path / "other"
-    _, opt = tiny_ckpt_opt(GPTConfig(vocab_size=31, block_size=8, n_layer=2, n_head=2,
-                                     n_embd=16))
+    _, opt = tiny_ckpt_opt(GPTConfig(vocab_size=31, block_size=8, n_layer=2, n_head=2, n_embd=16))
     ck.save(opt, other, step=99)
     shutil.copytree(other / "step-00000099", branched / "step-00000099")
     ck.verify(branched / "step-00000099")  # a complete checkpoint, of another model
@@ -106,13 +110,17 @@ def test_a_broken_latest_falls_back_below_the_step_it_named(branched: Path) -> N
     _corrupt(branched / "step-00000004")
     found = ck.find_latest(branched)
     assert found.path.name == "step-00000002"  # not the other branch's 6 or 8
-    assert "took step-00000002, the newest step folder that verifies older than step 4" \
-        in found.skipped[0] and "truncated" in found.skipped[0]
+    assert (
+        "took step-00000002, the newest step folder that verifies older than step 4"
+        in found.skipped[0]
+        and "truncated" in found.skipped[0]
+    )
 
 
 @pytest.mark.parametrize("what", ["missing", "a folder", "garbage"])
 def test_a_missing_or_unreadable_latest_falls_back_to_the_newest_with_a_warning(
-        branched: Path, what: str) -> None:
+    branched: Path, what: str
+) -> None:
     latest = branched / ck.LATEST
     latest.unlink()
     if what == "a folder":
@@ -126,7 +134,8 @@ def test_a_missing_or_unreadable_latest_falls_back_to_the_newest_with_a_warning(
 
 
 def test_latest_linked_to_a_secret_is_refused_without_showing_it(
-        branched: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    branched: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     secret = tmp_path / "credentials"
     secret.write_text("step-00000002\naws_secret_access_key=hunter2\n")
     (branched / ck.LATEST).unlink()
@@ -162,8 +171,9 @@ def test_many_bad_step_folders_give_one_bounded_line(tmp_path: Path) -> None:
     assert len(found.skipped) == 5 and len("".join(found.skipped)) < 2000, found.skipped
 
 
-def test_an_unreadable_step_folder_is_passed_over(branched: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unreadable_step_folder_is_passed_over(
+    branched: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A mode-000 step folder (simulated: the tests may run as root, which reads anything):
     the fallback passes over it with the reason, never a PermissionError."""
     bad = branched / "step-00000008"
@@ -183,21 +193,48 @@ def test_an_unreadable_step_folder_is_passed_over(branched: Path,
 
 @pytest.mark.slow
 def test_train_resume_follows_latest_after_a_branch(
-        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     """The issue's case through `fusedzero train`: a run to step 8, a branch resumed from its
     step 2 to step 4, then `--resume --keep-last 1`: resumes from the branch's step 4 (was:
     step 8), and keep-last leaves the step `latest` names."""
     from fusedzero.app.launch import run as train_run
+
     data = tmp_path / "data.txt"
     data.write_text("the quick brown fox jumps over the lazy dog. " * 400)
     br = tmp_path / "br"
-    base = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
-            "--batch-size", "2", "--steps", "12", "--save-every", "2", "--eval-seqs", "2",
-            "--nproc", "1", "--device", "cpu", "--no-progress", "--sample-tokens", "0",
-            "--data", str(data)]
+    base = [
+        "--n-layer",
+        "1",
+        "--n-embd",
+        "16",
+        "--n-head",
+        "2",
+        "--block-size",
+        "16",
+        "--batch-size",
+        "2",
+        "--steps",
+        "12",
+        "--save-every",
+        "2",
+        "--eval-seqs",
+        "2",
+        "--nproc",
+        "1",
+        "--device",
+        "cpu",
+        "--no-progress",
+        "--sample-tokens",
+        "0",
+        "--data",
+        str(data),
+    ]
     train_run(base + ["--ckpt-dir", str(br), "--stop-at", "8"])
-    train_run(base + ["--ckpt-dir", str(br / "step-00000002"), "--resume", "--stop-at", "4",
-                      "--lr", "0.001"])
+    train_run(
+        base
+        + ["--ckpt-dir", str(br / "step-00000002"), "--resume", "--stop-at", "4", "--lr", "0.001"]
+    )
     assert (br / ck.LATEST).read_text().strip() == "step-00000004"
     capfd.readouterr()
     train_run(base + ["--ckpt-dir", str(br), "--resume", "--keep-last", "1", "--stop-at", "6"])

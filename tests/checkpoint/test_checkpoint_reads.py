@@ -4,6 +4,7 @@ folder whose name is not valid UTF-8 verifies and loads, a shard that cannot be 
 reported as what it is. 1-rank checkpoints of a tiny model, in this process.
 
 About an internal: fusedzero.checkpoint._shardfile."""
+
 from __future__ import annotations
 
 import builtins
@@ -36,8 +37,7 @@ def loaded(opt: Any) -> list[torch.Tensor]:
     return [t.clone() for kind in ("master", "exp_avg", "exp_avg_sq") for t in getattr(st, kind)]
 
 
-def _swap_after_first_open(monkeypatch: pytest.MonkeyPatch, shard: Path, evil: Path
-                           ) -> list[bool]:
+def _swap_after_first_open(monkeypatch: pytest.MonkeyPatch, shard: Path, evil: Path) -> list[bool]:
     """Rename `evil` over `shard` right after the first open of `shard` (by `open` or
     `os.open`), as a concurrent writer would; returns a list that holds True once done."""
     swapped: list[bool] = []
@@ -69,14 +69,15 @@ def _tampered(shard: Path, tmp_path: Path) -> Path:
     """A copy of `shard` of the same size and header, a NaN as its first tensor's element 0."""
     data = bytearray(shard.read_bytes())
     start = 8 + int.from_bytes(data[:8], "little")
-    data[start:start + 4] = b"\x00\x00\xc0\x7f"
+    data[start : start + 4] = b"\x00\x00\xc0\x7f"
     evil = tmp_path / "evil"
     evil.write_bytes(bytes(data))
     return evil
 
 
 def test_a_shard_swapped_after_it_was_opened_is_not_loaded(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A concurrent writer renames a shard of the same size and header over the one being
     loaded, right after the loader first opened it: what loads is what was hashed (before:
     hashed by one open, read by another, the tampered bytes loaded without an error)."""
@@ -95,12 +96,14 @@ def test_a_shard_swapped_after_it_was_opened_is_not_loaded(
         monkeypatch.undo()
     assert swapped
     got = loaded(opt)
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), \
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (
         "bytes swapped in after the hash were loaded"
+    )
 
 
 def test_a_shard_swapped_during_an_export_is_not_exported(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = tmp_path / "r"
     saved(root)
     ck.export(root, tmp_path / "want.safetensors")
@@ -116,12 +119,14 @@ def test_a_shard_swapped_during_an_export_is_not_exported(
     finally:
         monkeypatch.undo()
     assert swapped
-    assert out.read_bytes() == (tmp_path / "want.safetensors").read_bytes(), \
+    assert out.read_bytes() == (tmp_path / "want.safetensors").read_bytes(), (
         "bytes swapped in after the hash were exported"
+    )
 
 
 def test_a_folder_whose_name_is_not_utf8_saves_verifies_loads_and_exports(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     root = tmp_path / os.fsdecode(b"ck-\xff\xfe")
     want = saved(root)
     ck.verify(root)
@@ -132,15 +137,17 @@ def test_a_folder_whose_name_is_not_utf8_saves_verifies_loads_and_exports(
     assert cli_main(["ckpt", "verify", str(root)]) == 0
     assert cli_main(["ckpt", "inspect", str(root)]) == 0
     out = root / "model.safetensors"
-    assert cli_main(["ckpt", "export", str(root / "step-00000002"), str(out)]) == 0, \
+    assert cli_main(["ckpt", "export", str(root / "step-00000002"), str(out)]) == 0, (
         capsys.readouterr().err
+    )
     cap = capsys.readouterr()
     assert "ok: " in cap.out and "ck-\\xff\\xfe" in cap.out and not cap.err, cap
     assert out.stat().st_size > 0
 
 
-def test_an_unreadable_shard_is_permission_denied(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_unreadable_shard_is_permission_denied(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A mode-000 shard (simulated: tests may run as root, which reads anything)."""
     root = tmp_path / "r"
     saved(root)
@@ -169,8 +176,9 @@ def test_a_shard_that_is_no_regular_file_is_refused_at_once(tmp_path: Path, kind
     os.mkfifo(shard) if kind == "fifo" else shard.mkdir()
     model, opt = tiny_ckpt_opt(TINY_CKPT)
     for call in (lambda: ck.verify(root), lambda: ck.load(opt, root)):
-        with pytest.raises(ck.CheckpointError, match="is a FIFO" if kind == "fifo"
-                           else "is a folder"):
+        with pytest.raises(
+            ck.CheckpointError, match="is a FIFO" if kind == "fifo" else "is a folder"
+        ):
             call()
     shutil.rmtree(root)
 
@@ -188,19 +196,22 @@ def test_a_symlinked_manifest_is_refused_not_followed(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("chunk", [7, 64, 1 << 20])
 def test_slices_read_while_hashing_cross_chunk_boundaries(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunk: int
+) -> None:
     """The streamed read (a chunk of 7 bytes splits every element and the header) gives the
     same slices as direct reads and the file's sha256."""
     import hashlib
 
     from fusedzero.checkpoint import _shardfile as shardfile
+
     monkeypatch.setattr(shardfile, "_CHUNK", chunk)
     p = tmp_path / "t.safetensors"
     a = torch.arange(53, dtype=torch.float32) * 1.5
     b = torch.arange(-20, 21, dtype=torch.int64)
     c = torch.arange(37, dtype=torch.float32).to(torch.bfloat16)
-    w = ck.SafetensorsWriter(p, [("a", a.dtype, (53,)), ("b", b.dtype, (41,)),
-                                 ("c", c.dtype, (37,))], {"k": "v"})
+    w = ck.SafetensorsWriter(
+        p, [("a", a.dtype, (53,)), ("b", b.dtype, (41,)), ("c", c.dtype, (37,))], {"k": "v"}
+    )
     for name, t in (("a", a), ("b", b), ("c", c)):
         w.write(name, t)
     w.close()
@@ -210,8 +221,9 @@ def test_slices_read_while_hashing_cross_chunk_boundaries(
         dsts = [torch.empty(n, dtype=src[k].dtype) for k, _, n in want]
         with shardfile.ShardFile(p) as f:
             assert f.header().meta == {"k": "v"}
-            got = f.read_slices([shardfile.Slice(k, s, d) for (k, s, _), d in zip(want, dsts)],
-                                hashed=hashed)
+            got = f.read_slices(
+                [shardfile.Slice(k, s, d) for (k, s, _), d in zip(want, dsts)], hashed=hashed
+            )
         assert got == (hashlib.sha256(p.read_bytes()).hexdigest() if hashed else "")
         for (k, s, n), d in zip(want, dsts):
-            assert torch.equal(d, src[k][s:s + n]), (hashed, k, s, n)
+            assert torch.equal(d, src[k][s : s + n]), (hashed, k, s, n)

@@ -9,6 +9,7 @@ cases use a 1-rank checkpoint of a tiny model; the train cases are in test_check
 About internals: fusedzero.checkpoint._catalog, fusedzero.checkpoint._manifest,
 fusedzero.checkpoint._saving.
 """
+
 from __future__ import annotations
 
 import collections
@@ -54,8 +55,10 @@ train = tiny_train
 
 def snapshot(opt: ZeroAdamW) -> list[Any]:
     st = opt.shard_state()
-    out: list[Any] = [opt.step_count.clone(), [dict((k, v) for k, v in g.items() if k != "params")
-                                               for g in opt.param_groups]]
+    out: list[Any] = [
+        opt.step_count.clone(),
+        [dict((k, v) for k, v in g.items() if k != "params") for g in opt.param_groups],
+    ]
     for t in (*st.master, *st.exp_avg, *st.exp_avg_sq):  # type: ignore[misc]
         out.append(t.clone())
     return out
@@ -63,7 +66,8 @@ def snapshot(opt: ZeroAdamW) -> list[Any]:
 
 def same(a: list[Any], b: list[Any]) -> bool:
     return len(a) == len(b) and all(
-        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b))
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +85,10 @@ def one_line(capsys: pytest.CaptureFixture[str], argv: list[str], rc: int = 2) -
     got = cli_main(argv)
     cap = capsys.readouterr()
     lines = cap.err.strip().splitlines()
-    assert got == rc and len(lines) == 1 and lines[0].startswith("fusedzero: error: "), \
-        (got, cap.err)
+    assert got == rc and len(lines) == 1 and lines[0].startswith("fusedzero: error: "), (
+        got,
+        cap.err,
+    )
     assert "Traceback" not in cap.out + cap.err
     return lines[0]
 
@@ -90,6 +96,7 @@ def one_line(capsys: pytest.CaptureFixture[str], argv: list[str], rc: int = 2) -
 # ---------------------------------------------------------------------------------------------
 # 3, 5: manifest edits that keep it internally consistent are refused against the shard headers
 # ---------------------------------------------------------------------------------------------
+
 
 def _segments(m: dict[str, Any]) -> list[list[int]]:
     return [s for g in m["files"][0]["groups"] for s in g["segments"]]
@@ -119,8 +126,9 @@ def rename_pair(m: dict[str, Any]) -> None:
         if q is not p:
             p["name"], q["name"] = q["name"], p["name"]
             for g in m["param_groups"]:
-                g["param_names"] = [{p["name"]: q["name"], q["name"]: p["name"]}.get(n, n)
-                                    for n in g["param_names"]]
+                g["param_names"] = [
+                    {p["name"]: q["name"], q["name"]: p["name"]}.get(n, n) for n in g["param_names"]
+                ]
             return
 
 
@@ -142,8 +150,11 @@ def grow(m: dict[str, Any]) -> None:
 
 BINDING: list[tuple[str, Callable[[dict[str, Any]], Any], str]] = [
     ("swapped segment offsets", swap_offsets, "'groups'"),
-    ("state dtype fp32 -> bf16", lambda m: m.update(modes={"master": "fp32", "states": "bf16"}),
-     "'modes'"),
+    (
+        "state dtype fp32 -> bf16",
+        lambda m: m.update(modes={"master": "fp32", "states": "bf16"}),
+        "'modes'",
+    ),
     ("transposed shape", transpose, "'params'"),
     ("stage contradicts the shards", lambda m: m.update(stage=2), "'stage'"),
     ("stage 0 at world size 1", lambda m: m.update(stage=0), "'stage'"),
@@ -157,9 +168,14 @@ BINDING: list[tuple[str, Callable[[dict[str, Any]], Any], str]] = [
 
 @pytest.mark.parametrize("case, edit, words", BINDING, ids=[b[0] for b in BINDING])
 def test_consistent_manifest_edit_is_refused_by_the_shard_header(
-        good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch, case: str, edit: Callable[[dict[str, Any]], Any],
-        words: str) -> None:
+    good: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+    edit: Callable[[dict[str, Any]], Any],
+    words: str,
+) -> None:
     root = copy(good, tmp_path)
     f, m = manifest_of(root)
     edit(m)
@@ -175,8 +191,11 @@ def test_consistent_manifest_edit_is_refused_by_the_shard_header(
         return real_empty(*a, **k)
 
     monkeypatch.setattr(torch, "empty", bounded_empty)
-    for call in (lambda: ck.verify(root, checksums=False), lambda: ck.load(opt, root),
-                 lambda: ck.export(root, tmp_path / "out.safetensors", verify=False)):
+    for call in (
+        lambda: ck.verify(root, checksums=False),
+        lambda: ck.load(opt, root),
+        lambda: ck.export(root, tmp_path / "out.safetensors", verify=False),
+    ):
         with pytest.raises((ck.CheckpointError, ValueError)) as e:
             call()
         msg = str(e.value)
@@ -193,22 +212,33 @@ def test_consistent_manifest_edit_is_refused_by_the_shard_header(
     assert ck.find_latest(root).path.name == "step-00000001"  # resume takes the previous one
 
 
-@pytest.mark.parametrize("edit, words", [
-    (lambda k, t: t.bfloat16() if k == "fg0.exp_avg" else t,
-     "fg0.exp_avg is BF16 [{n}], the manifest implies F32 [{n}]"),
-    (lambda k, t: t[:-128] if k == "fg0.master" else t,
-     "fg0.master is F32 [{m}], the manifest implies F32 [{n}]"),
-], ids=["dtype", "shape"])
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (
+            lambda k, t: t.bfloat16() if k == "fg0.exp_avg" else t,
+            "fg0.exp_avg is BF16 [{n}], the manifest implies F32 [{n}]",
+        ),
+        (
+            lambda k, t: t[:-128] if k == "fg0.master" else t,
+            "fg0.master is F32 [{m}], the manifest implies F32 [{n}]",
+        ),
+    ],
+    ids=["dtype", "shape"],
+)
 def test_shard_tensors_are_checked_before_anything_is_allocated(
-        good: Path, tmp_path: Path, edit: Callable[[str, torch.Tensor], torch.Tensor],
-        words: str) -> None:
+    good: Path, tmp_path: Path, edit: Callable[[str, torch.Tensor], torch.Tensor], words: str
+) -> None:
     root = copy(good, tmp_path)
     d = ck.resolve(root)
     n = manifest_of(root)[1]["files"][0]["groups"][0]["local_numel"]
     rewrite_shard(d, edit)
     want = words.format(n=n, m=n - 128)
-    for call in (lambda: ck.verify(root), lambda: ck.export(root, tmp_path / "o.safetensors"),
-                 lambda: ck.load(build()[1], root)):
+    for call in (
+        lambda: ck.verify(root),
+        lambda: ck.export(root, tmp_path / "o.safetensors"),
+        lambda: ck.load(build()[1], root),
+    ):
         with pytest.raises(ck.CheckpointError, match=rf"{SHARD}: .*{re.escape(want)}"):
             call()
 
@@ -229,6 +259,7 @@ def test_shard_header_records_what_its_bytes_mean(good: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # 4: bounded reads of `latest` and the manifest
 # ---------------------------------------------------------------------------------------------
+
 
 def raising_peak(fn: Callable[[], Any], match: str) -> int:
     """Peak bytes Python allocated while `fn` raised the CheckpointError `match` names."""
@@ -253,7 +284,8 @@ def test_latest_is_read_a_few_kb_at_most(good: Path, tmp_path: Path) -> None:
 
 
 def test_manifest_cap_is_enforced_when_reading_and_saving(
-        good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    good: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The cap's computation (1024 ranks x 70B) is in fusedzero/checkpoint/_manifest.py, checked
     # by tests/checkpoint/test_scale_ckpt.py: far below the 1 GiB of before, above 1024 rank states.
     assert 1024 * (64 << 10) < ck._manifest.MAX_MANIFEST < 300 * 10**6
@@ -273,22 +305,27 @@ def test_manifest_cap_is_enforced_when_reading_and_saving(
 # 6: hyper-parameters and caller state checked before anything is mutated
 # ---------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("key, value, words", [
-    ("lr", -1.0, "Invalid learning rate: -1.0"),
-    ("betas", [5.0, -3.0], "Invalid beta parameter at index 0: 5.0"),
-    ("betas", [0.9, -3.0], "Invalid beta parameter at index 1: -3.0"),
-    ("eps", -1e-8, "Invalid epsilon value"),
-    ("weight_decay", -0.1, "Invalid weight_decay value"),
-    # Stricter than torch.optim.AdamW on purpose (fusedzero._validate.check_hyper): eps 0
-    # divides by zero at a zero second moment; the rest is inf or 0 in the fp32 update.
-    ("eps", 0, r"Invalid epsilon value: 0 \(must be > 0"),
-    ("eps", 1e-50, r"Invalid epsilon value: 1e-50 \(must be > 0"),
-    ("eps", 1e300, r"Invalid epsilon value: 1e\+300"),
-    ("lr", 1e300, r"Invalid learning rate: 1e\+300 \(must be finite in fp32"),
-    ("weight_decay", 1e39, r"Invalid weight_decay value: 1e\+39 \(must be finite in fp32"),
-])
-def test_invalid_hyper_parameters_are_refused(good: Path, tmp_path: Path, key: str, value: Any,
-                                              words: str) -> None:
+
+@pytest.mark.parametrize(
+    "key, value, words",
+    [
+        ("lr", -1.0, "Invalid learning rate: -1.0"),
+        ("betas", [5.0, -3.0], "Invalid beta parameter at index 0: 5.0"),
+        ("betas", [0.9, -3.0], "Invalid beta parameter at index 1: -3.0"),
+        ("eps", -1e-8, "Invalid epsilon value"),
+        ("weight_decay", -0.1, "Invalid weight_decay value"),
+        # Stricter than torch.optim.AdamW on purpose (fusedzero._validate.check_hyper): eps 0
+        # divides by zero at a zero second moment; the rest is inf or 0 in the fp32 update.
+        ("eps", 0, r"Invalid epsilon value: 0 \(must be > 0"),
+        ("eps", 1e-50, r"Invalid epsilon value: 1e-50 \(must be > 0"),
+        ("eps", 1e300, r"Invalid epsilon value: 1e\+300"),
+        ("lr", 1e300, r"Invalid learning rate: 1e\+300 \(must be finite in fp32"),
+        ("weight_decay", 1e39, r"Invalid weight_decay value: 1e\+39 \(must be finite in fp32"),
+    ],
+)
+def test_invalid_hyper_parameters_are_refused(
+    good: Path, tmp_path: Path, key: str, value: Any, words: str
+) -> None:
     root = copy(good, tmp_path)
     f, m = manifest_of(root)
     m["param_groups"][1][key] = value
@@ -302,8 +339,9 @@ def test_invalid_hyper_parameters_are_refused(good: Path, tmp_path: Path, key: s
 
 
 @pytest.mark.parametrize("value", [True, 1, "yes", None])
-def test_a_switch_edited_into_the_manifest_is_refused(good: Path, tmp_path: Path,
-                                                      value: Any) -> None:
+def test_a_switch_edited_into_the_manifest_is_refused(
+    good: Path, tmp_path: Path, value: Any
+) -> None:
     """See [Note: bound hyper-parameters]: `maximize: true` edited in would train by gradient
     ascent; the switches are the constructor's, so the load is refused and changes nothing."""
     root = copy(good, tmp_path)
@@ -312,8 +350,11 @@ def test_a_switch_edited_into_the_manifest_is_refused(good: Path, tmp_path: Path
     f.write_text(json.dumps(m))
     model, opt = build()
     before = snapshot(opt)
-    with pytest.raises(ck.CheckpointError, match=r"param_groups\[0\].maximize is .*, this "
-                                                 r"optimizer has False"):
+    with pytest.raises(
+        ck.CheckpointError,
+        match=r"param_groups\[0\].maximize is .*, this "
+        r"optimizer has False",
+    ):
         ck.load(opt, root)
     assert same(snapshot(opt), before)
     ck.load(opt, root, load_hyperparams=False)  # the run's own settings: nothing of it is read
@@ -342,6 +383,7 @@ def test_caller_state_check_runs_before_anything_is_mutated(good: Path, tmp_path
 # 1: no code from a DCP folder
 # ---------------------------------------------------------------------------------------------
 
+
 class _Evil:
     """Unpickling it runs a shell command that creates `marker`."""
 
@@ -352,8 +394,9 @@ class _Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
-def test_hostile_dcp_metadata_runs_no_code(tmp_path: Path,
-                                           capsys: pytest.CaptureFixture[str]) -> None:
+def test_hostile_dcp_metadata_runs_no_code(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     marker = tmp_path / "pwned"
     dcp_dir = tmp_path / "dcp"
     dcp_dir.mkdir()
@@ -362,8 +405,10 @@ def test_hostile_dcp_metadata_runs_no_code(tmp_path: Path,
     assert "refused global posix.system" in line or "refused global os.system" in line, line
     assert not marker.exists() and not (tmp_path / "out").exists()
     # Other classes are refused by name too, code or not.
-    for obj, name in ((collections.Counter(), "collections.Counter"),
-                      (Path("x"), "pathlib.PosixPath")):
+    for obj, name in (
+        (collections.Counter(), "collections.Counter"),
+        (Path("x"), "pathlib.PosixPath"),
+    ):
         (dcp_dir / ".metadata").write_bytes(pickle.dumps(obj))
         line = one_line(capsys, ["ckpt", "import-dcp", str(dcp_dir), str(tmp_path / "out")])
         assert (f"refused global {name}" in line) or "not DCP Metadata" in line, line
@@ -401,6 +446,7 @@ def test_dcp_items_and_storage_names_run_no_code(tmp_path: Path) -> None:
 # 2: export never replaces what is not a regular file
 # ---------------------------------------------------------------------------------------------
 
+
 def _fifo(p: Path) -> None:
     os.mkfifo(p)
 
@@ -417,13 +463,23 @@ def _chardev(p: Path) -> None:
     os.mknod(p, 0o600 | stat.S_IFCHR, os.makedev(1, 3))  # like /dev/null
 
 
-@pytest.mark.parametrize("make, kind", [(_fifo, "a FIFO"), (_link, "a symlink"),
-                                        (_chardev, "a (character device|FIFO)"),
-                                        (lambda p: p.mkdir(), "a folder")],
-                         ids=["fifo", "symlink", "device", "folder"])
+@pytest.mark.parametrize(
+    "make, kind",
+    [
+        (_fifo, "a FIFO"),
+        (_link, "a symlink"),
+        (_chardev, "a (character device|FIFO)"),
+        (lambda p: p.mkdir(), "a folder"),
+    ],
+    ids=["fifo", "symlink", "device", "folder"],
+)
 def test_export_refuses_an_out_that_is_not_a_regular_file(
-        good: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-        make: Callable[[Path], None], kind: str) -> None:
+    good: Path,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    make: Callable[[Path], None],
+    kind: str,
+) -> None:
     out = tmp_path / "out" / "model.safetensors"
     out.parent.mkdir()
     make(out)
@@ -445,17 +501,21 @@ def test_export_refuses_an_out_that_is_not_a_regular_file(
 # 9 (CLI part): tracebacks only with --debug
 # ---------------------------------------------------------------------------------------------
 
+
 def test_unexpected_errors_are_one_line_unless_debug(
-        good: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    good: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     def boom(path: Any) -> Any:
         raise KeyError("surprise")
 
     monkeypatch.setattr(ck, "inspect", boom)
     line = one_line(capsys, ["ckpt", "inspect", str(good)], rc=1)
     assert "KeyError: 'surprise'" in line and "--debug" in line
-    for argv, env in ((["--debug", "ckpt", "inspect", str(good)], "0"),
-                      (["ckpt", "inspect", str(good), "--debug"], "0"),
-                      (["ckpt", "inspect", str(good)], "1")):
+    for argv, env in (
+        (["--debug", "ckpt", "inspect", str(good)], "0"),
+        (["ckpt", "inspect", str(good), "--debug"], "0"),
+        (["ckpt", "inspect", str(good)], "1"),
+    ):
         monkeypatch.setenv("FUSEDZERO_DEBUG", env)
         with pytest.raises(KeyError, match="surprise"):
             cli_main(argv)

@@ -1,5 +1,6 @@
 """`fusedzero ckpt` on odd but possible inputs: one clear line or a sane listing, never a
 Python error or raw bytes on the terminal. 1-rank checkpoints of a tiny model, in-process."""
+
 from __future__ import annotations
 
 import json
@@ -35,8 +36,9 @@ def edited(src: Path, tmp_path: Path, edit: object) -> Path:
     return d
 
 
-def test_inspect_of_a_checkpoint_without_params(one: Path, tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_of_a_checkpoint_without_params(
+    one: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     def no_params(m: dict) -> None:
         m["params"] = []
         for g in m["param_groups"]:
@@ -50,8 +52,9 @@ def test_inspect_of_a_checkpoint_without_params(one: Path, tmp_path: Path,
     assert "max()" not in cap.err, cap.err
 
 
-def test_inspect_escapes_param_names(one: Path, tmp_path: Path,
-                                     capsys: pytest.CaptureFixture[str]) -> None:
+def test_inspect_escapes_param_names(
+    one: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     evil = "wte.weight\x1b]0;pwned\x07\x1b[2J"
 
     def rename(m: dict) -> None:
@@ -68,15 +71,17 @@ def test_inspect_escapes_param_names(one: Path, tmp_path: Path,
 
 
 def test_a_tensor_parallel_record_that_is_not_utf8_is_named(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     (tmp_path / "tensor_parallel.json").write_bytes(b'{"tp": \xff\xfe}')
     assert cli_main(["ckpt", "verify", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "tensor_parallel.json: unreadable" in err, err
 
 
-def test_upgrade_takes_the_run_lock_of_its_output(tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_upgrade_takes_the_run_lock_of_its_output(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A live run holds its root's lock: `ckpt upgrade` into that root is refused (its
     keep-last could delete what the conversion writes); free, the conversion runs."""
     out = tmp_path / "out"
@@ -90,17 +95,21 @@ def test_upgrade_takes_the_run_lock_of_its_output(tmp_path: Path,
     assert len(ck.list_checkpoints(out)) == 1
 
 
-@pytest.mark.parametrize("make, words", [
-    (lambda p: os.mkfifo(p), "is a FIFO"),  # before: export waited on it for ever
-    (lambda p: p.write_text("[" * 100_000 + "]" * 100_000), "nested too deeply"),
-])
+@pytest.mark.parametrize(
+    "make, words",
+    [
+        (lambda p: os.mkfifo(p), "is a FIFO"),  # before: export waited on it for ever
+        (lambda p: p.write_text("[" * 100_000 + "]" * 100_000), "nested too deeply"),
+    ],
+)
 def test_export_hf_config_that_is_a_fifo_or_too_deep_is_one_line(
-        one: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], make: object,
-        words: str) -> None:
+    one: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], make: object, words: str
+) -> None:
     cfg = tmp_path / "config.json"
     make(cfg)  # type: ignore[operator]
-    assert cli_main(["ckpt", "export", str(one), str(tmp_path / "out"), "--hf-config",
-                     str(cfg)]) == 2
+    assert (
+        cli_main(["ckpt", "export", str(one), str(tmp_path / "out"), "--hf-config", str(cfg)]) == 2
+    )
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
     assert not (tmp_path / "out").exists()

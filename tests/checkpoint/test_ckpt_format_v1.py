@@ -10,6 +10,7 @@ Format version 3 binds each shard's header to the manifest; older checkpoints ar
 every load with a message naming the converter, `fusedzero ckpt upgrade`, which checks them and
 rewrites them as version 3 (the test loads the converted copy).
 """
+
 from __future__ import annotations
 
 import json
@@ -38,15 +39,17 @@ def _full_state(opt: ZeroAdamW) -> dict[str, torch.Tensor]:
     all of them)."""
     names = {p.index: p for p in opt.param_infos()}
     st = opt.shard_state()
-    out = {f"{p.name}.{k}": torch.full(p.shape, float("nan")) for p in names.values()
-           for k in KINDS}
+    out = {
+        f"{p.name}.{k}": torch.full(p.shape, float("nan")) for p in names.values() for k in KINDS
+    }
     for i, info in enumerate(opt.shard_infos()):
         for s in info.segments():
             p = names[s.param]
             for k, bufs in zip(KINDS, (st.master, st.exp_avg, st.exp_avg_sq)):
                 assert bufs is not None
-                out[f"{p.name}.{k}"].view(-1)[s.start:s.start + s.length] = \
-                    bufs[i][s.local:s.local + s.length]
+                out[f"{p.name}.{k}"].view(-1)[s.start : s.start + s.length] = bufs[i][
+                    s.local : s.local + s.length
+                ]
     return out
 
 
@@ -58,9 +61,13 @@ def test_v1_checkpoint_loads(tmp_path: Path, stage: int) -> None:
     values = json.loads((FIXTURE / "ckpt_v1" / "expected" / "values.json").read_text())
 
     model = gen.make_model()
-    opt = ZeroAdamW(gen.param_groups(model, lr=0.5), stage=stage, module=model,
-                    precision=Precision(param_dtype=torch.bfloat16, loss_scale="dynamic"),
-                    sharding=Sharding(bucket_numel=64))
+    opt = ZeroAdamW(
+        gen.param_groups(model, lr=0.5),
+        stage=stage,
+        module=model,
+        precision=Precision(param_dtype=torch.bfloat16, loss_scale="dynamic"),
+        sharding=Sharding(bucket_numel=64),
+    )
     got = ck.load(opt, refused_then_upgraded(old, opt, 1, tmp_path / "root"))
 
     assert got.step == values["step"]
@@ -70,8 +77,10 @@ def test_v1_checkpoint_loads(tmp_path: Path, stage: int) -> None:
     assert got.rng_restored
     assert float(opt.step_count.reshape(-1)[0]) == values["step_count"]
     st = opt.shard_state()
-    assert st.scaler == {"scale": values["scaler"]["scale"],
-                         "growth_tracker": float(values["scaler"]["growth_tracker"])}
+    assert st.scaler == {
+        "scale": values["scaler"]["scale"],
+        "growth_tracker": float(values["scaler"]["growth_tracker"]),
+    }
     assert [g["lr"] for g in opt.param_groups] == [values["lr"]] * 2  # hyper-parameters too
     assert [g["weight_decay"] for g in opt.param_groups] == values["weight_decay"]
 
@@ -84,8 +93,9 @@ def test_v1_checkpoint_loads(tmp_path: Path, stage: int) -> None:
         assert torch.equal(p.detach(), want[f"{n}.master"].to(torch.bfloat16)), n
 
 
-def test_upgrade_refuses_a_corrupt_old_checkpoint(tmp_path: Path,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_upgrade_refuses_a_corrupt_old_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     old = tmp_path / "old"
     shutil.copytree(FIXTURE / "ckpt_v1" / "root", old)
     shard = old / "step-00000002" / "rank00001-of-00002.safetensors"

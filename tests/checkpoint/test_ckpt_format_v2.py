@@ -8,6 +8,7 @@ with a message naming `fusedzero ckpt upgrade`; the converted copy is loaded her
 (one rank) in the saved modes, where every stored byte must come back, and in fp32 modes, where
 the converted values must equal the old code's decoding, exactly.
 """
+
 from __future__ import annotations
 
 import json
@@ -47,23 +48,25 @@ def _per_param(opt: ZeroAdamW, fields: tuple[str, ...]) -> dict[str, torch.Tenso
             for f in fields:
                 if f.endswith("_scale"):  # pieces start on a block (ALIGN = QBLOCK)
                     a, b, nb = s.local // QB, s.start // QB, -(-s.length // QB)
-                    dst = out.setdefault(f"{p.name}.{f}", torch.full((-(-n // QB),),
-                                                                      float("nan")))
-                    dst[b:b + nb] = t[f][a:a + nb]
+                    dst = out.setdefault(f"{p.name}.{f}", torch.full((-(-n // QB),), float("nan")))
+                    dst[b : b + nb] = t[f][a : a + nb]
                 else:
                     dst = out.setdefault(f"{p.name}.{f}", torch.zeros(n, dtype=t[f].dtype))
-                    dst[s.start:s.start + s.length] = t[f][s.local:s.local + s.length]
+                    dst[s.start : s.start + s.length] = t[f][s.local : s.local + s.length]
     shapes = {p.name: tuple(p.shape) for p in params.values()}
-    return {k: v if k.endswith("_scale") else v.view(shapes[k.rsplit(".", 1)[0]])
-            for k, v in out.items()}
+    return {
+        k: v if k.endswith("_scale") else v.view(shapes[k.rsplit(".", 1)[0]])
+        for k, v in out.items()
+    }
 
 
 def _same(have: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
     assert sorted(have) == sorted(want)
     for k, w in want.items():
         h = have[k]
-        assert h.dtype == w.dtype and torch.equal(h, w), \
+        assert h.dtype == w.dtype and torch.equal(h, w), (
             f"{k}: {h.dtype} vs {w.dtype}, max diff {(h.float() - w.float()).abs().max()}"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -73,8 +76,12 @@ def upgraded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     old = tmp / "old"
     shutil.copytree(FIXTURE / "ckpt_v2" / "root", old)
     model = gen.make_model()
-    opt = ZeroAdamW(gen.param_groups(model), stage=2, module=model,
-                    precision=Precision(param_dtype=torch.bfloat16, **gen.MODES))
+    opt = ZeroAdamW(
+        gen.param_groups(model),
+        stage=2,
+        module=model,
+        precision=Precision(param_dtype=torch.bfloat16, **gen.MODES),
+    )
     root = refused_then_upgraded(old, opt, 2, tmp / "root")
     assert ck.read_manifest(root)["modes"] == gen.MODES
     return root
@@ -82,8 +89,12 @@ def upgraded(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _load(root: Path, **modes: str) -> tuple[torch.nn.Module, ZeroAdamW, ck.Loaded]:
     model = gen.make_model()
-    opt = ZeroAdamW(gen.param_groups(model, lr=0.5), stage=2, module=model,
-                    precision=Precision(param_dtype=torch.bfloat16, **modes))
+    opt = ZeroAdamW(
+        gen.param_groups(model, lr=0.5),
+        stage=2,
+        module=model,
+        precision=Precision(param_dtype=torch.bfloat16, **modes),
+    )
     got = ck.load(opt, root)
     values = json.loads((FIXTURE / "ckpt_v2" / "expected" / "values.json").read_text())
     assert got.step == values["step"] and got.rng_restored

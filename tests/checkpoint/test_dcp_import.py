@@ -1,6 +1,7 @@
 """Move in from FSDP2: train with fully_shard + torch.optim.AdamW on 2 gloo ranks, save a real
 torch.distributed.checkpoint, convert it, resume with ZeroAdamW (stages 0-3) and match the next
 losses of the uninterrupted FSDP2 run."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -26,15 +27,17 @@ def local_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(500 + step)
     x = torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size + 1), generator=g)
     n = BATCH // W
-    x = x[rank * n:(rank + 1) * n]
+    x = x[rank * n : (rank + 1) * n]
     return x[:, :-1], x[:, 1:]
 
 
 def groups(model: torch.nn.Module) -> list[dict[str, Any]]:
     # Two groups with different weight decay: the converter must keep them apart.
     named = list(model.named_parameters())
-    return [{"params": [p for _, p in named if p.dim() >= 2]},
-            {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0}]
+    return [
+        {"params": [p for _, p in named if p.dim() >= 2]},
+        {"params": [p for _, p in named if p.dim() < 2], "weight_decay": 0.0},
+    ]
 
 
 def fsdp2_run(rank: int, world: int, dcp_dir: str) -> list[float]:
@@ -96,10 +99,15 @@ def test_fsdp2_dcp_converts_and_resumes_with_the_same_losses(tmp_path: Path) -> 
             # only by the summation order of the grad reduction (FSDP2's reduce-scatter vs
             # ours), ~1e-7 relative per step, carried through AFTER Adam steps.
             assert resumed[rank][stage] == pytest.approx(fsdp[rank], rel=1e-6, abs=0), (
-                rank, stage, resumed[rank][stage], fsdp[rank])
+                rank,
+                stage,
+                resumed[rank][stage],
+                fsdp[rank],
+            )
 
 
-def test_import_dcp_rejects_a_folder_that_is_not_dcp(tmp_path: Path,
-                                                    capsys: pytest.CaptureFixture[str]) -> None:
+def test_import_dcp_rejects_a_folder_that_is_not_dcp(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert cli_main(["ckpt", "import-dcp", str(tmp_path), str(tmp_path / "o")]) == 2
     assert "no .metadata file" in capsys.readouterr().err

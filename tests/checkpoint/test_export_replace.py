@@ -5,6 +5,7 @@ never an index over shards of two checkpoints; a failed write leaves no temporar
 
 About an internal: fusedzero.checkpoint._format.
 """
+
 from __future__ import annotations
 
 import os
@@ -56,7 +57,8 @@ def exported(root: Path, step: int, out: Path) -> dict[str, torch.Tensor]:
 
 
 def test_a_re_export_that_fails_after_some_shards_leaves_the_old_one(
-        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "hf" / "model.safetensors"
     old = exported(root, 2, out)
     writes: list[Path] = []
@@ -76,7 +78,8 @@ def test_a_re_export_that_fails_after_some_shards_leaves_the_old_one(
 
 
 def test_a_re_export_killed_among_the_renames_leaves_no_index(
-        root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     out = tmp_path / "hf" / "model.safetensors"
     exported(root, 2, out)
     real = os.replace
@@ -107,13 +110,16 @@ def test_an_index_over_another_exports_shards_is_refused(root: Path, tmp_path: P
     name = sorted(p.name for p in a.parent.glob("model-*.safetensors"))[1]
     shutil.copy(b.parent / name, a.parent / name)  # copied together by hand
     _, opt = tiny_ckpt_opt(TINY_CKPT)
-    with pytest.raises(ck.CheckpointError, match=f"{name}: a shard of export .* but its index "
-                                                 "is of export .*mixes two exports"):
+    with pytest.raises(
+        ck.CheckpointError,
+        match=f"{name}: a shard of export .* but its index is of export .*mixes two exports",
+    ):
         ck.import_weights(opt, a.with_name(a.name + ".index.json"))
 
 
-def test_a_failed_first_write_leaves_no_temporary(root: Path, tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_failed_first_write_leaves_no_temporary(
+    root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def full(path: Path, n: int) -> None:
         raise OSError(28, "No space left on device")
 
@@ -126,7 +132,8 @@ def test_a_failed_first_write_leaves_no_temporary(root: Path, tmp_path: Path,
 
 
 def test_a_single_file_export_removes_the_index_of_an_earlier_sharded_one(
-        root: Path, tmp_path: Path) -> None:
+    root: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "hf" / "model.safetensors"
     exported(root, 2, out)
     ck.export(root / "step-00000004", out)

@@ -1,6 +1,7 @@
 """Hugging Face transformers: a GPT-2 from config trained under ZeroAdamW (stages 0-3, 2 gloo
 ranks) matches torch AdamW; our checkpoint goes to `AutoModelForCausalLM.from_pretrained` and
 HF weights come back with `checkpoint.import_weights`. Skipped without the 'hf' extra."""
+
 from __future__ import annotations
 
 import json
@@ -18,13 +19,24 @@ from fusedzero.testing import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns ranks or the CLI
 
-transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra: "
-                                   "pip install 'fusedzero[hf]'")
+transformers = pytest.importorskip(
+    "transformers", reason="needs the 'hf' extra: pip install 'fusedzero[hf]'"
+)
 
 W, STEPS, BATCH, SEQ, LR = 2, 4, 4, 16, 1e-3
 # GPT-2 has dropout on embeddings, attention and residuals: off, so both runs are deterministic.
-CONFIG = dict(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=SEQ, resid_pdrop=0.0,
-              embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+CONFIG = dict(
+    n_layer=2,
+    n_embd=32,
+    n_head=2,
+    vocab_size=96,
+    n_positions=SEQ,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 # fp32 on both sides; the ranks' grads differ from the reference's only in summation order
 # (~1e-7 relative), which Adam's 1/sqrt(v) can amplify to ~lr * 1e-6 in elements with tiny
 # grads (GPT-2's tied head gives every vocabulary row such small grads): 1e-3 of lr, the same
@@ -42,7 +54,7 @@ def assert_params_close(got: torch.Tensor, want: torch.Tensor, name: str, what: 
         C = CONFIG["n_embd"]
         noise = slice(C, 2 * C)
         assert (got[noise] - want[noise]).abs().max() <= 2 * STEPS * LR, f"{what} {name}"
-        got, want = torch.cat([got[:C], got[2 * C:]]), torch.cat([want[:C], want[2 * C:]])
+        got, want = torch.cat([got[:C], got[2 * C :]]), torch.cat([want[:C], want[2 * C :]])
     torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=lambda m: f"{what} {name}: {m}")
 
 
@@ -68,7 +80,7 @@ def train_ranks(rank: int, world: int, ckpt_dir: str) -> list[dict[str, Any]]:
         losses = []
         n = BATCH // world
         for step in range(STEPS):
-            x = batch(step)[rank * n:(rank + 1) * n]
+            x = batch(step)[rank * n : (rank + 1) * n]
             loss = model(input_ids=x, labels=x).loss
             loss.backward()
             opt.step()
@@ -77,15 +89,23 @@ def train_ranks(rank: int, world: int, ckpt_dir: str) -> list[dict[str, Any]]:
         # The plan of this very run (fp32 params and reduction, one group) on real gloo ranks.
         with torch.device("meta"):
             meta = transformers.GPT2LMHeadModel(transformers.GPT2Config(**CONFIG))
-        want = plan_model(meta, PlanConfig(world_size=world, precision=Precision()),
-                          decay_split=False).stages[stage]
+        want = plan_model(
+            meta, PlanConfig(world_size=world, precision=Precision()), decay_split=False
+        ).stages[stage]
         comm = opt.comm.total_bytes  # before the gathers of save / gathered_params below
         if stage == 3:
             checkpoint.save(opt, ckpt_dir, step=STEPS)
         with opt.gathered_params():
             params = {k: v.detach().clone() for k, v in model.named_parameters()}
-        out.append({"params": params, "losses": losses, "memory": opt.memory().total,
-                    "comm": comm, "plan": want})
+        out.append(
+            {
+                "params": params,
+                "losses": losses,
+                "memory": opt.memory().total,
+                "comm": comm,
+                "plan": want,
+            }
+        )
     return out
 
 
@@ -106,7 +126,7 @@ def reference() -> tuple[torch.nn.Module, list[float]]:
         for step in range(STEPS):
             total = 0.0
             for r in range(W):
-                x = batch(step)[r * n:(r + 1) * n]
+                x = batch(step)[r * n : (r + 1) * n]
                 loss = model(input_ids=x, labels=x).loss
                 (loss / W).backward()
                 total += loss.item() / W
@@ -119,7 +139,8 @@ def reference() -> tuple[torch.nn.Module, list[float]]:
 
 
 def test_gpt2_from_config_zero_0_to_3_matches_adamw_and_round_trips_through_hf(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     ckpt = tmp_path / "ckpt"
     outs = run_ranks(train_ranks, W, str(ckpt))
     ref, ref_losses = reference()
@@ -174,7 +195,6 @@ def test_export_hf_refuses_a_config_of_another_model(tmp_path: Path) -> None:
     checkpoint.save(opt, tmp_path / "ckpt", step=0)
     other = dict(CONFIG, n_embd=64)
     with pytest.raises(ValueError, match=r"shape \[96, 32\] in the checkpoint, \[96, 64\]"):
-        hf.export_hf(tmp_path / "ckpt", tmp_path / "out", hf_config=dict(other,
-                                                                            model_type="gpt2"))
+        hf.export_hf(tmp_path / "ckpt", tmp_path / "out", hf_config=dict(other, model_type="gpt2"))
     with pytest.raises(ValueError, match="writes a folder"):
         hf.export_hf(tmp_path / "ckpt", tmp_path / "x.safetensors")

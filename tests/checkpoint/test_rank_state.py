@@ -3,6 +3,7 @@ restore every generator exactly, in today's form (state words as int64 tensors) 
 of checkpoints saved before (lists of ints).
 
 About an internal: fusedzero.checkpoint._rank_state."""
+
 from __future__ import annotations
 
 import random
@@ -36,8 +37,11 @@ def test_rng_state_saved_as_lists_still_restores() -> None:
     random.seed(4)
     np.random.seed(5)
     st = rng_state()
-    old = dict(st, python=(st["python"][0], st["python"][1].tolist(), st["python"][2]),
-               numpy=(st["numpy"][0], st["numpy"][1].tolist(), *st["numpy"][2:]))
+    old = dict(
+        st,
+        python=(st["python"][0], st["python"][1].tolist(), st["python"][2]),
+        numpy=(st["numpy"][0], st["numpy"][1].tolist(), *st["numpy"][2:]),
+    )
     want = _draws()
     st = unpack(pack(old))
     check_rng_state(st, "here")
@@ -59,6 +63,7 @@ def test_cuda_state_is_the_own_gpus_and_one_saved_for_8_gpus_restores_on_2(monke
     import pytest
 
     from fusedzero.checkpoint import CheckpointError
+
     gens = {0: torch.zeros(16, dtype=torch.uint8), 1: _cuda(7)}
 
     def index(device: object) -> int:

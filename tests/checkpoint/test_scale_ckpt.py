@@ -8,6 +8,7 @@ checked against the formula on its own segments, whatever W saved it.
 About internals: fusedzero._layout, fusedzero.checkpoint._catalog, fusedzero.checkpoint._loading,
 fusedzero.checkpoint._manifest.
 """
+
 from __future__ import annotations
 
 import json
@@ -42,9 +43,14 @@ def _init(name: str, out: torch.Tensor, start: int) -> None:
 
 def _make() -> ZeroAdamW:
     model = meta_model(SHAPE)
-    return ZeroAdamW(param_groups(model), stage=3, module=model, device="cpu",
-                     precision=Precision(param_dtype=torch.bfloat16),
-                     sharding=Sharding(param_init_fn=ShardInit(_init)))
+    return ZeroAdamW(
+        param_groups(model),
+        stage=3,
+        module=model,
+        device="cpu",
+        precision=Precision(param_dtype=torch.bfloat16),
+        sharding=Sharding(param_init_fn=ShardInit(_init)),
+    )
 
 
 def _moments(opt: ZeroAdamW) -> None:
@@ -148,16 +154,31 @@ def _manifest_bound(layouts: list[FlatLayout], W: int, n_params: int, state_byte
     its depth with the widest numbers it can hold, each rank's packed state `state_bytes` long,
     PARAM_BYTES per param and 4 KB for the rest."""
     local = max(L.local_numel for L in layouts)
-    seg = [n_params, max(p.numel for L in layouts for p in L.params),
-           max(L.shard_numel for L in layouts), local]
+    seg = [
+        n_params,
+        max(p.numel for L in layouts for p in L.params),
+        max(L.shard_numel for L in layouts),
+        local,
+    ]
 
     def group(n: int) -> dict:
-        return {"key": f"fg{len(layouts)}", "group_index": 99, "dtype": "bfloat16",
-                "unit": len(layouts), "local_numel": local, "segments": [seg] * n}
+        return {
+            "key": f"fg{len(layouts)}",
+            "group_index": 99,
+            "dtype": "bfloat16",
+            "unit": len(layouts),
+            "local_numel": local,
+            "segments": [seg] * n,
+        }
 
     def files(n: int, groups: int, segs: int) -> dict:
-        f = {"name": f"rank{W:05d}-of-{W:05d}.safetensors", "rank": W, "bytes": 10 ** 15,
-             "sha256": "0" * 64, "groups": [group(segs)] * groups}
+        f = {
+            "name": f"rank{W:05d}-of-{W:05d}.safetensors",
+            "rank": W,
+            "bytes": 10**15,
+            "sha256": "0" * 64,
+            "groups": [group(segs)] * groups,
+        }
         return {"files": [f] * n}
 
     # Each difference adds one item: a segment; a group with its one segment; a file with its.
@@ -168,8 +189,12 @@ def _manifest_bound(layouts: list[FlatLayout], W: int, n_params: int, state_byte
     rank = {"rank": W, "replica": 0, "state": "x" * state_bytes}
     rank_bytes = _spelled({"ranks": [rank] * 2}) - _spelled({"ranks": [rank]})
     segments = sum(_segment_count(L) for L in layouts)
-    return (W * (file_bytes + len(layouts) * group_bytes + rank_bytes) + segments * seg_bytes
-            + n_params * PARAM_BYTES + 4096)
+    return (
+        W * (file_bytes + len(layouts) * group_bytes + rank_bytes)
+        + segments * seg_bytes
+        + n_params * PARAM_BYTES
+        + 4096
+    )
 
 
 def test_manifest_cap_fits_70b_at_1024_ranks_and_no_more() -> None:

@@ -4,6 +4,7 @@ with the optimizer state bit-exact (another stage each), exported as one file of
 tensor_parallel.json is validated, not trusted.
 
 About an internal: fusedzero.checkpoint._placements."""
+
 from __future__ import annotations
 
 import json
@@ -30,11 +31,12 @@ def batch(step: int, rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(100 + step)
     x, y = torch.randn(BATCH, D, generator=g), torch.randn(BATCH, D, generator=g)
     per = BATCH // dp
-    return x[rank * per:(rank + 1) * per], y[rank * per:(rank + 1) * per]
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
 
 
 def build(tp: int, dp: int, stage: int):
     from fusedzero import Groups, ZeroAdamW
+
     m = make()
     group = None
     if tp > 1:
@@ -44,13 +46,21 @@ def build(tp: int, dp: int, stage: int):
             RowwiseParallel,
             parallelize_module,
         )
+
         mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(m, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
         group, rank = mesh["dp"].get_group(), mesh["dp"].get_local_rank()
     else:
         rank = dist.get_rank()
-    opt = ZeroAdamW(m.parameters(), lr=LR, weight_decay=WD, stage=stage, module=m,
-                    max_grad_norm=CLIP, groups=Groups(shard=group))
+    opt = ZeroAdamW(
+        m.parameters(),
+        lr=LR,
+        weight_decay=WD,
+        stage=stage,
+        module=m,
+        max_grad_norm=CLIP,
+        groups=Groups(shard=group),
+    )
     return m, opt, rank
 
 
@@ -65,8 +75,10 @@ def train_step(m, opt, step: int, rank: int, dp: int) -> float:
 
 def full(m, opt) -> dict[str, torch.Tensor]:
     with opt.gathered_params():
-        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
-                for n, p in m.named_parameters()}
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).clone()
+            for n, p in m.named_parameters()
+        }
 
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")
@@ -76,19 +88,25 @@ def state_pieces(opt) -> dict:
     """This rank's optimizer state as pieces of each param's local tensor, with the param's
     local shape and placement: `assemble` in the test process makes full tensors of them."""
     from fusedzero.checkpoint._placements import describe
+
     st = opt.shard_state()
     infos = {i.index: i for i in opt.param_infos()}
-    pl = ({p["name"]: p["placement"] for p in describe(opt)["params"]} if opt.tp else {})
+    pl = {p["name"]: p["placement"] for p in describe(opt)["params"]} if opt.tp else {}
     pieces: dict = {}
     for b, info in enumerate(opt.shard_infos()):
         for s in info.segments():
             name = infos[s.param].name
             for kind in KINDS:
-                pieces.setdefault((name, kind), {})[s.start] = \
-                    getattr(st, kind)[b][s.local:s.local + s.length].clone()
-    return {"pieces": pieces, "step": st.step_count, "tp_rank": opt.tp.rank if opt.tp else 0,
-            "shapes": {i.name: i.shape for i in infos.values()},
-            "placements": {i.name: pl.get(i.name, "R") for i in infos.values()}}
+                pieces.setdefault((name, kind), {})[s.start] = getattr(st, kind)[b][
+                    s.local : s.local + s.length
+                ].clone()
+    return {
+        "pieces": pieces,
+        "step": st.step_count,
+        "tp_rank": opt.tp.rank if opt.tp else 0,
+        "shapes": {i.name: i.shape for i in infos.values()},
+        "placements": {i.name: pl.get(i.name, "R") for i in infos.values()},
+    }
 
 
 def assemble(reports: list[dict]) -> dict[tuple[str, str], torch.Tensor]:
@@ -103,9 +121,12 @@ def assemble(reports: list[dict]) -> dict[tuple[str, str], torch.Tensor]:
     out = {}
     for key in by_tp[0]:
         name = key[0]
-        locals_ = [torch.cat([t for _, t in sorted(by_tp[t][key].items())]).view(
-            [r for r in reports if r["tp_rank"] == t][0]["shapes"][name])
-            for t in sorted(by_tp)]
+        locals_ = [
+            torch.cat([t for _, t in sorted(by_tp[t][key].items())]).view(
+                [r for r in reports if r["tp_rank"] == t][0]["shapes"][name]
+            )
+            for t in sorted(by_tp)
+        ]
         out[key] = _join(locals_, r0["placements"][name])
     return out
 
@@ -141,6 +162,7 @@ def reference(steps: int) -> tuple[dict[str, torch.Tensor], list[float]]:
 def _resume(tp: int, dp: int, stage: int, root: str) -> dict:
     """Load `root` at (dp, tp), report the state and params right after, train 2 more steps."""
     from fusedzero import checkpoint
+
     m, opt, dp_rank = build(tp, dp, stage)
     checkpoint.load(opt, root)
     out = {"state": state_pieces(opt), "loaded": full(m, opt)}
@@ -152,6 +174,7 @@ def _resume(tp: int, dp: int, stage: int, root: str) -> dict:
 
 def _save_side(rank: int, world: int, root: str, out: str) -> dict:
     from fusedzero import checkpoint
+
     m, opt, dp_rank = build(2, 2, stage=2)
     for step in range(2):
         train_step(m, opt, step, dp_rank, 2)
@@ -172,6 +195,7 @@ def _save_side(rank: int, world: int, root: str, out: str) -> dict:
 
 def _load_side(rank: int, world: int, root: str, out: str) -> dict:
     from fusedzero import checkpoint
+
     r12 = _resume(2, 1, 3, root)  # (dp=1, tp=2): another dp size and stage
     r21 = _resume(1, 2, 0, root)  # (dp=2, tp=1): the plain model, stage 0
     m, opt, _ = build(2, 1, stage=3)
@@ -205,8 +229,10 @@ def _load_side(rank: int, world: int, root: str, out: str) -> dict:
         hostile.append(str(e))
     # The step folders of the two tp folders swapped: every local shape is the same on both
     # tp ranks and the folders' bindings are intact; only the manifests' tp field tells.
-    steps = [next(p for p in (Path(root) / f"tp{t}of2").iterdir() if p.name.startswith("step"))
-             for t in (0, 1)]
+    steps = [
+        next(p for p in (Path(root) / f"tp{t}of2").iterdir() if p.name.startswith("step"))
+        for t in (0, 1)
+    ]
     dist.barrier()
 
     def swap() -> None:
@@ -215,6 +241,7 @@ def _load_side(rank: int, world: int, root: str, out: str) -> dict:
             steps[1].rename(steps[0])
             steps[0].with_name("x").rename(steps[1])
         dist.barrier()
+
     swap()
     try:
         checkpoint.load(opt, root)
@@ -237,10 +264,14 @@ def test_tp_checkpoint_reshard_matrix(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     from fusedzero.testing import run_ranks
+
     root, out = str(tmp_path / "ckpt"), str(tmp_path / "full.safetensors")
     a = run_ranks(_save_side, 4, root, out, timeout=600)
-    assert sorted(p.name for p in Path(root).iterdir()) == ["tensor_parallel.json",
-                                                            "tp0of2", "tp1of2"]
+    assert sorted(p.name for p in Path(root).iterdir()) == [
+        "tensor_parallel.json",
+        "tp0of2",
+        "tp1of2",
+    ]
     saved = a[0]["saved"]
     saved_state = assemble([r["state"] for r in a])
     exported = load_file(out)
@@ -254,8 +285,11 @@ def test_tp_checkpoint_reshard_matrix(tmp_path: Path) -> None:
     assert saved_state[("0.weight", "exp_avg")].abs().sum() > 0  # moments are not zero
     b = run_ranks(_load_side, 2, root, out, timeout=600)
     after, ref_losses = reference(4)
-    layouts = {"(dp=4, tp=1)": [r["r41"] for r in a], "(dp=1, tp=2)": [r["r12"] for r in b],
-               "(dp=2, tp=1)": [r["r21"] for r in b]}
+    layouts = {
+        "(dp=4, tp=1)": [r["r41"] for r in a],
+        "(dp=1, tp=2)": [r["r12"] for r in b],
+        "(dp=2, tp=1)": [r["r21"] for r in b],
+    }
     for where, rs in layouts.items():
         state = assemble([r["state"] for r in rs])
         assert set(state) == set(saved_state), where
@@ -266,8 +300,13 @@ def test_tp_checkpoint_reshard_matrix(tmp_path: Path) -> None:
             for n, t in saved.items():
                 assert torch.equal(r["loaded"][n], t), f"{where} load: {n}"
                 # Two more steps: the uninterrupted run's up to the order of the sums.
-                torch.testing.assert_close(r["after"][n], after[n], rtol=1e-5, atol=1e-6,
-                                           msg=lambda m, n=n, where=where: f"{where} {n}: {m}")
+                torch.testing.assert_close(
+                    r["after"][n],
+                    after[n],
+                    rtol=1e-5,
+                    atol=1e-6,
+                    msg=lambda m, n=n, where=where: f"{where} {n}: {m}",
+                )
         # The global batch's loss: the mean over the dp shards (tp ranks report the same).
         for i, step in enumerate((2, 3)):
             mean = sum(r["losses"][i] for r in rs) / len(rs)
@@ -280,26 +319,37 @@ def test_tp_checkpoint_reshard_matrix(tmp_path: Path) -> None:
         assert "tp0of2/tp_binding.json: does not match tensor_parallel.json" in across, across
         assert "saves into another root" in plain_save, plain_save
         assert "a step folder moved between tp folders" in moved, moved
-    assert sorted(p.name for p in Path(root).iterdir()) == ["tensor_parallel.json",
-                                                            "tp0of2", "tp1of2"]
+    assert sorted(p.name for p in Path(root).iterdir()) == [
+        "tensor_parallel.json",
+        "tp0of2",
+        "tp1of2",
+    ]
 
 
 def _gpt(tp: int):
     from fusedzero import Groups, ZeroAdamW
     from fusedzero.app import tp_plan
     from fusedzero.app.model import GPT, GPTConfig
+
     torch.manual_seed(0)
     m = GPT(GPTConfig(n_layer=1, n_embd=16, n_head=2, block_size=8))
     mesh = tp_plan.parallelize(m, tp, torch.device("cpu"))
-    opt = ZeroAdamW(m.parameters(), lr=LR, weight_decay=WD, stage=1, module=m, max_grad_norm=CLIP,
-                    groups=Groups(shard=mesh.dp_group))
+    opt = ZeroAdamW(
+        m.parameters(),
+        lr=LR,
+        weight_decay=WD,
+        stage=1,
+        module=m,
+        max_grad_norm=CLIP,
+        groups=Groups(shard=mesh.dp_group),
+    )
     return m, opt, mesh
 
 
 def _gpt_step(m, opt, mesh, step: int) -> None:
     idx = torch.randint(0, 256, (4, 9), generator=torch.Generator().manual_seed(step))
     per = 4 // mesh.dp_size
-    x = idx[mesh.dp_rank * per:(mesh.dp_rank + 1) * per]
+    x = idx[mesh.dp_rank * per : (mesh.dp_rank + 1) * per]
     m(x[:, :-1], x[:, 1:])[1].backward()
     opt.step()
     opt.zero_grad()
@@ -307,6 +357,7 @@ def _gpt_step(m, opt, mesh, step: int) -> None:
 
 def _gpt_side(rank: int, world: int, root: str) -> dict:
     from fusedzero import checkpoint
+
     m, opt, mesh = _gpt(2)
     for step in range(2):
         _gpt_step(m, opt, mesh, step)
@@ -319,8 +370,13 @@ def _gpt_side(rank: int, world: int, root: str) -> dict:
     checkpoint.load(opt1, root)
     loaded, steps = full(m1, opt1), opt1.shard_state().step_count
     _gpt_step(m1, opt1, mesh1, 2)
-    return {"saved": saved, "after": after, "loaded": loaded, "steps": steps,
-            "after1": full(m1, opt1)}
+    return {
+        "saved": saved,
+        "after": after,
+        "loaded": loaded,
+        "steps": steps,
+        "after1": full(m1, opt1),
+    }
 
 
 @pytest.mark.slow  # spawns 4 ranks
@@ -329,6 +385,7 @@ def test_gpt_strided_qkv_reshards_to_tp1(tmp_path: Path) -> None:
     GPT at (dp=4, tp=1): params bit-exact (torch's full_tensor() of the saved run), and the next
     step (moments, step count) within fp32 noise of the uninterrupted tp run's."""
     from fusedzero.testing import run_ranks
+
     root = tmp_path / "ckpt"
     a = run_ranks(_gpt_side, 4, str(root), timeout=600)
     assert '"SS(0,3)"' in (root / "tensor_parallel.json").read_text()
@@ -343,15 +400,23 @@ def _one_folder_root(root: Path, states: str):
     """A tensor-parallel root of one tp rank written offline (one process): a plain optimizer
     stepped once and saved into `tp0of1`, with the record (and binding) of a tp=1 mesh."""
     from fusedzero import Precision, ZeroAdamW, checkpoint
+
     m = make()
-    opt = ZeroAdamW(m.parameters(), lr=LR, weight_decay=WD, module=m,
-                    precision=Precision(states=states))
+    opt = ZeroAdamW(
+        m.parameters(), lr=LR, weight_decay=WD, module=m, precision=Precision(states=states)
+    )
     x, y = batch(0, 0, 1)
     ((m(x) - y) ** 2).mean().backward()
     opt.step()
-    rec = {"format": "fusedzero-tensor-parallel", "version": 2, "tp": 1, "dp": 1,
-           "params": [{"name": i.name, "shape": list(i.shape), "placement": "R"}
-                      for i in opt.param_infos()]}
+    rec = {
+        "format": "fusedzero-tensor-parallel",
+        "version": 2,
+        "tp": 1,
+        "dp": 1,
+        "params": [
+            {"name": i.name, "shape": list(i.shape), "placement": "R"} for i in opt.param_infos()
+        ],
+    }
     write_binding(root, rec, 0)
     checkpoint.save(opt, root / "tp0of1", step=1).wait()
     (root / "tensor_parallel.json").write_text(json.dumps(rec))
@@ -364,6 +429,7 @@ def test_plain_optimizer_loads_a_tp_root_exactly(tmp_path: Path) -> None:
     written."""
     from fusedzero import checkpoint
     from fusedzero.optim import ZeroAdamW
+
     opt, rec = _one_folder_root(tmp_path / "a", "fp32")
     m2 = make()
     opt2 = ZeroAdamW(m2.parameters(), lr=LR, weight_decay=WD, module=m2)
@@ -387,8 +453,13 @@ def test_plain_optimizer_loads_a_tp_root_exactly(tmp_path: Path) -> None:
 
 def test_full_and_local_round_trip() -> None:
     g = torch.Generator().manual_seed(0)
-    for shape, pl, size in [((7, 3), "S(0)", 2), ((4, 9), "S(1)", 4), ((12, 2), "SS(0,3)", 2),
-                            ((5,), "R", 3), ((9, 4), "S(0)", 4)]:
+    for shape, pl, size in [
+        ((7, 3), "S(0)", 2),
+        ((4, 9), "S(1)", 4),
+        ((12, 2), "SS(0,3)", 2),
+        ((5,), "R", 3),
+        ((9, 4), "S(0)", 4),
+    ]:
         t = torch.randn(shape, generator=g)
         parts = [local_of(t, pl, r, size) for r in range(size)]
         assert torch.equal(full_of(parts, pl, list(shape)), t), (shape, pl)
@@ -397,23 +468,32 @@ def test_full_and_local_round_trip() -> None:
     assert local_of(t, "SS(0,3)", 0, 2).flatten().tolist() == [0, 1, 4, 5, 8, 9]
 
 
-GOOD = {"format": "fusedzero-tensor-parallel", "version": 2, "tp": 2, "dp": 2,
-        "params": [{"name": "0.weight", "shape": [20, 12], "placement": "S(0)"}]}
+GOOD = {
+    "format": "fusedzero-tensor-parallel",
+    "version": 2,
+    "tp": 2,
+    "dp": 2,
+    "params": [{"name": "0.weight", "shape": [20, 12], "placement": "S(0)"}],
+}
 
 
-@pytest.mark.parametrize("edit,msg", [
-    (lambda d: d.update(tp=0), "tp must be an integer"),
-    (lambda d: d.update(tp=True), "tp must be an integer"),
-    (lambda d: d.update(version=3), "version 3"), (lambda d: d.update(version=True), "True"),
-    (lambda d: d.update(format="x"), "not a fusedzero-tensor-parallel record"),
-    (lambda d: d["params"][0].update(placement="S(2)"), "names dim 2"),
-    (lambda d: d["params"][0].update(placement="P"), "is not R, S(d) or SS(d,k)"),
-    (lambda d: d["params"][0].update(placement="S(0) "), "is not R, S(d) or SS(d,k)"),
-    (lambda d: d["params"][0].update(placement="SS(0,0)"), "split factor"),
-    (lambda d: d["params"][0].update(shape=[-1, 2]), "is not a list of sizes"),
-    (lambda d: d["params"][0].update(extra=1), "exactly name, shape, placement"),
-    (lambda d: d["params"].append(dict(d["params"][0])), "is not a new non-empty name"),
-])
+@pytest.mark.parametrize(
+    "edit,msg",
+    [
+        (lambda d: d.update(tp=0), "tp must be an integer"),
+        (lambda d: d.update(tp=True), "tp must be an integer"),
+        (lambda d: d.update(version=3), "version 3"),
+        (lambda d: d.update(version=True), "True"),
+        (lambda d: d.update(format="x"), "not a fusedzero-tensor-parallel record"),
+        (lambda d: d["params"][0].update(placement="S(2)"), "names dim 2"),
+        (lambda d: d["params"][0].update(placement="P"), "is not R, S(d) or SS(d,k)"),
+        (lambda d: d["params"][0].update(placement="S(0) "), "is not R, S(d) or SS(d,k)"),
+        (lambda d: d["params"][0].update(placement="SS(0,0)"), "split factor"),
+        (lambda d: d["params"][0].update(shape=[-1, 2]), "is not a list of sizes"),
+        (lambda d: d["params"][0].update(extra=1), "exactly name, shape, placement"),
+        (lambda d: d["params"].append(dict(d["params"][0])), "is not a new non-empty name"),
+    ],
+)
 def test_record_is_validated(edit, msg: str) -> None:
     d = json.loads(json.dumps(GOOD))
     parse(json.dumps(d), Path("x"))  # the good record parses

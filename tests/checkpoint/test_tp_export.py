@@ -8,6 +8,7 @@ tests/checkpoint/test_tp_checkpoint.py (slow).
 
 About internals: fusedzero._dtensor, fusedzero.checkpoint._placements,
 fusedzero.checkpoint._tp_export."""
+
 from __future__ import annotations
 
 import json
@@ -27,9 +28,13 @@ from fusedzero.optim import ZeroAdamW
 T = 2
 # name -> (global shape, placement): column-parallel weight and bias, a row-parallel weight,
 # a replicated norm, a fused q/k/v split by heads (the GPT plan's _StridedShard).
-PARAMS = {"up.weight": ([8, 6], "S(0)"), "up.bias": ([8], "S(0)"),
-          "down.weight": ([6, 8], "S(1)"), "norm.weight": ([6], "R"),
-          "qkv.weight": ([12, 6], "SS(0,3)")}
+PARAMS = {
+    "up.weight": ([8, 6], "S(0)"),
+    "up.bias": ([8], "S(0)"),
+    "down.weight": ([6, 8], "S(1)"),
+    "norm.weight": ([6], "R"),
+    "qkv.weight": ([12, 6], "SS(0,3)"),
+}
 
 
 def _full() -> dict[str, torch.Tensor]:
@@ -49,13 +54,18 @@ def _tp_module(full: dict[str, torch.Tensor], t: int, size: int = T) -> nn.Modul
 
 
 def _record(version: int = TP_VERSION) -> dict:
-    return {"format": "fusedzero-tensor-parallel", "version": version, "tp": T, "dp": 1,
-            "params": [{"name": n, "shape": s, "placement": pl}
-                       for n, (s, pl) in PARAMS.items()]}
+    return {
+        "format": "fusedzero-tensor-parallel",
+        "version": version,
+        "tp": T,
+        "dp": 1,
+        "params": [{"name": n, "shape": s, "placement": pl} for n, (s, pl) in PARAMS.items()],
+    }
 
 
-def _root(tmp_path: Path, full: dict[str, torch.Tensor], version: int = TP_VERSION,
-          name: str = "root") -> Path:
+def _root(
+    tmp_path: Path, full: dict[str, torch.Tensor], version: int = TP_VERSION, name: str = "root"
+) -> Path:
     """A tp root as `save` writes it (version 1: as it wrote it before the binding)."""
     root = tmp_path / name
     rec = _record(version)
@@ -71,6 +81,7 @@ def _root(tmp_path: Path, full: dict[str, torch.Tensor], version: int = TP_VERSI
 
 def test_export_tp_assembles_full_tensors_from_each_tp_folder(tmp_path: Path) -> None:
     from safetensors.torch import load_file
+
     full = _full()
     r = checkpoint.export_tp(_root(tmp_path, full), tmp_path / "model.safetensors")
     assert r.files == [tmp_path / "model.safetensors"] and r.index is None
@@ -117,15 +128,32 @@ def _fake_tp_opt(full: dict[str, torch.Tensor], t: int) -> SimpleNamespace:
     from torch.distributed.tensor.placement_types import _StridedShard
 
     from fusedzero._dtensor import TpInfo
+
     m = _tp_module(full, t)
     infos = ZeroAdamW(m.parameters(), lr=1e-2, module=m).param_infos()
-    parse = {"R": Replicate(), "S(0)": Shard(0), "S(1)": Shard(1),
-             "SS(0,3)": _StridedShard(0, split_factor=3)}
+    parse = {
+        "R": Replicate(),
+        "S(0)": Shard(0),
+        "S(1)": Shard(1),
+        "SS(0,3)": _StridedShard(0, split_factor=3),
+    }
     params = [torch.empty(PARAMS[i.name][0], device="meta") for i in infos]
-    tp = TpInfo(mesh=None, group=None, size=T, rank=t,
-                placements={id(q): (parse[PARAMS[i.name][1]],) for q, i in zip(params, infos)})
-    return SimpleNamespace(tp=tp, params=params, param_infos=lambda: infos, world_size=1,
-                           replicas=1, rank=0, replica_rank=0)
+    tp = TpInfo(
+        mesh=None,
+        group=None,
+        size=T,
+        rank=t,
+        placements={id(q): (parse[PARAMS[i.name][1]],) for q, i in zip(params, infos)},
+    )
+    return SimpleNamespace(
+        tp=tp,
+        params=params,
+        param_infos=lambda: infos,
+        world_size=1,
+        replicas=1,
+        rank=0,
+        replica_rank=0,
+    )
 
 
 def _edit(root: Path, name: str, placement: str) -> None:
@@ -137,8 +165,9 @@ def _edit(root: Path, name: str, placement: str) -> None:
 
 
 @pytest.mark.parametrize("name,placement", [("up.weight", "SS(0,2)"), ("qkv.weight", "S(0)")])
-def test_an_edit_that_keeps_local_shapes_is_refused(tmp_path: Path, name: str,
-                                                    placement: str) -> None:
+def test_an_edit_that_keeps_local_shapes_is_refused(
+    tmp_path: Path, name: str, placement: str
+) -> None:
     """S(0) -> SS(0,2) on a [8, 6] weight, or the GPT qkv's SS(0,3) -> S(0): every tp folder
     still holds the local shapes the edited placement gives, so only the binding tells: export,
     `fusedzero ckpt export` and a load across tp sizes refuse it, naming the binding file, and
@@ -164,8 +193,11 @@ def test_a_bound_edit_that_changes_local_shapes_is_refused(tmp_path: Path) -> No
     rec = json.loads((root / "tensor_parallel.json").read_text())
     for t in range(T):
         write_binding(root, rec, t)
-    with pytest.raises(CheckpointError, match=r"up.weight has local shape \[4, 6\], the "
-                       r"record's placement gives \[8, 3\]"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"up.weight has local shape \[4, 6\], the "
+        r"record's placement gives \[8, 3\]",
+    ):
         _load_plain(root)
 
 
@@ -173,6 +205,7 @@ def test_swapped_tp_folders_are_refused_by_tp_directory(tmp_path: Path) -> None:
     """tp0of2 and tp1of2 swapped (every local shape is the same on both ranks): the same-tp
     load (`tp_directory`), a save into it, and export refuse it; the intact root resolves."""
     from fusedzero.checkpoint._placements import tp_directory
+
     full = _full()
     root = _root(tmp_path, full)
     opt = _fake_tp_opt(full, 1)
@@ -187,13 +220,14 @@ def test_swapped_tp_folders_are_refused_by_tp_directory(tmp_path: Path) -> None:
         checkpoint.export_tp(root, tmp_path / "a.safetensors")
 
 
-def test_an_older_unbound_root_is_refused_and_converts(tmp_path: Path,
-                                                       capsys: pytest.CaptureFixture[str]
-                                                       ) -> None:
+def test_an_older_unbound_root_is_refused_and_converts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A root of record version 1 (no bindings): refused with the command that converts it;
     `fusedzero ckpt upgrade` writes a bound copy (the old root untouched) that exports and
     loads exactly; a version-2 root is not converted again."""
     from safetensors.torch import load_file
+
     full = _full()
     old = _root(tmp_path, full, version=1, name="old")
     before = sorted(str(p.relative_to(old)) for p in old.rglob("*"))
@@ -220,17 +254,32 @@ def test_cli_export_of_a_tp_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     from safetensors.torch import load_file
 
     from fusedzero.checkpoint._tp_export import saved_params
+
     full = _full()
     root = _root(tmp_path, full)
     assert [(p["name"], p["shape"]) for p in saved_params(root)] == [
-        (n, s) for n, (s, _) in PARAMS.items()]
-    assert cli.main(["ckpt", "export", str(root), str(tmp_path / "a.safetensors"),
-                     "--dtype", "bf16"]) == 0
+        (n, s) for n, (s, _) in PARAMS.items()
+    ]
+    assert (
+        cli.main(["ckpt", "export", str(root), str(tmp_path / "a.safetensors"), "--dtype", "bf16"])
+        == 0
+    )
     got = load_file(tmp_path / "a.safetensors")
     assert {n: t.dtype for n, t in got.items()} == {n: torch.bfloat16 for n in full}
     assert all(torch.equal(got[n], t.bfloat16()) for n, t in full.items())
-    assert cli.main(["ckpt", "export", str(root), str(tmp_path / "s" / "model.safetensors"),
-                     "--max-shard-size", "200"]) == 0
+    assert (
+        cli.main(
+            [
+                "ckpt",
+                "export",
+                str(root),
+                str(tmp_path / "s" / "model.safetensors"),
+                "--max-shard-size",
+                "200",
+            ]
+        )
+        == 0
+    )
     index = json.loads((tmp_path / "s" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(full)
     files = sorted(set(index["weight_map"].values()))
@@ -240,8 +289,9 @@ def test_cli_export_of_a_tp_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     monkeypatch.setitem(sys.modules, "transformers", None)  # `import transformers` fails
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps({"model_type": "gpt2"}))
-    assert cli.main(["ckpt", "export", str(root), str(tmp_path / "hf"),
-                     "--hf-config", str(cfg)]) == 0
+    assert (
+        cli.main(["ckpt", "export", str(root), str(tmp_path / "hf"), "--hf-config", str(cfg)]) == 0
+    )
     got = load_file(tmp_path / "hf" / "model.safetensors")
     assert all(torch.equal(got[n], t) for n, t in full.items())
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == "gpt2"
@@ -249,8 +299,9 @@ def test_cli_export_of_a_tp_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         checkpoint.export(root, root / "tensor_parallel.json")
 
 
-def test_ckpt_inspect_and_verify_take_a_tp_root(tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def test_ckpt_inspect_and_verify_take_a_tp_root(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Each tp folder inspected and verified, after the bindings; a damaged shard in one tp
     folder fails verify (1), swapped folders are an error (2) before any shard is read."""
     root = _root(tmp_path, _full())

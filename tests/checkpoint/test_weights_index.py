@@ -1,6 +1,7 @@
 """`import_weights` from an HF-style `*.index.json` reads only the shard files beside the index
 (docs/checkpoints.md, "Threat model"): an index is input from elsewhere, and a `weight_map` entry
 that is a path ("../x", "/x", "a/b") would read a file outside the folder it came with."""
+
 from __future__ import annotations
 
 import json
@@ -25,8 +26,9 @@ def _weights() -> tuple[torch.nn.Module, Any, dict[str, torch.Tensor]]:
     return model, opt, sd
 
 
-@pytest.mark.parametrize("name", ["../outside.safetensors", "ABS", "sub/../../outside.safetensors",
-                                  "..", ""])
+@pytest.mark.parametrize(
+    "name", ["../outside.safetensors", "ABS", "sub/../../outside.safetensors", "..", ""]
+)
 def test_index_names_only_files_beside_it(tmp_path: Path, name: str) -> None:
     _, opt, sd = _weights()
     outside = tmp_path / "outside.safetensors"  # valid weights: before the check, they loaded
@@ -56,8 +58,9 @@ def test_index_with_plain_names_loads(tmp_path: Path) -> None:
     parts = {"a.safetensors": names[:half], "b.safetensors": names[half:]}
     for f, ns in parts.items():
         safetensors.torch.save_file({n: sd[n] + 1 for n in ns}, tmp_path / f)
-    (tmp_path / INDEX).write_text(json.dumps({"weight_map": {n: f for f, ns in parts.items()
-                                                             for n in ns}}))
+    (tmp_path / INDEX).write_text(
+        json.dumps({"weight_map": {n: f for f, ns in parts.items() for n in ns}})
+    )
     ck.import_weights(opt, tmp_path)
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), sd[n] + 1), n

@@ -1,4 +1,5 @@
 """What both integration tests share: the tiny Llama they train and the tolerances."""
+
 from __future__ import annotations
 
 import os
@@ -24,10 +25,18 @@ def tiny_llama() -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=SEQ,
-        tie_word_embeddings=False))
+    return transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def tokens(n: int) -> torch.Tensor:
@@ -38,8 +47,9 @@ def tokens(n: int) -> torch.Tensor:
 def run_doc_block(tested_by: str, cwd: str) -> dict[str, Any]:
     """Run docs/integrations.md's block fenced with `tested-by=<tested_by>`, as written, in
     `cwd` (made here) as `__main__`; returns its globals."""
-    blocks = re.findall(rf"```python[^\n]* tested-by={re.escape(tested_by)}\n(.*?)```",
-                        DOC.read_text(), flags=re.S)
+    blocks = re.findall(
+        rf"```python[^\n]* tested-by={re.escape(tested_by)}\n(.*?)```", DOC.read_text(), flags=re.S
+    )
     assert len(blocks) == 1, f"docs/integrations.md should hold one block tested by {tested_by}"
     here = os.getcwd()
     os.makedirs(cwd, exist_ok=True)  # every rank runs it in the same folder

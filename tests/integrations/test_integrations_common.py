@@ -3,6 +3,7 @@ never imports the frameworks at module level, the keyword checks, the import err
 extra, and the full state dict at stages 0 and 3 (a world of one).
 
 About an internal: fusedzero.integrations._common."""
+
 from __future__ import annotations
 
 import ast
@@ -33,6 +34,7 @@ def module_level_imports(path: Path) -> set[str]:
             elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
                 names.add(child.module.split(".")[0])
             visit(child)
+
     visit(ast.parse(path.read_text()))
     return names
 

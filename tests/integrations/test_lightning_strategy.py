@@ -7,6 +7,7 @@ module after fit equal DDP's within fp32 noise; a fit resumed from a ModelCheckp
 another stage) ends where DDP's resumed fit ends; docs/integrations.md's Lightning example runs
 as written on the same ranks; bad combinations are refused in one line. Skipped without the
 'lightning' extra."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -19,10 +20,12 @@ from fusedzero.testing import run_ranks
 
 pytestmark = pytest.mark.slow  # spawns ranks
 
-L = pytest.importorskip("lightning.pytorch", reason="needs the 'lightning' extra: "
-                        "pip install 'fusedzero[lightning]'")
-transformers = pytest.importorskip("transformers", reason="the module is a transformers Llama: "
-                                   "pip install 'fusedzero[hf]'")
+L = pytest.importorskip(
+    "lightning.pytorch", reason="needs the 'lightning' extra: pip install 'fusedzero[lightning]'"
+)
+transformers = pytest.importorskip(
+    "transformers", reason="the module is a transformers Llama: pip install 'fusedzero[hf]'"
+)
 
 from _tiny import ATOL, LR, RTOL, STAGES, W, run_doc_block, tiny_llama, tokens  # noqa: E402
 
@@ -50,9 +53,15 @@ class Llama(L.LightningModule):
     def configure_optimizers(self) -> Any:
         decay = [p for n, p in self.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.named_parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
-                                 {"params": no_decay, "weight_decay": 0.0, "lr": LR / 2}],
-                                lr=LR, betas=(0.9, 0.95), eps=1e-8)
+        opt = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": 0.1},
+                {"params": no_decay, "weight_decay": 0.0, "lr": LR / 2},
+            ],
+            lr=LR,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+        )
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 2))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -75,18 +84,30 @@ class FullParams(L.Callback):
             self.sd = {k: v.detach().clone() for k, v in sd.items()}
 
 
-def fit(root: str, strategy: Any, epochs: int = EPOCHS, ckpt_path: str | None = None,
-        save: bool = False) -> tuple[Llama, FullParams]:
+def fit(
+    root: str, strategy: Any, epochs: int = EPOCHS, ckpt_path: str | None = None, save: bool = False
+) -> tuple[Llama, FullParams]:
     module, full = Llama(), FullParams()
     callbacks: list[Any] = [full]
     if save:
-        callbacks.append(L.callbacks.ModelCheckpoint(dirpath=f"{root}/ckpts", save_top_k=-1,
-                                                     every_n_epochs=1))
-    trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=W, max_epochs=epochs,
-                        accumulate_grad_batches=2, gradient_clip_val=0.5, logger=False,
-                        enable_progress_bar=False, enable_model_summary=False,
-                        enable_checkpointing=save, callbacks=callbacks, default_root_dir=root,
-                        num_sanity_val_steps=1)
+        callbacks.append(
+            L.callbacks.ModelCheckpoint(dirpath=f"{root}/ckpts", save_top_k=-1, every_n_epochs=1)
+        )
+    trainer = L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=W,
+        max_epochs=epochs,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=save,
+        callbacks=callbacks,
+        default_root_dir=root,
+        num_sanity_val_steps=1,
+    )
     trainer.fit(module, ckpt_path=ckpt_path)
     return module, full
 
@@ -94,9 +115,15 @@ def fit(root: str, strategy: Any, epochs: int = EPOCHS, ckpt_path: str | None = 
 def validate(root: str, strategy: Any, ckpt: Path) -> list[float]:
     """`trainer.validate(ckpt_path=...)`: no optimizer, the weights from the checkpoint."""
     module = Llama()
-    L.Trainer(strategy=strategy, accelerator="cpu", devices=W, logger=False,
-              enable_progress_bar=False, enable_model_summary=False,
-              default_root_dir=root).validate(module, ckpt_path=str(ckpt), verbose=False)
+    L.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=W,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+    ).validate(module, ckpt_path=str(ckpt), verbose=False)
     return module.val_losses
 
 
@@ -108,12 +135,14 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
     from fusedzero.integrations.lightning import ZeroStrategy
 
     out: dict[str, Any] = {}
-    ddp, full = fit(f"{root}/ddp", L.strategies.DDPStrategy(process_group_backend="gloo"),
-                    save=True)
+    ddp, full = fit(
+        f"{root}/ddp", L.strategies.DDPStrategy(process_group_backend="gloo"), save=True
+    )
     out["ddp"] = (ddp.losses + ddp.val_losses, params(ddp), full.sd)
     ckpt = next(Path(f"{root}/ddp/ckpts").glob("epoch=0-*.ckpt"))
-    resumed, _ = fit(f"{root}/ddp_r", L.strategies.DDPStrategy(process_group_backend="gloo"),
-                     ckpt_path=str(ckpt))
+    resumed, _ = fit(
+        f"{root}/ddp_r", L.strategies.DDPStrategy(process_group_backend="gloo"), ckpt_path=str(ckpt)
+    )
     out["ddp_resumed"] = (resumed.losses + resumed.val_losses, params(resumed))
     out["ddp_validate"] = validate(f"{root}/ddp_v", L.strategies.DDPStrategy(), ckpt)
     for stage in STAGES:
@@ -121,8 +150,10 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
         module, full = fit(f"{root}/s{stage}", strategy, save=stage == 2)
         out[f"s{stage}"] = (module.losses + module.val_losses, params(module), full.sd)
         opt = strategy.zero_optimizer
-        out[f"s{stage}_reductions"] = (opt.comm.calls["all_reduce"],
-                                       sum(b.layout.num_buckets for b in opt.flat_groups))
+        out[f"s{stage}_reductions"] = (
+            opt.comm.calls["all_reduce"],
+            sum(b.layout.num_buckets for b in opt.flat_groups),
+        )
     ckpt = next(Path(f"{root}/s2/ckpts").glob("epoch=0-*.ckpt"))
     assert ckpt.is_dir(), ckpt
     resumed, _ = fit(f"{root}/s3_r", ZeroStrategy(stage=3), ckpt_path=str(ckpt))
@@ -144,8 +175,9 @@ def test_zero_strategy_matches_ddp(tmp_path: Path) -> None:
     def close(have: dict[str, torch.Tensor], want: dict[str, torch.Tensor], what: str) -> None:
         assert have.keys() == want.keys(), what
         for k in want:
-            torch.testing.assert_close(have[k], want[k], rtol=RTOL, atol=ATOL,
-                                       msg=lambda m, k=k: f"{what} {k}: {m}")
+            torch.testing.assert_close(
+                have[k], want[k], rtol=RTOL, atol=ATOL, msg=lambda m, k=k: f"{what} {k}: {m}"
+            )
 
     # Stage 0 reduces each bucket once a step (2 an epoch), not once a micro-batch: the first
     # micro-batch runs under ZeroAdamW's no_sync (block_backward_sync).
@@ -153,19 +185,33 @@ def test_zero_strategy_matches_ddp(tmp_path: Path) -> None:
     assert calls == 2 * EPOCHS * buckets, (calls, buckets)
     for stage in STAGES:
         losses, p, full = got[f"s{stage}"]
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL,
-                                   atol=0,
-                                   msg=lambda m, stage=stage: f"stage {stage} losses vs DDP: {m}")
+        torch.testing.assert_close(
+            torch.tensor(losses),
+            torch.tensor(ref_losses),
+            rtol=RTOL,
+            atol=0,
+            msg=lambda m, stage=stage: f"stage {stage} losses vs DDP: {m}",
+        )
         close(full, ref_full, f"stage {stage} lightning_module_state_dict()")
         close(p, ref_params, f"stage {stage} after fit")
     r_losses, r_params = got["resumed"]
     d_losses, d_params = got["ddp_resumed"]
-    torch.testing.assert_close(torch.tensor(r_losses), torch.tensor(d_losses), rtol=RTOL, atol=0,
-                               msg=lambda m: f"resumed losses vs DDP's resumed: {m}")
+    torch.testing.assert_close(
+        torch.tensor(r_losses),
+        torch.tensor(d_losses),
+        rtol=RTOL,
+        atol=0,
+        msg=lambda m: f"resumed losses vs DDP's resumed: {m}",
+    )
     close(r_params, d_params, "resumed fit vs DDP's resumed fit")
     assert len(got["ddp_validate"]) == 1
-    torch.testing.assert_close(got["validate"], got["ddp_validate"], rtol=RTOL, atol=0,
-                               msg=lambda m: f"validate(ckpt_path=...) vs DDP's: {m}")
+    torch.testing.assert_close(
+        got["validate"],
+        got["ddp_validate"],
+        rtol=RTOL,
+        atol=0,
+        msg=lambda m: f"validate(ckpt_path=...) vs DDP's: {m}",
+    )
     assert got["doc"] == 4 and got["doc_ckpts"] == ["lightning.pt"], (got["doc"], got["doc_ckpts"])
 
 
@@ -184,8 +230,13 @@ class Refused(Llama):
             return torch.optim.AdamW(self.parameters(), amsgrad=True)
         if self.what.startswith("own"):  # the user's ZeroAdamW, clipping at 1.0 or not at all
             from fusedzero.optim import ZeroAdamW
-            return ZeroAdamW(self.parameters(), stage=2, module=self,
-                             max_grad_norm=1.0 if self.what == "own" else None)
+
+            return ZeroAdamW(
+                self.parameters(),
+                stage=2,
+                module=self,
+                max_grad_norm=1.0 if self.what == "own" else None,
+            )
         return torch.optim.AdamW(self.parameters())
 
 
@@ -194,10 +245,18 @@ def refusals(rank: int, world: int, root: str) -> dict[str, str]:
 
     def error(what: str = "", **trainer_kw: Any) -> str:
         try:
-            trainer = L.Trainer(strategy=ZeroStrategy(stage=2), accelerator="cpu", devices=W,
-                                max_steps=1, logger=False, enable_progress_bar=False,
-                                enable_model_summary=False, enable_checkpointing=False,
-                                default_root_dir=root, **trainer_kw)
+            trainer = L.Trainer(
+                strategy=ZeroStrategy(stage=2),
+                accelerator="cpu",
+                devices=W,
+                max_steps=1,
+                logger=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                enable_checkpointing=False,
+                default_root_dir=root,
+                **trainer_kw,
+            )
             trainer.fit(Refused(what))
         except (TypeError, ValueError) as e:
             return f"{type(e).__name__}: {e}"
@@ -210,30 +269,35 @@ def refusals(rank: int, world: int, root: str) -> dict[str, str]:
             return f"TypeError: {e}"
         return "no error"
 
-    return {"sgd": error("sgd"), "amsgrad": error("amsgrad"),
-            "manual": error("manual"), "value": error(gradient_clip_val=1.0,
-                                                      gradient_clip_algorithm="value"),
-            "precision": error(precision="bf16-mixed"), "lr": constructor(lr=1e-3),
-            "own": error("own", gradient_clip_val=1.0), "own_clip": error("own_clip",
-                                                                          gradient_clip_val=1.0),
-            "ddp_kwarg": constructor(find_unused_parameters=True)}
+    return {
+        "sgd": error("sgd"),
+        "amsgrad": error("amsgrad"),
+        "manual": error("manual"),
+        "value": error(gradient_clip_val=1.0, gradient_clip_algorithm="value"),
+        "precision": error(precision="bf16-mixed"),
+        "lr": constructor(lr=1e-3),
+        "own": error("own", gradient_clip_val=1.0),
+        "own_clip": error("own_clip", gradient_clip_val=1.0),
+        "ddp_kwarg": constructor(find_unused_parameters=True),
+    }
 
 
 def test_bad_combinations_are_one_line(tmp_path: Path) -> None:
     """Each refused in one line that names it and says what to do (the ranks of the test above
     are reused)."""
     got = run_ranks(refusals, W, str(tmp_path))[0]
-    want = {"sgd": "TypeError: ZeroStrategy turns a torch.optim.AdamW from configure_optimizers "
-                   "into ZeroAdamW; got torch.optim.sgd.SGD",
-            "amsgrad": "ValueError: ZeroStrategy: AdamW(amsgrad=True)",
-            "manual": "ValueError: ZeroStrategy needs automatic optimization",
-            "value": "ValueError: ZeroStrategy clips by norm only",
-            "precision": "ValueError: ZeroStrategy runs precision='32-true'",
-            "own": "no error",  # the user's ZeroAdamW clipping as the Trainer says
-            "own_clip": "ValueError: configure_optimizers returned a ZeroAdamW with "
-                        "max_grad_norm=None but Trainer(gradient_clip_val=1.0)",
-            "lr": "TypeError: ZeroStrategy got lr=: it comes from configure_optimizers",
-            "ddp_kwarg": "TypeError: ZeroStrategy got an unexpected keyword "
-                         "find_unused_parameters="}
+    want = {
+        "sgd": "TypeError: ZeroStrategy turns a torch.optim.AdamW from configure_optimizers "
+        "into ZeroAdamW; got torch.optim.sgd.SGD",
+        "amsgrad": "ValueError: ZeroStrategy: AdamW(amsgrad=True)",
+        "manual": "ValueError: ZeroStrategy needs automatic optimization",
+        "value": "ValueError: ZeroStrategy clips by norm only",
+        "precision": "ValueError: ZeroStrategy runs precision='32-true'",
+        "own": "no error",  # the user's ZeroAdamW clipping as the Trainer says
+        "own_clip": "ValueError: configure_optimizers returned a ZeroAdamW with "
+        "max_grad_norm=None but Trainer(gradient_clip_val=1.0)",
+        "lr": "TypeError: ZeroStrategy got lr=: it comes from configure_optimizers",
+        "ddp_kwarg": "TypeError: ZeroStrategy got an unexpected keyword find_unused_parameters=",
+    }
     for k, start in want.items():
         assert got[k].startswith(start) and "\n" not in got[k], (k, got[k])

@@ -2,6 +2,7 @@
 byte accounting and CUDA branch, as far as they can be checked without a GPU.
 
 About internals: fusedzero._bandwidth, fusedzero.kernels._adamw_single."""
+
 from __future__ import annotations
 
 import contextlib
@@ -20,10 +21,17 @@ import bench_update  # noqa: E402  (bench/ is not a package)
 CPU = torch.device("cpu")
 
 
-@pytest.mark.parametrize("grad,out,want", [
-    (torch.float32, None, 28), (torch.bfloat16, torch.bfloat16, 28),
-    (torch.float16, torch.float16, 28), (torch.bfloat16, None, 26),
-    (torch.float32, torch.bfloat16, 30), (torch.float32, torch.float32, 32)])
+@pytest.mark.parametrize(
+    "grad,out,want",
+    [
+        (torch.float32, None, 28),
+        (torch.bfloat16, torch.bfloat16, 28),
+        (torch.float16, torch.float16, 28),
+        (torch.bfloat16, None, 26),
+        (torch.float32, torch.bfloat16, 30),
+        (torch.float32, torch.float32, 32),
+    ],
+)
 def test_update_bytes_per_param(grad, out, want):
     # read master 4 + grad + exp_avg 4 + exp_avg_sq 4; write the three fp32 streams + out
     assert bandwidth.update_bytes_per_param(grad, out) == want

@@ -4,6 +4,7 @@ with a small chunk so that pieces straddle chunks and chunks hold several pieces
 float64, against the unblocked pass bit for bit, and with exact call counts.
 
 About internals: fusedzero.kernels._adamw_torch, fusedzero.kernels._sum_of_squares."""
+
 from __future__ import annotations
 
 import math
@@ -34,27 +35,48 @@ def _hyper() -> Hyper:
     return Hyper(torch.tensor([r[0] for r in ROWS]), tuple(r[1:] for r in ROWS))
 
 
-def _bufs(sizes: list[int], grad_dtype: torch.dtype, out_dtype: torch.dtype | None,
-          seed: int) -> list[dict]:
+def _bufs(
+    sizes: list[int], grad_dtype: torch.dtype, out_dtype: torch.dtype | None, seed: int
+) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
-    return [dict(master=torch.randn(n, generator=gen),
-                 grad=(torch.randn(n, generator=gen) * 2).to(grad_dtype),
-                 exp_avg=torch.randn(n, generator=gen) * 0.1,
-                 exp_avg_sq=torch.rand(n, generator=gen) * 0.02 + 1e-4,
-                 out=None if out_dtype is None else torch.full((n,), math.nan, dtype=out_dtype),
-                 row=i % len(ROWS)) for i, n in enumerate(sizes)]
+    return [
+        dict(
+            master=torch.randn(n, generator=gen),
+            grad=(torch.randn(n, generator=gen) * 2).to(grad_dtype),
+            exp_avg=torch.randn(n, generator=gen) * 0.1,
+            exp_avg_sq=torch.rand(n, generator=gen) * 0.02 + 1e-4,
+            out=None if out_dtype is None else torch.full((n,), math.nan, dtype=out_dtype),
+            row=i % len(ROWS),
+        )
+        for i, n in enumerate(sizes)
+    ]
 
 
 def _step(bufs: list[dict]) -> None:
-    plan = GroupedAdamW([AdamWBuffer(b["master"], b["grad"], b["exp_avg"], b["exp_avg_sq"],
-                                     b["out"], 1, b["master"].numel(), b["row"]) for b in bufs],
-                        torch.device("cpu"), len(ROWS))
+    plan = GroupedAdamW(
+        [
+            AdamWBuffer(
+                b["master"],
+                b["grad"],
+                b["exp_avg"],
+                b["exp_avg_sq"],
+                b["out"],
+                1,
+                b["master"].numel(),
+                b["row"],
+            )
+            for b in bufs
+        ],
+        torch.device("cpu"),
+        len(ROWS),
+    )
     plan.step(_hyper(), torch.tensor([float(STEP)]), torch.tensor([SCALE]), torch.zeros(1))
 
 
 def _clone(bufs: list[dict]) -> list[dict]:
-    return [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
-            for b in bufs]
+    return [
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in bufs
+    ]
 
 
 @pytest.fixture
@@ -64,10 +86,16 @@ def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sumsq_mod, "_CHUNK", CH)
 
 
-@pytest.mark.parametrize("grad_dtype,out_dtype", [(torch.bfloat16, torch.bfloat16),
-                                                  (torch.float16, torch.float16),
-                                                  (torch.float32, torch.bfloat16),
-                                                  (torch.bfloat16, None)], ids=str)
+@pytest.mark.parametrize(
+    "grad_dtype,out_dtype",
+    [
+        (torch.bfloat16, torch.bfloat16),
+        (torch.float16, torch.float16),
+        (torch.float32, torch.bfloat16),
+        (torch.bfloat16, None),
+    ],
+    ids=str,
+)
 def test_blocked_update_matches_float64_at_chunk_edges(small_chunks, grad_dtype, out_dtype):
     bufs = _bufs(SIZES, grad_dtype, out_dtype, seed=0)
     before = _clone(bufs)
@@ -77,29 +105,44 @@ def test_blocked_update_matches_float64_at_chunk_edges(small_chunks, grad_dtype,
     def counting(*args, **kwargs):
         calls.append(sum(t.numel() for t in args[0]))
         return fused(*args, **kwargs)
+
     torch._fused_adamw_ = counting
     try:
         _step(bufs)
     finally:
         torch._fused_adamw_ = fused
     # One call per chunk: each row's elements cut into ceil(total / CH) chunks of at most CH.
-    want = sum(math.ceil(sum(n for i, n in enumerate(SIZES) if i % len(ROWS) == r) / CH)
-               for r in range(len(ROWS)))
+    want = sum(
+        math.ceil(sum(n for i, n in enumerate(SIZES) if i % len(ROWS) == r) / CH)
+        for r in range(len(ROWS))
+    )
     assert len(calls) == want and max(calls) <= CH and sum(calls) == sum(SIZES)
     lr32 = _hyper().lr.tolist()
     for i, (b, b0) in enumerate(zip(bufs, before)):
         lr, beta1, beta2, eps, wd, maximize = ROWS[b["row"]]
         p_ref, m_ref, v_ref = adamw_reference(
-            b0["master"], b0["grad"], b0["exp_avg"], b0["exp_avg_sq"], lr=lr32[b["row"]],
-            step=STEP, grad_scale=SCALE, beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd,
-            maximize=maximize)
+            b0["master"],
+            b0["grad"],
+            b0["exp_avg"],
+            b0["exp_avg_sq"],
+            lr=lr32[b["row"]],
+            step=STEP,
+            grad_scale=SCALE,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=wd,
+            maximize=maximize,
+        )
         # Magnitudes the fp32 roundings are relative to, as tests/kernels/test_grouped.py: 16 ulps.
         m_mag = b0["exp_avg"].double().abs() + b0["grad"].double().abs() * SCALE
         denom = v_ref.sqrt() / math.sqrt(1 - beta2**STEP) + eps
         p_mag = b0["master"].double().abs() + lr32[b["row"]] / (1 - beta1**STEP) * m_mag / denom
-        for name, got, want_t, mag in (("master", b["master"], p_ref, p_mag),
-                                       ("exp_avg", b["exp_avg"], m_ref, m_mag),
-                                       ("exp_avg_sq", b["exp_avg_sq"], v_ref, v_ref)):
+        for name, got, want_t, mag in (
+            ("master", b["master"], p_ref, p_mag),
+            ("exp_avg", b["exp_avg"], m_ref, m_mag),
+            ("exp_avg_sq", b["exp_avg_sq"], v_ref, v_ref),
+        ):
             err = (got.double() - want_t).abs() - 16 * U32 * mag
             assert (err <= 0).all(), f"piece {i} (n={SIZES[i]}) {name}: off by {err.max()}"
         if out_dtype is not None:

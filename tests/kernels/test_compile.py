@@ -8,6 +8,7 @@ its output.
 About internals: fusedzero.kernels._adamw, fusedzero.kernels._compile,
 fusedzero.kernels._memory_modes, fusedzero.kernels._sum_of_squares.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -33,21 +34,43 @@ MAX_REGS = 64
 # program and SR hashes per element. 80 registers still fit 6 blocks (24 warps) per SM; the bound
 # catches a variant that starts to spill or halves occupancy again.
 MAX_REGS_MODES = 80
-MODE_VARIANTS = [(m, st) for m in modes.MASTER_MODES for st in modes.STATE_MODES
-                 if (m, st) != ("fp32", "fp32")]
+MODE_VARIANTS = [
+    (m, st) for m in modes.MASTER_MODES for st in modes.STATE_MODES if (m, st) != ("fp32", "fp32")
+]
 ADAMW_VARIANTS = [(g, o, cap) for g in DTYPES for o in OUTS for cap in CAPABILITIES]
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, dict]:
-    rows = compile_offline("_compile", tmp_path_factory.mktemp("compile") / "variants.json",
-                           "--capability", *map(str, CAPABILITIES), timeout=240)
-    return {(r["kernel"], r["capability"], r["grad_dtype"], r["out_dtype"], r["master_mode"],
-             r["states"]): r for r in rows}
+    rows = compile_offline(
+        "_compile",
+        tmp_path_factory.mktemp("compile") / "variants.json",
+        "--capability",
+        *map(str, CAPABILITIES),
+        timeout=240,
+    )
+    return {
+        (
+            r["kernel"],
+            r["capability"],
+            r["grad_dtype"],
+            r["out_dtype"],
+            r["master_mode"],
+            r["states"],
+        ): r
+        for r in rows
+    }
 
 
-def _row(compiled: dict, kernel: str, cap: int, g: torch.dtype, o: torch.dtype | None,
-         master_mode: str = "fp32", states: str = "fp32") -> dict:
+def _row(
+    compiled: dict,
+    kernel: str,
+    cap: int,
+    g: torch.dtype,
+    o: torch.dtype | None,
+    master_mode: str = "fp32",
+    states: str = "fp32",
+) -> dict:
     return compiled[(kernel, cap, str(g), str(o), master_mode, states)]
 
 
@@ -92,7 +115,8 @@ def test_adamw_ptx_streams_are_vectors_128bit_for_fp32(compiled, g, o, cap):
     want["ld.global.b64"] = 7 + (o is not None)
     assert _global(row) == want, (
         f"sm_{cap} grad={g} out={o}: global accesses {_global(row)}, expected {want} "
-        "(every stream in one vector access per thread, fp32 ones 128-bit)")
+        "(every stream in one vector access per thread, fp32 ones 128-bit)"
+    )
 
 
 @pytest.mark.slow
@@ -111,18 +135,25 @@ def test_adamw_has_no_shared_memory_and_no_fp64(compiled, g, o, cap):
 @pytest.mark.parametrize("g", DTYPES, ids=str)
 def test_sumsq_ptx_loads_are_128bit_vectors(compiled, g, cap):
     row = _row(compiled, "sumsq", cap, g, None)
-    want = {"ld.global.v4.b32": _vectors_per_thread(sum_of_squares.BLOCK,
-                                                    sum_of_squares.NUM_WARPS, g.itemsize),
-            "st.global.b32": 1,  # the block's partial sum
-            "ld.global.b32": 1, "ld.global.b64": 3}  # its piece, then offset, numel, first
+    want = {
+        "ld.global.v4.b32": _vectors_per_thread(
+            sum_of_squares.BLOCK, sum_of_squares.NUM_WARPS, g.itemsize
+        ),
+        "st.global.b32": 1,  # the block's partial sum
+        "ld.global.b32": 1,
+        "ld.global.b64": 3,
+    }  # its piece, then offset, numel, first
     assert row["f64_instructions"] == 0
     assert _global(row) == want, f"sm_{cap} x={g}: global accesses {_global(row)}, want {want}"
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cap", CAPABILITIES)
-@pytest.mark.parametrize("kernel,g,o", [("adamw", g, o) for g in DTYPES for o in OUTS]
-                         + [("sumsq", g, None) for g in DTYPES], ids=str)
+@pytest.mark.parametrize(
+    "kernel,g,o",
+    [("adamw", g, o) for g in DTYPES for o in OUTS] + [("sumsq", g, None) for g in DTYPES],
+    ids=str,
+)
 def test_no_spills_and_register_budget(compiled, kernel, g, o, cap):
     row = _row(compiled, kernel, cap, g, o)
     assert not any(".local" in a for a in row["accesses"]), f"local memory: {row['accesses']}"
@@ -134,8 +165,11 @@ def test_no_spills_and_register_budget(compiled, kernel, g, o, cap):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cap", CAPABILITIES)
-@pytest.mark.parametrize("kernel,g,o", [("adamw", g, o) for g in DTYPES for o in OUTS]
-                         + [("sumsq", g, None) for g in DTYPES], ids=str)
+@pytest.mark.parametrize(
+    "kernel,g,o",
+    [("adamw", g, o) for g in DTYPES for o in OUTS] + [("sumsq", g, None) for g in DTYPES],
+    ids=str,
+)
 def test_fp32_math_is_ieee_round_to_nearest_as_in_the_interpreter(compiled, kernel, g, o, cap):
     # tl.sqrt is sqrt.approx.ftz and `/` is div.full (2 ulp); FMA contraction fuses a*b+c with
     # one rounding instead of two. Any of them breaks agreement with the interpreter (numpy does
@@ -174,8 +208,12 @@ def _mode_accesses(master_mode: str, states: str) -> dict[str, int]:
     32-bit scale load and store per int8 state, the SR seed (64-bit) and step (32-bit)."""
     vec = lambda dt: _vector(dt, adamw.NUM_WARPS, adamw.BLOCK)  # noqa: E731
     f32, bf16 = torch.float32, torch.bfloat16
-    form = {torch.float32: vec(f32), torch.bfloat16: vec(bf16), torch.int8: "b32",
-            torch.uint8: "b32"}
+    form = {
+        torch.float32: vec(f32),
+        torch.bfloat16: vec(bf16),
+        torch.int8: "b32",
+        torch.uint8: "b32",
+    }
     master = f32 if master_mode == "fp32" else bf16
     kahan, int8, sr = master_mode == "bf16-kahan", states == "int8", master_mode == "bf16-sr"
     out = master_mode == "fp32"
@@ -200,8 +238,9 @@ def _mode_accesses(master_mode: str, states: str) -> dict[str, int]:
 def test_mode_variants_access_widths_and_no_spills(compiled, master_mode, states, cap):
     row = _mode_row(compiled, cap, master_mode, states)
     want = _mode_accesses(master_mode, states)
-    assert _global(row) == want, (f"sm_{cap} {master_mode}/{states}: global accesses "
-                                  f"{_global(row)}, expected {want}")
+    assert _global(row) == want, (
+        f"sm_{cap} {master_mode}/{states}: global accesses {_global(row)}, expected {want}"
+    )
     usage = row["usage"]
     assert usage["LOCAL"] == 0 and usage["STACK"] == 0 and ".local" not in row["ptx"], usage
     assert usage["REG"] <= MAX_REGS_MODES, f"sm_{cap} {master_mode}/{states}: {usage}"
@@ -218,8 +257,9 @@ def test_mode_variants_move_the_bytes_bytes_per_param_counts(compiled, cap):
     threads = adamw.NUM_WARPS * 32
     for master_mode, states in MODE_VARIANTS:
         acc = _global(_mode_row(compiled, cap, master_mode, states))
-        streams = sum(n * width[a.split(".", 2)[2]] for a, n in acc.items()
-                      if a.split(".", 2)[2] in width)
+        streams = sum(
+            n * width[a.split(".", 2)[2]] for a, n in acc.items() if a.split(".", 2)[2] in width
+        )
         if states == "int8":  # 2 code loads and 2 code stores of 4 bytes (b32 beside scalars)
             streams += 4 * 4
         o = torch.bfloat16 if master_mode == "fp32" else None

@@ -6,6 +6,7 @@ tests/conftest.py leaves TRITON_INTERPRET unset where a GPU is visible).
 
 About an internal: fusedzero.kernels._adamw.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,10 @@ import triton
 
 from fusedzero.kernels import LAUNCHES, _adamw as adamw_mod, adamw_reference, adamw_step, sumsq
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 BLOCK = adamw_mod.BLOCK
 HP = dict(beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
@@ -34,17 +37,21 @@ def _cuda() -> torch.device:
 
 def _state(n: int, grad_dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    return dict(master=torch.randn(n, generator=gen),
-                grad=(torch.randn(n, generator=gen) * 2).to(grad_dtype),
-                exp_avg=torch.randn(n, generator=gen) * 0.1,
-                exp_avg_sq=torch.rand(n, generator=gen) * 0.02 + 1e-4)
+    return dict(
+        master=torch.randn(n, generator=gen),
+        grad=(torch.randn(n, generator=gen) * 2).to(grad_dtype),
+        exp_avg=torch.randn(n, generator=gen) * 0.1,
+        exp_avg_sq=torch.rand(n, generator=gen) * 0.02 + 1e-4,
+    )
 
 
 def _within_ulps(name: str, got: torch.Tensor, want: torch.Tensor, mag: torch.Tensor) -> None:
     err = (got.double().cpu() - want.double()).abs()
     bad = ~(err <= ULPS * U32 * mag.double())
-    assert not bad.any(), (f"{name}: {int(bad.sum())}/{got.numel()} elements off by more than "
-                           f"{ULPS} ulps; first at {bad.nonzero().flatten()[:4].tolist()}")
+    assert not bad.any(), (
+        f"{name}: {int(bad.sum())}/{got.numel()} elements off by more than "
+        f"{ULPS} ulps; first at {bad.nonzero().flatten()[:4].tolist()}"
+    )
 
 
 def test_kernels_are_compiled_not_interpreted() -> None:
@@ -54,26 +61,45 @@ def test_kernels_are_compiled_not_interpreted() -> None:
 @pytest.mark.parametrize("out_dtype", [None, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("n", [1, 17, BLOCK + 1, 100_003])
-def test_compiled_adamw_matches_float64_reference(n: int, grad_dtype: torch.dtype,
-                                                  out_dtype: torch.dtype | None) -> None:
+def test_compiled_adamw_matches_float64_reference(
+    n: int, grad_dtype: torch.dtype, out_dtype: torch.dtype | None
+) -> None:
     dev = _cuda()
     s0 = _state(n, grad_dtype, seed=n)
     s = {k: v.to(dev, copy=True) for k, v in s0.items()}
     out = None if out_dtype is None else torch.full((n,), math.nan, dtype=out_dtype, device=dev)
     f32 = dict(dtype=torch.float32, device=dev)
     before = LAUNCHES["adamw"]
-    adamw_step(s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], out,
-               lr=torch.tensor([LR], **f32), step=torch.tensor([float(STEP)], **f32),
-               grad_scale=torch.tensor([SCALE], **f32),
-               skip=torch.zeros(1, dtype=torch.int32, device=dev), **HP)
+    adamw_step(
+        s["master"],
+        s["grad"],
+        s["exp_avg"],
+        s["exp_avg_sq"],
+        out,
+        lr=torch.tensor([LR], **f32),
+        step=torch.tensor([float(STEP)], **f32),
+        grad_scale=torch.tensor([SCALE], **f32),
+        skip=torch.zeros(1, dtype=torch.int32, device=dev),
+        **HP,
+    )
     torch.cuda.synchronize(dev)
     assert LAUNCHES["adamw"] - before == 1
-    p, m, v = adamw_reference(s0["master"], s0["grad"], s0["exp_avg"], s0["exp_avg_sq"], lr=LR,
-                              step=STEP, grad_scale=SCALE, **HP)
+    p, m, v = adamw_reference(
+        s0["master"],
+        s0["grad"],
+        s0["exp_avg"],
+        s0["exp_avg_sq"],
+        lr=LR,
+        step=STEP,
+        grad_scale=SCALE,
+        **HP,
+    )
     m_mag = s0["exp_avg"].double().abs() + s0["grad"].double().abs() * SCALE
     denom = v.sqrt() / math.sqrt(1 - HP["beta2"] ** STEP) + HP["eps"]
-    p_mag = (s0["master"].double().abs() * (1 - LR * HP["weight_decay"])
-             + LR / (1 - HP["beta1"] ** STEP) * m_mag / denom)
+    p_mag = (
+        s0["master"].double().abs() * (1 - LR * HP["weight_decay"])
+        + LR / (1 - HP["beta1"] ** STEP) * m_mag / denom
+    )
     _within_ulps("master", s["master"], p, p_mag)
     _within_ulps("exp_avg", s["exp_avg"], m, m_mag)
     _within_ulps("exp_avg_sq", s["exp_avg_sq"], v, v.abs())

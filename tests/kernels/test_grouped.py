@@ -6,6 +6,7 @@ torch path) against the float64 reference, buffer by buffer.
 
 About internals: fusedzero._scalars, fusedzero.kernels._sum_of_squares.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,8 +31,11 @@ from _helpers import fast_only
 
 U32 = 2.0**-24
 # Per row: lr, beta1, beta2, eps, weight_decay, maximize; every field differs between rows.
-ROWS = [(3e-3, 0.9, 0.95, 1e-8, 0.1, False), (1e-2, 0.8, 0.999, 1e-6, 0.0, True),
-        (5e-4, 0.0, 0.5, 1e-3, 0.3, False)]
+ROWS = [
+    (3e-3, 0.9, 0.95, 1e-8, 0.1, False),
+    (1e-2, 0.8, 0.999, 1e-6, 0.0, True),
+    (5e-4, 0.0, 0.5, 1e-3, 0.3, False),
+]
 STEP, SCALE = 5, float(torch.tensor(0.37))
 
 
@@ -53,26 +57,48 @@ def _buffers(gen: torch.Generator) -> list[dict]:
         stride, base = (2 * S + 5, S + 3) if strided else (S, 0)
         n_full = (nb - 1) * stride + base + S
         g_dt, o_dt = grads[i % 3], outs[(i // 3) % 4]
-        bufs.append(dict(
-            master=torch.randn(n_full, generator=gen),
-            grad=(torch.randn(n_full, generator=gen) * 2).to(g_dt),
-            exp_avg=torch.randn(nb * S, generator=gen) * 0.1,
-            exp_avg_sq=torch.rand(nb * S, generator=gen) * 0.02 + 1e-4,
-            out=None if o_dt is None else torch.full((n_full,), float("nan"), dtype=o_dt),
-            nb=nb, S=S, stride=stride, base=base, row=i % len(ROWS)))
+        bufs.append(
+            dict(
+                master=torch.randn(n_full, generator=gen),
+                grad=(torch.randn(n_full, generator=gen) * 2).to(g_dt),
+                exp_avg=torch.randn(nb * S, generator=gen) * 0.1,
+                exp_avg_sq=torch.rand(nb * S, generator=gen) * 0.02 + 1e-4,
+                out=None if o_dt is None else torch.full((n_full,), float("nan"), dtype=o_dt),
+                nb=nb,
+                S=S,
+                stride=stride,
+                base=base,
+                row=i % len(ROWS),
+            )
+        )
     return bufs
 
 
 def _local(b: dict, t: torch.Tensor) -> torch.Tensor:
-    return torch.cat([t[k * b["stride"] + b["base"]:][:b["S"]] for k in range(b["nb"])])
+    return torch.cat([t[k * b["stride"] + b["base"] :][: b["S"]] for k in range(b["nb"])])
 
 
 def _plan(bufs: list[dict]) -> GroupedAdamW:
     def view(t: torch.Tensor | None, b: dict):
         return None if t is None else Strided(t, b["stride"], b["base"])
-    return GroupedAdamW([AdamWBuffer(view(b["master"], b), view(b["grad"], b), b["exp_avg"],
-                                     b["exp_avg_sq"], view(b["out"], b), b["nb"], b["S"],
-                                     b["row"]) for b in bufs], torch.device("cpu"), len(ROWS))
+
+    return GroupedAdamW(
+        [
+            AdamWBuffer(
+                view(b["master"], b),
+                view(b["grad"], b),
+                b["exp_avg"],
+                b["exp_avg_sq"],
+                view(b["out"], b),
+                b["nb"],
+                b["S"],
+                b["row"],
+            )
+            for b in bufs
+        ],
+        torch.device("cpu"),
+        len(ROWS),
+    )
 
 
 def _hyper() -> Hyper:
@@ -80,15 +106,19 @@ def _hyper() -> Hyper:
 
 
 def _scalars(skip: int = 0) -> dict[str, torch.Tensor]:
-    return dict(step=torch.tensor([float(STEP)]), grad_scale=torch.tensor([SCALE]),
-                skip=torch.tensor([float(skip)]))
+    return dict(
+        step=torch.tensor([float(STEP)]),
+        grad_scale=torch.tensor([SCALE]),
+        skip=torch.tensor([float(skip)]),
+    )
 
 
 def test_grouped_adamw_many_buffers_mixed_rows_match_float64(backend: str) -> None:
     gen = torch.Generator().manual_seed(0)
     bufs = _buffers(gen)
-    before = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()}
-              for b in bufs]
+    before = [
+        {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in b.items()} for b in bufs
+    ]
     plan = _plan(bufs)
     combos = {(b["grad"].dtype, None if b["out"] is None else b["out"].dtype) for b in bufs}
     n0 = LAUNCHES["adamw"]
@@ -98,19 +128,33 @@ def test_grouped_adamw_many_buffers_mixed_rows_match_float64(backend: str) -> No
     for i, (b, b0) in enumerate(zip(bufs, before)):
         lr, beta1, beta2, eps, wd, maximize = ROWS[b["row"]]
         p_ref, m_ref, v_ref = adamw_reference(
-            _local(b0, b0["master"]), _local(b0, b0["grad"]), b0["exp_avg"], b0["exp_avg_sq"],
-            lr=lr32[b["row"]], step=STEP, grad_scale=SCALE, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=wd, maximize=maximize)
+            _local(b0, b0["master"]),
+            _local(b0, b0["grad"]),
+            b0["exp_avg"],
+            b0["exp_avg_sq"],
+            lr=lr32[b["row"]],
+            step=STEP,
+            grad_scale=SCALE,
+            beta1=beta1,
+            beta2=beta2,
+            eps=eps,
+            weight_decay=wd,
+            maximize=maximize,
+        )
         # Magnitudes the fp32 roundings are relative to (see tests/kernels/test_kernels.py): 16 ulps
         # covers both paths (each within 8 of the exact update).
         g = _local(b0, b0["grad"]).double().abs() * SCALE
         m_mag = b0["exp_avg"].double().abs() + g
         denom = v_ref.sqrt() / math.sqrt(1 - beta2**STEP) + eps
-        p_mag = (_local(b0, b0["master"]).double().abs()
-                 + lr32[b["row"]] / (1 - beta1**STEP) * m_mag / denom)
-        for name, got, want, mag in (("master", _local(b, b["master"]), p_ref, p_mag),
-                                     ("exp_avg", b["exp_avg"], m_ref, m_mag),
-                                     ("exp_avg_sq", b["exp_avg_sq"], v_ref, v_ref)):
+        p_mag = (
+            _local(b0, b0["master"]).double().abs()
+            + lr32[b["row"]] / (1 - beta1**STEP) * m_mag / denom
+        )
+        for name, got, want, mag in (
+            ("master", _local(b, b["master"]), p_ref, p_mag),
+            ("exp_avg", b["exp_avg"], m_ref, m_mag),
+            ("exp_avg_sq", b["exp_avg_sq"], v_ref, v_ref),
+        ):
             err = (got.double() - want).abs() - 16 * U32 * mag
             assert (err <= 0).all(), f"buffer {i} ({b['grad'].dtype}) {name}: off by {err.max()}"
         if b["out"] is not None:
@@ -118,16 +162,17 @@ def test_grouped_adamw_many_buffers_mixed_rows_match_float64(backend: str) -> No
             # Outside this rank's pieces nothing is written (still the NaN poison).
             mine = torch.zeros_like(b["out"], dtype=torch.bool)
             for k in range(b["nb"]):
-                mine[k * b["stride"] + b["base"]:][:b["S"]] = True
+                mine[k * b["stride"] + b["base"] :][: b["S"]] = True
             assert b["out"][~mine].isnan().all(), f"buffer {i}: wrote outside its pieces"
         other = torch.ones_like(b["master"], dtype=torch.bool)
         for k in range(b["nb"]):
-            other[k * b["stride"] + b["base"]:][:b["S"]] = False
+            other[k * b["stride"] + b["base"] :][: b["S"]] = False
         assert torch.equal(b["master"][other], b0["master"][other]), f"buffer {i}: other rank"
 
 
-@pytest.mark.parametrize("backend", fast_only(["triton", "torch"], lambda b: b == "torch"),
-                         indirect=True)
+@pytest.mark.parametrize(
+    "backend", fast_only(["triton", "torch"], lambda b: b == "torch"), indirect=True
+)
 def test_grouped_adamw_skip_leaves_every_buffer_bitwise_unchanged(backend: str) -> None:
     bufs = _buffers(torch.Generator().manual_seed(1))
     before = [[t.clone() for t in (b["master"], b["exp_avg"], b["exp_avg_sq"])] for b in bufs]
@@ -140,8 +185,7 @@ def test_grouped_adamw_skip_leaves_every_buffer_bitwise_unchanged(backend: str) 
 
 def test_grouped_sumsq_one_launch_per_dtype_matches_float64(backend: str) -> None:
     bufs = _buffers(torch.Generator().manual_seed(2))
-    views = [SumsqView(Strided(b["grad"], b["stride"], b["base"]), b["nb"], b["S"])
-             for b in bufs]
+    views = [SumsqView(Strided(b["grad"], b["stride"], b["base"]), b["nb"], b["S"]) for b in bufs]
     n0 = LAUNCHES["sumsq"]
     got = GroupedSumsq(views, torch.device("cpu"))()
     assert LAUNCHES["sumsq"] - n0 == 3, "three grad dtypes: three launches, one sum"
@@ -153,6 +197,7 @@ def test_sumsq_torch_path_splits_and_joins_pieces_across_chunks(monkeypatch) -> 
     """The CPU path squares the pieces chunk by chunk through one small scratch: pieces that
     span, end on or fall inside a chunk boundary are all counted once (float64 reference)."""
     from fusedzero.kernels import _sum_of_squares as sum_of_squares
+
     monkeypatch.setattr(sum_of_squares, "_CHUNK", 1000)
     g = torch.Generator().manual_seed(5)
     for dtype in (torch.float32, torch.bfloat16):
@@ -166,6 +211,7 @@ def test_sumsq_torch_path_splits_and_joins_pieces_across_chunks(monkeypatch) -> 
 
 # --------------------------------------------------------------------------- the optimizer
 
+
 def _gpt(seed: int = 0, n_layer: int = 8) -> GPT:
     torch.manual_seed(seed)
     return GPT(GPTConfig(n_layer=n_layer, n_embd=16, n_head=2, block_size=8, vocab_size=32))
@@ -176,14 +222,20 @@ def _backward(model: GPT, seed: int) -> None:
     model(x, x)[1].backward()
 
 
-@pytest.mark.parametrize("dtypes", [(None, torch.float32), (torch.bfloat16, torch.bfloat16)],
-                         ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtypes", [(None, torch.float32), (torch.bfloat16, torch.bfloat16)], ids=["fp32", "bf16"]
+)
 @pytest.mark.parametrize("stage", fast_only([0, 1, 2, 3], lambda s: s in (1, 3)))
 def test_launches_per_step_for_a_2_group_8_block_gpt(stage: int, dtypes: tuple) -> None:
     model = _gpt()
-    opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-3, stage=stage, module=model,
-                    max_grad_norm=1.0,
-                    precision=Precision(param_dtype=dtypes[0], reduce_dtype=dtypes[1]))
+    opt = ZeroAdamW(
+        gpt_param_groups(model, 0.1),
+        lr=1e-3,
+        stage=stage,
+        module=model,
+        max_grad_norm=1.0,
+        precision=Precision(param_dtype=dtypes[0], reduce_dtype=dtypes[1]),
+    )
     if stage == 3:
         assert len(opt.flat_groups) == 18, "2 groups x 8 units + the rest: 18 buffers"
     _backward(model, 0)
@@ -214,14 +266,18 @@ def test_load_state_dict_then_step_updates_the_loaded_memory(stage: int) -> None
 
 
 def test_group_lr_follows_float_and_tensor_lrs_and_sends_floats_only_when_changed(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from fusedzero import _scalars as scalars
+
     sent: list[list] = []
     real = scalars.copy_from_host
     monkeypatch.setattr(scalars, "copy_from_host", lambda dst, v: (sent.append(v), real(dst, v)))
     lr_t = torch.tensor(2e-3)
-    groups = [dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, maximize=False),
-              dict(lr=lr_t, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.0, maximize=True)]
+    groups = [
+        dict(lr=1e-3, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1, maximize=False),
+        dict(lr=lr_t, betas=(0.8, 0.9), eps=1e-6, weight_decay=0.0, maximize=True),
+    ]
     g = scalars.GroupLr(2, torch.device("cpu"))
     h = g.update(groups)
     assert h.lr.tolist() == [float(torch.tensor(1e-3)), float(lr_t)] and len(sent) == 1
@@ -235,12 +291,14 @@ def test_group_lr_follows_float_and_tensor_lrs_and_sends_floats_only_when_change
 
 
 def test_group_lr_reads_a_cpu_tensor_lr_on_the_host_for_a_device_vector(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A CPU tensor lr (`lr=torch.tensor(1e-3)`, which schedulers fill) for an lr vector on
     another device (meta stands in for CUDA here) is read with `.item()` and sent as a float
     lr is, when it changes. Before: copied into the device vector every step, which on CUDA is
     a pageable host-to-device copy: the host waits for the device, a sync in every step()."""
     from fusedzero import _scalars as scalars
+
     sent: list[list] = []
     real = scalars.copy_from_host
     monkeypatch.setattr(scalars, "copy_from_host", lambda dst, v: (sent.append(v), real(dst, v)))

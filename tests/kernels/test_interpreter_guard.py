@@ -7,6 +7,7 @@ is needed: the launchers decide before touching a tensor.
 
 About an internal: fusedzero.kernels._launch.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,11 @@ def interpreter_on(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_use_triton_refuses_cuda_tensors_in_the_interpreter(interpreter_on) -> None:
-    with pytest.raises(RuntimeError, match=r"cuda:0 reached the Triton interpreter .*CPU "
-                                           r"tensors only; unset TRITON_INTERPRET"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"cuda:0 reached the Triton interpreter .*CPU "
+        r"tensors only; unset TRITON_INTERPRET",
+    ):
         _launch.use_triton(CUDA)
 
 
@@ -62,12 +66,30 @@ def test_triton_backend_tests_pass_with_the_interpreter_off() -> None:
     from pathlib import Path
 
     tests = Path(__file__).resolve().parents[1]
-    files = sorted(str(p.relative_to(tests)) for p in tests.rglob("test_*.py")
-                   if re.search(r"""["']triton["']""", p.read_text()) and p.name != Path(
-                       __file__).name)
+    files = sorted(
+        str(p.relative_to(tests))
+        for p in tests.rglob("test_*.py")
+        if re.search(r"""["']triton["']""", p.read_text()) and p.name != Path(__file__).name
+    )
     assert "kernels/test_quant.py" in files, files
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "not slow", "-p",
-                           "no:cacheprovider", "-x", *files], cwd=tests, capture_output=True,
-                          text=True, timeout=600, env=dict(os.environ, TRITON_INTERPRET="0"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-m",
+            "not slow",
+            "-p",
+            "no:cacheprovider",
+            "-x",
+            *files,
+        ],
+        cwd=tests,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, TRITON_INTERPRET="0"),
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
     assert " skipped" in proc.stdout.splitlines()[-1], proc.stdout[-500:]

@@ -6,6 +6,7 @@ Neither needs a GPU: the grid is arithmetic, and the launch is observed through 
 About internals: fusedzero.kernels._adamw, fusedzero.kernels._launch,
 fusedzero.kernels._sum_of_squares, fusedzero.kernels._table.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,11 +33,16 @@ LR, STEP, SCALE = float(torch.tensor(3e-3)), 3, float(torch.tensor(0.37))
 
 
 def _scalars() -> dict[str, torch.Tensor]:
-    return dict(lr=torch.tensor([LR]), step=torch.tensor([float(STEP)]),
-                grad_scale=torch.tensor([SCALE]), skip=torch.tensor([0], dtype=torch.int32))
+    return dict(
+        lr=torch.tensor([LR]),
+        step=torch.tensor([float(STEP)]),
+        grad_scale=torch.tensor([SCALE]),
+        skip=torch.tensor([0], dtype=torch.int32),
+    )
 
 
 # ------------------------------------------------------------------------------------------- grid
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("block", [adamw_mod.BLOCK, sumsq_mod.BLOCK])
@@ -103,8 +109,16 @@ def test_adamw_last_programs_of_a_70k_bucket_grid_triton_interpreter(monkeypatch
     m = torch.randn(nb * S, generator=gen) * 0.1
     v = torch.rand(nb * S, generator=gen) * 0.02 + 1e-4
     before = [t.clone() for t in (master_full, grad, m, v)]
-    adamw_step(Strided(master_full, 2 * S, S), grad, m, v, **_scalars(), **HP,
-               num_buckets=nb, shard_numel=S)
+    adamw_step(
+        Strided(master_full, 2 * S, S),
+        grad,
+        m,
+        v,
+        **_scalars(),
+        **HP,
+        num_buckets=nb,
+        shard_numel=S,
+    )
     touched = torch.zeros(nb, dtype=torch.bool)
     touched[progs] = True
     for k in range(nb):
@@ -115,9 +129,16 @@ def test_adamw_last_programs_of_a_70k_bucket_grid_triton_interpreter(monkeypatch
         if not touched[k]:
             assert torch.equal(m[loc], before[2][loc]), f"bucket {k} written by no program"
             continue
-        p_ref, m_ref, v_ref = adamw_reference(before[0][mine], grad[loc], before[2][loc],
-                                              before[3][loc], lr=LR, step=STEP,
-                                              grad_scale=SCALE, **HP)
+        p_ref, m_ref, v_ref = adamw_reference(
+            before[0][mine],
+            grad[loc],
+            before[2][loc],
+            before[3][loc],
+            lr=LR,
+            step=STEP,
+            grad_scale=SCALE,
+            **HP,
+        )
         torch.testing.assert_close(master_full[mine].double(), p_ref, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(m[loc].double(), m_ref, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(v[loc].double(), v_ref, rtol=1e-6, atol=1e-9)
@@ -127,6 +148,7 @@ def test_adamw_last_programs_of_a_70k_bucket_grid_triton_interpreter(monkeypatch
 
 
 # ----------------------------------------------------------------------------------- device guard
+
 
 class _RecordingDevice:
     """Stands in for torch.cuda.device: records which device each launch was guarded by."""
@@ -165,6 +187,7 @@ class _FakeKernel:
     def __getitem__(self, grid: tuple[int, ...]):
         def launch(*args: object, **kwargs: object) -> None:
             self.launches.append((grid, list(self.active)))
+
         return launch
 
 
@@ -187,14 +210,24 @@ def test_every_triton_launch_runs_under_the_tensors_device_guard(monkeypatch, ke
     fake = _FakeKernel(active)
     mod = adamw_mod if kernel == "adamw" else sumsq_mod
     monkeypatch.setattr(mod, "device_guard", guard)
-    monkeypatch.setattr(mod, "_grouped_adamw_kernel" if kernel == "adamw"
-                        else "_grouped_sumsq_kernel", fake)
+    monkeypatch.setattr(
+        mod, "_grouped_adamw_kernel" if kernel == "adamw" else "_grouped_sumsq_kernel", fake
+    )
     x = torch.randn(3 * 256)
     if kernel == "adamw":
-        adamw_step(x, x.clone(), x.clone(), x.clone().abs(), **_scalars(), **HP,
-                   num_buckets=3, shard_numel=256)
+        adamw_step(
+            x,
+            x.clone(),
+            x.clone(),
+            x.clone().abs(),
+            **_scalars(),
+            **HP,
+            num_buckets=3,
+            shard_numel=256,
+        )
     else:
         sumsq(x, num_buckets=3, shard_numel=256)
     assert guarded == [x.device]
     assert len(fake.launches) == 1 and fake.launches[0][1] == [x.device], (
-        f"{kernel} launched outside the device guard: {fake.launches}")
+        f"{kernel} launched outside the device guard: {fake.launches}"
+    )

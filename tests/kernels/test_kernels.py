@@ -6,6 +6,7 @@ says `triton_interpreter` prove the kernel code; the others run on both paths.
 
 About internals: fusedzero.kernels._adamw, fusedzero.kernels._sum_of_squares.
 """
+
 from __future__ import annotations
 
 import math
@@ -55,40 +56,78 @@ def triton_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FUSEDZERO_BACKEND", "triton")
 
 
-def _scalars(lr: float = LR, step: int = STEP, scale: float = SCALE, skip: int = 0,
-             skip_dtype: torch.dtype = torch.int32) -> dict[str, torch.Tensor]:
-    return dict(lr=torch.tensor([lr]), step=torch.tensor([float(step)]),
-                grad_scale=torch.tensor([scale]), skip=torch.tensor([skip], dtype=skip_dtype))
+def _scalars(
+    lr: float = LR,
+    step: int = STEP,
+    scale: float = SCALE,
+    skip: int = 0,
+    skip_dtype: torch.dtype = torch.int32,
+) -> dict[str, torch.Tensor]:
+    return dict(
+        lr=torch.tensor([lr]),
+        step=torch.tensor([float(step)]),
+        grad_scale=torch.tensor([scale]),
+        skip=torch.tensor([skip], dtype=skip_dtype),
+    )
 
 
 def _state(n: int, grad_dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
     """Random, never-zero state: any stream the kernel ignored or mixed up would show."""
     gen = torch.Generator().manual_seed(seed)
-    return dict(master=torch.randn(n, generator=gen),
-                grad=(torch.randn(n, generator=gen) * 2).to(grad_dtype),
-                exp_avg=torch.randn(n, generator=gen) * 0.1,
-                exp_avg_sq=torch.rand(n, generator=gen) * 0.02 + 1e-4)
+    return dict(
+        master=torch.randn(n, generator=gen),
+        grad=(torch.randn(n, generator=gen) * 2).to(grad_dtype),
+        exp_avg=torch.randn(n, generator=gen) * 0.1,
+        exp_avg_sq=torch.rand(n, generator=gen) * 0.02 + 1e-4,
+    )
 
 
 def _clone(s: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in s.items()}
 
 
-def _step(s: dict[str, torch.Tensor], out: torch.Tensor | None = None, *, maximize: bool = False,
-          **scalars) -> None:
+def _step(
+    s: dict[str, torch.Tensor],
+    out: torch.Tensor | None = None,
+    *,
+    maximize: bool = False,
+    **scalars,
+) -> None:
     # The torch path divides the grad in place: callers that reuse inputs pass clones.
-    adamw_step(s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], out,
-               **_scalars(**scalars), **HP, maximize=maximize)
+    adamw_step(
+        s["master"],
+        s["grad"],
+        s["exp_avg"],
+        s["exp_avg_sq"],
+        out,
+        **_scalars(**scalars),
+        **HP,
+        maximize=maximize,
+    )
 
 
 def _reference(s0: dict[str, torch.Tensor], maximize: bool = False):
     # The reference gets the same (bf16/fp16-rounded) grads the kernel reads, upcast exactly.
-    return adamw_reference(s0["master"], s0["grad"], s0["exp_avg"], s0["exp_avg_sq"], lr=LR,
-                           step=STEP, grad_scale=SCALE, maximize=maximize, **HP)
+    return adamw_reference(
+        s0["master"],
+        s0["grad"],
+        s0["exp_avg"],
+        s0["exp_avg_sq"],
+        lr=LR,
+        step=STEP,
+        grad_scale=SCALE,
+        maximize=maximize,
+        **HP,
+    )
 
 
-def _assert_within_ulps(name: str, actual: torch.Tensor, expected: torch.Tensor,
-                        magnitude: torch.Tensor, ulps: float = ULPS) -> None:
+def _assert_within_ulps(
+    name: str,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    magnitude: torch.Tensor,
+    ulps: float = ULPS,
+) -> None:
     """|actual - expected| <= ulps * u32 * magnitude, elementwise; failures show the worst."""
     assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
     err = (actual.double() - expected.double()).abs()
@@ -100,7 +139,8 @@ def _assert_within_ulps(name: str, actual: torch.Tensor, expected: torch.Tensor,
         raise AssertionError(
             f"{name}: {int(bad.sum())}/{actual.numel()} elements off by more than {ulps} ulps; "
             f"worst at [{i}]: got {actual[i].item()!r}, expected {expected[i].item()!r}, "
-            f"error {err[i].item():.3g} > bound {bound[i].item():.3g}")
+            f"error {err[i].item():.3g} > bound {bound[i].item():.3g}"
+        )
 
 
 def _magnitudes(s0: dict[str, torch.Tensor], v_new: torch.Tensor):
@@ -108,8 +148,10 @@ def _magnitudes(s0: dict[str, torch.Tensor], v_new: torch.Tensor):
     error is relative to |m| + |g|, and the update, proportional to exp_avg, inherits that."""
     m_mag = s0["exp_avg"].double().abs() + s0["grad"].double().abs() * SCALE
     denom = v_new.sqrt() / math.sqrt(1 - HP["beta2"] ** STEP) + HP["eps"]
-    p_mag = (s0["master"].double().abs() * (1 - LR * HP["weight_decay"])
-             + LR / (1 - HP["beta1"] ** STEP) * m_mag / denom)
+    p_mag = (
+        s0["master"].double().abs() * (1 - LR * HP["weight_decay"])
+        + LR / (1 - HP["beta1"] ** STEP) * m_mag / denom
+    )
     return m_mag, p_mag
 
 
@@ -122,21 +164,27 @@ def _check_against_reference(s0, s, out, maximize: bool) -> None:
     if out is not None:
         # The low-precision copy is this step's fp32 master rounded to nearest-even: bitwise.
         want = s["master"].to(out.dtype)
-        diff = (out.view(torch.int16 if out.element_size() == 2 else torch.int32)
-                != want.view(torch.int16 if want.element_size() == 2 else torch.int32))
-        assert not diff.any(), (f"out ({out.dtype}) differs from master.to({out.dtype}) at "
-                                f"{diff.nonzero().flatten()[:8].tolist()}")
+        diff = out.view(torch.int16 if out.element_size() == 2 else torch.int32) != want.view(
+            torch.int16 if want.element_size() == 2 else torch.int32
+        )
+        assert not diff.any(), (
+            f"out ({out.dtype}) differs from master.to({out.dtype}) at "
+            f"{diff.nonzero().flatten()[:8].tolist()}"
+        )
 
 
 # ----------------------------------------------------------------------------------------- AdamW
 
+
 @pytest.mark.parametrize("maximize", [False, True], ids=["min", "max"])
-@pytest.mark.parametrize("out_dtype", fast_only(OUT_DTYPES, lambda o: o in (None, torch.bfloat16)),
-                         ids=str)
+@pytest.mark.parametrize(
+    "out_dtype", fast_only(OUT_DTYPES, lambda o: o in (None, torch.bfloat16)), ids=str
+)
 @pytest.mark.parametrize("grad_dtype", GRAD_DTYPES, ids=str)
 @pytest.mark.parametrize("n", [1, 17, BLOCK - 1, BLOCK + 1])
-def test_adamw_triton_interpreter_matches_float64_reference(triton_interpreter, n, grad_dtype,
-                                                            out_dtype, maximize):
+def test_adamw_triton_interpreter_matches_float64_reference(
+    triton_interpreter, n, grad_dtype, out_dtype, maximize
+):
     s0 = _state(n, grad_dtype, seed=n)
     s = _clone(s0)
     out = None if out_dtype is None else torch.full((n,), math.nan, dtype=out_dtype)
@@ -146,8 +194,9 @@ def test_adamw_triton_interpreter_matches_float64_reference(triton_interpreter, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_adamw_triton_interpreter_matches_float64_reference_large_prime(triton_interpreter,
-                                                                        grad_dtype):
+def test_adamw_triton_interpreter_matches_float64_reference_large_prime(
+    triton_interpreter, grad_dtype
+):
     n = 100_003  # a prime: the last block is ragged, many programs run
     s0 = _state(n, grad_dtype, seed=1)
     s = _clone(s0)
@@ -208,26 +257,39 @@ def test_adamw_bucketed_strided_layout_matches_contiguous(backend):
     master_buf = _bucketed(num_buckets * bucket + 7, torch.float32)
     grad_buf = _bucketed(num_buckets * g_stride + 3, torch.bfloat16)
     out_buf = _bucketed(num_buckets * bucket, torch.bfloat16)
-    inside = {name: torch.zeros(t.numel(), dtype=torch.bool)
-              for name, t in (("master", master_buf), ("grad", grad_buf), ("out", out_buf))}
+    inside = {
+        name: torch.zeros(t.numel(), dtype=torch.bool)
+        for name, t in (("master", master_buf), ("grad", grad_buf), ("out", out_buf))
+    }
     for k in range(num_buckets):
         pieces = slice(k * shard, (k + 1) * shard)
         m0, g0 = k * bucket + rank * shard, k * g_stride + g_base
-        master_buf[m0:m0 + shard] = s_local["master"][pieces]
-        grad_buf[g0:g0 + shard] = s_local["grad"][pieces]
-        inside["master"][m0:m0 + shard] = inside["out"][m0:m0 + shard] = True
-        inside["grad"][g0:g0 + shard] = True
+        master_buf[m0 : m0 + shard] = s_local["master"][pieces]
+        grad_buf[g0 : g0 + shard] = s_local["grad"][pieces]
+        inside["master"][m0 : m0 + shard] = inside["out"][m0 : m0 + shard] = True
+        inside["grad"][g0 : g0 + shard] = True
 
     exp_avg, exp_avg_sq = s_local["exp_avg"].clone(), s_local["exp_avg_sq"].clone()
-    adamw_step(Strided(master_buf, bucket, rank * shard), Strided(grad_buf, g_stride, g_base),
-               exp_avg, exp_avg_sq, Strided(out_buf, bucket, rank * shard), **_scalars(), **HP,
-               num_buckets=num_buckets, shard_numel=shard)
+    adamw_step(
+        Strided(master_buf, bucket, rank * shard),
+        Strided(grad_buf, g_stride, g_base),
+        exp_avg,
+        exp_avg_sq,
+        Strided(out_buf, bucket, rank * shard),
+        **_scalars(),
+        **HP,
+        num_buckets=num_buckets,
+        shard_numel=shard,
+    )
 
     s_ref = _clone(s_local)
     _step(s_ref)  # same backend, contiguous layout
     got = {"master": master_buf[inside["master"]], "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
-    for name, want in (("master", s_ref["master"]), ("exp_avg", s_ref["exp_avg"]),
-                       ("exp_avg_sq", s_ref["exp_avg_sq"])):
+    for name, want in (
+        ("master", s_ref["master"]),
+        ("exp_avg", s_ref["exp_avg"]),
+        ("exp_avg_sq", s_ref["exp_avg_sq"]),
+    ):
         if backend == "triton":  # one kernel, elementwise math: the layout cannot change a bit
             assert torch.equal(got[name], want), f"{name} pieces differ from the contiguous update"
         else:  # torch's fused CPU kernel rounds a vector's scalar tail differently (1 ulp)
@@ -280,9 +342,12 @@ def test_adamw_out_rounds_ties_to_even(backend, out_dtype):
     want = ties.to(out_dtype)  # torch rounds to nearest, ties to even
     assert (want == hi).any() and (want == lo).any(), "the test needs ties rounding both ways"
     bad = (out != want).nonzero().flatten()
-    assert bad.numel() == 0, (f"{bad.numel()} ties rounded wrongly, e.g. {ties[bad[0]].item()!r} "
-                              f"-> {out[bad[0]].item()!r}, want {want[bad[0]].item()!r}"
-                              if bad.numel() else "")
+    assert bad.numel() == 0, (
+        f"{bad.numel()} ties rounded wrongly, e.g. {ties[bad[0]].item()!r} "
+        f"-> {out[bad[0]].item()!r}, want {want[bad[0]].item()!r}"
+        if bad.numel()
+        else ""
+    )
 
 
 def test_adamw_counts_exactly_one_launch_per_call(backend):
@@ -292,8 +357,16 @@ def test_adamw_counts_exactly_one_launch_per_call(backend):
     assert LAUNCHES["adamw"] == before + 1
     shard = 5
     bufs = _state(3 * shard, torch.float32, seed=8)
-    adamw_step(Strided(bufs["master"], shard, 0), bufs["grad"], bufs["exp_avg"],
-               bufs["exp_avg_sq"], **_scalars(), **HP, num_buckets=3, shard_numel=shard)
+    adamw_step(
+        Strided(bufs["master"], shard, 0),
+        bufs["grad"],
+        bufs["exp_avg"],
+        bufs["exp_avg_sq"],
+        **_scalars(),
+        **HP,
+        num_buckets=3,
+        shard_numel=shard,
+    )
     assert LAUNCHES["adamw"] == before + 2, "a bucketed step must still be one launch"
 
 
@@ -308,24 +381,28 @@ def _meta_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, device="meta")
 
 
-@pytest.mark.parametrize("case,exc,match", [
-    ("master_bf16", TypeError, r"master has dtype torch.bfloat16"),
-    ("grad_int", TypeError, r"grad has dtype torch.int32"),
-    ("grad_noncontiguous", ValueError, r"grad must be a flat contiguous"),
-    ("master_2d", ValueError, r"master must be a flat contiguous 1-D"),
-    ("exp_avg_short", ValueError, r"exp_avg has 16 elements.*need 17"),
-    ("grad_strided_short", ValueError, r"grad has 40 elements.*need 41"),
-    ("grad_on_meta", ValueError, r"grad is on meta"),
-    ("lr_two_elements", ValueError, r"lr must be a one-element tensor"),
-    ("skip_on_meta", ValueError, r"skip must be a one-element tensor on cpu"),
-    ("betas", ValueError, r"betas must be in \[0, 1\)"),
-    ("buckets_without_shard", ValueError, r"shard_numel is required"),
-])
+@pytest.mark.parametrize(
+    "case,exc,match",
+    [
+        ("master_bf16", TypeError, r"master has dtype torch.bfloat16"),
+        ("grad_int", TypeError, r"grad has dtype torch.int32"),
+        ("grad_noncontiguous", ValueError, r"grad must be a flat contiguous"),
+        ("master_2d", ValueError, r"master must be a flat contiguous 1-D"),
+        ("exp_avg_short", ValueError, r"exp_avg has 16 elements.*need 17"),
+        ("grad_strided_short", ValueError, r"grad has 40 elements.*need 41"),
+        ("grad_on_meta", ValueError, r"grad is on meta"),
+        ("lr_two_elements", ValueError, r"lr must be a one-element tensor"),
+        ("skip_on_meta", ValueError, r"skip must be a one-element tensor on cpu"),
+        ("betas", ValueError, r"betas must be in \[0, 1\)"),
+        ("buckets_without_shard", ValueError, r"shard_numel is required"),
+    ],
+)
 def test_adamw_rejects_bad_inputs_with_clear_errors(case, exc, match):
     n = 17
     s = _state(n, torch.float32, seed=9)
-    args = dict(master=s["master"], grad=s["grad"], exp_avg=s["exp_avg"],
-                exp_avg_sq=s["exp_avg_sq"])
+    args = dict(
+        master=s["master"], grad=s["grad"], exp_avg=s["exp_avg"], exp_avg_sq=s["exp_avg_sq"]
+    )
     kw: dict = dict(**_scalars(), **HP)
     if case == "master_bf16":
         args["master"] = s["master"].bfloat16()
@@ -410,7 +487,7 @@ def test_sumsq_bucketed_strided_layout(backend):
     pieces = []
     for k in range(num_buckets):
         p = torch.randn(shard).bfloat16()
-        buf[k * stride + rank * shard: k * stride + (rank + 1) * shard] = p
+        buf[k * stride + rank * shard : k * stride + (rank + 1) * shard] = p
         pieces.append(p)
     before = LAUNCHES["sumsq"]
     got = sumsq(Strided(buf, stride, rank * shard), num_buckets=num_buckets, shard_numel=shard)

@@ -2,6 +2,7 @@
 variant moves, and the launcher's argument checks (kernels/_memory_modes.py).
 
 About internals: fusedzero.kernels._memory_modes, fusedzero.kernels._memory_modes_reference."""
+
 from __future__ import annotations
 
 import math
@@ -87,8 +88,12 @@ def test_sr_bits_are_uniform_and_depend_on_every_input():
     assert abs(r.double().mean().item() - (2**16 - 1) / 2) < 4 * se
     counts = torch.bincount(r >> 12, minlength=16).double()
     assert (counts - idx.numel() / 16).abs().max() < 4 * math.sqrt(idx.numel() / 16)
-    for other in (sr_bits(torch.tensor([8]), step, idx), sr_bits(seed, torch.tensor([4.0]), idx),
-                  sr_bits(seed, step, idx + (1 << 32)), sr_bits(seed, step, idx + 1)):
+    for other in (
+        sr_bits(torch.tensor([8]), step, idx),
+        sr_bits(seed, torch.tensor([4.0]), idx),
+        sr_bits(seed, step, idx + (1 << 32)),
+        sr_bits(seed, step, idx + 1),
+    ):
         assert (other != r).float().mean() > 0.99, "the bits must change with every input"
     assert torch.equal(sr_bits(seed, step, idx), r), "the bits are a pure function"
 
@@ -103,10 +108,13 @@ def test_stochastic_rounding_is_unbiased_and_matches_the_exact_rule():
         got = stochastic_round_bf16_torch(xs, bits).double()
         lo = xs.to(torch.bfloat16).double()  # the neighbours of x in bf16
         assert set(got.unique().tolist()) <= set(lo.unique().tolist()) | {
-            torch.nextafter(lo[:1].bfloat16(), torch.tensor([math.inf], dtype=torch.bfloat16)
-                            ).double().item(),
-            torch.nextafter(lo[:1].bfloat16(), torch.tensor([-math.inf], dtype=torch.bfloat16)
-                            ).double().item()}
+            torch.nextafter(lo[:1].bfloat16(), torch.tensor([math.inf], dtype=torch.bfloat16))
+            .double()
+            .item(),
+            torch.nextafter(lo[:1].bfloat16(), torch.tensor([-math.inf], dtype=torch.bfloat16))
+            .double()
+            .item(),
+        }
         ulp = 2.0 ** (math.frexp(x.item())[1] - 8)
         f = abs(x.item() - math.trunc(x.item() / ulp) * ulp) / ulp
         se = ulp * math.sqrt(max(f * (1 - f), 1e-12) / n)
@@ -121,10 +129,19 @@ def test_stochastic_rounding_through_the_update_is_unbiased(monkeypatch):
     p = torch.full((n,), 1.0 + 2**-9, dtype=torch.bfloat16)
     g = torch.full((n,), 0.5, dtype=torch.bfloat16)
     m, v = torch.full((n,), 0.01), torch.full((n,), 1e-3)
-    kw = dict(lr=torch.tensor([1e-3]), step=torch.tensor([5.0]), grad_scale=torch.tensor([1.0]),
-              skip=torch.tensor([0]), beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)
+    kw = dict(
+        lr=torch.tensor([1e-3]),
+        step=torch.tensor([5.0]),
+        grad_scale=torch.tensor([1.0]),
+        skip=torch.tensor([0]),
+        beta1=0.9,
+        beta2=0.99,
+        eps=1e-8,
+        weight_decay=0.0,
+    )
     x = p.double()[0] - 1e-3 / (1 - 0.9**5) * (0.01 + 0.1 * (0.5 - 0.01)) / (
-        math.sqrt(1e-3 * 0.99 + 0.01 * 0.25) / math.sqrt(1 - 0.99**5) + 1e-8)
+        math.sqrt(1e-3 * 0.99 + 0.01 * 0.25) / math.sqrt(1 - 0.99**5) + 1e-8
+    )
     adamw_step(p, g, m, v, **kw, master_mode="bf16-sr", seed=torch.tensor([3]))
     ulp = 2.0**-7
     f = (1.0 + 2**-9 - x.item()) / ulp  # x sits between 1 and 1 + ulp, below 1 + 2**-9
@@ -145,8 +162,13 @@ def test_bytes_per_param_counts_each_stream():
     assert bytes_per_param("bf16", "bf16", bf) == 14
     assert bytes_per_param("fp32", "bf16", bf, bf) == 20
     assert stream_bytes("bf16-kahan", "int8", bf) == {
-        "master": 4.0, "comp": 4.0, "grad": 2.0, "exp_avg": 2.0, "exp_avg_sq": 2.0,
-        "scales": 0.125}
+        "master": 4.0,
+        "comp": 4.0,
+        "grad": 2.0,
+        "exp_avg": 2.0,
+        "exp_avg_sq": 2.0,
+        "scales": 0.125,
+    }
     with pytest.raises(ValueError, match="out must be None"):
         bytes_per_param("bf16-sr", "fp32", bf, bf)
     with pytest.raises(ValueError, match="master_mode='fp16'"):
@@ -154,22 +176,33 @@ def test_bytes_per_param_counts_each_stream():
 
 
 def _args(n: int = QBLOCK) -> dict:
-    return dict(lr=torch.tensor([1e-3]), step=torch.tensor([1.0]), grad_scale=torch.tensor([1.0]),
-                skip=torch.tensor([0]), beta1=0.9, beta2=0.99, eps=1e-8, weight_decay=0.0)
+    return dict(
+        lr=torch.tensor([1e-3]),
+        step=torch.tensor([1.0]),
+        grad_scale=torch.tensor([1.0]),
+        skip=torch.tensor([0]),
+        beta1=0.9,
+        beta2=0.99,
+        eps=1e-8,
+        weight_decay=0.0,
+    )
 
 
-@pytest.mark.parametrize("case,match", [
-    ("kahan_missing", "needed by, and only by, master_mode='bf16-kahan'"),
-    ("seed_missing", "seed is needed"),
-    ("seed_float", "seed has dtype torch.float32"),
-    ("out_with_bf16", "pass out=None"),
-    ("fp32_param_bf16_mode", "master has dtype torch.float32"),
-    ("int8_ragged", "must be a multiple of 128"),
-    ("int8_no_scales", "exp_avg_scale is needed"),
-    ("int8_short_scales", "exp_avg_sq_scale has 1 elements"),
-    ("bad_state_dtype", "exp_avg has dtype torch.float32"),
-    ("bad_mode", "states='int4'"),
-])
+@pytest.mark.parametrize(
+    "case,match",
+    [
+        ("kahan_missing", "needed by, and only by, master_mode='bf16-kahan'"),
+        ("seed_missing", "seed is needed"),
+        ("seed_float", "seed has dtype torch.float32"),
+        ("out_with_bf16", "pass out=None"),
+        ("fp32_param_bf16_mode", "master has dtype torch.float32"),
+        ("int8_ragged", "must be a multiple of 128"),
+        ("int8_no_scales", "exp_avg_scale is needed"),
+        ("int8_short_scales", "exp_avg_sq_scale has 1 elements"),
+        ("bad_state_dtype", "exp_avg has dtype torch.float32"),
+        ("bad_mode", "states='int4'"),
+    ],
+)
 def test_mode_argument_errors_name_the_fix(case, match):
     n = 2 * QBLOCK
     p, g = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
@@ -179,21 +212,33 @@ def test_mode_argument_errors_name_the_fix(case, match):
     calls = {
         "kahan_missing": lambda: adamw_step(p, g, f, f, master_mode="bf16-kahan", **_args()),
         "seed_missing": lambda: adamw_step(p, g, f, f, master_mode="bf16-sr", **_args()),
-        "seed_float": lambda: adamw_step(p, g, f, f, master_mode="bf16-sr",
-                                         seed=torch.tensor([1.0]), **_args()),
-        "out_with_bf16": lambda: adamw_step(p, g, f, f, p.clone(), master_mode="bf16",
-                                            **_args()),
-        "fp32_param_bf16_mode": lambda: adamw_step(f.clone(), g, f, f, master_mode="bf16",
-                                                   **_args()),
-        "int8_ragged": lambda: adamw_step(p[:-1], g[:-1], m8[:-1], v8[:-1], states="int8",
-                                          master_mode="bf16", **sc, **_args()),
-        "int8_no_scales": lambda: adamw_step(p, g, m8, v8, states="int8", master_mode="bf16",
-                                             **_args()),
+        "seed_float": lambda: adamw_step(
+            p, g, f, f, master_mode="bf16-sr", seed=torch.tensor([1.0]), **_args()
+        ),
+        "out_with_bf16": lambda: adamw_step(p, g, f, f, p.clone(), master_mode="bf16", **_args()),
+        "fp32_param_bf16_mode": lambda: adamw_step(
+            f.clone(), g, f, f, master_mode="bf16", **_args()
+        ),
+        "int8_ragged": lambda: adamw_step(
+            p[:-1], g[:-1], m8[:-1], v8[:-1], states="int8", master_mode="bf16", **sc, **_args()
+        ),
+        "int8_no_scales": lambda: adamw_step(
+            p, g, m8, v8, states="int8", master_mode="bf16", **_args()
+        ),
         "int8_short_scales": lambda: adamw_step(
-            p, g, m8, v8, states="int8", master_mode="bf16", exp_avg_scale=torch.zeros(2),
-            exp_avg_sq_scale=torch.zeros(1), **_args()),
-        "bad_state_dtype": lambda: adamw_step(p, g, f, f, states="bf16", master_mode="bf16",
-                                              **_args()),
+            p,
+            g,
+            m8,
+            v8,
+            states="int8",
+            master_mode="bf16",
+            exp_avg_scale=torch.zeros(2),
+            exp_avg_sq_scale=torch.zeros(1),
+            **_args(),
+        ),
+        "bad_state_dtype": lambda: adamw_step(
+            p, g, f, f, states="bf16", master_mode="bf16", **_args()
+        ),
         "bad_mode": lambda: adamw_step(p, g, f, f, states="int4", **_args()),
     }
     with pytest.raises((ValueError, TypeError), match=match):

@@ -5,6 +5,7 @@ quantization bound (tests/zero/test_wire.py derives it): int8 |deq - x| <= absma
 (W - 1) u of the sum of |values|, u = 2^-24, plus one rounding for the scale and the store.
 
 About an internal: fusedzero.kernels._quant."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,12 +25,16 @@ from fusedzero.kernels._quant import (
 
 from _helpers import compile_offline
 
-U32 = 2.0 ** -24
+U32 = 2.0**-24
 FORMATS = list(WireFormat)
 # (chunks, chunk_numel, numel of the input): one block, several blocks and a partial tail,
 # an input of 1 element (the rest zero-padded), BLOCK - 1 and BLOCK + 1 into a chunk.
-SIZES = [(3, 2 * WBLOCK, 3 * 2 * WBLOCK - 17), (4, WBLOCK, 1), (2, 9 * WBLOCK, WBLOCK - 1),
-         (5, WBLOCK, 3 * WBLOCK + 1)]
+SIZES = [
+    (3, 2 * WBLOCK, 3 * 2 * WBLOCK - 17),
+    (4, WBLOCK, 1),
+    (2, 9 * WBLOCK, WBLOCK - 1),
+    (5, WBLOCK, 3 * WBLOCK + 1),
+]
 
 
 def _backend(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -45,8 +50,9 @@ def _x(n: int, seed: int = 0) -> torch.Tensor:
     return x.float()
 
 
-def _run(fmt: WireFormat, chunks: int, S: int, n: int, out_dtype: torch.dtype,
-         accumulate: bool) -> dict[str, torch.Tensor]:
+def _run(
+    fmt: WireFormat, chunks: int, S: int, n: int, out_dtype: torch.dtype, accumulate: bool
+) -> dict[str, torch.Tensor]:
     x = _x(n)
     packed = new_packed(fmt, chunks, S, x.device)
     quantize_into(x, packed, fmt, chunks, S)
@@ -64,13 +70,17 @@ def test_interpreted_kernels_equal_the_torch_path_bitwise(fmt, chunks, S, n, mon
     got = {}
     for be in ("triton", "torch"):
         _backend(be, monkeypatch)
-        got[be] = _run(fmt, chunks, S, n, torch.bfloat16 if n % 2 else torch.float32,
-                       accumulate=n % 3 == 0)
+        got[be] = _run(
+            fmt, chunks, S, n, torch.bfloat16 if n % 2 else torch.float32, accumulate=n % 3 == 0
+        )
     for k in ("packed", "out", "full"):
         a, b = got["triton"][k], got["torch"][k]
         assert torch.equal(a.view(torch.uint8) if a.dtype == torch.uint8 else a, b), (
-            k, (a.float() - b.float()).abs().max() if a.dtype != torch.uint8 else
-            (a != b).nonzero()[:5])
+            k,
+            (a.float() - b.float()).abs().max()
+            if a.dtype != torch.uint8
+            else (a != b).nonzero()[:5],
+        )
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=str)
@@ -85,19 +95,23 @@ def test_quantize_and_dequant_sum_match_float64_within_the_bound(fmt, monkeypatc
         quantize_into(x, p, fmt, chunks, S)
         vals, scales = unpack(p, fmt, S)
         # Decoded in float64 from the bytes, independently of the kernels.
-        deq = vals.double() if scales is None else (
-            vals.double().view(chunks, -1, WBLOCK) * scales.double()[:, :, None]
-        ).reshape(chunks, S)
+        deq = (
+            vals.double()
+            if scales is None
+            else (vals.double().view(chunks, -1, WBLOCK) * scales.double()[:, :, None]).reshape(
+                chunks, S
+            )
+        )
         xd = x.double().view(chunks, S)
         if fmt is WireFormat.INT8:
             a = xd.view(chunks, -1, WBLOCK).abs().amax(-1, keepdim=True)
-            bound = (a / 254 * (1 + 2.0 ** -14)).expand(-1, -1, WBLOCK).reshape(chunks, S)
+            bound = (a / 254 * (1 + 2.0**-14)).expand(-1, -1, WBLOCK).reshape(chunks, S)
             assert vals.abs().max() <= 127
             # The scale is absmax / 127 rounded once to fp32.
             want = (a.squeeze(-1) / 127).float().double()
             assert torch.equal(scales.double(), want)
         elif fmt is WireFormat.BF16:
-            bound = xd.abs() * 2.0 ** -8
+            bound = xd.abs() * 2.0**-8
         else:
             bound = torch.zeros_like(xd)
         assert ((deq - xd).abs() <= bound).all(), (fmt, ((deq - xd).abs() - bound).max())
@@ -109,15 +123,18 @@ def test_quantize_and_dequant_sum_match_float64_within_the_bound(fmt, monkeypatc
     for r, x in enumerate(xs):
         p = new_packed(fmt, chunks, S, x.device)
         quantize_into(x, p, fmt, chunks, S)
-        recv[r * cb:(r + 1) * cb] = p[cb:2 * cb]
+        recv[r * cb : (r + 1) * cb] = p[cb : 2 * cb]
     terms = torch.stack([d[1] for d in packs])  # (chunks, S) float64
     for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
         out = torch.empty(S, dtype=out_dtype)
         dequant_sum_into(out, recv, fmt, chunks, S, scale=1.0 / chunks)
         want = terms.sum(0) / chunks
-        store = {torch.float32: U32, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
-        tol = (chunks * U32 * terms.abs().sum(0) / chunks + want.abs() * store[out_dtype]
-               + (6e-8 if out_dtype == torch.float16 else 0.0))  # fp16 subnormal spacing / 2
+        store = {torch.float32: U32, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+        tol = (
+            chunks * U32 * terms.abs().sum(0) / chunks
+            + want.abs() * store[out_dtype]
+            + (6e-8 if out_dtype == torch.float16 else 0.0)
+        )  # fp16 subnormal spacing / 2
         err = (out.double() - want).abs()
         assert (err <= tol).all(), (fmt, out_dtype, (err - tol).max())
 
@@ -143,9 +160,13 @@ def test_a_nan_arrives_as_nan_never_as_a_finite_value(fmt, backend, monkeypatch)
     if fmt is WireFormat.INT8:  # codes and scales bitwise (a NaN's code is 0 on both)
         assert torch.equal(packed["triton"], packed["torch"])
     else:  # values, NaN for NaN (torch's cast writes bf16 NaN as 0xFFFF, the kernel 0x7FC0)
-        torch.testing.assert_close(unpack(packed["triton"], fmt, S)[0],
-                                   unpack(packed["torch"], fmt, S)[0], rtol=0, atol=0,
-                                   equal_nan=True)
+        torch.testing.assert_close(
+            unpack(packed["triton"], fmt, S)[0],
+            unpack(packed["torch"], fmt, S)[0],
+            rtol=0,
+            atol=0,
+            equal_nan=True,
+        )
     _backend(backend, monkeypatch)
     recv = new_packed(fmt, chunks, S, x.device)  # chunk 1 of this rank and of a finite one
     cb = chunk_bytes(fmt, S)
@@ -156,7 +177,7 @@ def test_a_nan_arrives_as_nan_never_as_a_finite_value(fmt, backend, monkeypatch)
     dequant_sum_into(out, recv, fmt, chunks, S, scale=0.5)
     nan = torch.zeros(S, dtype=torch.bool)
     if fmt is WireFormat.INT8:
-        nan[WBLOCK:2 * WBLOCK] = True
+        nan[WBLOCK : 2 * WBLOCK] = True
     else:
         nan[nan_at - S] = True
     assert torch.equal(out.isnan(), nan), out.isnan().nonzero().flatten().tolist()
@@ -205,7 +226,8 @@ def test_offline_compile_for_sm90_vectorises_and_never_spills(tmp_path) -> None:
     offset products, and the int8 codes and fp32 values move in 128-bit vectors."""
     rows = compile_offline("_compile_quant", tmp_path / "quant.json")
     assert {(r["kernel"], r["wire"]) for r in rows} >= {
-        (k, f.value) for k in ("quantize", "dequant_sum", "dequantize") for f in WireFormat}
+        (k, f.value) for k in ("quantize", "dequant_sum", "dequantize") for f in WireFormat
+    }
     for r in rows:
         what = (r["kernel"], r["wire"], r["out_dtype"])
         assert r["usage"]["LOCAL"] == 0 and r["usage"]["STACK"] == 0, what
@@ -220,4 +242,6 @@ def test_offline_compile_for_sm90_vectorises_and_never_spills(tmp_path) -> None:
         if r["kernel"] == "quantize" and r["wire"] == "int8":
             # 8 int8 codes per thread of a 128-wide row: packed stores, not one byte each.
             assert not any(a.startswith("st.global.b8") or a == "st.global.u8" for a in acc), (
-                what, acc)
+                what,
+                acc,
+            )

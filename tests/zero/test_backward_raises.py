@@ -1,6 +1,7 @@
 """A backward that raises (an OOM, an error in a custom Function) runs no end-of-backward
 callback: the optimizer must not stay "in backward" (see [Note: a backward that raised] in
 fusedzero/_grads.py). Before the fix every later step() raised "step() called during backward"."""
+
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ from fusedzero import ZeroAdamW
 
 class _Boom(torch.autograd.Function):
     """Identity forward; its backward raises while `armed`."""
+
     armed = False
 
     @staticmethod
@@ -34,7 +36,7 @@ class Net(nn.Module):
 
     def forward(self, x: torch.Tensor, use_c: bool = True) -> torch.Tensor:
         h = self.a(x)
-        h = _Boom.apply(h)   # grads of b (and c) are computed before this raises
+        h = _Boom.apply(h)  # grads of b (and c) are computed before this raises
         h = self.b(h)
         return self.c(h) if use_c else h
 

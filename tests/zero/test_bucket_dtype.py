@@ -4,6 +4,7 @@
 casts its grad to that: before, such fp32 grads in a bf16-reduce bucket went through one `cat`,
 whose type promotion made the bucket fp32, and the reduce-scatter moved twice the bytes the
 plan counts."""
+
 from __future__ import annotations
 
 import contextlib
@@ -19,9 +20,13 @@ from fusedzero import Precision, Sharding, ZeroAdamW
 def test_fp32_grads_build_a_bf16_bucket_for_a_bf16_reduce() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
-    opt = ZeroAdamW(model.parameters(), lr=1e-3, stage=2,
-                    precision=Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
-                    sharding=Sharding(bucket_numel=1 << 12))
+    opt = ZeroAdamW(
+        model.parameters(),
+        lr=1e-3,
+        stage=2,
+        precision=Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
+        sharding=Sharding(bucket_numel=1 << 12),
+    )
     b = opt.buckets.buckets[0]
     L = b.buf.layout
     grads = {pos: torch.randn(L.params[pos].shape) for pos in b.slots}  # fp32, as such a DTensor
@@ -30,15 +35,16 @@ def test_fp32_grads_build_a_bf16_bucket_for_a_bf16_reduce() -> None:
     assert out.dtype == torch.bfloat16 and out.numel() == L.bucket_numel
     for pos, g in grads.items():
         a, e, p = L.overlap(pos, b.k)
-        assert torch.equal(out[a:e], g.reshape(-1)[p:p + e - a].to(torch.bfloat16))
+        assert torch.equal(out[a:e], g.reshape(-1)[p : p + e - a].to(torch.bfloat16))
     b.release()
     opt.close()
 
 
 @pytest.mark.parametrize("stage", [0, 1])
 @pytest.mark.parametrize("no_sync", [False, True])
-def test_bf16_grads_accumulate_in_fp32_over_micro_batches_and_steps(stage: int,
-                                                                    no_sync: bool) -> None:
+def test_bf16_grads_accumulate_in_fp32_over_micro_batches_and_steps(
+    stage: int, no_sync: bool
+) -> None:
     """Stages 0-1 with bf16 params and an fp32 grad buffer: the hook keeps each grad and a
     bucket's go in by one foreach op, a copy while the bucket is empty (the first micro-batch
     after a step or zero_grad), an add after (see [Note: grads into a bucket, per bucket]); the
@@ -46,8 +52,9 @@ def test_bf16_grads_accumulate_in_fp32_over_micro_batches_and_steps(stage: int,
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4)).to(torch.bfloat16)
     ref = copy.deepcopy(model)
-    opt = ZeroAdamW(model.parameters(), lr=1e-3, stage=stage, module=model,
-                    sharding=Sharding(bucket_numel=256))
+    opt = ZeroAdamW(
+        model.parameters(), lr=1e-3, stage=stage, module=model, sharding=Sharding(bucket_numel=256)
+    )
     xs = [torch.randn(3, 8, dtype=torch.bfloat16) for _ in range(3)]
     for _ in range(2):
         ref.load_state_dict(model.state_dict())
@@ -62,7 +69,7 @@ def test_bf16_grads_accumulate_in_fp32_over_micro_batches_and_steps(stage: int,
         buf = opt.flat_groups[0]
         assert buf.grad_flat is not None
         for w, slot in zip(want, buf.layout.params):
-            got = buf.grad_flat[slot.offset:slot.offset + slot.numel]
+            got = buf.grad_flat[slot.offset : slot.offset + slot.numel]
             # At W=1 the reductions change nothing: the buffer holds the sum.
             torch.testing.assert_close(got, w, rtol=1e-6, atol=1e-6, msg=slot.name)
         opt.step()

@@ -3,6 +3,7 @@
 Runs the compiled kernels (tests/conftest.py leaves TRITON_INTERPRET unset where a GPU is
 visible) through the whole step: flat buffers, grad hooks, clipping, the fused update.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -12,8 +13,10 @@ from torch import nn
 from fusedzero import Sharding, ZeroAdamW
 from fusedzero.kernels import LAUNCHES
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 
 def _model(seed: int, device: torch.device) -> nn.Module:
@@ -26,8 +29,15 @@ def test_one_rank_step_on_cuda_matches_torch_adamw(stage: int) -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     ref_m, m = _model(0, dev), _model(0, dev)
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-2, weight_decay=0.05)
-    opt = ZeroAdamW(m.parameters(), lr=1e-2, weight_decay=0.05, stage=stage, module=m,
-                    max_grad_norm=0.5, sharding=Sharding(bucket_numel=256, units=nn.Linear))
+    opt = ZeroAdamW(
+        m.parameters(),
+        lr=1e-2,
+        weight_decay=0.05,
+        stage=stage,
+        module=m,
+        max_grad_norm=0.5,
+        sharding=Sharding(bucket_numel=256, units=nn.Linear),
+    )
     launches = LAUNCHES["adamw"]
     for step in range(10):
         x = torch.randn(8, 17, generator=torch.Generator().manual_seed(step)).to(dev)
@@ -56,9 +66,15 @@ def test_backward_step_and_zero_grad_make_no_host_sync(stage: int, lr: str) -> N
     syncs (the buckets' order agreement, the first launch's setup): two warm-up steps."""
     dev = torch.device("cuda", torch.cuda.current_device())
     m = _model(0, dev)
-    opt = ZeroAdamW(m.parameters(), lr=1e-2 if lr == "float" else torch.tensor(1e-2),
-                    weight_decay=0.05, stage=stage, module=m, max_grad_norm=0.5,
-                    sharding=Sharding(bucket_numel=256, units=nn.Linear))
+    opt = ZeroAdamW(
+        m.parameters(),
+        lr=1e-2 if lr == "float" else torch.tensor(1e-2),
+        weight_decay=0.05,
+        stage=stage,
+        module=m,
+        max_grad_norm=0.5,
+        sharding=Sharding(bucket_numel=256, units=nn.Linear),
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
     x = torch.randn(8, 17, device=dev)
     for step in range(5):

@@ -5,6 +5,7 @@ reduced one by one (accumulation across reductions) and under no_sync. Only on 2
 property is about W a power of two.
 
 About an internal: fusedzero._reduce."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,9 +25,15 @@ def _model() -> nn.Module:
 
 def _train(rank: int, stage: int, reduce_dtype: torch.dtype) -> list[torch.Tensor]:
     m = _model()
-    opt = ZeroAdamW(m.parameters(), lr=1e-2, stage=stage, module=m, max_grad_norm=1.0,
-                    precision=Precision(reduce_dtype=reduce_dtype),
-                    sharding=Sharding(bucket_numel=256, units=nn.Linear))
+    opt = ZeroAdamW(
+        m.parameters(),
+        lr=1e-2,
+        stage=stage,
+        module=m,
+        max_grad_norm=1.0,
+        precision=Precision(reduce_dtype=reduce_dtype),
+        sharding=Sharding(bucket_numel=256, units=nn.Linear),
+    )
     for step in range(3):
         for micro in range(2):
             g = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
@@ -55,6 +62,7 @@ def worker(rank: int, world: int) -> dict:
         def spy(b, inv_world, calls=calls):
             calls.append(real(b, inv_world))
             return calls[-1]
+
         try:
             reduce.divides_after = spy
             after = _train(rank, stage, dt)
@@ -62,8 +70,11 @@ def worker(rank: int, world: int) -> dict:
             before = _train(rank, stage, dt)
         finally:
             reduce.divides_after = real
-        out[f"stage {stage}, reduce {dt}"] = {"after": after, "before": before,
-                                              "took_after": any(calls)}
+        out[f"stage {stage}, reduce {dt}"] = {
+            "after": after,
+            "before": before,
+            "took_after": any(calls),
+        }
     return out
 
 

@@ -5,6 +5,7 @@ Stage 1 and 2 share the forward path (params are views of the flat buffer, each 
 pre-hook waits for its buckets' all-gathers, which at W=1 alias the params): a slower stage-1
 forward would have to come from here. Counted with a TorchDispatchMode, on the CPU.
 """
+
 from __future__ import annotations
 
 import collections
@@ -16,8 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fusedzero import ZeroAdamW
 from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
 
-CFG = GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp="swiglu", block_size=16,
-                vocab_size=64)
+CFG = GPTConfig(
+    n_layer=2, n_head=4, n_kv_head=2, n_embd=32, mlp="swiglu", block_size=16, vocab_size=64
+)
 
 
 class _Ops(TorchDispatchMode):
@@ -33,10 +35,16 @@ class _Ops(TorchDispatchMode):
 def _forward_ops(stage: int | None) -> collections.Counter[str]:
     torch.manual_seed(0)
     model = GPT(CFG)
-    opt = None if stage is None else ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-3,
-                                               stage=stage, module=model, max_grad_norm=1.0)
-    x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size),
-                      generator=torch.Generator().manual_seed(0))
+    opt = (
+        None
+        if stage is None
+        else ZeroAdamW(
+            gpt_param_groups(model, 0.1), lr=1e-3, stage=stage, module=model, max_grad_norm=1.0
+        )
+    )
+    x = torch.randint(
+        0, CFG.vocab_size, (2, CFG.block_size), generator=torch.Generator().manual_seed(0)
+    )
     for _ in range(2):  # the second forward follows a step: the all-gather of updated params
         with _Ops() as counted:
             loss = model(x, x)[1]

@@ -4,6 +4,7 @@ reduce-scatter). Every all-gather goes there, nothing else does, and the values 
 a run on one group, bit for bit.
 
 About an internal: fusedzero._comm."""
+
 from __future__ import annotations
 
 import pytest
@@ -18,8 +19,9 @@ from fusedzero.testing import fake_group, run_ranks
 from _helpers import Stack
 
 
-def _train(stage: int, gather_group: dist.ProcessGroup | None, rank: int
-           ) -> tuple[list[torch.Tensor], list[str]]:
+def _train(
+    stage: int, gather_group: dist.ProcessGroup | None, rank: int
+) -> tuple[list[torch.Tensor], list[str]]:
     """Params after 3 steps, and which group each all-gather / reduce-scatter went to."""
     seen: list[str] = []
     real_ag, real_rs = comm._all_gather, comm._reduce_scatter
@@ -39,8 +41,15 @@ def _train(stage: int, gather_group: dist.ProcessGroup | None, rank: int
     try:
         torch.manual_seed(0)
         model = Stack()
-        opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, module=model, max_grad_norm=1.0,
-                        groups=Groups(gather=gather_group), sharding=Sharding(bucket_numel=256))
+        opt = ZeroAdamW(
+            model.parameters(),
+            lr=1e-2,
+            stage=stage,
+            module=model,
+            max_grad_norm=1.0,
+            groups=Groups(gather=gather_group),
+            sharding=Sharding(bucket_numel=256),
+        )
         for step in range(3):
             g = torch.Generator().manual_seed(100 * step + rank)
             x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
@@ -72,32 +81,39 @@ def test_all_gathers_go_to_the_gather_group_and_change_no_value_stages_1_to_3() 
         for stage, (same, seen) in out.items():
             assert same, f"stage {stage}: the values differ from a run on one group"
             assert seen == {"all_gather on gather_group", "reduce_scatter on process_group"}, (
-                stage, seen)
+                stage,
+                seen,
+            )
 
 
 def test_a_gather_group_over_other_ranks_is_refused() -> None:
     with fake_group(0, 4):
         other = dist.new_group([0, 1])
         model = nn.Linear(4, 4)
-        with pytest.raises(ValueError,
-                           match=r"Groups\(gather=...\) must span the ranks of Groups\(shard="):
+        with pytest.raises(
+            ValueError, match=r"Groups\(gather=...\) must span the ranks of Groups\(shard="
+        ):
             ZeroAdamW(model.parameters(), stage=2, module=model, groups=Groups(gather=other))
 
 
 def _train_mesh_groups(rank: int, world: int) -> list[int]:
     from fusedzero.app import tp_plan
+
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16))
     mesh = tp_plan.Mesh(dp_group=None, dp_rank=rank, dp_size=world, tp=1)
     if world == 4:  # the (dp, tp) = (2, 2) mesh `fusedzero train --tp 2` builds
         from torch.distributed.device_mesh import init_device_mesh
+
         dm = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        mesh = tp_plan.Mesh(dp_group=dm["dp"].get_group(), dp_rank=dm["dp"].get_local_rank(),
-                            dp_size=2, tp=2)
+        mesh = tp_plan.Mesh(
+            dp_group=dm["dp"].get_group(), dp_rank=dm["dp"].get_local_rank(), dp_size=2, tp=2
+        )
     group = tp_plan.gather_group(mesh)
     # ZeroAdamW checks it spans the dp group's ranks in order; a collective over it works.
-    opt = ZeroAdamW(model.parameters(), stage=2, module=model,
-                    groups=Groups(shard=mesh.dp_group, gather=group))
+    opt = ZeroAdamW(
+        model.parameters(), stage=2, module=model, groups=Groups(shard=mesh.dp_group, gather=group)
+    )
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=group)
     opt.close()

@@ -2,6 +2,7 @@
 timeline (exact), and `bash bench/gpu/run.sh --dry-run` end to end on CPU (every script of the
 proof runs: multi.py at W=1..2 under torchrun with gloo, fake_world.py at W=8, the step rows at
 a tiny size, the report). bench/gpu/lease.sh: tests/app/test_bench_gpu_lease.py."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -30,10 +31,10 @@ def _bench_script(name: str) -> ModuleType:
 def test_exposed_fraction_counts_comm_no_compute_overlaps() -> None:
     t = _bench_script("timeline")
     kernels = [
-        (0.0, 10.0, "ampere_sgemm"),           # compute 0-10
+        (0.0, 10.0, "ampere_sgemm"),  # compute 0-10
         (5.0, 15.0, "ncclDevKernel_AllGather"),  # 5-10 hidden, 10-15 exposed
         (12.0, 14.0, "ncclDevKernel_ReduceScatter"),  # inside the exposed part: no double count
-        (20.0, 30.0, "elementwise_kernel"),    # compute 20-30
+        (20.0, 30.0, "elementwise_kernel"),  # compute 20-30
         (28.0, 32.0, "ncclDevKernel_AllReduce"),  # 28-30 hidden, 30-32 exposed
     ]
     r = t.exposed_fraction(kernels)
@@ -51,30 +52,39 @@ def test_run_sh_suite_steps_and_the_report_agree(tmp_path: Path) -> None:
     the interpreter with the GPU visible (the doctor and the cuda tests refuse that state)."""
     report = _bench_script("report")
     script = (ROOT / "bench/gpu/run.sh").read_text()
-    written = script[:script.index('> "$R/pytest.json"')]
-    written = written[written.rindex("printf '"):]  # the printf that writes pytest.json
+    written = script[: script.index('> "$R/pytest.json"')]
+    written = written[written.rindex("printf '") :]  # the printf that writes pytest.json
     assert re.findall(r'"(\w+)": %s', written) == [k for k, _, _ in report.PYTEST_RUNS]
     for _, log, _ in report.PYTEST_RUNS:
         assert f'> "$R/{log}" 2>&1' in script, log
     pytest_lines = [ln for ln in script.replace("\\\n", " ").splitlines() if "-m pytest" in ln]
     assert len(pytest_lines) == 4  # the kernel benchmark, then the three suite runs
     for ln in pytest_lines[1:]:
-        assert ("env -u TRITON_INTERPRET" in ln) != ("CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1"
-                                                    in ln), ln
+        assert ("env -u TRITON_INTERPRET" in ln) != (
+            "CUDA_VISIBLE_DEVICES= TRITON_INTERPRET=1" in ln
+        ), ln
     (tmp_path / "pytest_suite.txt").write_text("...\n3 passed, 1 skipped in 2.00s\n")
     assert report.tests_section(tmp_path, {"cuda": 0, "suite": 1}) == [
         "- `pytest -m cuda`: exit 0: (no log)",
-        "- `pytest (the whole suite, GPU visible)`: exit 1: 3 passed, 1 skipped in 2.00s"]
+        "- `pytest (the whole suite, GPU visible)`: exit 1: 3 passed, 1 skipped in 2.00s",
+    ]
 
 
 @pytest.mark.slow
 def test_run_sh_dry_run(tmp_path: Path) -> None:
     out = tmp_path / "results"
     # `python` on PATH is this interpreter (the venv), as docs/gpu.md runs it.
-    env = dict(os.environ, PATH=os.pathsep.join([str(Path(sys.executable).parent),
-                                                 os.environ.get("PATH", "")]))
-    proc = subprocess.run(["bash", str(ROOT / "bench/gpu/run.sh"), "--dry-run", str(out)],
-                          capture_output=True, text=True, timeout=1500, env=env)
+    env = dict(
+        os.environ,
+        PATH=os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")]),
+    )
+    proc = subprocess.run(
+        ["bash", str(ROOT / "bench/gpu/run.sh"), "--dry-run", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "fusedzero from" in proc.stdout
     assert not list(out.glob("*.failed")), proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -87,8 +97,11 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
         for row in d["parity"]:
             assert "error" not in row and row["ok"], row
             assert row["control"]["loss_rel_diff"] == 0.0, row  # the reference repeats on CPU
-        assert {r["system"] for r in d["timing"]["rows"]} >= {"bare", "fusedzero-2",
-                                                              "ddp+adamw_fused"}
+        assert {r["system"] for r in d["timing"]["rows"]} >= {
+            "bare",
+            "fusedzero-2",
+            "ddp+adamw_fused",
+        }
         if w == 1:
             assert 0.0 <= d["exposed"]["exposed_fraction"] <= 1.0
         else:  # torch's CPU profiler crashes gloo ranks now and then (bench/gpu/multi.py)
@@ -106,8 +119,15 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
         assert not d["errors"] and d["tiny"] and len(d["rows"]) == 9, d["errors"]
     phases = json.loads((out / "phases.json").read_text())
     assert set(phases["phases"]["gpt"]) >= {"bare", "fusedzero-2", "fusedzero-3"}
-    assert set(phases["hooks"]) == {"bare", "fusedzero-0", "fusedzero-1", "fusedzero-2",
-                                    "fusedzero-3", "bare/2", "fusedzero-3/2"}  # 4 layers: 2/unit
+    assert set(phases["hooks"]) == {
+        "bare",
+        "fusedzero-0",
+        "fusedzero-1",
+        "fusedzero-2",
+        "fusedzero-3",
+        "bare/2",
+        "fusedzero-3/2",
+    }  # 4 layers: 2/unit
     assert "backward_us_per_unit" in phases["hooks"]["fusedzero-3"]
     report = (out / "REPORT.md").read_text()
     assert "Forward, backward, step and zero_grad apart" in report
@@ -115,7 +135,13 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
     assert "Every stage at W = 1..N" in report and "Large world on one device" in report
     assert "## Step rows at W=1" in report
     # The report regenerates from the results alone (docs/gpu.md's second command).
-    again = subprocess.run([sys.executable, str(ROOT / "bench/gpu/report.py"), str(out)],
-                           capture_output=True, text=True, timeout=300, env=env)
+    again = subprocess.run(
+        [sys.executable, str(ROOT / "bench/gpu/report.py"), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert again.returncode == 0 and again.stdout.splitlines()[:3] == report.splitlines()[:3], (
-        again.stderr[-2000:])
+        again.stderr[-2000:]
+    )

@@ -10,6 +10,7 @@
 
 About internals: fusedzero._comm, fusedzero._validate.
 """
+
 from __future__ import annotations
 
 from unittest import mock
@@ -37,14 +38,17 @@ def _fake_params(device: str) -> list[nn.Parameter]:
     in torch 2.11 wherever `torch.cuda.is_available()`: on a one-GPU machine "cuda:2" is an
     invalid device ordinal (the H200 run of 2026-11-27, docs/gpu_suite.md; torch 2.13 asks
     `torch.accelerator` instead). Nothing here runs a backward: no context is made."""
-    with mock.patch.object(fake_tensor, "init_gpu_context", lambda device: None), \
-            FakeTensorMode(allow_non_fake_inputs=True):
+    with (
+        mock.patch.object(fake_tensor, "init_gpu_context", lambda device: None),
+        FakeTensorMode(allow_non_fake_inputs=True),
+    ):
         return [nn.Parameter(torch.empty(4, device=device))]
 
 
 def test_fake_params_make_no_real_tensor(cuda2: None, monkeypatch: pytest.MonkeyPatch) -> None:
     def real_tensor(device: torch.device) -> None:  # torch 2.11's, where a GPU is visible
         raise AssertionError(f"a real tensor on {device}: invalid device ordinal on one GPU")
+
     monkeypatch.setattr(fake_tensor, "init_gpu_context", real_tensor)
     assert _fake_params("cuda:2")[0].device == torch.device("cuda", 2)
 
@@ -81,8 +85,9 @@ def mixed_group(monkeypatch: pytest.MonkeyPatch):  # type: ignore[no-untyped-def
     store = dist.HashStore()
     dist.init_process_group("cpu:gloo,cuda:gloo", rank=0, world_size=1, store=store)
     real = dist.get_backend
-    monkeypatch.setattr(dist, "get_backend",
-                        lambda group=None: str(real(group)).replace("cuda:gloo", "cuda:nccl"))
+    monkeypatch.setattr(
+        dist, "get_backend", lambda group=None: str(real(group)).replace("cuda:gloo", "cuda:nccl")
+    )
     yield
     dist.destroy_process_group()
 
@@ -124,13 +129,15 @@ def test_premul_sum_only_where_the_factor_is_what_a_mul_would_use(mixed_group: N
     `mul_` before the collective otherwise (None here). Before: any floating dtype."""
     ctx = comm.CommContext.of(None, comm.CommCounter(), device=torch.device("cuda", 0))
     with FakeTensorMode(allow_non_fake_inputs=True):
-        t = {dt: torch.empty(4, device="cuda:0", dtype=dt)
-             for dt in (torch.float32, torch.float16, torch.bfloat16)}
+        t = {
+            dt: torch.empty(4, device="cuda:0", dtype=dt)
+            for dt in (torch.float32, torch.float16, torch.bfloat16)
+        }
     for factor in (0.5, 0.25, 1 / 1024):
         assert comm.premul_sum_op(ctx, t[torch.float32], factor) is not None
         assert comm.premul_sum_op(ctx, t[torch.float16], factor) is not None
         assert comm.premul_sum_op(ctx, t[torch.bfloat16], factor) is None
-    for factor in (1 / 3, 1 / 24, 2.0 ** -15):  # not exact in fp16 (2^-15: subnormal)
+    for factor in (1 / 3, 1 / 24, 2.0**-15):  # not exact in fp16 (2^-15: subnormal)
         assert comm.premul_sum_op(ctx, t[torch.float32], factor) is not None
         assert comm.premul_sum_op(ctx, t[torch.float16], factor) is None
         assert comm.premul_sum_op(ctx, t[torch.bfloat16], factor) is None

@@ -9,6 +9,7 @@ total) comes from the graph's own pool under capture, at one address for every r
 
 About internals: fusedzero.kernels._adamw, fusedzero.kernels._rows,
 fusedzero.kernels._step_scalars, fusedzero.kernels._sum_of_squares."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -32,6 +33,7 @@ class Recorder:
         def launch(*args: Any, **kwargs: Any) -> Any:
             self.log.append((self.name, (grid, *args), kwargs))
             return self.kernel[grid](*args, **kwargs)
+
         return launch
 
 
@@ -46,18 +48,23 @@ def _key(v: Any) -> Any:
 
 @pytest.mark.interpreter  # FUSEDZERO_BACKEND=triton on CPU tensors
 @pytest.mark.parametrize("stage", [1, 3])
-def test_launch_arguments_do_not_change_between_steps(monkeypatch: pytest.MonkeyPatch,
-                                                      stage: int) -> None:
+def test_launch_arguments_do_not_change_between_steps(
+    monkeypatch: pytest.MonkeyPatch, stage: int
+) -> None:
     monkeypatch.setenv("FUSEDZERO_BACKEND", "triton")
     log: list[tuple[str, tuple, dict]] = []
-    monkeypatch.setattr(adamw, "_grouped_adamw_kernel",
-                        Recorder(adamw._grouped_adamw_kernel, log, "adamw"))
-    monkeypatch.setattr(sumsq, "_grouped_sumsq_kernel",
-                        Recorder(sumsq._grouped_sumsq_kernel, log, "sumsq"))
-    monkeypatch.setattr(rows, "_adamw_rows_kernel",
-                        Recorder(rows._adamw_rows_kernel, log, "rows"))
-    monkeypatch.setattr(step_scalars, "_step_scalars_kernel",
-                        Recorder(step_scalars._step_scalars_kernel, log, "step_scalars"))
+    monkeypatch.setattr(
+        adamw, "_grouped_adamw_kernel", Recorder(adamw._grouped_adamw_kernel, log, "adamw")
+    )
+    monkeypatch.setattr(
+        sumsq, "_grouped_sumsq_kernel", Recorder(sumsq._grouped_sumsq_kernel, log, "sumsq")
+    )
+    monkeypatch.setattr(rows, "_adamw_rows_kernel", Recorder(rows._adamw_rows_kernel, log, "rows"))
+    monkeypatch.setattr(
+        step_scalars,
+        "_step_scalars_kernel",
+        Recorder(step_scalars._step_scalars_kernel, log, "step_scalars"),
+    )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=stage, module=model, max_grad_norm=0.5)

@@ -9,6 +9,7 @@ The trace records "replica_reduce" when a bucket's replica all-reduce is issued 
 "backward_end" when backward's callback is done: every replica all-reduce of a step is issued
 before its last backward ends (none is left for `step()` but the ones `no_sync` deferred).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +59,12 @@ def reference(cond: bool) -> dict[str, torch.Tensor]:
     n = GLOBAL // (4 * ACCUM)
     for step in range(STEPS):
         x, y = batch(step)
-        losses = [nn.functional.mse_loss(model(x[i * n:(i + 1) * n], uses(i // ACCUM, cond)),
-                                         y[i * n:(i + 1) * n]) for i in range(4 * ACCUM)]
+        losses = [
+            nn.functional.mse_loss(
+                model(x[i * n : (i + 1) * n], uses(i // ACCUM, cond)), y[i * n : (i + 1) * n]
+            )
+            for i in range(4 * ACCUM)
+        ]
         (sum(losses) / len(losses)).backward()
         for p in model.parameters():  # no grad is a zero grad (ZeroAdamW's documented rule)
             if p.grad is None:
@@ -71,13 +76,21 @@ def reference(cond: bool) -> dict[str, torch.Tensor]:
 
 def train(rank: int, world: int, stage: int, quiet: bool, cond: bool) -> dict:
     import torch.distributed as dist
+
     shard = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
     rep = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
     torch.manual_seed(0)
     model = Branchy()
-    opt = ZeroAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, stage=stage, module=model,
-                    trace=True, groups=Groups(shard=shard, replicate=rep),
-                    sharding=Sharding(bucket_numel=256, units=nn.Linear))
+    opt = ZeroAdamW(
+        model.parameters(),
+        lr=1e-2,
+        weight_decay=0.1,
+        stage=stage,
+        module=model,
+        trace=True,
+        groups=Groups(shard=shard, replicate=rep),
+        sharding=Sharding(bucket_numel=256, units=nn.Linear),
+    )
     n = GLOBAL // (world * ACCUM)
     events = []
     for step in range(STEPS):
@@ -85,8 +98,9 @@ def train(rank: int, world: int, stage: int, quiet: bool, cond: bool) -> dict:
         for m in range(ACCUM):
             lo = (rank * ACCUM + m) * n
             with opt.no_sync() if quiet and m < ACCUM - 1 else contextlib.nullcontext():
-                loss = nn.functional.mse_loss(model(x[lo:lo + n], uses(rank, cond)),
-                                              y[lo:lo + n])
+                loss = nn.functional.mse_loss(
+                    model(x[lo : lo + n], uses(rank, cond)), y[lo : lo + n]
+                )
                 (loss / ACCUM).backward()
         assert opt.trace is not None
         events.append([e for e, _ in opt.trace if e in ("replica_reduce", "backward_end")])
@@ -99,8 +113,10 @@ def train(rank: int, world: int, stage: int, quiet: bool, cond: bool) -> dict:
     return {"params": params, "events": events}
 
 
-CASES = [(s, q, False) for s in (1, 2, 3) for q in (False, True)] + [(2, False, True),
-                                                                     (3, True, True)]
+CASES = [(s, q, False) for s in (1, 2, 3) for q in (False, True)] + [
+    (2, False, True),
+    (3, True, True),
+]
 
 
 def train_all(rank: int, world: int) -> dict:
@@ -114,8 +130,9 @@ def test_hsdp_replica_reduce_in_backward_on_4_ranks() -> None:
         for (stage, quiet, cond), o in out.items():
             where = f"stage {stage} no_sync={quiet} branch on group 0 only={cond} rank {r}"
             for k, v in refs[cond].items():
-                torch.testing.assert_close(o["params"][k], v, rtol=RTOL, atol=ATOL,
-                                           msg=f"{where}: {k}")
+                torch.testing.assert_close(
+                    o["params"][k], v, rtol=RTOL, atol=ATOL, msg=f"{where}: {k}"
+                )
             for events in o["events"]:
                 assert "replica_reduce" in events, where
                 # Every replica all-reduce was issued before the last backward ended.

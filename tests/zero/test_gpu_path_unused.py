@@ -7,6 +7,7 @@ buckets wait, one all-reduce, is exercised at 4 ranks in test_gpu_path_hsdp.py).
 records "reduce" when a bucket's reduction is issued and "flush" when backward has ended and
 what is left is issued.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -41,8 +42,15 @@ def test_unused_param_holds_back_no_other_bucket(stage: int) -> None:
     model = Branchy()
     ref_opt = torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
     # 256 elements: each weight (and the biases) in buckets of their own.
-    opt = ZeroAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, stage=stage, module=model,
-                    trace=True, sharding=Sharding(bucket_numel=256, units=nn.Linear))
+    opt = ZeroAdamW(
+        model.parameters(),
+        lr=1e-2,
+        weight_decay=0.1,
+        stage=stage,
+        module=model,
+        trace=True,
+        sharding=Sharding(bucket_numel=256, units=nn.Linear),
+    )
     deferred: set[tuple[int, int, int]] = set()  # (unit, group, bucket), agreed at the first
     for step in range(3):
         g = torch.Generator().manual_seed(step)
@@ -50,7 +58,7 @@ def test_unused_param_holds_back_no_other_bucket(stage: int) -> None:
         for m, o in ((model, opt), (ref_model, ref_opt)):
             nn.functional.mse_loss(m(x), y).backward()
             for p in ref_model.parameters():  # ZeroAdamW's documented rule: no grad is a zero
-                if p.grad is None:           # grad (decoupled weight decay still applies)
+                if p.grad is None:  # grad (decoupled weight decay still applies)
                     p.grad = torch.zeros_like(p)
             o.step()
             o.zero_grad()
@@ -58,7 +66,7 @@ def test_unused_param_holds_back_no_other_bucket(stage: int) -> None:
         events = [e for e, _ in opt.trace if e in ("reduce", "flush")]
         if step > 0:
             # After the first backward: only the unused param's buckets wait for the end.
-            late = events[events.index("flush") + 1:]
+            late = events[events.index("flush") + 1 :]
             assert deferred and len(late) == len(deferred), (events, deferred)
             assert events.count("reduce") > len(late)
         deferred |= {d for e, d in opt.trace if e == "deferred"}
@@ -90,15 +98,20 @@ class WithSpares(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.inp(x)
         for b in self.blocks:
-            x = (torch.utils.checkpoint.checkpoint(
-                b, x, use_reentrant=self.checkpointing == "reentrant")
-                if self.checkpointing != "none" else b(x))
+            x = (
+                torch.utils.checkpoint.checkpoint(
+                    b, x, use_reentrant=self.checkpointing == "reentrant"
+                )
+                if self.checkpointing != "none"
+                else b(x)
+            )
         return self.out(x)
 
 
 @pytest.mark.parametrize("checkpointing", ["none", "reentrant", "non_reentrant"])
 def test_stage3_unit_with_an_unused_param_is_freed_when_its_backward_is_done(
-        checkpointing: str) -> None:
+    checkpointing: str,
+) -> None:
     """The first backward finds each block still gathered at its end (`spare` got no grad):
     all 4 at once. From the next backward on, each is freed when the grads of its inputs are in,
     so at most the current block and the prefetched one are gathered, and the values still

@@ -13,6 +13,7 @@ the results must equal a single-process torch.optim.AdamW run bit for bit in wha
 
 About an internal: fusedzero._comm.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -54,8 +55,9 @@ class DeferredWork:
 def deferred(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     log: list[str] = []
 
-    def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Any, world_size: int,
-                   counter: comm.CommCounter) -> DeferredWork:
+    def all_gather(
+        out: torch.Tensor, inp: torch.Tensor, group: Any, world_size: int, counter: comm.CommCounter
+    ) -> DeferredWork:
         return DeferredWork(out, inp, log)
 
     monkeypatch.setattr(comm, "all_gather", all_gather)
@@ -79,8 +81,7 @@ class Attention(nn.Module):
 class Encoder(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True,
-                                           bias=False)
+        layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, bias=False)
         self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(16, 3)
 
@@ -114,8 +115,11 @@ def _train(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 # One case in the fast tier (about 1 s alone); the rest take 3-6 s each on 2 shared cores.
-CASES = [pytest.param(stage, kind, marks=() if (stage, kind) == (1, "mha") else pytest.mark.slow)
-         for stage in (0, 1, 2, 3) for kind in sorted(MODELS)]
+CASES = [
+    pytest.param(stage, kind, marks=() if (stage, kind) == (1, "mha") else pytest.mark.slow)
+    for stage in (0, 1, 2, 3)
+    for kind in sorted(MODELS)
+]
 
 
 @pytest.mark.parametrize("stage,kind", CASES)
@@ -124,11 +128,16 @@ def test_forward_reads_wait_for_children(deferred: list[str], stage: int, kind: 
     ref_model = MODELS[kind]()
     torch.manual_seed(0)
     model = MODELS[kind]()
-    ref = _train(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2,
-                                              weight_decay=0.1))
+    ref = _train(ref_model, torch.optim.AdamW(ref_model.parameters(), lr=1e-2, weight_decay=0.1))
     # bucket_numel 256: in_proj, out_proj and the head land in different buckets.
-    opt = ZeroAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, stage=stage, module=model,
-                    sharding=Sharding(bucket_numel=256))
+    opt = ZeroAdamW(
+        model.parameters(),
+        lr=1e-2,
+        weight_decay=0.1,
+        stage=stage,
+        module=model,
+        sharding=Sharding(bucket_numel=256),
+    )
     got = _train(model, opt)
     if stage:
         assert "issue" in deferred and "wait" in deferred  # the fake was on the path
@@ -160,10 +169,13 @@ def test_gather_in_forward_order(deferred: list[str]) -> None:
     the oldest gather still in flight, so none waits behind a bucket forward needs later."""
     torch.manual_seed(0)
     model = Blocks()
-    groups = [{"params": [m.weight for m in model.h]},
-              {"params": [m.bias for m in model.h], "weight_decay": 0.0}]
-    opt = ZeroAdamW(groups, lr=1e-2, stage=1, module=model, trace=True,
-                    sharding=Sharding(bucket_numel=256))
+    groups = [
+        {"params": [m.weight for m in model.h]},
+        {"params": [m.bias for m in model.h], "weight_decay": 0.0},
+    ]
+    opt = ZeroAdamW(
+        groups, lr=1e-2, stage=1, module=model, trace=True, sharding=Sharding(bucket_numel=256)
+    )
     x = torch.randn(3, 16)
     for _ in range(2):
         assert opt.trace is not None
@@ -173,7 +185,7 @@ def test_gather_in_forward_order(deferred: list[str]) -> None:
         issued = [d for e, d in opt.trace if e == "param_gather"]
         model(x)
         waited = [d for e, d in opt.trace if e == "param_wait"]
-        assert waited == issued[:len(waited)], (issued, waited)
+        assert waited == issued[: len(waited)], (issued, waited)
         # (buffer, bucket): a weight bucket per block; two biases (128-element aligned) per
         # bucket of the no-decay buffer. The buffers' own order was (0, 0), (0, 1), ... (1, 1).
         assert issued == [(0, 0), (1, 0), (0, 1), (0, 2), (1, 1), (0, 3)]

@@ -2,6 +2,7 @@
 storage alive at once (counted exactly by `Zero3.max_gathered_numel`, elements of every unit's
 gathered buffers from `gather` to `free`) never exceeds the largest unit, where before it was
 the whole model; state_dict's values are CPU copies equal to a plain model trained alike."""
+
 from __future__ import annotations
 
 import torch
@@ -29,8 +30,9 @@ def _trained() -> tuple[Net, Net, ZeroAdamW]:
     ref = Net()
     torch.manual_seed(0)
     model = Net()
-    opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=3, module=model,
-                    sharding=Sharding(bucket_numel=256))
+    opt = ZeroAdamW(
+        model.parameters(), lr=1e-2, stage=3, module=model, sharding=Sharding(bucket_numel=256)
+    )
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     x, y = torch.randn(4, 8), torch.randn(4, 2)
     for m, o in ((model, opt), (ref, ref_opt)):
@@ -48,8 +50,10 @@ def test_state_dict_unit_by_unit_to_cpu() -> None:
     assert z.gathered_numel == 0
     z.max_gathered_numel = 0
     sd = model.state_dict()
-    assert z.max_gathered_numel <= largest < sum(map(z.unit_numel, range(5))), \
-        (z.max_gathered_numel, largest)
+    assert z.max_gathered_numel <= largest < sum(map(z.unit_numel, range(5))), (
+        z.max_gathered_numel,
+        largest,
+    )
     assert z.gathered_numel == 0
     for k, v in ref.state_dict().items():
         assert sd[k].device == torch.device("cpu")

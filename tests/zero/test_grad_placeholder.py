@@ -4,6 +4,7 @@ be a NoLocalGrad placeholder; the next micro-batch's AccumulateGrad adds onto it
 hook path, the same at every world size.
 
 About an internal: fusedzero._grads."""
+
 from __future__ import annotations
 
 import pytest
@@ -28,8 +29,9 @@ def _batches(n: int) -> list[torch.Tensor]:
     return [torch.randn(4, 6, generator=g) for _ in range(n)]
 
 
-def _reference(batches: list[torch.Tensor], steps: int, create_graph: bool = False
-               ) -> list[torch.Tensor]:
+def _reference(
+    batches: list[torch.Tensor], steps: int, create_graph: bool = False
+) -> list[torch.Tensor]:
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     for _ in range(steps):
@@ -42,8 +44,7 @@ def _reference(batches: list[torch.Tensor], steps: int, create_graph: bool = Fal
 
 @pytest.mark.parametrize("create_graph", [False, True])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_micro_batches_onto_placeholders_match_torch_adamw(stage: int, create_graph: bool
-                                                          ) -> None:
+def test_micro_batches_onto_placeholders_match_torch_adamw(stage: int, create_graph: bool) -> None:
     """Three backwards per step, two steps: from the second backward on, each param's grad
     lands on the placeholder the first one left (in place, or with create_graph=True as a new
     `p.grad`). fp32 tolerance: the same sums in another order."""

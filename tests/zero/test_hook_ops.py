@@ -10,6 +10,7 @@ Counted at 6d8a599 on the chain below (24 Linear(4, 4), W=2, ops per param over 
 and an add_ per param at stages 0-1; two views per param for the concatenation at stages 2-3,
 and two slices more with a cast).
 """
+
 from __future__ import annotations
 
 import collections
@@ -39,15 +40,15 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _step_ops(layers: int, dtype: torch.dtype = torch.float32, **opt_kwargs: Any
-              ) -> tuple[collections.Counter[str], collections.Counter[str]]:
+def _step_ops(
+    layers: int, dtype: torch.dtype = torch.float32, **opt_kwargs: Any
+) -> tuple[collections.Counter[str], collections.Counter[str]]:
     """Forward and backward ops of the second step (the first builds once-only state) of a
     chain of `layers` Linear(4, 4) in `dtype`, under ZeroAdamW(**opt_kwargs) (fp32 reduce), or
     bare where opt_kwargs is empty."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]).to(dtype)
-    opt = ZeroAdamW(model.parameters(), lr=1e-3, module=model, **opt_kwargs) if opt_kwargs \
-        else None
+    opt = ZeroAdamW(model.parameters(), lr=1e-3, module=model, **opt_kwargs) if opt_kwargs else None
     x = torch.randn(2, 4, dtype=dtype)
     for _ in range(2):
         with _Count() as fwd:
@@ -64,8 +65,9 @@ def _step_ops(layers: int, dtype: torch.dtype = torch.float32, **opt_kwargs: Any
     return fwd.ops, bwd.ops
 
 
-def _backward_ops(layers: int, stage: int | None, dtype: torch.dtype = torch.float32
-                  ) -> collections.Counter[str]:
+def _backward_ops(
+    layers: int, stage: int | None, dtype: torch.dtype = torch.float32
+) -> collections.Counter[str]:
     """Backward ops under ZeroAdamW(stage), or bare (None)."""
     return _step_ops(layers, dtype, **({} if stage is None else {"stage": stage}))[1]
 
@@ -88,8 +90,9 @@ def _check(extra: dict) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_backward_adds_at_most_half_an_op_per_param_every_stage_fake_2_ranks(dtype: torch.dtype
-                                                                             ) -> None:
+def test_backward_adds_at_most_half_an_op_per_param_every_stage_fake_2_ranks(
+    dtype: torch.dtype,
+) -> None:
     with fake_group(0, 2):  # collectives return at once: the ops are those of W=2
         _check(_extra_per_param((dtype,)))
 
@@ -122,8 +125,9 @@ def test_bucket_launches_do_not_walk_every_bucket_stage3(units: int) -> None:
     list a fixed number of times, however many buckets launch."""
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(units)])
-    opt = ZeroAdamW(model.parameters(), lr=1e-3, stage=3, module=model,
-                    sharding=Sharding(units=nn.Linear))
+    opt = ZeroAdamW(
+        model.parameters(), lr=1e-3, stage=3, module=model, sharding=Sharding(units=nn.Linear)
+    )
     x = torch.randn(2, 4)
     model(x).square().sum().backward()
     opt.step()
@@ -147,14 +151,23 @@ def _python_calls(layers: int, stage: int) -> dict[str, int]:
 
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(layers)]).to(torch.bfloat16)
-    opt = ZeroAdamW(model.parameters(), lr=1e-3, stage=stage, module=model, max_grad_norm=1.0,
-                    precision=Precision(param_dtype=torch.bfloat16))
+    opt = ZeroAdamW(
+        model.parameters(),
+        lr=1e-3,
+        stage=stage,
+        module=model,
+        max_grad_norm=1.0,
+        precision=Precision(param_dtype=torch.bfloat16),
+    )
     x = torch.randn(2, 4, dtype=torch.bfloat16)
     out: dict[str, int] = {}
     for _ in range(3):
         loss = model(x).float().square().sum()
-        for name, fn in (("backward", loss.backward), ("step", opt.step),
-                         ("zero_grad", opt.zero_grad)):
+        for name, fn in (
+            ("backward", loss.backward),
+            ("step", opt.step),
+            ("zero_grad", opt.zero_grad),
+        ):
             prof = cProfile.Profile()
             prof.enable()
             fn()
@@ -174,15 +187,18 @@ def test_python_calls_per_param_in_backward_step_and_zero_grad(stage: int) -> No
     16 / 18 / 12 / 15 (one hook per param, no reshape per grad at stages 2-3)."""
     small, large = _python_calls(10, stage), _python_calls(30, stage)
     assert large["step"] == small["step"] and large["zero_grad"] == small["zero_grad"], (
-        small, large)
+        small,
+        large,
+    )
     per_param = (large["backward"] - small["backward"]) / 40
     assert per_param <= 18, (small, large)
 
 
 def _unit_ops(units: int, stage3: bool) -> tuple[collections.Counter[str], ...]:
     """Forward and backward ops of `units` Linear(4, 4), each a stage-3 unit (or bare)."""
-    return _step_ops(units, **({"stage": 3, "sharding": Sharding(units=nn.Linear)} if stage3
-                               else {}))
+    return _step_ops(
+        units, **({"stage": 3, "sharding": Sharding(units=nn.Linear)} if stage3 else {})
+    )
 
 
 def test_stage3_ops_per_unit_fake_2_ranks() -> None:
@@ -197,7 +213,12 @@ def test_stage3_ops_per_unit_fake_2_ranks() -> None:
     two_units_fwd = (f4 - f2) - (bf4 - bf2)
     two_units_bwd = (b4 - b2) - (bb4 - bb2)
     assert two_units_fwd == collections.Counter({"c10d._allgather_base_.default": 2}), two_units_fwd
-    assert two_units_bwd == collections.Counter({
-        "c10d._allgather_base_.default": 2, "aten._foreach_zero_.default": 2,
-        "aten._foreach_copy_.default": 2, "c10d._reduce_scatter_base_.default": 2,
-        "aten.mul.out": 2}), two_units_bwd
+    assert two_units_bwd == collections.Counter(
+        {
+            "c10d._allgather_base_.default": 2,
+            "aten._foreach_zero_.default": 2,
+            "aten._foreach_copy_.default": 2,
+            "c10d._reduce_scatter_base_.default": 2,
+            "aten.mul.out": 2,
+        }
+    ), two_units_bwd

@@ -11,6 +11,7 @@ at the end of backward.
 
 About an internal: fusedzero._comm.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -44,9 +45,15 @@ def issued(stage: int, done: bool, monkeypatch: pytest.MonkeyPatch) -> list[tupl
         shard, rep = dist.new_group([0, 1]), dist.new_group([0, 2])
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)])
-        opt = ZeroAdamW(model.parameters(), lr=1e-3, stage=stage, module=model, trace=True,
-                        groups=Groups(shard=shard, replicate=rep),
-                        sharding=Sharding(bucket_numel=256, units=nn.Linear))
+        opt = ZeroAdamW(
+            model.parameters(),
+            lr=1e-3,
+            stage=stage,
+            module=model,
+            trace=True,
+            groups=Groups(shard=shard, replicate=rep),
+            sharding=Sharding(bucket_numel=256, units=nn.Linear),
+        )
         x = torch.randn(4, 16)
         for _ in range(2):  # the first backward agrees on the bucket order, once
             assert opt.trace is not None
@@ -60,8 +67,9 @@ def issued(stage: int, done: bool, monkeypatch: pytest.MonkeyPatch) -> list[tupl
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_collective_order_does_not_depend_on_completion(stage: int,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_collective_order_does_not_depend_on_completion(
+    stage: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     early, late = issued(stage, True, monkeypatch), issued(stage, False, monkeypatch)
     assert early == late
     # During backward: every replica all-reduce but the last two launches' is issued before
@@ -69,4 +77,4 @@ def test_collective_order_does_not_depend_on_completion(stage: int,
     kinds = [e for e, _ in early]
     reduces = kinds.count("reduce")
     assert reduces >= 4 and kinds.count("replica_reduce") == reduces
-    assert kinds[:kinds.index("flush")].count("replica_reduce") >= reduces - 3, kinds
+    assert kinds[: kinds.index("flush")].count("replica_reduce") >= reduces - 3, kinds

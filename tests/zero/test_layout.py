@@ -1,6 +1,7 @@
 """Flat-layout geometry (fusedzero/_layout.py): padding bounds over many world sizes and buckets.
 
 About an internal: fusedzero._layout."""
+
 from __future__ import annotations
 
 import math
@@ -36,7 +37,8 @@ def test_issue_case_million_params_w8_bucket_100_pads_under_one_row() -> None:
     assert L.bucket_numel == 8 * ALIGN
     assert L.num_buckets == math.ceil(1_000_000 / (8 * ALIGN))
     assert L.padded_numel - 1_000_000 < 8 * ALIGN, (
-        f"{L.padded_numel - 1_000_000} padding elements for a 1M param (was ~9M)")
+        f"{L.padded_numel - 1_000_000} padding elements for a 1M param (was ~9M)"
+    )
 
 
 @pytest.mark.parametrize("W", [1, 2, 3, 7, 8, 64, 129, 1000, 1024])
@@ -47,7 +49,15 @@ def test_padding_bounded_for_any_bucket_numel(W: int) -> None:
     for _ in range(12):
         shapes: list[tuple[int, ...]] = []
         for _ in range(rng.randint(1, 6)):
-            shapes.append(rng.choice([(rng.randint(1, 300),), (rng.randint(1, 3000), 7),
-                                      (rng.randint(1, 5000), rng.randint(1, 500)), ()]))
+            shapes.append(
+                rng.choice(
+                    [
+                        (rng.randint(1, 300),),
+                        (rng.randint(1, 3000), 7),
+                        (rng.randint(1, 5000), rng.randint(1, 500)),
+                        (),
+                    ]
+                )
+            )
         for bucket in buckets + [rng.randint(1, 4 * unit)]:
             _check_bounds(shapes, W, bucket)

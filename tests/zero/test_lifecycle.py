@@ -6,6 +6,7 @@ shows up as a failure, never as a hung suite.
 
 About internals: fusedzero._comm, fusedzero._spawn, fusedzero.checkpoint._saving.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -41,8 +42,7 @@ class Units(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8, bias=False),
-                                     nn.Linear(8, 8)])
+        self.blocks = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8, bias=False), nn.Linear(8, 8)])
 
     def forward(self, x: torch.Tensor, skip: int | None = None) -> torch.Tensor:
         for i, b in enumerate(self.blocks):
@@ -97,15 +97,39 @@ def test_run_ranks_reports_a_dead_rank_at_once(victim: int, how: str, sig: str) 
     with pytest.raises(RuntimeError) as e:
         run_ranks(_die, 2, victim, how, timeout=600)
     code = -getattr(signal, sig)
-    assert f"rank {victim} died without reporting: killed by {sig} (exit code {code})" \
-        in str(e.value)
+    assert f"rank {victim} died without reporting: killed by {sig} (exit code {code})" in str(
+        e.value
+    )
 
 
 # -- `fusedzero train` as a real process: signals, stalls ------------------------------------
 # A tiny model and more steps than any test waits for: the run is always ended from outside.
-LONG_RUN = ["train", "--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--block-size", "16",
-            "--batch-size", "4", "--steps", "100000", "--eval-seqs", "2", "--eval-every", "0",
-            "--log-every", "1", "--nproc", "2", "--no-progress", "--device", "cpu"]
+LONG_RUN = [
+    "train",
+    "--n-layer",
+    "1",
+    "--n-embd",
+    "16",
+    "--n-head",
+    "2",
+    "--block-size",
+    "16",
+    "--batch-size",
+    "4",
+    "--steps",
+    "100000",
+    "--eval-seqs",
+    "2",
+    "--eval-every",
+    "0",
+    "--log-every",
+    "1",
+    "--nproc",
+    "2",
+    "--no-progress",
+    "--device",
+    "cpu",
+]
 # How long a test waits for something that takes a few seconds on an idle machine (a busy
 # 2-core machine can be ten times slower); a pytest timeout above it bounds every test.
 PATIENCE_S = 180.0
@@ -165,9 +189,13 @@ def _ranks(pid: int) -> list[int]:
 def _start_training(corpus: Path, *extra: str) -> tuple[subprocess.Popen, list[int]]:
     """Start `fusedzero train`; return it and its 2 rank pids once the ranks are training."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONWARNINGS": "ignore"}
-    p = subprocess.Popen([sys.executable, "-m", "fusedzero.cli", *LONG_RUN, "--data",
-                          str(corpus), *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
+    p = subprocess.Popen(
+        [sys.executable, "-m", "fusedzero.cli", *LONG_RUN, "--data", str(corpus), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     deadline = time.monotonic() + PATIENCE_S
     seen = ""
     with selectors.DefaultSelector() as sel:
@@ -249,8 +277,9 @@ def _async_save_with_dead_peer(rank: int, port: int, ckpt: str, result: str) -> 
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=2,
-                           timeout=datetime.timedelta(seconds=STALL_TIMEOUT_S))
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=STALL_TIMEOUT_S)
+    )
     torch.manual_seed(0)
     model = nn.Linear(8, 8)
     opt = ZeroAdamW(model.parameters(), lr=1e-2, stage=1)
@@ -278,9 +307,12 @@ def test_async_save_with_a_dead_peer_ends(tmp_path: Path) -> None:
     ctx = multiprocessing.get_context("spawn")
     held = reserve_port()  # until the ranks are done: no other test's bind takes it
     port, result = held.getsockname()[1], tmp_path / "rank0.txt"
-    procs = [ctx.Process(target=_async_save_with_dead_peer,
-                         args=(r, port, str(tmp_path / "ckpt"), str(result)))
-             for r in range(2)]
+    procs = [
+        ctx.Process(
+            target=_async_save_with_dead_peer, args=(r, port, str(tmp_path / "ckpt"), str(result))
+        )
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     try:

@@ -2,6 +2,7 @@
 tensors, it loads the full values into every rank's shard (a collective, as `state_dict()`);
 at every stage it gives what `fusedzero.checkpoint.import_weights` gives, the fp32 master from
 the given values included (with bf16 params the next step used to write the old master back)."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -25,8 +26,9 @@ def _gpt(seed: int) -> GPT:
 
 
 def _batch() -> torch.Tensor:
-    return torch.randint(0, CFG.vocab_size, (2, CFG.block_size + 1),
-                         generator=torch.Generator().manual_seed(7))
+    return torch.randint(
+        0, CFG.vocab_size, (2, CFG.block_size + 1), generator=torch.Generator().manual_seed(7)
+    )
 
 
 def test_load_state_dict_at_stage_3_sets_the_full_values_one_rank() -> None:
@@ -65,16 +67,23 @@ def _ranks(rank: int, world: int) -> dict[int, dict[str, Any]]:
         out: dict[str, Any] = {}
         for how in ("load_state_dict", "import_weights"):
             model = _gpt(0)
-            opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-2, stage=stage, module=model,
-                            precision=Precision(param_dtype=torch.bfloat16))
+            opt = ZeroAdamW(
+                gpt_param_groups(model, 0.1),
+                lr=1e-2,
+                stage=stage,
+                module=model,
+                precision=Precision(param_dtype=torch.bfloat16),
+            )
             model(x[:, :-1], x[:, 1:])[1].backward()
             opt.step()  # at stages 1-2 the param all-gather is left in flight
             if how == "load_state_dict":
                 model.load_state_dict(sd)
             else:
                 import_weights(opt, sd)
-            out[how] = {"master": opt.shard_state().master,
-                        "params": {k: v.clone() for k, v in model.state_dict().items()}}
+            out[how] = {
+                "master": opt.shard_state().master,
+                "params": {k: v.clone() for k, v in model.state_dict().items()},
+            }
         res[stage] = out
     return res
 

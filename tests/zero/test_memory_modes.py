@@ -11,6 +11,7 @@ the reference's or one off, and off codes are < 1%.
 
 About an internal: fusedzero.kernels._adamw.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -59,8 +60,10 @@ def make_state(n: int, master_mode: str, states: str, seed: int) -> dict[str, to
     m = torch.randn(n, generator=gen) * 0.1
     # exp_avg_sq over 6 decades inside a block: the small values are the ones int8 must keep.
     v = 10.0 ** (torch.rand(n, generator=gen) * 6 - 8)
-    s = {"master": p if master_mode == "fp32" else p.bfloat16(),
-         "grad": (torch.randn(n, generator=gen) * 2).bfloat16()}
+    s = {
+        "master": p if master_mode == "fp32" else p.bfloat16(),
+        "grad": (torch.randn(n, generator=gen) * 2).bfloat16(),
+    }
     if states == "int8":
         s["exp_avg"], s["exp_avg_scale"] = quantize_blockwise(m, signed=True)
         s["exp_avg_sq"], s["exp_avg_sq_scale"] = quantize_blockwise(v, signed=False)
@@ -74,22 +77,53 @@ def make_state(n: int, master_mode: str, states: str, seed: int) -> dict[str, to
     return s
 
 
-def run(s: dict[str, torch.Tensor], master_mode: str, states: str, step: int, *, skip: int = 0,
-        sr_offset: int = 0, **layout) -> None:
+def run(
+    s: dict[str, torch.Tensor],
+    master_mode: str,
+    states: str,
+    step: int,
+    *,
+    skip: int = 0,
+    sr_offset: int = 0,
+    **layout,
+) -> None:
     bufs = {k: v for k, v in s.items() if k not in ("master", "grad", "exp_avg", "exp_avg_sq")}
-    adamw_step(layout.pop("master", s["master"]), layout.pop("grad", s["grad"]), s["exp_avg"],
-               s["exp_avg_sq"], lr=torch.tensor([LR]), step=torch.tensor([float(step)]),
-               grad_scale=torch.tensor([SCALE]), skip=torch.tensor([skip], dtype=torch.int32),
-               **HP, master_mode=master_mode, states=states, sr_offset=sr_offset, **bufs,
-               **layout)
+    adamw_step(
+        layout.pop("master", s["master"]),
+        layout.pop("grad", s["grad"]),
+        s["exp_avg"],
+        s["exp_avg_sq"],
+        lr=torch.tensor([LR]),
+        step=torch.tensor([float(step)]),
+        grad_scale=torch.tensor([SCALE]),
+        skip=torch.tensor([skip], dtype=torch.int32),
+        **HP,
+        master_mode=master_mode,
+        states=states,
+        sr_offset=sr_offset,
+        **bufs,
+        **layout,
+    )
 
 
-def reference(s: dict[str, torch.Tensor], master_mode: str, states: str, step: int,
-              sr_offset: int = 0) -> dict[str, torch.Tensor]:
+def reference(
+    s: dict[str, torch.Tensor], master_mode: str, states: str, step: int, sr_offset: int = 0
+) -> dict[str, torch.Tensor]:
     extra = {k: v for k, v in s.items() if k not in ("master", "grad", "exp_avg", "exp_avg_sq")}
-    return adamw_reference_mode(s["master"], s["grad"], s["exp_avg"], s["exp_avg_sq"], lr=LR,
-                                step=step, grad_scale=SCALE, **HP, master_mode=master_mode,
-                                states=states, sr_offset=sr_offset, **extra)
+    return adamw_reference_mode(
+        s["master"],
+        s["grad"],
+        s["exp_avg"],
+        s["exp_avg_sq"],
+        lr=LR,
+        step=step,
+        grad_scale=SCALE,
+        **HP,
+        master_mode=master_mode,
+        states=states,
+        sr_offset=sr_offset,
+        **extra,
+    )
 
 
 def _bf16_ulp(x: torch.Tensor) -> torch.Tensor:
@@ -130,8 +164,9 @@ def check_step(s0: dict, s: dict, ref: dict, master_mode: str, states: str, step
         assert not bad.any(), f"param + comp off the exact master at {int(bad.sum())} elements"
     if states == "fp32":
         assert ((s["exp_avg"].double() - ref["m_exact"]).abs() <= ULPS * U32 * m_mag).all()
-        assert ((s["exp_avg_sq"].double() - ref["v_exact"]).abs()
-                <= ULPS * U32 * ref["v_exact"]).all()
+        assert (
+            (s["exp_avg_sq"].double() - ref["v_exact"]).abs() <= ULPS * U32 * ref["v_exact"]
+        ).all()
     elif states == "bf16":
         check_bf16("exp_avg", s["exp_avg"], ref["exp_avg"])
         check_bf16("exp_avg_sq", s["exp_avg_sq"], ref["exp_avg_sq"])
@@ -140,20 +175,27 @@ def check_step(s0: dict, s: dict, ref: dict, master_mode: str, states: str, step
         check_codes("exp_avg_sq", s["exp_avg_sq"], ref["exp_avg_sq"])
         # A scale is one element's fp32 value (the block's absmax): within its fp32 error.
         blk_m = m_mag.view(-1, QBLOCK).amax(dim=1)
-        assert ((s["exp_avg_scale"].double() - ref["exp_avg_scale"]).abs()
-                <= ULPS * U32 * blk_m).all(), "exp_avg scales"
-        assert ((s["exp_avg_sq_scale"].double() - ref["exp_avg_sq_scale"]).abs()
-                <= ULPS * U32 * ref["exp_avg_sq_scale"]).all(), "exp_avg_sq scales"
+        assert (
+            (s["exp_avg_scale"].double() - ref["exp_avg_scale"]).abs() <= ULPS * U32 * blk_m
+        ).all(), "exp_avg scales"
+        assert (
+            (s["exp_avg_sq_scale"].double() - ref["exp_avg_sq_scale"]).abs()
+            <= ULPS * U32 * ref["exp_avg_sq_scale"]
+        ).all(), "exp_avg_sq scales"
 
 
 def s0_m_mag(s0: dict, states: str) -> torch.Tensor:
-    m = (dequantize_blockwise(s0["exp_avg"], s0["exp_avg_scale"], signed=True)
-         if states == "int8" else s0["exp_avg"].float())
+    m = (
+        dequantize_blockwise(s0["exp_avg"], s0["exp_avg_scale"], signed=True)
+        if states == "int8"
+        else s0["exp_avg"].float()
+    )
     return m.double().abs() + s0["grad"].double().abs() * SCALE
 
 
-@pytest.mark.parametrize("master_mode,states", fast_only(COMBOS, FAST_COMBOS.__contains__),
-                         ids=lambda x: x)
+@pytest.mark.parametrize(
+    "master_mode,states", fast_only(COMBOS, FAST_COMBOS.__contains__), ids=lambda x: x
+)
 def test_mode_matches_float64_reference_over_steps(backend, master_mode, states):
     s = make_state(N, master_mode, states, seed=len(master_mode) * 7 + len(states))
     gen = torch.Generator().manual_seed(99)
@@ -168,9 +210,11 @@ def test_mode_matches_float64_reference_over_steps(backend, master_mode, states)
 # fp32/fp32 is torch._fused_adamw_ on CPU, within ulps of the interpreter
 # (tests/kernels/test_kernels.py).
 @pytest.mark.interpreter
-@pytest.mark.parametrize("master_mode,states", fast_only(
-    [c for c in COMBOS if c != ("fp32", "fp32")], FAST_COMBOS.__contains__),
-                         ids=lambda x: x)
+@pytest.mark.parametrize(
+    "master_mode,states",
+    fast_only([c for c in COMBOS if c != ("fp32", "fp32")], FAST_COMBOS.__contains__),
+    ids=lambda x: x,
+)
 def test_torch_path_is_bitwise_the_interpreter(monkeypatch, master_mode, states):
     results = {}
     for b in BACKENDS:
@@ -200,11 +244,20 @@ def test_bucketed_strided_layout_matches_contiguous(backend, master_mode, states
     g_buf = torch.full((num_buckets * g_stride,), math.nan, dtype=torch.bfloat16)
     for k in range(num_buckets):
         piece = slice(k * shard, (k + 1) * shard)
-        p_buf[k * bucket + rank * shard:][:shard] = s["master"][piece]
-        g_buf[k * g_stride + g_base:][:shard] = s["grad"][piece]
-    run(s, master_mode, states, step=4, sr_offset=3, master=Strided(p_buf, bucket, rank * shard),
-        grad=Strided(g_buf, g_stride, g_base), num_buckets=num_buckets, shard_numel=shard)
-    got = torch.cat([p_buf[k * bucket + rank * shard:][:shard] for k in range(num_buckets)])
+        p_buf[k * bucket + rank * shard :][:shard] = s["master"][piece]
+        g_buf[k * g_stride + g_base :][:shard] = s["grad"][piece]
+    run(
+        s,
+        master_mode,
+        states,
+        step=4,
+        sr_offset=3,
+        master=Strided(p_buf, bucket, rank * shard),
+        grad=Strided(g_buf, g_stride, g_base),
+        num_buckets=num_buckets,
+        shard_numel=shard,
+    )
+    got = torch.cat([p_buf[k * bucket + rank * shard :][:shard] for k in range(num_buckets)])
     assert torch.equal(got, want["master"]), "strided master pieces differ from contiguous"
     for k in want:
         if k not in ("master", "grad"):
@@ -212,8 +265,11 @@ def test_bucketed_strided_layout_matches_contiguous(backend, master_mode, states
     assert p_buf.isnan().sum() == num_buckets * (bucket - shard), "written outside the pieces"
 
 
-@pytest.mark.parametrize("master_mode,states", [("bf16-kahan", "int8"), ("bf16-sr", "bf16"),
-                                                ("fp32", "int8")], ids=lambda x: x)
+@pytest.mark.parametrize(
+    "master_mode,states",
+    [("bf16-kahan", "int8"), ("bf16-sr", "bf16"), ("fp32", "int8")],
+    ids=lambda x: x,
+)
 def test_skip_leaves_everything_bitwise_unchanged(backend, master_mode, states):
     s = make_state(N, master_mode, states, seed=8)
     s["grad"][5] = math.inf

@@ -3,6 +3,7 @@ against the formula, stages and ranks agreeing in a mode, and checkpoints that k
 its own dtype, reshard it and convert between modes. The kernel numerics of every mode are
 tests/kernels/test_kernels.py's (and the modes helper's); here the plumbing around them.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,16 +32,22 @@ def _model(seed: int = 0) -> nn.Module:
 
 
 def _groups(m: nn.Module) -> list[dict]:
-    return [{"params": [m[0].weight, m[2].weight]},
-            {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0, "lr": 5e-3}]
+    return [
+        {"params": [m[0].weight, m[2].weight]},
+        {"params": [m[0].bias, m[2].bias], "weight_decay": 0.0, "lr": 5e-3},
+    ]
 
 
-def _opt(m: nn.Module, master: str, states: str, stage: int = 1,
-         seed: int = 0) -> ZeroAdamW:
-    return ZeroAdamW(_groups(m), lr=1e-2, stage=stage, module=m, max_grad_norm=0.5,
-                     precision=Precision(param_dtype=torch.bfloat16, master=master, states=states,
-                                         seed=seed),
-                     sharding=Sharding(bucket_numel=600))
+def _opt(m: nn.Module, master: str, states: str, stage: int = 1, seed: int = 0) -> ZeroAdamW:
+    return ZeroAdamW(
+        _groups(m),
+        lr=1e-2,
+        stage=stage,
+        module=m,
+        max_grad_norm=0.5,
+        precision=Precision(param_dtype=torch.bfloat16, master=master, states=states, seed=seed),
+        sharding=Sharding(bucket_numel=600),
+    )
 
 
 def _train(m: nn.Module, opt: ZeroAdamW, steps: int, seed: int = 1, accum: int = 2) -> None:
@@ -65,8 +72,9 @@ def test_bf16_master_modes_need_bf16_params_and_names_are_checked() -> None:
     with pytest.raises(ValueError, match="states='int4'"):
         ZeroAdamW(m.parameters(), precision=Precision(states="int4"))
     # bf16 params without param_dtype are their own master: allowed.
-    ZeroAdamW(_model().bfloat16().parameters(),
-              precision=Precision(master="bf16-kahan", states="int8")).close()
+    ZeroAdamW(
+        _model().bfloat16().parameters(), precision=Precision(master="bf16-kahan", states="int8")
+    ).close()
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
@@ -84,15 +92,17 @@ def test_resident_optimizer_bytes_equal_the_formula_in_every_mode(stage: int) ->
                 L = b.layout
                 assert L.local_numel == (L.padded_numel if stage == 0 else L.padded_numel // W)
                 per = MASTER_BYTES[master] + STATE_BYTES[states]
-                want += per * L.local_numel + (2 * 4 * L.local_numel // 128
-                                               if states == "int8" else 0)
+                want += per * L.local_numel + (
+                    2 * 4 * L.local_numel // 128 if states == "int8" else 0
+                )
             assert opt.memory().optimizer == want, (master, states, stage)
             opt.close()
 
 
 # -- every stage in a mode: one process, then two ranks ------------------------------------------
-@pytest.mark.parametrize("master,states", [("bf16-kahan", "int8"), ("bf16-sr", "bf16"),
-                                           ("bf16", "int8")])
+@pytest.mark.parametrize(
+    "master,states", [("bf16-kahan", "int8"), ("bf16-sr", "bf16"), ("bf16", "int8")]
+)
 def test_stages_agree_bitwise_in_a_mode(master: str, states: str) -> None:
     """At one rank the stages differ only in where grads and params live: the same mode gives
     bit-identical params and states at stages 0-3 (grad accumulation and clipping on)."""
@@ -104,8 +114,15 @@ def test_stages_agree_bitwise_in_a_mode(master: str, states: str) -> None:
         with opt.gathered_params():
             params = [p.detach().clone() for p in m.parameters()]
         st = opt.shard_state()
-        results.append((params, [{k: t.clone() for k, t in st.tensors(i).items()}
-                                 for i in range(len(opt.flat_groups))]))
+        results.append(
+            (
+                params,
+                [
+                    {k: t.clone() for k, t in st.tensors(i).items()}
+                    for i in range(len(opt.flat_groups))
+                ],
+            )
+        )
         opt.close()
     for stage, (params, states_) in enumerate(results[1:], start=1):
         for a, b in zip(params, results[0][0]):
@@ -121,7 +138,7 @@ def w_train(rank: int, world: int, master: str, states: str, stage: int) -> list
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         x = torch.randn(8 * world, 17, generator=g).bfloat16()
-        (m(x[rank * 8:(rank + 1) * 8]).float().pow(2).mean()).backward()
+        (m(x[rank * 8 : (rank + 1) * 8]).float().pow(2).mean()).backward()
         opt.step()
         opt.zero_grad()
     with opt.gathered_params():
@@ -155,12 +172,13 @@ def test_two_ranks_match_one_rank_in_kahan_int8() -> None:
 # -- checkpoints ----------------------------------------------------------------------------------
 def _state(opt: ZeroAdamW) -> list[dict[str, torch.Tensor]]:
     st = opt.shard_state()
-    return [{k: t.clone() for k, t in st.tensors(i).items()}
-            for i in range(len(opt.flat_groups))]
+    return [{k: t.clone() for k, t in st.tensors(i).items()} for i in range(len(opt.flat_groups))]
 
 
-@pytest.mark.parametrize("master,states", [("bf16-kahan", "int8"), ("bf16-sr", "bf16"),
-                                           ("fp32", "int8"), ("bf16", "fp32")])
+@pytest.mark.parametrize(
+    "master,states",
+    [("bf16-kahan", "int8"), ("bf16-sr", "bf16"), ("fp32", "int8"), ("bf16", "fp32")],
+)
 def test_same_mode_resume_is_bit_exact(tmp_path: Path, master: str, states: str) -> None:
     """Saved at stage 1, loaded at stage 2: every stored tensor (codes, scales, comp) equal, and
     two more steps equal an uninterrupted run's (bf16-sr: the seed and the step count)."""
@@ -210,10 +228,13 @@ def test_load_converts_states_fp32_to_int8_and_back(tmp_path: Path) -> None:
     ck.save(opt8, tmp_path / "i8", step=3)
     back = _loaded(tmp_path / "i8", "fp32", "fp32", seed=6)
     for q8, d in zip(_state(opt8), _state(back)):
-        assert torch.equal(d["exp_avg"], dequantize_blockwise(q8["exp_avg"], q8["exp_avg_scale"],
-                                                              signed=True))
-        assert torch.equal(d["exp_avg_sq"], dequantize_blockwise(
-            q8["exp_avg_sq"], q8["exp_avg_sq_scale"], signed=False))
+        assert torch.equal(
+            d["exp_avg"], dequantize_blockwise(q8["exp_avg"], q8["exp_avg_scale"], signed=True)
+        )
+        assert torch.equal(
+            d["exp_avg_sq"],
+            dequantize_blockwise(q8["exp_avg_sq"], q8["exp_avg_sq_scale"], signed=False),
+        )
 
 
 def test_load_converts_fp32_master_to_kahan_and_back(tmp_path: Path) -> None:
@@ -247,7 +268,7 @@ def w_save(rank: int, world: int, root: str) -> list[dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(1)
     for _ in range(3):
         x = torch.randn(16, 17, generator=g).bfloat16()
-        m(x[rank * 8:(rank + 1) * 8]).float().pow(2).mean().backward()
+        m(x[rank * 8 : (rank + 1) * 8]).float().pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
     ck.save(opt, root, step=3)
@@ -294,6 +315,7 @@ def test_int8_kahan_checkpoint_reshards_from_two_ranks_to_one_bitwise(tmp_path: 
 
 def test_docs_modes_table_is_the_generated_one() -> None:
     import runpy
+
     root = Path(__file__).resolve().parents[2]
     table = runpy.run_path(str(root / "bench" / "modes_table.py"))["table"]()
     assert table in (root / "docs" / "memory_modes.md").read_text()

@@ -7,6 +7,7 @@ not from RSS: after backward and after step, the peaks of a training step outsid
 
 About an internal: fusedzero.kernels._sum_of_squares.
 """
+
 from __future__ import annotations
 
 import gc
@@ -39,8 +40,9 @@ def _storages(generation: int | None = None) -> dict[int, int]:
 
 def _peak_new_bytes(system: str) -> tuple[int, object, torch.nn.Module]:
     """Most bytes of new storages alive after a backward or a step, over two steps."""
-    x = torch.randint(0, CFG.vocab_size, (2, CFG.block_size),
-                      generator=torch.Generator().manual_seed(0))
+    x = torch.randint(
+        0, CFG.vocab_size, (2, CFG.block_size), generator=torch.Generator().manual_seed(0)
+    )
     gc.collect()
     before = _storages()
     # From here on every new tensor object stays in gc generation 0 (no automatic collection
@@ -52,13 +54,15 @@ def _peak_new_bytes(system: str) -> tuple[int, object, torch.nn.Module]:
         gc.enable()
 
 
-def _peak_after(system: str, x: torch.Tensor, before: dict[int, int]
-                ) -> tuple[int, object, torch.nn.Module]:
+def _peak_after(
+    system: str, x: torch.Tensor, before: dict[int, int]
+) -> tuple[int, object, torch.nn.Module]:
     torch.manual_seed(0)
     model = GPT(CFG)
     if system == "zero1":
-        opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-3, stage=1, module=model,
-                        max_grad_norm=1.0)
+        opt = ZeroAdamW(
+            gpt_param_groups(model, 0.1), lr=1e-3, stage=1, module=model, max_grad_norm=1.0
+        )
     else:
         opt = torch.optim.AdamW(gpt_param_groups(model, 0.1), lr=1e-3, **{system: True})
     peak = 0

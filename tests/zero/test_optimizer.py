@@ -1,4 +1,5 @@
 """The single-process optimizer contract (world size 1: the degenerate case of the same code)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -24,9 +25,16 @@ class Net(TwoLinear):
 
 
 def groups(m: Net, lr2: float = 3e-3) -> list[dict]:
-    return [{"params": [m.a.weight, m.b.weight]},
-            {"params": [m.a.bias, m.b.bias], "weight_decay": 0.0, "lr": lr2,
-             "betas": (0.8, 0.99), "eps": 1e-6}]
+    return [
+        {"params": [m.a.weight, m.b.weight]},
+        {
+            "params": [m.a.bias, m.b.bias],
+            "weight_decay": 0.0,
+            "lr": lr2,
+            "betas": (0.8, 0.99),
+            "eps": 1e-6,
+        },
+    ]
 
 
 def batch(step: int) -> torch.Tensor:
@@ -47,8 +55,14 @@ def assert_close(a: nn.Module, b: nn.Module, rtol: float = 1e-6, atol: float = 1
 def test_matches_torch_adamw_25_steps_two_groups_with_scheduler(stage: int) -> None:
     ref_m, m = make(), make()
     ref = torch.optim.AdamW(groups(ref_m), lr=1e-3, weight_decay=0.05)
-    opt = ZeroAdamW(groups(m), lr=1e-3, weight_decay=0.05, stage=stage, module=m,
-                    sharding=Sharding(bucket_numel=200, units=nn.Linear))
+    opt = ZeroAdamW(
+        groups(m),
+        lr=1e-3,
+        weight_decay=0.05,
+        stage=stage,
+        module=m,
+        sharding=Sharding(bucket_numel=200, units=nn.Linear),
+    )
     scheds = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)) for o in (ref, opt)]
     for step in range(25):
         for model, o in ((ref_m, ref), (m, opt)):
@@ -65,8 +79,12 @@ def test_matches_torch_adamw_25_steps_two_groups_with_scheduler(stage: int) -> N
 
 def test_bf16_params_equal_cast_of_master_after_every_step() -> None:
     m = make()
-    opt = ZeroAdamW(m.parameters(), lr=1e-2, precision=Precision(param_dtype=torch.bfloat16),
-                    sharding=Sharding(bucket_numel=200))
+    opt = ZeroAdamW(
+        m.parameters(),
+        lr=1e-2,
+        precision=Precision(param_dtype=torch.bfloat16),
+        sharding=Sharding(bucket_numel=200),
+    )
     assert all(p.dtype == torch.bfloat16 for p in m.parameters())
     (fg,) = opt.flat_groups
     for step in range(5):
@@ -74,8 +92,8 @@ def test_bf16_params_equal_cast_of_master_after_every_step() -> None:
         opt.step()
         master = opt.shards.master(fg)
         for seg in fg.layout.segments(0):
-            p = opt.params[seg.param].detach().reshape(-1)[seg.start:seg.start + seg.length]
-            ref = master[seg.local:seg.local + seg.length].to(torch.bfloat16)
+            p = opt.params[seg.param].detach().reshape(-1)[seg.start : seg.start + seg.length]
+            ref = master[seg.local : seg.local + seg.length].to(torch.bfloat16)
             assert torch.equal(p, ref)
 
 
@@ -101,9 +119,13 @@ def test_triton_interpreter_step_matches_torch_path_interpreter_only(monkeypatch
     for backend in ("torch", "triton"):
         monkeypatch.setenv("FUSEDZERO_BACKEND", backend)
         m = make()
-        opt = ZeroAdamW(groups(m), lr=1e-3, max_grad_norm=0.5,
-                        precision=Precision(param_dtype=torch.bfloat16),
-                        sharding=Sharding(bucket_numel=200))
+        opt = ZeroAdamW(
+            groups(m),
+            lr=1e-3,
+            max_grad_norm=0.5,
+            precision=Precision(param_dtype=torch.bfloat16),
+            sharding=Sharding(bucket_numel=200),
+        )
         for step in range(3):
             m(batch(step).bfloat16()).float().square().mean().backward()
             opt.step()
@@ -134,9 +156,15 @@ def test_step_reads_no_tensor_value_on_host_triton_interpreter_only(monkeypatch,
     for backend in ("triton", "torch"):
         monkeypatch.setenv("FUSEDZERO_BACKEND", backend)
         m = make()
-        opt = ZeroAdamW(m.parameters(), lr=1e-3, stage=stage, module=m, max_grad_norm=1.0,
-                        precision=Precision(loss_scale="dynamic"),
-                        sharding=Sharding(units=nn.Linear))
+        opt = ZeroAdamW(
+            m.parameters(),
+            lr=1e-3,
+            stage=stage,
+            module=m,
+            max_grad_norm=1.0,
+            precision=Precision(loss_scale="dynamic"),
+            sharding=Sharding(units=nn.Linear),
+        )
         opt.scale_loss(m(batch(0)).square().mean()).backward()
         with _ScalarReads() as mode:
             opt.step()
@@ -147,15 +175,23 @@ def test_step_reads_no_tensor_value_on_host_triton_interpreter_only(monkeypatch,
 
 def test_state_dict_round_trip_continues_identically() -> None:
     m1 = make()
-    o1 = ZeroAdamW(groups(m1), lr=1e-3, precision=Precision(param_dtype=torch.bfloat16),
-                   sharding=Sharding(bucket_numel=200))
+    o1 = ZeroAdamW(
+        groups(m1),
+        lr=1e-3,
+        precision=Precision(param_dtype=torch.bfloat16),
+        sharding=Sharding(bucket_numel=200),
+    )
     for step in range(3):
         m1(batch(step).bfloat16()).float().square().mean().backward()
         o1.step()
     sd = o1.state_dict()
     m2 = make(seed=1)
-    o2 = ZeroAdamW(groups(m2), lr=5.0, precision=Precision(param_dtype=torch.bfloat16),
-                   sharding=Sharding(bucket_numel=200))
+    o2 = ZeroAdamW(
+        groups(m2),
+        lr=5.0,
+        precision=Precision(param_dtype=torch.bfloat16),
+        sharding=Sharding(bucket_numel=200),
+    )
     o2.load_state_dict(sd)
     assert o2.param_groups[1]["lr"] == 3e-3
     for step in range(3, 6):
@@ -173,8 +209,14 @@ def test_state_dict_round_trip_continues_identically() -> None:
 def test_maximize_and_zero_grad_drop_a_micro_batch(stage: int) -> None:
     ref_m, m = make(), make()
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3, maximize=True)
-    opt = ZeroAdamW(m.parameters(), lr=1e-3, maximize=True, stage=stage, module=m,
-                    sharding=Sharding(bucket_numel=200, units=nn.Linear))
+    opt = ZeroAdamW(
+        m.parameters(),
+        lr=1e-3,
+        maximize=True,
+        stage=stage,
+        module=m,
+        sharding=Sharding(bucket_numel=200, units=nn.Linear),
+    )
     for step in range(3):
         m(batch(99)).square().mean().backward()
         opt.zero_grad()  # dropped: must not reach the update
@@ -195,8 +237,13 @@ def test_a_second_step_without_backward_is_refused_and_changes_nothing(stage: in
     backward and step match torch's zero_grad, backward, step."""
     ref_m, m = make(), make()
     ref = torch.optim.AdamW(ref_m.parameters(), lr=1e-3)
-    opt = ZeroAdamW(m.parameters(), lr=1e-3, stage=stage, module=m,
-                    sharding=Sharding(bucket_numel=200, units=nn.Linear))
+    opt = ZeroAdamW(
+        m.parameters(),
+        lr=1e-3,
+        stage=stage,
+        module=m,
+        sharding=Sharding(bucket_numel=200, units=nn.Linear),
+    )
     for model, o in ((ref_m, ref), (m, opt)):
         model(batch(0)).square().mean().backward()
         o.step()
@@ -220,8 +267,13 @@ def test_a_nan_lr_set_after_construction_is_refused_at_step(stage: int) -> None:
     refuses it in one line naming the group, where the lr is read on the host anyway, before
     anything is written; a valid lr given to another group in the same step is not lost."""
     ref_m, m = make(), make()
-    groups = lambda mod: [{"params": [mod.a.weight, mod.b.weight]},  # noqa: E731
-                          {"params": [mod.a.bias, mod.b.bias], "weight_decay": 0.0}]
+
+    def groups(mod: nn.Module) -> list[dict]:
+        return [
+            {"params": [mod.a.weight, mod.b.weight]},
+            {"params": [mod.a.bias, mod.b.bias], "weight_decay": 0.0},
+        ]
+
     ref = torch.optim.AdamW(groups(ref_m), lr=1e-3)
     opt = ZeroAdamW(groups(m), lr=1e-3, stage=stage, module=m, sharding=Sharding(units=nn.Linear))
     for model, o in ((ref_m, ref), (m, opt)):
@@ -246,8 +298,9 @@ def test_zero_grad_after_step_zeroes_once_and_still_clears_user_writes(stage: in
     `zero_grad()` right after must not make a second pass over them, yet a write into `.grad`
     in between is still cleared."""
     m = make()
-    opt = ZeroAdamW(m.parameters(), lr=1e-3, stage=stage, module=m,
-                    sharding=Sharding(bucket_numel=200))
+    opt = ZeroAdamW(
+        m.parameters(), lr=1e-3, stage=stage, module=m, sharding=Sharding(bucket_numel=200)
+    )
     flats = [b.grad_flat for b in opt.flat_groups]
     m(batch(0)).square().mean().backward()
     assert any(bool(g.ne(0).any()) for g in flats)
@@ -296,44 +349,53 @@ def test_unused_frozen_and_zero_size_params() -> None:
     assert torch.equal(m.a.weight, w)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"lr": -1.0}, "learning rate"),
-    ({"eps": -1e-8}, "epsilon"),
-    # Stricter than torch.optim.AdamW on purpose: eps 0 divides by zero at a zero second
-    # moment; values outside fp32's range are inf (or 0) in the fp32 update.
-    ({"eps": 0.0}, r"epsilon value: 0.0 \(must be > 0"),
-    ({"eps": 1e-50}, r"epsilon value: 1e-50 \(must be > 0"),
-    ({"eps": float("inf")}, "epsilon value: inf"),
-    ({"lr": float("inf")}, r"learning rate: inf \(must be finite in fp32"),
-    ({"lr": 1e300}, r"learning rate: 1e\+300 \(must be finite in fp32"),
-    ({"lr": torch.tensor(float("inf"))}, "must be finite in fp32"),
-    ({"lr": float("nan")}, "learning rate: nan"),
-    ({"weight_decay": float("inf")}, r"weight_decay value: inf \(must be finite in fp32"),
-    ({"betas": (1.0, 0.999)}, "beta parameter at index 0"),
-    ({"betas": (0.9, -0.1)}, "beta parameter at index 1"),
-    ({"weight_decay": -0.1}, "weight_decay"),
-    ({"stage": 4}, "stage must be"),
-    ({"max_grad_norm": 0.0}, "max_grad_norm"),
-    ({"stage": 3}, "module=model"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"lr": -1.0}, "learning rate"),
+        ({"eps": -1e-8}, "epsilon"),
+        # Stricter than torch.optim.AdamW on purpose: eps 0 divides by zero at a zero second
+        # moment; values outside fp32's range are inf (or 0) in the fp32 update.
+        ({"eps": 0.0}, r"epsilon value: 0.0 \(must be > 0"),
+        ({"eps": 1e-50}, r"epsilon value: 1e-50 \(must be > 0"),
+        ({"eps": float("inf")}, "epsilon value: inf"),
+        ({"lr": float("inf")}, r"learning rate: inf \(must be finite in fp32"),
+        ({"lr": 1e300}, r"learning rate: 1e\+300 \(must be finite in fp32"),
+        ({"lr": torch.tensor(float("inf"))}, "must be finite in fp32"),
+        ({"lr": float("nan")}, "learning rate: nan"),
+        ({"weight_decay": float("inf")}, r"weight_decay value: inf \(must be finite in fp32"),
+        ({"betas": (1.0, 0.999)}, "beta parameter at index 0"),
+        ({"betas": (0.9, -0.1)}, "beta parameter at index 1"),
+        ({"weight_decay": -0.1}, "weight_decay"),
+        ({"stage": 4}, "stage must be"),
+        ({"max_grad_norm": 0.0}, "max_grad_norm"),
+        ({"stage": 3}, "module=model"),
+    ],
+)
 def test_bad_hyper_parameters_raise(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         ZeroAdamW(make().parameters(), **kwargs)
 
 
-@pytest.mark.parametrize("build, match", [
-    (lambda: Precision(reduce_dtype=torch.int32), r"Precision\(reduce_dtype=torch.int32\)"),
-    (lambda: Precision(param_dtype=torch.float64), "param_dtype=torch.float64"),
-    (lambda: Precision(master="kahan"), r"Precision\(master='kahan'\): expected one of"),
-    (lambda: Precision(states="int4"), r"Precision\(states='int4'\)"),
-    (lambda: Precision(loss_scale=-2.0), r"Precision\(loss_scale=-2.0\)"),
-    (lambda: Precision(loss_scale="static"), "loss_scale='static'"),
-    (lambda: Precision(master="bf16-sr", param_dtype=torch.float16), "param_dtype=torch.bfloat16"),
-    (lambda: Wire(grads="int4"), r"Wire\(grads='int4'\): expected None or one of \['fp32'"),
-    (lambda: Wire(params="fp8"), r"Wire\(params='fp8'\)"),
-    (lambda: Sharding(bucket_numel=0), r"Sharding\(bucket_numel=0\)"),
-    (lambda: Sharding(units=0), r"Sharding\(units=0\)"),
-])
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda: Precision(reduce_dtype=torch.int32), r"Precision\(reduce_dtype=torch.int32\)"),
+        (lambda: Precision(param_dtype=torch.float64), "param_dtype=torch.float64"),
+        (lambda: Precision(master="kahan"), r"Precision\(master='kahan'\): expected one of"),
+        (lambda: Precision(states="int4"), r"Precision\(states='int4'\)"),
+        (lambda: Precision(loss_scale=-2.0), r"Precision\(loss_scale=-2.0\)"),
+        (lambda: Precision(loss_scale="static"), "loss_scale='static'"),
+        (
+            lambda: Precision(master="bf16-sr", param_dtype=torch.float16),
+            "param_dtype=torch.bfloat16",
+        ),
+        (lambda: Wire(grads="int4"), r"Wire\(grads='int4'\): expected None or one of \['fp32'"),
+        (lambda: Wire(params="fp8"), r"Wire\(params='fp8'\)"),
+        (lambda: Sharding(bucket_numel=0), r"Sharding\(bucket_numel=0\)"),
+        (lambda: Sharding(units=0), r"Sharding\(units=0\)"),
+    ],
+)
 def test_bad_policy_fields_raise_naming_the_value(build: Any, match: str) -> None:
     """The records validate themselves when built: the message names the field and value."""
     with pytest.raises(ValueError, match=match):
@@ -367,20 +429,28 @@ def test_policy_records_are_frozen_and_keyword_only() -> None:
         Precision(torch.bfloat16)  # type: ignore[misc]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    ({"param_dtype": torch.bfloat16},
-     r"^param_dtype= moved: use precision=Precision\(param_dtype=...\)$"),
-    ({"process_group": None}, r"^process_group= moved: use groups=Groups\(shard=...\)$"),
-    ({"replicate_group": None}, r"groups=Groups\(replicate=...\)"),
-    ({"gather_group": None}, r"groups=Groups\(gather=...\)"),
-    ({"param_wire": "int8"}, r"wire=Wire\(params=...\)"),
-    ({"unit_policy": nn.Linear}, r"sharding=Sharding\(units=...\)"),
-    ({"bucket_numel": 64}, r"sharding=Sharding\(bucket_numel=...\)"),
-    ({"loss_scale": "dynamic"}, r"precision=Precision\(loss_scale=...\)"),
-    ({"wire": "int8"}, r"wire='int8': expected a fusedzero.Wire record; "
-                       r"use wire=Wire\(grads='int8'\)"),
-    ({"precision": torch.bfloat16}, r"use precision=Precision\(...\)"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"param_dtype": torch.bfloat16},
+            r"^param_dtype= moved: use precision=Precision\(param_dtype=...\)$",
+        ),
+        ({"process_group": None}, r"^process_group= moved: use groups=Groups\(shard=...\)$"),
+        ({"replicate_group": None}, r"groups=Groups\(replicate=...\)"),
+        ({"gather_group": None}, r"groups=Groups\(gather=...\)"),
+        ({"param_wire": "int8"}, r"wire=Wire\(params=...\)"),
+        ({"unit_policy": nn.Linear}, r"sharding=Sharding\(units=...\)"),
+        ({"bucket_numel": 64}, r"sharding=Sharding\(bucket_numel=...\)"),
+        ({"loss_scale": "dynamic"}, r"precision=Precision\(loss_scale=...\)"),
+        (
+            {"wire": "int8"},
+            r"wire='int8': expected a fusedzero.Wire record; "
+            r"use wire=Wire\(grads='int8'\)",
+        ),
+        ({"precision": torch.bfloat16}, r"use precision=Precision\(...\)"),
+    ],
+)
 def test_a_removed_keyword_names_its_new_place(kwargs: dict, match: str) -> None:
     with pytest.raises(TypeError, match=match):
         ZeroAdamW(make().parameters(), **kwargs)
@@ -390,8 +460,21 @@ def test_the_constructor_takes_at_most_15_parameters() -> None:
     """The options beyond AdamW's own live in the policy records (fusedzero/policy.py)."""
     params = inspect.signature(ZeroAdamW.__init__).parameters
     assert len(params) - 1 <= 15, list(params)
-    for kept in ("params", "lr", "betas", "eps", "weight_decay", "maximize", "stage", "module",
-                 "max_grad_norm", "precision", "wire", "groups", "sharding"):
+    for kept in (
+        "params",
+        "lr",
+        "betas",
+        "eps",
+        "weight_decay",
+        "maximize",
+        "stage",
+        "module",
+        "max_grad_norm",
+        "precision",
+        "wire",
+        "groups",
+        "sharding",
+    ):
         assert kept in params
 
 
@@ -432,8 +515,12 @@ def test_shard_state_round_trips_into_a_fresh_optimizer(stage: int) -> None:
     puts back (params rewritten from master, moments, step count, loss scale); None fields are
     left as they are."""
     m, m2 = make(), make(seed=1)
-    kw = dict(lr=1e-2, stage=stage, sharding=Sharding(bucket_numel=200, units=nn.Linear),
-              precision=Precision(loss_scale="dynamic"))
+    kw = dict(
+        lr=1e-2,
+        stage=stage,
+        sharding=Sharding(bucket_numel=200, units=nn.Linear),
+        precision=Precision(loss_scale="dynamic"),
+    )
     opt, opt2 = ZeroAdamW(groups(m), module=m, **kw), ZeroAdamW(groups(m2), module=m2, **kw)
     for step in range(3):
         opt.scale_loss(m(batch(step)).square().mean()).backward()
@@ -442,8 +529,9 @@ def test_shard_state_round_trips_into_a_fresh_optimizer(stage: int) -> None:
     assert [i.name for i in infos] == ["a.weight", "b.weight", "a.bias", "b.bias"]
     assert [i.shape for i in infos] == [(33, 17), (5, 33), (33,), (5,)]
     assert [i.group_index for i in infos] == [0, 0, 1, 1]
-    assert [s.layout.local_numel for s in opt.shard_infos()] == \
-        [s.local_numel for s in opt2.shard_infos()]
+    assert [s.layout.local_numel for s in opt.shard_infos()] == [
+        s.local_numel for s in opt2.shard_infos()
+    ]
     st = opt.shard_state()
     assert st.step_count == 3.0 and st.scaler is not None
     before = opt2.shard_state().exp_avg[0].clone()

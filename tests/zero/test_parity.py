@@ -5,6 +5,7 @@ One spawn per world size runs every case (process start-up dominates; W=4 on 2 c
 the accumulation cases run twice in that process to show the result is deterministic, not just
 close. Checks of the semantics contract (docs/design.md) ride in the same spawns.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -79,7 +80,7 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def local(t: torch.Tensor, rank: int, world: int, micro: int, accum: int) -> torch.Tensor:
     n = t.shape[0] // (world * accum)
     i = rank * accum + micro
-    return t[i * n:(i + 1) * n]
+    return t[i * n : (i + 1) * n]
 
 
 def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -110,8 +111,15 @@ def train(rank: int, world: int, case: dict) -> dict:
     if case.get("reentrant"):  # the last layer first: its grads come from the nested backward
         for m in (model.c, model.b):
             m.forward = functools.partial(checkpoint, m.forward, use_reentrant=True)
-    opt = ZeroAdamW(model.parameters(), lr=LR, weight_decay=0.1, stage=case["stage"], module=model,
-                    trace=True, sharding=Sharding(bucket_numel=256, units=nn.Linear))
+    opt = ZeroAdamW(
+        model.parameters(),
+        lr=LR,
+        weight_decay=0.1,
+        stage=case["stage"],
+        module=model,
+        trace=True,
+        sharding=Sharding(bucket_numel=256, units=nn.Linear),
+    )
     accum = case["accum"]
     try:
         for step in range(STEPS):
@@ -119,8 +127,12 @@ def train(rank: int, world: int, case: dict) -> dict:
             for m in range(accum):
                 quiet = case["no_sync"] and m < accum - 1
                 with opt.no_sync() if quiet else contextlib.nullcontext():
-                    (loss_fn(model, local(x, rank, world, m, accum),
-                             local(y, rank, world, m, accum)) / accum).backward()
+                    (
+                        loss_fn(
+                            model, local(x, rank, world, m, accum), local(y, rank, world, m, accum)
+                        )
+                        / accum
+                    ).backward()
             if case.get("user_clip"):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), case["user_clip"])
             opt.step()
@@ -142,8 +154,9 @@ def parity_cases() -> list[dict]:
     for stage in (0, 1, 2, 3):
         cases.append({"model": "mlp", "stage": stage, "accum": 1, "no_sync": False})
         for no_sync in (True, False):
-            cases.append({"model": "mlp", "stage": stage, "accum": 3, "no_sync": no_sync,
-                          "twice": True})
+            cases.append(
+                {"model": "mlp", "stage": stage, "accum": 3, "no_sync": no_sync, "twice": True}
+            )
         for kind in ("reordered", "unused"):
             cases.append({"model": kind, "stage": stage, "accum": 3, "no_sync": False})
     return cases
@@ -153,10 +166,15 @@ def extra_cases(world: int) -> list[dict]:
     """Per-item cases that ride along in the same spawn."""
     one = {"model": "mlp", "accum": 1, "no_sync": False}
     if world == 2:
-        return [{**one, "stage": s, "item": item, **kw} for s in (0, 1, 2, 3)
-                for item, kw in (("seed_rank", {"seed_rank": True}),
-                                 ("reentrant", {"reentrant": True}),
-                                 ("user_clip", {"user_clip": CLIP}))]
+        return [
+            {**one, "stage": s, "item": item, **kw}
+            for s in (0, 1, 2, 3)
+            for item, kw in (
+                ("seed_rank", {"seed_rank": True}),
+                ("reentrant", {"reentrant": True}),
+                ("user_clip", {"user_clip": CLIP}),
+            )
+        ]
     return [{"stage": s, "item": "fp16"} for s in (0, 1, 2, 3)]
 
 
@@ -180,9 +198,14 @@ class Linear1(nn.Module):
 
 def train_fp16(rank: int, world: int, case: dict) -> dict:
     model = Linear1()
-    opt = ZeroAdamW(model.parameters(), lr=LR, stage=case["stage"], module=model,
-                    precision=Precision(reduce_dtype=torch.float16),
-                    sharding=Sharding(units=nn.Linear))
+    opt = ZeroAdamW(
+        model.parameters(),
+        lr=LR,
+        stage=case["stage"],
+        module=model,
+        precision=Precision(reduce_dtype=torch.float16),
+        sharding=Sharding(units=nn.Linear),
+    )
     for _ in range(2):
         model(fp16_grads(world)[rank]).backward()
         opt.step()
@@ -226,8 +249,9 @@ def reference_params(kind: str, clip: float | None = None) -> dict[str, torch.Te
 def assert_matches(got: dict, want: dict, where: str) -> None:
     for n, w in want.items():
         d = (got[n] - w).abs()
-        assert torch.allclose(got[n], w, rtol=RTOL, atol=ATOL), \
+        assert torch.allclose(got[n], w, rtol=RTOL, atol=ATOL), (
             f"{where} param {n}: max abs diff {d.max():.3g} (max rel {(d / w.abs()).max():.3g})"
+        )
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
@@ -257,8 +281,11 @@ def test_reductions_complete_when_backward_returns(world: int) -> None:
 
 
 def _extra(world: int, item: str) -> list[tuple[dict, list[dict]]]:
-    return [(c, [o[case_key(c)] for o in results(world)])
-            for c in extra_cases(world) if c["item"] == item]
+    return [
+        (c, [o[case_key(c)] for o in results(world)])
+        for c in extra_cases(world)
+        if c["item"] == item
+    ]
 
 
 def test_replicas_start_from_rank0_params_at_every_stage() -> None:
@@ -302,5 +329,6 @@ def test_fp16_reduction_pre_divides_so_grads_near_fp16_max_do_not_overflow() -> 
     for case, per_rank in _extra(4, "fp16"):
         for r, o in enumerate(per_rank):
             assert o["skipped"] == 0.0, (case, r)
-            torch.testing.assert_close(o["w"], model.w.detach(), rtol=RTOL, atol=ATOL,
-                                       msg=f"{case} rank {r}")
+            torch.testing.assert_close(
+                o["w"], model.w.detach(), rtol=RTOL, atol=ATOL, msg=f"{case} rank {r}"
+            )

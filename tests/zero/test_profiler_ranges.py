@@ -1,6 +1,7 @@
 """Each phase of a step is a named range in a user's torch.profiler trace (issue 40 item 3,
 see [Note: profiler ranges] in fusedzero/_profiling.py), and without a profiler running none is
 entered: a range costs ~12 us of host even then, per bucket and per unit."""
+
 from __future__ import annotations
 
 import collections
@@ -14,13 +15,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fusedzero import Sharding, ZeroAdamW
 from fusedzero.testing import fake_group
 
-COMMON = {"fusedzero::step", "fusedzero::grad_norm", "fusedzero::update",
-          "fusedzero::end_backward", "fusedzero::zero_grad", "fusedzero::reduce_wait"}
+COMMON = {
+    "fusedzero::step",
+    "fusedzero::grad_norm",
+    "fusedzero::update",
+    "fusedzero::end_backward",
+    "fusedzero::zero_grad",
+    "fusedzero::reduce_wait",
+}
 BY_STAGE = {
     0: {"fusedzero::all_reduce"},
     1: {"fusedzero::reduce_scatter", "fusedzero::all_gather", "fusedzero::param_wait"},
-    3: {"fusedzero::reduce_scatter", "fusedzero::unit_gather", "fusedzero::unit_wait",
-        "fusedzero::unit_free"},
+    3: {
+        "fusedzero::reduce_scatter",
+        "fusedzero::unit_gather",
+        "fusedzero::unit_wait",
+        "fusedzero::unit_free",
+    },
 }
 
 
@@ -38,8 +49,14 @@ class _ProfilerOps(TorchDispatchMode):
 def _model_and_opt(stage: int) -> tuple[nn.Module, ZeroAdamW]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    return model, ZeroAdamW(model.parameters(), lr=1e-3, stage=stage, module=model,
-                            max_grad_norm=1.0, sharding=Sharding(units=nn.Linear))
+    return model, ZeroAdamW(
+        model.parameters(),
+        lr=1e-3,
+        stage=stage,
+        module=model,
+        max_grad_norm=1.0,
+        sharding=Sharding(units=nn.Linear),
+    )
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])

@@ -1,6 +1,7 @@
 """Reused ranks (`fusedzero.testing.reuse_ranks`, on for this suite): the same processes run
 consecutive runs of one world size, their group intact; a failing run leaves no broken pool
 behind for the next test."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -83,12 +84,12 @@ def _pools_in_a_fork() -> None:
     assert not testing._POOLS and not testing._REUSE, (testing._POOLS, testing._REUSE)
 
 
-def test_a_fork_does_not_inherit_the_pools(monkeypatch: pytest.MonkeyPatch,
-                                           tmp_path: Path) -> None:
+def test_a_fork_does_not_inherit_the_pools(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """A fork of the test process (a forked docs block that calls run_ranks) must not use the
     parent's pools (their ranks take the parent's tasks) nor keep its own: it leaves through
     os._exit, without atexit, and its pool's ranks outlived the session."""
     from _helpers import run_forked
+
     monkeypatch.setitem(testing._POOLS, ("parent", ()), object())
     p = run_forked(_pools_in_a_fork, tmp_path)
     assert p.returncode == 0, p.stderr

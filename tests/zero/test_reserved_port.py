@@ -4,6 +4,7 @@ bind takes it, and rank 0's store still listens on it. Before: `SpawnedRanks` (e
 run's `fusedzero train` failed with EADDRINUSE when another test's process bound it first.
 
 About an internal: fusedzero._spawn."""
+
 from __future__ import annotations
 
 import datetime
@@ -23,8 +24,13 @@ def test_a_reserved_port_refuses_other_binds_and_takes_the_store() -> None:
         with socket.socket() as other, pytest.raises(OSError) as e:
             other.bind(("127.0.0.1", port))
         assert e.value.errno == errno.EADDRINUSE
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0,
-                                world_size=1, timeout=datetime.timedelta(seconds=30))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=0,
+            world_size=1,
+            timeout=datetime.timedelta(seconds=30),
+        )
         dist.destroy_process_group()
     finally:
         held.close()

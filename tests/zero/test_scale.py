@@ -7,6 +7,7 @@ formula within padding, padding <= 0.5% of Psi, and one step's collectives as co
 where it is at most ~1.5 GB; everything else is built on the meta device, with the same byte
 counts. Construction time and RSS are reported by bench/bench_scale.py, not asserted here.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -20,9 +21,11 @@ PARAM, GRAD, K = 2, 2, 12  # bf16 params, bf16 grads, fp32 master + exp_avg + ex
 
 def _zero_formula(psi: int, W: int, stage: int) -> float:
     """Rajbhandari et al. (2020): bytes per rank of each stage, no padding."""
-    return {1: (PARAM + GRAD) * psi + K * psi / W,
-            2: PARAM * psi + (GRAD + K) * psi / W,
-            3: (PARAM + GRAD + K) * psi / W}[stage]
+    return {
+        1: (PARAM + GRAD) * psi + K * psi / W,
+        2: PARAM * psi + (GRAD + K) * psi / W,
+        3: (PARAM + GRAD + K) * psi / W,
+    }[stage]
 
 
 def _check(e: Emulation) -> None:
@@ -38,8 +41,9 @@ def _check(e: Emulation) -> None:
 @pytest.mark.parametrize("W", [64, 256, 1024])
 def test_llama_70b_stage3(W: int, last: bool) -> None:
     # Only the local shard is real at W=1024 (1.1 GB); at W=64 it would be 17.6 GB.
-    e = emulate("llama-70b", world_size=W, rank=W - 1 if last else 0, stage=3,
-                materialize=W == 1024)
+    e = emulate(
+        "llama-70b", world_size=W, rank=W - 1 if last else 0, stage=3, materialize=W == 1024
+    )
     assert e.params == 70_553_706_496
     _check(e)
 
@@ -48,7 +52,12 @@ def test_llama_70b_stage3(W: int, last: bool) -> None:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("W", [8, 64, 256, 1024])
 def test_llama_8b(W: int, stage: int, last: bool) -> None:
-    e = emulate("llama-8b", world_size=W, rank=W - 1 if last else 0, stage=stage,
-                materialize=stage == 3 and W >= 256)
+    e = emulate(
+        "llama-8b",
+        world_size=W,
+        rank=W - 1 if last else 0,
+        stage=stage,
+        materialize=stage == 3 and W >= 256,
+    )
     assert e.params == 8_030_261_248
     _check(e)

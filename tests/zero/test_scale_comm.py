@@ -7,6 +7,7 @@ fake process group, runs forward, backward and a step, and its `opt.comm` counte
 elements and calls per collective kind) must equal `step_comm` of its own buffers, for every
 stage, with and without resharding after forward, and over every wire format.
 """
+
 from __future__ import annotations
 
 import torch
@@ -53,17 +54,27 @@ def test_step_comm_equals_a_real_steps_counter() -> None:
             with fake_group(rank, W):
                 torch.manual_seed(rank)
                 model = Net()
-                opt = ZeroAdamW(param_groups(model), stage=stage, module=model, max_grad_norm=1.0,
-                                precision=Precision(param_dtype=pdt, reduce_dtype=rdt),
-                                wire=Wire(grads=wire, params=param_wire),
-                                sharding=Sharding(bucket_numel=BUCKET,
-                                                  reshard_after_forward=reshard))
+                opt = ZeroAdamW(
+                    param_groups(model),
+                    stage=stage,
+                    module=model,
+                    max_grad_norm=1.0,
+                    precision=Precision(param_dtype=pdt, reduce_dtype=rdt),
+                    wire=Wire(grads=wire, params=param_wire),
+                    sharding=Sharding(bucket_numel=BUCKET, reshard_after_forward=reshard),
+                )
                 model(torch.randn(3, D, dtype=pdt)).float().square().mean().backward()
                 opt.step()
                 opt.zero_grad()
                 counted = opt.comm.snapshot()
-                issued = step_comm(opt.flat_groups, Stage(stage), reshard, W,
-                                   wire_format=opt.grad_wire, param_wire=opt.param_wire).snapshot()
+                issued = step_comm(
+                    opt.flat_groups,
+                    Stage(stage),
+                    reshard,
+                    W,
+                    wire_format=opt.grad_wire,
+                    param_wire=opt.param_wire,
+                ).snapshot()
                 opt.close()
             assert counted["bytes"]["all_gather"] > 0 or stage == 0, what
             assert issued == counted, (what, issued, counted)

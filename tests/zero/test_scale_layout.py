@@ -6,6 +6,7 @@ group. The emulated optimizer itself is tests/zero/test_scale.py (slow tier).
 About internals: fusedzero._flat, fusedzero._layout, fusedzero.kernels._launch,
 fusedzero.kernels._table.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -43,11 +44,23 @@ def test_flat_buffer_past_2_31_elements_on_meta() -> None:
     # > 2**31 elements at W=1024, built on the meta device (no storage), last rank.
     W = 1024
     with torch.device("meta"):
-        ps = [torch.nn.Parameter(torch.empty(65536, 32768)),
-              torch.nn.Parameter(torch.empty(3, 1000))]
-    buf = FlatBuffer(group_index=0, params=ps, names=["big", "small"], indices=[0, 1],
-                     dtype=torch.bfloat16, stage=Stage.GRADIENTS, world_size=W, rank=W - 1,
-                     bucket_numel=None, reduce_dtype=torch.float32, device=META)
+        ps = [
+            torch.nn.Parameter(torch.empty(65536, 32768)),
+            torch.nn.Parameter(torch.empty(3, 1000)),
+        ]
+    buf = FlatBuffer(
+        group_index=0,
+        params=ps,
+        names=["big", "small"],
+        indices=[0, 1],
+        dtype=torch.bfloat16,
+        stage=Stage.GRADIENTS,
+        world_size=W,
+        rank=W - 1,
+        bucket_numel=None,
+        reduce_dtype=torch.float32,
+        device=META,
+    )
     L = buf.layout
     assert L.params[1].offset == BIG and L.numel == BIG + 3000
     assert L.padded_numel > BIG and L.padded_numel % (W * ALIGN) == 0
@@ -141,13 +154,15 @@ def test_alpha_beta_ring_model() -> None:
     # (3 ring steps each) plus the grad-norm all-reduce (6): 12 steps.
     p = torch.nn.Parameter(torch.empty(4 * ALIGN * 10, device="meta"))
     from fusedzero.plan import plan_groups
+
     plan = plan_groups([[("w", p)]], PlanConfig(world_size=4))
     assert plan.ring_steps == {0: 6, 1: 12, 2: 12, 3: 15}
     link = LinkModel(bandwidth=1e9, latency=1e-5)
     got = plan.comm_seconds(link)
     for s in range(4):
-        assert got[s] == pytest.approx(plan.ring_steps[s] * 1e-5
-                                       + plan.stages[s].comm_bytes_per_step / 1e9)
+        assert got[s] == pytest.approx(
+            plan.ring_steps[s] * 1e-5 + plan.stages[s].comm_bytes_per_step / 1e9
+        )
     with pytest.raises(ValueError, match="bandwidth must be > 0"):
         LinkModel(bandwidth=0)
 
@@ -163,10 +178,17 @@ def test_shard_init_writes_only_the_local_shard_from_element_indices() -> None:
         return torch.arange(start, start + n, dtype=torch.float32) * 1e-3 + len(name)
 
     model = meta_model(LlamaShape(n_layer=2, d=32, ffn=64, vocab=48, n_head=4, n_kv_head=2))
-    opt = ZeroAdamW(param_groups(model), stage=3, module=model, device="cpu",
-                    precision=Precision(param_dtype=torch.bfloat16),
-                    sharding=Sharding(param_init_fn=ShardInit(
-                        lambda n, out, s: out.copy_(values(n, s, out.numel()))), bucket_numel=1000))
+    opt = ZeroAdamW(
+        param_groups(model),
+        stage=3,
+        module=model,
+        device="cpu",
+        precision=Precision(param_dtype=torch.bfloat16),
+        sharding=Sharding(
+            param_init_fn=ShardInit(lambda n, out, s: out.copy_(values(n, s, out.numel()))),
+            bucket_numel=1000,
+        ),
+    )
     assert opt.zero3 is not None and opt.zero3.materialize_peak == 0
     with opt.gathered_params():
         for name, p in model.named_parameters():

@@ -1,5 +1,6 @@
 """Single-process semantics: detaching an optimizer, params frozen after
 construction, reentrant checkpointing without a module. (Multi-rank items: test_parity.py.)"""
+
 from __future__ import annotations
 
 import functools
@@ -35,8 +36,14 @@ def loss(m: nn.Module, step: int) -> torch.Tensor:
 
 
 def build(m: Net, stage: int, **kw) -> ZeroAdamW:
-    return ZeroAdamW(m.parameters(), lr=LR, stage=stage, module=m,
-                     sharding=Sharding(bucket_numel=128, units=nn.Linear), **kw)
+    return ZeroAdamW(
+        m.parameters(),
+        lr=LR,
+        stage=stage,
+        module=m,
+        sharding=Sharding(bucket_numel=128, units=nn.Linear),
+        **kw,
+    )
 
 
 def hooks_left(m: nn.Module) -> int:
@@ -44,8 +51,9 @@ def hooks_left(m: nn.Module) -> int:
     for mod in m.modules():
         n += len(mod._forward_hooks) + len(mod._forward_pre_hooks)
     for p in m.parameters():
-        n += len(p._backward_hooks or {}) + len(getattr(p, "_post_accumulate_grad_hooks",
-                                                         None) or {})
+        n += len(p._backward_hooks or {}) + len(
+            getattr(p, "_post_accumulate_grad_hooks", None) or {}
+        )
     return n
 
 
@@ -114,6 +122,7 @@ def test_reentrant_checkpointing_without_module_is_refused_clearly(stage: int) -
     m = make()
     m.b.forward = functools.partial(checkpoint, m.b.forward, use_reentrant=True)
     ZeroAdamW(m.parameters(), lr=LR, stage=stage, sharding=Sharding(bucket_numel=128))
-    with pytest.raises(RuntimeError, match="use_reentrant.*module=model|module=model.*"
-                                           "use_reentrant"):
+    with pytest.raises(
+        RuntimeError, match="use_reentrant.*module=model|module=model.*use_reentrant"
+    ):
         loss(m, 0).backward()

@@ -6,6 +6,7 @@ its own shard; the collectives move nothing) and compared element-wise with a W 
 
 About internals: fusedzero._layout, fusedzero._shard_init.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -74,12 +75,18 @@ def hf_init(name: str, m: nn.Module) -> None:
 Init = Callable[[str, nn.Module], None] | FullUnitInit | None
 
 
-def _build(W: int, rank: int, init: Init, dtype: torch.dtype | None = None
-           ) -> tuple[Net, ZeroAdamW]:
+def _build(
+    W: int, rank: int, init: Init, dtype: torch.dtype | None = None
+) -> tuple[Net, ZeroAdamW]:
     model = _meta_net()
     # bucket_numel: the smallest bucket, so that many ranks hold a few pieces of every param.
-    kw = dict(stage=3, module=model, device="cpu", precision=Precision(param_dtype=dtype),
-              sharding=Sharding(param_init_fn=init, bucket_numel=W * ALIGN))
+    kw = dict(
+        stage=3,
+        module=model,
+        device="cpu",
+        precision=Precision(param_dtype=dtype),
+        sharding=Sharding(param_init_fn=init, bucket_numel=W * ALIGN),
+    )
     if W == 1:
         return model, ZeroAdamW(model.parameters(), **kw)
     with fake_group(rank, W):
@@ -92,8 +99,9 @@ def _full(init: Init) -> dict[str, torch.Tensor]:
         return {n: p.detach().reshape(-1).clone() for n, p in model.named_parameters()}
 
 
-def _assert_shard_is(opt: ZeroAdamW, ref: dict[str, torch.Tensor], where: str,
-                     master_is_cast: bool = True) -> int:
+def _assert_shard_is(
+    opt: ZeroAdamW, ref: dict[str, torch.Tensor], where: str, master_is_cast: bool = True
+) -> int:
     """Every element this rank holds equals the W = 1 value (an init: a separate master holds
     its cast); returns how many there were."""
     held = 0
@@ -101,8 +109,8 @@ def _assert_shard_is(opt: ZeroAdamW, ref: dict[str, torch.Tensor], where: str,
         assert buf.param_shard is not None
         for seg in buf.layout.segments(buf.shard_rank):
             name = next(s.name for s in buf.layout.params if s.index == seg.param)
-            got = buf.param_shard[seg.local:seg.local + seg.length]
-            want = ref[name][seg.start:seg.start + seg.length].to(buf.dtype)
+            got = buf.param_shard[seg.local : seg.local + seg.length]
+            want = ref[name][seg.start : seg.start + seg.length].to(buf.dtype)
             assert torch.equal(got, want), (where, name, seg)
             held += seg.length
         if buf.master is not None and master_is_cast:
@@ -138,8 +146,11 @@ def test_reset_parameters_on_local_elements_keeps_torch_s_distributions() -> Non
     torch.manual_seed(0)
     v = _full(None)
     # kaiming_uniform_(a=sqrt(5)) bounds from the full fan-in (conv: in_channels * kernel).
-    for name, fan_in in (("blocks.0.up.weight", D), ("blocks.1.down.weight", F),
-                         ("conv.weight", D * 3)):
+    for name, fan_in in (
+        ("blocks.0.up.weight", D),
+        ("blocks.1.down.weight", F),
+        ("conv.weight", D * 3),
+    ):
         bound = 1 / math.sqrt(fan_in)
         assert v[name].abs().max() <= bound and v[name].abs().max() > 0.9 * bound, name
     assert torch.equal(v["blocks.0.norm.weight"], torch.ones(D))
@@ -187,26 +198,40 @@ def _refused(fn: Callable[[nn.Module], None], match: str) -> None:
     def init(name: str, m: nn.Module) -> None:
         if isinstance(m, nn.Linear) and m.bias is not None:
             fn(m)
+
     with pytest.raises((NotImplementedError, RuntimeError), match=match):
         _build(1, 0, init)
 
 
 def test_refusals_name_the_op_and_the_fallback() -> None:
     _refused(lambda m: nn.init.orthogonal_(m.weight), r"aten\.new_empty.*FullUnitInit")
-    _refused(lambda m: m.weight.mul_(torch.ones(3)),
-             r"aten\.mul_\.Tensor takes a tensor of shape \(3,\), which does not broadcast to "
-             r"\(40, 24\).*FullUnitInit")
-    _refused(lambda m: m.bias.view(1, F).expand(3, F).zero_(),
-             r"view \(shape \(3, 40\), stride \(0, 1\)\) of blocks.0.up.bias whose elements "
-             r"overlap.*FullUnitInit")
+    _refused(
+        lambda m: m.weight.mul_(torch.ones(3)),
+        r"aten\.mul_\.Tensor takes a tensor of shape \(3,\), which does not broadcast to "
+        r"\(40, 24\).*FullUnitInit",
+    )
+    _refused(
+        lambda m: m.bias.view(1, F).expand(3, F).zero_(),
+        r"view \(shape \(3, 40\), stride \(0, 1\)\) of blocks.0.up.bias whose elements "
+        r"overlap.*FullUnitInit",
+    )
     _refused(lambda m: m.weight.add_(m.weight.sum()), r"aten\.sum.*FullUnitInit")
-    _refused(lambda m: m.weight.bernoulli_(torch.full((F, D), 0.5)),
-             r"bernoulli_\.Tensor draws with per-element parameters.*FullUnitInit")
-    _refused(lambda m: setattr(m, "weight", nn.Parameter(torch.ones(F, D))),
-             r"assigned new tensors to \['blocks.0.up.weight'.*FullUnitInit")
+    _refused(
+        lambda m: m.weight.bernoulli_(torch.full((F, D), 0.5)),
+        r"bernoulli_\.Tensor draws with per-element parameters.*FullUnitInit",
+    )
+    _refused(
+        lambda m: setattr(m, "weight", nn.Parameter(torch.ones(F, D))),
+        r"assigned new tensors to \['blocks.0.up.weight'.*FullUnitInit",
+    )
     # The fallback takes any init: every rank builds each unit in full, as an eager build.
-    _, opt = _build(1, 0, FullUnitInit(lambda n, m: nn.init.orthogonal_(m.weight)
-                                       if isinstance(m, nn.Linear) else None))
+    _, opt = _build(
+        1,
+        0,
+        FullUnitInit(
+            lambda n, m: nn.init.orthogonal_(m.weight) if isinstance(m, nn.Linear) else None
+        ),
+    )
     assert opt.zero3 is not None and opt.zero3.materialize_peak > 0
 
 
@@ -230,6 +255,7 @@ def test_writes_through_strided_views_are_the_same_at_w_1_and_8(monkeypatch) -> 
     for r in range(8):
         _assert_shard_is(_build(8, r, strided_init)[1], ref, f"W=8 rank {r}")
     from fusedzero import _shard_init as shard_init
+
     monkeypatch.setattr(shard_init, "MAX_RUNS", 4)  # a column is F = 40 runs
     with pytest.raises(NotImplementedError, match=r"in 40 runs \(more than 4\).*FullUnitInit"):
         _build(1, 0, strided_init)
@@ -258,8 +284,11 @@ class _NewBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
         if not func.is_view and not func._schema.is_mutable:
-            self.bytes += sum(t.numel() * t.element_size() for t in tree_flatten(out)[0]
-                              if isinstance(t, torch.Tensor) and t.device.type != "meta")
+            self.bytes += sum(
+                t.numel() * t.element_size()
+                for t in tree_flatten(out)[0]
+                if isinstance(t, torch.Tensor) and t.device.type != "meta"
+            )
         return out
 
 
@@ -291,8 +320,8 @@ def test_load_at_stage_3_writes_the_shards_and_gathers_nothing(how: str) -> None
             assert buf.master is not None
             for seg in buf.layout.segments(buf.shard_rank):
                 name = next(s.name for s in buf.layout.params if s.index == seg.param)
-                got = buf.master[seg.local:seg.local + seg.length]
-                assert torch.equal(got, ref[name][seg.start:seg.start + seg.length]), name
+                got = buf.master[seg.local : seg.local + seg.length]
+                assert torch.equal(got, ref[name][seg.start : seg.start + seg.length]), name
     if how == "load_state_dict":  # torch's own checks still run, and name the param
         bad = dict(sd, **{"blocks.1.up.bias": torch.zeros(3)})
         with pytest.raises(RuntimeError, match="size mismatch for blocks.1.up.bias"):
@@ -321,8 +350,13 @@ def test_emulate_with_the_model_s_own_init() -> None:
 def _gloo_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(100 + rank)  # each rank its own seed: rank 0's keys every rank's stream
     model = _meta_net()
-    opt = ZeroAdamW(model.parameters(), stage=3, module=model, device="cpu",
-                    sharding=Sharding(bucket_numel=world * ALIGN))
+    opt = ZeroAdamW(
+        model.parameters(),
+        stage=3,
+        module=model,
+        device="cpu",
+        sharding=Sharding(bucket_numel=world * ALIGN),
+    )
     with opt.gathered_params():
         return {n: p.detach().reshape(-1).clone() for n, p in model.named_parameters()}
 
@@ -330,6 +364,7 @@ def _gloo_rank(rank: int, world: int) -> dict[str, torch.Tensor]:
 @pytest.mark.slow  # spawns ranks
 def test_two_gloo_ranks_with_their_own_seeds_build_the_w_1_model() -> None:
     from fusedzero.testing import run_ranks
+
     torch.manual_seed(100)
     ref = _full(None)
     for rank, got in enumerate(run_ranks(_gloo_rank, 2)):
@@ -339,6 +374,7 @@ def test_two_gloo_ranks_with_their_own_seeds_build_the_w_1_model() -> None:
 
 def test_import_weights_at_stage_3_from_safetensors_files(tmp_path) -> None:
     import safetensors.torch
+
     sd = {k: v.contiguous() for k, v in _given(9).items() if k != "head.weight"}  # tied
     safetensors.torch.save_file(sd, tmp_path / "model.safetensors")
     ref = {k: v.reshape(-1) for k, v in sd.items()}

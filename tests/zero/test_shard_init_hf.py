@@ -3,6 +3,7 @@ on each rank's elements only (fusedzero/_shard_init.py): the same values at W = 
 4 emulated ranks, with the config's distributions.
 
 About an internal: fusedzero._layout."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,11 +17,20 @@ transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra"
 pytestmark = pytest.mark.slow  # importing transformers takes seconds
 
 CONFIGS = {
-    "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)),
-    "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
-        n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)),
+    "llama": lambda: transformers.LlamaForCausalLM(
+        transformers.LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+        )
+    ),
+    "gpt2": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)
+    ),
 }
 
 
@@ -28,9 +38,14 @@ def _shards(kind: str, W: int, rank: int) -> tuple[dict[str, torch.Tensor], list
     """(full values at W=1, or {}), and this rank's (name, start, values) runs."""
     with torch.device("meta"):
         model = CONFIGS[kind]()
-    kw = dict(stage=3, module=model, device="cpu",
-              sharding=Sharding(bucket_numel=W * ALIGN,
-                                param_init_fn=lambda name, m: model._init_weights(m)))
+    kw = dict(
+        stage=3,
+        module=model,
+        device="cpu",
+        sharding=Sharding(
+            bucket_numel=W * ALIGN, param_init_fn=lambda name, m: model._init_weights(m)
+        ),
+    )
     torch.manual_seed(3)
     if W == 1:
         opt = ZeroAdamW(model.parameters(), **kw)
@@ -41,7 +56,7 @@ def _shards(kind: str, W: int, rank: int) -> tuple[dict[str, torch.Tensor], list
     for buf in opt.flat_groups:
         for seg in buf.layout.segments(buf.shard_rank):
             name = next(s.name for s in buf.layout.params if s.index == seg.param)
-            runs.append((name, seg.start, buf.param_shard[seg.local:seg.local + seg.length]))
+            runs.append((name, seg.start, buf.param_shard[seg.local : seg.local + seg.length]))
     full = {}
     if W == 1:
         with opt.gathered_params():
@@ -63,6 +78,6 @@ def test_hf_init_weights_on_local_shards_is_the_same_at_w_1_and_4(kind: str) -> 
     held = 0
     for r in range(4):
         for name, start, got in _shards(kind, 4, r)[1]:
-            assert torch.equal(got, full[name][start:start + got.numel()]), (kind, r, name)
+            assert torch.equal(got, full[name][start : start + got.numel()]), (kind, r, name)
             held += got.numel()
     assert held == sum(v.numel() for v in full.values())

@@ -1,6 +1,7 @@
 """Stage-3 `model.load_state_dict` of a tensor-parallel model on a (dp=2, tp=2) mesh of 4 gloo
 ranks: the DTensor params' local tensors are LocalParams while torch loads (fusedzero/
 _shard_init.py), so nothing is gathered, and the gathered values are the given ones."""
+
 from __future__ import annotations
 
 import pytest
@@ -32,14 +33,20 @@ def _load(rank: int, world: int) -> list[str]:
     opt = ZeroAdamW(m.parameters(), stage=3, module=m, groups=Groups(shard=mesh["dp"].get_group()))
     assert opt.zero3 is not None
     m.load_state_dict(sd)
-    bad = [f"gathered {opt.zero3.max_gathered_numel} elements"] \
-        if opt.zero3.max_gathered_numel else []
+    bad = (
+        [f"gathered {opt.zero3.max_gathered_numel} elements"]
+        if opt.zero3.max_gathered_numel
+        else []
+    )
     with opt.gathered_params():
         got = {n: full(p) for n, p in m.named_parameters()}
     want = {n: full(v) for n, v in sd.items()}
     bad += [n for n in want if not torch.equal(got[n], want[n])]
-    bad += [n for n, p in m.named_parameters() if isinstance(p, DTensor)
-            and type(p._local_tensor) is not torch.Tensor]  # the LocalParams are gone
+    bad += [
+        n
+        for n, p in m.named_parameters()
+        if isinstance(p, DTensor) and type(p._local_tensor) is not torch.Tensor
+    ]  # the LocalParams are gone
     return bad
 
 

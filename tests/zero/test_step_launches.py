@@ -11,6 +11,7 @@ in tests/kernels/test_step_scalars.py.
 
 About internals: fusedzero.kernels._adamw, fusedzero.kernels._rows,
 fusedzero.kernels._step_scalars, fusedzero.kernels._sum_of_squares."""
+
 from __future__ import annotations
 
 import collections
@@ -43,8 +44,9 @@ class _Ops(TorchDispatchMode):
         self.views = views
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func.namespace != "profiler" and (self.views or (not func.is_view
-                                                            and func.namespace == "aten")):
+        if func.namespace != "profiler" and (
+            self.views or (not func.is_view and func.namespace == "aten")
+        ):
             self.ops.append(str(func))
         return func(*args, **(kwargs or {}))
 
@@ -65,12 +67,15 @@ def stubbed(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 @pytest.mark.parametrize("clip", [None, 1.0])
-def test_step_issues_three_launches_and_one_torch_op_triton_path(stubbed, stage: int,
-                                                                 clip: float | None) -> None:
+def test_step_issues_three_launches_and_one_torch_op_triton_path(
+    stubbed, stage: int, clip: float | None
+) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 16))
-    groups = [{"params": [model[0].weight, model[1].weight]},
-              {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0}]
+    groups = [
+        {"params": [model[0].weight, model[1].weight]},
+        {"params": [model[0].bias, model[1].bias], "weight_decay": 0.0},
+    ]
     opt = ZeroAdamW(groups, lr=1e-3, stage=stage, module=model, max_grad_norm=clip)
     x = torch.randn(4, 16)
     for _ in range(2):
@@ -108,9 +113,11 @@ def test_step_at_two_ranks_adds_only_the_collectives_triton_path(stubbed, stage:
         got = {k: LAUNCHES[k] - before.get(k, 0) for k in LAUNCHES if LAUNCHES[k] != before.get(k)}
         assert got == {"sumsq": 1, "step_scalars": 1, "adamw": 1}
         gathers = sum(b.layout.num_buckets for b in opt.flat_groups) if stage in (1, 2) else 0
-        want = (["aten.sum.default", "aten.view.default"]  # the partials' sum, as (1,)
-                + ["c10d.allreduce_.default"] * (stage > 0)
-                + ["aten._foreach_zero_.default"] * (stage <= 1)
-                + ["c10d._allgather_base_.default"] * gathers)
+        want = (
+            ["aten.sum.default", "aten.view.default"]  # the partials' sum, as (1,)
+            + ["c10d.allreduce_.default"] * (stage > 0)
+            + ["aten._foreach_zero_.default"] * (stage <= 1)
+            + ["c10d._allgather_base_.default"] * gathers
+        )
         assert collections.Counter(c.ops) == collections.Counter(want), c.ops
         opt.close()

@@ -5,6 +5,7 @@ timeout closed (a CI run of tests/zero/test_lifecycle.py's stalled-rank case got
 ended with gloo's bare words). No process group needed: the handles here raise as gloo does.
 
 About an internal: fusedzero._comm."""
+
 from __future__ import annotations
 
 import datetime
@@ -14,10 +15,11 @@ import pytest
 from fusedzero import _comm as comm
 from fusedzero.app.log import waiting_for
 
-GLOO = ["[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Application timeout caused pair "
-        "closure",
-        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 8000ms "
-        "for recv operation to complete"]
+GLOO = [
+    "[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Application timeout caused pair closure",
+    "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 8000ms "
+    "for recv operation to complete",
+]
 
 
 class _Raises:
@@ -31,19 +33,26 @@ class _Raises:
 @pytest.mark.parametrize("msg", GLOO)
 def test_a_timeout_in_either_words_is_a_collective_timeout(msg: str) -> None:
     # Raised at once (elapsed far below the limit): only the words say it timed out.
-    with pytest.raises(comm.CollectiveTimeout, match=r"timed out .*limit 8s.* waiting for the "
-                                                     r"grad-norm all-reduce"):
+    with pytest.raises(
+        comm.CollectiveTimeout,
+        match=r"timed out .*limit 8s.* waiting for the "
+        r"grad-norm all-reduce",
+    ):
         comm.wait(_Raises(msg), what="the grad-norm all-reduce", timeout=8.0, host_blocking=True)
-    with pytest.raises(comm.CollectiveTimeout, match=r"timed out \(limit [0-9.]+s\) waiting for "
-                                                     r"the all-reduce of logged losses"):
+    with pytest.raises(
+        comm.CollectiveTimeout,
+        match=r"timed out \(limit [0-9.]+s\) waiting for "
+        r"the all-reduce of logged losses",
+    ):
         with waiting_for("the all-reduce of logged losses"):
             raise RuntimeError(msg)
 
 
 def test_other_errors_keep_their_words() -> None:
     with pytest.raises(RuntimeError, match="failed: Connection reset by peer") as e:
-        comm.wait(_Raises("Connection reset by peer"), what="a gather", timeout=8.0,
-                  host_blocking=True)
+        comm.wait(
+            _Raises("Connection reset by peer"), what="a gather", timeout=8.0, host_blocking=True
+        )
     assert not isinstance(e.value, comm.CollectiveTimeout)
     with pytest.raises(RuntimeError, match="^Connection reset by peer$") as e:
         with waiting_for("a barrier"):

@@ -9,6 +9,7 @@ counter bug lived) and executes the captured graphs with eager kernels; Inductor
 CPU C++ codegen of those graphs (about 100 s of compiler time on 2 cores). Inductor itself was
 checked by hand at one rank; the README says so.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -54,7 +55,7 @@ def train(rank: int, world: int, stage: int, mode: str) -> dict[str, Any]:
     for step in range(STEPS):
         g = torch.Generator().manual_seed(step)
         x = torch.randint(0, CFG.vocab_size, (BATCH, CFG.block_size + 1), generator=g)
-        x = x[rank * n:(rank + 1) * n]
+        x = x[rank * n : (rank + 1) * n]
         _, loss = run(x[:, :-1], x[:, 1:])
         loss.backward()
         opt.step()
@@ -63,8 +64,12 @@ def train(rank: int, world: int, stage: int, mode: str) -> dict[str, Any]:
     # A graph break Dynamo recovers from is counted in "graph_break"; one that makes it run a
     # whole frame eagerly (a break inside a loop) in "unimplemented".
     breaks = {**counters["graph_break"], **counters["unimplemented"]}
-    return {"losses": losses, "breaks": breaks, "graphs": counters["stats"]["unique_graphs"],
-            "seconds": time.perf_counter() - t0}
+    return {
+        "losses": losses,
+        "breaks": breaks,
+        "graphs": counters["stats"]["unique_graphs"],
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def train_all(rank: int, world: int) -> dict[tuple[int, str], dict[str, Any]]:

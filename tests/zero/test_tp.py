@@ -9,6 +9,7 @@ params stay bitwise identical on every rank after every step; and a sixth step w
 planted on tp rank 1 only, in a Replicate param's grad, is skipped by every rank (the
 optimizer's default skip_nonfinite=True) with the state unchanged bit for bit.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -85,12 +86,17 @@ def parallelize(m: nn.Module, kind: str, tp_mesh) -> None:
         SequenceParallel,
         parallelize_module,
     )
+
     if kind == "sp":
         plan = {"norm": SequenceParallel()}
         for i in range(len(m.blocks)):
-            plan.update({f"blocks.{i}.norm": SequenceParallel(),
-                         f"blocks.{i}.fc": ColwiseParallel(input_layouts=Shard(1)),
-                         f"blocks.{i}.proj": RowwiseParallel(output_layouts=Shard(1))})
+            plan.update(
+                {
+                    f"blocks.{i}.norm": SequenceParallel(),
+                    f"blocks.{i}.fc": ColwiseParallel(input_layouts=Shard(1)),
+                    f"blocks.{i}.proj": RowwiseParallel(output_layouts=Shard(1)),
+                }
+            )
     else:
         plan = {"fc": ColwiseParallel(), "proj": RowwiseParallel()}
     parallelize_module(m, tp_mesh, plan)
@@ -113,20 +119,24 @@ def reference(kind: str) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-    return {"params": {n: p.detach().clone() for n, p in m.named_parameters()},
-            "losses": losses, "norms": norms}
+    return {
+        "params": {n: p.detach().clone() for n, p in m.named_parameters()},
+        "losses": losses,
+        "norms": norms,
+    }
 
 
-def _local_loss(m: nn.Module, kind: str, step: int, dp_rank: int, dp: int,
-                tp_rank: int) -> torch.Tensor:
+def _local_loss(
+    m: nn.Module, kind: str, step: int, dp_rank: int, dp: int, tp_rank: int
+) -> torch.Tensor:
     """This rank's part of its dp replica's mean loss: "sp" feeds and scores this tp rank's
     slice of the sequence (the tp ranks' parts sum to the replica's loss)."""
     x, y = batch(step)
     per = BATCH // dp
-    x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+    x, y = x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
     if kind == "sp":
         s = T // TP
-        x, y = x[:, tp_rank * s:(tp_rank + 1) * s], y[:, tp_rank * s:(tp_rank + 1) * s]
+        x, y = x[:, tp_rank * s : (tp_rank + 1) * s], y[:, tp_rank * s : (tp_rank + 1) * s]
         out = m(x)
         out = out.to_local() if hasattr(out, "to_local") else out
         return ((out - y) ** 2).sum() / (per * T * D)
@@ -142,25 +152,33 @@ PLANT = {"mlp": "proj.bias", "sp": "blocks.0.norm.weight"}
 
 def _state(opt: ZeroAdamW) -> dict[str, torch.Tensor]:
     st = opt.shard_state()
-    return {f"{k}{b}": t.clone() for k in ("master", "exp_avg", "exp_avg_sq")
-            for b, t in enumerate(getattr(st, k))}
+    return {
+        f"{k}{b}": t.clone()
+        for k in ("master", "exp_avg", "exp_avg_sq")
+        for b, t in enumerate(getattr(st, k))
+    }
 
 
 def _nonfinite_step(m: nn.Module, opt: ZeroAdamW, name: str, loss_fn) -> dict:
     """One more step with an inf planted (tp rank 1 only, see PLANT) by a grad hook: what
     changed (nothing may), whether the step was skipped and the hook fired."""
     from torch.distributed.tensor import DTensor
+
     tp_rank = opt.tp.rank
     state = _state(opt)
     with opt.gathered_params():
-        params = {n: (p.to_local() if isinstance(p, DTensor) else p.detach()).clone()
-                  for n, p in m.named_parameters()}
+        params = {
+            n: (p.to_local() if isinstance(p, DTensor) else p.detach()).clone()
+            for n, p in m.named_parameters()
+        }
     fired = []
     hook = None
     if tp_rank == 1:
+
         def plant(g: torch.Tensor) -> torch.Tensor:
             fired.append(True)
             return g * float("inf")  # inf where g != 0, nan where it is 0
+
         hook = m.get_parameter(name).register_hook(plant)
     loss_fn().backward()
     if hook is not None:
@@ -169,18 +187,26 @@ def _nonfinite_step(m: nn.Module, opt: ZeroAdamW, name: str, loss_fn) -> dict:
     opt.zero_grad()
     changed = [k for k, t in _state(opt).items() if not torch.equal(t, state[k])]
     with opt.gathered_params():
-        changed += [n for n, p in m.named_parameters() if not torch.equal(
-            p.to_local() if isinstance(p, DTensor) else p.detach(), params[n])]
-    return {"skipped": bool(opt.skipped), "step_count": float(opt.step_count),
-            "changed": changed, "fired": bool(fired), "tp_rank": tp_rank}
+        changed += [
+            n
+            for n, p in m.named_parameters()
+            if not torch.equal(p.to_local() if isinstance(p, DTensor) else p.detach(), params[n])
+        ]
+    return {
+        "skipped": bool(opt.skipped),
+        "step_count": float(opt.step_count),
+        "changed": changed,
+        "fired": bool(fired),
+        "tp_rank": tp_rank,
+    }
 
 
-def _train(rank: int, world: int, kind: str, stages: tuple[int, ...],
-           replicas: int = 1) -> dict:
+def _train(rank: int, world: int, kind: str, stages: tuple[int, ...], replicas: int = 1) -> dict:
     """(dp=2, tp=2); with `replicas` > 1, HSDP: a (replicate, shard=2, tp=2) mesh, the
     optimizer sharding over "shard" and replicating over "replicate"."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate
+
     if replicas == 1:
         mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
         dp_groups = [mesh["dp"].get_group()]
@@ -195,10 +221,15 @@ def _train(rank: int, world: int, kind: str, stages: tuple[int, ...],
     for stage in stages:
         m = make(kind)
         parallelize(m, kind, mesh["tp"])
-        opt = ZeroAdamW(m.parameters(), lr=LR, weight_decay=WD, stage=stage, module=m,
-                        max_grad_norm=CLIP,
-                        groups=Groups(shard=dp_groups[0],
-                                      replicate=dp_groups[1] if replicas > 1 else None))
+        opt = ZeroAdamW(
+            m.parameters(),
+            lr=LR,
+            weight_decay=WD,
+            stage=stage,
+            module=m,
+            max_grad_norm=CLIP,
+            groups=Groups(shard=dp_groups[0], replicate=dp_groups[1] if replicas > 1 else None),
+        )
         losses, norms, replicated = [], [], []
         for step in range(STEPS):
             loss = _local_loss(m, kind, step, dp_rank, dp, tp_rank)
@@ -214,27 +245,48 @@ def _train(rank: int, world: int, kind: str, stages: tuple[int, ...],
             losses.append(float(t) / dp)
             norms.append(float(opt.grad_norm))
             with opt.gathered_params():  # Replicate DTensors and plain params
-                replicated.append({n: (p.to_local() if isinstance(p, DTensor) else p.detach())
-                                   .clone() for n, p in m.named_parameters()
-                                   if not isinstance(p, DTensor)
-                                   or all(isinstance(x, Replicate) for x in p.placements)})
+                replicated.append(
+                    {
+                        n: (p.to_local() if isinstance(p, DTensor) else p.detach()).clone()
+                        for n, p in m.named_parameters()
+                        if not isinstance(p, DTensor)
+                        or all(isinstance(x, Replicate) for x in p.placements)
+                    }
+                )
         with opt.gathered_params():
-            full = {n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
-                    for n, p in m.named_parameters()}
+            full = {
+                n: (p.full_tensor() if isinstance(p, DTensor) else p.detach()).clone()
+                for n, p in m.named_parameters()
+            }
             kinds = {n: type(p).__name__ for n, p in m.named_parameters()}
-        nonfinite = _nonfinite_step(m, opt, PLANT[kind], lambda m=m: _local_loss(
-            m, kind, STEPS, dp_rank, dp, tp_rank))
+        nonfinite = _nonfinite_step(
+            m, opt, PLANT[kind], lambda m=m: _local_loss(m, kind, STEPS, dp_rank, dp, tp_rank)
+        )
         opt.close()
-        out[stage] = {"params": full, "losses": losses, "norms": norms,
-                      "replicated": replicated, "kinds": kinds, "nonfinite": nonfinite}
+        out[stage] = {
+            "params": full,
+            "losses": losses,
+            "norms": norms,
+            "replicated": replicated,
+            "kinds": kinds,
+            "nonfinite": nonfinite,
+        }
     return out
 
 
 # The params identical on every rank (Replicate DTensors over tp, plain params), by kind.
-REPLICATED = {"sp": {**{f"blocks.{i}.{n}": "Replicate" for i in range(2)
-                        for n in ("norm.weight", "norm.bias", "proj.bias")},
-                     "norm.weight": "Replicate", "norm.bias": "Replicate"},
-              "mlp": {"proj.bias": "Replicate", "norm.weight": "plain", "norm.bias": "plain"}}
+REPLICATED = {
+    "sp": {
+        **{
+            f"blocks.{i}.{n}": "Replicate"
+            for i in range(2)
+            for n in ("norm.weight", "norm.bias", "proj.bias")
+        },
+        "norm.weight": "Replicate",
+        "norm.bias": "Replicate",
+    },
+    "mlp": {"proj.bias": "Replicate", "norm.weight": "plain", "norm.bias": "plain"},
+}
 
 
 def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -268,7 +320,8 @@ def check(kind: str, stages: tuple[int, ...], results: list[dict]) -> None:
                 for n, t in first.items():
                     assert torch.equal(t, other[n]), (
                         f"stage {stage} step {step}: {REPLICATED[kind][n]} param {n} differs "
-                        f"between rank 0 and rank {rank}")
+                        f"between rank 0 and rank {rank}"
+                    )
         # An inf on tp rank 1 only: every rank skips the step, nothing changes.
         for rank, res in enumerate(results):
             nf = res[stage]["nonfinite"]

@@ -16,6 +16,7 @@ W u sum_r |deq_r| / W: the tests assert both, on data whose magnitudes span six 
 
 About internals: fusedzero._comm, fusedzero.kernels._quant.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,7 @@ from fusedzero.kernels._quant import WBLOCK, WireFormat, dequantize_into, new_pa
 from fusedzero.plan import PlanConfig, plan_model, plan_params
 from fusedzero.testing import fake_group, run_ranks
 
-U32 = 2.0 ** -24
+U32 = 2.0**-24
 S = 3 * WBLOCK + WBLOCK  # 4 blocks per chunk: one block holds a lone outlier (see _data)
 CFG = dict(vocab_size=61, block_size=12, n_layer=2, n_head=2, n_embd=22)
 
@@ -54,9 +55,9 @@ def _quant_bound(fmt: WireFormat, x: torch.Tensor) -> torch.Tensor:
     if fmt is WireFormat.FP32:
         return torch.zeros_like(x)
     if fmt is WireFormat.BF16:
-        return x.abs() * 2.0 ** -8
+        return x.abs() * 2.0**-8
     a = x.view(-1, WBLOCK).abs().amax(dim=1, keepdim=True).expand(-1, WBLOCK).reshape(-1)
-    return a / 254 * (1 + 2.0 ** -14)
+    return a / 254 * (1 + 2.0**-14)
 
 
 def _rs_worker(rank: int, world: int) -> dict:
@@ -78,8 +79,12 @@ def _rs_worker(rank: int, world: int) -> dict:
         red16 = wire.reduce_scatter_start(x.bfloat16(), fmt, ctx)
         comm.wait(red16.handle)
         red16.finish(shard16, scale=1.0 / world)
-        out[fmt.value] = {"deq": deq, "shard": shard, "shard_bf16": shard16,
-                          "bytes": counter.snapshot()}
+        out[fmt.value] = {
+            "deq": deq,
+            "shard": shard,
+            "shard_bf16": shard16,
+            "bytes": counter.snapshot(),
+        }
     # Today's reduce_dtype=bf16 path: a reduce-scatter of bf16 grads, summed in bf16.
     native = torch.empty(S, dtype=torch.bfloat16)
     dist.reduce_scatter_tensor(native, x.bfloat16())
@@ -129,12 +134,12 @@ def test_bf16_wire_with_fp32_sum_is_closer_to_fp32_than_a_bf16_reduce_scatter() 
     xs = torch.stack([r["x"].bfloat16().double() for r in results])
     wire_err, native_err, bound, mag = [], [], [], []
     for rank, r in enumerate(results):
-        x = xs[:, rank * S:(rank + 1) * S]
+        x = xs[:, rank * S : (rank + 1) * S]
         exact = x.sum(0) / W
         wire_err.append((r["bf16"]["shard_bf16"].double() - exact).abs())
         native_err.append((r["native_bf16"].double() - exact).abs())
         # The wire's fp32 sum is within W u of the exact one, then rounded once to bf16.
-        bound.append(exact.abs() * 2.0 ** -8 + W * U32 * x.abs().sum(0))
+        bound.append(exact.abs() * 2.0**-8 + W * U32 * x.abs().sum(0))
         mag.append(exact.abs())
     w, n, b, m = (torch.cat(t) for t in (wire_err, native_err, bound, mag))
     assert (w <= b).all(), (w - b).max()
@@ -142,7 +147,7 @@ def test_bf16_wire_with_fp32_sum_is_closer_to_fp32_than_a_bf16_reduce_scatter() 
     # Measured here: 0.0014 (wire) against 0.0036 (bf16 reduce-scatter), worst 0.0039 / 0.57.
     assert (w / m).mean() < 0.6 * (n / m).mean(), ((w / m).mean(), (n / m).mean())
     assert (w <= n).float().mean() > 0.99, (w > n).float().mean()
-    assert ((n / m) > 2.0 ** -8).any(), "the bf16 sum should exceed one bf16 rounding somewhere"
+    assert ((n / m) > 2.0**-8).any(), "the bf16 sum should exceed one bf16 rounding somewhere"
 
 
 # -- bytes per step: plan == counter for every stage x wire -------------------------------------
@@ -155,8 +160,12 @@ def test_plan_wire_bytes_follow_the_formulas() -> None:
     per = {None: Sh * 2, "fp32": Sh * 4, "bf16": Sh * 2, "int8": Sh + 4 * Sh // 128}
     for w in per:
         for pw in (None, "int8"):
-            cfg = PlanConfig(world_size=W, wire=Wire(grads=w, params=pw),
-                             sharding=Sharding(bucket_numel=B), grad_norm=False)
+            cfg = PlanConfig(
+                world_size=W,
+                wire=Wire(grads=w, params=pw),
+                sharding=Sharding(bucket_numel=B),
+                grad_norm=False,
+            )
             st = plan_params(n, cfg).stages
             gather = (W - 1) * (per["int8"] if pw else Sh * 2)
             assert st[0].comm_bytes_per_step == nb * 2 * (W - 1) * per[w], w
@@ -174,19 +183,33 @@ def test_counter_equals_plan_for_every_stage_and_wire(W, rank) -> None:
     with torch.device("meta"):
         meta = GPT(GPTConfig(**CFG))
     for stage in (0, 1, 2, 3):
-        for w, pw, rdt in ((None, None, torch.bfloat16), ("fp32", None, torch.float32),
-                           ("fp32", "int8", torch.bfloat16), ("bf16", None, torch.float32),
-                           ("int8", "int8", torch.float32), ("int8", "bf16", torch.bfloat16)):
-            cfg = PlanConfig(world_size=W,
-                             precision=Precision(param_dtype=torch.float32, reduce_dtype=rdt),
-                             wire=Wire(grads=w, params=pw), sharding=Sharding(bucket_numel=5000))
+        for w, pw, rdt in (
+            (None, None, torch.bfloat16),
+            ("fp32", None, torch.float32),
+            ("fp32", "int8", torch.bfloat16),
+            ("bf16", None, torch.float32),
+            ("int8", "int8", torch.float32),
+            ("int8", "bf16", torch.bfloat16),
+        ):
+            cfg = PlanConfig(
+                world_size=W,
+                precision=Precision(param_dtype=torch.float32, reduce_dtype=rdt),
+                wire=Wire(grads=w, params=pw),
+                sharding=Sharding(bucket_numel=5000),
+            )
             want = plan_model(meta, cfg).stages[stage].comm_bytes_per_step
             with fake_group(rank, W):
                 torch.manual_seed(0)
                 model = GPT(GPTConfig(**CFG))
-                opt = ZeroAdamW(gpt_param_groups(model, 0.1), stage=stage, module=model,
-                                max_grad_norm=1.0, precision=Precision(reduce_dtype=rdt),
-                                wire=Wire(grads=w, params=pw), sharding=Sharding(bucket_numel=5000))
+                opt = ZeroAdamW(
+                    gpt_param_groups(model, 0.1),
+                    stage=stage,
+                    module=model,
+                    max_grad_norm=1.0,
+                    precision=Precision(reduce_dtype=rdt),
+                    wire=Wire(grads=w, params=pw),
+                    sharding=Sharding(bucket_numel=5000),
+                )
                 x = torch.randint(0, CFG["vocab_size"], (2, CFG["block_size"]))
                 model(x, x)[1].backward()
                 opt.step()
@@ -222,16 +245,20 @@ def _grads_worker(rank: int, world: int, configs: dict[str, dict]) -> dict:
             pg, rep = pgs[rank // 2], reps[rank % 2]
         torch.manual_seed(0)
         model = GPT(GPTConfig(**CFG))
-        opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=1e-2, stage=c["stage"], module=model,
-                        wire=Wire(grads=c.get("wire"), params=c.get("param_wire")),
-                        groups=Groups(shard=pg, replicate=rep),
-                        sharding=Sharding(bucket_numel=1500))
+        opt = ZeroAdamW(
+            gpt_param_groups(model, 0.1),
+            lr=1e-2,
+            stage=c["stage"],
+            module=model,
+            wire=Wire(grads=c.get("wire"), params=c.get("param_wire")),
+            groups=Groups(shard=pg, replicate=rep),
+            sharding=Sharding(bucket_numel=1500),
+        )
         g = torch.Generator().manual_seed(7)
-        x = torch.randint(0, CFG["vocab_size"], (2 * world * 2, CFG["block_size"] + 1),
-                          generator=g)
+        x = torch.randint(0, CFG["vocab_size"], (2 * world * 2, CFG["block_size"] + 1), generator=g)
         local_max = torch.zeros(1)
         for m in range(2):
-            xs = x[(2 * r + m) * 2:(2 * r + m + 1) * 2]
+            xs = x[(2 * r + m) * 2 : (2 * r + m + 1) * 2]
             ctx = opt.no_sync() if m == 0 else contextlib.nullcontext()
             with ctx:
                 _, loss = model(xs[:, :-1], xs[:, 1:])
@@ -244,7 +271,7 @@ def _grads_worker(rank: int, world: int, configs: dict[str, dict]) -> dict:
         torch.manual_seed(0)
         ref = GPT(GPTConfig(**CFG))
         for m in range(2):
-            xs = x[(2 * r + m) * 2:(2 * r + m + 1) * 2]
+            xs = x[(2 * r + m) * 2 : (2 * r + m + 1) * 2]
             ref(xs[:, :-1], xs[:, 1:])[1].backward()
         local_max = torch.tensor([max(p.grad.abs().max().item() for p in ref.parameters())])
         dist.all_reduce(local_max, op=dist.ReduceOp.MAX)
@@ -253,9 +280,13 @@ def _grads_worker(rank: int, world: int, configs: dict[str, dict]) -> dict:
         opt.step()
         with opt.gathered_params():
             params = {n: p.detach().double().clone() for n, p in model.named_parameters()}
-        out[name] = {"grads": grads, "absmax": local_max.item(), "params": params,
-                     "masters": [opt.shards.master(b).double().clone() for b in opt.flat_groups],
-                     "bytes": opt.comm.snapshot()["bytes"]}
+        out[name] = {
+            "grads": grads,
+            "absmax": local_max.item(),
+            "params": params,
+            "masters": [opt.shards.master(b).double().clone() for b in opt.flat_groups],
+            "bytes": opt.comm.snapshot()["bytes"],
+        }
         opt.close()
     return out
 
@@ -283,7 +314,7 @@ def test_every_stage_reduces_over_the_wire_within_the_bound_at_w4() -> None:
                 continue  # its forward already ran on int8-gathered params: checked below
             base = r[f"s{c['stage']}-None"]
             a = r[name]["absmax"] * 2  # two micro-batches summed before the reduction (0-1)
-            q = a / 254 * (1 + 2.0 ** -14) if c["wire"] == "int8" else a * 2.0 ** -8
+            q = a / 254 * (1 + 2.0**-14) if c["wire"] == "int8" else a * 2.0**-8
             worst = 0.0
             for got, want in zip(r[name]["grads"], base["grads"]):
                 err = (got - want).abs().max().item()
@@ -298,14 +329,14 @@ def test_every_stage_reduces_over_the_wire_within_the_bound_at_w4() -> None:
                     assert torch.equal(m1, m2), name
                 for n, p in r[name]["params"].items():
                     d = (p - same["params"][n]).abs().max().item()
-                    assert d <= p.abs().max().item() / 254 * (1 + 2.0 ** -14), (name, n, d)
+                    assert d <= p.abs().max().item() / 254 * (1 + 2.0**-14), (name, n, d)
     # Stage 3 with int8 params: each rank's view has its own piece exact and the others'
     # quantized, so two ranks' views differ, by at most one int8 rounding of the block.
     v0, v1 = res[0]["s3-int8-pint8"]["params"], res[1]["s3-int8-pint8"]["params"]
     worst = 0.0
     for n, p in v0.items():
         d = (p - v1[n]).abs().max().item()
-        assert d <= p.abs().max().item() / 254 * (1 + 2.0 ** -14), (n, d)
+        assert d <= p.abs().max().item() / 254 * (1 + 2.0**-14), (n, d)
         worst = max(worst, d)
     assert worst > 0
     # Replicas of stage 0 stay bitwise equal: every rank dequantizes the same bytes.
@@ -317,8 +348,10 @@ def test_every_stage_reduces_over_the_wire_within_the_bound_at_w4() -> None:
 
 @pytest.mark.slow
 def test_hsdp_replica_all_reduce_over_the_wire_keeps_replicas_equal() -> None:
-    configs = {"ref": {"stage": 2, "hsdp": True}, "int8": {"stage": 2, "hsdp": True,
-                                                           "wire": "int8"}}
+    configs = {
+        "ref": {"stage": 2, "hsdp": True},
+        "int8": {"stage": 2, "hsdp": True, "wire": "int8"},
+    }
     res = run_ranks(_grads_worker, 4, configs, timeout=600)
     for rank, r in enumerate(res):
         twin = res[(rank + 2) % 4]  # the replica holding the same shard
@@ -328,7 +361,7 @@ def test_hsdp_replica_all_reduce_over_the_wire_keeps_replicas_equal() -> None:
         for got, want in zip(r["int8"]["grads"], r["ref"]["grads"]):
             # Two quantizations: the shard reduce-scatter, then the replica all-reduce (its
             # all-to-all and its all-gather of the averaged chunk).
-            assert (got - want).abs().max().item() <= 3 * a / 254 * (1 + 2.0 ** -14), rank
+            assert (got - want).abs().max().item() <= 3 * a / 254 * (1 + 2.0**-14), rank
         assert r["int8"]["bytes"]["all_to_all"] > 0 and r["int8"]["bytes"]["all_reduce"] == 4
 
 

@@ -1,6 +1,7 @@
 """ZeRO stages 0-2 on 1, 2 and 4 gloo ranks against a single-process torch.optim.AdamW.
 
 About an internal: fusedzero._layout."""
+
 from __future__ import annotations
 
 import copy
@@ -37,7 +38,7 @@ def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def rank_slice(t: torch.Tensor, rank: int, world: int, micro: int = 0, accum: int = 1):
     n = t.shape[0] // (world * accum)
     i = rank * accum + micro
-    return t[i * n:(i + 1) * n]
+    return t[i * n : (i + 1) * n]
 
 
 def train_many(rank: int, world: int, configs: dict[str, dict]) -> dict[str, dict]:
@@ -59,6 +60,7 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
     pg = rep = None
     if opts.get("subgroups") or opts.get("hsdp"):
         import torch.distributed as dist
+
         pgs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         reps = [dist.new_group([0, 2]), dist.new_group([1, 3])]
         pg = pgs[rank // 2]
@@ -69,18 +71,25 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
     if opts.get("checkpointing"):
         for blk in model.blocks:
             blk.forward = functools.partial(checkpoint, blk.forward, use_reentrant=False)
-    opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, stage=opts["stage"], module=model,
-                    max_grad_norm=opts.get("clip"),
-                    precision=Precision(param_dtype=opts.get("param_dtype"),
-                                        reduce_dtype=opts.get("reduce_dtype", torch.float32)),
-                    groups=Groups(shard=pg, replicate=rep),
-                    sharding=Sharding(
-                        bucket_numel=opts.get("bucket", BUCKET),
-                        reshard_after_forward=opts.get("reshard", True),
-                        param_init_fn=FullUnitInit(model.init_module) if opts.get("meta")
-                        else None),
-                    device="cpu",  # gloo ranks: meta params materialise on the CPU, GPU or not
-                    trace=opts.get("trace", False))
+    opt = ZeroAdamW(
+        gpt_param_groups(model, 0.1),
+        lr=LR,
+        stage=opts["stage"],
+        module=model,
+        max_grad_norm=opts.get("clip"),
+        precision=Precision(
+            param_dtype=opts.get("param_dtype"),
+            reduce_dtype=opts.get("reduce_dtype", torch.float32),
+        ),
+        groups=Groups(shard=pg, replicate=rep),
+        sharding=Sharding(
+            bucket_numel=opts.get("bucket", BUCKET),
+            reshard_after_forward=opts.get("reshard", True),
+            param_init_fn=FullUnitInit(model.init_module) if opts.get("meta") else None,
+        ),
+        device="cpu",  # gloo ranks: meta params materialise on the CPU, GPU or not
+        trace=opts.get("trace", False),
+    )
     accum = opts.get("accum", 1)
     norms, comm, skipped = [], [], []
     each: list[dict[str, torch.Tensor]] = []
@@ -110,15 +119,25 @@ def train_zero(rank: int, world: int, opts: dict) -> dict:
         params = {n: p.detach().float().clone() for n, p in model.named_parameters()}
     return {
         "params": params,
-        "norms": norms, "skipped": skipped, "comm": comm, "memory": opt.memory()._asdict(),
+        "norms": norms,
+        "skipped": skipped,
+        "comm": comm,
+        "memory": opt.memory()._asdict(),
         "padded": [fg.layout.padded_numel for fg in opt.flat_groups],
-        "trace": opt.trace, "masters": masters,
+        "trace": opt.trace,
+        "masters": masters,
         "max_gathered": opt.zero3.max_gathered if opt.zero3 else None,
         "materialize_peak": opt.zero3.materialize_peak if opt.zero3 else None,
         "max_live_buckets": opt.max_live_buckets,
         "buckets": sum(fg.layout.num_buckets for fg in opt.flat_groups),
-        "unit_padded": ([sum(fg.layout.padded_numel for fg in opt.zero3.buffers[u])
-                         for u in range(len(opt.zero3.modules))] if opt.zero3 else None),
+        "unit_padded": (
+            [
+                sum(fg.layout.padded_numel for fg in opt.zero3.buffers[u])
+                for u in range(len(opt.zero3.modules))
+            ]
+            if opt.zero3
+            else None
+        ),
         "segments": [fg.layout.segments(fg.shard_rank) for fg in opt.flat_groups],
         "params_each_step": each,
     }
@@ -132,8 +151,9 @@ class _null:
         return False
 
 
-def train_reference(steps: int = 10, clip: float | None = None, accum: int = 1,
-                    freeze: tuple[str, ...] = ()) -> tuple[dict, list[float]]:
+def train_reference(
+    steps: int = 10, clip: float | None = None, accum: int = 1, freeze: tuple[str, ...] = ()
+) -> tuple[dict, list[float]]:
     """Single process, whole global batch, torch.optim.AdamW (+ clip_grad_norm_)."""
     model = make_model()
     for name in freeze:
@@ -158,8 +178,10 @@ def assert_params_close(got: dict, ref: dict, rtol: float, atol: float, what: st
         if not torch.allclose(g, r, rtol=rtol, atol=atol):
             d = (g - r).abs()
             i = int(d.argmax())
-            raise AssertionError(f"{what}: {n} differs at flat index {i}: {g.flatten()[i]} vs "
-                                 f"{r.flatten()[i]} (max abs diff {d.max():.3g})")
+            raise AssertionError(
+                f"{what}: {n} differs at flat index {i}: {g.flatten()[i]} vs "
+                f"{r.flatten()[i]} (max abs diff {d.max():.3g})"
+            )
 
 
 # fp32 tolerance. Ranks average per-rank mean losses and the reference takes one mean over the
@@ -175,15 +197,25 @@ def test_stages_0_to_3_match_torch_adamw(world: int, tmp_path) -> None:
     configs = {f"stage{s}": {"stage": s, "clip": 1.0} for s in (0, 1, 2, 3)}
     if world == 4:
         configs["subgroups"] = {"stage": 2, "clip": 1.0, "subgroups": True}
-        configs.update({f"mesh{s}": {"stage": s, "clip": 1.0, "hsdp": True,
-                                     "save": str(tmp_path / f"mesh{s}")} for s in (1, 3)})
+        configs.update(
+            {
+                f"mesh{s}": {
+                    "stage": s,
+                    "clip": 1.0,
+                    "hsdp": True,
+                    "save": str(tmp_path / f"mesh{s}"),
+                }
+                for s in (1, 3)
+            }
+        )
     outs = run_ranks(train_many, world, configs)
     if world == 4:  # Groups(shard=): two groups of 2 ranks train independently, each like W=2
         for r, o in enumerate(outs):
             sub = o["subgroups"]
             assert_params_close(sub["params"], ref, RTOL, ATOL, f"subgroup rank {r}")
-            assert sub["comm"][-1]["bytes"]["reduce_scatter"] == \
-                sum(sub["padded"]) * 4 // 2  # (W-1)/W with W = 2, fp32
+            assert (
+                sub["comm"][-1]["bytes"]["reduce_scatter"] == sum(sub["padded"]) * 4 // 2
+            )  # (W-1)/W with W = 2, fp32
             # Groups(replicate=): shard over 2, replicate over 2, the batch split 4 ways; the
             # replicas all-reduce their grad shard (Psi/2 elements) once: 2(R-1)/R * Psi/2 * 4.
             for h in (o["mesh1"], o["mesh3"]):
@@ -194,8 +226,13 @@ def test_stages_0_to_3_match_torch_adamw(world: int, tmp_path) -> None:
         # The first replica's shard group wrote the checkpoint; it loads on one process.
         for s in (1, 3):
             model = make_model(seed=1)
-            opt = ZeroAdamW(gpt_param_groups(model, 0.1), lr=LR, stage=s, module=model,
-                            sharding=Sharding(bucket_numel=BUCKET))
+            opt = ZeroAdamW(
+                gpt_param_groups(model, 0.1),
+                lr=LR,
+                stage=s,
+                module=model,
+                sharding=Sharding(bucket_numel=BUCKET),
+            )
             ckpt.load(opt, tmp_path / f"mesh{s}")
             with opt.gathered_params():
                 for n, p in model.named_parameters():
@@ -213,8 +250,11 @@ def test_stages_0_to_3_match_torch_adamw(world: int, tmp_path) -> None:
 
 def test_grad_accumulation_equals_big_batch_on_2_ranks() -> None:
     ref, ref_norms = train_reference(steps=6, accum=2, clip=0.5)
-    outs = run_ranks(train_many, 2, {f"stage{s}": {"stage": s, "accum": 2, "steps": 6,
-                                                   "clip": 0.5} for s in (0, 1, 2, 3)})
+    outs = run_ranks(
+        train_many,
+        2,
+        {f"stage{s}": {"stage": s, "accum": 2, "steps": 6, "clip": 0.5} for s in (0, 1, 2, 3)},
+    )
     for stage in (0, 1, 2, 3):
         out = [o[f"stage{stage}"] for o in outs]
         for r, o in enumerate(out):
@@ -225,9 +265,20 @@ def test_grad_accumulation_equals_big_batch_on_2_ranks() -> None:
 def test_counters_and_memory_match_zero_formulas_on_4_ranks() -> None:
     W = 4
     cases = [(s, rd) for s in (0, 1, 2) for rd in (torch.float32, torch.bfloat16)]
-    outs = run_ranks(train_many, W, {f"{s}-{rd}": {"stage": s, "steps": 2, "clip": 1.0,
-                                                   "param_dtype": torch.bfloat16,
-                                                   "reduce_dtype": rd} for s, rd in cases})
+    outs = run_ranks(
+        train_many,
+        W,
+        {
+            f"{s}-{rd}": {
+                "stage": s,
+                "steps": 2,
+                "clip": 1.0,
+                "param_dtype": torch.bfloat16,
+                "reduce_dtype": rd,
+            }
+            for s, rd in cases
+        },
+    )
     for stage, reduce_dtype in cases:
         out = [o[f"{stage}-{reduce_dtype}"] for o in outs]
         g = torch.finfo(reduce_dtype).bits // 8
@@ -247,12 +298,19 @@ def test_counters_and_memory_match_zero_formulas_on_4_ranks() -> None:
             c = o["comm"][-1]["bytes"]
             scalar = 2 * (W - 1) * 4 // W  # all-reduce of the fp32 grad-norm scalar
             if stage == 0:
-                assert c == {"all_reduce": 2 * (W - 1) * psi * g // W,
-                             "reduce_scatter": 0, "all_gather": 0, "all_to_all": 0}
+                assert c == {
+                    "all_reduce": 2 * (W - 1) * psi * g // W,
+                    "reduce_scatter": 0,
+                    "all_gather": 0,
+                    "all_to_all": 0,
+                }
             else:
-                assert c == {"all_reduce": scalar,
-                             "reduce_scatter": (W - 1) * psi * g // W,
-                             "all_gather": (W - 1) * psi * 2 // W, "all_to_all": 0}
+                assert c == {
+                    "all_reduce": scalar,
+                    "reduce_scatter": (W - 1) * psi * g // W,
+                    "all_gather": (W - 1) * psi * 2 // W,
+                    "all_to_all": 0,
+                }
 
 
 def test_bf16_params_master_matches_fp32_reference_fed_same_grads_on_2_ranks() -> None:
@@ -266,10 +324,16 @@ def test_bf16_params_master_matches_fp32_reference_fed_same_grads_on_2_ranks() -
     update-sized). With the same params the grads are the same, and the masters differ by the
     update's fp32 rounding only."""
     W, steps = 2, 5
-    out = run_ranks(train_zero, W, {"stage": 2, "steps": steps, "params_each_step": True,
-                                    "param_dtype": torch.bfloat16})
-    assert all(torch.equal(out[0]["params_each_step"][k][n], out[1]["params_each_step"][k][n])
-               for k in range(steps) for n in out[0]["params"])  # replicas of the same params
+    out = run_ranks(
+        train_zero,
+        W,
+        {"stage": 2, "steps": steps, "params_each_step": True, "param_dtype": torch.bfloat16},
+    )
+    assert all(
+        torch.equal(out[0]["params_each_step"][k][n], out[1]["params_each_step"][k][n])
+        for k in range(steps)
+        for n in out[0]["params"]
+    )  # replicas of the same params
     # bf16 CPU matmuls can round differently with another thread count: match the ranks' one.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -282,22 +346,23 @@ def test_bf16_params_master_matches_fp32_reference_fed_same_grads_on_2_ranks() -
         for segs, shard in zip(o["segments"], o["masters"]):
             for s in segs:
                 n = _name_of(names, s.param)
-                mine = shard[s.local:s.local + s.length]
+                mine = shard[s.local : s.local + s.length]
                 # The fp32 master shards equal the reference within fp32 rounding...
-                r = ref[n].flatten()[s.start:s.start + s.length]
+                r = ref[n].flatten()[s.start : s.start + s.length]
                 assert torch.allclose(mine, r, rtol=1e-6, atol=1e-7), n
                 # ...and the bf16 params are exactly the bf16 cast of this rank's master.
-                got = o["params"][n].flatten()[s.start:s.start + s.length]
+                got = o["params"][n].flatten()[s.start : s.start + s.length]
                 assert torch.equal(got, mine.to(torch.bfloat16).float()), n
         # Against the reference's cast: one bf16 ulp where a master within fp32 rounding of
         # the reference's sits at a bf16 rounding boundary (the cast of the two may differ).
         for n, r in ref.items():
             rb = r.to(torch.bfloat16).float()
-            assert ((o["params"][n] - rb).abs() <= rb.abs() * 2.0 ** -7).all(), n
+            assert ((o["params"][n] - rb).abs() <= rb.abs() * 2.0**-7).all(), n
 
 
-def _bf16_reference(W: int, steps: int, fed: list[dict[str, torch.Tensor]]
-                    ) -> dict[str, torch.Tensor]:
+def _bf16_reference(
+    W: int, steps: int, fed: list[dict[str, torch.Tensor]]
+) -> dict[str, torch.Tensor]:
     model = make_model()
     master = copy.deepcopy(model)
     model.to(torch.bfloat16)
@@ -325,8 +390,13 @@ def _name_of(names: list[str], index: int) -> str:
     # Param indices follow gpt_param_groups order, which is named_parameters order split into
     # decay / no-decay groups.
     model = make_model()
-    order = [n for g in gpt_param_groups(model, 0.1) for p in g["params"]
-             for n, q in model.named_parameters() if q is p]
+    order = [
+        n
+        for g in gpt_param_groups(model, 0.1)
+        for p in g["params"]
+        for n, q in model.named_parameters()
+        if q is p
+    ]
     return order[index]
 
 
@@ -348,8 +418,11 @@ def test_frozen_layer_unused_param_and_nan_grad_on_2_ranks() -> None:
     """A frozen block is left out of the optimizer and stays put (stages 1 and 3); a NaN loss on
     one rank skips the step on every rank and leaves the params finite."""
     ref, _ = train_reference(steps=4, freeze=("blocks.0",))
-    outs = run_ranks(train_many, 2, {f"stage{s}": {"stage": s, "steps": 4,
-                                                   "freeze": ("blocks.0",)} for s in (1, 3)})
+    outs = run_ranks(
+        train_many,
+        2,
+        {f"stage{s}": {"stage": s, "steps": 4, "freeze": ("blocks.0",)} for s in (1, 3)},
+    )
     init = make_model()
     for o in (o for per_rank in outs for o in per_rank.values()):
         assert_params_close(o["params"], ref, RTOL, ATOL, "frozen")
@@ -380,8 +453,13 @@ def train_branchy(rank: int, world: int, stages: tuple[int, ...]) -> list[dict]:
         torch.manual_seed(0)
         m = _Branchy()
         # Stage 3 with one unit per Linear: the `unused` unit is never called.
-        opt = ZeroAdamW(m.parameters(), lr=LR, stage=stage, module=m,
-                        sharding=Sharding(bucket_numel=256, units=torch.nn.Linear))
+        opt = ZeroAdamW(
+            m.parameters(),
+            lr=LR,
+            stage=stage,
+            module=m,
+            sharding=Sharding(bucket_numel=256, units=torch.nn.Linear),
+        )
         for step in range(3):
             x = torch.randn(8, 9, generator=torch.Generator().manual_seed(step))
             m(rank_slice(x, rank, world)).square().mean().backward()
@@ -413,8 +491,7 @@ def test_param_without_grad_is_treated_as_zero_no_hang_on_2_ranks() -> None:
 
 def test_padding_under_half_percent_for_gpt_default_layout() -> None:
     with torch.device("meta"):
-        model = GPT(GPTConfig(n_layer=12, n_embd=768, n_head=12, block_size=1024,
-                              vocab_size=50304))
+        model = GPT(GPTConfig(n_layer=12, n_embd=768, n_head=12, block_size=1024, vocab_size=50304))
     items = [(i, n, tuple(p.shape)) for i, (n, p) in enumerate(model.named_parameters())]
     for W in (1, 2, 4, 8, 64):
         L = build_layout(items, W)
@@ -424,12 +501,18 @@ def test_padding_under_half_percent_for_gpt_default_layout() -> None:
 def test_zero3_memory_units_comm_overlap_and_checkpointing_on_2_ranks() -> None:
     W = 2
     ref, _ = train_reference(steps=3, clip=1.0)
-    cases = {"resharded": {"stage": 3, "steps": 3, "clip": 1.0, "trace": True},
-             "kept": {"stage": 3, "steps": 3, "clip": 1.0, "reshard": False},
-             "ckpt": {"stage": 3, "steps": 3, "clip": 1.0, "checkpointing": True},
-             "bf16": {"stage": 3, "steps": 2, "param_dtype": torch.bfloat16,
-                      "reduce_dtype": torch.bfloat16},
-             "meta": {"stage": 3, "steps": 3, "clip": 1.0, "meta": True}}
+    cases = {
+        "resharded": {"stage": 3, "steps": 3, "clip": 1.0, "trace": True},
+        "kept": {"stage": 3, "steps": 3, "clip": 1.0, "reshard": False},
+        "ckpt": {"stage": 3, "steps": 3, "clip": 1.0, "checkpointing": True},
+        "bf16": {
+            "stage": 3,
+            "steps": 2,
+            "param_dtype": torch.bfloat16,
+            "reduce_dtype": torch.bfloat16,
+        },
+        "meta": {"stage": 3, "steps": 3, "clip": 1.0, "meta": True},
+    }
     outs = run_ranks(train_many, W, cases)
     for o in outs:
         resharded, kept, ckpt, bf16, meta = (o[k] for k in cases)
@@ -445,8 +528,11 @@ def test_zero3_memory_units_comm_overlap_and_checkpointing_on_2_ranks() -> None:
         assert psi == sum(resharded["unit_padded"])
         # Resident: bf16 params 2Psi/W, bf16 grads 2Psi/W, fp32 master + moments 12Psi/W.
         mem = bf16["memory"]
-        assert (mem["params"], mem["grads"], mem["optimizer"]) == \
-            (2 * psi // W, 2 * psi // W, 12 * psi // W)
+        assert (mem["params"], mem["grads"], mem["optimizer"]) == (
+            2 * psi // W,
+            2 * psi // W,
+            12 * psi // W,
+        )
         # Comm per step, fp32 params: forward all-gather + backward all-gather + reduce-scatter
         # with reshard_after_forward, but the root (kept from its forward into its backward)
         # is gathered once; one all-gather of everything without it.
@@ -454,10 +540,18 @@ def test_zero3_memory_units_comm_overlap_and_checkpointing_on_2_ranks() -> None:
         scalar = 2 * (W - 1) * 4 // W
         ag = (W - 1) * (2 * psi - resharded["unit_padded"][0]) * 4 // W
         assert resharded["unit_padded"][0] > 0  # the GPT's root holds the embeddings and head
-        assert resharded["comm"][-1]["bytes"] == {"reduce_scatter": rs, "all_gather": ag,
-                                                  "all_reduce": scalar, "all_to_all": 0}
-        assert kept["comm"][-1]["bytes"] == {"reduce_scatter": rs, "all_gather": rs,
-                                             "all_reduce": scalar, "all_to_all": 0}
+        assert resharded["comm"][-1]["bytes"] == {
+            "reduce_scatter": rs,
+            "all_gather": ag,
+            "all_reduce": scalar,
+            "all_to_all": 0,
+        }
+        assert kept["comm"][-1]["bytes"] == {
+            "reduce_scatter": rs,
+            "all_gather": rs,
+            "all_reduce": scalar,
+            "all_to_all": 0,
+        }
         # Overlap: unit 2's gather is issued before unit 1's forward compute ends.
         trace = resharded["trace"]
         assert trace.index(("gather", 2)) < trace.index(("forward_end", 1))

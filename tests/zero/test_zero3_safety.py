@@ -2,6 +2,7 @@
 params touched outside a forward, and state dicts.
 
 About an internal: fusedzero._zero3."""
+
 from __future__ import annotations
 
 import sys
@@ -50,7 +51,8 @@ def test_stage3_step_frees_in_flight_gathers_before_the_kernel(monkeypatch) -> N
     first_kernel = kinds.index("kernel")
     assert "free" in kinds[:first_kernel], f"nothing freed before the update: {opt.trace}"
     assert "free" not in kinds[first_kernel:], (
-        f"a unit was freed (its gather waited) after the kernel rewrote its shard: {opt.trace}")
+        f"a unit was freed (its gather waited) after the kernel rewrote its shard: {opt.trace}"
+    )
     assert all(s.name == "FREE" for s in _states(z))
 
 
@@ -67,10 +69,10 @@ def _touch(action: str) -> None:
     print("survived", tuple(p.shape))
 
 
-@pytest.mark.parametrize("action", ["print(p)", "print(p.norm())", "p.data.fill_(1.0)",
-                                    "print(p.sum() + 1)"])
-def test_stage3_param_touched_outside_forward_does_not_crash(action: str, tmp_path: Path
-                                                             ) -> None:
+@pytest.mark.parametrize(
+    "action", ["print(p)", "print(p.norm())", "p.data.fill_(1.0)", "print(p.sum() + 1)"]
+)
+def test_stage3_param_touched_outside_forward_does_not_crash(action: str, tmp_path: Path) -> None:
     p = run_isolated(_touch, (action,), tmp_path, env={"FUSEDZERO_BACKEND": "torch"})
     assert p.returncode == 0, f"{action}: rc {p.returncode}\n{p.stderr[-2000:]}"
     assert "survived (0,)" in p.stdout, p.stdout  # empty while freed: visibly not the value
@@ -78,7 +80,8 @@ def test_stage3_param_touched_outside_forward_does_not_crash(action: str, tmp_pa
 
 @pytest.mark.slow  # a fresh interpreter (seconds)
 def test_stage3_touch_runs_in_a_fresh_interpreter_where_a_gpu_is_visible(
-        one_gpu: None, tmp_path: Path) -> None:
+    one_gpu: None, tmp_path: Path
+) -> None:
     """Where torch sees a GPU, a fork of a process that has run a backward cannot run one (the
     H200 run of 2026-11-27: every case above failed so); with one faked visible the cases run in
     a fresh interpreter instead, and pass."""

@@ -10,6 +10,7 @@ its collectives writing as NCCL's do (through `.data`: no version bump).
 
 About an internal: fusedzero._comm.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -39,13 +40,15 @@ def nccl_like_writes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.parametrize("stage", [0, 1])
-def test_zero_grad_empties_a_buffer_only_a_collective_wrote(stage: int,
-                                                            nccl_like_writes: None) -> None:
+def test_zero_grad_empties_a_buffer_only_a_collective_wrote(
+    stage: int, nccl_like_writes: None
+) -> None:
     with fake_group(1, 2):
         torch.manual_seed(0)
         used, unused = nn.Linear(4, 4), nn.Linear(4, 4)
-        opt = ZeroAdamW([{"params": used.parameters()}, {"params": unused.parameters()}],
-                        lr=1e-3, stage=stage)
+        opt = ZeroAdamW(
+            [{"params": used.parameters()}, {"params": unused.parameters()}], lr=1e-3, stage=stage
+        )
         for _ in range(3):
             used(torch.randn(2, 4)).sum().backward()  # `unused`: no grad on this rank
             written = [float(buf.grad_flat.abs().sum()) for buf in opt.flat_groups]
