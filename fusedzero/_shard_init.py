@@ -34,6 +34,13 @@ size, device or param dtype (drawn in fp32, then cast), and on every replica. Th
 values an eager build draws from torch's global generator (`FullUnitInit` gives those). A
 `generator=` passed to an init op is not used.
 
+[Note: a LocalParam passes for its param]
+An init often asks what it was given: `isinstance(m.logit_scale, nn.Parameter)` (transformers'
+Aimv2 `_init_weights`), `if p.requires_grad`. The LocalParam standing in for a whole param
+answers as the param does: `_is_param = True` (what `nn.Parameter`'s metaclass
+`__instancecheck__` honours) and `requires_grad=True` (the init runs under `torch.no_grad()`,
+so no graph is recorded). Its views (`w.data`, `w[0]`) are plain tensors, as a param's are.
+
 [Note: loading into LocalParams]
 `model.load_state_dict(sd)` at stage 3 runs torch's own load (its name and shape checks, its
 error messages) against `LocalParam`s in load mode: torch's `param.copy_(value)` writes this
@@ -182,7 +189,9 @@ class LocalParam(torch.Tensor):
     _ctx: _Context
 
     @staticmethod
-    def __new__(cls, target: ParamTarget, geom: torch.Tensor, ctx: _Context) -> LocalParam:
+    def __new__(
+        cls, target: ParamTarget, geom: torch.Tensor, ctx: _Context, param: bool = False
+    ) -> LocalParam:
         t = torch.Tensor._make_wrapper_subclass(
             cls,
             geom.shape,
@@ -190,14 +199,17 @@ class LocalParam(torch.Tensor):
             storage_offset=geom.storage_offset(),
             dtype=target.dtype,
             device=target.device,
-            requires_grad=False,
+            requires_grad=param,
         )
         t._target, t._geom, t._ctx = target, geom, ctx
+        if param:  # See [Note: a LocalParam passes for its param]
+            t._is_param = True
         return t
 
     @staticmethod
     def of(target: ParamTarget, ctx: _Context) -> LocalParam:
-        return LocalParam(target, torch.empty(target.shape, device="meta"), ctx)
+        """The stand-in for a whole param (its views are plain LocalParams)."""
+        return LocalParam(target, torch.empty(target.shape, device="meta"), ctx, param=True)
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 

@@ -383,3 +383,32 @@ def test_import_weights_at_stage_3_from_safetensors_files(tmp_path) -> None:
         with fake_group(r, 8):
             import_weights(opt, tmp_path)  # each rank reads the rows covering its runs
         _assert_shard_is(opt, ref, f"safetensors, W=8 rank {r}", master_is_cast=False)
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.logit_scale = nn.Parameter(torch.empty(1))
+        self.proj = nn.Linear(4, 4)
+
+
+def test_the_stand_in_passes_for_an_nn_parameter_that_requires_grad() -> None:
+    # transformers' Aimv2 `_init_weights` asks `isinstance(m.logit_scale, nn.Parameter)`.
+    def init(name: str, m: nn.Module) -> None:
+        if isinstance(getattr(m, "logit_scale", None), nn.Parameter):
+            assert m.logit_scale.requires_grad
+            nn.init.constant_(m.logit_scale, 2.5)
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+
+    with torch.device("meta"):
+        model = _Scaled()
+    opt = ZeroAdamW(
+        model.parameters(),
+        stage=3,
+        module=model,
+        device="cpu",
+        sharding=Sharding(param_init_fn=init),
+    )
+    with opt.gathered_params():
+        assert model.logit_scale.item() == 2.5
