@@ -41,6 +41,15 @@ answers as the param does: `_is_param = True` (what `nn.Parameter`'s metaclass
 `__instancecheck__` honours) and `requires_grad=True` (the init runs under `torch.no_grad()`,
 so no graph is recorded). Its views (`w.data`, `w[0]`) are plain tensors, as a param's are.
 
+[Note: init writes the fp32 master]
+Where a separate fp32 master exists (bf16 params, `Precision(param_dtype=torch.bfloat16)` with
+an fp32 master), an init's writes and arithmetic go to the master's runs, in fp32, and the
+param shard is set from it at the end (`param.copy_(master)`), as an eager fp32 build cast to
+bf16 would be. Computing in bf16 instead would round each step: timm's `trunc_normal_`
+(`uniform_(-1, 1)` in bf16 can give exactly +-1, and `erfinv_(1)` is inf, clamped to +-2)
+puts ~0.2% of the weights at +-2. Without a master (the bf16 master modes) the param shard is
+written, in its dtype.
+
 [Note: loading into LocalParams]
 `model.load_state_dict(sd)` at stage 3 runs torch's own load (its name and shape checks, its
 error messages) against `LocalParam`s in load mode: torch's `param.copy_(value)` writes this
@@ -259,10 +268,15 @@ def _dispatch(func: torch._ops.OpOverload, args: Any, kwargs: dict[str, Any]) ->
     elif packet in _FILL or torch.Tag.pointwise in func.tags:
         for r in _bounded(runs, args[1:], self.shape):
             rest = [_same_run(a, self, r, func) for a in args[1:]]
-            func(r.piece.param[r.a : r.b], *rest, **kwargs)
+            func(_dst(r.piece)[r.a : r.b], *rest, **kwargs)
     else:
         raise _unsupported(func, "is not an element-wise in-place op")
     return self
+
+
+def _dst(p: Piece) -> torch.Tensor:
+    """Where an init writes a piece: See [Note: init writes the fp32 master]."""
+    return p.param if p.master is None else p.master
 
 
 def _refuse(func: torch._ops.OpOverload, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -362,7 +376,7 @@ def _copy(view: LocalParam, runs: list[_Run], src: torch.Tensor, load: bool) -> 
         if load:
             _load_run(r.piece, r.a, r.b, values)
         else:
-            r.piece.param[r.a : r.b].copy_(values)
+            _dst(r.piece)[r.a : r.b].copy_(values)
 
 
 def _load_run(p: Piece, a: int, b: int, values: torch.Tensor) -> None:
@@ -435,7 +449,7 @@ def _draw(
             assert block is not None
             a, b = max(start, b0), min(end, b0 + n)
             off = r.piece.start
-            r.piece.param[a - off : b - off].copy_(block[a - b0 : b - b0])
+            _dst(r.piece)[a - off : b - off].copy_(block[a - b0 : b - b0])
 
 
 _TORCH_TRUNC_NORMAL = nn.init.trunc_normal_
@@ -510,7 +524,8 @@ def init_local(
 ) -> LocalInitStats:
     """Run `fn(name, module)` (default: `module.reset_parameters()`) for every module that owns
     sharded params, in `named_modules()` order, on this rank's elements only (See [Note:
-    local-shard init]); a separate master starts at the param dtype's cast."""
+    local-shard init]); a separate fp32 master is what the init writes, the param shard its
+    cast (See [Note: init writes the fp32 master])."""
     stats = LocalInitStats()
     if not buffers or any(b.device.type == "meta" for b in buffers):
         return stats  # nothing real to write (a meta-device emulation)
@@ -542,7 +557,7 @@ def init_local(
     with torch.no_grad():
         for b in buffers:
             if b.master is not None and b.param_shard is not None:
-                b.master.copy_(b.param_shard)
+                b.param_shard.copy_(b.master)
     return stats
 
 

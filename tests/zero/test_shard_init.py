@@ -102,8 +102,8 @@ def _full(init: Init) -> dict[str, torch.Tensor]:
 def _assert_shard_is(
     opt: ZeroAdamW, ref: dict[str, torch.Tensor], where: str, master_is_cast: bool = True
 ) -> int:
-    """Every element this rank holds equals the W = 1 value (an init: a separate master holds
-    its cast); returns how many there were."""
+    """Every element this rank holds equals the W = 1 value (an init: a separate fp32 master
+    holds it exactly, the param shard its cast); returns how many there were."""
     held = 0
     for buf in opt.flat_groups:
         assert buf.param_shard is not None
@@ -112,9 +112,12 @@ def _assert_shard_is(
             got = buf.param_shard[seg.local : seg.local + seg.length]
             want = ref[name][seg.start : seg.start + seg.length].to(buf.dtype)
             assert torch.equal(got, want), (where, name, seg)
+            if buf.master is not None and master_is_cast:
+                exact = ref[name][seg.start : seg.start + seg.length]
+                assert torch.equal(buf.master[seg.local : seg.local + seg.length], exact), where
             held += seg.length
         if buf.master is not None and master_is_cast:
-            assert torch.equal(buf.master, buf.param_shard.float()), where
+            assert torch.equal(buf.param_shard, buf.master.to(buf.dtype)), where
     return held
 
 
@@ -412,3 +415,34 @@ def test_the_stand_in_passes_for_an_nn_parameter_that_requires_grad() -> None:
     )
     with opt.gathered_params():
         assert model.logit_scale.item() == 2.5
+
+
+def _timm_trunc_normal_(t: torch.Tensor, std: float) -> None:
+    """timm's `trunc_normal_` at a = -2, b = 2, std << 1: uniform_(-1, 1), then erfinv_."""
+    t.uniform_(-1.0, 1.0)
+    t.erfinv_()
+    t.mul_(std * math.sqrt(2.0))
+    t.clamp_(min=-2.0, max=2.0)
+
+
+def test_bf16_params_are_the_cast_of_an_fp32_init_of_the_master() -> None:
+    # In bf16, uniform_(-1, 1) gives exactly +-1 about once in 256 draws: erfinv_ makes that
+    # inf, clamped to +-2 (~1000 of these 256K elements); in fp32, once in 2^24.
+    def init(name: str, m: nn.Module) -> None:
+        _timm_trunc_normal_(m.weight, std=0.02)
+
+    with torch.device("meta"):
+        model = nn.Linear(512, 512, bias=False)
+    torch.manual_seed(0)
+    opt = ZeroAdamW(
+        model.parameters(),
+        stage=3,
+        module=model,
+        device="cpu",
+        precision=Precision(param_dtype=torch.bfloat16),
+        sharding=Sharding(param_init_fn=init),
+    )
+    (buf,) = opt.flat_groups
+    assert buf.master is not None and buf.master.dtype == torch.float32
+    assert int((buf.master.abs() > 0.2).sum()) == 0  # 10 sigma
+    assert torch.equal(buf.param_shard, buf.master.to(torch.bfloat16))
