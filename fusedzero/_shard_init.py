@@ -521,11 +521,13 @@ def init_local(
     buffers: list[FlatBuffer],
     fn: ModuleInit | None,
     broadcast: Callable[[torch.Tensor], None],
+    also: set[int] | None = None,
 ) -> LocalInitStats:
     """Run `fn(name, module)` (default: `module.reset_parameters()`) for every module that owns
-    sharded params, in `named_modules()` order, on this rank's elements only (See [Note:
-    local-shard init]); a separate fp32 master is what the init writes, the param shard its
-    cast (See [Note: init writes the fp32 master])."""
+    sharded params or whose id is in `also` (modules with buffers to fill), in
+    `named_modules()` order, on this rank's elements only (See [Note: local-shard init]); a
+    separate fp32 master is what the init writes, the param shard its cast (See [Note: init
+    writes the fp32 master])."""
     stats = LocalInitStats()
     if not buffers or any(b.device.type == "meta" for b in buffers):
         return stats  # nothing real to write (a meta-device emulation)
@@ -543,7 +545,7 @@ def init_local(
                 m.reset_parameters()
 
     swapped = _swap_in(root, targets, ctx)
-    owners = {id(s.module) for s in swapped}
+    owners = {id(s.module) for s in swapped} | (also or set())
     nn.init.trunc_normal_ = _trunc_normal_  # (the module attribute, restored below)
     try:
         with torch.no_grad():

@@ -39,6 +39,14 @@ after its inputs) have run by then. Grads that arrive later need no gathered par
 units pay for the extra node, and a unit whose inputs need no grad keeps the end-of-backward
 free.
 
+[Note: buffers from the meta device] A model built on the meta device has its buffers there
+too (a rotary embedding's `inv_freq`, BatchNorm's running stats). Buffers are not sharded: each
+rank holds them in full. `_materialize` gives every meta buffer storage on the optimizer's
+device, runs the init for the modules that hold one as for those that own params (the default
+None: their `reset_parameters`; a transformers `_init_weights` fills its rotary module's
+`inv_freq`), then broadcasts each from rank 0 over the shard and replicate groups, as it does
+the params. A `ShardInit` (params only) leaves them on the meta device.
+
 [Note: stage 3 under torch.compile] A unit's forward hooks run outside any graph: under a
 whole-model `torch.compile` each is one graph break, and the unit's compute between them is one
 graph. They issue and wait on collectives, resize storage and re-point the params with
@@ -214,8 +222,12 @@ class Zero3:
             return
         # -- shard_init: the model's own init on this rank's elements (issue 43) --
         all_bufs = [buf for unit in self.units for buf in unit.buffers]
+        made = _real_buffers(self.root, all_bufs[0].device if all_bufs else None)
         if not isinstance(init_fn, FullUnitInit) and shard_init.applies(all_bufs):
-            self.init_stats = shard_init.init_local(self.root, all_bufs, init_fn, self._broadcast)
+            self.init_stats = shard_init.init_local(
+                self.root, all_bufs, init_fn, self._broadcast, made.owners
+            )
+            self._same_buffers(made)
             return
         if isinstance(init_fn, FullUnitInit):
             init_fn = init_fn.fn
@@ -226,7 +238,7 @@ class Zero3:
                 if hasattr(m, "reset_parameters"):
                     m.reset_parameters()
 
-        todo: list[tuple[str, nn.Module, Unit]] = []
+        todo: list[tuple[str, nn.Module, Unit | None]] = []
         left = [0] * len(self.units)
         for name, m in self.root.named_modules():
             owned = [p for p in m.parameters(recurse=False) if id(p) in self.unit_of_param]
@@ -234,8 +246,10 @@ class Zero3:
                 u = self.unit_of_param[id(owned[0])]
                 todo.append((name, m, self.units[u]))
                 left[u] += 1
+            elif id(m) in made.owners:
+                todo.append((name, m, None))  # buffers only: in no unit's full buffer
         for name, m, unit in todo:
-            if unit.state == UnitState.FREE:
+            if unit is not None and unit.state == UnitState.FREE:
                 for buf in unit.buffers:
                     buf.allocate_full()
                     buf.full.zero_()
@@ -251,6 +265,8 @@ class Zero3:
                 )
             with torch.no_grad():
                 init_fn(name, m)
+            if unit is None:
+                continue
             left[unit.index] -= 1
             if left[unit.index] == 0:
                 for buf in unit.buffers:
@@ -260,6 +276,14 @@ class Zero3:
                 for buf in unit.buffers:
                     buf.release_full()
                 unit.state = UnitState.FREE
+        self._same_buffers(made)
+
+    def _same_buffers(self, made: _MetaBuffers) -> None:
+        """Every rank and replica starts from rank 0's buffers, as DDP (See [Note: buffers
+        from the meta device])."""
+        with torch.no_grad():
+            for b in made.tensors:
+                self._broadcast(b)
 
     # -- gather / free --------------------------------------------------------------------------
     def gather(self, u: int) -> None:
@@ -440,6 +464,34 @@ class Zero3:
                 unit.late = True
             self._free(unit)
             unit.pending = unit.n_trainable
+
+
+@dataclasses.dataclass(slots=True)
+class _MetaBuffers:
+    """The buffers `_real_buffers` gave storage to."""
+
+    owners: set[int] = dataclasses.field(default_factory=set)  # id() of each module holding one
+    tensors: list[torch.Tensor] = dataclasses.field(default_factory=list)  # each once
+
+
+def _real_buffers(root: nn.Module, device: torch.device | None) -> _MetaBuffers:
+    """Every buffer of `root` on the meta device given uninitialised storage on `device`, in
+    every module that holds it (See [Note: buffers from the meta device])."""
+    out = _MetaBuffers()
+    if device is None or device.type == "meta":
+        return out  # nothing real to write (a meta-device emulation)
+    made: dict[int, torch.Tensor] = {}
+    for m in root.modules():
+        for name, b in list(m._buffers.items()):
+            if b is None or not b.is_meta:
+                continue
+            real = made.get(id(b))
+            if real is None:
+                real = made[id(b)] = torch.empty(b.shape, dtype=b.dtype, device=device)
+                out.tensors.append(real)
+            m._buffers[name] = real
+            out.owners.add(id(m))
+    return out
 
 
 def _init_own_shard(buf: FlatBuffer, init: ShardInit) -> None:

@@ -446,3 +446,50 @@ def test_bf16_params_are_the_cast_of_an_fp32_init_of_the_master() -> None:
     assert buf.master is not None and buf.master.dtype == torch.float32
     assert int((buf.master.abs() > 0.2).sum()) == 0  # 10 sigma
     assert torch.equal(buf.param_shard, buf.master.to(torch.bfloat16))
+
+
+class _Rotary(nn.Module):
+    """A buffer-only module (a rotary embedding's `inv_freq`), filled by `reset_parameters`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", torch.empty(D // 2), persistent=False)
+
+    def reset_parameters(self) -> None:
+        self.inv_freq.copy_(1.0 / 10000 ** (torch.arange(0, D, 2) / D))
+
+
+class _WithBuffers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rotary = _Rotary()
+        self.norm = nn.BatchNorm1d(D)
+        self.up = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.up(self.norm(x) * self.rotary.inv_freq.repeat(2))
+
+
+@pytest.mark.parametrize("init", [None, FullUnitInit()], ids=["local", "full_unit"])
+def test_meta_buffers_are_materialised_initialised_and_the_same_at_any_w(init: Init) -> None:
+    def build(W: int, rank: int) -> tuple[_WithBuffers, ZeroAdamW]:
+        with torch.device("meta"):
+            model = _WithBuffers()
+        kw = dict(stage=3, module=model, device="cpu", sharding=Sharding(param_init_fn=init))
+        with fake_group(rank, W) if W > 1 else contextlib.nullcontext():
+            return model, ZeroAdamW(model.parameters(), **kw)
+
+    want = {
+        "rotary.inv_freq": 1.0 / 10000 ** (torch.arange(0, D, 2) / D),
+        "norm.running_mean": torch.zeros(D),
+        "norm.running_var": torch.ones(D),
+        "norm.num_batches_tracked": torch.tensor(0),
+    }
+    for W, rank in [(4, 0), (4, 3), (1, 0)]:
+        model, _ = build(W, rank)
+        got = dict(model.named_buffers())
+        assert got.keys() == want.keys()
+        for n, b in got.items():
+            assert torch.equal(b, want[n]), (W, rank, n)
+    model(torch.randn(4, D)).sum().backward()  # runs on real buffers (W = 1)
+    assert model.norm.num_batches_tracked.item() == 1
