@@ -47,6 +47,14 @@ None: their `reset_parameters`; a transformers `_init_weights` fills its rotary 
 `inv_freq`), then broadcasts each from rank 0 over the shard and replicate groups, as it does
 the params. A `ShardInit` (params only) leaves them on the meta device.
 
+[Note: the default init needs reset_parameters] With `param_init_fn=None`, each module that owns
+params (or buffers) on the meta device is initialised by its own `reset_parameters()`. One that
+has none (`nn.MultiheadAttention` has only `_reset_parameters`; a transformers `LlamaRMSNorm`, a
+rotary embedding) would stay at zeros (or uninitialised buffers) silently, so construction
+raises, naming them. This is strict on purpose: a parent whose `reset_parameters` also fills a
+child's params still needs a `param_init_fn` (which may call it), since whether it does cannot
+be seen from outside.
+
 [Note: stage 3 under torch.compile] A unit's forward hooks run outside any graph: under a
 whole-model `torch.compile` each is one graph break, and the unit's compute between them is one
 graph. They issue and wait on collectives, resize storage and re-point the params with
@@ -223,6 +231,8 @@ class Zero3:
         # -- shard_init: the model's own init on this rank's elements (issue 43) --
         all_bufs = [buf for unit in self.units for buf in unit.buffers]
         made = _real_buffers(self.root, all_bufs[0].device if all_bufs else None)
+        if init_fn is None or (isinstance(init_fn, FullUnitInit) and init_fn.fn is None):
+            self._require_reset_parameters(made)
         if not isinstance(init_fn, FullUnitInit) and shard_init.applies(all_bufs):
             self.init_stats = shard_init.init_local(
                 self.root, all_bufs, init_fn, self._broadcast, made.owners
@@ -277,6 +287,28 @@ class Zero3:
                     buf.release_full()
                 unit.state = UnitState.FREE
         self._same_buffers(made)
+
+    def _require_reset_parameters(self, made: _MetaBuffers) -> None:
+        """The default init (`reset_parameters`) reaches every module it has to fill: See
+        [Note: the default init needs reset_parameters]."""
+        missing = [
+            f"{name or '<root>'} ({type(m).__name__})"
+            for name, m in self.root.named_modules()
+            if not hasattr(m, "reset_parameters")
+            and (
+                id(m) in made.owners
+                or any(id(p) in self.unit_of_param for p in m.parameters(recurse=False))
+            )
+        ]
+        if missing:
+            more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+            raise ValueError(
+                f"param_init_fn=None initialises each module with its reset_parameters(), but "
+                f"{', '.join(missing[:4])}{more} own params or buffers on the meta device and "
+                "have none (they would stay uninitialised): pass "
+                "sharding=Sharding(param_init_fn=fn) with fn(name, module) initialising them "
+                "(a transformers model: lambda name, m: model._init_weights(m))"
+            )
 
     def _same_buffers(self, made: _MetaBuffers) -> None:
         """Every rank and replica starts from rank 0's buffers, as DDP (See [Note: buffers

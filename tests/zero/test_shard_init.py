@@ -493,3 +493,11 @@ def test_meta_buffers_are_materialised_initialised_and_the_same_at_any_w(init: I
             assert torch.equal(b, want[n]), (W, rank, n)
     model(torch.randn(4, D)).sum().backward()  # runs on real buffers (W = 1)
     assert model.norm.num_batches_tracked.item() == 1
+
+
+def test_default_init_names_modules_without_reset_parameters() -> None:
+    # nn.MultiheadAttention has only `_reset_parameters`: its in_proj_weight stayed at zeros.
+    with torch.device("meta"):
+        model = nn.TransformerEncoderLayer(16, 2, 32)
+    with pytest.raises(ValueError, match=r"self_attn \(MultiheadAttention\).*param_init_fn"):
+        ZeroAdamW(model.parameters(), stage=3, module=model, device="cpu")
