@@ -64,11 +64,13 @@ again from the new shards after it.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import itertools
 import math
 import struct
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -477,6 +479,25 @@ def _trunc_normal_(
     return tensor
 
 
+@contextlib.contextmanager
+def _local_trunc_normal() -> Iterator[None]:
+    """`_trunc_normal_` in place of torch's wherever an init finds it: `nn.init`'s attribute,
+    and transformers' own reference (`transformers.initialization.TORCH_INIT_FUNCTIONS`, which
+    its `trunc_normal_` calls: ViT, DINOv2, Swin, SigLIP), if transformers is imported."""
+    hf = sys.modules.get("transformers.initialization")
+    table = getattr(hf, "TORCH_INIT_FUNCTIONS", None)
+    hf_before = table.get("trunc_normal_") if isinstance(table, dict) else None
+    nn.init.trunc_normal_ = _trunc_normal_
+    if hf_before is not None:
+        table["trunc_normal_"] = _trunc_normal_
+    try:
+        yield
+    finally:
+        nn.init.trunc_normal_ = _TORCH_TRUNC_NORMAL
+        if hf_before is not None:
+            table["trunc_normal_"] = hf_before
+
+
 def _swap_in(root: nn.Module, targets: dict[int, ParamTarget], ctx: _Context) -> list[_Swap]:
     """Every sharded param of `root`, in every module that holds it, replaced by a LocalParam
     (one per param: tied modules see the same one)."""
@@ -546,14 +567,12 @@ def init_local(
 
     swapped = _swap_in(root, targets, ctx)
     owners = {id(s.module) for s in swapped} | (also or set())
-    nn.init.trunc_normal_ = _trunc_normal_  # (the module attribute, restored below)
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _local_trunc_normal():
             for name, m in root.named_modules():
                 if id(m) in owners:
                     fn(name, m)
     finally:
-        nn.init.trunc_normal_ = _TORCH_TRUNC_NORMAL
         ctx.last_block = None
         _swap_out(swapped)
     with torch.no_grad():

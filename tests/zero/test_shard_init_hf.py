@@ -31,6 +31,17 @@ CONFIGS = {
     "gpt2": lambda: transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)
     ),
+    # transformers.initialization.trunc_normal_ (its own reference to torch's): ViT, DINOv2.
+    "vit": lambda: transformers.ViTModel(
+        transformers.ViTConfig(
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            image_size=16,
+            patch_size=8,
+        )
+    ),
 }
 
 
@@ -67,7 +78,7 @@ def _shards(kind: str, W: int, rank: int) -> tuple[dict[str, torch.Tensor], list
 @pytest.mark.parametrize("kind", sorted(CONFIGS))
 def test_hf_init_weights_on_local_shards_is_the_same_at_w_1_and_4(kind: str) -> None:
     full, _ = _shards(kind, 1, 0)
-    std = 0.02  # both configs' initializer_range
+    std = 0.02  # every config's initializer_range
     for name, v in full.items():
         if name.endswith(("norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight")):
             assert torch.equal(v, torch.ones_like(v)), name
