@@ -22,8 +22,9 @@ The constructor is the Trainer's, plus `stage=` and any ZeroAdamW keyword (`shar
 A ZeroAdamW the user built (`module=model`) may come in `optimizers=(opt, None)`; its
 `max_grad_norm` must equal the arguments'. Not supported, each refused in one line:
 `deepspeed=`/`fsdp=` (ZeroAdamW is the sharding), `fp16=True` (the Trainer's GradScaler reads
-`.grad`; `bf16=True` autocast works), an `optim` that is not AdamW, `optimizers=`/
-`optimizer_cls_and_kwargs=` with another optimizer, a ZeroAdamW keyword the arguments set.
+`.grad`; `bf16=True` autocast works), an `optim` other than "adamw_torch"/"adamw_torch_fused"
+(the default), `optimizers=`/`optimizer_cls_and_kwargs=` with another optimizer, a ZeroAdamW
+keyword the arguments set.
 
 [Note: the Trainer without DDP] Under torchrun the Trainer prepares the model with Accelerate,
 which wraps it in DDP: every grad was then reduced twice (stage 0), DDP's reducer read the
@@ -65,6 +66,11 @@ __all__ = ["ZERO_DIR", "ZeroTrainer"]
 # The folder inside each checkpoint-N/ that holds our sharded checkpoint (fusedzero.checkpoint).
 ZERO_DIR = "zero"
 _SCHEDULER = "scheduler.pt"  # the Trainer's own name for its scheduler state
+# The `optim=` values ZeroAdamW stands in for: torch's AdamW, whose update it computes
+# (adamw_torch_fused is the default from torch 2.8 on). Every other name, AdamW-like ones
+# included (adamw_8bit, paged_adamw_*, galore_adamw*, schedule_free_adamw, ...), is another
+# update, refused rather than silently replaced.
+_TORCH_ADAMW = frozenset({"adamw_torch", "adamw_torch_fused"})
 
 # ZeroAdamW keywords ZeroTrainer sets itself, and where each comes from.
 _TAKEN = {
@@ -279,10 +285,11 @@ def _check_args(args: Any) -> None:
             "reads .grad, which ZeroAdamW keeps in its buffers; use bf16=True"
         )
     optim = str(getattr(args.optim, "value", args.optim))
-    if "adamw" not in optim.lower():
+    if optim not in _TORCH_ADAMW:
         raise ValueError(
             f"ZeroTrainer got TrainingArguments(optim={optim!r}): it trains with "
-            f"ZeroAdamW; leave optim= at an AdamW (the default)"
+            f"ZeroAdamW (fp32 AdamW, no 8-bit/paged/low-rank variant); use optim="
+            f"{' or '.join(map(repr, sorted(_TORCH_ADAMW)))} (the default)"
         )
     if args.n_gpu > 1:
         raise ValueError(
