@@ -22,9 +22,10 @@ The constructor is the Trainer's, plus `stage=` and any ZeroAdamW keyword (`shar
 A ZeroAdamW the user built (`module=model`) may come in `optimizers=(opt, None)`; its
 `max_grad_norm` must equal the arguments'. Not supported, each refused in one line:
 `deepspeed=`/`fsdp=` (ZeroAdamW is the sharding), `fp16=True` (the Trainer's GradScaler reads
-`.grad`; `bf16=True` autocast works), an `optim` other than "adamw_torch"/"adamw_torch_fused"
-(the default), `optimizers=`/`optimizer_cls_and_kwargs=` with another optimizer, a ZeroAdamW
-keyword the arguments set.
+`.grad`; `bf16=True` autocast works), `bf16_full_eval`/`fp16_full_eval` (evaluate() would cast the
+params ZeroAdamW owns), an `optim` other than "adamw_torch"/"adamw_torch_fused" (the default),
+`optimizers=`/`optimizer_cls_and_kwargs=` with another optimizer, a ZeroAdamW keyword the
+arguments set.
 
 [Note: the Trainer without DDP] Under torchrun the Trainer prepares the model with Accelerate,
 which wraps it in DDP: every grad was then reduced twice (stage 0), DDP's reducer read the
@@ -283,6 +284,13 @@ def _check_args(args: Any) -> None:
         raise ValueError(
             "ZeroTrainer got TrainingArguments(fp16=True): the Trainer's grad scaler "
             "reads .grad, which ZeroAdamW keeps in its buffers; use bf16=True"
+        )
+    if args.bf16_full_eval or args.fp16_full_eval:
+        flag = "bf16_full_eval" if args.bf16_full_eval else "fp16_full_eval"
+        raise ValueError(
+            f"ZeroTrainer got TrainingArguments({flag}=True): evaluate() would cast the "
+            f"model with model.to(dtype=...), replacing the params' storage ZeroAdamW "
+            f"owns; leave {flag} out (bf16=True autocasts evaluation too)"
         )
     optim = str(getattr(args.optim, "value", args.optim))
     if optim not in _TORCH_ADAMW:

@@ -1,5 +1,5 @@
 """ZeroTrainer's checks of TrainingArguments, fast (one process, no Trainer built): every `optim`
-but torch's AdamW is refused in one line.
+but torch's AdamW, and the half-precision full-eval casts, are refused in one line.
 
 About an internal: fusedzero.integrations.hf._check_args (the constructor calls it first)."""
 
@@ -48,3 +48,13 @@ def test_other_optims_are_refused(tmp_path: Path, optim: str) -> None:
     in its place would train something else without a word (the check was `"adamw" in optim`)."""
     with pytest.raises(ValueError, match=rf"^ZeroTrainer got TrainingArguments\(optim='{optim}'\)"):
         hf._check_args(args(tmp_path, optim=optim))
+
+
+@pytest.mark.parametrize("flag", ["bf16_full_eval", "fp16_full_eval"])
+def test_full_eval_casts_are_refused(tmp_path: Path, flag: str) -> None:
+    """evaluate() after train() would run model.to(dtype=...), replacing the params' storage
+    that ZeroAdamW owns."""
+    with pytest.raises(
+        ValueError, match=rf"^ZeroTrainer got TrainingArguments\({flag}=True\)[^\n]*$"
+    ):
+        hf._check_args(args(tmp_path, **{flag: True}))
