@@ -17,7 +17,11 @@ The constructor is the Trainer's, plus `stage=` and any ZeroAdamW keyword (`shar
 - checkpoints: each `checkpoint-N/` holds the model (`save_pretrained`, full weights), the
   Trainer's state and scheduler, and our sharded optimizer checkpoint in `checkpoint-N/zero/`;
   `resume_from_checkpoint` loads it at any world size and stage. `save_model` writes a folder
-  `from_pretrained` loads (the params gathered on every rank, written by rank 0).
+  `from_pretrained` loads (the params gathered on every rank, written by rank 0): a collective,
+  called on every rank, never under `is_world_process_zero()` (at stage 3 that blocks).
+- stage 3, after training too: the params stay sharded and every forward gathers them with all
+  ranks, so `model.generate(...)` needs `synced_gpus=True` (a rank whose sequences ended early
+  keeps running forwards while the others generate; without it they wait for it forever).
 
 A ZeroAdamW the user built (`module=model`) may come in `optimizers=(opt, None)`; its
 `max_grad_norm` must equal the arguments'. Not supported, each refused in one line:
