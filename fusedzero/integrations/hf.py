@@ -153,10 +153,13 @@ class ZeroTrainer(transformers.Trainer):
         acc.no_sync = no_sync
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
-        """Not once ZeroAdamW holds the params (a user-built one, passed in `optimizers=`):
-        see [Note: the Trainer without DDP]. The model is on its device already: ZeroAdamW
-        was built on it."""
-        if self.zero_optimizer is None:
+        """Not while a live ZeroAdamW holds this model's params (a user-built one, passed in
+        `optimizers=`): see [Note: the Trainer without DDP]. The model is on its device already:
+        ZeroAdamW was built on it. Any other model is moved as the Trainer moves it: the new one
+        `model_init` builds for a second `train()` (the ZeroAdamW of the first holds the old
+        model), or one whose ZeroAdamW was closed."""
+        opt = self.zero_optimizer
+        if opt is None or opt.closed or opt.module is not model:
             super()._move_model_to_device(model, device)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:

@@ -1,7 +1,9 @@
 """ZeroTrainer's checks of TrainingArguments, fast (one process, no Trainer built): every `optim`
-but torch's AdamW, and the half-precision full-eval casts, are refused in one line.
+but torch's AdamW, and the half-precision full-eval casts, are refused in one line; the
+Trainer's model placement skips only the model a live ZeroAdamW holds.
 
-About an internal: fusedzero.integrations.hf._check_args (the constructor calls it first)."""
+About internals: fusedzero.integrations.hf._check_args (the constructor calls it first) and
+ZeroTrainer._move_model_to_device (the Trainer's hook)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 transformers = pytest.importorskip(
     "transformers", reason="needs the 'hf' extra: pip install 'fusedzero[hf]'"
@@ -18,6 +21,7 @@ pytest.importorskip(
 )
 
 from fusedzero.integrations import hf  # noqa: E402
+from fusedzero.optim import ZeroAdamW  # noqa: E402
 
 
 def args(tmp_path: Path, **kw: Any) -> Any:
@@ -58,3 +62,32 @@ def test_full_eval_casts_are_refused(tmp_path: Path, flag: str) -> None:
         ValueError, match=rf"^ZeroTrainer got TrainingArguments\({flag}=True\)[^\n]*$"
     ):
         hf._check_args(args(tmp_path, **{flag: True}))
+
+
+class Placed(torch.nn.Linear):
+    """Records each `.to(...)` the Trainer's placement makes (on CPU a real move is a no-op)."""
+
+    def __init__(self) -> None:
+        super().__init__(4, 4)
+        self.moves: list[Any] = []
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        self.moves.append(args)
+        return super().to(*args, **kwargs)
+
+
+def test_only_the_model_a_live_zero_adamw_holds_stays_in_place(tmp_path: Path) -> None:
+    """The Trainer's `_move_model_to_device` is skipped for the model a live ZeroAdamW holds
+    (`.to` would copy the params off its buffers), and only for it: `model_init`'s new model
+    for a second `train()` is moved (it was skipped whenever any ZeroAdamW was set), and so
+    is a model whose ZeroAdamW was closed."""
+    trainer = object.__new__(hf.ZeroTrainer)  # no Trainer setup: only what the method reads
+    trainer.args = args(tmp_path)
+    held, fresh = Placed(), Placed()
+    trainer.zero_optimizer = ZeroAdamW(held.parameters(), stage=1, module=held)
+    for model in (held, fresh):
+        trainer._move_model_to_device(model, torch.device("cpu"))
+    assert (len(held.moves), len(fresh.moves)) == (0, 1)
+    trainer.zero_optimizer.close()
+    trainer._move_model_to_device(held, torch.device("cpu"))
+    assert len(held.moves) == 1
