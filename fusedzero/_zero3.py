@@ -199,9 +199,7 @@ class Zero3:
     def close(self, params: list[nn.Parameter]) -> None:
         """Remove the hooks and leave the params as plain tensors holding their full values, unit
         by unit: one unit's gathered storage at a time beside the copies made so far."""
-        for h in self.hooks:
-            h.remove()
-        self.hooks.clear()
+        self.remove_hooks()
         self.free_all()
         for u in range(len(self.units)):
             own = self.unit_params(u)
@@ -214,6 +212,12 @@ class Zero3:
             # After the free, which points the params at empty tensors: they keep their values.
             for p, t in zip(own, full):
                 set_local(p, t)
+
+    def remove_hooks(self) -> None:
+        """The units' forward hooks and the model's state-dict hooks; nothing waited for."""
+        for h in self.hooks:
+            h.remove()
+        self.hooks.clear()
 
     def _materialize(self, init_fn: ParamInitFn | None) -> None:
         """Initialise meta-device params: a `ShardInit` writes each local segment; a plain

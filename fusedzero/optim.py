@@ -316,12 +316,35 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
             raise RuntimeError("close() called during backward")
         self.buckets.wait_all()
         self.param_sync.wait()
+        self._remove_hooks()
+        if self.zero3 is not None:
+            self.zero3.close(self.params)
+        self._release()
+
+    def abandon(self) -> None:
+        """Detach from the model without a collective or a wait on other ranks, after a run that
+        failed (on this rank alone, perhaps): remove every hook this optimizer installed and
+        leave the params as they are. Unlike `close()`, this rank does not gather (stage 3) or
+        wait for collectives in flight, which the other ranks may never match: it can raise its
+        error and exit instead of blocking. The params keep whatever they held: at stage 3 this
+        rank's shard (or nothing), at stages 1-2 possibly a half-finished all-gather; load a
+        checkpoint to use the model again. Afterwards this optimizer refuses `step()`; a no-op
+        on a closed one."""
+        if self.closed:
+            return
+        self._remove_hooks()
+        if self.zero3 is not None:
+            self.zero3.remove_hooks()
+        self._release()
+
+    def _remove_hooks(self) -> None:
+        """The grad, param-sync and load hooks (stage 3's unit hooks are Zero3's)."""
         self.grads.remove()
         self.param_sync.remove_hooks()
         for h in self._load_hooks:
             h.remove()
-        if self.zero3 is not None:
-            self.zero3.close(self.params)
+
+    def _release(self) -> None:
         validate.release(self, validate.replicated(self.params, self.module))
         for p in self.params:
             p.grad = None

@@ -17,13 +17,19 @@ The constructor is the Trainer's, plus `stage=` and any ZeroAdamW keyword (`shar
 - checkpoints: each `checkpoint-N/` holds the model (`save_pretrained`, full weights), the
   Trainer's state and scheduler, and our sharded optimizer checkpoint in `checkpoint-N/zero/`;
   `resume_from_checkpoint` loads it at any world size and stage. `save_model` writes a folder
-  `from_pretrained` loads (the params gathered on every rank, written by rank 0).
+  `from_pretrained` loads (the params gathered on every rank, written by rank 0): a collective,
+  called on every rank, never under `is_world_process_zero()` (at stage 3 that blocks).
+- stage 3, after training too: the params stay sharded and every forward gathers them with all
+  ranks, so `model.generate(...)` needs `synced_gpus=True` (a rank whose sequences ended early
+  keeps running forwards while the others generate; without it they wait for it forever).
 
 A ZeroAdamW the user built (`module=model`) may come in `optimizers=(opt, None)`; its
 `max_grad_norm` must equal the arguments'. Not supported, each refused in one line:
 `deepspeed=`/`fsdp=` (ZeroAdamW is the sharding), `fp16=True` (the Trainer's GradScaler reads
-`.grad`; `bf16=True` autocast works), an `optim` that is not AdamW, `optimizers=`/
-`optimizer_cls_and_kwargs=` with another optimizer, a ZeroAdamW keyword the arguments set.
+`.grad`; `bf16=True` autocast works), `bf16_full_eval`/`fp16_full_eval` (evaluate() would cast the
+params ZeroAdamW owns), an `optim` other than "adamw_torch"/"adamw_torch_fused" (the default),
+`optimizers=`/`optimizer_cls_and_kwargs=` with another optimizer, a ZeroAdamW keyword the
+arguments set.
 
 [Note: the Trainer without DDP] Under torchrun the Trainer prepares the model with Accelerate,
 which wraps it in DDP: every grad was then reduced twice (stage 0), DDP's reducer read the
@@ -65,6 +71,11 @@ __all__ = ["ZERO_DIR", "ZeroTrainer"]
 # The folder inside each checkpoint-N/ that holds our sharded checkpoint (fusedzero.checkpoint).
 ZERO_DIR = "zero"
 _SCHEDULER = "scheduler.pt"  # the Trainer's own name for its scheduler state
+# The `optim=` values ZeroAdamW stands in for: torch's AdamW, whose update it computes
+# (adamw_torch_fused is the default from torch 2.8 on). Every other name, AdamW-like ones
+# included (adamw_8bit, paged_adamw_*, galore_adamw*, schedule_free_adamw, ...), is another
+# update, refused rather than silently replaced.
+_TORCH_ADAMW = frozenset({"adamw_torch", "adamw_torch_fused"})
 
 # ZeroAdamW keywords ZeroTrainer sets itself, and where each comes from.
 _TAKEN = {
@@ -142,10 +153,13 @@ class ZeroTrainer(transformers.Trainer):
         acc.no_sync = no_sync
 
     def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
-        """Not once ZeroAdamW holds the params (a user-built one, passed in `optimizers=`):
-        see [Note: the Trainer without DDP]. The model is on its device already: ZeroAdamW
-        was built on it."""
-        if self.zero_optimizer is None:
+        """Not while a live ZeroAdamW holds this model's params (a user-built one, passed in
+        `optimizers=`): see [Note: the Trainer without DDP]. The model is on its device already:
+        ZeroAdamW was built on it. Any other model is moved as the Trainer moves it: the new one
+        `model_init` builds for a second `train()` (the ZeroAdamW of the first holds the old
+        model), or one whose ZeroAdamW was closed."""
+        opt = self.zero_optimizer
+        if opt is None or opt.closed or opt.module is not model:
             super()._move_model_to_device(model, device)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
@@ -278,11 +292,19 @@ def _check_args(args: Any) -> None:
             "ZeroTrainer got TrainingArguments(fp16=True): the Trainer's grad scaler "
             "reads .grad, which ZeroAdamW keeps in its buffers; use bf16=True"
         )
+    if args.bf16_full_eval or args.fp16_full_eval:
+        flag = "bf16_full_eval" if args.bf16_full_eval else "fp16_full_eval"
+        raise ValueError(
+            f"ZeroTrainer got TrainingArguments({flag}=True): evaluate() would cast the "
+            f"model with model.to(dtype=...), replacing the params' storage ZeroAdamW "
+            f"owns; leave {flag} out (bf16=True autocasts evaluation too)"
+        )
     optim = str(getattr(args.optim, "value", args.optim))
-    if "adamw" not in optim.lower():
+    if optim not in _TORCH_ADAMW:
         raise ValueError(
             f"ZeroTrainer got TrainingArguments(optim={optim!r}): it trains with "
-            f"ZeroAdamW; leave optim= at an AdamW (the default)"
+            f"ZeroAdamW (fp32 AdamW, no 8-bit/paged/low-rank variant); use optim="
+            f"{' or '.join(map(repr, sorted(_TORCH_ADAMW)))} (the default)"
         )
     if args.n_gpu > 1:
         raise ValueError(

@@ -16,7 +16,9 @@ schedulers, buffers):
 world size and stage (`validate`/`test`/`predict(ckpt_path=...)` read their full weights).
 `trainer.strategy.lightning_module_state_dict()` gives the full params at every stage (a
 collective, as Lightning's FSDP strategy with full state dicts); after `fit` the optimizer is
-closed and the module holds its full, trained params.
+closed and the module holds its full, trained params. After a `fit` that raised, the optimizer is
+abandoned without a collective and the params are left as they were (stage 3: this rank's shard):
+see [Note: teardown after a failure].
 
 Constructor: `ZeroStrategy(stage=1, **kwargs)`: DDPStrategy's own arguments (accelerator,
 cluster_environment, process_group_backend, timeout, ...) and any ZeroAdamW keyword (unit_policy,
@@ -31,6 +33,14 @@ on, so it is built once, in `setup_optimizers`, from what `configure_optimizers`
 AdamW's param groups with their hyper-parameters (and `initial_lr`, which schedulers read), its
 defaults, the Trainer's clipping. The AdamW never steps; its lr schedulers are re-pointed at the
 ZeroAdamW (`scheduler.optimizer`), where they keep writing each group's lr.
+
+[Note: teardown after a failure] Lightning tears the strategy down after a fit that raised too
+(`_call_and_handle_interrupt`: `on_exception`, then `teardown`, then the error goes on). Closing
+ZeroAdamW there gathered the params unit by unit (stage 3) and waited for collectives in flight;
+when the error was on one rank only, those collectives met the other ranks' forward gathers
+instead (mismatched; on NCCL the failed rank could block there rather than exit, and torchrun
+never saw the failure). So after `on_exception` the strategy abandons the optimizer instead
+(`ZeroAdamW.abandon`: hooks removed, no collective, no wait) and the error reaches the launcher.
 """
 
 from __future__ import annotations
@@ -87,6 +97,7 @@ class ZeroStrategy(DDPStrategy):
         self.zero_kwargs = zero_kwargs
         self.zero_optimizer: ZeroAdamW | None = None
         self._max_grad_norm: float | None = None  # Trainer(gradient_clip_val=...), at setup
+        self._failed = False  # on_exception ran: see [Note: teardown after a failure]
 
     # -- setup --------------------------------------------------------------------------------
     def configure_ddp(self) -> None:
@@ -272,11 +283,24 @@ class ZeroStrategy(DDPStrategy):
         opt = self.zero_optimizer
         return None if opt is None or opt.closed else opt
 
+    def on_exception(self, exception: BaseException) -> None:
+        """Lightning calls this on the rank where fit/validate/... raised (KeyboardInterrupt
+        included), before `teardown`: see [Note: teardown after a failure]."""
+        self._failed = True
+        super().on_exception(exception)
+
     def teardown(self) -> None:
-        """Close ZeroAdamW (the module keeps its full params, stage 3 included), so a later
-        fit can build a new one on the same module."""
-        if self.zero_optimizer is not None:
-            self.zero_optimizer.close()
+        """After a fit that finished: close ZeroAdamW (the module keeps its full params, stage 3
+        included), so a later fit can build a new one on the same module. After one that raised
+        on this rank: abandon it, without a collective (its hooks removed, the params left as
+        they are: stage 3's hold this rank's shard; load a checkpoint to use the module). See
+        [Note: teardown after a failure]."""
+        opt = self.zero_optimizer
+        if opt is not None and self._failed:
+            opt.abandon()
+        elif opt is not None:
+            opt.close()
+        self._failed = False
         super().teardown()
 
 

@@ -84,6 +84,20 @@ class FullParams(L.Callback):
             self.sd = {k: v.detach().clone() for k, v in sd.items()}
 
 
+def short_trainer(root: str, strategy: Any, **kw: Any) -> Any:
+    """A Trainer on the W ranks that logs, shows and checkpoints nothing unless `kw` says."""
+    quiet = dict(
+        accelerator="cpu",
+        devices=W,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root,
+    )
+    return L.Trainer(strategy=strategy, **{**quiet, **kw})
+
+
 def fit(
     root: str, strategy: Any, epochs: int = EPOCHS, ckpt_path: str | None = None, save: bool = False
 ) -> tuple[Llama, FullParams]:
@@ -93,19 +107,14 @@ def fit(
         callbacks.append(
             L.callbacks.ModelCheckpoint(dirpath=f"{root}/ckpts", save_top_k=-1, every_n_epochs=1)
         )
-    trainer = L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=W,
+    trainer = short_trainer(
+        root,
+        strategy,
         max_epochs=epochs,
         accumulate_grad_batches=2,
         gradient_clip_val=0.5,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         enable_checkpointing=save,
         callbacks=callbacks,
-        default_root_dir=root,
         num_sanity_val_steps=1,
     )
     trainer.fit(module, ckpt_path=ckpt_path)
@@ -115,15 +124,7 @@ def fit(
 def validate(root: str, strategy: Any, ckpt: Path) -> list[float]:
     """`trainer.validate(ckpt_path=...)`: no optimizer, the weights from the checkpoint."""
     module = Llama()
-    L.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=W,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-    ).validate(module, ckpt_path=str(ckpt), verbose=False)
+    short_trainer(root, strategy).validate(module, ckpt_path=str(ckpt), verbose=False)
     return module.val_losses
 
 
@@ -240,24 +241,41 @@ class Refused(Llama):
         return torch.optim.AdamW(self.parameters())
 
 
+class Fails(Llama):
+    """Raises in its second training step, on every rank, before that step's forward."""
+
+    calls_at_raise: dict[str, int] = {}
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 1:
+            self.calls_at_raise = dict(self.trainer.strategy.zero_optimizer.comm.calls)
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def failed_fit(root: str) -> str:
+    """A stage 3 fit that raised: what this rank's optimizer did after the error (nothing but
+    abandon itself: see [Note: teardown after a failure]; close() gathered every unit)."""
+    from fusedzero.integrations.lightning import ZeroStrategy
+
+    strategy, module = ZeroStrategy(stage=3), Fails()
+    try:
+        short_trainer(root, strategy, max_steps=3).fit(module)
+    except RuntimeError as e:
+        assert str(e) == "boom", e
+    opt = strategy.zero_optimizer
+    hooks = sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in module.modules())
+    at_raise = module.calls_at_raise
+    after = {k: n - at_raise[k] for k, n in opt.comm.calls.items() if n != at_raise[k]}
+    return f"collectives after the error {after}, closed {opt.closed}, hooks {hooks}"
+
+
 def refusals(rank: int, world: int, root: str) -> dict[str, str]:
     from fusedzero.integrations.lightning import ZeroStrategy
 
     def error(what: str = "", **trainer_kw: Any) -> str:
         try:
-            trainer = L.Trainer(
-                strategy=ZeroStrategy(stage=2),
-                accelerator="cpu",
-                devices=W,
-                max_steps=1,
-                logger=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                enable_checkpointing=False,
-                default_root_dir=root,
-                **trainer_kw,
-            )
-            trainer.fit(Refused(what))
+            short_trainer(root, ZeroStrategy(stage=2), max_steps=1, **trainer_kw).fit(Refused(what))
         except (TypeError, ValueError) as e:
             return f"{type(e).__name__}: {e}"
         return "no error"
@@ -279,12 +297,13 @@ def refusals(rank: int, world: int, root: str) -> dict[str, str]:
         "own": error("own", gradient_clip_val=1.0),
         "own_clip": error("own_clip", gradient_clip_val=1.0),
         "ddp_kwarg": constructor(find_unused_parameters=True),
+        "failed": failed_fit(root),  # last: it leaves its module's params as they were
     }
 
 
 def test_bad_combinations_are_one_line(tmp_path: Path) -> None:
     """Each refused in one line that names it and says what to do (the ranks of the test above
-    are reused)."""
+    are reused); a fit that raised leaves its optimizer abandoned, without a collective."""
     got = run_ranks(refusals, W, str(tmp_path))[0]
     want = {
         "sgd": "TypeError: ZeroStrategy turns a torch.optim.AdamW from configure_optimizers "
@@ -298,6 +317,8 @@ def test_bad_combinations_are_one_line(tmp_path: Path) -> None:
         "max_grad_norm=None but Trainer(gradient_clip_val=1.0)",
         "lr": "TypeError: ZeroStrategy got lr=: it comes from configure_optimizers",
         "ddp_kwarg": "TypeError: ZeroStrategy got an unexpected keyword find_unused_parameters=",
+        # no collective after the error (one would meet another rank's forward gathers)
+        "failed": "collectives after the error {}, closed True, hooks 0",
     }
     for k, start in want.items():
         assert got[k].startswith(start) and "\n" not in got[k], (k, got[k])

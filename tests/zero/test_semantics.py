@@ -1,4 +1,4 @@
-"""Single-process semantics: detaching an optimizer, params frozen after
+"""Single-process semantics: detaching an optimizer (close, abandon), params frozen after
 construction, reentrant checkpointing without a module. (Multi-rank items: test_parity.py.)"""
 
 from __future__ import annotations
@@ -90,6 +90,26 @@ def test_close_removes_every_hook_and_a_live_optimizer_refuses_a_second(stage: i
     with opt2.gathered_params():
         for p, q in zip(m.parameters(), ref_m.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_abandon_removes_every_hook_and_leaves_the_params_as_they_are(stage: int) -> None:
+    """abandon() (after a failed run: no collective, no wait) detaches like close() but leaves
+    the params as they are: at stage 3 empty outside a forward, where close() gathers them."""
+    m = make()
+    opt = build(m, stage)
+    loss(m, 0).backward()
+    opt.step()
+    before = [p.detach().clone() for p in m.parameters()]
+    opt.abandon()
+    opt.abandon()  # a no-op once closed
+    assert hooks_left(m) == 0 and not m._state_dict_pre_hooks
+    assert all(p.grad is None for p in m.parameters())
+    for p, b in zip(m.parameters(), before):
+        assert torch.equal(p.detach(), b) and (p.numel() == 0) == (stage == 3)
+    with pytest.raises(RuntimeError, match="closed"):
+        opt.step()
+    build(m, 0).close()  # released: a new optimizer is no longer refused
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
