@@ -76,26 +76,40 @@ class Twice(nn.Module):
         return h.square().mean()
 
 
-def batch(step: int, rank: int = 0) -> torch.Tensor:
-    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+class SharedFirst(Shared):
+    """`Shared` with the shared Linear registered first: with SMALL_BUCKETS its buckets launch
+    after q's (see `launch_order`), so they are complete, and at stages 0-1 flushed, before
+    its second grads, and launched after them."""
+
+    def __init__(self) -> None:
+        nn.Module.__init__(self)
+        shared = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([Block(shared), Block(shared)])
+        self.q = nn.Linear(8, 8)
 
 
-def reference(kind: type[nn.Module], world: int = 1) -> list[torch.Tensor]:
-    """torch.optim.AdamW on the ranks' mean loss (the ranks' grads averaged)."""
+def batch(step: int, i: int = 0) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + i))
+
+
+def reference(kind: type[nn.Module], world: int = 1, accum: int = 1) -> list[torch.Tensor]:
+    """torch.optim.AdamW on the mean loss of the ranks' micro-batches."""
     torch.manual_seed(0)
     model = kind()
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    n = world * accum
     for step in range(STEPS):
-        (sum(model(batch(step, r)) for r in range(world)) / world).backward()
+        (sum(model(batch(step, i)) for i in range(n)) / n).backward()
         opt.step()
         opt.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
 
 
 def train(
-    kind: type[nn.Module], stage: int, sharding: Sharding | None = None
+    kind: type[nn.Module], stage: int, sharding: Sharding | None = None, accum: int = 1
 ) -> list[torch.Tensor]:
-    """ZeroAdamW at `stage` over STEPS steps on this rank's batches: the params after."""
+    """ZeroAdamW at `stage` over STEPS steps of `accum` micro-batches each on this rank's
+    batches: the params after."""
     torch.manual_seed(0)
     model = kind()
     opt = ZeroAdamW(
@@ -103,7 +117,8 @@ def train(
     )
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     for step in range(STEPS):
-        model(batch(step, rank)).backward()
+        for k in range(accum):
+            (model(batch(step, rank * accum + k)) / accum).backward()
         opt.step()
         opt.zero_grad()
     with opt.gathered_params():
@@ -181,7 +196,12 @@ def _waited(collective: Any) -> Any:
 
 def _rank(rank: int, world: int, stage: int) -> dict[str, Any]:
     _eager_collectives()
-    out: dict[str, Any] = {"summed": train(Shared, stage)}
+    out: dict[str, Any] = {
+        "summed": train(Shared, stage),
+        # The second micro-batch's shared grads are kept (stage 1: its buckets were reduced),
+        # and come after their buckets were flushed, before their launch.
+        "flushed_twice": train(SharedFirst, stage, SMALL_BUCKETS, accum=2),
+    }
     try:
         train(Twice, stage, SMALL_BUCKETS)
     except RuntimeError as e:
@@ -196,8 +216,13 @@ def test_replicas_stay_equal_or_the_late_grad_raises_at_w2(stage: int) -> None:
     torch does on the averaged batch; `Twice` raises on every rank. Before the fix the replicas
     of `Shared` differed by 0.036 after 2 steps and `Twice` trained on."""
     per_rank = run_ranks(_rank, 2, stage)
-    ref = reference(Shared, world=2)
+    refs = {
+        "summed": reference(Shared, world=2),
+        "flushed_twice": reference(SharedFirst, 2, accum=2),
+    }
     for r, o in enumerate(per_rank):
-        for i, (g, want) in enumerate(zip(o["summed"], ref)):
-            torch.testing.assert_close(g, want, rtol=RTOL, atol=ATOL, msg=f"rank {r} param {i}")
+        for case, ref in refs.items():
+            for i, (g, want) in enumerate(zip(o[case], ref)):
+                msg = f"{case} rank {r} param {i}"
+                torch.testing.assert_close(g, want, rtol=RTOL, atol=ATOL, msg=msg)
         assert "param blocks.0.lin." in o.get("error", ""), (r, o.get("error"))
