@@ -220,7 +220,7 @@ class BucketSchedule:
                     f"bucket (bucket {b.k} of param group {b.buf.group_index}) was launched "
                     "for reduction. A reentrant activation checkpoint (torch.utils.checkpoint("
                     "..., use_reentrant=True)) runs a nested backward per checkpointed region, "
-                    f"so a param used in two such regions, or inside and outside one, gets a "
+                    "so a param used in two such regions, or inside and outside one, gets a "
                     "grad from each, and this one cannot go into a bucket a collective is "
                     "already reducing. Use use_reentrant=False, or do not share "
                     f"{name} across reentrant-checkpointed regions. This backward's grads "
