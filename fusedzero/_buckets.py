@@ -20,6 +20,21 @@ CUDA a kernel launch), so it runs none; a bucket's grads go in by one op when it
 (see [Note: grads into a bucket, per bucket] in fusedzero/_reduce.py), and the launch scan runs only
 then.
 
+[Note: a param's grad twice in one backward] A reentrant checkpoint
+(`torch.utils.checkpoint(..., use_reentrant=True)`) runs a nested backward per checkpointed
+region, and each runs the AccumulateGrad of the params it reaches: a param used in two such
+regions (or inside and outside one) gets its post-accumulate hook twice in one backward. Only
+its first grad counts toward its buckets' `pending` (and its stage-3 unit's): `GradHooks` marks
+each param's record with the backward it last came in, a Python compare per grad and no torch
+op. A later grad (`add_grad_again`) for a bucket not launched yet is summed with the first, as
+torch sums them in `.grad`: kept in `got` (stages 0-1 flush it at once where the bucket was
+already flushed: its launch puts nothing in), or already summed by autograd into the bucket
+view. One for a bucket already launched in this backward raises: a collective (on NCCL, in
+flight) is reading the bucket, the grad cannot go in without racing it, nor be dropped, and
+the launch order is fixed on every rank (DDP raises here too). Where autograd accumulates
+into a bucket view (stages 0-1) it wrote the grad before the hook could see it: the error
+says this backward's grads are to be discarded.
+
 [Note: one order across communicators] The replica all-reduces start at fixed points of
 the launch order, the same on every rank, never when a reduction happens to be complete
 (an `is_completed()` poll): NCCL requires the collectives of two communicators to be
@@ -176,14 +191,11 @@ class BucketSchedule:
         """Param `pos` of a flat buffer, whose buckets are `buckets` (`buckets_of`), has its
         grad for this backward: keep it for them (None: autograd already accumulated it into
         the bucket view), and put in and launch what is complete. See [Note: host cost per
-        grad]: no torch op here, only on a bucket's completion."""
+        grad]: no torch op here, only on a bucket's completion. Once per param per backward:
+        a second grad goes to `add_grad_again`."""
         if grad is not None:
             for b in buckets:
-                got = b.got
-                prev = got.get(pos)
-                # (Two grads of one param in one backward: a reentrant checkpoint's inner
-                # backward and the outer one.)
-                got[pos] = grad if prev is None else prev + grad
+                b.got[pos] = grad
         complete = False
         for b in buckets:
             b.pending -= 1
@@ -193,6 +205,33 @@ class BucketSchedule:
                     self._flush(b)
         if complete:
             self._launch_ready(force=False)
+
+    def add_grad_again(
+        self, buckets: tuple[Bucket, ...], pos: int, grad: torch.Tensor | None
+    ) -> None:
+        """Param `pos` has another grad in this backward (None: autograd summed it into the
+        bucket view): summed with the first, or, after its bucket was launched, an error. See
+        [Note: a param's grad twice in one backward]."""
+        for b in buckets:
+            if b.launched:
+                name = b.buf.layout.params[pos].name
+                raise RuntimeError(
+                    f"ZeroAdamW: param {name} got a second grad in one backward after its "
+                    f"bucket (bucket {b.k} of param group {b.buf.group_index}) was launched "
+                    "for reduction. A reentrant activation checkpoint (torch.utils.checkpoint("
+                    "..., use_reentrant=True)) runs a nested backward per checkpointed region, "
+                    "so a param used in two such regions, or inside and outside one, gets a "
+                    "grad from each, and this one cannot go into a bucket a collective is "
+                    "already reducing. Use use_reentrant=False, or do not share "
+                    f"{name} across reentrant-checkpointed regions. This backward's grads "
+                    "are not valid: call opt.zero_grad() before the next backward"
+                )
+        for b in buckets:
+            if grad is not None:
+                prev = b.got.get(pos)
+                b.got[pos] = grad if prev is None else prev + grad
+            if b.pending <= 0 and b.got and self._flushes:
+                self._flush(b)  # b was flushed at its completion: its launch adds nothing
 
     def _flush(self, b: Bucket) -> None:
         """Stages 0-1: b's kept grads into the full grad buffer (one foreach op)."""
@@ -208,6 +247,7 @@ class BucketSchedule:
                 return
             self.ctx.record("reduce", (b.buf.unit, b.buf.group_index, b.k))
             self._reduced_into.add(id(b.buf))  # See [Note: zeroing once]
+            b.launched = True
             with _no_grad(), phase(self.reduction.range_name):
                 h, finish = self.reduction.launch(b, self.ctx, self.inv_world)
             if self.replicas is not None:
@@ -329,6 +369,7 @@ class BucketSchedule:
     def reset_pending(self) -> None:
         for b in self.buckets:
             b.pending = len(b.slots)
+            b.launched = False
         self._next = 0
 
     # -- step ---------------------------------------------------------------------------------
@@ -355,6 +396,9 @@ class BucketSchedule:
                 self._zeroed_at[id(buf)] = buf.grad_flat._version
         self._reduced_into.clear()
         for b in self.buckets:  # every full grad buffer is all zeros now
+            # Nothing kept survives a step (a grad that came after its bucket launched: see
+            # [Note: a param's grad twice in one backward]).
+            b.got.clear()
             b.status = BucketStatus.EMPTY
             b.replica_stale = False
             b.fresh = True

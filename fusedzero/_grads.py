@@ -126,6 +126,9 @@ class ParamHook:
     # Its NoLocalGrad, built on first use: a stage-3 param has its full shape only while
     # gathered.
     placeholder: NoLocalGrad | None = None
+    # The backward (`GradHooks._backward_no`) its last grad came in: see [Note: a param's grad
+    # twice in one backward] in fusedzero/_buckets.py.
+    seen: int = -1
 
 
 class GradHooks:
@@ -150,6 +153,7 @@ class GradHooks:
         self.in_backward = False
         self._task_id = -1  # autograd graph task the end-of-backward callback is queued on
         self._grads_arrived = False  # a param grad came in the current backward
+        self._backward_no = 0  # backwards begun so far (`ParamHook.seen`)
         # A backward brought param grads since the grads were last consumed (step, zero_grad):
         # see [Note: one step per backward].
         self.grads_since_step = False
@@ -196,6 +200,7 @@ class GradHooks:
     def _begin_backward(self) -> None:
         self.in_backward = True
         self._grads_arrived = False
+        self._backward_no += 1
         self._task_id = torch._C._current_graph_task_id()
         torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
 
@@ -210,16 +215,23 @@ class GradHooks:
         self._grads_arrived = True
         h = self._where[id(p)]
         view = h.view
-        if view is not None and grad.data_ptr() == view.data_ptr():
-            self.schedule.add_grad(h.buckets, h.pos, None)  # accumulated into the bucket view
-        else:
+        kept: torch.Tensor | None = None  # None: accumulated into the bucket view
+        if view is None or grad.data_ptr() != view.data_ptr():
             # Not (or no longer: reduced, or the user reset .grad) a view of our bucket: put it in.
             if grad.is_sparse:
                 raise RuntimeError(
                     f"param {h.buf.layout.params[h.pos].name} got a sparse grad; "
                     "sparse gradients are not supported"
                 )
-            self.schedule.add_grad(h.buckets, h.pos, local_grad(p, grad) if h.dtensor else grad)
+            kept = local_grad(p, grad) if h.dtensor else grad
+        if h.seen == self._backward_no:  # See [Note: a param's grad twice in one backward]
+            self.schedule.add_grad_again(h.buckets, h.pos, kept)
+            if kept is not None:
+                self._set_idle(h)
+            return
+        h.seen = self._backward_no
+        self.schedule.add_grad(h.buckets, h.pos, kept)
+        if kept is not None:
             self._set_idle(h)
         if self.on_unit_grad is not None:
             self.on_unit_grad(h.buf)

@@ -134,6 +134,7 @@ class Bucket:
     holes: list[tuple[int, int]]  # ranges of the bucket that belong to no param
     status: BucketStatus = BucketStatus.EMPTY
     pending: int = 0  # grads still expected in this backward
+    launched: bool = False  # its reduction was launched in this backward
     grad: torch.Tensor | None = None  # stages 2-3: the transient full-size buffer, while alive
     # This backward's grads kept until they go into the bucket, by slot, and where each goes
     # (made once); see [Note: grads into a bucket, per bucket].

@@ -487,7 +487,9 @@ class Zero3:
         return hook
 
     def grad_ready(self, buf: FlatBuffer) -> None:
-        """One more param of `buf`'s unit has its grad; the last one frees the unit."""
+        """One more param of `buf`'s unit has its first grad of this backward (see [Note: a
+        param's grad twice in one backward] in fusedzero/_buckets.py); the last one frees the
+        unit."""
         unit = self.units[buf.unit]
         unit.pending -= 1
         if unit.pending == 0:
