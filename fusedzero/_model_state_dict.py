@@ -15,6 +15,15 @@ when a unit was gathered as it began: it is gathered again after).
   params (size mismatch). Each rank keeps its shard of the values *it* was given: give every
   rank the same state dict.
 
+[Note: rank-0-only full state dict]
+A full state dict is written by one rank, but `model.state_dict()` at stage 3 copies every unit
+to the CPU on every rank: W copies of the model in host RAM, all but one thrown away.
+`ZeroAdamW.full_state_dict(model, rank0_only=True)` keeps the copies on rank 0 alone: every
+rank still joins each unit's gather (a collective), one unit's gathered storage at a time on
+the device, but a rank other than 0 copies nothing and gets the non-param entries only
+(buffers, extra state: what it already held, no copy), never an empty param. The integrations
+(ZeroTrainer.save_model, ZeroStrategy) save through it.
+
 Stages 0-2 keep full params, so torch's load needs no gather; `FullParamsLoad` only waits for a
 param all-gather still in flight (it would land on the loaded values) and rewrites a separate
 fp32 master (bf16 params) from the given values: before, the next step wrote the old master
@@ -23,8 +32,9 @@ back over what was loaded.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple, Protocol
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -46,6 +56,12 @@ class Units(Protocol):
     def unit_params(self, u: int) -> list[nn.Parameter]: ...
 
 
+# What `model.state_dict()` at stage 3 does with the params: "copied": gather each unit, keep CPU
+# copies; "gathered": join each unit's gather (a collective), keep nothing; "left_out": gather
+# nothing, keep nothing (the non-param entries alone; no collective).
+ParamsIn = Literal["copied", "gathered", "left_out"]
+
+
 class _Load(NamedTuple):
     """One `load_state_dict` in progress at stage 3."""
 
@@ -59,6 +75,17 @@ class UnitStateDict:
     def __init__(self, zero3: Units) -> None:
         self.z = zero3
         self._loads: list[_Load] = []  # per load in progress (nested loads: a stack)
+        self.params: ParamsIn = "copied"
+
+    @contextlib.contextmanager
+    def params_in(self, params: ParamsIn) -> Iterator[None]:
+        """`model.state_dict()` inside takes the params as `params` says (See [Note: rank-0-only
+        full state dict])."""
+        before, self.params = self.params, params
+        try:
+            yield
+        finally:
+            self.params = before
 
     def install(self, root: nn.Module) -> list[Any]:
         """Register the hooks on `root`; returns their handles."""
@@ -83,7 +110,8 @@ class UnitStateDict:
     ) -> None:
         """Each sharded param's entry (under every name of a tied one) becomes a CPU copy of its
         full value, unit by unit: one unit's gathered storage lives on the device at a time
-        (the whole model at once was twice its size there: gathered, plus the copies)."""
+        (the whole model at once was twice its size there: gathered, plus the copies). Or, by
+        `self.params`, every param's entry leaves the state dict."""
         keys: dict[int, list[str]] = {}
         for name, p in module.named_parameters(remove_duplicate=False):
             if prefix + name in state_dict:
@@ -93,14 +121,21 @@ class UnitStateDict:
             own = [p for p in self.z.unit_params(u) if id(p) in keys]
             if not own:
                 continue
-            self.z.wait(u)
+            if self.params == "left_out":
+                continue
+            self.z.wait(u)  # on every rank: the gather is a collective
             for p in own:
+                if self.params != "copied":
+                    continue
                 # A copy: the gathered storage is freed below (and rewritten by every step).
                 value = p.detach().to("cpu", copy=True)
                 for k in keys[id(p)]:
                     state_dict[k] = value
             if u in free:
                 self.z.free(u)
+        if self.params != "copied":
+            for k in [k for ks in keys.values() for k in ks]:
+                del state_dict[k]
 
     # -- load_state_dict --------------------------------------------------------------------------
     def _load_pre(
@@ -129,6 +164,12 @@ class UnitStateDict:
         load.shards.close()
         for u in load.regather:
             self.z.wait(u)
+
+
+def without_params(module: nn.Module, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """`state_dict` less the entries of `module`'s params (under every name of a tied one)."""
+    params = {n for n, _ in module.named_parameters(remove_duplicate=False)}
+    return {k: v for k, v in state_dict.items() if k not in params}
 
 
 def given_values(

@@ -147,6 +147,7 @@ class Zero3:
         self.gathered_numel = 0
         self.max_gathered_numel = 0
         self.hooks: list[Any] = []
+        self.state_dict_hooks = UnitStateDict(self)
         self.unit_of_param: dict[int, int] = {}
         self._meta_init = False  # params came on the meta device: `setup` initialises them
         self.init_stats: shard_init.LocalInitStats | None = None  # the local init's counts
@@ -192,7 +193,7 @@ class Zero3:
             self.hooks.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
             self.hooks.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
         # model.state_dict() / load_state_dict(): full values, as collectives (see there).
-        self.hooks.extend(UnitStateDict(self).install(self.root))
+        self.hooks.extend(self.state_dict_hooks.install(self.root))
         for unit in self.units:
             unit.pending = unit.n_trainable
 

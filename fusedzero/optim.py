@@ -48,7 +48,7 @@ from fusedzero._comm import CommContext, CommCounter
 from fusedzero._dtensor import grouped_sumsq, tp_info
 from fusedzero._flat import FlatBuffer, MemoryReport, build_buffers, memory_report
 from fusedzero._grads import GradHooks
-from fusedzero._model_state_dict import FullParamsLoad
+from fusedzero._model_state_dict import FullParamsLoad, without_params
 from fusedzero._param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
 from fusedzero._profiling import phase
 from fusedzero._scalars import GroupLr, LossScaler, StepScalars
@@ -448,6 +448,42 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
             return self.zero3.gathered()
         self.param_sync.wait()
         return contextlib.nullcontext()
+
+    def full_state_dict(
+        self, module: nn.Module | None = None, *, rank0_only: bool = False
+    ) -> dict[str, Any]:
+        """`module.state_dict()` (default: the `module=` given to the constructor) with every
+        param at its full value; a collective at stages 1-3: call it on every rank. Stage 3
+        gathers unit by unit into CPU copies. `rank0_only=True`: only global rank 0 keeps the
+        params; the other ranks still join every gather and get the non-param entries alone
+        (buffers, extra state). See [Note: rank-0-only full state dict] in
+        fusedzero/_model_state_dict.py."""
+        module = self._state_dict_module(module)
+        keep = not rank0_only or comm.group_rank(None) == 0  # the global rank
+        if self.zero3 is not None:
+            with self.zero3.state_dict_hooks.params_in("copied" if keep else "gathered"):
+                return module.state_dict()
+        with self.gathered_params():
+            state = module.state_dict()
+        return state if keep else without_params(module, state)
+
+    def state_dict_without_params(self, module: nn.Module | None = None) -> dict[str, Any]:
+        """`module.state_dict()` less its params (buffers, extra state): no gather, not a
+        collective (e.g. beside a sharded checkpoint that holds the params)."""
+        module = self._state_dict_module(module)
+        if self.zero3 is not None:
+            with self.zero3.state_dict_hooks.params_in("left_out"):
+                return module.state_dict()
+        return without_params(module, module.state_dict())
+
+    def _state_dict_module(self, module: nn.Module | None) -> nn.Module:
+        module = self.module if module is None else module
+        if module is None:
+            raise ValueError(
+                "ZeroAdamW's state-dict methods need the model: pass it "
+                "(opt.full_state_dict(model)) or build ZeroAdamW with module=model"
+            )
+        return module
 
     @property
     def grad_norm(self) -> torch.Tensor:

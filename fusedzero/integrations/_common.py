@@ -3,15 +3,15 @@ ZeroAdamW keywords a user may pass through, and the full model state dict (a col
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 from types import ModuleType
 from typing import Any
 
-import torch
 from torch import nn
 
+from fusedzero._comm import group_rank
+from fusedzero._model_state_dict import without_params
 from fusedzero.optim import ZeroAdamW
 
 
@@ -50,11 +50,14 @@ def check_zero_kwargs(zero_kwargs: dict[str, Any], taken: dict[str, str], where:
             )
 
 
-def full_state_dict(opt: ZeroAdamW | None, module: nn.Module) -> dict[str, torch.Tensor]:
-    """`module.state_dict()` with every param at its full value. A collective at stages 1-3:
-    call it on every rank. Stage 3's state-dict hooks gather unit by unit
-    (fusedzero/_model_state_dict.py); stages 1-2 wait for the param all-gather in flight."""
-    shards_params = opt is not None and opt.stage.shards_params
-    ctx = contextlib.nullcontext() if opt is None or shards_params else opt.gathered_params()
-    with ctx:
-        return module.state_dict()
+def full_state_dict(
+    opt: ZeroAdamW | None, module: nn.Module, *, rank0_only: bool = False
+) -> dict[str, Any]:
+    """`module.state_dict()` with every param at its full value: `opt.full_state_dict` (a
+    collective at stages 1-3: call it on every rank), or the module's own without a live
+    optimizer. `rank0_only`: the other ranks get the non-param entries alone (See [Note:
+    rank-0-only full state dict] in fusedzero/_model_state_dict.py)."""
+    if opt is not None:
+        return opt.full_state_dict(module, rank0_only=rank0_only)
+    state = module.state_dict()
+    return state if not rank0_only or group_rank(None) == 0 else without_params(module, state)

@@ -17,8 +17,9 @@ The constructor is the Trainer's, plus `stage=` and any ZeroAdamW keyword (`shar
 - checkpoints: each `checkpoint-N/` holds the model (`save_pretrained`, full weights), the
   Trainer's state and scheduler, and our sharded optimizer checkpoint in `checkpoint-N/zero/`;
   `resume_from_checkpoint` loads it at any world size and stage. `save_model` writes a folder
-  `from_pretrained` loads (the params gathered on every rank, written by rank 0): a collective,
-  called on every rank, never under `is_world_process_zero()` (at stage 3 that blocks).
+  `from_pretrained` loads (the params gathered on every rank, kept and written by rank 0 alone):
+  a collective, called on every rank, never under `is_world_process_zero()` (at stage 3 that
+  blocks).
 - stage 3, after training too: the params stay sharded and every forward gathers them with all
   ranks, so `model.generate(...)` needs `synced_gpus=True` (a rank whose sequences ended early
   keeps running forwards while the others generate; without it they wait for it forever).
@@ -217,10 +218,15 @@ class ZeroTrainer(transformers.Trainer):
 
     # -- checkpoints --------------------------------------------------------------------------
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """A folder `from_pretrained` loads. Collective: every rank gathers the params (stage
-        3 unit by unit), rank 0 writes them."""
+        """A folder `from_pretrained` loads. Collective: every rank joins the gathers (stage 3
+        unit by unit), only the rank that writes keeps a copy of the params (See [Note:
+        rank-0-only full state dict] in fusedzero/_model_state_dict.py)."""
         output_dir = self.args.output_dir if output_dir is None else output_dir
-        self._save(output_dir, state_dict=full_state_dict(self.zero_optimizer, self.model))
+        # save_on_each_node: a writer on every node, each needing the params.
+        rank0_only = not self.args.save_on_each_node
+        state = full_state_dict(self.zero_optimizer, self.model, rank0_only=rank0_only)
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
 
