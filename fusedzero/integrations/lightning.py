@@ -56,6 +56,7 @@ import safetensors.torch
 import torch
 
 from fusedzero import checkpoint
+from fusedzero._model_state_dict import without_params
 from fusedzero.integrations._common import check_zero_kwargs, full_state_dict, import_framework
 from fusedzero.optim import ZeroAdamW
 
@@ -210,8 +211,22 @@ class ZeroStrategy(DDPStrategy):
 
     # -- state --------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The full state dict at every stage. Collective: call it on every rank."""
-        return full_state_dict(self._live_optimizer(), self.lightning_module)
+        """What Lightning's checkpoint holds as `state_dict`. While fitting: the non-param
+        entries alone, gathering nothing (`save_checkpoint` writes the params sharded and
+        dropped these; at stage 3 every ModelCheckpoint save gathered the whole model on every
+        rank for nothing). Without a live optimizer: the module's own state dict. For the full
+        weights during fit call `full_state_dict()`."""
+        opt = self._live_optimizer()
+        if opt is not None:
+            return opt.state_dict_without_params(self.lightning_module)
+        return self.lightning_module.state_dict()
+
+    def full_state_dict(self, rank0_only: bool = False) -> dict[str, Any]:
+        """The module's state dict with every param at its full value, at every stage.
+        Collective: call it on every rank. `rank0_only=True`: only global rank 0 keeps the
+        params, the others get the non-param entries (See [Note: rank-0-only full state dict]
+        in fusedzero/_model_state_dict.py)."""
+        return full_state_dict(self._live_optimizer(), self.lightning_module, rank0_only=rank0_only)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return {}  # the sharded checkpoint holds it (save_checkpoint)
@@ -230,11 +245,10 @@ class ZeroStrategy(DDPStrategy):
         path = os.fspath(filepath)
         checkpoint.save(opt, path, step=int(checkpoint_dict.get("global_step", 0)), keep_last=1)
         if self.is_global_zero:
-            params = {n for n, _ in self.lightning_module.named_parameters(remove_duplicate=False)}
             meta = dict(checkpoint_dict)
-            meta["state_dict"] = {
-                k: v for k, v in checkpoint_dict.get("state_dict", {}).items() if k not in params
-            }
+            meta["state_dict"] = without_params(
+                self.lightning_module, checkpoint_dict.get("state_dict", {})
+            )
             meta["optimizer_states"] = [{"fusedzero": "sharded, in this folder"}]
             torch.save(meta, os.path.join(path, META_FILE))
 

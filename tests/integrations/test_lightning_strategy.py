@@ -2,7 +2,7 @@
 0-3, in one launch of the ranks: a LightningModule (a tiny Llama) whose configure_optimizers
 returns torch.optim.AdamW with two param groups and a per-step lr schedule, trained with
 gradient clipping and accumulate_grad_batches=2, validated each epoch. Every training and
-validation loss, the full params from `lightning_module_state_dict()` (during fit) and the
+validation loss, the full params from `full_state_dict()` (during fit) and the
 module after fit equal DDP's within fp32 noise; a fit resumed from a ModelCheckpoint folder (at
 another stage) ends where DDP's resumed fit ends; docs/integrations.md's Lightning example runs
 as written on the same ranks; bad combinations are refused in one line. Skipped without the
@@ -73,15 +73,26 @@ class Llama(L.LightningModule):
 
 
 class FullParams(L.Callback):
-    """`lightning_module_state_dict()` at the end of the last epoch, while the optimizer is live."""
+    """The full params at the end of the last epoch, while the optimizer is live (ZeroStrategy's
+    `full_state_dict()`, DDP's `lightning_module_state_dict()`); under ZeroStrategy also the
+    param all-gathers that `trainer.save_checkpoint` runs then (the sharded checkpoint holds the
+    params: before, stage 3 gathered every unit for a state dict it dropped)."""
 
     def __init__(self) -> None:
         self.sd: dict[str, torch.Tensor] = {}
+        self.save_gathers: int | None = None
 
     def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.current_epoch == EPOCHS - 1:
-            sd = trainer.strategy.lightning_module_state_dict()
-            self.sd = {k: v.detach().clone() for k, v in sd.items()}
+        if trainer.current_epoch != EPOCHS - 1:
+            return
+        strategy = trainer.strategy
+        opt = getattr(strategy, "zero_optimizer", None)
+        sd = strategy.lightning_module_state_dict() if opt is None else strategy.full_state_dict()
+        self.sd = {k: v.detach().clone() for k, v in sd.items()}
+        if opt is not None:
+            before = opt.comm.calls["all_gather"]
+            trainer.save_checkpoint(f"{trainer.default_root_dir}/probe.ckpt")
+            self.save_gathers = opt.comm.calls["all_gather"] - before
 
 
 def short_trainer(root: str, strategy: Any, **kw: Any) -> Any:
@@ -150,6 +161,7 @@ def two_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
         strategy = ZeroStrategy(stage=stage)
         module, full = fit(f"{root}/s{stage}", strategy, save=stage == 2)
         out[f"s{stage}"] = (module.losses + module.val_losses, params(module), full.sd)
+        out[f"s{stage}_save_gathers"] = full.save_gathers
         opt = strategy.zero_optimizer
         out[f"s{stage}_reductions"] = (
             opt.comm.calls["all_reduce"],
@@ -193,7 +205,9 @@ def test_zero_strategy_matches_ddp(tmp_path: Path) -> None:
             atol=0,
             msg=lambda m, stage=stage: f"stage {stage} losses vs DDP: {m}",
         )
-        close(full, ref_full, f"stage {stage} lightning_module_state_dict()")
+        close(full, ref_full, f"stage {stage} full_state_dict() during fit")
+        if stage == 3:  # before: one all-gather per unit
+            assert got["s3_save_gathers"] == 0, got["s3_save_gathers"]
         close(p, ref_params, f"stage {stage} after fit")
     r_losses, r_params = got["resumed"]
     d_losses, d_params = got["ddp_resumed"]
