@@ -38,6 +38,7 @@ from torch import nn
 from fusedzero._dtensor import local, set_local
 from fusedzero._eager import eager
 from fusedzero._layout import FlatLayout, ParamSlot, build_layout, default_bucket_numel
+from fusedzero._streams import allocating_stream, free_storage
 from fusedzero.kernels import Strided
 from fusedzero.memory_modes import QBLOCK, MemoryModes
 from fusedzero.stage import Stage
@@ -115,6 +116,9 @@ class FlatBuffer:
         self.param_flat: torch.Tensor | None = None
         self.param_shard: torch.Tensor | None = None
         self.full: torch.Tensor | None = None
+        # Stage 3: the stream `full`'s storage was last allocated on (None off CUDA); see
+        # [Note: freeing on another stream] in _streams.py.
+        self.full_stream: torch.cuda.Stream | None = None
         self.param_base: torch.Tensor | None = None
         self.param_views: list[torch.Tensor] = []  # stage 3: each param's view of param_base
         self.param_empty: torch.Tensor | None = None  # stage 3: what params hold while freed
@@ -166,6 +170,7 @@ class FlatBuffer:
             self.master = torch.zeros(L.local_numel, dtype=torch.float32, device=dev)
             self.copy_params_into(self.master)
         self.full = torch.empty(max(L.padded_numel, 1), dtype=self.dtype, device=dev)
+        self.full_stream = allocating_stream(self.full)
         base = torch.empty(0, dtype=self.dtype, device=dev)
         base.set_(self.full.untyped_storage(), 0, (self.full.numel(),))
         self.param_base = base
@@ -199,11 +204,12 @@ class FlatBuffer:
         the all-gather into `full` is waited on)."""
         assert self.full is not None
         self.full.untyped_storage().resize_(self.layout.padded_numel * self.full.element_size())
+        self.full_stream = allocating_stream(self.full)
         self._point_params(gathered=True)
 
     def release_full(self) -> None:
         assert self.full is not None
-        self.full.untyped_storage().resize_(0)
+        free_storage(self.full, self.full_stream)
         self._point_params(gathered=False)
 
     # Never traced: Dynamo would turn `.data =` into a `set_` that bumps the version counter

@@ -73,6 +73,7 @@ import torch
 from fusedzero import _comm as comm, wire
 from fusedzero._comm import CommContext, Handle
 from fusedzero._flat import FlatBuffer
+from fusedzero._streams import allocating_stream, free_storage
 from fusedzero.stage import Stage
 from fusedzero.wire import WireFormat
 
@@ -143,6 +144,9 @@ class Bucket:
     # Stages 2-3: the bucket's memory (storage resized: alive only from launch to finish) and
     # the views of its alignment holes and tail, made once.
     store: torch.Tensor | None = None
+    # The stream `store`'s storage was last allocated on (None off CUDA): See [Note: freeing on
+    # another stream] in _streams.py.
+    store_stream: torch.cuda.Stream | None = None
     hole_views: list[torch.Tensor] = dataclasses.field(default_factory=list)
     piece: ShardPiece | None = None
     # Stages 0-1: its part of the full grad buffer is all zeros (emptied since its last flush
@@ -200,7 +204,7 @@ class Bucket:
         """Stages 2-3: free the bucket's memory (its views stay, over an empty storage)."""
         self.grad = None
         if self.store is not None:
-            self.store.untyped_storage().resize_(0)
+            free_storage(self.store, self.store_stream)
 
 
 Finish = Callable[[], None]
@@ -336,6 +340,7 @@ class ReduceIntoShard(WireChoice):
             b.piece = ShardPiece(store[lo:hi], b.buf.grad_shard[b.k * S : (b.k + 1) * S])
         else:
             store.untyped_storage().resize_(store.numel() * store.element_size())
+        b.store_stream = allocating_stream(store)
         zeros = list(b.hole_views)
         dsts: list[torch.Tensor] = []
         srcs = b.sources(dsts, zeros)

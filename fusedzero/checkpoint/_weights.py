@@ -27,7 +27,7 @@ import torch
 from safetensors import safe_open
 
 from fusedzero import _dtypes as dtypes
-from fusedzero._shard_init import write_runs
+from fusedzero._local_param import write_runs
 from fusedzero.checkpoint import _catalog as catalog
 from fusedzero.checkpoint._catalog import read_manifest
 from fusedzero.checkpoint._collectives import agree

@@ -4,7 +4,7 @@
 Ranks of W = 8 and 1024 are emulated one at a time on torch's fake process group (each builds
 its own shard; the collectives move nothing) and compared element-wise with a W = 1 build.
 
-About internals: fusedzero._layout, fusedzero._shard_init.
+About internals: fusedzero._layout, fusedzero._local_param, fusedzero._shard_init.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_flatten
 
 from fusedzero import FullUnitInit, Precision, Sharding, ZeroAdamW
 from fusedzero._layout import ALIGN
-from fusedzero._shard_init import BLOCK, block_seed
+from fusedzero._local_param import BLOCK, block_seed
 from fusedzero.checkpoint import import_weights
 from fusedzero.emulate import emulate, fake_group
 
@@ -257,9 +257,9 @@ def test_writes_through_strided_views_are_the_same_at_w_1_and_8(monkeypatch) -> 
     assert w[:, 12].std() > 0.5  # N(0, 1), drawn column-wise
     for r in range(8):
         _assert_shard_is(_build(8, r, strided_init)[1], ref, f"W=8 rank {r}")
-    from fusedzero import _shard_init as shard_init
+    from fusedzero import _local_param as local_param
 
-    monkeypatch.setattr(shard_init, "MAX_RUNS", 4)  # a column is F = 40 runs
+    monkeypatch.setattr(local_param, "MAX_RUNS", 4)  # a column is F = 40 runs
     with pytest.raises(NotImplementedError, match=r"in 40 runs \(more than 4\).*FullUnitInit"):
         _build(1, 0, strided_init)
 
