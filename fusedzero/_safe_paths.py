@@ -42,20 +42,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from fusedzero.checkpoint._format import create_temp
+from fusedzero.checkpoint._format import create_temp, file_kind
 
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
-
-_KINDS = (
-    (stat.S_ISLNK, "a symlink"),
-    (stat.S_ISDIR, "a folder"),
-    (stat.S_ISFIFO, "a FIFO"),
-    (stat.S_ISCHR, "a character device"),
-    (stat.S_ISBLK, "a block device"),
-    (stat.S_ISSOCK, "a socket"),
-)
 
 # Why each kind is refused, as the error says it.
 _WHY_NOT_READ = {
@@ -71,18 +62,13 @@ class UnsafePath(ValueError):
     a FIFO, a device or a socket, or a file too large or too deeply nested to read."""
 
 
-def kind(mode: int) -> str:
-    """What a stat mode is, for an error message: "a symlink", "a FIFO", ..."""
-    return next((k for test, k in _KINDS if test(mode)), "not a regular file")
-
-
 def _show(path: str | os.PathLike[str]) -> str:
     return repr(os.fspath(path))
 
 
 # -- outputs: See [Note: no write through a link] -------------------------------------------------
 def _refuse_output(path: str | os.PathLike[str], mode: int, what: str) -> UnsafePath:
-    k = kind(mode)
+    k = file_kind(mode)
     why, fix = {
         "a symlink": (
             "writing through a link would change its target",
@@ -148,7 +134,7 @@ def open_append(path: str | os.PathLike[str], what: str) -> BinaryIO:
 
 # -- inputs: See [Note: no read from a FIFO or device] --------------------------------------------
 def _refuse_input(path: str | os.PathLike[str], mode: int, what: str, folder: bool) -> UnsafePath:
-    k = kind(mode)
+    k = file_kind(mode)
     want = "a regular file or a folder" if folder else "a regular file"
     why = _WHY_NOT_READ.get(k, f"not {want}")
     return UnsafePath(f"{what} {_show(path)} is {k}; refusing to read it ({why}): pass {want}")
