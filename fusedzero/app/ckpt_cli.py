@@ -131,11 +131,9 @@ def run_ckpt(args: argparse.Namespace) -> int:
 
             return run_import_dcp(args)
         if args.ckpt_command == "export" and getattr(args, "hf_config", None):
-            from fusedzero.app.plan_cli import read_hf_config
             from fusedzero.checkpoint import hf
 
-            read_hf_config(args.hf_config)  # a FIFO or device refused, not read (safe_paths)
-            r = hf.export_hf(
+            r = hf.export_hf(  # reads --hf-config first: a FIFO or device refused, not read
                 args.dir,
                 args.out,
                 hf_config=args.hf_config,
