@@ -24,6 +24,19 @@ context; it never sees the optimizer. It decides *when* a unit's gathered buffer
   unit before it; when every param of u has its grad, u's buckets are reduce-scattered (by the
   optimizer) and u is freed. Whatever is still gathered at the end of backward is freed.
 
+[Note: params after abandon] `abandon()` (after a failure, perhaps on this rank alone) may run
+no collective, so no rank can rebuild a param's full values: it holds only its shard. Each param
+instead gets full-shaped storage of its own, in its dtype and on its device, filled with NaN:
+a new optimizer (any stage) accepts the model, and `checkpoint.load` (or `load_state_dict` through
+it) writes every value. The NaN says what the values are worth until then: a forward on them gives
+a NaN loss rather than a plausible one. The alternatives fail somewhere: `(0,)`-shaped params (as
+while a unit is freed) match no checkpoint's shapes; meta params only stage 3 accepts, and it
+initialises them with the model's init, which a module without `reset_parameters` lacks (See
+[Note: the default init needs reset_parameters]). The cost is the full model on each rank, which
+the new optimizer's construction holds transiently anyway. A unit's gathered storage is released
+unless one of its all-gathers may still be in flight (never waited for): the collective writes
+it until it completes, and the handle keeps the storage alive that long.
+
 [Note: host cost per unit] gather, wait and free run a few times per unit per step on the host
 path that feeds the device (forward, backward, prefetch): each Python call there costs ~0.2-1 us,
 so they look nothing up that setup could have; a unit's state is one `Unit` record.
@@ -213,6 +226,19 @@ class Zero3:
             # After the free, which points the params at empty tensors: they keep their values.
             for p, t in zip(own, full):
                 set_local(p, t)
+
+    def abandon(self) -> None:
+        """Remove the hooks and give every param full-shaped NaN storage of its own, without a
+        collective or a wait: See [Note: params after abandon]."""
+        self.remove_hooks()
+        for unit in self.units:
+            if not unit.handles:  # nothing in flight writes its storage: release it
+                self._free(unit)
+            for buf in unit.buffers:
+                for p, slot in zip(buf.params, buf.layout.params):
+                    set_local(
+                        p, torch.full(slot.shape, torch.nan, dtype=buf.dtype, device=buf.device)
+                    )
 
     def remove_hooks(self) -> None:
         """The units' forward hooks and the model's state-dict hooks; nothing waited for."""

@@ -323,18 +323,22 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
 
     def abandon(self) -> None:
         """Detach from the model without a collective or a wait on other ranks, after a run that
-        failed (on this rank alone, perhaps): remove every hook this optimizer installed and
-        leave the params as they are. Unlike `close()`, this rank does not gather (stage 3) or
-        wait for collectives in flight, which the other ranks may never match: it can raise its
-        error and exit instead of blocking. The params keep whatever they held: at stage 3 this
-        rank's shard (or nothing), at stages 1-2 possibly a half-finished all-gather; load a
-        checkpoint to use the model again. Afterwards this optimizer refuses `step()`; a no-op
-        on a closed one."""
+        failed (on this rank alone, perhaps): remove every hook this optimizer installed. Unlike
+        `close()`, this rank does not gather (stage 3) or wait for collectives in flight, which
+        the other ranks may never match: it can raise its error and exit instead of blocking.
+
+        The params keep their shapes, not their values: at stages 0-2 they hold what they held
+        (possibly a half-finished all-gather); at stage 3, where this rank had only its shard,
+        each is full-shaped storage of its own filled with NaN (See [Note: params after
+        abandon] in fusedzero/_zero3.py). Either way the model can be handed to a new optimizer
+        (any stage) and a checkpoint loaded into it (`fusedzero.checkpoint.load`), which writes
+        every param; until then the values mean nothing. Afterwards this optimizer refuses
+        `step()`; a no-op on a closed one."""
         if self.closed:
             return
         self._remove_hooks()
         if self.zero3 is not None:
-            self.zero3.remove_hooks()
+            self.zero3.abandon()
         self._release()
 
     def _remove_hooks(self) -> None:

@@ -93,20 +93,25 @@ def test_close_removes_every_hook_and_a_live_optimizer_refuses_a_second(stage: i
 
 
 @pytest.mark.parametrize("stage", [0, 3])
-def test_abandon_removes_every_hook_and_leaves_the_params_as_they_are(stage: int) -> None:
-    """abandon() (after a failed run: no collective, no wait) detaches like close() but leaves
-    the params as they are: at stage 3 empty outside a forward, where close() gathers them."""
+def test_abandon_removes_every_hook_and_leaves_full_shaped_params(stage: int) -> None:
+    """abandon() (after a failed run: no collective, no wait) detaches like close(); the params
+    keep their full shapes: at stages 0-2 their values too, at stage 3 (where this rank had only
+    its shard) storage of their own filled with NaN, for a checkpoint load to fill."""
     m = make()
     opt = build(m, stage)
     loss(m, 0).backward()
     opt.step()
-    before = [p.detach().clone() for p in m.parameters()]
+    with opt.gathered_params():
+        before = [p.detach().clone() for p in m.parameters()]
     opt.abandon()
     opt.abandon()  # a no-op once closed
     assert hooks_left(m) == 0 and not m._state_dict_pre_hooks
     assert all(p.grad is None for p in m.parameters())
     for p, b in zip(m.parameters(), before):
-        assert torch.equal(p.detach(), b) and (p.numel() == 0) == (stage == 3)
+        assert p.shape == b.shape and p.dtype == b.dtype
+        assert torch.equal(p.detach(), b) if stage < 3 else p.isnan().all()
+    if stage == 3:  # each its own storage, off the unit buffers
+        assert len({p.untyped_storage().data_ptr() for p in m.parameters()}) == 4
     with pytest.raises(RuntimeError, match="closed"):
         opt.step()
     build(m, 0).close()  # released: a new optimizer is no longer refused
