@@ -17,8 +17,9 @@ world size and stage (`validate`/`test`/`predict(ckpt_path=...)` read their full
 `trainer.strategy.lightning_module_state_dict()` gives the full params at every stage (a
 collective, as Lightning's FSDP strategy with full state dicts); after `fit` the optimizer is
 closed and the module holds its full, trained params. After a `fit` that raised, the optimizer is
-abandoned without a collective and the params are left as they were (stage 3: this rank's shard):
-see [Note: teardown after a failure].
+abandoned without a collective and the params keep their shapes but not their values (stage 3:
+NaN): a new `Trainer(...).fit(module, ckpt_path=...)` in the same process loads a checkpoint
+into them. See [Note: teardown after a failure].
 
 Constructor: `ZeroStrategy(stage=1, **kwargs)`: DDPStrategy's own arguments (accelerator,
 cluster_environment, process_group_backend, timeout, ...) and any ZeroAdamW keyword (unit_policy,
@@ -306,9 +307,9 @@ class ZeroStrategy(DDPStrategy):
     def teardown(self) -> None:
         """After a fit that finished: close ZeroAdamW (the module keeps its full params, stage 3
         included), so a later fit can build a new one on the same module. After one that raised
-        on this rank: abandon it, without a collective (its hooks removed, the params left as
-        they are: stage 3's hold this rank's shard; load a checkpoint to use the module). See
-        [Note: teardown after a failure]."""
+        on this rank: abandon it, without a collective (its hooks removed, the params full-shaped
+        but meaningless, NaN at stage 3, until a later `fit(ckpt_path=...)` loads a checkpoint).
+        See [Note: teardown after a failure]."""
         opt = self.zero_optimizer
         if opt is not None and self._failed:
             opt.abandon()

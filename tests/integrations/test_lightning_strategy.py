@@ -4,7 +4,8 @@ returns torch.optim.AdamW with two param groups and a per-step lr schedule, trai
 gradient clipping and accumulate_grad_batches=2, validated each epoch. Every training and
 validation loss, the full params from `full_state_dict()` (during fit) and the
 module after fit equal DDP's within fp32 noise; a fit resumed from a ModelCheckpoint folder (at
-another stage) ends where DDP's resumed fit ends; docs/integrations.md's Lightning example runs
+another stage) ends where DDP's resumed fit ends, and so does a new Trainer's fit from "last"
+after a stage-3 fit that raised; docs/integrations.md's Lightning example runs
 as written on the same ranks; bad combinations are refused in one line. Skipped without the
 'lightning' extra."""
 
@@ -230,6 +231,86 @@ def test_zero_strategy_matches_ddp(tmp_path: Path) -> None:
     assert got["doc"] == 4 and got["doc_ckpts"] == ["lightning.pt"], (got["doc"], got["doc_ckpts"])
 
 
+class FailsOnce(Llama):
+    """Raises in its training step `fail_at`, on every rank, in its first fit only (a second
+    fit on the same module in the same process goes through)."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at: int | None = fail_at
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        if batch_idx == self.fail_at:
+            self.fail_at = None
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def fail_then_refit(root: str, strategy: Any) -> dict[str, Any]:
+    """A fit that saves a checkpoint a step (`last` included) and raises in its third step,
+    then a new Trainer on the same module, in the same process: `fit(ckpt_path="last")`."""
+    module = FailsOnce(fail_at=2)
+
+    def trainer() -> Any:
+        last = L.callbacks.ModelCheckpoint(
+            dirpath=f"{root}/ckpts", save_last=True, save_top_k=0, every_n_train_steps=1
+        )
+        return short_trainer(
+            root, strategy(), max_steps=4, enable_checkpointing=True, callbacks=[last]
+        )
+
+    try:
+        trainer().fit(module)
+    except RuntimeError as e:
+        assert str(e) == "boom", e
+    before = len(module.losses)
+    refit = trainer()
+    refit.fit(module, ckpt_path="last")
+    return {
+        "losses": module.losses[before:],
+        "params": params(module),
+        "step": refit.global_step,
+    }
+
+
+def refit_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    from fusedzero.integrations.lightning import ZeroStrategy
+
+    return {
+        "ddp": fail_then_refit(
+            f"{root}/ddp", lambda: L.strategies.DDPStrategy(process_group_backend="gloo")
+        ),
+        "s3": fail_then_refit(f"{root}/s3", lambda: ZeroStrategy(stage=3)),
+    }
+
+
+def test_fit_after_a_failed_stage_3_fit_resumes_from_last_as_ddp(tmp_path: Path) -> None:
+    """After a stage-3 fit that raised (its optimizer abandoned: every param full-shaped again,
+    without a collective), a new Trainer's `fit(ckpt_path="last")` on the same module in the
+    same process resumes from the last checkpoint, as under strategy="ddp": the same losses
+    after the resume and the same params at the end."""
+    for rank, got in enumerate(run_ranks(refit_ranks, W, str(tmp_path), timeout=600)):
+        ddp, s3 = got["ddp"], got["s3"]
+        assert s3["step"] == ddp["step"] == 4, (s3["step"], ddp["step"])
+        assert len(s3["losses"]) == len(ddp["losses"]) == 2, (s3["losses"], ddp["losses"])
+        torch.testing.assert_close(
+            torch.tensor(s3["losses"]),
+            torch.tensor(ddp["losses"]),
+            rtol=RTOL,
+            atol=0,
+            msg=lambda m, rank=rank: f"rank {rank} losses after the refit vs DDP's: {m}",
+        )
+        assert s3["params"].keys() == ddp["params"].keys()
+        for k, want in ddp["params"].items():
+            torch.testing.assert_close(
+                s3["params"][k],
+                want,
+                rtol=RTOL,
+                atol=ATOL,
+                msg=lambda m, k=k, rank=rank: f"rank {rank} {k} after the refit vs DDP's: {m}",
+            )
+
+
 class Refused(Llama):
     """The module with one change, chosen by `what`: mostly something ZeroStrategy refuses."""
 
@@ -311,7 +392,7 @@ def refusals(rank: int, world: int, root: str) -> dict[str, str]:
         "own": error("own", gradient_clip_val=1.0),
         "own_clip": error("own_clip", gradient_clip_val=1.0),
         "ddp_kwarg": constructor(find_unused_parameters=True),
-        "failed": failed_fit(root),  # last: it leaves its module's params as they were
+        "failed": failed_fit(root),  # last: it leaves its module's params to a checkpoint load
     }
 
 
