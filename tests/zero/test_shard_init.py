@@ -501,3 +501,75 @@ def test_default_init_names_modules_without_reset_parameters() -> None:
         model = nn.TransformerEncoderLayer(16, 2, 32)
     with pytest.raises(ValueError, match=r"self_attn \(MultiheadAttention\).*param_init_fn"):
         ZeroAdamW(model.parameters(), stage=3, module=model, device="cpu")
+
+
+class _Computed(nn.Module):
+    """Buffers computed in `__init__` (on the meta device: no values), a `reset_parameters`
+    that resets only the params."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, D, 2) / D), False)
+        self.register_buffer("scale", torch.full((3,), 2.0))
+        self.weight = nn.Parameter(torch.empty(D))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class _HoldsComputed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rotary = _Computed()
+        self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+
+
+@pytest.mark.parametrize("init", [None, FullUnitInit(), hf_init], ids=["local", "full", "fn"])
+def test_a_meta_buffer_no_init_writes_is_refused_by_name(init: Init) -> None:
+    with torch.device("meta"):
+        model = _HoldsComputed()
+    with pytest.raises(
+        ValueError,
+        match=r"buffers rotary\.inv_freq, rotary\.scale .*"
+        r"did not write them.*reset_parameters\(\).*param_init_fn=fn.*off the meta",
+    ):
+        ZeroAdamW(
+            model.parameters(),
+            stage=3,
+            module=model,
+            device="cpu",
+            sharding=Sharding(param_init_fn=init),
+        )
+
+
+class _Writes(nn.Module):
+    """A float and an integer buffer, filled by `reset_parameters` in the way `how` names."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.register_buffer("inv_freq", torch.empty(D // 2), persistent=False)
+        self.register_buffer("steps", torch.empty(2, dtype=torch.int64))
+
+    def reset_parameters(self) -> None:
+        freq = 1.0 / 10000 ** (torch.arange(0, D, 2) / D)
+        if self.how == "in_place":
+            self.inv_freq.copy_(freq)
+            self.steps.fill_(0)
+        elif self.how == "data":  # a fresh version counter: told by the values
+            self.inv_freq.data.copy_(freq)
+            self.steps.data.zero_()
+        else:
+            self.inv_freq = freq
+            self.steps = torch.zeros(2, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("init", [None, FullUnitInit()], ids=["local", "full"])
+@pytest.mark.parametrize("how", ["in_place", "data", "assigned"])
+def test_a_meta_buffer_the_init_writes_in_any_way_is_kept(how: str, init: Init) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(_Writes(how), nn.ModuleList([nn.Linear(D, D)]))
+    kw = dict(stage=3, module=model, device="cpu", sharding=Sharding(param_init_fn=init))
+    ZeroAdamW(model.parameters(), **kw)
+    assert torch.equal(model[0].inv_freq, 1.0 / 10000 ** (torch.arange(0, D, 2) / D))
+    assert torch.equal(model[0].steps, torch.zeros(2, dtype=torch.int64))
