@@ -56,6 +56,16 @@ the sentinel it holds before the init (NaN for a floating buffer, the dtype's mi
 integer one), which catches writes through `b.data` (a fresh version counter). A bool buffer
 written only through `.data` is refused (no sentinel tells it apart).
 
+[Note: a tied param is initialised once] A param held by two modules (an embedding's weight
+tied to the output head) is initialised by the first of them in `named_modules()` order (the
+embedding, built first), as an eager build leaves it: there the embedding's init ran at
+construction and tying made the head share its weight. While a later holder's init runs, its
+entry for that param is a stand-in whose writes are dropped (a scratch tensor of the param's
+shape under `FullUnitInit`, so the global RNG stream advances as in the eager build, where the
+head drew its own weight before tying; a `LocalParam` over no elements on the local path, whose
+stream is keyed per param: fusedzero/_local_param.py). Its other params (the head's bias) are
+initialised as usual.
+
 [Note: the default init needs reset_parameters] With `param_init_fn=None`, each module that owns
 params (or buffers) on the meta device is initialised by its own `reset_parameters()`. One that
 has none (`nn.MultiheadAttention` has only `_reset_parameters`; a transformers `LlamaRMSNorm`, a
@@ -249,9 +259,11 @@ class Zero3:
         made = _real_buffers(self.root, all_bufs[0].device if all_bufs else None)
         if init_fn is None or (isinstance(init_fn, FullUnitInit) and init_fn.fn is None):
             self._require_reset_parameters(made)
+        # See [Note: a tied param is initialised once].
+        later = _later_holders(self.root, set(self.unit_of_param))
         if not isinstance(init_fn, FullUnitInit) and shard_init.applies(all_bufs):
             self.init_stats = shard_init.init_local(
-                self.root, all_bufs, init_fn, self._broadcast, made.owners
+                self.root, all_bufs, init_fn, self._broadcast, made.owners, later
             )
             self._same_buffers(made, given)
             return
@@ -289,7 +301,7 @@ class Zero3:
                         for buf in v.buffers
                     ),
                 )
-            with torch.no_grad():
+            with torch.no_grad(), _stand_ins(m, later.get(id(m), [])):
                 init_fn(name, m)
             if unit is None:
                 continue
@@ -610,6 +622,38 @@ def _unwritten(made: _MetaBuffers) -> list[str]:
 def _init_name(init_fn: object) -> str:
     fn = getattr(init_fn, "fn", init_fn)  # FullUnitInit(fn)
     return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def _later_holders(root: nn.Module, ids: set[int]) -> dict[int, list[str]]:
+    """id(module) -> the names of its params (among `ids`) that a module before it in
+    `named_modules()` order also holds (See [Note: a tied param is initialised once])."""
+    first: set[int] = set()
+    out: dict[int, list[str]] = {}
+    for _, m in root.named_modules():
+        for name, p in m._parameters.items():
+            if p is None or id(p) not in ids:
+                continue
+            if id(p) in first:
+                out.setdefault(id(m), []).append(name)
+            first.add(id(p))
+    return out
+
+
+@contextlib.contextmanager
+def _stand_ins(m: nn.Module, names: list[str]) -> Iterator[None]:
+    """`m`'s params `names` replaced, for the duration, by scratch params of their shape whose
+    values are dropped (See [Note: a tied param is initialised once])."""
+    if not names:
+        yield
+        return
+    real = {n: m._parameters[n] for n in names}
+    for n, p in real.items():
+        assert p is not None
+        m._parameters[n] = nn.Parameter(torch.empty_like(p), requires_grad=p.requires_grad)
+    try:
+        yield
+    finally:
+        m._parameters.update(real)
 
 
 def _init_own_shard(buf: FlatBuffer, init: ShardInit) -> None:
