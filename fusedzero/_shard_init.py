@@ -67,18 +67,30 @@ class _Swap(NamedTuple):
     local: LocalParam
 
 
-def _swap_in(root: nn.Module, targets: dict[int, ParamTarget], ctx: InitContext) -> list[_Swap]:
+def _swap_in(
+    root: nn.Module,
+    targets: dict[int, ParamTarget],
+    ctx: InitContext,
+    drop: dict[int, list[str]] | None = None,
+) -> list[_Swap]:
     """Every sharded param of `root`, in every module that holds it, replaced by a LocalParam
-    (one per param: tied modules see the same one)."""
+    (one per param: tied modules see the same one); where `drop` (id(module) -> param names)
+    says so, by one over no elements, whose writes are dropped (See [Note: a tied param is
+    initialised once] in fusedzero/_zero3.py)."""
     made: dict[int, LocalParam] = {}
     swapped = []
     for mname, m in root.named_modules():
+        dropped = (drop or {}).get(id(m), ())
         for pname, p in list(m._parameters.items()):
             if p is None or id(p) not in targets:
                 continue
-            lp = made.get(id(p))
-            if lp is None:
-                lp = made[id(p)] = LocalParam.of(targets[id(p)], ctx)
+            t = targets[id(p)]
+            if pname in dropped:
+                lp = LocalParam.of(ParamTarget(t.name, t.shape, t.dtype, t.device), ctx)
+            else:
+                lp = made.get(id(p))
+                if lp is None:
+                    lp = made[id(p)] = LocalParam.of(t, ctx)
             m._parameters[pname] = lp  # type: ignore[assignment]
             swapped.append(_Swap(m, f"{mname}.{pname}" if mname else pname, p, lp))
     return swapped
@@ -112,12 +124,15 @@ def init_local(
     fn: ModuleInit | None,
     broadcast: Callable[[torch.Tensor], None],
     also: set[int] | None = None,
+    drop: dict[int, list[str]] | None = None,
 ) -> LocalInitStats:
     """Run `fn(name, module)` (default: `module.reset_parameters()`) for every module that owns
     sharded params or whose id is in `also` (modules with buffers to fill), in
     `named_modules()` order, on this rank's elements only (See [Note: local-shard init]); a
     separate fp32 master is what the init writes, the param shard its cast (See [Note: init
-    writes the fp32 master] in fusedzero/_local_param.py)."""
+    writes the fp32 master] in fusedzero/_local_param.py). A param that `drop` (id(module) ->
+    param names) names for a module is not written by that module's init (a tied param's later
+    holder)."""
     stats = LocalInitStats()
     if not buffers or any(b.device.type == "meta" for b in buffers):
         return stats  # nothing real to write (a meta-device emulation)
@@ -134,7 +149,7 @@ def init_local(
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
 
-    swapped = _swap_in(root, targets, ctx)
+    swapped = _swap_in(root, targets, ctx, drop)
     owners = {id(s.module) for s in swapped} | (also or set())
     try:
         with torch.no_grad(), local_trunc_normal():

@@ -158,8 +158,11 @@ def test_reset_parameters_on_local_elements_keeps_torch_s_distributions() -> Non
         assert v[name].abs().max() <= bound and v[name].abs().max() > 0.9 * bound, name
     assert torch.equal(v["blocks.0.norm.weight"], torch.ones(D))
     assert torch.equal(v["blocks.1.rms.weight"], torch.ones(D))
-    # The embedding's normal_, then the tied head's kaiming_uniform_ over it (module order).
-    assert v["embed.weight"].abs().max() <= 1 / math.sqrt(D)
+    # The tied weight keeps its first holder's init, the embedding's normal_ with the padding
+    # row zero (the head's kaiming_uniform_ is dropped): std 1 over 1176 draws (error ~2%).
+    w = v["embed.weight"].view(V, D)
+    assert torch.equal(w[3], torch.zeros(D))
+    assert abs(torch.cat([w[:3], w[4:]]).std().item() - 1.0) < 0.1
 
 
 def test_hf_init_padding_row_trunc_normal_and_seed() -> None:
@@ -189,11 +192,12 @@ def test_nothing_gathered_and_one_block_of_scratch() -> None:
     # Scratch: one random block, at most min(BLOCK, largest param) elements.
     largest = max(p.numel() for p in _meta_net().parameters())
     assert z.init_stats.scratch_peak <= min(BLOCK, largest)
-    # Random fills at W=1: embedding normal_; each Linear/Conv weight and bias uniform_ (the
-    # tied head's weight once more); every param is < BLOCK: one block per fill.
+    # Random fills at W=1: embedding normal_; each Linear/Conv weight and bias uniform_ (not
+    # the tied head's weight: its holder's init is dropped); every param is < BLOCK: one block
+    # per fill.
     _, one = _build(1, 0, None)
     assert one.zero3 is not None and one.zero3.init_stats is not None
-    assert one.zero3.init_stats.blocks_drawn == 1 + 2 * (2 + 1) + 2 + 1
+    assert one.zero3.init_stats.blocks_drawn == 1 + 2 * (2 + 1) + 2
     assert one.zero3.init_stats.scratch_peak == largest
 
 
@@ -269,10 +273,11 @@ def test_full_unit_init_equals_the_eager_build() -> None:
     eager = {n: p.detach().reshape(-1).clone() for n, p in Net().named_parameters()}
     torch.manual_seed(0)
     full = _full(FullUnitInit())
-    # The tied weight: eager keeps the embedding's draw, reset_parameters of the head (called
-    # by the meta build, in module order) overwrites it; the RNG stream is the same.
+    # The tied weight too: the head's reset_parameters draws into a scratch tensor, as the eager
+    # head drew its own weight before tying, so the embedding's draw stays and so does the stream.
+    assert full.keys() == eager.keys()
     for n, t in full.items():
-        assert torch.equal(eager[n], t) != (n in ("embed.weight", "head.weight")), n
+        assert torch.equal(eager[n], t), n
 
 
 # -- loading at stage 3: straight into the shards, unit storage never gathered --------------------
@@ -501,3 +506,124 @@ def test_default_init_names_modules_without_reset_parameters() -> None:
         model = nn.TransformerEncoderLayer(16, 2, 32)
     with pytest.raises(ValueError, match=r"self_attn \(MultiheadAttention\).*param_init_fn"):
         ZeroAdamW(model.parameters(), stage=3, module=model, device="cpu")
+
+
+class _Computed(nn.Module):
+    """Buffers computed in `__init__` (on the meta device: no values), a `reset_parameters`
+    that resets only the params."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, D, 2) / D), False)
+        self.register_buffer("scale", torch.full((3,), 2.0))
+        self.weight = nn.Parameter(torch.empty(D))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class _HoldsComputed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rotary = _Computed()
+        self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+
+
+@pytest.mark.parametrize("init", [None, FullUnitInit(), hf_init], ids=["local", "full", "fn"])
+def test_a_meta_buffer_no_init_writes_is_refused_by_name(init: Init) -> None:
+    with torch.device("meta"):
+        model = _HoldsComputed()
+    with pytest.raises(
+        ValueError,
+        match=r"buffers rotary\.inv_freq, rotary\.scale .*"
+        r"did not write them.*reset_parameters\(\).*param_init_fn=fn.*off the meta",
+    ):
+        ZeroAdamW(
+            model.parameters(),
+            stage=3,
+            module=model,
+            device="cpu",
+            sharding=Sharding(param_init_fn=init),
+        )
+
+
+class _Writes(nn.Module):
+    """A float and an integer buffer, filled by `reset_parameters` in the way `how` names."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.register_buffer("inv_freq", torch.empty(D // 2), persistent=False)
+        self.register_buffer("steps", torch.empty(2, dtype=torch.int64))
+
+    def reset_parameters(self) -> None:
+        freq = 1.0 / 10000 ** (torch.arange(0, D, 2) / D)
+        if self.how == "in_place":
+            self.inv_freq.copy_(freq)
+            self.steps.fill_(0)
+        elif self.how == "data":  # a fresh version counter: told by the values
+            self.inv_freq.data.copy_(freq)
+            self.steps.data.zero_()
+        else:
+            self.inv_freq = freq
+            self.steps = torch.zeros(2, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("init", [None, FullUnitInit()], ids=["local", "full"])
+@pytest.mark.parametrize("how", ["in_place", "data", "assigned"])
+def test_a_meta_buffer_the_init_writes_in_any_way_is_kept(how: str, init: Init) -> None:
+    with torch.device("meta"):
+        model = nn.Sequential(_Writes(how), nn.ModuleList([nn.Linear(D, D)]))
+    kw = dict(stage=3, module=model, device="cpu", sharding=Sharding(param_init_fn=init))
+    ZeroAdamW(model.parameters(), **kw)
+    assert torch.equal(model[0].inv_freq, 1.0 / 10000 ** (torch.arange(0, D, 2) / D))
+    assert torch.equal(model[0].steps, torch.zeros(2, dtype=torch.int64))
+
+
+class _TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(V, D, padding_idx=0)
+        self.blocks = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+        self.head = nn.Linear(D, V)  # its bias is its own
+        self.head.weight = self.embed.weight
+
+
+@pytest.mark.parametrize("W", [1, 8])
+def test_a_tied_weight_gets_its_first_holder_s_init(W: int) -> None:
+    """The embedding's init (std 1, padding row zero), not the head's (kaiming_uniform_, std
+    0.118); the head's bias still gets the head's; at W = 8 each rank holds the W = 1 values."""
+    torch.manual_seed(0)
+    eager = _TiedLM()
+    for init in (FullUnitInit(), None):
+        torch.manual_seed(0)
+        model, opt = _build_tied(1, 0, init)
+        with opt.gathered_params():
+            got = {n: p.detach().clone() for n, p in model.named_parameters()}
+        w = got["embed.weight"]
+        assert torch.equal(w[0], torch.zeros(D))
+        # 1176 draws of N(0, 1): the std's error is ~2%, the head's would be 0.118.
+        assert abs(w[1:].std().item() - 1.0) < 0.1, init
+        b = got["head.bias"]
+        assert b.abs().max() <= D**-0.5 and b.abs().max() > 0, init
+        if init is not None:  # the eager build's values, the RNG stream included
+            for n, p in eager.named_parameters():
+                assert torch.equal(got[n], p.detach()), n
+        elif W > 1:
+            ref = {n: t.reshape(-1) for n, t in got.items()}
+            for r in range(W):
+                torch.manual_seed(0)
+                _assert_shard_is(_build_tied(W, r, None)[1], ref, f"W={W} rank {r}")
+
+
+def _build_tied(W: int, rank: int, init: Init) -> tuple[_TiedLM, ZeroAdamW]:
+    with torch.device("meta"):
+        model = _TiedLM()
+    kw = dict(
+        stage=3,
+        module=model,
+        device="cpu",
+        sharding=Sharding(param_init_fn=init, bucket_numel=W * ALIGN),
+    )
+    with fake_group(rank, W) if W > 1 else contextlib.nullcontext():
+        return model, ZeroAdamW(model.parameters(), **kw)

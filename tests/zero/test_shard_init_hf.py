@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusedzero import Sharding, ZeroAdamW
+from fusedzero import FullUnitInit, Sharding, ZeroAdamW
 from fusedzero._layout import ALIGN
 from fusedzero.emulate import fake_group
 
@@ -92,3 +92,42 @@ def test_hf_init_weights_on_local_shards_is_the_same_at_w_1_and_4(kind: str) -> 
             assert torch.equal(got, full[name][start : start + got.numel()]), (kind, r, name)
             held += got.numel()
     assert held == sum(v.numel() for v in full.values())
+
+
+@pytest.mark.parametrize("full_unit", [False, True], ids=["local", "full_unit"])
+def test_tied_llama_keeps_the_embedding_s_init_and_its_rotary_buffers(full_unit: bool) -> None:
+    """A tied LlamaForCausalLM from the meta device: the shared weight is the embedding's
+    init (padding row zero), not the lm_head's over it, and `_init_weights` fills the rotary
+    buffers with an eager build's values (so they pass the unwritten-buffer check)."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
+    eager = transformers.LlamaForCausalLM(cfg)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    fn = lambda name, m: model._init_weights(m)  # noqa: E731
+    torch.manual_seed(0)
+    opt = ZeroAdamW(
+        model.parameters(),
+        stage=3,
+        module=model,
+        device="cpu",
+        sharding=Sharding(param_init_fn=FullUnitInit(fn) if full_unit else fn),
+    )
+    with opt.gathered_params():
+        w = model.model.embed_tokens.weight.detach().clone()
+    assert torch.equal(w[0], torch.zeros(32))
+    assert abs(w[1:].std().item() - 0.02) < 0.15 * 0.02  # 2016 draws: the std's error ~1.6%
+    want = dict(eager.named_buffers())
+    got = dict(model.named_buffers())
+    assert got.keys() == want.keys() and got
+    for n, b in got.items():
+        assert torch.equal(b, want[n]), n
