@@ -1,4 +1,4 @@
-"""The tree passes `ruff check` and `ruff format --check` (issue 41 item 6): the rules and their
+"""The tree passes `ruff check` and `ruff format --check`: the rules and their
 exceptions are in pyproject.toml's [tool.ruff] (line length 100, pyflakes, pycodestyle, import
 order, pyupgrade, bugbear). ruff is pinned in the dev extra, so CI and contributors run the same
 rules."""
