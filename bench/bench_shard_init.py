@@ -8,7 +8,7 @@ group (fusedzero/emulate.py); each case runs in a fresh subprocess.
 Providers (the `param_init_fn` a user passes):
 - `zeros`: a `ShardInit` writing zeros into each local segment (the emulation's default);
 - `model`: none, i.e. each module's `reset_parameters()`, run on this rank's elements only
-  (fusedzero/_shard_init.py: the default since issue 43);
+  (fusedzero/_shard_init.py: the default);
 - `full-unit`: `FullUnitInit()`, every unit built in full on every rank (the old default; the
   70B shape takes minutes: `--full` asks for it).
 

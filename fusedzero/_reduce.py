@@ -105,7 +105,7 @@ class WireChoice:
 
 
 class BucketStatus(enum.Enum):
-    """Where a bucket stands in the current step; `GradReducer.reset_step` makes it EMPTY."""
+    """Where a bucket stands in the current step; `BucketSchedule.reset_step` makes it EMPTY."""
 
     EMPTY = enum.auto()  # not reduced since the last step: grads accumulate as they come
     REDUCED = enum.auto()  # reduced at least once this step

@@ -74,7 +74,7 @@ def select_units(root: nn.Module, policy: UnitPolicy) -> list[nn.Module]:
         units = [m for m in root.modules() if m is not root and policy(m)]
     else:
         raise TypeError(
-            f"unit_policy must be None, a module class, a tuple of classes, a "
+            f"Sharding(units=...) must be None, a module class, a tuple of classes, a "
             f"callable or an int, got {policy!r}"
         )
     # Nested units: keep the outermost (a param belongs to one unit). One walk per unit, not

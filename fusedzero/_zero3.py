@@ -280,7 +280,7 @@ class Zero3:
                     _init_own_shard(buf, init_fn)
             return
         given = init_fn  # named by the refusal of a buffer it did not write
-        # -- shard_init: the model's own init on this rank's elements (issue 43) --
+        # -- shard_init (the default): the model's own init on this rank's elements --
         all_bufs = [buf for unit in self.units for buf in unit.buffers]
         made = _real_buffers(self.root, all_bufs[0].device if all_bufs else None)
         if init_fn is None or (isinstance(init_fn, FullUnitInit) and init_fn.fn is None):

@@ -293,8 +293,8 @@ def _buffers_from_groups(
     units: list[int] | None,
 ) -> list[tuple[torch.dtype, list[Item], int]]:
     """(dtype, params) of every flat buffer, in ZeroAdamW's order: stages 0-2 group by
-    (param group, dtype) (`ZeroAdamW._build_flat_groups`), stage 3 by (unit, group, dtype)
-    (`fusedzero._zero3.build_zero3`); with each, its stage-3 unit (0, the root, elsewhere)."""
+    (param group, dtype), stage 3 by (unit, group, dtype) (`fusedzero._flat.build_buffers`, the
+    units from `Zero3.assign`); with each, its stage-3 unit (0, the root, elsewhere)."""
     keyed: dict[tuple[int, int, torch.dtype], list[Item]] = {}
     index = 0
     for gi, group in enumerate(groups):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 40's GPU evidence in one short lease (target: under 4 minutes on an H200 whose python3
+# The step rows' GPU evidence in one short lease (target: under 4 minutes on an H200 whose python3
 # has torch, triton, transformers; docs/gpu.md says what each result means):
 #   bash bench/gpu/lease.sh RESULTS_DIR             on a CUDA machine, from a copied checkout
 #   bash bench/gpu/lease.sh --dry-run RESULTS_DIR   CPU: tiny shapes, gloo; no install, no tests

@@ -229,10 +229,9 @@ def step_section(runs: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
-# Issue 40 item 5's targets: see [Note: the update's memory-traffic limit]
+# The step rows' targets: see [Note: the update's memory-traffic limit]
 # (bench/gpu/shape_systems.py) (stages 0-2 within 1.2x the limit over bare; stage 3 within 1 ms of
-# stage 2; rounds'
-# range within 10% of their median).
+# stage 2; rounds' range within 10% of their median).
 LIMIT_FACTOR, STAGE3_OVER_STAGE2_S, MAX_RANGE = 1.2, 1e-3, 0.10
 
 
@@ -246,7 +245,7 @@ class StepCheck(NamedTuple):
 
 
 def step_rows_checks(d: dict[str, Any]) -> list[StepCheck]:
-    """Issue 40 item 5's targets on one shape's step rows (bench/gpu/step_overhead.py --shape):
+    """The targets on one shape's step rows (bench/gpu/step_overhead.py --shape):
     stages 0-2 total <= bare + 1.2 x the update's memory-traffic limit, stage 3 <= stage 2 +
     1 ms, each stage faster than DDP + autocast and than FSDP2 (the faster of its two policies),
     and every row's rounds' range <= 10% of its median. A row that did not run is left out."""
@@ -364,7 +363,7 @@ def step_rows_section(runs: list[dict[str, Any]]) -> str:
             [c.what, c.measured, c.target, "met" if c.met else "MISSED"]
             for c in step_rows_checks(d)
         ]
-        out += [_table(["target (issue 40)", "measured", "target", "verdict"], checks), ""]
+        out += [_table(["check", "measured", "target", "verdict"], checks), ""]
         if d.get("errors"):
             out += [f"Not run: {k}: {v}" for k, v in d["errors"].items()] + [""]
     return "\n".join(out)
@@ -381,7 +380,7 @@ def multi_section(runs: list[dict[str, Any]]) -> str:
         "",
     ]
     controlled = [r for d in runs for r in d.get("parity", []) if "control" in r]
-    if controlled:  # since issue 40: each reference run twice (multi.py's noise floor)
+    if controlled:  # newer runs: each reference run twice (multi.py's noise floor)
         out[-2] = (
             "Parity: 5 steps; fp32 against DDP + torch.optim.AdamW, bf16 against FSDP2 "
             "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32). Each reference "
@@ -476,7 +475,7 @@ def multi_section(runs: list[dict[str, Any]]) -> str:
         for d in runs
         for g in (d["graph"] if isinstance(d.get("graph"), list) else [])
     ]
-    if graphs:  # since issue 40: under each attention kernel, with an eager twin (the control)
+    if graphs:  # newer runs: under each attention kernel, with an eager twin (the control)
         out += [
             "CUDA graph of a whole step, replayed, against the same steps run eagerly, "
             "beside two eager runs (the control); passes at most max(3 x the control, 0):",
@@ -523,7 +522,7 @@ def multi_section(runs: list[dict[str, Any]]) -> str:
 
 
 def parity_table(runs: list[dict[str, Any]]) -> str:
-    """Parity rows with their controls, side by side (bench/gpu/multi.py since issue 40)."""
+    """Parity rows with their controls, side by side (bench/gpu/multi.py, newer runs)."""
     rows = []
     for d in runs:
         for r in d.get("parity", []):

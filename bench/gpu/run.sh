@@ -91,7 +91,7 @@ piece fake_world "$PY" "$ROOT/bench/gpu/fake_world.py" "$R/fake_world.json" --wo
 # hooks' host time per param (CPU).
 piece phases "$PY" "$ROOT/bench/bench_phases.py" --model "$([[ $DRY == 1 ]] && echo gpt || echo both)" \
   --json "$R/phases.json"
-# Issue 40's step rows: bf16 GPT-2 124M and the 255M Llama, stages 0-3 beside bare, DDP +
+# The step rows per shape: bf16 GPT-2 124M and the 255M Llama, stages 0-3 beside bare, DDP +
 # autocast and FSDP2 (bench/gpu/shape_systems.py); on CPU at a tiny size. They replace the bf16
 # rows of the step bench's GPT (vocab 256), which were bound by the host and ranged 12-70%.
 for shape in gpt2-124m llama-255m; do

@@ -1,4 +1,4 @@
-"""The step rows of issue 40 item 5: model shapes, the systems timed on them, and the update's
+"""The step rows per model shape: the shapes, the systems timed on them, and the update's
 memory-traffic limit (bench/gpu/step_overhead.py --shape runs them).
 
 Shapes (W=1, bf16 compute):
@@ -31,7 +31,7 @@ streams once: limit = params x B / copy_bandwidth, where B is the kernel's own c
 per param for the configured dtypes (fusedzero.kernels.bytes_per_param: fp32 master r+w 8,
 grad r (4 in fp32, 2 in bf16), exp_avg r+w 8, exp_avg_sq r+w 8, bf16 param out w 2: 30 B with
 fp32 grads) and copy_bandwidth is a device copy of the same bytes measured in the same process
-(fusedzero._bandwidth: a copy of B/2 bytes each way). Issue 40's target for stages 0-2:
+(fusedzero._bandwidth: a copy of B/2 bytes each way). The target for stages 0-2:
 total <= bare + 1.2 x limit; stage 3: total <= stage 2 + 1 ms.
 """
 

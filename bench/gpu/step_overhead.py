@@ -4,7 +4,7 @@
     python bench/gpu/step_overhead.py --shape gpt2-124m|llama-255m OUT.json [--systems A,B] [--cpu]
 
 The first form times bench/_systems.py's systems at FUSEDZERO_BENCH_MODEL / _BATCH / _BUCKET
-(the step bench's GPT). The second (`--shape`) times issue 40's step rows: bare forward +
+(the step bench's GPT). The second (`--shape`) times the per-shape step rows: bare forward +
 backward, stages 0-3, DDP + fused AdamW under bf16 autocast and FSDP2 with bf16 params on GPT-2
 124M or the 255M Llama, beside the update's memory-traffic limit (bench/gpu/shape_systems.py
 says what each system is and how the limit is computed). `--cpu` (gloo, the shape at a tiny
@@ -15,7 +15,7 @@ pools, cuBLAS heuristics), then timed in ROUNDS rounds of STEPS steps each, devi
 around each round; round r starts at system r mod n, so drift (clocks, another process on the
 host) hits all alike. Python's garbage collector runs between rounds, never inside one (a
 collection inside a round costs a host-bound step milliseconds). Each row reports its rounds' range
-over their median, which issue 40 wants at most 10% for the bf16 rows. A world of one has no
+over their median, which the targets want at most 10% for the bf16 rows. A world of one has no
 collective traffic worth the name: this measures what each system adds on one device (hooks,
 copies, casts, the update, clipping), not communication.
 """
@@ -197,7 +197,7 @@ def _timed(
 
 
 def bench_shape(name: str, systems: list[str], out: Path, cpu: bool) -> None:
-    """The second form: issue 40's step rows on one shape."""
+    """The second form: the step rows on one shape."""
     for s in systems:
         SH.parse(s)  # a typo fails before minutes of building
     sh = SH.shape(name, tiny=cpu)

@@ -5,6 +5,28 @@ packed caller and RNG state) before anything is written, so a bad caller_state o
 itself a checkpoint fails on every rank at once. An async save copies the shards off the live
 buffers first and needs no collective off the main thread (see the sidecar note in `format`).
 
+[Note: the phases of a save] `save` runs as `_SaveRun`'s phases, in this order on every rank (so
+the collectives match). Its collectives are gathers to rank 0 and up to three agreements
+(`agree`: rank 0's error, or None, broadcast; every rank raises it or none does):
+1. prepare (local): this tp rank's folder, the previous async save's outcome, this rank's packed
+   caller and RNG state.
+2. replicas (the replicate group's gather, 2-D mesh only): each replica's state to its
+   first-replica peer; the other replicas return here.
+3. copy the shard (local): the state tensors to the host, the segment tables.
+4. open (a gather to rank 0, agreement 1): rank 0 checks what every rank sent and the root,
+   builds the manifest less its files and makes an empty staging folder `.step-N.tmp`.
+5. write and publish. Sync: each writer writes its shard into staging; a gather of the files'
+   sizes and hashes; agreement 2 (every rank has stopped writing); rank 0 `_finalize`s: the
+   manifest last, the folder renamed into place, then `latest`, then rotation; agreement 3 (every
+   rank learns the outcome). Async: the same in a thread, with `<shard>.json` / `.error` files in
+   staging in place of the gather and the agreements, the outcome in the handle.
+Nothing is lost on failure: until `_finalize` renames the staging folder into place, what a
+reader sees is unchanged (an existing checkpoint of the same step is moved aside to
+`.step-N.old` just before, and removed only once `latest` names the new one). A failure in
+phases 1-4 raises on every rank at agreement 1, before a staging folder is made; a failure in
+phase 5 (any rank's write, the manifest, the rename) makes rank 0 remove the staging folder. Once
+`latest` is written the save has succeeded: removing the old folder and rotation cannot fail it.
+
 [Note: a failure before the first gather] What fails on some ranks only before the first collective
 (the previous async save's error, which only its failing ranks hold; this tp rank's folder; the
 host copies of the shard) is carried by that gather, and rank 0 raises it for every rank through
@@ -111,64 +133,122 @@ def save(
         timeout: async only: how long rank 0 waits for the other ranks' shards (None: the
             process group's timeout, see `fusedzero._comm.group_timeout`). It bounds the save
             thread, which the interpreter waits for at exit: a dead peer ends it with an error.
+
+    See [Note: the phases of a save].
     """
     if step < 0:
         raise ValueError(f"step must be >= 0, got {step}")
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-    W, rank, group = opt.world_size, opt.rank, opt.process_group
-    # See [Note: a failure before the first gather].
-    failed: str | None = None
-    try:
-        directory = tp_directory(opt, directory, saving=True)  # tp: this tp rank's folder
-        wait_pending(opt)
-    except Exception as e:  # noqa: BLE001
-        failed = f"rank {rank}: {type(e).__name__}: {' '.join(str(e).split())}"
-    root = Path(directory)
+    run = _SaveRun.prepare(opt, directory, step, caller_state, keep_last)
     if timeout is None:
-        timeout = group_timeout(group)
-    name = step_dir_name(step)
-    replicas, replica = opt.replicas, opt.replica_rank
-    packed, bad_state = "", None
-    try:
-        packed = pack({"caller": caller_state, "rng": rng_state()})
-        unpack(packed)  # fail now, not at resume time
-    except Exception as e:  # noqa: BLE001
-        bad_state = (
-            f"rank {rank}: caller_state must be loadable by torch.load("
-            f"weights_only=True) (tensors, numbers, strings, lists, tuples, dicts): {e}"
-        )
-    # 2-D mesh: replicas hold the same shards and the first replica's shard group writes them,
-    # but RNG and caller state differ per replica (dropout on other data): each replica's goes
-    # to its first-replica peer, which writes them all into the manifest.
-    states = [(packed, bad_state)]
-    if replicas > 1:
-        states = gather_to_first((packed, bad_state), opt.replicate_group, replicas, replica)
-    if replica != 0:
-        if failed is not None:  # (after the replicate group's gather, which it took part in)
-            raise CheckpointError(failed)
-        return SaveHandle(root / name)
+        timeout = group_timeout(run.group)
+    states = run.gather_replica_states()
+    if opt.replica_rank != 0:
+        if run.failed is not None:  # (after the replicate group's gather, which it took part in)
+            raise CheckpointError(run.failed)
+        return SaveHandle(run.root / run.name)
     assert states is not None
-    staging = root / f".{name}.tmp"
-    infos = opt.shard_infos()
-    writer = all(info.shard_rank == rank for info in infos)
-    # Rank 0 always writes (stage 0: it alone); it also needs the state for the manifest.
-    st = opt.shard_state() if writer else None
-    step_count = float(opt.step_count.reshape(-1)[0])  # a host sync; once per save
+    run.copy_shard(async_)
+    run.open_staging(states)
+    run.describe_shard()
+    if not async_:
+        run.finish_sync()
+        return SaveHandle(run.root / run.name)
+    return run.finish_async(timeout)
 
-    tensors: dict[str, torch.Tensor] = {}
-    groups_meta: list[dict[str, Any]] = []
-    if st is not None and failed is None:
+
+class _SaveRun:
+    """One call of `save` on one rank: what each phase leaves for the next (See [Note: the
+    phases of a save]). Every rank runs the phases in the same order, so their collectives
+    match; a phase that fails on some ranks only carries its failure into the next collective
+    instead of raising (See [Note: a failure before the first gather])."""
+
+    def __init__(
+        self, opt: ZeroAdamW, root: Path, step: int, keep_last: int | None, failed: str | None
+    ) -> None:
+        self.opt = opt
+        self.W, self.rank, self.group = opt.world_size, opt.rank, opt.process_group
+        self.root = root
+        self.step = step
+        self.keep_last = keep_last
+        self.name = step_dir_name(step)
+        self.staging = root / f".{self.name}.tmp"
+        self.fname = shard_file_name(self.rank, self.W)
+        self.failed = failed  # this rank's failure so far, carried to rank 0 by the gather
+        self.packed, self.bad_state = "", None
+        # Filled by copy_shard, open_staging and describe_shard in turn.
+        self.writer = False
+        self.st: ShardState | None = None
+        self.step_count = 0.0
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.groups_meta: list[dict[str, Any]] = []
+        self.everyone: list[dict[str, Any]] | None = None  # rank 0: every rank's `local`
+        self.base: dict[str, Any] | None = None  # rank 0: the manifest less its files
+        self.meta: dict[str, str] = {}  # this shard's header
+
+    # -- 1. prepare: local, no collective ---------------------------------------------------
+    @classmethod
+    def prepare(
+        cls,
+        opt: ZeroAdamW,
+        directory: str | os.PathLike[str],
+        step: int,
+        caller_state: Any,
+        keep_last: int | None,
+    ) -> _SaveRun:
+        """This tp rank's folder, the previous async save's outcome and this rank's packed
+        caller and RNG state, each failure kept for the gather."""
+        # See [Note: a failure before the first gather].
+        failed: str | None = None
+        try:
+            directory = tp_directory(opt, directory, saving=True)  # tp: this tp rank's folder
+            wait_pending(opt)
+        except Exception as e:  # noqa: BLE001
+            failed = f"rank {opt.rank}: {type(e).__name__}: {' '.join(str(e).split())}"
+        run = cls(opt, Path(directory), step, keep_last, failed)
+        try:
+            run.packed = pack({"caller": caller_state, "rng": rng_state()})
+            unpack(run.packed)  # fail now, not at resume time
+        except Exception as e:  # noqa: BLE001
+            run.bad_state = (
+                f"rank {opt.rank}: caller_state must be loadable by torch.load("
+                f"weights_only=True) (tensors, numbers, strings, lists, tuples, dicts): {e}"
+            )
+        return run
+
+    # -- 2. replicas: the replicate group's gather -------------------------------------------
+    def gather_replica_states(self) -> list[tuple[str, str | None]] | None:
+        """2-D mesh: replicas hold the same shards and the first replica's shard group writes
+        them, but RNG and caller state differ per replica (dropout on other data): each
+        replica's goes to its first-replica peer, which writes them all into the manifest.
+        None on the other replicas, which return after this."""
+        opt, mine = self.opt, (self.packed, self.bad_state)
+        if opt.replicas > 1:
+            return gather_to_first(mine, opt.replicate_group, opt.replicas, opt.replica_rank)
+        return [mine]
+
+    # -- 3. copy the shard to the host: local ------------------------------------------------
+    def copy_shard(self, async_: bool) -> None:
+        """This rank's state tensors on the host (async: private copies, so training may go on
+        updating the live buffers) and its segment tables; a failure is carried."""
+        opt, rank = self.opt, self.rank
+        infos = opt.shard_infos()
+        self.writer = all(info.shard_rank == rank for info in infos)
+        # Rank 0 always writes (stage 0: it alone); it also needs the state for the manifest.
+        self.st = opt.shard_state() if self.writer else None
+        self.step_count = float(opt.step_count.reshape(-1)[0])  # a host sync; once per save
+        if self.st is None or self.failed is not None:
+            return
         try:
             for i, info in enumerate(infos):
                 # Each state in its own dtype (fusedzero/memory_modes.py), int8 codes with
                 # their scales.
-                for kind, t in st.tensors(i).items():
+                for kind, t in self.st.tensors(i).items():
                     t = t.detach()
-                    # Async: a private copy, so training may go on updating the live buffers.
                     t = t.to("cpu", copy=True) if async_ else t.cpu()
-                    tensors[f"fg{i}.{kind}"] = t.reshape(-1).contiguous()
-                groups_meta.append(
+                    self.tensors[f"fg{i}.{kind}"] = t.reshape(-1).contiguous()
+                self.groups_meta.append(
                     {
                         "key": f"fg{i}",
                         "group_index": info.group_index,
@@ -181,127 +261,152 @@ def save(
                     }
                 )
         except Exception as e:  # noqa: BLE001 - see [Note: a failure before the first gather]
-            tensors.clear()
-            failed = f"rank {rank}: copying its shard to the host: {type(e).__name__}: {e}"
-    errors = [
-        f"replica {k} {b}" if replicas > 1 else b
-        for k, (_, b) in enumerate(states)
-        if b is not None
-    ]
-    local = {
-        "rank": rank,
-        "writer": writer,
-        "groups": groups_meta,
-        "states": [packed for packed, _ in states],
-        "error": "\n".join(errors) or None,
-        "failed": failed,
-    }
-    everyone = gather_to_first(local, group, W, rank)
+            self.tensors.clear()
+            self.failed = f"rank {rank}: copying its shard to the host: {type(e).__name__}: {e}"
 
-    base: dict[str, Any] | None = None
-    err: BaseException | None = None
-    if rank == 0:
-        assert everyone is not None
-        try:
-            failures = [e["failed"] for e in everyone if e["failed"] is not None]
-            if failures:
-                raise CheckpointError("\n".join(failures))
-            bad = [e["error"] for e in everyone if e["error"] is not None]
-            if bad:
-                raise ValueError("\n".join(bad))
-            if (root / MANIFEST).is_file():
-                raise CheckpointError(
-                    f"{root} is a checkpoint (it has {MANIFEST}); save into "
-                    f"its root {root.parent} (see `save_root`)"
-                )
-            assert st is not None
-            base = _manifest_base(opt, step, step_count, everyone, st)
-            root.mkdir(parents=True, exist_ok=True)
-            remove(staging)  # left by a killed save of the same step (or planted: a link)
-            staging.mkdir()  # fails rather than follow anything created since
-        except Exception as e:  # noqa: BLE001 - every rank must learn of it
-            err = e
-    agree(err, group, W, "save")  # also the barrier: the staging directory exists now
+    # -- 4. open: the first gather and agreement ---------------------------------------------
+    def open_staging(self, states: list[tuple[str, str | None]]) -> None:
+        """Everything rank 0 needs gathered to it; rank 0 raises any rank's failure, a bad
+        caller_state or a root that is itself a checkpoint, builds the manifest's base and makes
+        an empty staging folder. Then every rank agrees: all go on, or all raise."""
+        replicas, rank = self.opt.replicas, self.rank
+        errors = [
+            f"replica {k} {b}" if replicas > 1 else b
+            for k, (_, b) in enumerate(states)
+            if b is not None
+        ]
+        local = {
+            "rank": rank,
+            "writer": self.writer,
+            "groups": self.groups_meta,
+            "states": [packed for packed, _ in states],
+            "error": "\n".join(errors) or None,
+            "failed": self.failed,
+        }
+        self.everyone = gather_to_first(local, self.group, self.W, rank)
+        err: BaseException | None = None
+        if rank == 0:
+            assert self.everyone is not None
+            try:
+                self.base = self._checked_base(self.everyone)
+                self.root.mkdir(parents=True, exist_ok=True)
+                remove(self.staging)  # left by a killed save of the same step (or planted: a link)
+                self.staging.mkdir()  # fails rather than follow anything created since
+            except Exception as e:  # noqa: BLE001 - every rank must learn of it
+                err = e
+        agree(err, self.group, self.W, "save")  # also the barrier: the staging directory exists now
 
-    # What this shard's bytes mean, in its own header (_binding.py): the manifest rank 0
-    # writes must agree with it row by row, or nothing loads.
-    meta = (
-        shard_metadata(
+    def _checked_base(self, everyone: list[dict[str, Any]]) -> dict[str, Any]:
+        """Rank 0: raise what any rank failed at, then the manifest less its files."""
+        failures = [e["failed"] for e in everyone if e["failed"] is not None]
+        if failures:
+            raise CheckpointError("\n".join(failures))
+        bad = [e["error"] for e in everyone if e["error"] is not None]
+        if bad:
+            raise ValueError("\n".join(bad))
+        if (self.root / MANIFEST).is_file():
+            raise CheckpointError(
+                f"{self.root} is a checkpoint (it has {MANIFEST}); save into "
+                f"its root {self.root.parent} (see `save_root`)"
+            )
+        assert self.st is not None
+        return _manifest_base(self.opt, self.step, self.step_count, everyone, self.st)
+
+    def describe_shard(self) -> None:
+        """What this shard's bytes mean, in its own header (_binding.py): the manifest rank 0
+        writes must agree with it row by row, or nothing loads."""
+        if not self.writer:
+            return
+        opt, st = self.opt, self.st
+        self.meta = shard_metadata(
             {
-                "world_size": W,
+                "world_size": self.W,
                 "stage": int(opt.stage),
-                "step": step,
-                "step_count": step_count,
+                "step": self.step,
+                "step_count": self.step_count,
                 "modes": st.modes.to_json() if st is not None else None,
                 "params": param_entries(opt),
                 **tp_origin(opt),
             },
-            {"rank": rank, "groups": groups_meta},
+            {"rank": self.rank, "groups": self.groups_meta},
         )
-        if writer
-        else {}
-    )
-    fname = shard_file_name(rank, W)
-    writers = [e["rank"] for e in everyone if e["writer"]] if everyone is not None else []
-    handle = SaveHandle(root / name)
 
-    if not async_:
+    # -- 5a. write and publish, synchronously: two more agreements ----------------------------
+    def finish_sync(self) -> None:
+        """Each writer writes its shard into staging; rank 0 learns every file's size and hash
+        (a gather), every rank agrees that all have stopped writing, rank 0 publishes
+        (`_finalize`), and every rank agrees on the outcome. Whatever fails, rank 0 removes the
+        staging folder."""
+        W, rank, group = self.W, self.rank, self.group
         info, err = None, None
-        if writer:
+        if self.writer:
             try:
-                info = _write_shard(staging / fname, tensors, meta)
+                info = _write_shard(self.staging / self.fname, self.tensors, self.meta)
             except Exception as e:  # noqa: BLE001
                 err = e
         written = gather_to_first((rank, info), group, W, rank)
         try:
             agree(err, group, W, "save")  # every rank has stopped writing into staging
             if rank == 0:
-                assert base is not None and written is not None
+                assert self.base is not None and written is not None
+                assert self.everyone is not None
                 try:
                     _finalize(
-                        root,
-                        staging,
-                        name,
-                        base,
+                        self.root,
+                        self.staging,
+                        self.name,
+                        self.base,
                         {r: i for r, i in written if i is not None},
-                        everyone,
-                        keep_last,
+                        self.everyone,
+                        self.keep_last,
                     )
                 except Exception as e:  # noqa: BLE001
                     err = e
             agree(err, group, W, "save")
         except BaseException:
             if rank == 0:  # a failed save leaves nothing behind (disk full: free the space)
-                remove(staging, quiet=True)
+                remove(self.staging, quiet=True)
             raise
+
+    # -- 5b. write and publish, asynchronously: no collective ---------------------------------
+    def finish_async(self, timeout: float) -> SaveHandle:
+        """The same in a background thread, with files in staging for collectives: each writer
+        leaves `<shard>.json` (or `.error`) beside its shard, rank 0 waits for them all
+        (`_collect_sidecars`, bounded by `timeout`), then publishes. Errors reach the caller
+        through the handle's `wait()`, or the next save or load."""
+        # The thread holds what it writes, not this run (nor, through it, the optimizer).
+        root, staging, name, fname, W = self.root, self.staging, self.name, self.fname, self.W
+        rank, writer, keep_last = self.rank, self.writer, self.keep_last
+        tensors, meta, base, everyone = self.tensors, self.meta, self.base, self.everyone
+        writers = [e["rank"] for e in everyone if e["writer"]] if everyone is not None else []
+        handle = SaveHandle(root / name)
+
+        def job() -> None:
+            try:
+                if writer:
+                    try:
+                        info = _write_shard(staging / fname, tensors, meta)
+                    except BaseException as e:
+                        write_text_atomic(staging / (fname + ".error"), repr(e))
+                        raise
+                    write_text_atomic(staging / (fname + ".json"), json.dumps(info))
+                if rank == 0:
+                    assert base is not None and everyone is not None
+                    done = _collect_sidecars(staging, writers, W, timeout)
+                    _finalize(root, staging, name, base, done, everyone, keep_last)
+            except BaseException as e:  # noqa: BLE001 - surfaced by handle.wait()
+                handle.error = e
+                if rank == 0:
+                    remove(staging, quiet=True)
+            finally:
+                tensors.clear()
+
+        # Not a daemon thread: the interpreter waits for an async save at exit.
+        thread = threading.Thread(target=job, name=f"fusedzero-save-{name}")
+        handle._thread = thread
+        _pending[self.opt] = handle
+        thread.start()
         return handle
-
-    def job() -> None:
-        try:
-            if writer:
-                try:
-                    info = _write_shard(staging / fname, tensors, meta)
-                except BaseException as e:
-                    write_text_atomic(staging / (fname + ".error"), repr(e))
-                    raise
-                write_text_atomic(staging / (fname + ".json"), json.dumps(info))
-            if rank == 0:
-                assert base is not None and everyone is not None
-                done = _collect_sidecars(staging, writers, W, timeout)
-                _finalize(root, staging, name, base, done, everyone, keep_last)
-        except BaseException as e:  # noqa: BLE001 - surfaced by handle.wait()
-            handle.error = e
-            if rank == 0:
-                remove(staging, quiet=True)
-        finally:
-            tensors.clear()
-
-    # Not a daemon thread: the interpreter waits for an async save at exit.
-    thread = threading.Thread(target=job, name=f"fusedzero-save-{name}")
-    handle._thread = thread
-    _pending[opt] = handle
-    thread.start()
-    return handle
 
 
 def _write_shard(

@@ -22,8 +22,8 @@ NaN): a new `Trainer(...).fit(module, ckpt_path=...)` in the same process loads 
 into them. See [Note: teardown after a failure].
 
 Constructor: `ZeroStrategy(stage=1, **kwargs)`: DDPStrategy's own arguments (accelerator,
-cluster_environment, process_group_backend, timeout, ...) and any ZeroAdamW keyword (unit_policy,
-param_dtype, ...); DDP's own keywords are refused (no DDP is built). Refused in one line too: an
+cluster_environment, process_group_backend, timeout, ...) and any ZeroAdamW keyword (sharding,
+precision, ...); DDP's own keywords are refused (no DDP is built). Refused in one line too: an
 optimizer other than AdamW/ZeroAdamW (Lightning itself refuses several under automatic
 optimization), `amsgrad=True`, `gradient_clip_algorithm="value"`, manual optimization, a
 precision other than "32-true" (ZeroAdamW's `precision=fusedzero.Precision(param_dtype=

@@ -1,4 +1,4 @@
-"""Issue 40's GPU evidence, proven on CPU: the step rows' systems and the update's memory-traffic
+"""The GPU lease's evidence, proven on CPU: the step rows' systems and the update's memory-traffic
 limit (bench/gpu/shape_systems.py), the targets report.py judges them by, the parity and graph
 checks' noise floor (bench/gpu/multi.py), and `bash bench/gpu/lease.sh --dry-run` end to end."""
 

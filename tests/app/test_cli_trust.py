@@ -1,4 +1,4 @@
-"""Hostile and careless input to the `fusedzero` CLI (issue 44), in-process and cheap: no write
+"""Hostile and careless input to the `fusedzero` CLI, in-process and cheap: no write
 goes through a link, no read waits on a FIFO or reads a device, flags out of range are refused
 up front (one line naming the flag, exit 2) instead of failing on the ranks.
 

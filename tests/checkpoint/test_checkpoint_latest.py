@@ -195,7 +195,7 @@ def test_an_unreadable_step_folder_is_passed_over(
 def test_train_resume_follows_latest_after_a_branch(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """The issue's case through `fusedzero train`: a run to step 8, a branch resumed from its
+    """A branched run through `fusedzero train`: a run to step 8, a branch resumed from its
     step 2 to step 4, then `--resume --keep-last 1`: resumes from the branch's step 4 (was:
     step 8), and keep-last leaves the step `latest` names."""
     from fusedzero.app.launch import run as train_run

@@ -133,7 +133,7 @@ def _fused(
 
 @pytest.mark.interpreter
 def test_step_scalars_write_the_rows_in_the_same_launch_bitwise_interpreter(monkeypatch) -> None:
-    """Issue 40 item 2: the step's scalars and the update's rows are one launch, whose rows
+    """The step's scalars and the update's rows are one launch, whose rows
     are those of the torch path (the scalars', then `adamw_rows`) to the bit, from the step
     count and grad scale the same launch computed (a skipped step keeps its count)."""
     consts = ((0.9, 0.999, 1e-8, 0.1, False), (0.8, 0.95, 1e-6, 0.0, True))

@@ -114,7 +114,7 @@ def test_run_sh_dry_run(tmp_path: Path) -> None:
     assert [r["impl"] for r in numerics["update"]] == ["forloop", "foreach", "fused", "fusedzero"]
     for r in numerics["update"]:  # fp32 rounding over 5 steps, far from a wrong update (~1e-3)
         assert "error" not in r and r["worst_rel"] < 1e-4, r
-    for shape in ("gpt2-124m", "llama-255m"):  # issue 40's step rows, tiny on CPU
+    for shape in ("gpt2-124m", "llama-255m"):  # the step rows per model shape, tiny on CPU
         d = json.loads((out / f"step_{shape}.json").read_text())
         assert not d["errors"] and d["tiny"] and len(d["rows"]) == 9, d["errors"]
     phases = json.loads((out / "phases.json").read_text())

@@ -25,7 +25,7 @@ from fusedzero import Precision, Sharding, ZeroAdamW
 from fusedzero.testing import fake_group, run_ranks
 
 LAYERS = 24  # 48 params: one bucket, one stage-3 unit (the root)
-MAX_EXTRA_PER_PARAM = 0.5  # issue 40: per bucket or per unit, never per param
+MAX_EXTRA_PER_PARAM = 0.5  # backward's extra ops: per bucket or per unit, never per param
 
 
 class _Count(TorchDispatchMode):
@@ -202,7 +202,7 @@ def _unit_ops(units: int, stage3: bool) -> tuple[collections.Counter[str], ...]:
 
 
 def test_stage3_ops_per_unit_fake_2_ranks() -> None:
-    """Issue 40 item 2, per stage-3 unit (one bucket each) at W=2: forward, one all-gather;
+    """Ops per stage-3 unit (one bucket each) at W=2: forward, one all-gather;
     backward, one all-gather (the root keeps nothing here: it holds no param), the bucket built
     by two foreach ops (its alignment holes zeroed, its grads copied in), one reduce-scatter and
     one op putting this rank's piece into the grad shard (here with the 1/W). No view."""

@@ -319,7 +319,7 @@ def test_docs_modes_table_is_the_generated_one() -> None:
     root = Path(__file__).resolve().parents[2]
     table = runpy.run_path(str(root / "bench" / "modes_table.py"))["table"]()
     assert table in (root / "docs" / "memory_modes.md").read_text()
-    # The figure: bf16-kahan + int8 with bf16 grads moves about half of today's 28.
+    # The headline: bf16-kahan + int8 with bf16 grads moves about half of the default's 28.
     assert "| bf16-kahan | int8 | 4.0625 | 14.125 |" in table
 
 

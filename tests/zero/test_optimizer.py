@@ -230,7 +230,7 @@ def test_maximize_and_zero_grad_drop_a_micro_batch(stage: int) -> None:
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_a_second_step_without_backward_is_refused_and_changes_nothing(stage: int) -> None:
-    """See [Note: one step per backward] (issue 44, Major 8): torch keeps `.grad` until zero_grad(),
+    """See [Note: one step per backward] torch keeps `.grad` until zero_grad(),
     so its second step applies the same grads again; ours consumed them, and a second step
     applied zero grads (3.3e-3 away from torch's). It is refused in one line, after a step and
     after zero_grad(), leaving the params where torch's first step put them; the next
@@ -263,7 +263,7 @@ def test_a_second_step_without_backward_is_refused_and_changes_nothing(stage: in
 
 @pytest.mark.parametrize("stage", [0, 3])
 def test_a_nan_lr_set_after_construction_is_refused_at_step(stage: int) -> None:
-    """Issue 44: `param_groups[i]["lr"] = nan` after construction made every param NaN. step()
+    """`param_groups[i]["lr"] = nan` set after construction once made every param NaN. step()
     refuses it in one line naming the group, where the lr is read on the host anyway, before
     anything is written; a valid lr given to another group in the same step is not lost."""
     ref_m, m = make(), make()

@@ -2,7 +2,7 @@
 step's scalars with the AdamW rows, the update) and one torch op (the sum of the sum of squares'
 partials), plus at stages 0-1 one op that empties every full grad buffer, where the scalars and
 rows were ~35 torch ops, each a launch and host time on CUDA (see [Note: one launch for the step's
-scalars] in kernels/_step_scalars.py). Issue 40 item 2: no op per param group or per buffer
+scalars] in kernels/_step_scalars.py). No op per param group or per buffer
 (before: four launches, the partials' allocation and a zero_ per full grad buffer).
 
 The kernels are stubbed out (nothing runs: what is counted is what the host issues), so the
