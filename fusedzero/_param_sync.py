@@ -4,12 +4,12 @@
 buckets of every param its forward can read: its own, and those of its whole subtree (a forward
 may read a child's params without calling the child: nn.MultiheadAttention reads
 `out_proj.weight`; nn.TransformerEncoderLayer in eval under no_grad reads every child's params
-in one fused op), except the subtrees of *units* below it (`Sharding.units`, as at stage 3: by
+in one fused op), except the subtrees of *units* below it (`Sharding(units=)`, as at stage 3: by
 default every element of an nn.ModuleList), which are read by calling the unit, whose own hook
 waits for its subtree. So the root waits for the params outside the blocks, each block for its
 own, and the gather of later blocks overlaps the forward of earlier ones. A forward that reads a
 unit's params without calling it (stacking the weights of an nn.ModuleList of experts) needs a
-policy under which they are not units (`Sharding(units=lambda m: False)`: the root then waits for
+policy under which they are not units (`Sharding(units=lambda m: False)`: the root waits for
 everything; no overlap, always correct). Without `module`, `gather()` waits before returning.
 The next step (whose kernel rewrites the params) and `gathered_params()` wait for whatever is
 still in flight. On NCCL a wait orders the streams; it is not a host sync.

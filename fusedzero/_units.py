@@ -23,6 +23,8 @@ class ShardInit:
     size. Where a separate fp32 master exists it starts at the param dtype's cast of them."""
 
     def __init__(self, fn: Callable[[str, torch.Tensor, int], None]) -> None:
+        if not callable(fn):
+            raise TypeError(f"ShardInit(fn={fn!r}): expected a callable fn(name, out, start)")
         self.fn = fn
 
 
@@ -35,12 +37,41 @@ class FullUnitInit:
     local-shard init] in fusedzero/_shard_init.py)."""
 
     def __init__(self, fn: Callable[[str, nn.Module], None] | None = None) -> None:
+        if fn is not None and not callable(fn):
+            raise TypeError(
+                f"FullUnitInit(fn={fn!r}): expected a callable fn(name, module) or None "
+                "(module.reset_parameters())"
+            )
         self.fn = fn
 
 
 # `fn(name, module)` initialises the params a module owns directly, written against full
 # tensors and run on this rank's elements only (fusedzero/_shard_init.py); or one of the above.
 ParamInitFn = Callable[[str, nn.Module], None] | ShardInit | FullUnitInit
+
+
+def check_unit_policy(policy: object, what: str) -> None:
+    """One line naming `what` (e.g. "Sharding(units=...)") unless `policy` is a `UnitPolicy`:
+    None, an nn.Module subclass or a non-empty tuple of them, a callable(module) -> bool, or an
+    int >= 1 (a bool is refused: True would be a count of one element)."""
+    takes = (
+        "expected None, an nn.Module subclass (e.g. torch.nn.Linear) or a tuple of them, "
+        "a callable(module) -> bool, or a minimum element count (an int >= 1)"
+    )
+    if policy is None or (isinstance(policy, type) and issubclass(policy, nn.Module)):
+        return
+    if isinstance(policy, tuple):
+        if policy and all(isinstance(c, type) and issubclass(c, nn.Module) for c in policy):
+            return
+        raise TypeError(f"{what}: {takes}; a tuple must hold nn.Module subclasses only")
+    if isinstance(policy, int) and not isinstance(policy, bool):
+        if policy < 1:
+            raise ValueError(f"{what}: a minimum element count must be an int >= 1")
+        return
+    if callable(policy) and not isinstance(policy, type):
+        return
+    hint = "; pass the class itself, not its name" if isinstance(policy, str) else ""
+    raise TypeError(f"{what}: {takes}{hint}")
 
 
 def default_policy(root: nn.Module) -> list[nn.Module]:
@@ -52,6 +83,7 @@ def select_units(root: nn.Module, policy: UnitPolicy) -> list[nn.Module]:
     """Units in forward (registration) order, from a policy: None (default), a module class or
     tuple of classes, a callable(module) -> bool, or an int (modules with at least that many
     param elements of their own subtree, innermost first)."""
+    check_unit_policy(policy, f"Sharding(units={policy!r})")
     if policy is None:
         units = default_policy(root)
     elif isinstance(policy, type) or (
@@ -70,13 +102,13 @@ def select_units(root: nn.Module, policy: UnitPolicy) -> list[nn.Module]:
                 claimed.update(id(p) for p in own)
         order = {id(m): i for i, m in enumerate(root.modules())}
         units.sort(key=lambda m: order[id(m)])
-    elif callable(policy):
-        units = [m for m in root.modules() if m is not root and policy(m)]
     else:
-        raise TypeError(
-            f"Sharding(units=...) must be None, a module class, a tuple of classes, a "
-            f"callable or an int, got {policy!r}"
-        )
+        if not callable(policy):  # check_unit_policy refuses it first
+            raise TypeError(
+                f"Sharding(units=...) must be None, a module class, a tuple of classes, a "
+                f"callable or an int, got {policy!r}"
+            )
+        units = [m for m in root.modules() if m is not root and policy(m)]
     # Nested units: keep the outermost (a param belongs to one unit). One walk per unit, not
     # one per pair of units (80 blocks of 10 modules: 1.5 s of the pairwise walk).
     inner = {id(x) for o in units for x in o.modules() if x is not o}

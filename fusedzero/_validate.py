@@ -3,6 +3,7 @@ Each error names the offending value and the fix."""
 
 from __future__ import annotations
 
+import numbers
 import weakref
 from typing import Any
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from fusedzero._dtypes import FLOAT_DTYPES
 from fusedzero.memory_modes import MemoryModes, check_param_dtype
+from fusedzero.stage import Stage
 
 # Attribute a param carries while a live ZeroAdamW owns it: a weak reference to that optimizer.
 OWNER_ATTR = "_fusedzero_owner"
@@ -58,6 +60,44 @@ def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
         raise ValueError(
             f"Invalid weight_decay value: {weight_decay} (must be finite in fp32, "
             f"at most {_FP32.max:.4g})"
+        )
+
+
+def check_stage(stage: Any, where: str = "ZeroAdamW") -> Stage:
+    """`stage` as a `Stage`: an int 0-3 or a Stage. A bool or float is refused even where
+    `Stage(...)` would take it (True == 1, 2.0 == 2): a flag or a computed number passed as the
+    stage is a mistake to name, not a stage to guess."""
+    if isinstance(stage, bool) or not isinstance(stage, int):
+        raise TypeError(
+            f"{where}(stage={stage!r}): expected an int 0, 1, 2 or 3 (a fusedzero.Stage)"
+        )
+    try:
+        return Stage(stage)
+    except ValueError:
+        raise ValueError(f"{where}(stage={stage!r}): expected 0, 1, 2 or 3") from None
+
+
+def check_max_grad_norm(value: Any, where: str = "ZeroAdamW") -> None:
+    """None (no clipping) or a positive number finite in fp32 (the clip runs in fp32)."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(
+            f"{where}(max_grad_norm={value!r}): expected a positive number or None (no clipping)"
+        )
+    if not 0.0 < value <= _FP32.max:
+        raise ValueError(
+            f"{where}(max_grad_norm={value!r}): expected a positive number finite in fp32 "
+            f"(at most {_FP32.max:.4g}) or None (no clipping)"
+        )
+
+
+def check_module(module: Any) -> None:
+    """`module=` is the model (an nn.Module) or None."""
+    if module is not None and not isinstance(module, nn.Module):
+        raise TypeError(
+            f"ZeroAdamW(module={type(module).__name__} object): expected the model "
+            "(a torch.nn.Module) or None"
         )
 
 

@@ -357,7 +357,8 @@ class Zero3:
         if missing:
             more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
             raise ValueError(
-                f"param_init_fn=None initialises each module with its reset_parameters(), but "
+                "Sharding(param_init_fn=None) initialises each module with its "
+                "reset_parameters(), but "
                 f"{', '.join(missing[:4])}{more} own params or buffers on the meta device and "
                 "have none (they would stay uninitialised): pass "
                 "sharding=Sharding(param_init_fn=fn) with fn(name, module) initialising them "

@@ -103,9 +103,9 @@ def check_param_dtype(modes: MemoryModes, dtype: torch.dtype, what: str) -> None
     """bf16 master modes update the bf16 param itself: the params must be bf16."""
     if not modes.fp32_master and dtype != torch.bfloat16:
         raise ValueError(
-            f"master={modes.master!r} keeps no fp32 master: the bf16 params are "
-            f"the master, but {what} is {dtype}; pass param_dtype=torch.bfloat16 "
-            "(or bf16 params), or master='fp32'"
+            f"Precision(master={modes.master!r}) keeps no fp32 master: the bf16 params are "
+            f"the master, but {what} is {dtype}; pass Precision(param_dtype=torch.bfloat16) "
+            "(or bf16 params), or Precision(master='fp32')"
         )
 
 

@@ -117,12 +117,9 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         self.groups = check_record("groups", groups, Groups)
         self.sharding = check_record("sharding", sharding, Sharding)
         self.modes = precision.modes
-        try:
-            stage = Stage(stage)
-        except ValueError:
-            raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}") from None
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        stage = validate.check_stage(stage)
+        validate.check_max_grad_norm(max_grad_norm)
+        validate.check_module(module)
         if stage.shards_params and module is None:
             raise ValueError("stage 3 needs module=model: units are modules")
         process_group, replicate_group = groups.shard, groups.replicate

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, Literal, TypeVar, get_args
 
@@ -31,7 +30,13 @@ import torch
 
 from fusedzero._comm import Group
 from fusedzero._dtypes import FLOAT_DTYPES
-from fusedzero._units import ParamInitFn, UnitPolicy
+from fusedzero._units import (
+    FullUnitInit,
+    ParamInitFn,
+    ShardInit,
+    UnitPolicy,
+    check_unit_policy,
+)
 from fusedzero.memory_modes import MemoryModes, check_param_dtype
 
 __all__ = ["Groups", "MasterMode", "Precision", "Sharding", "StateMode", "Wire", "WireFormatName"]
@@ -39,6 +44,19 @@ __all__ = ["Groups", "MasterMode", "Precision", "Sharding", "StateMode", "Wire",
 MasterMode = Literal["fp32", "bf16-kahan", "bf16-sr", "bf16"]
 StateMode = Literal["fp32", "bf16", "int8"]
 WireFormatName = Literal["fp32", "bf16", "int8"]
+
+
+# bf16-sr's seed is an int64 device tensor (fusedzero/_flat.py); negative seeds are refused so
+# each stream has one name.
+_SEED_MAX = (1 << 63) - 1
+# The loss scale is an fp32 device tensor: a larger number is inf there.
+_FP32_MAX = torch.finfo(torch.float32).max
+
+
+def _check_bool(record: str, field: str, value: object) -> None:
+    """A bool field: anything else is refused (a string such as "no" is truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{record}({field}={value!r}): expected True or False")
 
 
 def _check_choice(
@@ -80,27 +98,34 @@ class Precision:
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
             dt = getattr(self, name)
-            if dt is not None and dt not in FLOAT_DTYPES:
-                raise ValueError(f"Precision({name}={dt}): expected one of {list(FLOAT_DTYPES)}")
-        if self.reduce_dtype is None:
-            raise ValueError("Precision(reduce_dtype=None): pass a dtype, e.g. torch.float32")
+            if name == "reduce_dtype" and dt is None:
+                raise ValueError("Precision(reduce_dtype=None): pass a dtype, e.g. torch.float32")
+            if dt is not None and not (isinstance(dt, torch.dtype) and dt in FLOAT_DTYPES):
+                raise ValueError(
+                    f"Precision({name}={dt!r}): expected "
+                    f"{'None or ' if name == 'param_dtype' else ''}one of {list(FLOAT_DTYPES)}"
+                )
         _check_choice("Precision", "master", self.master, MasterMode)
         _check_choice("Precision", "states", self.states, StateMode)
+        s = self.seed
+        if isinstance(s, bool) or not isinstance(s, int):
+            raise TypeError(f"Precision(seed={s!r}): expected an int in [0, 2**63 - 1]")
+        if not 0 <= s <= _SEED_MAX:
+            raise ValueError(
+                f"Precision(seed={s}): expected an int in [0, 2**63 - 1] (bf16-sr's random "
+                "stream is kept as an int64)"
+            )
         ls = self.loss_scale
         if not (
             ls is None
             or ls == "dynamic"
-            or (
-                isinstance(ls, (int, float))
-                and not isinstance(ls, bool)
-                and math.isfinite(ls)
-                and ls > 0
-            )
+            or (isinstance(ls, (int, float)) and not isinstance(ls, bool) and 0 < ls <= _FP32_MAX)
         ):
             raise ValueError(
                 f"Precision(loss_scale={ls!r}): expected 'dynamic', a positive "
-                "finite number or None"
+                f"number finite in fp32 (at most {_FP32_MAX:.4g}) or None"
             )
+        _check_bool("Precision", "skip_nonfinite", self.skip_nonfinite)
         if self.param_dtype is not None:
             check_param_dtype(self.modes, self.param_dtype, "param_dtype")
 
@@ -149,12 +174,21 @@ class Groups:
     def __post_init__(self) -> None:
         import torch.distributed as dist
 
+        non_member = getattr(getattr(dist, "GroupMember", None), "NON_GROUP_MEMBER", -100)
         for name in ("shard", "replicate", "gather"):
             g = getattr(self, name)
-            if g is not None and not isinstance(g, dist.ProcessGroup):
+            if g is None or isinstance(g, dist.ProcessGroup):
+                continue
+            if isinstance(g, int) and not isinstance(g, bool) and g == non_member:
                 raise TypeError(
-                    f"Groups({name}={g!r}): expected a torch.distributed ProcessGroup or None"
+                    f"Groups({name}={g!r}): this rank is not a member of that group "
+                    "(torch.distributed.new_group returns GroupMember.NON_GROUP_MEMBER on the "
+                    "ranks outside it); build the optimizer on the group's ranks only, or pass "
+                    "a group that holds this rank"
                 )
+            raise TypeError(
+                f"Groups({name}={g!r}): expected a torch.distributed ProcessGroup or None"
+            )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -180,13 +214,22 @@ class Sharding:
 
     def __post_init__(self) -> None:
         b = self.bucket_numel
-        if b is not None and (isinstance(b, bool) or not isinstance(b, int) or b < 1):
+        if b is not None and (isinstance(b, bool) or not isinstance(b, int)):
+            raise TypeError(
+                f"Sharding(bucket_numel={b!r}): expected an int >= 1 or None (chosen per rank)"
+            )
+        if b is not None and b < 1:
             raise ValueError(
                 f"Sharding(bucket_numel={b!r}): expected an int >= 1 or None (chosen per rank)"
             )
-        if isinstance(self.units, bool) or (isinstance(self.units, int) and self.units < 1):
-            raise ValueError(
-                f"Sharding(units={self.units!r}): a minimum element count must be an int >= 1"
+        check_unit_policy(self.units, f"Sharding(units={self.units!r})")
+        _check_bool("Sharding", "reshard_after_forward", self.reshard_after_forward)
+        fn = self.param_init_fn
+        if not (fn is None or isinstance(fn, (ShardInit, FullUnitInit)) or callable(fn)):
+            raise TypeError(
+                f"Sharding(param_init_fn={fn!r}): expected None (module.reset_parameters()), "
+                "a callable fn(name, module), fusedzero.ShardInit(fn) or "
+                "fusedzero.FullUnitInit(fn)"
             )
 
 

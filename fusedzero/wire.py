@@ -72,7 +72,7 @@ def uses_wire(fmt: WireFormat | None, dtype: torch.dtype, world_size: int) -> bo
 
 def gathers_over_wire(fmt: WireFormat | None, dtype: torch.dtype, world_size: int) -> bool:
     """Whether a param all-gather of `dtype` goes through the packed path: a format other than
-    the params' own dtype (bf16 params with param_wire="bf16" are a plain all-gather)."""
+    the params' own dtype (bf16 params with Wire(params="bf16") are a plain all-gather)."""
     if fmt is None or world_size == 1:
         return False
     own = {WireFormat.FP32: torch.float32, WireFormat.BF16: torch.bfloat16}.get(fmt)

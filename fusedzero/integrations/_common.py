@@ -13,6 +13,7 @@ from torch import nn
 from fusedzero._comm import group_rank
 from fusedzero._model_state_dict import without_params
 from fusedzero.optim import ZeroAdamW
+from fusedzero.policy import MOVED_KEYWORDS
 
 
 def import_framework(module: str, extra: str, what: str) -> ModuleType:
@@ -37,11 +38,14 @@ def zero_keywords() -> frozenset[str]:
 
 
 def check_zero_kwargs(zero_kwargs: dict[str, Any], taken: dict[str, str], where: str) -> None:
-    """Refuse, in one line, a keyword ZeroAdamW does not take, or one the integration sets
-    itself from the framework's own settings (`taken`: keyword -> where it comes from)."""
+    """Refuse, in one line, a keyword ZeroAdamW does not take (naming its new place where it
+    is one of the old flat signature's, `MOVED_KEYWORDS`), or one the integration sets itself
+    from the framework's own settings (`taken`: keyword -> where it comes from)."""
     for k in zero_kwargs:
         if k in taken:
             raise TypeError(f"{where} got {k}=: it comes from {taken[k]}; set it there")
+        if k in MOVED_KEYWORDS:
+            raise TypeError(f"{where} got {k}=: it moved, use {MOVED_KEYWORDS[k]}")
         if k not in zero_keywords():
             raise TypeError(
                 f"{where} got an unexpected keyword {k}=: it takes the framework's "

@@ -56,6 +56,7 @@ import torch
 from torch import nn
 
 from fusedzero import checkpoint
+from fusedzero._validate import check_stage
 from fusedzero.integrations._common import check_zero_kwargs, full_state_dict, import_framework
 from fusedzero.optim import ZeroAdamW
 
@@ -98,6 +99,7 @@ class ZeroTrainer(transformers.Trainer):
         signature = inspect.signature(transformers.Trainer.__init__)
         zero_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k not in signature.parameters}
         check_zero_kwargs(zero_kwargs, _TAKEN, "ZeroTrainer")
+        check_stage(stage, "ZeroTrainer")
         _refuse_optimizers(kwargs)
         # Before the Trainer's own setup, which builds Accelerate's plugins from them.
         training_args = signature.bind_partial(self, *args, **kwargs).arguments.get("args")

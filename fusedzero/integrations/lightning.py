@@ -22,10 +22,12 @@ NaN): a new `Trainer(...).fit(module, ckpt_path=...)` in the same process loads 
 into them. See [Note: teardown after a failure].
 
 Constructor: `ZeroStrategy(stage=1, **kwargs)`: DDPStrategy's own arguments (accelerator,
-cluster_environment, process_group_backend, timeout, ...) and any ZeroAdamW keyword (sharding,
-precision, ...); DDP's own keywords are refused (no DDP is built). Refused in one line too: an
-optimizer other than AdamW/ZeroAdamW (Lightning itself refuses several under automatic
-optimization), `amsgrad=True`, `gradient_clip_algorithm="value"`, manual optimization, a
+cluster_environment, process_group_backend, timeout, ...) and any ZeroAdamW keyword (precision=,
+wire=, groups=, sharding=, device=, ...); DDP's own keywords are refused (no DDP is built), and a
+keyword of ZeroAdamW's old flat signature (`param_dtype=`, ...) is refused naming its record
+(`precision=fusedzero.Precision(param_dtype=...)`). Refused in one line too: an optimizer
+other than AdamW/ZeroAdamW (Lightning itself refuses several under automatic optimization),
+`amsgrad=True`, `gradient_clip_algorithm="value"`, manual optimization, a
 precision other than "32-true" (ZeroAdamW's `precision=fusedzero.Precision(param_dtype=
 torch.bfloat16)` is the bf16 path).
 
@@ -58,6 +60,7 @@ import torch
 
 from fusedzero import checkpoint
 from fusedzero._model_state_dict import without_params
+from fusedzero._validate import check_stage
 from fusedzero.integrations._common import check_zero_kwargs, full_state_dict, import_framework
 from fusedzero.optim import ZeroAdamW
 
@@ -94,6 +97,7 @@ class ZeroStrategy(DDPStrategy):
         zero_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k not in own}
         # (DDPStrategy passes unknown keywords on to DDP, which ZeroStrategy never builds.)
         check_zero_kwargs(zero_kwargs, _TAKEN, "ZeroStrategy")
+        check_stage(stage, "ZeroStrategy")
         super().__init__(**kwargs)
         self.zero_stage = stage
         self.zero_kwargs = zero_kwargs
@@ -113,10 +117,12 @@ class ZeroStrategy(DDPStrategy):
                 "ZeroStrategy(precision=fusedzero.Precision("
                 "param_dtype=torch.bfloat16))"
             )
-        if trainer.gradient_clip_algorithm not in (None, "norm"):
+        algorithm = trainer.gradient_clip_algorithm
+        if algorithm not in (None, "norm"):
+            # Lightning holds a GradClipAlgorithmType (a str enum): print its value.
             raise ValueError(
                 f"ZeroStrategy clips by norm only (gradient_clip_algorithm="
-                f"{trainer.gradient_clip_algorithm!r}); use 'norm'"
+                f"{str(getattr(algorithm, 'value', algorithm))!r}); use 'norm'"
             )
         self._max_grad_norm = trainer.gradient_clip_val or None
         super().setup(trainer)

@@ -91,3 +91,20 @@ def test_only_the_model_a_live_zero_adamw_holds_stays_in_place(tmp_path: Path) -
     trainer.zero_optimizer.close()
     trainer._move_model_to_device(held, torch.device("cpu"))
     assert len(held.moves) == 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (
+            {"param_dtype": torch.bfloat16},
+            r"^ZeroTrainer got param_dtype=: it moved, use precision=Precision\(param_dtype=...\)$",
+        ),
+        ({"stage": True}, r"^ZeroTrainer\(stage=True\): expected an int 0, 1, 2 or 3"),
+    ],
+)
+def test_the_constructor_names_moved_keywords_and_bad_stages(kwargs: dict, match: str) -> None:
+    """Refused before the Trainer is built: a moved keyword names its record (it printed
+    "unexpected keyword"), a bool stage is not taken as stage 1."""
+    with pytest.raises(TypeError, match=match):
+        hf.ZeroTrainer(**kwargs)

@@ -72,6 +72,22 @@ def test_zero_kwargs_checks() -> None:
         _common.check_zero_kwargs({"sstage": 2}, taken, "X")
 
 
+@pytest.mark.parametrize(
+    "keyword, where",
+    [
+        ("param_dtype", r"precision=Precision\(param_dtype=...\)"),
+        ("master", r"precision=Precision\(master=...\)"),
+        ("unit_policy", r"sharding=Sharding\(units=...\)"),
+        ("process_group", r"groups=Groups\(shard=...\)"),
+    ],
+)
+def test_a_moved_keyword_names_its_record(keyword: str, where: str) -> None:
+    """A keyword of ZeroAdamW's old flat signature, passed to an integration, names where it
+    moved (as ZeroAdamW itself does), not "unexpected keyword"."""
+    with pytest.raises(TypeError, match=rf"^X got {keyword}=: it moved, use {where}$"):
+        _common.check_zero_kwargs({keyword: None}, {}, "X")
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_full_state_dict(stage: int) -> None:
     """Full values at every stage (at stage 3 the params outside a forward are empty)."""

@@ -367,7 +367,7 @@ def test_unused_frozen_and_zero_size_params() -> None:
         ({"betas": (1.0, 0.999)}, "beta parameter at index 0"),
         ({"betas": (0.9, -0.1)}, "beta parameter at index 1"),
         ({"weight_decay": -0.1}, "weight_decay"),
-        ({"stage": 4}, "stage must be"),
+        ({"stage": 4}, r"ZeroAdamW\(stage=4\): expected 0, 1, 2 or 3"),
         ({"max_grad_norm": 0.0}, "max_grad_norm"),
         ({"stage": 3}, "module=model"),
     ],
