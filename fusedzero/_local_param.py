@@ -42,6 +42,7 @@ import itertools
 import math
 import struct
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -417,6 +418,8 @@ def _draw(
 
 
 _TORCH_TRUNC_NORMAL = nn.init.trunc_normal_
+# What `nn.init.trunc_normal_` was when the patch went in: non-LocalParam tensors go there.
+_entry_trunc_normal: Callable[..., torch.Tensor] = _TORCH_TRUNC_NORMAL
 
 
 def _trunc_normal_(
@@ -431,7 +434,7 @@ def _trunc_normal_(
     whole tensor (a re-draw of every element while any one is out of range), which no rank can
     follow alone; a LocalParam gets torch's on each random block instead."""
     if not isinstance(tensor, LocalParam):
-        return _TORCH_TRUNC_NORMAL(tensor, mean, std, a, b, generator=generator)
+        return _entry_trunc_normal(tensor, mean, std, a, b, generator=generator)
     tensor._ctx.stats.ops += 1
     _draw(
         tensor,
@@ -441,20 +444,64 @@ def _trunc_normal_(
     return tensor
 
 
+# [Note: the trunc_normal_ patch is process-wide]
+# An init reaches `trunc_normal_` by name at call time (`nn.init.trunc_normal_`, transformers'
+# `TORCH_INIT_FUNCTIONS` table), and torch offers no hook to scope it: `nn.init.trunc_normal_`
+# does not dispatch `__torch_function__` (unlike `uniform_` or `normal_`), and its rejection loop
+# (`while mask.any()`) needs the whole tensor, which no LocalParam has. So the names are patched
+# for the init's duration, process-wide. What that costs another thread, or a module outside the
+# init, is nothing observable: the patched function hands every tensor that is not a LocalParam to
+# the function that was there on entry, with the same arguments. Entries nest (a counter) and a
+# lock orders concurrent ones; the exit restores what the first entry found, not torch's own
+# function, so a patch someone else made before us survives.
+_patch_lock = threading.Lock()
+_patch_depth = 0
+_patched_from: dict[str, Any] = {}
+
+
 @contextlib.contextmanager
 def local_trunc_normal() -> Iterator[None]:
     """`_trunc_normal_` in place of torch's wherever an init finds it: `nn.init`'s attribute,
     and transformers' own reference (`transformers.initialization.TORCH_INIT_FUNCTIONS`, which
-    its `trunc_normal_` calls: ViT, DINOv2, Swin, SigLIP), if transformers is imported."""
-    hf = sys.modules.get("transformers.initialization")
-    table = getattr(hf, "TORCH_INIT_FUNCTIONS", None)
-    hf_before = table.get("trunc_normal_") if isinstance(table, dict) else None
-    nn.init.trunc_normal_ = _trunc_normal_
-    if hf_before is not None:
-        table["trunc_normal_"] = _trunc_normal_
+    its `trunc_normal_` calls: ViT, DINOv2, Swin, SigLIP), if transformers is imported. See
+    [Note: the trunc_normal_ patch is process-wide]."""
+    global _patch_depth
+    with _patch_lock:
+        if _patch_depth == 0:
+            _install_trunc_normal()
+        _patch_depth += 1
     try:
         yield
     finally:
-        nn.init.trunc_normal_ = _TORCH_TRUNC_NORMAL
-        if hf_before is not None:
-            table["trunc_normal_"] = hf_before
+        with _patch_lock:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                _uninstall_trunc_normal()
+
+
+def _hf_init_table() -> dict[str, Any] | None:
+    hf = sys.modules.get("transformers.initialization")
+    table = getattr(hf, "TORCH_INIT_FUNCTIONS", None)
+    return table if isinstance(table, dict) and "trunc_normal_" in table else None
+
+
+def _install_trunc_normal() -> None:
+    global _entry_trunc_normal
+    _patched_from.clear()
+    _patched_from["nn.init"] = nn.init.trunc_normal_
+    _entry_trunc_normal = nn.init.trunc_normal_
+    nn.init.trunc_normal_ = _trunc_normal_
+    table = _hf_init_table()
+    if table is not None:
+        _patched_from["transformers"] = table["trunc_normal_"]
+        table["trunc_normal_"] = _trunc_normal_
+
+
+def _uninstall_trunc_normal() -> None:
+    global _entry_trunc_normal
+    nn.init.trunc_normal_ = _patched_from.pop("nn.init")
+    table = _hf_init_table()
+    if table is not None and "transformers" in _patched_from:
+        table["trunc_normal_"] = _patched_from.pop("transformers")
+    _patched_from.clear()
+    _entry_trunc_normal = _TORCH_TRUNC_NORMAL

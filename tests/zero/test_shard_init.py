@@ -627,3 +627,29 @@ def _build_tied(W: int, rank: int, init: Init) -> tuple[_TiedLM, ZeroAdamW]:
     )
     with fake_group(rank, W) if W > 1 else contextlib.nullcontext():
         return model, ZeroAdamW(model.parameters(), **kw)
+
+
+def test_trunc_normal_patch_restores_what_it_found_and_nests() -> None:
+    """The local init's `trunc_normal_` patch (process-wide: see [Note: the trunc_normal_ patch
+    is process-wide]) hands plain tensors to the function that was there on entry, restores that
+    function (a wrapper installed before it, not torch's own) and survives nesting."""
+    from fusedzero._local_param import local_trunc_normal
+
+    calls: list[tuple[int, ...]] = []
+    original = nn.init.trunc_normal_
+
+    def wrapper(t: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        calls.append(tuple(t.shape))
+        return original(t, *args, **kwargs)
+
+    nn.init.trunc_normal_ = wrapper
+    try:
+        with local_trunc_normal():
+            with local_trunc_normal():
+                assert nn.init.trunc_normal_ is not wrapper
+            assert nn.init.trunc_normal_ is not wrapper  # the outer entry still holds
+            nn.init.trunc_normal_(torch.empty(3, 5))  # a plain tensor: the entry's function
+        assert nn.init.trunc_normal_ is wrapper
+        assert calls == [(3, 5)]
+    finally:
+        nn.init.trunc_normal_ = original
