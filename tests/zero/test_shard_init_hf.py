@@ -16,18 +16,24 @@ from fusedzero.emulate import fake_group
 transformers = pytest.importorskip("transformers", reason="needs the 'hf' extra")
 pytestmark = pytest.mark.slow  # importing transformers takes seconds
 
+
+def _llama_config(**overrides: object) -> transformers.LlamaConfig:
+    """A two-layer Llama small enough for the fast path of every test here."""
+    kw: dict[str, object] = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
+    kw.update(overrides)
+    return transformers.LlamaConfig(**kw)
+
+
 CONFIGS = {
-    "llama": lambda: transformers.LlamaForCausalLM(
-        transformers.LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=48,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            tie_word_embeddings=False,
-        )
-    ),
+    "llama": lambda: transformers.LlamaForCausalLM(_llama_config()),
     "gpt2": lambda: transformers.GPT2LMHeadModel(
         transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)
     ),
@@ -99,16 +105,7 @@ def test_tied_llama_keeps_the_embedding_s_init_and_its_rotary_buffers(full_unit:
     """A tied LlamaForCausalLM from the meta device: the shared weight is the embedding's
     init (padding row zero), not the lm_head's over it, and `_init_weights` fills the rotary
     buffers with an eager build's values (so they pass the unwritten-buffer check)."""
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=True,
-        pad_token_id=0,
-    )
+    cfg = _llama_config(tie_word_embeddings=True, pad_token_id=0)
     eager = transformers.LlamaForCausalLM(cfg)
     with torch.device("meta"):
         model = transformers.LlamaForCausalLM(cfg)
