@@ -8,7 +8,9 @@ launchers share (argument checks, the backend choice `_launch.use_triton`, devic
 variants of the same grouped AdamW kernel (torch path: `_memory_modes_torch.py`); `_adamw_single.py`
 updates one buffer through it (`AdamWPlan`: planned once, launched per call). The step's scalars
 (norm, clip, skip, grad scale, step count: `_step_scalars.py`) and the update's per-group rows
-(`_rows.py`) are one small launch together (the rows alone: a launch of their own).
+(`_rows.py`) are one small launch together (the rows alone: a launch of their own). Muon's
+element-wise launches (momentum before Newton-Schulz, the update after) and Newton-Schulz batched
+per shape are `_muon.py`.
 """
 
 from fusedzero.kernels._adamw import AdamWBuffer, GroupedAdamW, Hyper
@@ -23,6 +25,16 @@ from fusedzero.kernels._memory_modes import (
     quantize_blockwise,
 )
 from fusedzero.kernels._memory_modes_reference import adamw_reference_mode
+from fusedzero.kernels._muon import (
+    MomentumPiece,
+    MuonPlan,
+    MuonRow,
+    UpdatePiece,
+    adjust_lr,
+    lr_ratio,
+    newton_schulz,
+    ns_flops,
+)
 from fusedzero.kernels._sum_of_squares import GroupedSumsq, SumsqView, sumsq
 
 __all__ = [
@@ -35,14 +47,22 @@ __all__ = [
     "GroupedAdamW",
     "GroupedSumsq",
     "Hyper",
+    "MomentumPiece",
+    "MuonPlan",
+    "MuonRow",
     "Strided",
     "SumsqView",
+    "UpdatePiece",
     "adamw_reference",
     "adamw_reference_mode",
     "adamw_step",
+    "adjust_lr",
     "backend",
     "bytes_per_param",
     "dequantize_blockwise",
+    "lr_ratio",
+    "newton_schulz",
+    "ns_flops",
     "quantize_blockwise",
     "sumsq",
     "use_triton",

@@ -44,6 +44,20 @@ class RowCol(IntEnum):
 
 
 NCOLS = len(RowCol)
+
+
+class MuonRowCol(IntEnum):
+    """The columns of a Muon row (kernels/_muon.py), one per (param group, lr ratio), as its
+    kernels read them (fp32)."""
+
+    BUF_WEIGHT = 0  # 1 - momentum: buf moves toward the grad
+    NESTEROV_WEIGHT = 1  # momentum: the Nesterov blend moves from the grad toward buf
+    NESTEROV = 2  # 1.0 or 0.0
+    GRAD_MULT = 3  # the grad scale (per step)
+    DECAY = 4  # 1 - lr * weight_decay (per step)
+    NEG_LR = 5  # -(lr * lr_ratio), the adjusted lr negated (per step)
+
+
 # The columns that change only with the hyper-parameters (written from the host, in this order).
 _CONSTS = (RowCol.BETA1, RowCol.ONE_MINUS_BETA1, RowCol.BETA2, RowCol.ONE_MINUS_BETA2, RowCol.EPS)
 assert _CONSTS == tuple(range(_CONSTS[0], _CONSTS[-1] + 1))  # one contiguous slice

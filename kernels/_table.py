@@ -7,9 +7,9 @@ elements of one piece and finds it with one load (`prog_piece[program id]`).
 
 Columns. A table row (int64) is the piece's `Col` (numel, first program, hyper-parameter row),
 then one element offset per stream, then the piece's ints. The kernels' layouts are named here,
-in one place (`AdamWCol`, `SumsqCol`), and read by name by the builders, the torch paths and the
-`@triton.jit` kernels (`table.AdamWCol.NUMEL`: Triton resolves a module's attributes while it
-compiles, so the names cost nothing at run time).
+in one place (`AdamWCol`, `SumsqCol`, `MuonMomentumCol`, `MuonUpdateCol`), and read by name by
+the builders, the torch paths and the `@triton.jit` kernels (`table.AdamWCol.NUMEL`: Triton
+resolves a module's attributes while it compiles, so the names cost nothing at run time).
 
 Addresses. Each stream kind (master, grad, ...) of a launch has one *base tensor* passed as a
 kernel argument, the one of that kind at the lowest address, and the table holds each piece's
@@ -98,6 +98,34 @@ class SumsqCol(IntEnum):
 
 
 SUMSQ_WIDTH = len(SumsqCol)
+
+
+class MuonMomentumCol(IntEnum):
+    """A row of a Muon momentum launch's table (kernels/_muon.py): `Col`, then the grad, the
+    momentum buffer and the Newton-Schulz input streams."""
+
+    NUMEL = Col.NUMEL
+    FIRST = Col.FIRST
+    ROW = Col.ROW
+    GRAD = 3
+    BUF = 4
+    NS_IN = 5
+
+
+class MuonUpdateCol(IntEnum):
+    """A row of a Muon update launch's table (kernels/_muon.py): `Col`, then the fp32 master,
+    the orthogonalised update and the low-precision param copy (0 without one)."""
+
+    NUMEL = Col.NUMEL
+    FIRST = Col.FIRST
+    ROW = Col.ROW
+    MASTER = 3
+    UPDATE = 4
+    OUT = 5
+
+
+MUON_MOMENTUM_WIDTH = len(MuonMomentumCol)
+MUON_UPDATE_WIDTH = len(MuonUpdateCol)
 assert AdamWCol.MASTER == SumsqCol.X == Col.STREAMS
 
 

@@ -62,6 +62,8 @@ SLOW_ONLY = {
     "seconds; tests/integrations/test_hf_trainer.py",
     "fusedzero/integrations/lightning.py": "a Lightning strategy: importing lightning costs "
     "seconds; tests/integrations/test_lightning_strategy.py",
+    "kernels/_compile_muon.py": "offline compilation of Muon's element-wise kernels (a child "
+    "without the interpreter): tests/kernels/test_muon.py",
     "kernels/_compile_memory_modes.py": "offline compilation (a child without the interpreter): "
     "tests/kernels/test_compile.py",
     "kernels/_compile_quant.py": "offline compilation of the wire kernels (a child without the "
