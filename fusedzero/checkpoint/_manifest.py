@@ -23,6 +23,8 @@ from typing import Any
 
 from fusedzero import _dtypes as dtypes
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES, MemoryModes
+from fusedzero.rules import Rule
+from fusedzero.rules._adamw import ADAMW
 
 FORMAT = "fusedzero-checkpoint"
 # 2: `modes` (memory modes: each state stored in its own dtype, with its scales); a version-1
@@ -91,6 +93,21 @@ def parse(text: str, where: Path) -> dict[str, Any]:
 def manifest_modes(m: dict[str, Any]) -> MemoryModes:
     """The memory modes the states of a validated manifest were saved in."""
     return MemoryModes(**m["modes"]) if "modes" in m else MemoryModes()
+
+
+def manifest_rule(m: dict[str, Any]) -> Rule:
+    """The update rule whose state fields a validated manifest's shards hold. Every optimizer
+    that wrote a manifest of this format ran the AdamW rule, so none records it; a format that
+    holds another rule's state names it in the manifest."""
+    return ADAMW
+
+
+def value_kinds(rule: Rule) -> tuple[str, ...]:
+    """The per-element values of a param a checkpoint of `rule` holds, in any memory mode: the
+    master and the rule's value fields (not the block scales, nor the Kahan compensation)."""
+    return ("master",) + tuple(
+        f.name for f in rule.state_fields(MemoryModes()) if f.scale_of is None
+    )
 
 
 def _no_constant(name: str) -> Any:

@@ -243,7 +243,7 @@ def param_pieces(m: dict[str, Any], d: Path) -> dict[int, list[Piece]]:
 def read_param(
     readers: ShardReaders, pieces: dict[int, list[Piece]], p: dict[str, Any], kind: str, peak: Peak
 ) -> torch.Tensor:
-    """Manifest param `p`'s `kind` (master, exp_avg, exp_avg_sq) as one flat fp32 tensor
+    """Manifest param `p`'s `kind` (master or a rule's state field) as one flat fp32 tensor
     (counted in `peak`: the caller subtracts it), read slice by slice."""
     buf = peak.add(torch.empty(math.prod(p["shape"]), dtype=torch.float32))
     for fname, key, local, start, length in pieces[p["index"]]:
