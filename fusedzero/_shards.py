@@ -10,8 +10,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from fusedzero._flat import FlatBuffer
+from fusedzero._local_param import write_runs
 from fusedzero._param_sync import ParamSync
 from fusedzero._scalars import StepScalars
 from fusedzero.memory_modes import MemoryModes
@@ -64,6 +66,19 @@ class ShardAccess:
                     )
                 )
         return out
+
+    def write_param_runs(
+        self, params: list[nn.Parameter], read: Callable[[int, int, int], torch.Tensor]
+    ) -> bool:
+        """Stage 3: every run of every param this rank holds written into its shards (master
+        and param shard) as `read(i, a, b)` gives elements [a, b) of `params[i]`'s flattened
+        full value, one run held at a time; True. Below stage 3 nothing is written: False (the
+        caller stages the master and writes it with `load_shard_state`)."""
+        if not any(b.stage.shards_params for b in self.buffers):
+            return False
+        self.before_write()
+        write_runs(self.buffers, params, read)
+        return True
 
     def master(self, buf: FlatBuffer) -> torch.Tensor:
         # fp32 params are their own master: let the param all-gather in flight land first.
@@ -211,6 +226,7 @@ class ShardStateMethods:
     stage: int
     bucket_numel: int | None
     flat_groups: list[FlatBuffer]
+    params: list[nn.Parameter]
 
     # -- state dict (this rank's shard; `fusedzero.checkpoint` reshards) ----------------------
     def state_dict(self) -> dict[str, Any]:
@@ -251,3 +267,9 @@ class ShardStateMethods:
         """Write `st` back; None fields are left as they are. Writing master rewrites the
         params derived from it and gathers them: a collective at stages 1-3."""
         self.shards.load_shard_state(st)
+
+    def write_param_runs(self, read: Callable[[int, int, int], torch.Tensor]) -> bool:
+        """Stage 3: write the params run by run as `read(i, a, b)` gives elements [a, b) of
+        the i-th param's flattened full value (nothing staged; not a collective) and return
+        True; below stage 3 write nothing and return False. See `ShardAccess`."""
+        return self.shards.write_param_runs(self.params, read)

@@ -8,6 +8,7 @@ never through its private attributes:
     opt.param_infos() -> list[ParamInfo]      # the params, in optimizer order
     opt.shard_state() -> ShardState           # this rank's values (read-only views/copies)
     opt.load_shard_state(ShardState)          # write them back (collective at stages 1-3)
+    opt.write_param_runs(read) -> bool        # stage 3: params written run by run, unstaged
     opt.rule                                  # the update rule: its state fields by name
 
 and its public attributes (`params`, `param_names`, `param_groups`, `module`, `world_size`,
