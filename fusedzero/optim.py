@@ -137,6 +137,13 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
         self.process_group = process_group
         self.world_size = comm.group_size(process_group)
         self.rank = comm.group_rank(process_group)
+        if not rule.element_wise and stage.shards_state and self.world_size > 1:
+            # See [Note: whole tensors for per-matrix rules] in fusedzero/rules/__init__.py.
+            raise NotImplementedError(
+                f"the {rule.name} rule updates whole tensors, and the layout at stage "
+                f"{int(stage)} cuts them into equal slices over {self.world_size} ranks; run "
+                "it at stage 0 or on one rank"
+            )
         self.replicate_group = replicate_group
         self.replicas = 1 if replicate_group is None else comm.group_size(replicate_group)
         self.replica_rank = 0 if replicate_group is None else comm.group_rank(replicate_group)

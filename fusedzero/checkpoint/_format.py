@@ -30,11 +30,11 @@ fp32):
     fg{i}.master            master values: fp32 (fp32 params without a separate master: the
                             params); bf16 in the bf16 master modes (the params themselves)
     fg{i}.comp              bf16-kahan only: the bf16 compensation (effective master: master+comp)
-    fg{i}.<field>           each state field of the update rule (`Rule.state_fields(modes)`,
-                            fusedzero/rules; `manifest_rule`: AdamW's two moments, fp32, bf16
-                            or int8/uint8 codes, and in the int8 mode their `<field>_scale`
-                            tensors: fp32, one per QBLOCK (128) elements, scale k belonging to
-                            elements [128 k, 128 k + 128))
+    fg{i}.<field>           each state field of the manifest's update rule
+                            (`Rule.state_fields(modes)`, fusedzero/rules; AdamW's: its two
+                            moments, fp32, bf16 or int8/uint8 codes, and in the int8 mode their
+                            `<field>_scale` tensors: fp32, one per QBLOCK (128) elements, scale
+                            k belonging to elements [128 k, 128 k + 128))
 
 Elements no segment covers are padding and are zero. Every segment starts at a multiple of 128
 local elements and of 128 elements of its param (the layout aligns params and shard pieces), so a
@@ -55,6 +55,9 @@ manifest.json (written last, after every shard is fsynced and renamed into place
                              1: no modes, states fp32)
     modes                    {"master": "fp32"|"bf16-kahan"|"bf16-sr"|"bf16",
                               "states": "fp32"|"bf16"|"int8"} (version 2)
+    rule                     the update rule whose state the shards hold, a name of
+                             `_manifest.RULES` ("adamw"); absent (written before it was
+                             recorded): "adamw"
     seed                     the saving optimizer's bf16-sr seed (version 2; informative: the
                              loading optimizer keeps its own)
     world_size, stage, step  the saving run; step is the caller's step, step_count the optimizer's

@@ -18,6 +18,14 @@ loss scale, step count). It runs any `Rule` on its local shards; a rule declares
   orthogonalisation): the layout must then place each tensor whole on an owner rank.
 
 The AdamW rule is `fusedzero.rules._adamw.ADAMW`; docs/rules.md shows how to add one.
+
+[Note: whole tensors for per-matrix rules] A rule with `element_wise = False` gets, in each
+`LocalShard`, whole tensors only: the layout, not the rule, must place each tensor whole on one
+owner rank (the reduce-scatter then hands the owner its full grads and the all-gather brings the
+params back, no extra collective). Today's layout cuts every bucket into equal slices, so the
+engine runs such a rule only where a rank's local shard holds whole tensors: stage 0 (every rank
+updates everything) or one rank; elsewhere it refuses at construction. An owner layout lifts that
+without a change to the rule.
 """
 
 from __future__ import annotations
@@ -89,6 +97,18 @@ class LocalShard:
     group_index: int
     comp: torch.Tensor | None = None  # bf16-kahan: the master's bf16 compensation
     sr_offset: int = 0  # bf16-sr: where this buffer starts in the random stream
+
+    def pieces(self, view: ShardView) -> list[torch.Tensor]:
+        """`view` (master, grad, out or a state field) as its piece of every bucket, in
+        local-shard order: `num_buckets` tensors of `shard_numel` elements that a rule's torch
+        path can update with foreach ops. Block-scale fields split by `per` first."""
+        S = self.shard_numel
+        if isinstance(view, torch.Tensor):
+            return [view[k * S : (k + 1) * S] for k in range(self.num_buckets)]
+        return [
+            view.tensor[k * view.stride + view.base : k * view.stride + view.base + S]
+            for k in range(self.num_buckets)
+        ]
 
 
 class StepTensors(NamedTuple):
