@@ -115,6 +115,13 @@ class ShardAccess:
         """Write `st` (converted from its modes into each buffer's, `fusedzero.state.convert`).
         Everything is converted and checked before the first buffer is written."""
         n = len(self.buffers)
+        known = fields_of(st.modes, self.rule)
+        unknown = [name for name in st.names() if name not in known]
+        if unknown:
+            raise ValueError(
+                f"shard state has fields {unknown}; in its modes the {self.rule.name} rule "
+                f"keeps {list(known)}"
+            )
         for name in st.names():
             values = st.get(name)
             if values is not None and len(values) != n:
@@ -260,7 +267,7 @@ class ShardStateMethods:
 
     def shard_state(self) -> ShardState:
         """This rank's values: master as a local-shard tensor (a copy where the params are
-        their own master), the moments as live views. `step_count` is a host sync."""
+        their own master), the rule's state as live views. `step_count` is a host sync."""
         return self.shards.shard_state()
 
     def load_shard_state(self, st: ShardState) -> None:

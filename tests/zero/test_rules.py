@@ -241,3 +241,16 @@ def test_a_manifest_names_its_rule_and_one_without_holds_adamw(tmp_path) -> None
     assert manifest_rule(m) is ADAMW
     with pytest.raises(CheckpointError, match="rule.*expected one of \\['adamw'\\]"):
         validate({**m, "rule": "sgd-momentum"}, tmp_path / "manifest.json")
+
+
+def test_a_shard_state_field_the_rule_does_not_keep_is_refused() -> None:
+    """A ShardState carries fields by name, so a misspelt or foreign field would otherwise be
+    dropped silently on load: it is refused, naming the rule's fields."""
+    from fusedzero.state import ShardState
+
+    model = TwoLinear(4, 4, 2)
+    opt = ZeroOptimizer(model.parameters(), SGD, stage=1, module=model)
+    bad = [torch.zeros(i.local_numel) for i in opt.shard_infos()]
+    with pytest.raises(ValueError, match=r"\['exp_avg'\].*keeps \['master', 'momentum_buffer'\]"):
+        opt.load_shard_state(ShardState(exp_avg=bad))
+    opt.close()
