@@ -72,8 +72,8 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
         params: parameters or param-group dicts, as for the rule's torch.optim counterpart.
             Params with `requires_grad=False` are left out (frozen).
         rule: the update rule (fusedzero/rules; `ZeroAdamW` passes the AdamW rule).
-        defaults: the default hyper-parameters of every group (None: `rule.defaults`), each
-            group checked by `rule.check_group`.
+        defaults: the default hyper-parameters of every group, over `rule.defaults`; each
+            group is checked by `rule.check_group`.
         stage: 0 (DP), 1 (optimizer state), 2 (+ grads), 3 (+ params; needs `module`).
         module: the model; gives parameter names (checkpoints) and, for stage 3, the units.
         max_grad_norm: clip the global grad norm to this (None: no clipping).
@@ -112,7 +112,7 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
         trace: bool = False,
     ) -> None:
         self.rule = rule
-        defaults = dict(rule.defaults if defaults is None else defaults)
+        defaults = {**rule.defaults, **(defaults or {})}
         rule.check_group(defaults)
         self.precision = check_record("precision", precision, Precision)
         self.wire = check_record("wire", wire, Wire)
@@ -374,9 +374,10 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
             raise RuntimeError("step() called during backward")
         if not self.grads.grads_since_step:  # See [Note: one step per backward]
             raise RuntimeError(
-                "step() without a backward since the last step() or zero_grad(): ZeroAdamW's "
-                "step consumes the grads, so this one would apply zero grads (torch.optim.AdamW "
-                "would apply the same .grad again); run backward before each step()"
+                "step() without a backward since the last step() or zero_grad(): "
+                f"{type(self).__name__}'s step consumes the grads, so this one would apply zero "
+                "grads (a torch.optim optimizer would apply the same .grad again); run backward "
+                "before each step()"
             )
         validate.check_not_frozen(self.params, self.param_names)
         hyper = self._update.read_groups(self.param_groups)
