@@ -355,6 +355,8 @@ class FlatBuffer:
             num_buckets=self.layout.num_buckets,
             shard_numel=self.layout.shard_numel,
             group_index=self.group_index,
+            segments=tuple(self.layout.segments(self.shard_rank)),
+            shapes={s.index: s.shape for s in self.layout.params},
             comp=self.comp,
             sr_offset=self.sr_offset,
         )

@@ -31,15 +31,17 @@ without a change to the rule.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
 
+from fusedzero._layout import Segment
 from fusedzero.kernels import Strided
 from fusedzero.memory_modes import MemoryModes
 
-__all__ = ["LocalShard", "Rule", "StateField", "StepTensors", "Update"]
+__all__ = ["LocalShard", "Rule", "StateField", "StepTensors", "Update", "WholeTensor"]
 
 # What a launch reads or writes: a contiguous local-shard tensor, or this rank's pieces of a full
 # bucketed buffer read in place (`Strided`).
@@ -77,6 +79,15 @@ def scale_field(fields: Sequence[StateField], name: str) -> StateField | None:
     return next((f for f in fields if f.scale_of == name), None)
 
 
+class WholeTensor(NamedTuple):
+    """A param held whole by a local shard: its index, where it starts in the local shard, its
+    shape (its elements are `local : local + numel` of every local-shard tensor)."""
+
+    param: int
+    local: int
+    shape: tuple[int, ...]
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class LocalShard:
     """What a rule's launch sees of one flat buffer: this rank's local shard of it.
@@ -84,8 +95,11 @@ class LocalShard:
     `master`, `grad` and `out` are in the local-shard layout, as `Strided` views where they are
     this rank's pieces of a full buffer (`num_buckets` pieces of `shard_numel` elements). `state`
     holds the rule's fields (`Rule.state_fields`) by name. `group_index` is the param group, the
-    row of the group's hyper-parameters. The master-mode extras (`comp`, `sr_offset`) belong to
-    the engine's memory mode; a rule whose kernel writes the master honours them.
+    row of the group's hyper-parameters. `segments` say which elements of which param sit where
+    in the local shard (`Segment(param, start, length, rank, local)`), `shapes` each param's
+    shape by its index: a per-matrix rule finds its whole tensors there (a segment with start 0
+    and the param's full numel). The master-mode extras (`comp`, `sr_offset`) belong to the
+    engine's memory mode; a rule whose kernel writes the master honours them.
     """
 
     master: ShardView
@@ -95,8 +109,31 @@ class LocalShard:
     num_buckets: int
     shard_numel: int
     group_index: int
+    segments: tuple[Segment, ...] = ()
+    shapes: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
     comp: torch.Tensor | None = None  # bf16-kahan: the master's bf16 compensation
     sr_offset: int = 0  # bf16-sr: where this buffer starts in the random stream
+
+    def whole_tensors(self) -> list[WholeTensor]:
+        """Every param this shard holds whole, contiguous in the local shard (its segments
+        joined: at one rank a param may straddle two buckets, whose pieces are adjacent), in
+        local order. A per-matrix rule updates these; ValueError names a param held in part or
+        cut, which the engine never hands such a rule."""
+        runs: dict[int, list[Segment]] = {}
+        for seg in self.segments:
+            runs.setdefault(seg.param, []).append(seg)
+        out = []
+        for p, segs in runs.items():
+            segs.sort(key=lambda s: s.start)
+            numel = math.prod(self.shapes[p])
+            joined = all(
+                b.start == a.start + a.length and b.local == a.local + a.length
+                for a, b in zip(segs, segs[1:])
+            )
+            if segs[0].start != 0 or sum(s.length for s in segs) != numel or not joined:
+                raise ValueError(f"param {p} is not whole in this local shard: {segs}")
+            out.append(WholeTensor(p, segs[0].local, self.shapes[p]))
+        return sorted(out, key=lambda t: t.local)
 
     def pieces(self, view: ShardView) -> list[torch.Tensor]:
         """`view` (master, grad, out or a state field) as its piece of every bucket, in

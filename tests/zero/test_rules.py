@@ -1,6 +1,9 @@
 """The engine runs any update rule: a rule written here, in a test, with no change to the
 engine (buffers, hooks, buckets, state records, plan, state dicts), trains like its torch.optim
-counterpart, and its state fields are allocated, counted and carried by name."""
+counterpart, and its state fields are allocated, counted and carried by name.
+
+About internals: fusedzero.checkpoint._catalog, fusedzero.checkpoint._manifest (the manifest's
+rule) and fusedzero.rules._adamw (the AdamW rule a manifest names)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from fusedzero import checkpoint
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.optim import ZeroOptimizer
 from fusedzero.plan import PlanConfig, plan_groups
-from fusedzero.policy import Precision
+from fusedzero.policy import Precision, Sharding
 from fusedzero.rules import LocalShard, StateField, StepTensors
 from fusedzero.testing import fake_group
 
@@ -86,10 +89,16 @@ SGD = SGDMomentum()
 
 
 class PerMatrix(SGDMomentum):
-    """The same math, declared per-matrix (needs whole tensors on one rank)."""
+    """The same math, declared per-matrix (needs whole tensors on one rank): it checks that
+    every param of its shards is there whole, as a Newton-Schulz rule would need."""
 
     name = "per-matrix"
     element_wise = False
+
+    def build(self, shards: Sequence[LocalShard], **kw: Any) -> _SGDUpdate:
+        held = [t.param for s in shards for t in s.whole_tensors()]  # raises if one is cut
+        assert sorted(held) == sorted({seg.param for s in shards for seg in s.segments})
+        return super().build(shards, **kw)
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 4) -> None:
@@ -213,6 +222,11 @@ def test_a_per_matrix_rule_runs_where_a_rank_holds_whole_tensors_only() -> None:
         o.close()
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         assert torch.equal(p, q)
+    # One rank, buckets of 512 elements: a.weight (528) straddles two and is still whole.
+    d = copy.deepcopy(a)
+    ZeroOptimizer(
+        d.parameters(), PerMatrix(), stage=1, module=d, sharding=Sharding(bucket_numel=512)
+    ).close()
     with fake_group(0, 2):
         c = TwoLinear(16, 33, 5)
         with pytest.raises(
