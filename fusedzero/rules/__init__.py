@@ -204,8 +204,3 @@ class Rule(Protocol):
         """The launches over `shards` (every flat buffer of the rank, in order). `seed`: the
         engine's bf16-sr random stream seed (None in other master modes)."""
         ...
-
-
-def state_bytes(rule: Rule, modes: MemoryModes, local_numel: int) -> int:
-    """Resident bytes of a rule's state over a local shard of `local_numel` elements."""
-    return sum(f.nbytes(local_numel) for f in rule.state_fields(modes))
