@@ -1,6 +1,6 @@
 """The table of memory modes in docs/memory_modes.md: optimizer-state bytes per param and bytes
 the update moves per param, for every (master, states), from the same formulas the library uses
-(`fusedzero.memory_modes.MemoryModes.state_bytes`, `fusedzero.kernels.bytes_per_param`).
+(`fusedzero.state.optimizer_bytes`, `fusedzero.kernels.bytes_per_param`).
 
     python bench/modes_table.py            # prints the markdown table
 tests/zero/test_memory_modes_plumbing.py checks that docs/memory_modes.md holds exactly this output.
@@ -14,6 +14,8 @@ import torch
 
 from fusedzero.kernels import bytes_per_param
 from fusedzero.memory_modes import MASTER_MODES, QBLOCK, STATE_MODES, MemoryModes
+from fusedzero.rules._adamw import ADAMW
+from fusedzero.state import optimizer_bytes
 
 
 def table() -> str:
@@ -22,7 +24,7 @@ def table() -> str:
         "| --- | --- | --- | --- |",
     ]
     for master, states in itertools.product(MASTER_MODES, STATE_MODES):
-        state = MemoryModes(master, states).state_bytes(QBLOCK, torch.bfloat16) / QBLOCK
+        state = optimizer_bytes(MemoryModes(master, states), ADAMW, QBLOCK, torch.bfloat16) / QBLOCK
         # bf16 grads; fp32 master writes the bf16 param copy, the bf16 modes the param itself.
         out = torch.bfloat16 if master == "fp32" else None
         moved = bytes_per_param(master, states, torch.bfloat16, out)

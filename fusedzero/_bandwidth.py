@@ -20,16 +20,14 @@ from collections.abc import Callable
 
 import torch
 
-# fp32 master, exp_avg and exp_avg_sq: read and written once each.
-_STATE_BYTES = 3 * 4
+from fusedzero.kernels import bytes_per_param
 
 
 def update_bytes_per_param(grad_dtype: torch.dtype, out_dtype: torch.dtype | None) -> int:
-    """Bytes one AdamW update must move per parameter: read master, grad, exp_avg, exp_avg_sq;
-    write master, exp_avg, exp_avg_sq and the optional low-precision copy (28 B with bf16 grad
-    and bf16 out, or with fp32 grad and no out)."""
-    out = 0 if out_dtype is None else out_dtype.itemsize
-    return _STATE_BYTES + grad_dtype.itemsize + _STATE_BYTES + out
+    """Bytes the fused AdamW update must move per parameter in the default memory modes (28 B
+    with bf16 grad and bf16 out, or with fp32 grad and no out): the kernel's own count
+    (`fusedzero.kernels.bytes_per_param`, stream by stream)."""
+    return int(bytes_per_param("fp32", "fp32", grad_dtype, out_dtype))
 
 
 def timing_method(device: torch.device) -> str:

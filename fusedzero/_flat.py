@@ -14,13 +14,13 @@
   afterwards only this rank's pieces hold reduced sums, and the kernel reads them there.
 - grad_shard (stages 2-3): the reduced grads of this rank's shard; transient bucket buffers
   (`fusedzero._reduce`) are reduced into it.
-- master / exp_avg / exp_avg_sq: this rank's local shard, contiguous. With fp32 params the
-  master *is* the param buffer's own pieces (stages 0-2) or the param shard (stage 3); so it is
-  in the bf16 master modes (`fusedzero.memory_modes`), where the bf16 params are the master. The
-  modes
-  decide the rest: `comp` (bf16-kahan: the bf16 compensation, local shard), the moments' dtype
-  (fp32, bf16, int8/uint8) and, for int8, one fp32 scale per QBLOCK elements of each moment.
-  The optimizer hands these, with bf16-sr's `seed` and `sr_offset`, to the grouped launch.
+- master and the rule's state (`state`, one tensor per `StateField` of the update rule,
+  fusedzero/rules): this rank's local shard, contiguous. With fp32 params the master *is* the
+  param buffer's own pieces (stages 0-2) or the param shard (stage 3); so it is in the bf16
+  master modes (`fusedzero.memory_modes`), where the bf16 params are the master. The master mode
+  adds `comp` (bf16-kahan: the bf16 compensation, local shard); the state mode picks the dtypes
+  of the rule's fields (and, for int8, the rule's block-scale fields). The optimizer hands these,
+  with bf16-sr's `seed` and `sr_offset`, to the rule's launch (`local_shard()`).
 
 [Note: grads as bucket views] `p.grad` is a view of grad_flat, so autograd's
 AccumulateGrad adds each new grad in place into the bucket: no per-step grad allocation
@@ -40,12 +40,9 @@ from fusedzero._eager import eager
 from fusedzero._layout import FlatLayout, ParamSlot, build_layout, default_bucket_numel
 from fusedzero._streams import allocating_stream, free_storage
 from fusedzero.kernels import Strided
-from fusedzero.memory_modes import QBLOCK, MemoryModes
+from fusedzero.memory_modes import MemoryModes
+from fusedzero.rules import LocalShard, ShardView, StateField
 from fusedzero.stage import Stage
-
-# What the fused kernel reads or writes: a contiguous local-shard tensor, or this rank's pieces
-# of a full bucketed buffer read in place.
-ShardView = Strided | torch.Tensor
 
 
 class FlatBuffer:
@@ -67,6 +64,7 @@ class FlatBuffer:
         device: torch.device,
         unit: int = 0,
         modes: MemoryModes = MemoryModes(),
+        state_fields: tuple[StateField, ...] = (),
         sr_offset: int = 0,
         seed: torch.Tensor | None = None,
         tp_replicated: bool = True,
@@ -93,15 +91,14 @@ class FlatBuffer:
         self.device = device
         self.reduce_dtype = reduce_dtype
         n_local = self.layout.local_numel
-        f32 = dict(dtype=torch.float32, device=device)
-        m_dt, v_dt = modes.state_dtypes
-        self.exp_avg = torch.zeros(n_local, dtype=m_dt, device=device)
-        self.exp_avg_sq = torch.zeros(n_local, dtype=v_dt, device=device)
-        # int8 states: one fp32 scale per QBLOCK elements; n_local is a multiple of QBLOCK (every
-        # shard piece is a multiple of the layout's ALIGN), so no block straddles two pieces.
-        n_blocks = n_local // QBLOCK if modes.quantized else 0
-        self.exp_avg_scale = torch.zeros(n_blocks, **f32) if modes.quantized else None
-        self.exp_avg_sq_scale = torch.zeros(n_blocks, **f32) if modes.quantized else None
+        # The rule's state, by field name. Block-scale fields hold one element per QBLOCK:
+        # n_local is a multiple of QBLOCK (every shard piece is a multiple of the layout's
+        # ALIGN), so no block straddles two pieces.
+        self.state_fields = state_fields
+        self.state: dict[str, torch.Tensor] = {
+            f.name: torch.zeros(f.numel(n_local), dtype=f.dtype, device=device)
+            for f in state_fields
+        }
         self.comp = (
             torch.zeros(n_local, dtype=torch.bfloat16, device=device) if modes.kahan else None
         )
@@ -336,18 +333,33 @@ class FlatBuffer:
 
         params = b(self.param_flat) + b(self.param_shard)
         grads = b(self.grad_flat) + b(self.grad_shard)
-        opt = sum(
-            b(t)
-            for t in (
-                self.master,
-                self.comp,
-                self.exp_avg,
-                self.exp_avg_sq,
-                self.exp_avg_scale,
-                self.exp_avg_sq_scale,
-            )
-        )
+        opt = b(self.master) + b(self.comp) + sum(b(t) for t in self.state.values())
         return params, grads, opt
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        # The rule's state fields read as attributes (`buf.<field>`); only called when normal
+        # lookup fails.
+        state = self.__dict__.get("state")
+        if state is not None and name in state:
+            return state[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r}")
+
+    def local_shard(self) -> LocalShard:
+        """This buffer as a rule's launch sees it (views, built once: see [Note: buffer
+        lifetimes])."""
+        return LocalShard(
+            master=self.master_view(),
+            grad=self.grad_view(),
+            out=self.out_view(),
+            state=self.state,
+            num_buckets=self.layout.num_buckets,
+            shard_numel=self.layout.shard_numel,
+            group_index=self.group_index,
+            segments=tuple(self.layout.segments(self.shard_rank)),
+            shapes={s.index: s.shape for s in self.layout.params},
+            comp=self.comp,
+            sr_offset=self.sr_offset,
+        )
 
 
 def build_buffers(
@@ -363,14 +375,16 @@ def build_buffers(
     reduce_dtype: torch.dtype,
     device: torch.device,
     modes: MemoryModes = MemoryModes(),
+    state_fields: tuple[StateField, ...] = (),
     seed: int = 0,
     tp_replicated: list[bool] | None = None,
 ) -> list[FlatBuffer]:
     """One FlatBuffer per (unit, param group, dtype, tp-replicated), in that order (dtypes and
     tp kinds in order of first appearance). `units[i]` is the stage-3 unit of the i-th param
     (all 0 below stage 3); `tp_replicated[i]` whether it is the same on every tensor-parallel
-    rank (default: all, a plain model). `seed`: bf16-sr's random stream, one device tensor for
-    all buffers."""
+    rank (default: all, a plain model). `state_fields`: the update rule's per-element state in
+    `modes` (fusedzero/rules). `seed`: bf16-sr's random stream, one device tensor for all
+    buffers."""
     seed_t = torch.tensor([seed], dtype=torch.int64, device=device)
     by_key: dict[tuple[int, int, torch.dtype, bool], list[tuple[int, nn.Parameter]]] = {}
     index = 0
@@ -400,6 +414,7 @@ def build_buffers(
                 device=device,
                 unit=u,
                 modes=modes,
+                state_fields=state_fields,
                 seed=seed_t,
                 tp_replicated=rep,
                 sr_offset=_sr_offset(out, rep),

@@ -9,7 +9,7 @@ _is_profiler_enabled`, read per call: ~0.1 us), and nothing else happens otherwi
 
   fusedzero::step              ZeroAdamW.step(), all of it
   fusedzero::grad_norm         the sum of squares, its all-reduce and the step's scalars
-  fusedzero::update            the grouped AdamW launch
+  fusedzero::update            the rule's launches (AdamW: the grouped launch)
   fusedzero::all_gather        stages 1-2: issuing the param all-gathers after the update
   fusedzero::param_wait        stages 1-2: waiting for them (a module's forward, the next step)
   fusedzero::all_reduce        stage 0: a bucket's grads put in and all-reduced

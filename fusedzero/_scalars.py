@@ -5,7 +5,7 @@ host sync and a CUDA graph can capture it (nothing host-cached that a replay wou
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -149,9 +149,19 @@ class StepScalars:
 _FP32_MAX = torch.finfo(torch.float32).max
 
 
+def group_numbers(g: Mapping[str, Any]) -> tuple[Any, ...]:
+    """A group's hyper-parameters other than lr, in the group's order, tuples flattened."""
+    out: list[Any] = []
+    for k, v in g.items():
+        if k not in ("params", "lr", "initial_lr"):
+            out.extend(v if isinstance(v, (tuple, list)) else (v,))
+    return tuple(out)
+
+
 class GroupLr:
-    """Per param group hyper-parameters as the grouped AdamW launch reads them; owns the lr
-    vector on the device (one entry per param group).
+    """Per param group hyper-parameters as a rule's grouped launch reads them; owns the lr
+    vector on the device (one entry per param group). `consts(group)` gives a group's other
+    hyper-parameters as host values (the rule's; default: `group_numbers`).
 
     A float lr (what schedulers write) is compared on the host with the value last sent, and
     only when some group's float lr changed is the vector sent again: one small host-to-device
@@ -163,7 +173,13 @@ class GroupLr:
     every step (a CUDA graph replays that copy and sees the lr as it is then).
     """
 
-    def __init__(self, num_groups: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        num_groups: int,
+        device: torch.device,
+        consts: Callable[[Mapping[str, Any]], tuple[Any, ...]] = group_numbers,
+    ) -> None:
+        self.consts = consts
         self.lr = torch.zeros(num_groups, dtype=torch.float32, device=device)
         self._entries = list(self.lr.unbind())  # views: a tensor lr is copied into its entry
         self._sent: list[float | None] = [None] * num_groups
@@ -194,8 +210,7 @@ class GroupLr:
                     )
                 changed = True
                 sent[i] = float(lr)
-            beta1, beta2 = g["betas"]
-            consts.append((beta1, beta2, g["eps"], g["weight_decay"], g["maximize"]))
+            consts.append(self.consts(g))
         self._sent = sent
         if changed:
             copy_from_host(self.lr, [x if x is not None else 0.0 for x in self._sent])

@@ -1,6 +1,6 @@
 """Reading and writing a rank's optimizer state through the records of fusedzero/state.py.
 
-`ShardAccess` is what `ZeroAdamW.shard_infos / param_infos / shard_state / load_shard_state`
+`ShardAccess` is what `ZeroOptimizer.shard_infos / param_infos / shard_state / load_shard_state`
 delegate to: it sees the flat buffers, the step scalars and the param all-gather, nothing else.
 """
 
@@ -10,26 +10,31 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from fusedzero._flat import FlatBuffer
+from fusedzero._local_param import write_runs
 from fusedzero._param_sync import ParamSync
 from fusedzero._scalars import StepScalars
 from fusedzero.memory_modes import MemoryModes
-from fusedzero.state import TENSOR_FIELDS, ParamInfo, ShardInfo, ShardState, convert, fields_of
+from fusedzero.rules import Rule
+from fusedzero.state import ParamInfo, ShardInfo, ShardState, convert, fields_of
 
 
 class ShardAccess:
     """`before_write` runs before master (and the param shard derived from it) is rewritten:
     nothing in flight may read the shards then, and no gathered copy of them may outlive the
-    write (ZeroAdamW.quiesce_params)."""
+    write (ZeroOptimizer.quiesce_params). `rule` says which state fields each buffer holds."""
 
     def __init__(
         self,
+        rule: Rule,
         buffers: list[FlatBuffer],
         scalars: StepScalars,
         param_sync: ParamSync,
         before_write: Callable[[], None],
     ) -> None:
+        self.rule = rule
         self.buffers = buffers
         self.scalars = scalars
         self.param_sync = param_sync
@@ -62,6 +67,19 @@ class ShardAccess:
                 )
         return out
 
+    def write_param_runs(
+        self, params: list[nn.Parameter], read: Callable[[int, int, int], torch.Tensor]
+    ) -> bool:
+        """Stage 3: every run of every param this rank holds written into its shards (master
+        and param shard) as `read(i, a, b)` gives elements [a, b) of `params[i]`'s flattened
+        full value, one run held at a time; True. Below stage 3 nothing is written: False (the
+        caller stages the master and writes it with `load_shard_state`)."""
+        if not any(b.stage.shards_params for b in self.buffers):
+            return False
+        self.before_write()
+        write_runs(self.buffers, params, read)
+        return True
+
     def master(self, buf: FlatBuffer) -> torch.Tensor:
         # fp32 params are their own master: let the param all-gather in flight land first.
         self.param_sync.wait()
@@ -78,16 +96,13 @@ class ShardAccess:
         """Every buffer's state as it is stored (all buffers share the optimizer's modes)."""
         scaler = self.scalars.scaler
         modes = self.buffers[0].modes if self.buffers else ShardState().modes
-        fields = fields_of(modes)
-        lists: dict[str, list[torch.Tensor] | None] = {
+        lists = {
             f: (
                 [self.master(b) for b in self.buffers]
                 if f == "master"
-                else [getattr(b, f) for b in self.buffers]
+                else [b.comp if f == "comp" else b.state[f] for b in self.buffers]
             )
-            if f in fields
-            else None
-            for f in TENSOR_FIELDS
+            for f in fields_of(modes, self.rule)
         }
         return ShardState(
             **lists,
@@ -100,24 +115,32 @@ class ShardAccess:
         """Write `st` (converted from its modes into each buffer's, `fusedzero.state.convert`).
         Everything is converted and checked before the first buffer is written."""
         n = len(self.buffers)
-        for name in TENSOR_FIELDS:
-            values = getattr(st, name)
+        known = fields_of(st.modes, self.rule)
+        unknown = [name for name in st.names() if name not in known]
+        if unknown:
+            raise ValueError(
+                f"shard state has fields {unknown}; in its modes the {self.rule.name} rule "
+                f"keeps {list(known)}"
+            )
+        for name in st.names():
+            values = st.get(name)
             if values is not None and len(values) != n:
                 raise ValueError(
                     f"shard state has {len(values)} {name} buffers, the optimizer has {n}"
                 )
         with torch.no_grad():
             new = [
-                convert(st.tensors(i), st.modes, buf.modes) for i, buf in enumerate(self.buffers)
+                convert(st.tensors(i), st.modes, buf.modes, self.rule)
+                for i, buf in enumerate(self.buffers)
             ]
             for t, buf in zip(new, self.buffers):
-                for name in ("exp_avg", "exp_avg_sq"):
-                    if name in t and buf.modes.quantized and f"{name}_scale" not in t:
-                        raise ValueError(f"shard state gives int8 {name} without its scales")
+                for f in buf.state_fields:
+                    if f.scale_of is not None and f.scale_of in t and f.name not in t:
+                        raise ValueError(f"shard state gives int8 {f.scale_of} without its scales")
             for t, buf in zip(new, self.buffers):
-                for name in ("exp_avg", "exp_avg_sq", "exp_avg_scale", "exp_avg_sq_scale"):
+                for name, dst in buf.state.items():
                     if name in t:
-                        getattr(buf, name).copy_(t[name])
+                        dst.copy_(t[name])
             if st.master is not None:
                 self.before_write()
                 for t, buf in zip(new, self.buffers):
@@ -155,7 +178,9 @@ class ShardAccess:
                 self.scalars.scaler.load_state_dict(state["scaler"])
         modes = MemoryModes(**state.get("modes", {}))
         self.load_shard_state(
-            ShardState(**{f: [d[f] for d in flat] for f in fields_of(modes)}, modes=modes)
+            ShardState(
+                **{f: [d[f] for d in flat] for f in fields_of(modes, self.rule)}, modes=modes
+            )
         )
 
     def state_dict(
@@ -198,7 +223,7 @@ class ShardAccess:
 
 
 class ShardStateMethods:
-    """ZeroAdamW's state dict and the typed interface of fusedzero/state.py (checkpoints,
+    """The optimizer's state dict and the typed interface of fusedzero/state.py (checkpoints,
     importers, plan), delegated to its `ShardAccess`."""
 
     shards: ShardAccess
@@ -208,6 +233,7 @@ class ShardStateMethods:
     stage: int
     bucket_numel: int | None
     flat_groups: list[FlatBuffer]
+    params: list[nn.Parameter]
 
     # -- state dict (this rank's shard; `fusedzero.checkpoint` reshards) ----------------------
     def state_dict(self) -> dict[str, Any]:
@@ -241,10 +267,16 @@ class ShardStateMethods:
 
     def shard_state(self) -> ShardState:
         """This rank's values: master as a local-shard tensor (a copy where the params are
-        their own master), the moments as live views. `step_count` is a host sync."""
+        their own master), the rule's state as live views. `step_count` is a host sync."""
         return self.shards.shard_state()
 
     def load_shard_state(self, st: ShardState) -> None:
         """Write `st` back; None fields are left as they are. Writing master rewrites the
         params derived from it and gathers them: a collective at stages 1-3."""
         self.shards.load_shard_state(st)
+
+    def write_param_runs(self, read: Callable[[int, int, int], torch.Tensor]) -> bool:
+        """Stage 3: write the params run by run as `read(i, a, b)` gives elements [a, b) of
+        the i-th param's flattened full value (nothing staged; not a collective) and return
+        True; below stage 3 write nothing and return False. See `ShardAccess`."""
+        return self.shards.write_param_runs(self.params, read)

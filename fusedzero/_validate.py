@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numbers
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -119,10 +120,13 @@ def trainable(params: Any) -> list[Any]:
     return [p for p in params if p.requires_grad]
 
 
-def check_groups(param_groups: list[dict[str, Any]]) -> list[nn.Parameter]:
-    """Every param once; returns them in optimizer order."""
+def check_groups(
+    param_groups: list[dict[str, Any]], check_group: Callable[[dict[str, Any]], None]
+) -> list[nn.Parameter]:
+    """Every group's hyper-parameters by the rule's `check_group`, every param once; returns
+    them in optimizer order."""
     for g in param_groups:
-        check_hyper(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+        check_group(g)
     for gi, g in enumerate(param_groups):
         if len({id(p) for p in g["params"]}) != len(g["params"]):
             raise ValueError(f"param group {gi} lists a parameter twice; list each parameter once")

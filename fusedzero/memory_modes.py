@@ -46,8 +46,6 @@ __all__ = [
     "encode_state",
 ]
 
-SCALE_BYTES = 4  # one fp32 scale per QBLOCK elements and int8 state
-
 
 @dataclasses.dataclass(frozen=True)
 class MemoryModes:
@@ -56,7 +54,7 @@ class MemoryModes:
     master: str = "fp32"
     """"fp32" | "bf16-kahan" | "bf16-sr" | "bf16" (see fusedzero.kernels._memory_modes)."""
     states: str = "fp32"
-    """"fp32" | "bf16" | "int8" for exp_avg and exp_avg_sq."""
+    """"fp32" | "bf16" | "int8" for the update rule's state (fusedzero/rules)."""
 
     def __post_init__(self) -> None:
         if self.master not in MASTER_MODES:
@@ -78,22 +76,21 @@ class MemoryModes:
 
     @property
     def state_dtypes(self) -> tuple[torch.dtype, torch.dtype]:
-        """(exp_avg, exp_avg_sq) storage dtypes."""
+        """The storage dtypes of a (signed, non-negative) state in this mode: fp32, bf16, or
+        int8 and uint8 codes."""
         return STATE_DTYPES[self.states]
 
-    def state_bytes(self, local_numel: int, param_dtype: torch.dtype) -> int:
-        """Resident optimizer bytes of a local shard of `local_numel` elements (a multiple of
-        QBLOCK) whose params are `param_dtype`: the fp32 master unless the params are fp32 (then
-        they are their own master) or a bf16 mode; the Kahan compensation; both states; one fp32
-        scale per block and int8 state."""
-        m_dt, v_dt = self.state_dtypes
-        per = m_dt.itemsize + v_dt.itemsize
+    def master_bytes(self, local_numel: int, param_dtype: torch.dtype) -> int:
+        """Resident bytes of the master beside the params over a local shard of `local_numel`
+        elements whose params are `param_dtype`: the fp32 master unless the params are fp32
+        (then they are their own master) or a bf16 mode; the Kahan compensation. The update
+        rule's state comes on top (`fusedzero.state.optimizer_bytes`)."""
+        per = 0
         if self.fp32_master and param_dtype != torch.float32:
             per += 4
         if self.kahan:
             per += 2
-        scales = 2 * SCALE_BYTES * (local_numel // QBLOCK) if self.quantized else 0
-        return per * local_numel + scales
+        return per * local_numel
 
     def to_json(self) -> dict[str, str]:
         return {"master": self.master, "states": self.states}

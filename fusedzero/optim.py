@@ -1,4 +1,5 @@
-"""ZeroAdamW: data-parallel AdamW over flat sharded buffers, ZeRO stages 0 to 3.
+"""ZeroOptimizer, the sharding engine, and ZeroAdamW (the engine with the AdamW rule): data
+parallelism over flat sharded buffers, ZeRO stages 0 to 3.
 
     opt = ZeroAdamW(model.parameters(), lr=3e-4, stage=2, module=model, max_grad_norm=1.0,
                     precision=Precision(param_dtype=torch.bfloat16))
@@ -23,7 +24,9 @@ grad shards included), so a second step would apply zero grads (a silent update 
 weight decay alone). It is refused instead, in one line: `step()` needs a backward that brought
 param grads since the last `step()` or `zero_grad()`.
 
-This class composes the parts and keeps the torch.optim contract; each part owns its state:
+The engine does not know its update rule (fusedzero/rules: the state fields it keeps, its
+hyper-parameters, its launches); `ZeroOptimizer` composes the parts, runs the rule's launches
+on the local shards and keeps the torch.optim contract; each part owns its state:
   fusedzero/_flat.py       FlatBuffer: params, shard state and the views the kernel reads
   fusedzero/_grads.py      autograd hooks, end of backward, what `p.grad` holds
   fusedzero/_buckets.py    bucket launch order, in-flight bound, no_sync
@@ -51,24 +54,26 @@ from fusedzero._grads import GradHooks
 from fusedzero._model_state_dict import FullParamsLoad, without_params
 from fusedzero._param_sync import ParamSync, broadcast_from_rank0, start_from_rank0
 from fusedzero._profiling import phase
-from fusedzero._scalars import GroupLr, LossScaler, StepScalars
+from fusedzero._scalars import LossScaler, StepScalars
 from fusedzero._shards import ShardAccess, ShardStateMethods
 from fusedzero._zero3 import Zero3
-from fusedzero.kernels import AdamWBuffer, GroupedAdamW
 from fusedzero.policy import Groups, Precision, Sharding, Wire, check_record, moved_keywords
+from fusedzero.rules import Rule, StepTensors
+from fusedzero.rules._adamw import ADAMW
 from fusedzero.stage import Stage
 
-__all__ = ["MemoryReport", "Stage", "ZeroAdamW"]
+__all__ = ["MemoryReport", "Stage", "ZeroAdamW", "ZeroOptimizer"]
 
 
-class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
-    """AdamW with ZeRO sharding over a process group; one fused update launch per dtype combination.
+class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
+    """An update rule run with ZeRO sharding over a process group: the engine.
 
     Args:
-        params: parameters or param-group dicts, as for `torch.optim.AdamW`. Params with
-            `requires_grad=False` are left out (frozen).
-        lr, betas, eps, weight_decay, maximize: as `torch.optim.AdamW` (decoupled weight decay),
-            but eps must be > 0 and lr, eps, weight_decay finite in fp32 (`validate.check_hyper`).
+        params: parameters or param-group dicts, as for the rule's torch.optim counterpart.
+            Params with `requires_grad=False` are left out (frozen).
+        rule: the update rule (fusedzero/rules; `ZeroAdamW` passes the AdamW rule).
+        defaults: the default hyper-parameters of every group, over `rule.defaults`; each
+            group is checked by `rule.check_group`.
         stage: 0 (DP), 1 (optimizer state), 2 (+ grads), 3 (+ params; needs `module`).
         module: the model; gives parameter names (checkpoints) and, for stage 3, the units.
         max_grad_norm: clip the global grad norm to this (None: no clipping).
@@ -84,22 +89,17 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
             otherwise it must be the params' device. "meta" with meta params: a dry build.
         trace: record the order of collectives and unit events in `self.trace` (tests).
 
-    The records are described in docs/api.md. A keyword of the old flat signature
-    (`param_dtype=`, `process_group=`, ...) raises a TypeError naming its record.
+    The records are described in docs/api.md.
 
     One live optimizer per model: `close()` detaches it (hooks removed, params left as plain
     tensors) before another is built on the same params.
     """
 
-    @moved_keywords
     def __init__(
         self,
         params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
-        lr: float = 1e-3,
-        betas: tuple[float, float] = (0.9, 0.999),
-        eps: float = 1e-8,
-        weight_decay: float = 1e-2,
-        maximize: bool = False,
+        rule: Rule,
+        defaults: dict[str, Any] | None = None,
         *,
         stage: int | Stage = 1,
         module: nn.Module | None = None,
@@ -111,7 +111,9 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         device: torch.device | str | None = None,
         trace: bool = False,
     ) -> None:
-        validate.check_hyper(lr, betas, eps, weight_decay)
+        self.rule = rule
+        defaults = {**rule.defaults, **(defaults or {})}
+        rule.check_group(defaults)
         self.precision = check_record("precision", precision, Precision)
         self.wire = check_record("wire", wire, Wire)
         self.groups = check_record("groups", groups, Groups)
@@ -125,14 +127,20 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         process_group, replicate_group = groups.shard, groups.replicate
         param_dtype, reduce_dtype = precision.param_dtype, precision.reduce_dtype
         bucket_numel, seed = sharding.bucket_numel, precision.seed
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize)
         super().__init__(validate.trainable(params), defaults)
-        all_params = validate.check_groups(self.param_groups)
+        all_params = validate.check_groups(self.param_groups, rule.check_group)
 
         self.stage = stage
         self.process_group = process_group
         self.world_size = comm.group_size(process_group)
         self.rank = comm.group_rank(process_group)
+        if not rule.element_wise and stage.shards_state and self.world_size > 1:
+            # See [Note: whole tensors for per-matrix rules] in fusedzero/rules/__init__.py.
+            raise NotImplementedError(
+                f"the {rule.name} rule updates whole tensors, and the layout at stage "
+                f"{int(stage)} cuts them into equal slices over {self.world_size} ranks; run "
+                "it at stage 0 or on one rank"
+            )
         self.replicate_group = replicate_group
         self.replicas = 1 if replicate_group is None else comm.group_size(replicate_group)
         self.replica_rank = 0 if replicate_group is None else comm.group_rank(replicate_group)
@@ -210,6 +218,7 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
             reduce_dtype=reduce_dtype,
             device=self.device,
             modes=self.modes,
+            state_fields=rule.state_fields(self.modes),
             seed=seed,
             tp_replicated=None if self.tp is None else [self.tp.replicated(p) for p in all_params],
         )
@@ -238,7 +247,7 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
             self.param_wire,
         )
         self.shards = ShardAccess(
-            self.flat_groups, self.scalars, self.param_sync, self.quiesce_params
+            rule, self.flat_groups, self.scalars, self.param_sync, self.quiesce_params
         )
         self._build_update()
         # model.load_state_dict() at stages 0-2 (at stage 3 the unit hooks do it).
@@ -255,41 +264,21 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
         """Only during construction: the flat buffers and their sharding are built once."""
         if hasattr(self, "flat_groups"):
             raise NotImplementedError(
-                "ZeroAdamW cannot add param groups after construction (its flat buffers are "
-                "sharded at build time); pass every group to the constructor"
+                f"{type(self).__name__} cannot add param groups after construction (its flat "
+                "buffers are sharded at build time); pass every group to the constructor"
             )
         super().add_param_group(param_group)
 
     def _build_update(self) -> None:
-        """The grouped launches over every flat buffer, built once: one AdamW launch per (grad
-        dtype, out dtype) and one sum-of-squares launch per grad dtype per step. Their tables
-        hold the buffers' addresses: the buffers are never replaced, only written in place
-        (checkpoint loads, load_state_dict, zero3 all `copy_`)."""
-        self.group_lr = GroupLr(len(self.param_groups), self.device)
-        m = self.modes
-        self._update = GroupedAdamW(
-            [
-                AdamWBuffer(
-                    b.master_view(),
-                    b.grad_view(),
-                    b.exp_avg,
-                    b.exp_avg_sq,
-                    b.out_view(),
-                    b.layout.num_buckets,
-                    b.layout.shard_numel,
-                    b.group_index,
-                    b.comp,
-                    b.exp_avg_scale,
-                    b.exp_avg_sq_scale,
-                    b.sr_offset,
-                )
-                for b in self.flat_groups
-            ],
-            self.device,
-            len(self.param_groups),
-            require_aligned=True,
-            master_mode=m.master,
-            states=m.states,
+        """The rule's launches over every flat buffer, and one sum-of-squares launch per grad
+        dtype per step, built once. Their tables hold the buffers' addresses: the buffers are
+        never replaced, only written in place (checkpoint loads, load_state_dict, zero3 all
+        `copy_`)."""
+        self._update = self.rule.build(
+            [b.local_shard() for b in self.flat_groups],
+            device=self.device,
+            num_groups=len(self.param_groups),
+            modes=self.modes,
             seed=self.flat_groups[0].seed if self.flat_groups else None,
         )
         self._sumsq = self._grouped_sumsq()
@@ -353,7 +342,7 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
 
     def _check_open(self, what: str) -> None:
         if self.closed:
-            raise RuntimeError(f"{what}() on a closed ZeroAdamW: build a new optimizer")
+            raise RuntimeError(f"{what}() on a closed {type(self).__name__}: build a new optimizer")
 
     # -- backward -----------------------------------------------------------------------------
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -386,18 +375,20 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
             raise RuntimeError("step() called during backward")
         if not self.grads.grads_since_step:  # See [Note: one step per backward]
             raise RuntimeError(
-                "step() without a backward since the last step() or zero_grad(): ZeroAdamW's "
-                "step consumes the grads, so this one would apply zero grads (torch.optim.AdamW "
-                "would apply the same .grad again); run backward before each step()"
+                "step() without a backward since the last step() or zero_grad(): "
+                f"{type(self).__name__}'s step consumes the grads, so this one would apply zero "
+                "grads (a torch.optim optimizer would apply the same .grad again); run backward "
+                "before each step()"
             )
         validate.check_not_frozen(self.params, self.param_names)
-        lrs = self.group_lr.update(self.param_groups)
+        hyper = self._update.read_groups(self.param_groups)
         self.quiesce_params()  # the kernel rewrites this rank's pieces of the param buffer
         self.buckets.wait_all()
         self.buckets.before_step()
         self.buckets.finish_replicas()
         s = self.scalars
-        # The update's rows are written by the scalars' launch (one launch for both).
+        # The rule's per-group rows, if it has them, are written by the scalars' launch (one
+        # launch for both).
         rows = self._update.rows
         with phase("fusedzero::grad_norm"):
             # Stage 0 grads are replicated: the local sum of squares is already global.
@@ -406,10 +397,12 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
                 self._ctx if self.stage.shards_state else None,
                 self._tp_ctx,
                 rows=rows,
-                hyper=lrs,
+                hyper=hyper,
             )
         with phase("fusedzero::update"):
-            self._update.step(lrs, s.step, s.grad_scale, s.skip, rows_written=rows is not None)
+            self._update.step(
+                hyper, StepTensors(s.step, s.grad_scale, s.skip), rows_written=rows is not None
+            )
         s.finish()
         self.param_sync.gather(after_step=True)
         self._consume_grads()
@@ -511,3 +504,55 @@ class ZeroAdamW(ShardStateMethods, torch.optim.Optimizer):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Multiply the loss by the current loss scale (identity without loss scaling)."""
         return loss if self.scaler is None else loss * self.scaler.scale
+
+
+class ZeroAdamW(ZeroOptimizer):
+    """AdamW with ZeRO sharding over a process group: the engine (`ZeroOptimizer`) with the
+    AdamW rule (fusedzero/rules/_adamw.py); one fused update launch per dtype combination.
+
+    Args:
+        params: parameters or param-group dicts, as for `torch.optim.AdamW`. Params with
+            `requires_grad=False` are left out (frozen).
+        lr, betas, eps, weight_decay, maximize: as `torch.optim.AdamW` (decoupled weight decay),
+            but eps must be > 0 and lr, eps, weight_decay finite in fp32 (`validate.check_hyper`).
+        stage, module, max_grad_norm, precision, wire, groups, sharding, device, trace: the
+            engine's (`ZeroOptimizer`).
+
+    The records are described in docs/api.md. A keyword of the old flat signature
+    (`param_dtype=`, `process_group=`, ...) raises a TypeError naming its record.
+    """
+
+    @moved_keywords
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        maximize: bool = False,
+        *,
+        stage: int | Stage = 1,
+        module: nn.Module | None = None,
+        max_grad_norm: float | None = None,
+        precision: Precision = Precision(),
+        wire: Wire = Wire(),
+        groups: Groups = Groups(),
+        sharding: Sharding = Sharding(),
+        device: torch.device | str | None = None,
+        trace: bool = False,
+    ) -> None:
+        super().__init__(
+            params,
+            ADAMW,
+            dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize),
+            stage=stage,
+            module=module,
+            max_grad_norm=max_grad_norm,
+            precision=precision,
+            wire=wire,
+            groups=groups,
+            sharding=sharding,
+            device=device,
+            trace=trace,
+        )

@@ -42,7 +42,10 @@ from fusedzero._layout import FlatLayout, build_layout, default_bucket_numel
 from fusedzero._units import select_units
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.policy import Precision, Sharding, Wire, check_record
+from fusedzero.rules import Rule
+from fusedzero.rules._adamw import ADAMW
 from fusedzero.stage import Stage
+from fusedzero.state import optimizer_bytes
 
 __all__ = [
     "PLAN_PRECISION",
@@ -98,6 +101,9 @@ class PlanConfig:
     tp: int = 1
     """Tensor-parallel ranks per replica: the params planned are one tp rank's local shards
     (fusedzero/app/tp_plan.py), and the grad norm is all-reduced over tp as well."""
+    rule: Rule = ADAMW
+    """The update rule (fusedzero/rules): the state fields it keeps are counted per element
+    (default: AdamW's, as `ZeroAdamW` runs)."""
 
     def __post_init__(self) -> None:
         for name, cls in (("precision", Precision), ("wire", Wire), ("sharding", Sharding)):
@@ -208,13 +214,14 @@ class Plan:
         c, W = self.config, self.world_size
         pdt = dtypes.short_name(c.param_dtype) if c.param_dtype is not None else "own dtype"
         # K per element of a shard, scales included (exact per 128 elements: QBLOCK divides it).
-        k = c.modes.state_bytes(128, c.param_dtype or torch.float32) / 128
+        k = optimizer_bytes(c.modes, c.rule, 128, c.param_dtype or torch.float32) / 128
+        states = " + ".join(f.name for f in c.rule.state_fields(c.modes))
         if c.modes != MemoryModes():
             what = f"master={c.modes.master}, states={c.modes.states}"
         elif c.param_dtype == torch.float32:
-            what = "fp32 exp_avg + exp_avg_sq (fp32 params are their own master)"
+            what = f"fp32 {states} (fp32 params are their own master)"
         else:
-            what = "fp32 master + exp_avg + exp_avg_sq"
+            what = f"fp32 master + {states}"
         lines = [
             f"{self.source}: {self.params:,} params (Psi), world size W={W}",
             f"params {pdt}, grads {dtypes.short_name(c.reduce_dtype)}"
@@ -342,7 +349,7 @@ def _stage_plan(
         p = dt.itemsize
         params += p * (L.local_numel if stage == 3 else L.padded_numel)
         grads += g * (L.local_numel if stage >= 2 else L.padded_numel)
-        opt += cfg.modes.state_bytes(L.local_numel, dt)
+        opt += optimizer_bytes(cfg.modes, cfg.rule, L.local_numel, dt)
         # One collective per bucket, counted as comm.CommCounter.add does (`_bucket_comm`); the
         # ring steps of each (an all-to-all, as a reduce-scatter, W-1) for the comm-time model.
         nb = L.num_buckets

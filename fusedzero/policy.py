@@ -86,7 +86,7 @@ class Precision:
     master at all: "bf16-kahan" (the bf16 param plus a bf16 Kahan compensation), "bf16-sr"
     (updates stochastically rounded onto the param), "bf16" (round to nearest)."""
     states: StateMode = "fp32"
-    """exp_avg / exp_avg_sq as "fp32", "bf16" or "int8" (one fp32 scale per 128 elements)."""
+    """The update rule's state as "fp32", "bf16" or "int8" (one fp32 scale per 128 elements)."""
     seed: int = 0
     """The random stream of master="bf16-sr" (bits from (seed, step, element)): the same seed
     makes a run and its resume bit-exact."""

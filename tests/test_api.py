@@ -26,6 +26,7 @@ PUBLIC = (
     "fusedzero.testing",
     "fusedzero.stage",
     "fusedzero.state",
+    "fusedzero.rules",
     "fusedzero.memory_modes",
     "fusedzero.wire",
 )

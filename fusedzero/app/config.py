@@ -157,7 +157,7 @@ class TrainConfig:
     """Master weights (Precision(master=)): fp32, or with --param-dtype bf16 no fp32 master:
     bf16-kahan, bf16-sr or bf16 (fusedzero/memory_modes.py)."""
     states: str = "fp32"
-    """exp_avg / exp_avg_sq storage (Precision(states=)): fp32, bf16 or int8."""
+    """The update rule's state storage (Precision(states=)): fp32, bf16 or int8."""
     device: str = "auto"
     """auto (CUDA if available), cpu or cuda."""
     progress: bool = True

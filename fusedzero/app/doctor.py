@@ -172,8 +172,8 @@ def checkpoint_round_trip(device: torch.device) -> tuple[str, dict[str, Any]]:
         a, b = opts[0].shard_state(), opts[1].shard_state()
         pairs = [
             (f"{f}[{i}]", x, y)
-            for f in ("master", "exp_avg", "exp_avg_sq")
-            for i, (x, y) in enumerate(zip(getattr(a, f), getattr(b, f)))
+            for f in a.names()
+            for i, (x, y) in enumerate(zip(a.get(f), b.get(f)))  # type: ignore[arg-type]
         ]
         with opts[0].gathered_params(), opts[1].gathered_params():
             pairs += [(n, p, q) for (n, p), q in zip(model.named_parameters(), other.parameters())]

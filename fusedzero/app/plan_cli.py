@@ -146,7 +146,7 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
         "--states",
         choices=STATE_MODES,
         default="fp32",
-        help="exp_avg / exp_avg_sq storage (Precision(states=))",
+        help="the update rule's state storage (Precision(states=))",
     )
     p.add_argument(
         "--wire",

@@ -25,9 +25,8 @@ from typing import Any, NamedTuple
 import torch
 
 from fusedzero.checkpoint._format import SHARD_FORMAT, ST_DTYPE, count_str
-from fusedzero.checkpoint._manifest import VERSION, manifest_modes
-from fusedzero.memory_modes import QBLOCK, MemoryModes
-from fusedzero.state import fields_of
+from fusedzero.checkpoint._manifest import VERSION, manifest_modes, manifest_rule
+from fusedzero.state import tensor_fields
 
 # The layout digest's own header key (its value: sha256 of every other row, see `_digest`).
 DIGEST = "layout_sha256"
@@ -124,27 +123,15 @@ def header_problems(m: dict[str, Any], e: dict[str, Any], meta: dict[str, str]) 
     )
 
 
-def saved_dtype(kind: str, saved: MemoryModes) -> torch.dtype:
-    """The dtype tensor `fg<i>.<kind>` is stored in under memory modes `saved`."""
-    if kind.endswith("_scale"):
-        return torch.float32
-    if kind == "comp" or (kind == "master" and not saved.fp32_master):
-        return torch.bfloat16
-    if kind == "master":
-        return torch.float32
-    return saved.state_dtypes[0 if kind == "exp_avg" else 1]
-
-
 def expected_tensors(
     m: dict[str, Any], e: dict[str, Any]
 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Every tensor entry `e`'s file must hold: name -> (dtype, shape)."""
-    modes = manifest_modes(m)
+    fields = tensor_fields(manifest_modes(m), manifest_rule(m))
     out = {}
     for g in e["groups"]:
-        for kind in fields_of(modes):
-            n = g["local_numel"] // QBLOCK if kind.endswith("_scale") else g["local_numel"]
-            out[f"{g['key']}.{kind}"] = (saved_dtype(kind, modes), (n,))
+        for f in fields:
+            out[f"{g['key']}.{f.name}"] = (f.dtype, (f.numel(g["local_numel"]),))
     return out
 
 

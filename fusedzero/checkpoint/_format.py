@@ -30,10 +30,11 @@ fp32):
     fg{i}.master            master values: fp32 (fp32 params without a separate master: the
                             params); bf16 in the bf16 master modes (the params themselves)
     fg{i}.comp              bf16-kahan only: the bf16 compensation (effective master: master+comp)
-    fg{i}.exp_avg           Adam first moment: fp32, bf16 or int8 codes
-    fg{i}.exp_avg_sq        Adam second moment: fp32, bf16 or uint8 codes
-    fg{i}.exp_avg_scale     int8 states only: fp32, one per QBLOCK (128) elements
-    fg{i}.exp_avg_sq_scale  (scale k belongs to elements [128 k, 128 k + 128))
+    fg{i}.<field>           each state field of the manifest's update rule
+                            (`Rule.state_fields(modes)`, fusedzero/rules; AdamW's: its two
+                            moments, fp32, bf16 or int8/uint8 codes, and in the int8 mode their
+                            `<field>_scale` tensors: fp32, one per QBLOCK (128) elements, scale
+                            k belonging to elements [128 k, 128 k + 128))
 
 Elements no segment covers are padding and are zero. Every segment starts at a multiple of 128
 local elements and of 128 elements of its param (the layout aligns params and shard pieces), so a
@@ -54,6 +55,9 @@ manifest.json (written last, after every shard is fsynced and renamed into place
                              1: no modes, states fp32)
     modes                    {"master": "fp32"|"bf16-kahan"|"bf16-sr"|"bf16",
                               "states": "fp32"|"bf16"|"int8"} (version 2)
+    rule                     the update rule whose state the shards hold, a name of
+                             `_manifest.RULES` ("adamw"); absent (written before it was
+                             recorded): "adamw"
     seed                     the saving optimizer's bf16-sr seed (version 2; informative: the
                              loading optimizer keeps its own)
     world_size, stage, step  the saving run; step is the caller's step, step_count the optimizer's
@@ -112,12 +116,14 @@ from typing import Any
 import torch
 
 from fusedzero import _dtypes as dtypes
-from fusedzero.checkpoint._manifest import CheckpointError
+from fusedzero.checkpoint._manifest import CheckpointError, value_kinds
+from fusedzero.rules._adamw import ADAMW
 
 SHARD_FORMAT = "fusedzero-shard"
 MANIFEST = "manifest.json"
 LATEST = "latest"
-KINDS = ("master", "exp_avg", "exp_avg_sq")
+# The per-param values of this format's checkpoints (`manifest_rule`: AdamW's).
+KINDS = value_kinds(ADAMW)
 # Bytes per write()/hash update: big enough that syscalls cost nothing, small enough that the
 # hash never holds a second copy of a large tensor.
 _CHUNK = 16 << 20

@@ -3,19 +3,18 @@
 Plan (`reshard.plan`), read every slice into host staging buffers, agree across ranks, and only
 then write the optimizer through `opt.load_shard_state` (see [Note: transactional load]).
 
-[Note: transactional load] Every rank first reads all it needs (master, exp_avg, exp_avg_sq, its
+[Note: transactional load] Every rank first reads all it needs (master, the rule's state, its
 caller and RNG state, the hyper-parameters) into staging buffers on the host, then the ranks agree
 on success in one collective, and only then is the optimizer written. So a read error on any rank
 (a corrupt slice, a file gone after planning) raises the same error on every rank, nobody is left
 waiting in a later collective, and the optimizer is untouched everywhere. The cost: this rank's
 shard buffers, as saved, are held on the host at once (`peak_buffer_bytes` reports it).
 
-[Note: bound hyper-parameters] Of the hyper-parameters, the numbers (lr, betas, eps, weight_decay,
-any numeric group key) are restored; the switches and names (maximize: a manifest edited to `true`
-would train by gradient ascent) are the constructor's: a manifest whose value differs is refused
-(CheckpointError naming the field). With `load_hyperparams=False` (`fusedzero train --resume`) none
-of them is read.
-"""
+[Note: bound hyper-parameters] Of the hyper-parameters, the numbers (lr, weight_decay, any numeric
+group key or tuple of numbers) are restored; the switches and names (maximize: a manifest edited to
+`true` would train by gradient ascent) are the constructor's: a manifest whose value differs is
+refused (CheckpointError naming the field). With `load_hyperparams=False` (`fusedzero train
+--resume`) none of them is read."""
 
 from __future__ import annotations
 
@@ -26,8 +25,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from fusedzero._validate import check_hyper
-from fusedzero.checkpoint._binding import saved_dtype
 from fusedzero.checkpoint._catalog import (
     file_problems,
     link_problem,
@@ -38,7 +35,13 @@ from fusedzero.checkpoint._catalog import (
 )
 from fusedzero.checkpoint._collectives import agree
 from fusedzero.checkpoint._format import MANIFEST, Peak
-from fusedzero.checkpoint._manifest import VERSION, CheckpointError, manifest_modes, snippet
+from fusedzero.checkpoint._manifest import (
+    VERSION,
+    CheckpointError,
+    manifest_modes,
+    manifest_rule,
+    snippet,
+)
 from fusedzero.checkpoint._optview import group_names, param_table
 from fusedzero.checkpoint._placements import check_origin, common_step, tp_directory
 from fusedzero.checkpoint._rank_state import decode, set_rng_state
@@ -47,7 +50,8 @@ from fusedzero.checkpoint._saving import wait_pending
 from fusedzero.checkpoint._shardfile import ShardFile, Slice
 from fusedzero.checkpoint._tp_reshard import across_tp, read_across
 from fusedzero.memory_modes import QBLOCK
-from fusedzero.state import TENSOR_FIELDS, ShardState, fields_of
+from fusedzero.rules import Rule
+from fusedzero.state import ShardState, tensor_fields
 
 if TYPE_CHECKING:
     from fusedzero.optim import ZeroAdamW
@@ -93,15 +97,15 @@ def load(
     master into bf16-kahan: param = rne(master), comp = rne(master - param); back: master =
     param + comp).
 
-    Restores master (and the params), exp_avg, exp_avg_sq, the step count, the loss scaler, and
-    (with `load_hyperparams`, when the param groups hold the same params) the hyper-parameters;
-    with `restore_rng`, this rank's saved RNG states if the saving run had this rank (with a
-    `Groups(replicate=)`, this rank of this replica).
+    Restores master (and the params), the rule's state (AdamW: both moments), the step count,
+    the loss scaler, and (with `load_hyperparams`, when the param groups hold the same params)
+    the hyper-parameters; with `restore_rng`, this rank's saved RNG states if the saving run had
+    this rank (with a `Groups(replicate=)`, this rank of this replica).
 
     See [Note: bound hyper-parameters].
 
     Everything is checked before anything is written, on every rank: the saved
-    hyper-parameters with the constructor's rules (`fusedzero._validate.check_hyper`), and,
+    hyper-parameters with the constructor's rules (the rule's `check_group`), and,
     with `check_caller`, this rank's caller state (None where the saving run had no such rank):
     it raises (ValueError, TypeError, CheckpointError) to refuse it, on every rank.
     """
@@ -136,8 +140,8 @@ def load(
                 raise CheckpointError(named)
             if manifest["version"] < VERSION:  # one problem: convert it
                 raise CheckpointError(file_problems(d, manifest, [], False)[0])
-            staged = _read_staged(d, manifest, infos, reads, peak, verify)
-        _check_values(staged, d)
+            staged = _read_staged(d, manifest, infos, reads, peak, verify, _rule(opt, d, manifest))
+        _check_values(staged, d, opt.rule)
         if load_hyperparams:
             groups = _staged_groups(opt, manifest["param_groups"], d)
         state = _staged_state(manifest, rank, opt.replica_rank, d, restore_rng)
@@ -191,6 +195,7 @@ def _read_staged(
     plan: list[list[Read]],
     peak: Peak,
     verify: bool,
+    rule: Rule,
 ) -> ShardState:
     """Every buffer's state from the shard files, on the host, as it was saved (the manifest's
     modes: `load_shard_state` converts it into the optimizer's). Each file is opened once, its
@@ -203,14 +208,13 @@ def _read_staged(
     multiples of the layout's ALIGN = QBLOCK), so every read starts on a block and its scales
     are those of blocks [src, src + n) / QBLOCK."""
     saved = manifest_modes(manifest)
-    kinds = fields_of(saved)
-    out: dict[str, list[torch.Tensor]] = {kind: [] for kind in kinds}
+    fields = tensor_fields(saved, rule)
+    out: dict[str, list[torch.Tensor]] = {f.name: [] for f in fields}
     by_file: dict[str, list[Slice]] = {}
     for info, reads in zip(infos, plan, strict=True):
-        for kind in kinds:
-            scale = kind.endswith("_scale")
-            numel = info.local_numel // QBLOCK if scale else info.local_numel
-            dst = peak.add(torch.zeros(numel, dtype=saved_dtype(kind, saved)))
+        for f in fields:
+            kind, scale = f.name, f.per != 1
+            dst = peak.add(torch.zeros(f.numel(info.local_numel), dtype=f.dtype))
             out[kind].append(dst)
             for fname, key, src, dl, n in reads:
                 if scale:
@@ -241,23 +245,35 @@ def _read_staged(
     return ShardState(**out, modes=saved)
 
 
-def _check_values(staged: ShardState, d: Path) -> None:
-    """Every staged float finite, every second moment >= 0: a NaN or Inf (a diverged run, an
-    edited shard whose sha256 was updated too) would train the params to NaN, and the next save
-    would make it `latest`. One pass over the staging buffers, on the host."""
-    for kind in TENSOR_FIELDS:
-        for i, t in enumerate(getattr(staged, kind) or ()):
+def _rule(opt: ZeroAdamW, d: Path, manifest: dict[str, Any]) -> Rule:
+    """The rule whose state the checkpoint holds, which must be the optimizer's."""
+    rule = manifest_rule(manifest)
+    if rule.name != opt.rule.name:
+        raise CheckpointError(
+            f"checkpoint {d} holds {rule.name} state, this optimizer runs {opt.rule.name}"
+        )
+    return rule
+
+
+def _check_values(staged: ShardState, d: Path, rule: Rule) -> None:
+    """Every staged float finite, every state the rule keeps non-negative (an unsigned field,
+    e.g. AdamW's second moment) >= 0: a NaN or Inf (a diverged run, an edited shard whose sha256
+    was updated too) would train the params to NaN, and the next save would make it `latest`.
+    One pass over the staging buffers, on the host."""
+    unsigned = {f.name for f in rule.state_fields(staged.modes) if not f.signed}
+    for kind in staged.names():
+        for i, t in enumerate(staged.get(kind) or ()):
             if not t.is_floating_point():
                 continue  # int8 codes: every value is one
             bad = ~torch.isfinite(t)
-            if kind == "exp_avg_sq":
+            if kind in unsigned:
                 bad |= t < 0
             n = int(bad.sum())
             if n:
                 j = int(bad.nonzero()[0, 0])
                 raise CheckpointError(
                     f"checkpoint {d}: its {kind} (buffer {i}) holds {n} value(s) that are "
-                    f"{'negative or ' if kind == 'exp_avg_sq' else ''}not finite, the first "
+                    f"{'negative or ' if kind in unsigned else ''}not finite, the first "
                     f"{float(t[j])} at element {j}: saved from a diverged run or edited; "
                     "resume from an earlier step"
                 )
@@ -301,8 +317,8 @@ def _staged_groups(
                 if v != cur or type(v) is not type(cur):
                     raise CheckpointError(
                         f"{field} is {snippet(v)}, this optimizer has {cur!r}: a checkpoint "
-                        f"restores numbers (lr, betas, eps, weight_decay), not switches; "
-                        f"construct ZeroAdamW({k}={snippet(v)}) to load it as saved, or "
+                        f"restores numbers (lr, weight_decay, ...), not switches; "
+                        f"construct {type(opt).__name__}({k}={snippet(v)}) to load it as saved, or "
                         "load_hyperparams=False to keep this optimizer's own"
                     )
             elif isinstance(cur, tuple):
@@ -315,10 +331,10 @@ def _staged_groups(
                 new[k] = tuple(v)
         merged = {**g, **new}
         try:  # the constructor's rules: a manifest installs nothing ZeroAdamW(...) would refuse
-            check_hyper(merged["lr"], merged["betas"], merged["eps"], merged["weight_decay"])
+            opt.rule.check_group(merged)
         except (ValueError, TypeError) as e:
             raise CheckpointError(
-                f"{d / MANIFEST}: param_groups[{i}]: {e} (ZeroAdamW refuses "
+                f"{d / MANIFEST}: param_groups[{i}]: {e} ({type(opt).__name__} refuses "
                 "it; the checkpoint's hyper-parameters were edited)"
             ) from None
         out.append(new)

@@ -23,6 +23,8 @@ from typing import Any
 
 from fusedzero import _dtypes as dtypes
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES, MemoryModes
+from fusedzero.rules import Rule
+from fusedzero.rules._adamw import ADAMW
 
 FORMAT = "fusedzero-checkpoint"
 # 2: `modes` (memory modes: each state stored in its own dtype, with its scales); a version-1
@@ -91,6 +93,36 @@ def parse(text: str, where: Path) -> dict[str, Any]:
 def manifest_modes(m: dict[str, Any]) -> MemoryModes:
     """The memory modes the states of a validated manifest were saved in."""
     return MemoryModes(**m["modes"]) if "modes" in m else MemoryModes()
+
+
+# The update rules whose state checkpoints hold, by `Rule.name`: a manifest names its rule in
+# `rule`; one without (written before rules were named) holds AdamW state. A rule joins here
+# when its checkpoints are supported: its state fields are the tensors of the shard files.
+RULES: dict[str, Rule] = {ADAMW.name: ADAMW}
+
+
+def manifest_rule(m: dict[str, Any]) -> Rule:
+    """The update rule whose state fields a validated manifest's shards hold."""
+    return RULES[m.get("rule", ADAMW.name)]
+
+
+def rule_name(rule: Rule) -> str:
+    """What a manifest records for an optimizer running `rule`; ValueError for a rule whose
+    state checkpoints do not hold (it could be saved but never loaded)."""
+    if rule.name not in RULES:
+        raise ValueError(
+            f"checkpoints hold the state of the update rules {sorted(RULES)}, not "
+            f"{rule.name!r}: add it to fusedzero/checkpoint/_manifest.py's RULES (docs/rules.md)"
+        )
+    return rule.name
+
+
+def value_kinds(rule: Rule) -> tuple[str, ...]:
+    """The per-element values of a param a checkpoint of `rule` holds, in any memory mode: the
+    master and the rule's value fields (not the block scales, nor the Kahan compensation)."""
+    return ("master",) + tuple(
+        f.name for f in rule.state_fields(MemoryModes()) if f.scale_of is None
+    )
 
 
 def _no_constant(name: str) -> Any:
@@ -200,6 +232,8 @@ def validate(m: Any, where: Path) -> None:
                 raise c.fail(
                     f"modes.{key}", f"is {_short(modes[key])}, expected one of {list(allowed)}"
                 )
+    if "rule" in m and m["rule"] not in RULES:
+        raise c.fail("rule", f"is {_short(m['rule'])}, expected one of {sorted(RULES)}")
     W = c.int_(c.get(m, "world_size", ""), "world_size", 1, 1 << 20)
     c.int_(c.get(m, "stage", ""), "stage", 0, 4)
     c.int_(c.get(m, "step", ""), "step")

@@ -62,7 +62,14 @@ from fusedzero.checkpoint._format import (
     step_dir_name,
     write_text_atomic,
 )
-from fusedzero.checkpoint._manifest import FORMAT, MAX_MANIFEST, STEP_DIR, VERSION, CheckpointError
+from fusedzero.checkpoint._manifest import (
+    FORMAT,
+    MAX_MANIFEST,
+    STEP_DIR,
+    VERSION,
+    CheckpointError,
+    rule_name,
+)
 from fusedzero.checkpoint._optview import aliases, hyperparams
 from fusedzero.checkpoint._placements import tp_directory, tp_origin
 from fusedzero.checkpoint._rank_state import pack, rng_state, unpack
@@ -494,6 +501,7 @@ def _manifest_base(
         "bucket_numel": opt.bucket_numel,
         "param_dtype": dtypes.name(opt.param_dtype) if opt.param_dtype is not None else None,
         "modes": st.modes.to_json(),
+        "rule": rule_name(opt.rule),
         "seed": opt.seed,
         "params": params,
         "param_groups": hyperparams(opt),

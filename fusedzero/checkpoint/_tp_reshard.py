@@ -1,17 +1,18 @@
 """Optimizer state across tp sizes: a tensor-parallel checkpoint root (fusedzero/checkpoint/
 _placements.py) loaded at another tp size, tp=1 (a plain model) included.
 
-Param by param, each tp folder's local master, exp_avg and exp_avg_sq are read (as `export` reads
-them: `weights.read_param`), assembled into the full tensor by the saved placement (`full_of`:
-Shard(d) concatenated along d in tp-rank order, _StridedShard chunk by chunk; a Replicate param
-from tp rank 0's folder alone), cut to this rank's local tensor by the live placement
-(`local_of`) and copied into this rank's segments, as `import_weights` fills masters. Every value
-is copied, never recomputed: the state after load is bit-exact. `checkpoint.load` then commits it
-as any load (agree, `load_shard_state`), so the dp resharding and the stage are the usual ones.
+Param by param, each tp folder's local master and rule state (AdamW: both moments) are read (as
+`export` reads them: `weights.read_param`), assembled into the full tensor by the saved placement
+(`full_of`: Shard(d) concatenated along d in tp-rank order, _StridedShard chunk by chunk; a
+Replicate param from tp rank 0's folder alone), cut to this rank's local tensor by the live
+placement (`local_of`) and copied into this rank's segments, as `import_weights` fills masters.
+Every value is copied, never recomputed: the state after load is bit-exact. `checkpoint.load` then
+commits it as any load (agree, `load_shard_state`), so the dp resharding and the stage are the usual
+ones.
 
-Memory: this rank's flat buffers (three fp32 states) plus one param's full tensor and its tp
-pieces at a time. Only the default memory modes (fp32 master and moments) reshard across tp;
-other modes load at the saving tp size.
+Memory: this rank's flat buffers (master and the rule's states, fp32) plus one param's full tensor
+and its tp pieces at a time. Only the default memory modes (fp32 master and moments) reshard across
+tp; other modes load at the saving tp size.
 
 The record is untrusted: its names and global shapes must equal the live model's, every tp
 folder must be bound to it (`placements.check_bound`: an edit that keeps the local shapes
@@ -31,7 +32,12 @@ import torch
 
 from fusedzero.checkpoint import _catalog as catalog
 from fusedzero.checkpoint._format import Peak
-from fusedzero.checkpoint._manifest import CheckpointError, manifest_modes
+from fusedzero.checkpoint._manifest import (
+    CheckpointError,
+    manifest_modes,
+    manifest_rule,
+    value_kinds,
+)
 from fusedzero.checkpoint._placements import (
     check_bound,
     check_folder,
@@ -48,8 +54,6 @@ from fusedzero.state import ShardState
 
 if TYPE_CHECKING:
     from fusedzero.optim import ZeroAdamW
-
-KINDS = ("master", "exp_avg", "exp_avg_sq")
 
 
 def across_tp(opt: ZeroAdamW, path: Any) -> dict[str, Any] | None:
@@ -122,7 +126,8 @@ def read_across(
 
     infos = opt.shard_infos()
     names = {i.index: (i.name, i.shape) for i in opt.param_infos()}
-    out = {k: [torch.zeros(info.local_numel, dtype=torch.float32) for info in infos] for k in KINDS}
+    kinds = value_kinds(manifest_rule(manifests[0]))
+    out = {k: [torch.zeros(info.local_numel, dtype=torch.float32) for info in infos] for k in kinds}
     for bufs in out.values():
         for b in bufs:
             peak.add(b)
@@ -139,7 +144,7 @@ def read_across(
             name, local_shape = names[idx]
             pl, shape = saved[name]["placement"], saved[name]["shape"]
             folders = [0] if pl == "R" else list(range(T))
-            for kind in KINDS:
+            for kind in kinds:
                 parts = [
                     read_param(readers[t], pieces[t], entries[t][name], kind, peak) for t in folders
                 ]

@@ -27,7 +27,6 @@ import torch
 from safetensors import safe_open
 
 from fusedzero import _dtypes as dtypes
-from fusedzero._local_param import write_runs
 from fusedzero.checkpoint import _catalog as catalog
 from fusedzero.checkpoint._catalog import read_manifest
 from fusedzero.checkpoint._collectives import agree
@@ -243,7 +242,7 @@ def param_pieces(m: dict[str, Any], d: Path) -> dict[int, list[Piece]]:
 def read_param(
     readers: ShardReaders, pieces: dict[int, list[Piece]], p: dict[str, Any], kind: str, peak: Peak
 ) -> torch.Tensor:
-    """Manifest param `p`'s `kind` (master, exp_avg, exp_avg_sq) as one flat fp32 tensor
+    """Manifest param `p`'s `kind` (master or a rule's state field) as one flat fp32 tensor
     (counted in `peak`: the caller subtracts it), read slice by slice."""
     buf = peak.add(torch.empty(math.prod(p["shape"]), dtype=torch.float32))
     for fname, key, local, start, length in pieces[p["index"]]:
@@ -407,15 +406,13 @@ def import_weights(
         found = _match_weights(
             opt, src, strict, str(source) if not isinstance(source, Mapping) else "state dict"
         )
-        if opt.zero3 is not None:
-            # Stage 3: each segment read and written into the shards at once, nothing staged.
-            # A read failing on one rank still fails every rank (`agree`), with the params
-            # partly written: import again.
-            opt.quiesce_params()
-            read = src.read_flat
-            write_runs(opt.flat_groups, opt.params, lambda i, a, b: read(found[i], a, b))
+        # Stage 3: each segment read and written into the shards at once, nothing staged. A
+        # read failing on one rank still fails every rank (`agree`), with the params partly
+        # written: import again.
+        read = src.read_flat
+        streamed = opt.write_param_runs(lambda i, a, b: read(found[i], a, b))
         with torch.no_grad():
-            for info in [] if opt.zero3 is not None else opt.shard_infos():
+            for info in [] if streamed else opt.shard_infos():
                 buf = torch.zeros(info.local_numel, dtype=torch.float32)
                 for s in info.segments():
                     buf[s.local : s.local + s.length].copy_(

@@ -8,16 +8,17 @@ state-dict API (the usual torchtitan / recipe layout):
     model_sd, optim_sd = torch.distributed.checkpoint.state_dict.get_state_dict(model, optim)
     torch.distributed.checkpoint.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=DIR)
 
-Parameters and optimizer state are keyed by the model's parameter names, so the converter needs
-no model class: it builds a stand-in module with those names and shapes, puts the params into a
-one-rank `ZeroAdamW` as its fp32 master, the AdamW moments into exp_avg / exp_avg_sq and the step
-into its step count, and writes it with `fusedzero.checkpoint.save`. Our checkpoints reshard on
-load, so the run resumes at any world size and stage with its moments and step intact. The param
-groups (their params and lr / betas / eps / weight_decay) are kept: build the resuming ZeroAdamW
-with the same groups and `checkpoint.load` restores the hyper-parameters too.
+Parameters and optimizer state are keyed by the model's parameter names, so the converter needs no
+model class: it builds a stand-in module with those names and shapes, puts the params into a
+one-rank `ZeroAdamW` as its fp32 master, torch's AdamW state into the AdamW rule's state fields
+(fusedzero/rules/_adamw.py; they carry torch's names) and the step into its step count, and writes
+it with `fusedzero.checkpoint.save`. Our checkpoints reshard on load, so the run resumes at any
+world size and stage with its moments and step intact. The param groups (their params and the rule's
+hyper-parameters) are kept: build the resuming ZeroAdamW with the same groups and `checkpoint.load`
+restores the hyper-parameters too.
 
-Offline, one process, no process group. Memory: the whole model's params and two moments in
-fp32 (consolidated as DCP's `dcp_to_torch_save` does), plus the optimizer's copy.
+Offline, one process, no process group. Memory: the whole model's params and their AdamW state
+in fp32 (consolidated as DCP's `dcp_to_torch_save` does), plus the optimizer's copy.
 
 [Note: no code from a DCP folder] DCP's `.metadata` is a pickle and its non-tensor items
 (hyper-parameters) are `torch.load(weights_only=False)` pickles: read as DCP reads them, a
@@ -42,14 +43,18 @@ import torch
 from torch import nn
 
 from fusedzero.checkpoint._catalog import read_manifest
+from fusedzero.checkpoint._manifest import value_kinds
 from fusedzero.checkpoint._saving import save
+from fusedzero.rules._adamw import ADAMW
 from fusedzero.state import ShardState
 
 __all__ = ["import_dcp", "read_dcp", "read_dcp_metadata"]
 
-# The AdamW hyper-parameters ZeroAdamW has; other keys of torch's param groups (foreach, fused,
+# The AdamW rule's hyper-parameters; other keys of torch's param groups (foreach, fused,
 # capturable, differentiable, initial_lr) only choose torch's implementation.
-HYPER = ("lr", "betas", "eps", "weight_decay", "maximize")
+HYPER = tuple(ADAMW.defaults)
+# master, then the rule's per-param states under torch's names.
+KINDS = value_kinds(ADAMW)
 
 
 # What `.metadata` may build (module, name); anything else is refused with its name.
@@ -253,7 +258,7 @@ def import_dcp(
         if g.get("amsgrad"):
             raise ValueError(
                 f"{dcp_dir}: a param group has amsgrad=True; ZeroAdamW has no "
-                "amsgrad: the max of exp_avg_sq would be lost"
+                "amsgrad: the max of the second moment would be lost"
             )
     steps = {float(_full(state[n]["step"])) for n in names if n in state}
     if len(steps) > 1:
@@ -268,7 +273,11 @@ def import_dcp(
     opt_groups = [
         {
             "params": [params[n] for n in g["params"]],
-            **{k: (tuple(g[k]) if k == "betas" else g[k]) for k in HYPER if k in g},
+            **{
+                k: (tuple(g[k]) if isinstance(ADAMW.defaults[k], tuple) else g[k])
+                for k in HYPER
+                if k in g
+            },
         }
         for g in groups
     ]
@@ -277,22 +286,17 @@ def import_dcp(
     if opt.world_size != 1:
         raise RuntimeError("import_dcp runs offline: call it with no process group initialised")
     index = {n: i for i, n in enumerate(names)}
-    full = ShardState(master=[], exp_avg=[], exp_avg_sq=[], step_count=step)
+    full = ShardState(**{k: [] for k in KINDS}, step_count=step)
     with torch.no_grad():
         for info in opt.shard_infos():
-            # A param AdamW never stepped has no state: its moments stay zero, as torch's.
-            master, exp_avg, exp_avg_sq = (
-                torch.zeros(info.local_numel, dtype=torch.float32) for _ in range(3)
-            )
+            # A param AdamW never stepped has no state: its states stay zero, as torch's.
+            bufs = {k: torch.zeros(info.local_numel, dtype=torch.float32) for k in KINDS}
             for s in info.segments():
                 n = names[s.param]
                 assert index[n] == s.param
-                ranges = [(master, model_sd[n])]
+                ranges = [(bufs["master"], model_sd[n])]
                 if n in state:
-                    ranges += [
-                        (exp_avg, _full(state[n]["exp_avg"])),
-                        (exp_avg_sq, _full(state[n]["exp_avg_sq"])),
-                    ]
+                    ranges += [(bufs[k], _full(state[n][k])) for k in KINDS[1:]]
                 for dst, src in ranges:
                     if math.prod(src.shape) != math.prod(model_sd[n].shape):
                         raise ValueError(
@@ -302,11 +306,8 @@ def import_dcp(
                     dst[s.local : s.local + s.length].copy_(
                         src.detach().reshape(-1)[s.start : s.start + s.length].float()
                     )
-            for bufs, t in zip(
-                (full.master, full.exp_avg, full.exp_avg_sq), (master, exp_avg, exp_avg_sq)
-            ):
-                assert bufs is not None
-                bufs.append(t)
+            for k, t in bufs.items():
+                full.get(k).append(t)  # type: ignore[union-attr]
     opt.load_shard_state(full)
     return save(opt, out, step=int(step)).wait()
 

@@ -1,0 +1,206 @@
+"""Update rules: the math of an optimizer, apart from the sharding engine that runs it.
+
+The engine (`fusedzero.optim.ZeroOptimizer`) owns the flat buffers, the grad hooks, buckets and
+gathers, stage-3 units, the master copy and its memory mode, and the step's scalars (clip, skip,
+loss scale, step count). It runs any `Rule` on its local shards; a rule declares:
+
+- `state_fields(modes)`: the per-element state it keeps in a memory mode (`StateField`s: name,
+  dtype, one element per `per` shard elements, and for block-quantized states the field whose
+  scales a field holds). The engine allocates them in every flat buffer, `opt.memory()` and
+  `fusedzero plan` count them, and checkpoints, state dicts and `ShardState` carry them by name.
+- `defaults` and `check_group(group)`: its per-group hyper-parameters, their defaults and their
+  validation (a ValueError naming the value, as torch.optim's).
+- `build(shards, ...)`: its launches over the rank's local shards (`LocalShard`), built once; the
+  engine calls `read_groups` before it waits for any reduction and `step` after the scalars are
+  computed (`Update`).
+- `element_wise`: True when any slice of a tensor can be updated alone (AdamW, SGD); False when
+  the rule needs whole tensors on one rank (a per-matrix rule such as Newton-Schulz
+  orthogonalisation): the layout must then place each tensor whole on an owner rank.
+
+The AdamW rule is `fusedzero.rules._adamw.ADAMW`; docs/rules.md shows how to add one.
+
+[Note: whole tensors for per-matrix rules] A rule with `element_wise = False` gets, in each
+`LocalShard`, whole tensors only: the layout, not the rule, must place each tensor whole on one
+owner rank (the reduce-scatter then hands the owner its full grads and the all-gather brings the
+params back, no extra collective). Today's layout cuts every bucket into equal slices, so the
+engine runs such a rule only where a rank's local shard holds whole tensors: stage 0 (every rank
+updates everything) or one rank; elsewhere it refuses at construction. An owner layout lifts that
+without a change to the rule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from fusedzero._layout import Segment
+from fusedzero.kernels import Strided
+from fusedzero.memory_modes import MemoryModes
+
+__all__ = ["LocalShard", "Rule", "StateField", "StepTensors", "Update", "WholeTensor"]
+
+# What a launch reads or writes: a contiguous local-shard tensor, or this rank's pieces of a full
+# bucketed buffer read in place (`Strided`).
+ShardView = Strided | torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class StateField:
+    """One per-element state tensor a rule keeps in every flat buffer, in the local-shard layout.
+
+    Its `name` is the buffer's attribute, the `ShardState` key and the checkpoint tensor's name
+    (`fg{i}.<name>`): renaming a field changes the checkpoint format.
+    """
+
+    name: str
+    dtype: torch.dtype
+    per: int = 1
+    """One element per `per` local-shard elements (block scales: QBLOCK). Local shards are a
+    multiple of QBLOCK elements, so no block straddles two params or two pieces."""
+    scale_of: str | None = None
+    """This field holds the block scales of that field (int8 states); None: a value field."""
+    signed: bool = True
+    """How a value field is quantized in the int8 mode (int8 codes; False: uint8 codes of a
+    non-negative state). Conversions between memory modes go through fp32 with it."""
+
+    def numel(self, local_numel: int) -> int:
+        return local_numel // self.per
+
+    def nbytes(self, local_numel: int) -> int:
+        return self.numel(local_numel) * self.dtype.itemsize
+
+
+def scale_field(fields: Sequence[StateField], name: str) -> StateField | None:
+    """The field holding `name`'s block scales, if any."""
+    return next((f for f in fields if f.scale_of == name), None)
+
+
+class WholeTensor(NamedTuple):
+    """A param held whole by a local shard: its index, where it starts in the local shard, its
+    shape (its elements are `local : local + numel` of every local-shard tensor)."""
+
+    param: int
+    local: int
+    shape: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LocalShard:
+    """What a rule's launch sees of one flat buffer: this rank's local shard of it.
+
+    `master`, `grad` and `out` are in the local-shard layout, as `Strided` views where they are
+    this rank's pieces of a full buffer (`num_buckets` pieces of `shard_numel` elements). `state`
+    holds the rule's fields (`Rule.state_fields`) by name. `group_index` is the param group, the
+    row of the group's hyper-parameters. `segments` say which elements of which param sit where
+    in the local shard (`Segment(param, start, length, rank, local)`), `shapes` each param's
+    shape by its index: a per-matrix rule finds its whole tensors there (a segment with start 0
+    and the param's full numel). The master-mode extras (`comp`, `sr_offset`) belong to the
+    engine's memory mode; a rule whose kernel writes the master honours them.
+    """
+
+    master: ShardView
+    grad: ShardView
+    out: ShardView | None  # where the cast of master goes (None: the params are the master)
+    state: Mapping[str, torch.Tensor]
+    num_buckets: int
+    shard_numel: int
+    group_index: int
+    segments: tuple[Segment, ...] = ()
+    shapes: Mapping[int, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    comp: torch.Tensor | None = None  # bf16-kahan: the master's bf16 compensation
+    sr_offset: int = 0  # bf16-sr: where this buffer starts in the random stream
+
+    def whole_tensors(self) -> list[WholeTensor]:
+        """Every param this shard holds whole, contiguous in the local shard (its segments
+        joined: at one rank a param may straddle two buckets, whose pieces are adjacent), in
+        local order. A per-matrix rule updates these; ValueError names a param held in part or
+        cut, which the engine never hands such a rule."""
+        runs: dict[int, list[Segment]] = {}
+        for seg in self.segments:
+            runs.setdefault(seg.param, []).append(seg)
+        out = []
+        for p, segs in runs.items():
+            segs.sort(key=lambda s: s.start)
+            numel = math.prod(self.shapes[p])
+            joined = all(
+                b.start == a.start + a.length and b.local == a.local + a.length
+                for a, b in zip(segs, segs[1:])
+            )
+            if segs[0].start != 0 or sum(s.length for s in segs) != numel or not joined:
+                raise ValueError(f"param {p} is not whole in this local shard: {segs}")
+            out.append(WholeTensor(p, segs[0].local, self.shapes[p]))
+        return sorted(out, key=lambda t: t.local)
+
+    def pieces(self, view: ShardView) -> list[torch.Tensor]:
+        """`view` (master, grad, out or a state field) as its piece of every bucket, in
+        local-shard order: `num_buckets` tensors of `shard_numel` elements that a rule's torch
+        path can update with foreach ops. Block-scale fields split by `per` first."""
+        S = self.shard_numel
+        if isinstance(view, torch.Tensor):
+            return [view[k * S : (k + 1) * S] for k in range(self.num_buckets)]
+        return [
+            view.tensor[k * view.stride + view.base : k * view.stride + view.base + S]
+            for k in range(self.num_buckets)
+        ]
+
+
+class StepTensors(NamedTuple):
+    """The step's scalars as one-element device tensors, computed before the update: `step` the
+    taken steps (this one counted), `grad_scale` what the reduced grads are multiplied by (inverse
+    loss scale times clip coefficient), `skip` non-zero when the update must write nothing."""
+
+    step: torch.Tensor
+    grad_scale: torch.Tensor
+    skip: torch.Tensor
+
+
+class Update(Protocol):
+    """A rule's launches over every local shard of a rank, built once (the shards are written in
+    place, never replaced, so tables of their addresses stay valid)."""
+
+    rows: Any
+    """Per-group rows the step's scalar launch may write in its own launch (a
+    `fusedzero.kernels._rows.Rows`, filled from `read_groups`' result), or None."""
+
+    def read_groups(self, param_groups: list[dict[str, Any]]) -> Any:
+        """This step's hyper-parameters from the groups as they are now (host values; raise on a
+        bad one). Runs before the step waits for any reduction."""
+        ...
+
+    def step(self, hyper: Any, scalars: StepTensors, *, rows_written: bool) -> None:
+        """Update every local shard. No host sync (scale, clip and skip are device tensors);
+        `rows_written`: the scalar launch already wrote `rows` for this step."""
+        ...
+
+
+class Rule(Protocol):
+    """An update rule as the engine runs it (see the module docstring)."""
+
+    name: str
+    element_wise: bool
+    defaults: Mapping[str, Any]
+
+    def check_group(self, group: Mapping[str, Any]) -> None:
+        """Refuse a bad hyper-parameter with a ValueError naming it."""
+        ...
+
+    def state_fields(self, modes: MemoryModes) -> tuple[StateField, ...]:
+        """The per-element state kept in memory mode `modes`, in checkpoint order."""
+        ...
+
+    def build(
+        self,
+        shards: Sequence[LocalShard],
+        *,
+        device: torch.device,
+        num_groups: int,
+        modes: MemoryModes,
+        seed: torch.Tensor | None,
+    ) -> Update:
+        """The launches over `shards` (every flat buffer of the rank, in order). `seed`: the
+        engine's bf16-sr random stream seed (None in other master modes)."""
+        ...

@@ -1,0 +1,270 @@
+"""The engine runs any update rule: a rule written here, in a test, with no change to the
+engine (buffers, hooks, buckets, state records, plan, state dicts), trains like its torch.optim
+counterpart, and its state fields are allocated, counted and carried by name.
+
+About internals: fusedzero.checkpoint._catalog, fusedzero.checkpoint._manifest (the manifest's
+rule) and fusedzero.rules._adamw (the AdamW rule a manifest names)."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from fusedzero import checkpoint
+from fusedzero.memory_modes import MemoryModes
+from fusedzero.optim import ZeroOptimizer
+from fusedzero.plan import PlanConfig, plan_groups
+from fusedzero.policy import Precision, Sharding
+from fusedzero.rules import LocalShard, StateField, StepTensors
+from fusedzero.testing import fake_group
+
+from _helpers import Stack, TwoLinear
+
+
+class SGDMomentum:
+    """`torch.optim.SGD(momentum=, weight_decay=)` (no dampening, no Nesterov) as a rule: one
+    state field, a torch path of foreach ops over each shard's pieces."""
+
+    name = "sgd-momentum"
+    element_wise = True
+    defaults: Mapping[str, Any] = dict(lr=1e-2, momentum=0.9, weight_decay=0.0)
+
+    def check_group(self, group: Mapping[str, Any]) -> None:
+        for k in ("lr", "momentum", "weight_decay"):
+            if not group[k] >= 0.0:
+                raise ValueError(f"Invalid {k} value: {group[k]}")
+
+    def state_fields(self, modes: MemoryModes) -> tuple[StateField, ...]:
+        if modes.quantized:
+            raise ValueError("sgd-momentum keeps no int8 state: use states='fp32' or 'bf16'")
+        return (StateField(name="momentum_buffer", dtype=modes.state_dtypes[0]),)
+
+    def build(
+        self,
+        shards: Sequence[LocalShard],
+        *,
+        device: torch.device,
+        num_groups: int,
+        modes: MemoryModes,
+        seed: torch.Tensor | None,
+    ) -> _SGDUpdate:
+        if not modes.fp32_master:
+            raise ValueError("sgd-momentum writes an fp32 master only")
+        return _SGDUpdate(shards)
+
+
+class _SGDUpdate:
+    rows = None  # no per-group rows for the step's scalar launch
+
+    def __init__(self, shards: Sequence[LocalShard]) -> None:
+        self.shards = shards
+
+    def read_groups(self, param_groups: list[dict[str, Any]]) -> list[tuple[float, float, float]]:
+        return [(float(g["lr"]), g["momentum"], g["weight_decay"]) for g in param_groups]
+
+    def step(self, hyper: Any, scalars: StepTensors, *, rows_written: bool) -> None:
+        if scalars.skip.item():  # a host sync: fine for a test rule
+            return
+        for s in self.shards:
+            lr, momentum, wd = hyper[s.group_index]
+            params = s.pieces(s.master)
+            bufs = s.pieces(s.state["momentum_buffer"])
+            grads = torch._foreach_mul(s.pieces(s.grad), scalars.grad_scale.reshape(()))
+            if wd:
+                torch._foreach_add_(grads, params, alpha=wd)
+            # The buffer starts at zero: momentum * 0 + g is torch's first-step clone of g.
+            torch._foreach_mul_(bufs, momentum)
+            torch._foreach_add_(bufs, grads)
+            torch._foreach_add_(params, bufs, alpha=-lr)
+            if s.out is not None:
+                torch._foreach_copy_(s.pieces(s.out), params)
+
+
+SGD = SGDMomentum()
+
+
+class PerMatrix(SGDMomentum):
+    """The same math, declared per-matrix (needs whole tensors on one rank): it checks that
+    every param of its shards is there whole, as a Newton-Schulz rule would need."""
+
+    name = "per-matrix"
+    element_wise = False
+
+    def build(self, shards: Sequence[LocalShard], **kw: Any) -> _SGDUpdate:
+        held = [t.param for s in shards for t in s.whole_tensors()]  # raises if one is cut
+        assert sorted(held) == sorted({seg.param for s in shards for seg in s.segments})
+        return super().build(shards, **kw)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: int = 4) -> None:
+    g = torch.Generator().manual_seed(0)
+    for _ in range(steps):
+        x = torch.randn(8, 16, generator=g)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _groups(m: Stack) -> list[dict[str, Any]]:
+    decay = [p for n, p in m.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in m.named_parameters() if not n.endswith("weight")]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": 0.05}]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_rule_the_engine_never_saw_trains_bitwise_like_torch_sgd(stage: int) -> None:
+    """SGD with momentum and weight decay, two param groups, 4 steps at every stage on one
+    rank: the params equal `torch.optim.SGD`'s bit for bit (the same fp32 ops in the same
+    order; grads are reduced in fp32 and divided by W = 1), and the momentum buffers sit in
+    the rule's field, read by name from the state records."""
+    torch.manual_seed(0)
+    model = Stack()
+    ref = copy.deepcopy(model)
+    hyper = dict(lr=0.1, momentum=0.9, weight_decay=0.01)
+    opt = ZeroOptimizer(_groups(model), SGD, hyper, stage=stage, module=model)
+    _train(model, opt)
+    ref_opt = torch.optim.SGD(_groups(ref), **hyper)
+    _train(ref, ref_opt)
+    with opt.gathered_params():
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert torch.equal(p, q), f"{n}: max diff {(p - q).abs().max().item()}"
+    st = opt.shard_state()
+    assert st.names() == ("master", "momentum_buffer")
+    want = {id(p): ref_opt.state[p]["momentum_buffer"] for p in ref.parameters()}
+    refs = dict(zip(map(id, model.parameters()), ref.parameters(), strict=True))
+    for info, buf in zip(opt.shard_infos(), st.momentum_buffer, strict=True):
+        for seg in info.segments():
+            p = opt.params[seg.param]
+            got = buf[seg.local : seg.local + seg.length]
+            exp = want[id(refs[id(p)])].reshape(-1)[seg.start : seg.start + seg.length]
+            assert torch.equal(got, exp), f"momentum of {opt.param_names[seg.param]}"
+    opt.close()
+
+
+def test_the_rule_s_fields_are_what_memory_plan_and_state_dicts_hold() -> None:
+    """One fp32 field per element: `opt.memory()` counts it (fp32 params are their own master),
+    `plan` predicts the same bytes from the rule, bf16 states halve it, and a state dict
+    carries it by name into a fresh optimizer that then steps identically."""
+    torch.manual_seed(0)
+    model = TwoLinear(16, 33, 5)
+    opt = ZeroOptimizer(model.parameters(), SGD, stage=1, module=model)
+    n_local = sum(i.local_numel for i in opt.shard_infos())
+    assert opt.memory().optimizer == 4 * n_local
+    cfg = PlanConfig(world_size=1, precision=Precision(param_dtype=torch.float32), rule=SGD)
+    plan = plan_groups([list(model.named_parameters())], cfg, model=model)
+    assert plan.stages[1].optimizer_bytes == opt.memory().optimizer
+    half = ZeroOptimizer(
+        copy.deepcopy(model).parameters(), SGD, stage=1, precision=Precision(states="bf16")
+    )
+    assert half.memory().optimizer == 2 * n_local
+    half.close()
+
+    x = torch.randn(4, 16)
+    twin = copy.deepcopy(model)  # other values after the step below, until the load
+    model(x).sum().backward()
+    opt.step()
+    opt2 = ZeroOptimizer(twin.parameters(), SGD, stage=1, module=twin)
+    sd = opt.state_dict()
+    assert set(sd["state"]["flat"][0]) == {"master", "momentum_buffer"}
+    opt2.load_state_dict(sd)
+    for m, o in ((model, opt), (twin, opt2)):
+        m(x).sum().backward()
+        o.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        assert torch.equal(p, q)
+    opt.close()
+    opt2.close()
+
+
+def test_rule_checks_its_hyper_parameters_and_refuses_what_it_cannot_hold() -> None:
+    """The rule's own validation runs on the defaults and on every group, and a memory mode
+    the rule has no field for is refused by the rule, naming it."""
+    model = TwoLinear(4, 4, 2)
+    with pytest.raises(ValueError, match="Invalid momentum value: -0.5"):
+        ZeroOptimizer(model.parameters(), SGD, dict(lr=0.1, momentum=-0.5, weight_decay=0.0))
+    with pytest.raises(ValueError, match="Invalid lr value: -1"):
+        ZeroOptimizer([{"params": list(model.parameters()), "lr": -1}], SGD)
+    with pytest.raises(ValueError, match="no int8 state"):
+        ZeroOptimizer(model.parameters(), SGD, precision=Precision(states="int8"))
+
+
+def test_a_checkpoint_refuses_a_rule_it_cannot_name_before_writing(tmp_path) -> None:
+    """Checkpoints name the rule whose state their shards hold; a rule the format does not list
+    is refused when saving, naming the rules it holds, and nothing is written."""
+    model = TwoLinear(4, 4, 2)
+    opt = ZeroOptimizer(model.parameters(), SGD, stage=1, module=model)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match=r"update rules \['adamw'\], not 'sgd-momentum'"):
+        checkpoint.save(opt, tmp_path / "ck", step=1).wait()
+    assert not any((tmp_path / "ck").glob("step-*"))
+    opt.close()
+
+
+def test_a_per_matrix_rule_runs_where_a_rank_holds_whole_tensors_only() -> None:
+    """`element_wise = False`: on one rank (whole tensors in the local shard) it trains as
+    the element-wise rule; sharded over 2 ranks the layout's equal slices would cut its
+    tensors, and the engine refuses at construction, naming the stage and the world size."""
+    torch.manual_seed(0)
+    a = TwoLinear(16, 33, 5)
+    b = copy.deepcopy(a)
+    opts = [
+        ZeroOptimizer(m.parameters(), r, stage=2, module=m) for m, r in ((a, PerMatrix()), (b, SGD))
+    ]
+    for m, o in zip((a, b), opts):
+        m(torch.ones(2, 16)).sum().backward()
+        o.step()
+        o.close()
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+    # One rank, buckets of 512 elements: a.weight (528) straddles two and is still whole.
+    d = copy.deepcopy(a)
+    ZeroOptimizer(
+        d.parameters(), PerMatrix(), stage=1, module=d, sharding=Sharding(bucket_numel=512)
+    ).close()
+    with fake_group(0, 2):
+        c = TwoLinear(16, 33, 5)
+        with pytest.raises(
+            NotImplementedError, match="at stage 1 cuts them into equal slices over 2 ranks"
+        ):
+            ZeroOptimizer(c.parameters(), PerMatrix(), stage=1, module=c, device="cpu")
+        ZeroOptimizer(c.parameters(), PerMatrix(), stage=0, module=c, device="cpu").close()
+
+
+def test_a_manifest_names_its_rule_and_one_without_holds_adamw(tmp_path) -> None:
+    """A ZeroAdamW checkpoint's manifest says "adamw"; a manifest without the key (every one
+    written before it existed) reads as AdamW; an unknown rule is refused by the schema."""
+    from fusedzero import ZeroAdamW
+    from fusedzero.checkpoint._catalog import read_manifest
+    from fusedzero.checkpoint._manifest import CheckpointError, manifest_rule, validate
+    from fusedzero.rules._adamw import ADAMW
+
+    model = TwoLinear(4, 4, 2)
+    opt = ZeroAdamW(model.parameters(), stage=1, module=model)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    m = read_manifest(checkpoint.save(opt, tmp_path, step=1).wait())
+    opt.close()
+    assert m["rule"] == "adamw" and manifest_rule(m) is ADAMW
+    del m["rule"]
+    assert manifest_rule(m) is ADAMW
+    with pytest.raises(CheckpointError, match="rule.*expected one of \\['adamw'\\]"):
+        validate({**m, "rule": "sgd-momentum"}, tmp_path / "manifest.json")
+
+
+def test_a_shard_state_field_the_rule_does_not_keep_is_refused() -> None:
+    """A ShardState carries fields by name, so a misspelt or foreign field would otherwise be
+    dropped silently on load: it is refused, naming the rule's fields."""
+    from fusedzero.state import ShardState
+
+    model = TwoLinear(4, 4, 2)
+    opt = ZeroOptimizer(model.parameters(), SGD, stage=1, module=model)
+    bad = [torch.zeros(i.local_numel) for i in opt.shard_infos()]
+    with pytest.raises(ValueError, match=r"\['exp_avg'\].*keeps \['master', 'momentum_buffer'\]"):
+        opt.load_shard_state(ShardState(exp_avg=bad))
+    opt.close()
