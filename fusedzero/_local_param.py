@@ -31,6 +31,17 @@ bf16 would be. Computing in bf16 instead would round each step: timm's `trunc_no
 (`uniform_(-1, 1)` in bf16 can give exactly +-1, and `erfinv_(1)` is inf, clamped to +-2)
 puts ~0.2% of the weights at +-2. Without a master (the bf16 master modes) the param shard is
 written, in its dtype.
+
+[Note: the trunc_normal_ patch is process-wide]
+An init reaches `trunc_normal_` by name at call time (`nn.init.trunc_normal_`, transformers'
+`TORCH_INIT_FUNCTIONS` table), and torch offers no hook to scope it: `nn.init.trunc_normal_`
+does not dispatch `__torch_function__` (unlike `uniform_` or `normal_`), and its rejection loop
+(`while mask.any()`) needs the whole tensor, which no LocalParam has. So the names are patched
+for the init's duration, process-wide. What that costs another thread, or a module outside the
+init, is nothing observable: the patched function hands every tensor that is not a LocalParam to
+the function that was there on entry, with the same arguments. Entries nest (a counter) and a
+lock orders concurrent ones; the exit restores what the first entry found, not torch's own
+function, so a patch someone else made before us survives.
 """
 
 from __future__ import annotations
@@ -444,16 +455,6 @@ def _trunc_normal_(
     return tensor
 
 
-# [Note: the trunc_normal_ patch is process-wide]
-# An init reaches `trunc_normal_` by name at call time (`nn.init.trunc_normal_`, transformers'
-# `TORCH_INIT_FUNCTIONS` table), and torch offers no hook to scope it: `nn.init.trunc_normal_`
-# does not dispatch `__torch_function__` (unlike `uniform_` or `normal_`), and its rejection loop
-# (`while mask.any()`) needs the whole tensor, which no LocalParam has. So the names are patched
-# for the init's duration, process-wide. What that costs another thread, or a module outside the
-# init, is nothing observable: the patched function hands every tensor that is not a LocalParam to
-# the function that was there on entry, with the same arguments. Entries nest (a counter) and a
-# lock orders concurrent ones; the exit restores what the first entry found, not torch's own
-# function, so a patch someone else made before us survives.
 _patch_lock = threading.Lock()
 _patch_depth = 0
 _patched_from: dict[str, Any] = {}
