@@ -1,0 +1,180 @@
+"""Stage 3 when ranks run different units: a mixture-of-experts layer whose experts are units,
+each rank routing its own tokens (differently per rank and per step), gives the params of
+single-process AdamW on the global batch (DDP with find_unused_parameters=True: a param with no
+grad on a rank counts as a zero grad), on 2 and 4 gloo ranks, with a short process-group timeout
+so a mismatch of collectives fails in seconds instead of hanging. The collectives this costs are
+counted: every unit gathered once in forward and once in backward (the root once), whatever the
+routing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fusedzero import Sharding, ZeroAdamW
+from fusedzero.testing import run_ranks
+
+pytestmark = pytest.mark.slow  # spawns ranks
+
+D = 8
+N_EXPERTS = 4
+TOKENS = 24  # global tokens per step: divides by W = 2 and 4
+STEPS = 3
+LR = 1e-3
+# fp32, as tests/zero/test_parity.py: ranks average per-rank mean losses where the reference
+# takes one mean over the global batch, so grads differ by summation order (~1e-7 relative);
+# Adam's division by sqrt(v) amplifies that by at most lr times the relative noise per step.
+# A unit paired with another unit's all-gather moves params by ~lr per step (1e-3), far above.
+RTOL, ATOL = 1e-6, 1e-6
+PG_TIMEOUT = 20.0  # seconds: a mismatched collective ends the run, never hangs it
+
+
+class Moe(nn.Module):
+    """Root-owned input layer, router and head; four expert units (an nn.ModuleList) and a dense
+    block unit after them. A token routed to -1 is dropped (capacity overflow); an expert with
+    no token is skipped, or, with `call_empty`, called on an empty batch."""
+
+    def __init__(self, call_empty: bool = False) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.router = nn.Linear(D, N_EXPERTS)
+        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(N_EXPERTS))
+        self.dense = nn.ModuleList([nn.Linear(D, D)])
+        self.head = nn.Linear(D, 3)
+        self.call_empty = call_empty
+
+    def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        gate = torch.softmax(self.router(h), dim=-1)
+        out = torch.zeros_like(h)
+        for e, expert in enumerate(self.experts):
+            idx = (route == e).nonzero().squeeze(1)
+            if idx.numel() == 0 and not self.call_empty:
+                continue
+            out = out.index_add(0, idx, expert(h[idx]) * gate[idx, e : e + 1])
+        h = torch.tanh(self.dense[0](h + out))
+        return self.head(h)
+
+
+def routes(case: str, step: int, world: int) -> list[torch.Tensor]:
+    """Each rank's per-token expert (-1: dropped) at `step`."""
+    n = TOKENS // world
+    g = torch.Generator().manual_seed(1000 * step + 7)
+    out = []
+    for r in range(world):
+        if case == "single":  # each rank all its tokens to one expert, another per rank and step
+            t = torch.full((n,), (r + step) % N_EXPERTS)
+        elif case == "nested":  # rank 0 {0, 1}, rank 1 {0, 1, 2}, ...: a prefix, shifted per step
+            k = min(r + 2, N_EXPERTS)
+            t = (torch.arange(n) % k + step) % N_EXPERTS
+        elif case == "dropped":  # expert 3 used by no rank; some tokens dropped
+            t = torch.randint(-1, 3, (n,), generator=g)
+        elif case == "capacity":  # random routing, at most 2 tokens per expert per rank
+            t = torch.randint(0, N_EXPERTS, (n,), generator=g)
+            for e in range(N_EXPERTS):
+                t[(t == e).nonzero().squeeze(1)[2:]] = -1
+        elif case == "empty_call":  # expert (step % 4) called on an empty batch on rank 0
+            t = torch.randint(0, N_EXPERTS, (n,), generator=g)
+            if r == 0:
+                t[t == step % N_EXPERTS] = -1
+        else:
+            raise ValueError(case)
+        out.append(t)
+    return out
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(TOKENS, D, generator=g), torch.randn(TOKENS, 3, generator=g)
+
+
+def make(case: str) -> Moe:
+    torch.manual_seed(0)
+    return Moe(call_empty=case == "empty_call")
+
+
+def reference(case: str, world: int) -> dict[str, torch.Tensor]:
+    """Single process, the global batch at once; a param without a grad gets a zero grad."""
+    model = make(case)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    for step in range(STEPS):
+        x, y = batch(step)
+        (model(x, torch.cat(routes(case, step, world))) - y).square().mean().backward()
+        for p in model.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train(rank: int, world: int, case: str, reshard: bool) -> dict:
+    model = make(case)
+    opt = ZeroAdamW(
+        model.parameters(),
+        lr=LR,
+        weight_decay=0.1,
+        stage=3,
+        module=model,
+        sharding=Sharding(reshard_after_forward=reshard),
+    )
+    n = TOKENS // world
+    comm = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        xs, ys = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+        before = opt.comm.snapshot()
+        (model(xs, routes(case, step, world)[rank]) - ys).square().mean().backward()
+        after = opt.comm.snapshot()
+        comm.append({k: after[k]["all_gather"] - before[k]["all_gather"] for k in after})
+        with torch.no_grad():  # an eval forward, routed differently, with no backward
+            model(xs, routes("single", step + 1, world)[rank])
+        opt.step()
+        opt.zero_grad()
+    z = opt.zero3
+    assert z is not None
+    # The formula: the root once (kept gathered into backward), each other unit once in forward
+    # and once in backward; per unit, one all-gather per bucket of its buffers.
+    calls = [sum(b.layout.num_buckets for b in unit.buffers) for unit in z.units]
+    elems = [unit.numel for unit in z.units]
+    expect_calls = calls[0] + 2 * sum(calls[1:])
+    expect_numel = elems[0] + 2 * sum(elems[1:]) if reshard else sum(elems)
+    if not reshard:  # units stay gathered from forward into backward: one gather each
+        expect_calls = sum(calls)
+    with opt.gathered_params():
+        params = {k: p.detach().clone() for k, p in model.named_parameters()}
+    opt.close()
+    return {
+        "params": params,
+        "comm": comm,
+        "expect_calls": expect_calls,
+        "expect_numel": expect_numel,
+    }
+
+
+CASES = ["single", "nested", "dropped", "capacity", "empty_call"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_routing_differs_per_rank(world: int) -> None:
+    """Every routing case, reshard_after_forward=True (and False for "single" and "nested"),
+    gives the reference's params, and each step's all-gathers are the formula's, on every rank."""
+    runs = [(c, True) for c in CASES] + [("single", False), ("nested", False)]
+    for case, reshard in runs:
+        want = reference(case, world)
+        outs = run_ranks(train, world, case, reshard, pg_timeout=PG_TIMEOUT, timeout=300)
+        for r, out in enumerate(outs):
+            for name, p in want.items():
+                torch.testing.assert_close(
+                    out["params"][name],
+                    p,
+                    rtol=RTOL,
+                    atol=ATOL,
+                    msg=lambda m, c=(case, reshard, r, name): f"{c}: {m}",
+                )
+            for step, got in enumerate(out["comm"]):
+                assert got["calls"] == out["expect_calls"], (case, reshard, r, step, got)
+                assert got["numel"] == out["expect_numel"], (case, reshard, r, step, got)
+                assert got["bytes"] == out["expect_numel"] * 4 * (world - 1) // world
