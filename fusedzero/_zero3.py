@@ -24,6 +24,32 @@ context; it never sees the optimizer. It decides *when* a unit's gathered buffer
   unit before it; when every param of u has its grad, u's buckets are reduce-scattered (by the
   optimizer) and u is freed. Whatever is still gathered at the end of backward is freed.
 
+[Note: one gather order on every rank] The all-gathers of a unit pair up across ranks by their
+place in the group's sequence of collectives, not by unit: where ranks run different units (a
+mixture-of-experts layer whose experts are units, each rank routing its own tokens), a gather
+issued only where a rank runs the unit pairs with another unit's gather of the same size on
+another rank (silently wrong params) or waits forever. So every gather a hook issues follows
+the unit indices (registration order, the same on every rank): a cursor ascending in forward
+(reset at the root's pre-forward), one descending in backward (reset at the end of the root's
+forward and of each backward). A unit's step is what its hooks do where it runs: forward,
+wait for its gather and issue the next unit's (the prefetch), then free it (with
+reshard_after_forward); backward, issue the gathers down to it, wait, issue the one below. A
+hook of a unit ahead of the cursor first takes the steps of the units it passes over, which
+this rank skips; the end of the root's forward and of backward take those left. In backward a
+skipped unit (its forward made no output that needs a grad since the root's forward began:
+`armed`) also gets zero grads for its params (`GradHooks.count_as_zero`), launching its
+buckets where a rank that ran it launches them when its last grad arrives, and is freed: the
+reduce-scatters, on the same group, keep their place among the gathers (a param with no grad
+counts as a zero grad, as at stages 0-2 and in DDP with find_unused_parameters=True). A unit
+whose hook fires behind the cursor (called twice, or a recomputation by activation
+checkpointing inside backward) is gathered alone, as today; that is the same on every rank
+only where every rank calls it there. So the units must be called in registration order,
+skipping any (an order that depends on the data would not be), and an activation-checkpointed
+region must run the same units on every rank. The cost: every rank gathers every unit once in
+forward and once in backward (the root once; once in all with reshard_after_forward=False),
+each skipped unit's all-gather and its buckets' reduce-scatter of zeros, as a rank that runs it
+(tests/zero/test_zero3_routing.py counts them).
+
 [Note: host cost per unit] gather, wait and free run a few times per unit per step on the host
 path that feeds the device (forward, backward, prefetch): each Python call there costs ~0.2-1 us,
 so they look nothing up that setup could have; a unit's state is one `Unit` record.

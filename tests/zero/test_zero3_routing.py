@@ -33,15 +33,16 @@ PG_TIMEOUT = 20.0  # seconds: a mismatched collective ends the run, never hangs 
 
 class Moe(nn.Module):
     """Root-owned input layer, router and head; four expert units (an nn.ModuleList) and a dense
-    block unit after them. A token routed to -1 is dropped (capacity overflow); an expert with
-    no token is skipped, or, with `call_empty`, called on an empty batch."""
+    block unit after them (none with `dense=False`: the experts are the only units). A token
+    routed to -1 is dropped (capacity overflow); an expert with no token is skipped, or, with
+    `call_empty`, called on an empty batch."""
 
-    def __init__(self, call_empty: bool = False) -> None:
+    def __init__(self, call_empty: bool = False, dense: bool = True) -> None:
         super().__init__()
         self.inp = nn.Linear(D, D)
         self.router = nn.Linear(D, N_EXPERTS)
         self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(N_EXPERTS))
-        self.dense = nn.ModuleList([nn.Linear(D, D)])
+        self.dense = nn.ModuleList([nn.Linear(D, D)] if dense else [])
         self.head = nn.Linear(D, 3)
         self.call_empty = call_empty
 
@@ -54,7 +55,9 @@ class Moe(nn.Module):
             if idx.numel() == 0 and not self.call_empty:
                 continue
             out = out.index_add(0, idx, expert(h[idx]) * gate[idx, e : e + 1])
-        h = torch.tanh(self.dense[0](h + out))
+        h = h + out
+        for block in self.dense:
+            h = torch.tanh(block(h))
         return self.head(h)
 
 
@@ -66,6 +69,8 @@ def routes(case: str, step: int, world: int) -> list[torch.Tensor]:
     for r in range(world):
         if case == "single":  # each rank all its tokens to one expert, another per rank and step
             t = torch.full((n,), (r + step) % N_EXPERTS)
+        elif case == "pair":  # rank r all its tokens to expert r % 2, every step (same shapes)
+            t = torch.full((n,), r % 2)
         elif case == "nested":  # rank 0 {0, 1}, rank 1 {0, 1, 2}, ...: a prefix, shifted per step
             k = min(r + 2, N_EXPERTS)
             t = (torch.arange(n) % k + step) % N_EXPERTS
@@ -92,7 +97,7 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def make(case: str) -> Moe:
     torch.manual_seed(0)
-    return Moe(call_empty=case == "empty_call")
+    return Moe(call_empty=case == "empty_call", dense=case != "pair")
 
 
 def reference(case: str, world: int) -> dict[str, torch.Tensor]:
@@ -154,7 +159,7 @@ def train(rank: int, world: int, case: str, reshard: bool) -> dict:
     }
 
 
-CASES = ["single", "nested", "dropped", "capacity", "empty_call"]
+CASES = ["pair", "single", "nested", "dropped", "capacity", "empty_call"]
 
 
 @pytest.mark.parametrize("world", [2, 4])
