@@ -22,7 +22,10 @@ context; it never sees the optimizer. It decides *when* a unit's gathered buffer
   the shards (the update, a load) frees every unit first (`ZeroAdamW.quiesce_params`).
 - Backward: a hook on the unit's outputs re-gathers u before its backward runs and prefetches the
   unit before it; when every param of u has its grad, u's buckets are reduce-scattered (by the
-  optimizer) and u is freed. Whatever is still gathered at the end of backward is freed.
+  optimizer) and u is freed. Whatever is still gathered at the end of backward is freed. A unit
+  whose backward runs again after its grads are in (called outside a reentrant-checkpointed
+  region and inside it) is gathered again, alone; its params' second grads are summed or
+  refused by the buckets ([Note: a param's grad twice in one backward] in _buckets.py).
 
 [Note: one gather order on every rank] The all-gathers of a unit pair up across ranks by their
 place in the group's sequence of collectives, not by unit: where ranks run different units (a
@@ -588,7 +591,11 @@ class Zero3:
                     self._bwd_issue_through(self._bwd_issued - 1)
                 return
             if unit.pending == 0:
-                return  # this unit's grads are already complete for this backward
+                # Its grads are complete, yet its backward runs again (it was also called in a
+                # region a reentrant checkpoint ran as a nested backward): its params are needed
+                # once more, and its params' second grads are the buckets' to refuse or sum.
+                self._wait(unit)
+                return
             if u < self._bwd_done:
                 self._pass_down_to(u)
                 self._bwd_step(unit)
