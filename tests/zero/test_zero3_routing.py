@@ -9,6 +9,8 @@ routing.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -100,13 +102,16 @@ def make(case: str) -> Moe:
     return Moe(call_empty=case == "empty_call", dense=case != "pair")
 
 
-def reference(case: str, world: int) -> dict[str, torch.Tensor]:
-    """Single process, the global batch at once; a param without a grad gets a zero grad."""
+def reference(case: str, world: int, accum: int = 1) -> dict[str, torch.Tensor]:
+    """Single process, each global micro-batch at once (their losses averaged over a step); a
+    param without a grad gets a zero grad."""
     model = make(case)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     for step in range(STEPS):
-        x, y = batch(step)
-        (model(x, torch.cat(routes(case, step, world))) - y).square().mean().backward()
+        for k in range(step * accum, (step + 1) * accum):
+            x, y = batch(k)
+            out = model(x, torch.cat(routes(case, k, world)))
+            ((out - y).square().mean() / accum).backward()
         for p in model.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -115,7 +120,10 @@ def reference(case: str, world: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def train(rank: int, world: int, case: str, reshard: bool) -> dict:
+def train(rank: int, world: int, case: str, reshard: bool, accum: int = 1) -> dict:
+    """STEPS steps of `accum` micro-batches (all but the last in no_sync), an eval forward
+    routed another way before each update: the params, and each micro-batch's collectives
+    beside the formula's."""
     model = make(case)
     opt = ZeroAdamW(
         model.parameters(),
@@ -128,12 +136,20 @@ def train(rank: int, world: int, case: str, reshard: bool) -> dict:
     n = TOKENS // world
     comm = []
     for step in range(STEPS):
-        x, y = batch(step)
-        xs, ys = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
-        before = opt.comm.snapshot()
-        (model(xs, routes(case, step, world)[rank]) - ys).square().mean().backward()
-        after = opt.comm.snapshot()
-        comm.append({k: after[k]["all_gather"] - before[k]["all_gather"] for k in after})
+        for k in range(step * accum, (step + 1) * accum):
+            x, y = batch(k)
+            xs, ys = x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+            before = opt.comm.snapshot()
+            with opt.no_sync() if k < (step + 1) * accum - 1 else contextlib.nullcontext():
+                out = model(xs, routes(case, k, world)[rank])
+                ((out - ys).square().mean() / accum).backward()
+            after = opt.comm.snapshot()
+            comm.append(
+                {
+                    kind: {key: after[key][kind] - before[key][kind] for key in after}
+                    for kind in ("all_gather", "reduce_scatter")
+                }
+            )
         with torch.no_grad():  # an eval forward, routed differently, with no backward
             model(xs, routes("single", step + 1, world)[rank])
         opt.step()
@@ -141,22 +157,19 @@ def train(rank: int, world: int, case: str, reshard: bool) -> dict:
     z = opt.zero3
     assert z is not None
     # The formula: the root once (kept gathered into backward), each other unit once in forward
-    # and once in backward; per unit, one all-gather per bucket of its buffers.
+    # and once in backward (with reshard_after_forward=False every unit once); per unit, one
+    # all-gather per bucket of its buffers. Every bucket of every unit reduce-scattered once.
     calls = [sum(b.layout.num_buckets for b in unit.buffers) for unit in z.units]
     elems = [unit.numel for unit in z.units]
-    expect_calls = calls[0] + 2 * sum(calls[1:])
-    expect_numel = elems[0] + 2 * sum(elems[1:]) if reshard else sum(elems)
-    if not reshard:  # units stay gathered from forward into backward: one gather each
-        expect_calls = sum(calls)
+    twice = 2 if reshard else 1
+    expect = {
+        "all_gather": (calls[0] + twice * sum(calls[1:]), elems[0] + twice * sum(elems[1:])),
+        "reduce_scatter": (sum(calls), sum(elems)),
+    }
     with opt.gathered_params():
         params = {k: p.detach().clone() for k, p in model.named_parameters()}
     opt.close()
-    return {
-        "params": params,
-        "comm": comm,
-        "expect_calls": expect_calls,
-        "expect_numel": expect_numel,
-    }
+    return {"params": params, "comm": comm, "expect": expect}
 
 
 CASES = ["pair", "single", "nested", "dropped", "capacity", "empty_call"]
@@ -164,22 +177,29 @@ CASES = ["pair", "single", "nested", "dropped", "capacity", "empty_call"]
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_routing_differs_per_rank(world: int) -> None:
-    """Every routing case, reshard_after_forward=True (and False for "single" and "nested"),
-    gives the reference's params, and each step's all-gathers are the formula's, on every rank."""
-    runs = [(c, True) for c in CASES] + [("single", False), ("nested", False)]
-    for case, reshard in runs:
-        want = reference(case, world)
-        outs = run_ranks(train, world, case, reshard, pg_timeout=PG_TIMEOUT, timeout=300)
+    """Every routing case, reshard_after_forward=True (and False for "single" and "nested"; two
+    micro-batches per step for "capacity"), gives the reference's params, and each micro-batch's
+    all-gathers and reduce-scatters are the formula's, on every rank."""
+    runs = [(c, True, 1) for c in CASES] + [
+        ("single", False, 1),
+        ("nested", False, 1),
+        ("capacity", True, 2),
+    ]
+    for case, reshard, accum in runs:
+        want = reference(case, world, accum)
+        outs = run_ranks(train, world, case, reshard, accum, pg_timeout=PG_TIMEOUT, timeout=300)
         for r, out in enumerate(outs):
+            where = (case, reshard, accum, r)
             for name, p in want.items():
                 torch.testing.assert_close(
                     out["params"][name],
                     p,
                     rtol=RTOL,
                     atol=ATOL,
-                    msg=lambda m, c=(case, reshard, r, name): f"{c}: {m}",
+                    msg=lambda m, c=(*where, name): f"{c}: {m}",
                 )
-            for step, got in enumerate(out["comm"]):
-                assert got["calls"] == out["expect_calls"], (case, reshard, r, step, got)
-                assert got["numel"] == out["expect_numel"], (case, reshard, r, step, got)
-                assert got["bytes"] == out["expect_numel"] * 4 * (world - 1) // world
+            for k, got in enumerate(out["comm"]):
+                for kind, (calls, numel) in out["expect"].items():
+                    assert got[kind]["calls"] == calls, (where, k, kind, got)
+                    assert got[kind]["numel"] == numel, (where, k, kind, got)
+                    assert got[kind]["bytes"] == numel * 4 * (world - 1) // world, (where, k)
