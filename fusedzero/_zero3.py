@@ -25,7 +25,7 @@ context; it never sees the optimizer. It decides *when* a unit's gathered buffer
   optimizer) and u is freed. Whatever is still gathered at the end of backward is freed. A unit
   whose backward runs again after its grads are in (called outside a reentrant-checkpointed
   region and inside it) is gathered again, alone; its params' second grads are summed or
-  refused by the buckets ([Note: a param's grad twice in one backward] in _buckets.py).
+  refused by the buckets (see [Note: a param's grad twice in one backward] in _buckets.py).
 
 [Note: one gather order on every rank] The all-gathers of a unit pair up across ranks by their
 place in the group's sequence of collectives, not by unit: where ranks run different units (a
