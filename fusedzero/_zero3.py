@@ -38,20 +38,24 @@ forward and of each backward). A unit's step is what its hooks do where it runs:
 wait for its gather and issue the next unit's (the prefetch), then free it (with
 reshard_after_forward); backward, issue the gathers down to it, wait, issue the one below. A
 hook of a unit ahead of the cursor first takes the steps of the units it passes over, which
-this rank skips; the end of the root's forward and of backward take those left. In backward a
-skipped unit (its forward made no output that needs a grad since the root's forward began:
-`armed`) also gets zero grads for its params (`GradHooks.count_as_zero`), launching its
-buckets where a rank that ran it launches them when its last grad arrives, and is freed: the
-reduce-scatters, on the same group, keep their place among the gathers (a param with no grad
-counts as a zero grad, as at stages 0-2 and in DDP with find_unused_parameters=True). A unit
-whose hook fires behind the cursor (called twice, or a recomputation by activation
-checkpointing inside backward) is gathered alone, as today; that is the same on every rank
-only where every rank calls it there. So the units must be called in registration order,
-skipping any (an order that depends on the data would not be), and an activation-checkpointed
-region must run the same units on every rank. The cost: every rank gathers every unit once in
-forward and once in backward (the root once; once in all with reshard_after_forward=False),
-each skipped unit's all-gather and its buckets' reduce-scatter of zeros, as a rank that runs it
-(tests/zero/test_zero3_routing.py counts them).
+this rank skips; the end of the root's forward and of backward take those left. A unit's
+backward step comes at its pre-backward hook, or at its recomputation inside backward
+(activation checkpointing, whose pre-hook comes first where the checkpoint is reentrant).
+In backward a skipped unit (not `armed`: its pre-hook did not fire in the root's last forward
+with grads on, nor did it make an output that needs a grad since) also gets zero grads for
+its params (`GradHooks.count_as_zero`), launching its buckets where a rank that ran it
+launches them when its last grad arrives, and is freed: the reduce-scatters, on the same
+group, keep their place among the gathers (a param with no grad counts as a zero grad, as at
+stages 0-2 and in DDP with find_unused_parameters=True). A unit whose hook fires behind the
+cursor (called twice) is gathered alone, as before: that is the same on every rank only where
+every rank calls it there. So the units must be called in registration order, skipping any
+(an order that depends on the data would not be), and an activation-checkpointed region must
+run the same units on every rank or hold one unit (one expert per checkpoint). Whether a
+collective is issued depends on the cursors and the units' gathered state, which these steps
+keep the same on every rank; `armed` and `pending` only decide the local zero grads. The
+cost: every rank gathers every unit once in forward and once in backward (the root once;
+once in all with reshard_after_forward=False), and reduce-scatters every bucket, a skipped
+unit's too, as a rank that runs it (tests/zero/test_zero3_routing.py counts them).
 
 [Note: host cost per unit] gather, wait and free run a few times per unit per step on the host
 path that feeds the device (forward, backward, prefetch): each Python call there costs ~0.2-1 us,
@@ -146,8 +150,8 @@ class Unit:
     pre_backward: Callable[[Any], None] | None = None  # the hook that re-gathers it, made once
     # A backward left it gathered to its end: see [Note: a unit with a param that got no grad].
     late: bool = False
-    # Its forward made outputs that need a grad since the root's last forward began (its
-    # backward may come): see [Note: one gather order on every rank].
+    # Its forward ran in the root's last forward with grads on, or made outputs that need a
+    # grad since (its backward may come): see [Note: one gather order on every rank].
     armed: bool = False
 
 
@@ -186,6 +190,7 @@ class Zero3:
         # backward step was taken (len(units): none yet).
         self._fwd = 0
         self._bwd_issued = self._bwd_done = len(self.units)
+        self._fwd_grad = False  # the root's last forward ran with grads on
         # Set by the optimizer: the params of these buffers count as zero grads in this backward.
         self.count_as_zero: Callable[[list[FlatBuffer]], None] | None = None
         self._meta_init = False  # params came on the meta device: `setup` initialises them
@@ -522,21 +527,29 @@ class Zero3:
         free = lambda: self._free(unit)  # noqa: E731 - made once, not per forward
 
         def hook(module: nn.Module, args: Any) -> Any:
-            if _in_backward():  # a recomputation (activation checkpointing): no prefetch
-                self._bwd_issue_through(u)
-                self._wait(unit)
+            if _in_backward():  # a recomputation (activation checkpointing)
+                if 0 < u < self._bwd_done:  # its backward step comes first
+                    self._pass_down_to(u)
+                    self._bwd_step(unit)
+                    self._bwd_done = u
+                else:
+                    self._wait(unit)
             elif u == 0:
                 self._fwd = 0
-                if torch.is_grad_enabled():
+                self._fwd_grad = grad = torch.is_grad_enabled()
+                if grad:
                     for v in units:
                         v.armed = False
                 self._fwd_step(unit)
-            elif u > self._fwd:
-                for v in range(self._fwd + 1, u):
-                    self._skip_forward(units[v])
-                self._fwd_step(unit)
-            else:  # behind the cursor (a unit called twice): alone, as on every rank
-                self._wait(unit)
+            else:
+                if self._fwd_grad:  # (a reentrant checkpoint runs it with grads off)
+                    unit.armed = True
+                if u > self._fwd:
+                    for v in range(self._fwd + 1, u):
+                        self._skip_forward(units[v])
+                    self._fwd_step(unit)
+                else:  # behind the cursor (a unit called twice): alone, as on every rank
+                    self._wait(unit)
             if unit.late and torch.is_grad_enabled():
                 return _free_when_inputs_have_grads(args, free)
             return None

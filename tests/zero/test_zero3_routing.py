@@ -14,6 +14,7 @@ import contextlib
 import pytest
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from fusedzero import Sharding, ZeroAdamW
 from fusedzero.testing import run_ranks
@@ -39,7 +40,7 @@ class Moe(nn.Module):
     routed to -1 is dropped (capacity overflow); an expert with no token is skipped, or, with
     `call_empty`, called on an empty batch."""
 
-    def __init__(self, call_empty: bool = False, dense: bool = True) -> None:
+    def __init__(self, call_empty: bool = False, dense: bool = True, ckpt: str = "") -> None:
         super().__init__()
         self.inp = nn.Linear(D, D)
         self.router = nn.Linear(D, N_EXPERTS)
@@ -47,6 +48,7 @@ class Moe(nn.Module):
         self.dense = nn.ModuleList([nn.Linear(D, D)] if dense else [])
         self.head = nn.Linear(D, 3)
         self.call_empty = call_empty
+        self.ckpt = ckpt  # "reentrant", "plain": each expert call activation-checkpointed
 
     def forward(self, x: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.inp(x))
@@ -56,7 +58,11 @@ class Moe(nn.Module):
             idx = (route == e).nonzero().squeeze(1)
             if idx.numel() == 0 and not self.call_empty:
                 continue
-            out = out.index_add(0, idx, expert(h[idx]) * gate[idx, e : e + 1])
+            if self.ckpt:
+                y = checkpoint(expert, h[idx], use_reentrant=self.ckpt == "reentrant")
+            else:
+                y = expert(h[idx])
+            out = out.index_add(0, idx, y * gate[idx, e : e + 1])
         h = h + out
         for block in self.dense:
             h = torch.tanh(block(h))
@@ -64,7 +70,8 @@ class Moe(nn.Module):
 
 
 def routes(case: str, step: int, world: int) -> list[torch.Tensor]:
-    """Each rank's per-token expert (-1: dropped) at `step`."""
+    """Each rank's per-token expert (-1: dropped) at `step` ("case+ckpt": as case)."""
+    case = case.partition("+")[0]
     n = TOKENS // world
     g = torch.Generator().manual_seed(1000 * step + 7)
     out = []
@@ -99,7 +106,8 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def make(case: str) -> Moe:
     torch.manual_seed(0)
-    return Moe(call_empty=case == "empty_call", dense=case != "pair")
+    base, _, ckpt = case.partition("+")
+    return Moe(call_empty=base == "empty_call", dense=base != "pair", ckpt=ckpt)
 
 
 def reference(case: str, world: int, accum: int = 1) -> dict[str, torch.Tensor]:
@@ -178,12 +186,15 @@ CASES = ["pair", "single", "nested", "dropped", "capacity", "empty_call"]
 @pytest.mark.parametrize("world", [2, 4])
 def test_routing_differs_per_rank(world: int) -> None:
     """Every routing case, reshard_after_forward=True (and False for "single" and "nested"; two
-    micro-batches per step for "capacity"), gives the reference's params, and each micro-batch's
-    all-gathers and reduce-scatters are the formula's, on every rank."""
+    micro-batches per step for "capacity"; each expert call activation-checkpointed, reentrant
+    or not), gives the reference's params, and each micro-batch's all-gathers and
+    reduce-scatters are the formula's, on every rank."""
     runs = [(c, True, 1) for c in CASES] + [
         ("single", False, 1),
         ("nested", False, 1),
         ("capacity", True, 2),
+        ("nested+reentrant", True, 1),
+        ("capacity+plain", True, 1),
     ]
     for case, reshard, accum in runs:
         want = reference(case, world, accum)
