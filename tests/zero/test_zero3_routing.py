@@ -40,11 +40,13 @@ class Moe(nn.Module):
     routed to -1 is dropped (capacity overflow); an expert with no token is skipped, or, with
     `call_empty`, called on an empty batch."""
 
-    def __init__(self, call_empty: bool = False, dense: bool = True, ckpt: str = "") -> None:
+    def __init__(
+        self, call_empty: bool = False, dense: bool = True, ckpt: str = "", experts: int = N_EXPERTS
+    ) -> None:
         super().__init__()
         self.inp = nn.Linear(D, D)
-        self.router = nn.Linear(D, N_EXPERTS)
-        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(N_EXPERTS))
+        self.router = nn.Linear(D, experts)
+        self.experts = nn.ModuleList(nn.Linear(D, D) for _ in range(experts))
         self.dense = nn.ModuleList([nn.Linear(D, D)] if dense else [])
         self.head = nn.Linear(D, 3)
         self.call_empty = call_empty
@@ -78,7 +80,7 @@ def routes(case: str, step: int, world: int) -> list[torch.Tensor]:
     for r in range(world):
         if case == "single":  # each rank all its tokens to one expert, another per rank and step
             t = torch.full((n,), (r + step) % N_EXPERTS)
-        elif case == "pair":  # rank r all its tokens to expert r % 2, every step (same shapes)
+        elif case == "pair":  # two experts, the only units: rank r all its tokens to expert r % 2
             t = torch.full((n,), r % 2)
         elif case == "nested":  # rank 0 {0, 1}, rank 1 {0, 1, 2}, ...: a prefix, shifted per step
             k = min(r + 2, N_EXPERTS)
@@ -107,7 +109,8 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def make(case: str) -> Moe:
     torch.manual_seed(0)
     base, _, ckpt = case.partition("+")
-    return Moe(call_empty=base == "empty_call", dense=base != "pair", ckpt=ckpt)
+    pair = base == "pair"
+    return Moe(call_empty=base == "empty_call", dense=not pair, ckpt=ckpt, experts=2 if pair else 4)
 
 
 def reference(case: str, world: int, accum: int = 1) -> dict[str, torch.Tensor]:
@@ -159,7 +162,7 @@ def train(rank: int, world: int, case: str, reshard: bool, accum: int = 1) -> di
                 }
             )
         with torch.no_grad():  # an eval forward, routed differently, with no backward
-            model(xs, routes("single", step + 1, world)[rank])
+            model(xs, routes("single", step + 1, world)[rank] % len(model.experts))
         opt.step()
         opt.zero_grad()
     z = opt.zero3
