@@ -13,6 +13,10 @@ the same order; a host sync once) on which buckets were incomplete on any rank; 
 the end of the launch order, for good: the others launch as they complete, the moved ones at
 the end of backward (earlier if their grads do come). The order stays identical on every rank,
 and a param that is used after all only costs time, never a result.
+At stage 3 a unit this rank's forward did not run (an expert no token was routed to) gets
+zero grads for its params at its place in the unit order, where a rank that ran it completes
+it, so its buckets are complete on every rank and never moved (see [Note: one gather order on
+every rank] in fusedzero/_zero3.py: the reduce-scatters share the group with the gathers).
 
 [Note: host cost per grad] `BucketSchedule.add_grad` runs once per param per backward, on the
 host path that feeds the device: each torch call or context manager there costs ~1 us (and on

@@ -144,12 +144,14 @@ class GradHooks:
         params: list[nn.Parameter],
         on_unit_grad: Callable[[FlatBuffer], None] | None = None,
         on_backward_end: Callable[[], None] | None = None,
+        before_backward_end: Callable[[], None] | None = None,
     ) -> None:
         self.schedule = schedule
         self.stage = stage
         self.ctx = ctx
         self.on_unit_grad = on_unit_grad
         self.on_backward_end = on_backward_end
+        self.before_backward_end = before_backward_end
         self.in_backward = False
         self._task_id = -1  # autograd graph task the end-of-backward callback is queued on
         self._grads_arrived = False  # a param grad came in the current backward
@@ -236,6 +238,19 @@ class GradHooks:
         if self.on_unit_grad is not None:
             self.on_unit_grad(h.buf)
 
+    def count_as_zero(self, buffers: list[FlatBuffer]) -> None:
+        """Stage 3: the params of `buffers` (a unit this rank's forward did not run) get no grad
+        in this backward; they count as zero grads now, so their buckets complete where they do
+        on a rank that ran the unit (see [Note: one gather order on every rank] in
+        fusedzero/_zero3.py). A grad of one that comes after all is a second grad."""
+        no = self._backward_no
+        for buf in buffers:
+            for p in buf.params:
+                h = self._where[id(p)]
+                if h.seen != no:
+                    h.seen = no
+                    self.schedule.add_grad(h.buckets, h.pos, None)
+
     def _first_grad(self) -> None:
         """The first grad of a backward that no output-grad hook began (no `module`, or a
         nested backward)."""
@@ -280,6 +295,8 @@ class GradHooks:
 
     def _end_backward(self) -> None:
         with phase("fusedzero::end_backward"):
+            if self.before_backward_end is not None:
+                self.before_backward_end()
             self.in_backward = False
             self.grads_since_step |= self._grads_arrived
             reduced = self.schedule.end_backward(self._grads_arrived)

@@ -22,7 +22,40 @@ context; it never sees the optimizer. It decides *when* a unit's gathered buffer
   the shards (the update, a load) frees every unit first (`ZeroAdamW.quiesce_params`).
 - Backward: a hook on the unit's outputs re-gathers u before its backward runs and prefetches the
   unit before it; when every param of u has its grad, u's buckets are reduce-scattered (by the
-  optimizer) and u is freed. Whatever is still gathered at the end of backward is freed.
+  optimizer) and u is freed. Whatever is still gathered at the end of backward is freed. A unit
+  whose backward runs again after its grads are in (called outside a reentrant-checkpointed
+  region and inside it) is gathered again, alone; its params' second grads are summed or
+  refused by the buckets (see [Note: a param's grad twice in one backward] in _buckets.py).
+
+[Note: one gather order on every rank] The all-gathers of a unit pair up across ranks by their
+place in the group's sequence of collectives, not by unit: where ranks run different units (a
+mixture-of-experts layer whose experts are units, each rank routing its own tokens), a gather
+issued only where a rank runs the unit pairs with another unit's gather of the same size on
+another rank (silently wrong params) or waits forever. So every gather a hook issues follows
+the unit indices (registration order, the same on every rank): a cursor ascending in forward
+(reset at the root's pre-forward), one descending in backward (reset at the end of the root's
+forward and of each backward). A unit's step is what its hooks do where it runs: forward,
+wait for its gather and issue the next unit's (the prefetch), then free it (with
+reshard_after_forward); backward, issue the gathers down to it, wait, issue the one below. A
+hook of a unit ahead of the cursor first takes the steps of the units it passes over, which
+this rank skips; the end of the root's forward and of backward take those left. A unit's
+backward step comes at its pre-backward hook, or at its recomputation inside backward
+(activation checkpointing, whose pre-hook comes first where the checkpoint is reentrant).
+In backward a skipped unit (not `armed`: its pre-hook did not fire in the root's last forward
+with grads on, nor did it make an output that needs a grad since) also gets zero grads for
+its params (`GradHooks.count_as_zero`), launching its buckets where a rank that ran it
+launches them when its last grad arrives, and is freed: the reduce-scatters, on the same
+group, keep their place among the gathers (a param with no grad counts as a zero grad, as at
+stages 0-2 and in DDP with find_unused_parameters=True). A unit whose hook fires behind the
+cursor (called twice) is gathered alone, as before: that is the same on every rank only where
+every rank calls it there. So the units must be called in registration order, skipping any
+(an order that depends on the data would not be), and an activation-checkpointed region must
+run the same units on every rank or hold one unit (one expert per checkpoint). Whether a
+collective is issued depends on the cursors and the units' gathered state, which these steps
+keep the same on every rank; `armed` and `pending` only decide the local zero grads. The
+cost: every rank gathers every unit once in forward and once in backward (the root once;
+once in all with reshard_after_forward=False), and reduce-scatters every bucket, a skipped
+unit's too, as a rank that runs it (tests/zero/test_zero3_routing.py counts them).
 
 [Note: params after abandon] `abandon()` (after a failure, perhaps on this rank alone) may run
 no collective, so no rank can rebuild a param's full values: it holds only its shard. Each param
@@ -150,6 +183,9 @@ class Unit:
     pre_backward: Callable[[Any], None] | None = None  # the hook that re-gathers it, made once
     # A backward left it gathered to its end: see [Note: a unit with a param that got no grad].
     late: bool = False
+    # Its forward ran in the root's last forward with grads on, or made outputs that need a
+    # grad since (its backward may come): see [Note: one gather order on every rank].
+    armed: bool = False
 
 
 class Zero3:
@@ -182,6 +218,14 @@ class Zero3:
         self.hooks: list[Any] = []
         self.state_dict_hooks = UnitStateDict(self)
         self.unit_of_param: dict[int, int] = {}
+        # See [Note: one gather order on every rank]: the last unit whose forward step was
+        # taken in this forward, the last whose gather the backward issued, the last whose
+        # backward step was taken (len(units): none yet).
+        self._fwd = 0
+        self._bwd_issued = self._bwd_done = len(self.units)
+        self._fwd_grad = False  # the root's last forward ran with grads on
+        # Set by the optimizer: the params of these buffers count as zero grads in this backward.
+        self.count_as_zero: Callable[[list[FlatBuffer]], None] | None = None
         self._meta_init = False  # params came on the meta device: `setup` initialises them
         self.init_stats: shard_init.LocalInitStats | None = None  # the local init's counts
 
@@ -221,7 +265,7 @@ class Zero3:
         if self._meta_init:
             self._materialize(param_init_fn)
         for unit in self.units:
-            if not unit.buffers:
+            if not unit.buffers and unit.index != 0:  # the root's hooks move the cursors
                 continue
             self.hooks.append(unit.module.register_forward_pre_hook(self._make_pre_forward(unit)))
             self.hooks.append(unit.module.register_forward_hook(self._make_post_forward(unit)))
@@ -492,19 +536,90 @@ class Zero3:
             self.free_all()
 
     # -- hooks ------------------------------------------------------------------------------------
-    def _next_unit(self, u: int, step: int) -> Unit | None:
-        v = u + step
-        return self.units[v] if 1 <= v < len(self.units) else None
+    # See [Note: one gather order on every rank]: every gather a hook issues goes through a
+    # cursor over the unit indices, ascending in forward and descending in backward.
+    def _fwd_step(self, unit: Unit) -> None:
+        """Unit's forward step: gathered (its all-gather issued by the step before), the next
+        unit's issued."""
+        self._wait(unit)
+        self._fwd = u = unit.index
+        if u + 1 < len(self.units):
+            self._gather(self.units[u + 1])
+
+    def _skip_forward(self, unit: Unit) -> None:
+        """The forward step of a unit this rank's forward does not run: what a rank that runs it
+        does in its pre- and post-hooks."""
+        self.ctx.record("forward_skip", unit.index)
+        self._fwd_step(unit)
+        if self.reshard_after_forward:
+            self._free(unit)
+
+    def _end_forward(self) -> None:
+        """The root's forward is done: the units no forward step reached are skipped; the
+        backward cursors start over."""
+        for v in range(self._fwd + 1, len(self.units)):
+            self._skip_forward(self.units[v])
+        self._bwd_issued = self._bwd_done = len(self.units)
+
+    def _bwd_issue_through(self, u: int) -> None:
+        """Issue the backward gathers of the units down to u (the root is never among them: it
+        stays gathered from its forward into its backward)."""
+        while self._bwd_issued > max(u, 1):
+            self._bwd_issued -= 1
+            self._gather(self.units[self._bwd_issued])
+
+    def _bwd_step(self, unit: Unit) -> None:
+        """Unit's backward step: its gather issued, the next unit's issued (prefetch)."""
+        u = unit.index
+        self._bwd_issue_through(u)
+        self._wait(unit)
+        if self._bwd_issued == u:
+            self._bwd_issue_through(u - 1)
+
+    def _pass_down_to(self, u: int) -> None:
+        """The backward steps of the units above u that no pre-backward hook reached: a unit
+        this rank's forward did not run gets its zero grads (its buckets may launch) and is
+        freed, as a rank that ran it does when its grads are in."""
+        for v in range(self._bwd_done - 1, u, -1):
+            unit = self.units[v]
+            self._bwd_step(unit)
+            if not unit.armed and unit.pending:
+                self.ctx.record("backward_skip", v)
+                if self.count_as_zero is not None:
+                    self.count_as_zero(unit.buffers)
+                unit.pending = 0
+                self._free(unit)
+        self._bwd_done = min(self._bwd_done, max(u, 1))
 
     def _make_pre_forward(self, unit: Unit) -> Callable[..., Any]:
         u = unit.index
-        nxt = self._next_unit(u, +1) if u else self._next_unit(0, +1)
+        units = self.units
         free = lambda: self._free(unit)  # noqa: E731 - made once, not per forward
 
         def hook(module: nn.Module, args: Any) -> Any:
-            self._wait(unit)
-            if nxt is not None and not _in_backward():
-                self._gather(nxt)  # prefetch: overlaps this unit's compute
+            if _in_backward():  # a recomputation (activation checkpointing)
+                if 0 < u < self._bwd_done:  # its backward step comes first
+                    self._pass_down_to(u)
+                    self._bwd_step(unit)
+                    self._bwd_done = u
+                else:
+                    self._wait(unit)
+            elif u == 0:
+                self._fwd = 0
+                self._fwd_grad = grad = torch.is_grad_enabled()
+                if grad:
+                    for v in units:
+                        v.armed = False
+                self._fwd_step(unit)
+            else:
+                if self._fwd_grad:  # (a reentrant checkpoint runs it with grads off)
+                    unit.armed = True
+                if u > self._fwd:
+                    for v in range(self._fwd + 1, u):
+                        self._skip_forward(units[v])
+                    self._fwd_step(unit)
+                else:  # behind the cursor (a unit called twice): alone, as on every rank
+                    self._wait(unit)
             if unit.late and torch.is_grad_enabled():
                 return _free_when_inputs_have_grads(args, free)
             return None
@@ -526,6 +641,7 @@ class Zero3:
                 ]
             )
             if torch.is_grad_enabled() and tensors:
+                unit.armed = True
                 # Re-gather before this unit's backward: the grad of its output arrives first.
                 # A pre-hook on the node that made the output runs then (before that node, the
                 # unit's last op, computes anything), for less host time than a tensor hook.
@@ -535,10 +651,13 @@ class Zero3:
                         t.grad_fn.register_prehook(pre_backward)
                     else:
                         t.register_hook(pre_backward)
+            in_backward = _in_backward()
+            if u == 0 and not in_backward:
+                self._end_forward()
             # The root's backward comes first, right after this: freeing it would only
             # gather it again (one all-gather of the root per step saved, as FSDP2's root).
             keep = u == 0 and torch.is_grad_enabled() and tensors
-            if self.reshard_after_forward and not _in_backward() and not keep:
+            if self.reshard_after_forward and not in_backward and not keep:
                 self._free(unit)
             return None
 
@@ -546,14 +665,26 @@ class Zero3:
 
     def _make_pre_backward(self, unit: Unit) -> Callable[[Any], None]:
         u = unit.index
-        prev = self._next_unit(u, -1) if u else self._next_unit(len(self.units), -1)
 
         def hook(grads: Any) -> None:  # a tensor's grad, or a node's grad outputs
+            if u == 0:  # first in backward: the root stays gathered from its forward
+                if unit.pending:
+                    self._wait(unit)
+                if self._bwd_issued == len(self.units):
+                    self._bwd_issue_through(self._bwd_issued - 1)
+                return
             if unit.pending == 0:
-                return  # this unit's grads are already complete for this backward
-            self._wait(unit)
-            if prev is not None:
-                self._gather(prev)
+                # Its grads are complete, yet its backward runs again (it was also called in a
+                # region a reentrant checkpoint ran as a nested backward): its params are needed
+                # once more, and its params' second grads are the buckets' to refuse or sum.
+                self._wait(unit)
+                return
+            if u < self._bwd_done:
+                self._pass_down_to(u)
+                self._bwd_step(unit)
+                self._bwd_done = u
+            else:  # behind the cursor: alone, as on every rank
+                self._wait(unit)
 
         return hook
 
@@ -566,6 +697,11 @@ class Zero3:
         if unit.pending == 0:
             self._free(unit)
 
+    def finish_backward(self) -> None:
+        """Before the last reductions of a backward are launched: the backward steps of the
+        units no pre-backward hook reached (See [Note: one gather order on every rank])."""
+        self._pass_down_to(0)
+
     def end_backward(self) -> None:
         """See [Note: a unit with a param that got no grad]."""
         for unit in self.units:
@@ -573,6 +709,8 @@ class Zero3:
                 unit.late = True
             self._free(unit)
             unit.pending = unit.n_trainable
+            unit.armed = False
+        self._bwd_issued = self._bwd_done = len(self.units)
 
 
 class _BufferHolder(NamedTuple):

@@ -238,7 +238,10 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
             all_params,
             on_unit_grad=z.grad_ready if z is not None else None,
             on_backward_end=z.end_backward if z is not None else None,
+            before_backward_end=z.finish_backward if z is not None else None,
         )
+        if z is not None:
+            z.count_as_zero = self.grads.count_as_zero
         self.param_sync = ParamSync(
             self.flat_groups if stage.gathers_after_step else [],
             self._gather_ctx,

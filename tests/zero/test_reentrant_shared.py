@@ -15,6 +15,7 @@ About internals: fusedzero._comm, fusedzero._buckets.
 from __future__ import annotations
 
 import datetime
+import re
 from typing import Any
 
 import pytest
@@ -74,6 +75,24 @@ class Twice(nn.Module):
         for _ in range(2):
             h = checkpoint(self.blocks[0], h, use_reentrant=True)
         return h.square().mean()
+
+
+class OutsideToo(nn.Module):
+    """One block (a stage-3 unit) called outside a reentrant-checkpointed region and inside it:
+    its grads from the region's nested backward complete its unit, whose backward then runs
+    again for the call outside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([Block(nn.Linear(8, 8)), Block(nn.Linear(8, 8))])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = checkpoint(self._region, self.blocks[0](self.q(x)), use_reentrant=True)
+        return h.square().mean()
+
+    def _region(self, h: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](h))
 
 
 class SharedFirst(Shared):
@@ -143,6 +162,17 @@ def test_a_grad_after_the_launch_raises_naming_the_param(stage: int) -> None:
         train(Twice, stage, None if stage == 3 else SMALL_BUCKETS)
 
 
+SECOND_GRAD = r"param blocks\.0\.lin\.(weight|bias) got a second grad .*use_reentrant=False"
+
+
+def test_a_unit_used_outside_the_region_too_raises_naming_the_param() -> None:
+    """Stage 3 gives the error of stages 0-2. Before, the unit was freed once its grads from
+    the nested backward were in, and the backward of the call outside the region read its
+    empty params ("out of bounds for storage of size 0")."""
+    with pytest.raises(RuntimeError, match=SECOND_GRAD):
+        train(OutsideToo, 3)
+
+
 def test_the_error_leaves_the_optimizer_usable_after_zero_grad() -> None:
     """After the error, zero_grad() discards the backward and the next one (without the
     reentrant sharing) trains as torch does."""
@@ -207,6 +237,22 @@ def _rank(rank: int, world: int, stage: int) -> dict[str, Any]:
     except RuntimeError as e:
         out["error"] = str(e)
     return out
+
+
+def _outside_too(rank: int, world: int) -> str:
+    try:
+        train(OutsideToo, 3)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_unit_used_outside_the_region_too_raises_on_every_rank_at_w2() -> None:
+    """Every rank raises the error naming the param (before: a size mismatch against the
+    freed unit's empty params on both ranks)."""
+    for r, msg in enumerate(run_ranks(_outside_too, 2, pg_timeout=20.0)):
+        assert re.search(SECOND_GRAD, msg), (r, msg)
 
 
 @pytest.mark.slow

@@ -32,10 +32,11 @@ def test_stage3_step_frees_in_flight_gathers_before_the_kernel(monkeypatch) -> N
     model, opt = _setup(trace=True)
     x = torch.randn(8, 16)
     model(x).square().mean().backward()
-    # A partial no-grad forward after backward: block 0's pre-hook prefetches block 1, whose
-    # gather is left in flight (its forward never runs) while param_shard is its source.
-    with torch.no_grad():
-        model.blocks[0](x)
+    # A no-grad forward that raises in block 0 (an input of the wrong width) after its pre-hook
+    # prefetched block 1, whose gather is left in flight (its forward never runs) while
+    # param_shard is its source.
+    with torch.no_grad(), pytest.raises(RuntimeError):
+        model(torch.randn(8, 5))
     z = opt.zero3
     assert any(s.name != "FREE" for s in _states(z)), "the setup must leave a unit gathered"
     real = opt._update.step  # the grouped AdamW launch over every buffer
