@@ -39,8 +39,9 @@ on the local shards and keeps the torch.optim contract; each part owns its state
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -58,7 +59,7 @@ from fusedzero._scalars import LossScaler, StepScalars
 from fusedzero._shards import ShardAccess, ShardStateMethods
 from fusedzero._zero3 import Zero3
 from fusedzero.policy import Groups, Precision, Sharding, Wire, check_record, moved_keywords
-from fusedzero.rules import Rule, StepTensors
+from fusedzero.rules import ByGroup, Rule, StepTensors, Update
 from fusedzero.rules._adamw import ADAMW
 from fusedzero.stage import Stage
 
@@ -71,9 +72,11 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
     Args:
         params: parameters or param-group dicts, as for the rule's torch.optim counterpart.
             Params with `requires_grad=False` are left out (frozen).
-        rule: the update rule (fusedzero/rules; `ZeroAdamW` passes the AdamW rule).
-        defaults: the default hyper-parameters of every group, over `rule.defaults`; each
-            group is checked by `rule.check_group`.
+        rule: the update rule of every group (fusedzero/rules; `ZeroAdamW` passes the AdamW
+            rule), or a `ByGroup` naming each group's rule (`ZeroMuon`: Muon and AdamW).
+        defaults: with one rule, the default hyper-parameters of every group, over
+            `rule.defaults` (a `ByGroup` carries its rules' defaults). Each group is checked
+            by its rule's `check_group`.
         stage: 0 (DP), 1 (optimizer state), 2 (+ grads), 3 (+ params; needs `module`).
         module: the model; gives parameter names (checkpoints) and, for stage 3, the units.
         max_grad_norm: clip the global grad norm to this (None: no clipping).
@@ -98,7 +101,7 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
-        rule: Rule,
+        rule: Rule | ByGroup,
         defaults: dict[str, Any] | None = None,
         *,
         stage: int | Stage = 1,
@@ -111,9 +114,16 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
         device: torch.device | str | None = None,
         trace: bool = False,
     ) -> None:
-        self.rule = rule
-        defaults = {**rule.defaults, **(defaults or {})}
-        rule.check_group(defaults)
+        if isinstance(rule, ByGroup):
+            if defaults:
+                raise ValueError("defaults= with a ByGroup rule: put them in ByGroup.defaults")
+            self._by_group: ByGroup | None = rule
+            self._single: Rule | None = None
+            defaults = {}
+        else:
+            self._by_group, self._single = None, rule
+            defaults = {**rule.defaults, **(defaults or {})}
+            rule.check_group(defaults)
         self.precision = check_record("precision", precision, Precision)
         self.wire = check_record("wire", wire, Wire)
         self.groups = check_record("groups", groups, Groups)
@@ -128,18 +138,26 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
         param_dtype, reduce_dtype = precision.param_dtype, precision.reduce_dtype
         bucket_numel, seed = sharding.bucket_numel, precision.seed
         super().__init__(validate.trainable(params), defaults)
-        all_params = validate.check_groups(self.param_groups, rule.check_group)
+        # Each group's rule, in param-group order (`add_param_group` filled its defaults).
+        self.group_rules: list[Rule] = [self._rule_of(g) for g in self.param_groups]
+        all_params = validate.check_groups(
+            self.param_groups, lambda g: self._rule_of(g).check_group(g)
+        )
+        # The rule every group runs, None where groups run different rules.
+        self.rule: Rule | None = self._single or _only(self.group_rules)
 
         self.stage = stage
         self.process_group = process_group
         self.world_size = comm.group_size(process_group)
         self.rank = comm.group_rank(process_group)
-        if not rule.element_wise and stage.shards_state and self.world_size > 1:
+        per_matrix = [r for r in self.group_rules if not r.element_wise]
+        if per_matrix and stage.shards_state and self.world_size > 1:
             # See [Note: whole tensors for per-matrix rules] in fusedzero/rules/__init__.py.
             raise NotImplementedError(
-                f"the {rule.name} rule updates whole tensors, and the layout at stage "
-                f"{int(stage)} cuts them into equal slices over {self.world_size} ranks; run "
-                "it at stage 0 or on one rank"
+                f"the {per_matrix[0].name} rule updates whole tensors, and the layout at stage "
+                f"{int(stage)} cuts them into equal slices over {self.world_size} ranks (the "
+                "owner layout that keeps each tensor whole on one rank is not wired yet): "
+                "stages 1-3 need one rank for now; run it at stage 0 or on one rank"
             )
         self.replicate_group = replicate_group
         self.replicas = 1 if replicate_group is None else comm.group_size(replicate_group)
@@ -218,7 +236,7 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
             reduce_dtype=reduce_dtype,
             device=self.device,
             modes=self.modes,
-            state_fields=rule.state_fields(self.modes),
+            state_fields=[r.state_fields(self.modes) for r in self.group_rules],
             seed=seed,
             tp_replicated=None if self.tp is None else [self.tp.replicated(p) for p in all_params],
         )
@@ -247,7 +265,7 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
             self.param_wire,
         )
         self.shards = ShardAccess(
-            rule, self.flat_groups, self.scalars, self.param_sync, self.quiesce_params
+            self.group_rules, self.flat_groups, self.scalars, self.param_sync, self.quiesce_params
         )
         self._build_update()
         # model.load_state_dict() at stages 0-2 (at stage 3 the unit hooks do it).
@@ -261,26 +279,47 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
 
     # -- construction -----------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Only during construction: the flat buffers and their sharding are built once."""
+        """Only during construction: the flat buffers and their sharding are built once. With
+        a `ByGroup` rule the group is filled from its own rule's defaults."""
         if hasattr(self, "flat_groups"):
             raise NotImplementedError(
                 f"{type(self).__name__} cannot add param groups after construction (its flat "
                 "buffers are sharded at build time); pass every group to the constructor"
             )
+        if self._by_group is not None:
+            _, defaults = self._by_group.pick(param_group)
+            param_group = {**defaults, **param_group}
         super().add_param_group(param_group)
 
+    def _rule_of(self, group: dict[str, Any]) -> Rule:
+        if self._by_group is None:
+            assert self._single is not None
+            return self._single
+        return self._by_group.pick(group)[0]
+
     def _build_update(self) -> None:
-        """The rule's launches over every flat buffer, and one sum-of-squares launch per grad
-        dtype per step, built once. Their tables hold the buffers' addresses: the buffers are
-        never replaced, only written in place (checkpoint loads, load_state_dict, zero3 all
-        `copy_`)."""
-        self._update = self.rule.build(
-            [b.local_shard() for b in self.flat_groups],
-            device=self.device,
-            num_groups=len(self.param_groups),
-            modes=self.modes,
-            seed=self.flat_groups[0].seed if self.flat_groups else None,
-        )
+        """Each rule's launches over its own groups' flat buffers, and one sum-of-squares
+        launch per grad dtype per step, built once. Their tables hold the buffers' addresses:
+        the buffers are never replaced, only written in place (checkpoint loads,
+        load_state_dict, zero3 all `copy_`)."""
+        parts = []
+        for rule in dict.fromkeys(self.group_rules):  # in order of first appearance
+            gis = [i for i, r in enumerate(self.group_rules) if r is rule]
+            own = {gi: k for k, gi in enumerate(gis)}  # the rule's own group numbering
+            shards = [
+                dataclasses.replace(b.local_shard(), group_index=own[b.group_index])
+                for b in self.flat_groups
+                if b.group_index in own
+            ]
+            update = rule.build(
+                shards,
+                device=self.device,
+                num_groups=len(gis),
+                modes=self.modes,
+                seed=self.flat_groups[0].seed if self.flat_groups else None,
+            )
+            parts.append(_RulePart(update, tuple(gis)))
+        self._update = _Updates(parts)
         self._sumsq = self._grouped_sumsq()
 
     def _grouped_sumsq(self) -> Callable[[], torch.Tensor]:
@@ -397,7 +436,7 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
                 self._ctx if self.stage.shards_state else None,
                 self._tp_ctx,
                 rows=rows,
-                hyper=hyper,
+                hyper=self._update.rows_hyper(hyper),
             )
         with phase("fusedzero::update"):
             self._update.step(
@@ -504,6 +543,41 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Multiply the loss by the current loss scale (identity without loss scaling)."""
         return loss if self.scaler is None else loss * self.scaler.scale
+
+
+def _only(rules: Sequence[Rule]) -> Rule | None:
+    """The rule every group runs, or None where they differ."""
+    distinct = list(dict.fromkeys(rules))
+    return distinct[0] if len(distinct) == 1 else None
+
+
+class _RulePart(NamedTuple):
+    """One rule's launches and the param groups (their indices) they update."""
+
+    update: Update
+    groups: tuple[int, ...]
+
+
+class _Updates:
+    """Every rule's launches as one: each reads its own groups' hyper-parameters and updates
+    its own groups' buffers. The step's scalar launch writes the rows of one rule, the first
+    that has any; the others write theirs in their own launches."""
+
+    def __init__(self, parts: list[_RulePart]) -> None:
+        self.parts = parts
+        self._writer = next((k for k, p in enumerate(parts) if p.update.rows is not None), None)
+        self.rows = None if self._writer is None else parts[self._writer].update.rows
+
+    def read_groups(self, param_groups: list[dict[str, Any]]) -> list[Any]:
+        return [p.update.read_groups([param_groups[i] for i in p.groups]) for p in self.parts]
+
+    def rows_hyper(self, hyper: list[Any]) -> Any:
+        """The hyper-parameters of the rule whose rows the scalar launch writes (or None)."""
+        return None if self._writer is None else hyper[self._writer]
+
+    def step(self, hyper: list[Any], scalars: StepTensors, *, rows_written: bool) -> None:
+        for k, (p, h) in enumerate(zip(self.parts, hyper)):
+            p.update.step(h, scalars, rows_written=rows_written and k == self._writer)
 
 
 class ZeroAdamW(ZeroOptimizer):

@@ -84,7 +84,8 @@ class ShardState:
     converting masters]). From `shard_state()` they may be live views of the optimizer's
     buffers: copy them before the next `step()` if they must outlive it. For
     `load_shard_state()`, a field left out (or None) is left as it is (e.g. `import_weights`
-    sets only `master`).
+    sets only `master`). Where param groups run different rules (`ByGroup`), a field's entry
+    is None for a buffer whose rule does not keep that field.
     """
 
     def __init__(
@@ -125,8 +126,9 @@ class ShardState:
         return own + tuple(self.states)
 
     def tensors(self, i: int) -> dict[str, torch.Tensor]:
-        """Buffer i's tensors by field name (the fields that are set)."""
-        return {name: self.get(name)[i] for name in self.names()}  # type: ignore[index]
+        """Buffer i's tensors by field name (the fields that are set for it)."""
+        out = {name: self.get(name)[i] for name in self.names()}  # type: ignore[index]
+        return {name: t for name, t in out.items() if t is not None}
 
 
 def tensor_fields(modes: MemoryModes, rule: Rule) -> tuple[StateField, ...]:

@@ -248,6 +248,11 @@ def _read_staged(
 def _rule(opt: ZeroAdamW, d: Path, manifest: dict[str, Any]) -> Rule:
     """The rule whose state the checkpoint holds, which must be the optimizer's."""
     rule = manifest_rule(manifest)
+    if opt.rule is None:
+        names = sorted({r.name for r in opt.group_rules})
+        raise CheckpointError(
+            f"checkpoint {d} holds {rule.name} state, this optimizer runs {names} by group"
+        )
     if rule.name != opt.rule.name:
         raise CheckpointError(
             f"checkpoint {d} holds {rule.name} state, this optimizer runs {opt.rule.name}"
@@ -331,7 +336,7 @@ def _staged_groups(
                 new[k] = tuple(v)
         merged = {**g, **new}
         try:  # the constructor's rules: a manifest installs nothing ZeroAdamW(...) would refuse
-            opt.rule.check_group(merged)
+            opt.group_rules[i].check_group(merged)
         except (ValueError, TypeError) as e:
             raise CheckpointError(
                 f"{d / MANIFEST}: param_groups[{i}]: {e} ({type(opt).__name__} refuses "

@@ -106,9 +106,15 @@ def manifest_rule(m: dict[str, Any]) -> Rule:
     return RULES[m.get("rule", ADAMW.name)]
 
 
-def rule_name(rule: Rule) -> str:
+def rule_name(rule: Rule | None) -> str:
     """What a manifest records for an optimizer running `rule`; ValueError for a rule whose
-    state checkpoints do not hold (it could be saved but never loaded)."""
+    state checkpoints do not hold (it could be saved but never loaded), and for None: an
+    optimizer whose param groups run different rules (a manifest names one rule)."""
+    if rule is None:
+        raise ValueError(
+            "this optimizer's param groups run different update rules, and a checkpoint holds "
+            "one rule's state: save it with opt.state_dict() (same layout only) for now"
+        )
     if rule.name not in RULES:
         raise ValueError(
             f"checkpoints hold the state of the update rules {sorted(RULES)}, not "
