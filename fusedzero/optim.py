@@ -1,5 +1,6 @@
-"""ZeroOptimizer, the sharding engine, and ZeroAdamW (the engine with the AdamW rule): data
-parallelism over flat sharded buffers, ZeRO stages 0 to 3.
+"""ZeroOptimizer, the sharding engine, ZeroAdamW (the engine with the AdamW rule) and ZeroMuon
+(Muon groups and AdamW groups, a rule per group): data parallelism over flat sharded buffers,
+ZeRO stages 0 to 3.
 
     opt = ZeroAdamW(model.parameters(), lr=3e-4, stage=2, module=model, max_grad_norm=1.0,
                     precision=Precision(param_dtype=torch.bfloat16))
@@ -61,9 +62,10 @@ from fusedzero._zero3 import Zero3
 from fusedzero.policy import Groups, Precision, Sharding, Wire, check_record, moved_keywords
 from fusedzero.rules import ByGroup, Rule, StepTensors, Update
 from fusedzero.rules._adamw import ADAMW
+from fusedzero.rules._muon import MUON, matrix_shape
 from fusedzero.stage import Stage
 
-__all__ = ["MemoryReport", "Stage", "ZeroAdamW", "ZeroOptimizer"]
+__all__ = ["MemoryReport", "Stage", "ZeroAdamW", "ZeroMuon", "ZeroOptimizer"]
 
 
 class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
@@ -620,6 +622,83 @@ class ZeroAdamW(ZeroOptimizer):
             params,
             ADAMW,
             dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize),
+            stage=stage,
+            module=module,
+            max_grad_norm=max_grad_norm,
+            precision=precision,
+            wire=wire,
+            groups=groups,
+            sharding=sharding,
+            device=device,
+            trace=trace,
+        )
+
+
+class ZeroMuon(ZeroOptimizer):
+    """Muon for the hidden matrices and AdamW for the rest, in one optimizer with ZeRO sharding:
+    the engine (`ZeroOptimizer`) with the Muon rule (fusedzero/rules/_muon.py) on the groups
+    that say `use_muon=True` and the AdamW rule on those that say False (the convention of
+    `MuonWithAuxAdam` in the Muon reference repository). `fusedzero.muon_param_groups(model)`
+    makes the groups.
+
+    Args:
+        param_groups: param-group dicts, each with `use_muon`. A Muon group takes
+            `torch.optim.Muon`'s hyper-parameters (lr, weight_decay, momentum, nesterov,
+            ns_coefficients, eps, ns_steps, adjust_lr_fn) with its defaults; an AdamW group
+            `torch.optim.AdamW`'s (lr, betas, eps, weight_decay, maximize) with its defaults.
+            A Muon group's params are 2-D, or 3-D stacks [E, M, N] of E matrices.
+        muon_defaults, adamw_defaults: defaults over torch's for the groups of each kind.
+        stage, module, max_grad_norm, precision, wire, groups, sharding, device, trace: the
+            engine's (`ZeroOptimizer`). Muon needs the fp32 master mode and fp32 or bf16 state.
+
+    Semantics: `torch.optim.Muon` on the Muon groups plus `torch.optim.AdamW` on the rest, under
+    DDP. Newton-Schulz needs each matrix whole on the rank that updates it: stage 0 (every rank
+    updates every matrix, as DDP + Muon) at any world size, every stage on one rank. At stages
+    1-3 over several ranks the owner layout that keeps each matrix whole on one rank is not
+    wired yet, and construction refuses (docs/muon.md).
+    """
+
+    @moved_keywords
+    def __init__(
+        self,
+        param_groups: Iterable[dict[str, Any]],
+        *,
+        muon_defaults: dict[str, Any] | None = None,
+        adamw_defaults: dict[str, Any] | None = None,
+        stage: int | Stage = 1,
+        module: nn.Module | None = None,
+        max_grad_norm: float | None = None,
+        precision: Precision = Precision(),
+        wire: Wire = Wire(),
+        groups: Groups = Groups(),
+        sharding: Sharding = Sharding(),
+        device: torch.device | str | None = None,
+        trace: bool = False,
+    ) -> None:
+        param_groups = list(param_groups)
+        names = {} if module is None else {id(p): n for n, p in module.named_parameters()}
+        for i, g in enumerate(param_groups):
+            if not isinstance(g, dict):
+                raise TypeError(
+                    f"ZeroMuon takes param-group dicts with use_muon=True/False, got "
+                    f"{type(g).__name__} at {i}: use fusedzero.muon_param_groups(model)"
+                )
+            ps = g.get("params", [])
+            for p in [ps] if isinstance(ps, torch.Tensor) else ps:
+                if g.get("use_muon") and matrix_shape(p.shape) is None:
+                    raise ValueError(
+                        f"param_groups[{i}] (use_muon=True) holds "
+                        f"{names.get(id(p), 'a param')} of shape {tuple(p.shape)}: Muon "
+                        "updates 2-D matrices and 3-D stacks of them; put it in a use_muon="
+                        "False group"
+                    )
+        super().__init__(
+            param_groups,
+            ByGroup(
+                "use_muon",
+                {True: MUON, False: ADAMW},
+                {True: dict(muon_defaults or {}), False: dict(adamw_defaults or {})},
+            ),
             stage=stage,
             module=module,
             max_grad_norm=max_grad_norm,
