@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -136,13 +136,6 @@ def _contiguous(view: ShardView, s: LocalShard) -> torch.Tensor:
     return view.tensor[view.base : view.base + n]
 
 
-class _Stack(NamedTuple):
-    """Newton-Schulz inputs of one (group, matrix shape): a [B, M, N] bf16 stack."""
-
-    group: int
-    tensor: torch.Tensor
-
-
 def _consts(g: Mapping[str, Any]) -> tuple[Any, ...]:
     return (
         g["momentum"],
@@ -182,10 +175,11 @@ class MuonUpdate:
                 key = (s.group_index, ms)
                 found.append((s, t, key, counts.get(key, 0), e))
                 counts[key] = counts.get(key, 0) + e
-        # One bf16 stack per (group, shape): the momentum launch writes the NS input there and
-        # Newton-Schulz its result back, which the update launch reads.
+        # One [B, M, N] bf16 stack per (group, shape): the momentum launch writes the NS input
+        # there and Newton-Schulz its result back, which the update launch reads (scratch: 2 B
+        # per Muon element, not state).
         self.stacks = {
-            key: _Stack(key[0], torch.zeros(n, *key[1], dtype=torch.bfloat16, device=device))
+            key: torch.zeros(n, *key[1], dtype=torch.bfloat16, device=device)
             for key, n in counts.items()
         }
         self._row_keys: list[tuple[int, tuple[int, int]]] = []  # (group, shape) per row
@@ -196,7 +190,7 @@ class MuonUpdate:
             grad, buf = _contiguous(s.grad, s)[a:b], s.state["momentum_buffer"][a:b]
             master = _contiguous(s.master, s)[a:b]
             out = None if s.out is None else _contiguous(s.out, s)[a:b]
-            ns = self.stacks[key].tensor[first : first + e].view(-1)
+            ns = self.stacks[key][first : first + e].view(-1)
             mom.append(MomentumPiece(grad, buf, ns, row))
             upd.append(UpdatePiece(master, ns, out, row))
         # The rows' values come from the groups at the first `read_groups`; built here (zeros)
@@ -235,8 +229,9 @@ class MuonUpdate:
 
     def step(self, hyper: Hyper, scalars: StepTensors, *, rows_written: bool) -> None:
         self.plan.momentum(hyper.lr, scalars.grad_scale, scalars.skip)
-        for (group, _), st in self.stacks.items():
+        for (group, _), stack in self.stacks.items():
             coeffs, steps, eps = hyper.consts[group][4:]
-            x = st.tensor[0] if st.tensor.size(0) == 1 else st.tensor
+            # A stack of one runs torch's own 2-D sequence.
+            x = stack[0] if stack.size(0) == 1 else stack
             newton_schulz(x, coeffs, steps, eps, out=x)
         self.plan.update(scalars.skip)

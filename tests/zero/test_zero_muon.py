@@ -204,6 +204,44 @@ def test_zero_muon_matches_muon_plus_adamw_with_clipping_and_accumulation(stage:
         opt.close()
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_schedulers_changed_hyper_parameters_and_no_sync_stay_bitwise(stage: int) -> None:
+    """An lr scheduler on both kinds of group, momentum, nesterov, weight decay and
+    adjust_lr_fn changed between steps (the rows rewritten), and two micro-batches under
+    `no_sync`: the Muon params still equal torch.optim.Muon's bit for bit (AdamW at lr 0)."""
+    adamw = dict(lr=0.0, weight_decay=0.0)
+    model = make_gpt(CFG)
+    ref = copy.deepcopy(model)
+    opt = _zero(model, adamw, stage)
+    ref_opts = _reference(ref, adamw)
+    # Halving keeps every lr exact in fp32, the lr vector's dtype (torch's lr is a Python float;
+    # an lr that fp32 rounds would differ by that rounding, as in ZeroAdamW).
+    lam = lambda step: 0.5**step  # noqa: E731
+    scheds = [torch.optim.lr_scheduler.LambdaLR(o, lam) for o in (opt, *ref_opts)]
+    changes = {2: dict(momentum=0.9, weight_decay=0.05), 3: dict(nesterov=False)}
+    changes[4] = dict(adjust_lr_fn="match_rms_adamw")
+    for step in range(6):
+        for g in (opt.param_groups[0], ref_opts[0].param_groups[0]):
+            g.update(changes.get(step, {}))
+        x, y = gpt_batch(CFG, BATCH, step)
+        with opt.no_sync():
+            (model(x[:2], y[:2])[1] / 2).backward()
+        (model(x[2:], y[2:])[1] / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        (ref(x[:2], y[:2])[1] / 2).backward()
+        (ref(x[2:], y[2:])[1] / 2).backward()
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+        for sch in scheds:
+            sch.step()
+    got = _params(model, opt)
+    for n, q in ref.named_parameters():
+        assert torch.equal(got[n], q.detach()), f"{n}: {_first_diff(got[n], q.detach())}"
+    opt.close()
+
+
 @pytest.mark.parametrize("stage", [0, 3])
 def test_state_dict_round_trip_steps_identically(stage: int) -> None:
     """A state dict carries the Muon momentum and the AdamW moments, each in its own buffers,
