@@ -23,6 +23,7 @@ from torch import nn
 
 from fusedzero import Precision, Sharding, ZeroMuon, muon_param_groups
 from fusedzero.app.model import GPTConfig
+from fusedzero.plan import PlanConfig, plan_groups
 from fusedzero.testing import fake_group, run_ranks
 
 from _helpers import gpt_batch, make_gpt
@@ -352,6 +353,24 @@ def test_hyper_parameters_defaults_and_refusals() -> None:
     adam = sum(i.local_numel for i in half.shard_infos() if i.group_index == 1)
     assert half.memory().optimizer == 2 * full + 4 * adam
     half.close()
+
+
+@pytest.mark.parametrize("states", ["fp32", "bf16"])
+def test_memory_equals_plan_with_each_group_s_rule(states: str) -> None:
+    """`plan` with each group's rule (`PlanConfig(group_rules=)`) predicts `opt.memory()`'s
+    optimizer bytes to the byte at every stage, momentum in fp32 and in bf16: the Muon buffers
+    count one field, the AdamW buffers two."""
+    for stage in (0, 1, 2, 3):
+        model = make_gpt(CFG)
+        twin = copy.deepcopy(model)  # full shapes: at stage 3 the model's params are freed
+        names = {id(p): n for n, p in twin.named_parameters()}
+        groups = [[(names[id(p)], p) for p in g["params"]] for g in muon_param_groups(twin)]
+        precision = Precision(param_dtype=torch.float32, states=states)
+        opt = ZeroMuon(muon_param_groups(model), stage=stage, module=model, precision=precision)
+        cfg = PlanConfig(world_size=1, precision=precision, group_rules=tuple(opt.group_rules))
+        plan = plan_groups(groups, cfg, model=twin)
+        assert plan.stages[stage].optimizer_bytes == opt.memory().optimizer, stage
+        opt.close()
 
 
 def test_stages_1_to_3_over_several_ranks_are_refused_naming_the_owner_layout() -> None:
