@@ -183,6 +183,7 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
         validate.check_not_owned(module, all_params, names)
         # Tensor parallel: DTensor params on a tp mesh (None: a plain model).
         self.tp = tp_info(all_params, names, process_group, replicate_group)
+        self._check_whole_over_tp(names)
         self._ctx = CommContext.of(process_group, self.comm, self.trace, self.device)
         gather_group = groups.gather
         if gather_group is not None:
@@ -292,6 +293,23 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
             _, defaults = self._by_group.pick(param_group)
             param_group = {**defaults, **param_group}
         super().add_param_group(param_group)
+
+    def _check_whole_over_tp(self, names: list[str]) -> None:
+        """A per-matrix rule's params must be whole on each rank: a tensor-parallel shard of a
+        matrix is a piece of it (See [Note: whole tensors for per-matrix rules])."""
+        if self.tp is None:
+            return
+        index = 0
+        for g, rule in zip(self.param_groups, self.group_rules):
+            for p in g["params"]:
+                if not rule.element_wise and not self.tp.replicated(p):
+                    raise NotImplementedError(
+                        f"the {rule.name} rule updates whole tensors, and {names[index]} is a "
+                        f"tensor-parallel shard (placements {self.tp.placements[id(p)]}): "
+                        "replicate it over the tp mesh or put it in a group of an element-wise "
+                        "rule"
+                    )
+                index += 1
 
     def _rule_of(self, group: dict[str, Any]) -> Rule:
         if self._by_group is None:

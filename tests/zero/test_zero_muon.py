@@ -384,6 +384,26 @@ def test_stages_1_to_3_over_several_ranks_are_refused_naming_the_owner_layout() 
         ZeroMuon(muon_param_groups(model), stage=0, module=model, device="cpu").close()
 
 
+def test_a_tensor_parallel_shard_in_a_muon_group_is_refused() -> None:
+    """A column-parallel weight is a piece of its matrix on each tp rank; Newton-Schulz on it
+    would be wrong, so a Muon group holding it is refused, naming the param and its placement;
+    the same model builds once that layer is left unsharded."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    from fusedzero import Groups
+
+    with fake_group(0, 2):
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+        dp = Groups(shard=mesh["dp"].get_group())
+        m = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+        parallelize_module(m, mesh["tp"], {"0": ColwiseParallel()})
+        with pytest.raises(NotImplementedError, match=r"0\.weight is a tensor-parallel shard"):
+            ZeroMuon(muon_param_groups(m), stage=0, module=m, groups=dp, device="cpu")
+        groups = muon_param_groups(m, use_muon={"0.*": False})
+        ZeroMuon(groups, stage=0, module=m, groups=dp, device="cpu").close()
+
+
 def _w2_stage0(rank: int, world: int) -> dict[str, Any]:
     adamw = dict(lr=1e-3, weight_decay=0.01)
     model = make_gpt(CFG)
