@@ -147,6 +147,9 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
         )
         # The rule every group runs, None where groups run different rules.
         self.rule: Rule | None = self._single or _only(self.group_rules)
+        # Asked here, before anything touches the model: a rule refuses a memory mode it
+        # cannot hold by raising.
+        group_fields = [r.state_fields(self.modes) for r in self.group_rules]
 
         self.stage = stage
         self.process_group = process_group
@@ -239,7 +242,7 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
             reduce_dtype=reduce_dtype,
             device=self.device,
             modes=self.modes,
-            state_fields=[r.state_fields(self.modes) for r in self.group_rules],
+            state_fields=group_fields,
             seed=seed,
             tp_replicated=None if self.tp is None else [self.tp.replicated(p) for p in all_params],
         )

@@ -335,14 +335,20 @@ def test_hyper_parameters_defaults_and_refusals() -> None:
     ):
         with pytest.raises(ValueError, match=msg):
             ZeroMuon(muon_param_groups(model, muon=bad), module=model)
+    # Refused before anything touches the model: it builds afterwards, at stage 3 too.
     with pytest.raises(ValueError, match="not 'int8'"):
-        ZeroMuon(muon_param_groups(model), module=model, precision=Precision(states="int8"))
+        ZeroMuon(
+            muon_param_groups(model), stage=3, module=model, precision=Precision(states="int8")
+        )
     with pytest.raises(ValueError, match="master='fp32'"):
         ZeroMuon(
             muon_param_groups(model),
+            stage=3,
             module=model,
             precision=Precision(param_dtype=torch.bfloat16, master="bf16-kahan"),
         )
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    ZeroMuon(muon_param_groups(model), stage=3, module=model).close()
     with pytest.raises(ValueError, match="ln_f.weight of shape \\(32,\\)"):
         ZeroMuon([{"params": [model.ln_f.weight], "use_muon": True}], module=model)
     with pytest.raises(ValueError, match="has no 'use_muon'"):
