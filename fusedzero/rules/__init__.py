@@ -30,7 +30,8 @@ owner rank (the reduce-scatter then hands the owner its full grads and the all-g
 params back, no extra collective). Today's layout cuts every bucket into equal slices, so the
 engine runs such a rule only where a rank's local shard holds whole tensors: stage 0 (every rank
 updates everything) or one rank; elsewhere it refuses at construction. An owner layout lifts that
-without a change to the rule.
+without a change to the rule. A tensor-parallel shard (a DTensor sharded over the tp mesh) is a
+piece of its tensor on every rank: the engine refuses one in such a rule's groups.
 """
 
 from __future__ import annotations
