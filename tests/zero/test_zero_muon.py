@@ -9,7 +9,8 @@ comparison then takes a tolerance beside its noise control. Over two ranks at st
 rank runs Newton-Schulz on every matrix (as DDP + Muon); stages 1-3 over several ranks are
 refused until the owner layout is wired.
 
-About internals: fusedzero.rules._muon (the Muon rule's state field and defaults).
+About internals: fusedzero.rules._muon (the Muon rule's state field and defaults),
+fusedzero.checkpoint._catalog and fusedzero.checkpoint._manifest (the manifest's group rules).
 """
 
 from __future__ import annotations
@@ -310,6 +311,54 @@ def test_a_3d_expert_stack_is_its_matrices(stage: int) -> None:
         for e in range(3):
             assert torch.equal(stacked.w[e], split.ws[e]), f"expert {e}"
     opt.close()
+
+
+def test_a_checkpoint_reshards_across_stages_and_resumes_bit_exactly(tmp_path) -> None:
+    """Saved at stage 1, the manifest names each group's rule and each buffer's file holds its
+    rule's fields; loaded into a fresh ZeroMuon at stage 3 (other buffers, other layout) and at
+    stage 1, both continue bit-identically to the run that saved. A ZeroAdamW refuses it,
+    naming a Muon param whose momentum it cannot take."""
+    from fusedzero import ZeroAdamW, checkpoint
+    from fusedzero.checkpoint._catalog import read_manifest
+    from fusedzero.checkpoint._manifest import validate
+
+    adamw = dict(lr=1e-3)
+    a = make_gpt(CFG)
+    opt_a = _zero(a, adamw, 1)
+    for step in range(2):
+        _loss(a, step).backward()
+        opt_a.step()
+    saved = checkpoint.save(opt_a, tmp_path, step=2).wait()
+    m = read_manifest(saved)
+    assert m["rule"] == "by-group" and m["group_rules"] == ["muon", "adamw"]
+    for bad, msg in (
+        (["muon"], "has 1 entries for 2 param groups"),
+        (["muon", "lion"], "each one of"),
+        ([["muon"], "adamw"], "each one of"),
+    ):
+        with pytest.raises(checkpoint.CheckpointError, match=msg):
+            validate({**m, "group_rules": bad}, saved / "manifest.json")
+    for step in range(2, 4):
+        _loss(a, step).backward()
+        opt_a.step()
+    want = _params(a, opt_a)
+    opt_a.close()
+    for stage in (3, 1):
+        b = make_gpt(CFG, seed=1)
+        opt_b = _zero(b, adamw, stage)
+        checkpoint.load(opt_b, saved)
+        for step in range(2, 4):
+            _loss(b, step).backward()
+            opt_b.step()
+        got = _params(b, opt_b)
+        for n, w in want.items():
+            assert torch.equal(got[n], w), f"stage {stage} {n}: {_first_diff(got[n], w)}"
+        opt_b.close()
+    c = make_gpt(CFG)
+    opt_c = ZeroAdamW(c.parameters(), stage=1, module=c)
+    with pytest.raises(checkpoint.CheckpointError, match="holds muon state for blocks.0"):
+        checkpoint.load(opt_c, saved)
+    opt_c.close()
 
 
 def test_hyper_parameters_defaults_and_refusals() -> None:
