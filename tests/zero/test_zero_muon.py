@@ -110,13 +110,19 @@ def test_muon_param_groups_split_hidden_matrices_from_the_rest() -> None:
     assert len(e[1]["params"]) == 2  # the head's weight and bias
 
 
-@pytest.mark.parametrize("bucket_numel", [None, 1024], ids=["one-bucket", "1024"])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_muon_groups_are_bitwise_torch_optim_muon(stage: int, bucket_numel: int | None) -> None:
+@pytest.mark.parametrize(
+    ("stage", "bucket_numel", "backend"),
+    [(s, b, "torch") for s in range(4) for b in (None, 1024)] + [(2, 1024, "triton")],
+)
+def test_muon_groups_are_bitwise_torch_optim_muon(
+    stage: int, bucket_numel: int | None, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Five steps of the small GPT at one rank: every Muon param and momentum buffer equals
     torch.optim.Muon's bit for bit (the AdamW groups at lr 0, so they stay fixed in both runs
     and nothing else differs), and the AdamW params are untouched; with buckets of 1024
-    elements too, where matrices straddle buckets (still whole on the one rank)."""
+    elements too, where matrices straddle buckets (still whole on the one rank); and through
+    the Triton kernels (the interpreter) at stage 2."""
+    monkeypatch.setenv("FUSEDZERO_BACKEND", backend)
     adamw = dict(lr=0.0, weight_decay=0.0)
     model = make_gpt(CFG)
     ref = copy.deepcopy(model)
@@ -359,6 +365,29 @@ def test_a_checkpoint_reshards_across_stages_and_resumes_bit_exactly(tmp_path) -
     with pytest.raises(checkpoint.CheckpointError, match="holds muon state for blocks.0"):
         checkpoint.load(opt_c, saved)
     opt_c.close()
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("stage", [0, 2])
+def test_one_launch_per_rule_and_the_adamw_rows_in_the_scalar_launch(
+    stage: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the Triton path (the interpreter): a step issues one momentum and one update launch
+    for every Muon matrix of the rank, one AdamW launch for the AdamW groups, and the
+    step-scalar launch, which writes AdamW's rows (no launch of their own) although the Muon
+    rule comes first: no launch per group or per buffer."""
+    from fusedzero.kernels import LAUNCHES
+
+    monkeypatch.setenv("FUSEDZERO_BACKEND", "triton")
+    model = make_gpt(CFG)
+    opt = _zero(model, dict(lr=1e-3), stage, max_grad_norm=1.0)
+    _loss(model, 0).backward()
+    before = LAUNCHES.copy()
+    opt.step()
+    got = {k: v - before.get(k, 0) for k, v in LAUNCHES.items() if v != before.get(k, 0)}
+    want = {"muon_momentum": 1, "muon_update": 1, "adamw": 1, "step_scalars": 1}
+    assert {k: v for k, v in got.items() if k in (*want, "rows")} == want, got
+    opt.close()
 
 
 def test_hyper_parameters_defaults_and_refusals() -> None:
