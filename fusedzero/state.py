@@ -10,6 +10,8 @@ never through its private attributes:
     opt.load_shard_state(ShardState)          # write them back (collective at stages 1-3)
     opt.write_param_runs(read) -> bool        # stage 3: params written run by run, unstaged
     opt.rule                                  # the update rule: its state fields by name
+    opt.group_rules                           # each param group's rule (opt.rule: None where
+                                              # they differ); a buffer holds its group's fields
 
 and its public attributes (`params`, `param_names`, `param_groups`, `module`, `world_size`,
 `rank`, `process_group`, `stage`, `bucket_numel`, `param_dtype`, `seed`, `step_count`, `replicas`,
