@@ -20,12 +20,15 @@ __all__ = [
     "Stage",
     "Wire",
     "ZeroAdamW",
+    "ZeroMuon",
     "__version__",
+    "muon_param_groups",
 ]
 
 if TYPE_CHECKING:
+    from fusedzero._muon_groups import muon_param_groups
     from fusedzero._units import FullUnitInit, ShardInit
-    from fusedzero.optim import MemoryReport, Stage, ZeroAdamW
+    from fusedzero.optim import MemoryReport, Stage, ZeroAdamW, ZeroMuon
     from fusedzero.policy import Groups, Precision, Sharding, Wire
 
 # Public name -> the module that defines it, imported on first use.
@@ -33,6 +36,8 @@ _HOMES = {
     "MemoryReport": "optim",
     "Stage": "optim",
     "ZeroAdamW": "optim",
+    "ZeroMuon": "optim",
+    "muon_param_groups": "_muon_groups",
     "Groups": "policy",
     "Precision": "policy",
     "Sharding": "policy",

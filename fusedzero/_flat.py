@@ -29,7 +29,7 @@ and no copy (DDP's gradient_as_bucket_view).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -375,16 +375,16 @@ def build_buffers(
     reduce_dtype: torch.dtype,
     device: torch.device,
     modes: MemoryModes = MemoryModes(),
-    state_fields: tuple[StateField, ...] = (),
+    state_fields: Sequence[tuple[StateField, ...]] = (),
     seed: int = 0,
     tp_replicated: list[bool] | None = None,
 ) -> list[FlatBuffer]:
     """One FlatBuffer per (unit, param group, dtype, tp-replicated), in that order (dtypes and
     tp kinds in order of first appearance). `units[i]` is the stage-3 unit of the i-th param
     (all 0 below stage 3); `tp_replicated[i]` whether it is the same on every tensor-parallel
-    rank (default: all, a plain model). `state_fields`: the update rule's per-element state in
-    `modes` (fusedzero/rules). `seed`: bf16-sr's random stream, one device tensor for all
-    buffers."""
+    rank (default: all, a plain model). `state_fields[gi]`: the per-element state group gi's
+    update rule keeps in `modes` (fusedzero/rules; none where not given). `seed`: bf16-sr's
+    random stream, one device tensor for all buffers."""
     seed_t = torch.tensor([seed], dtype=torch.int64, device=device)
     by_key: dict[tuple[int, int, torch.dtype, bool], list[tuple[int, nn.Parameter]]] = {}
     index = 0
@@ -414,7 +414,7 @@ def build_buffers(
                 device=device,
                 unit=u,
                 modes=modes,
-                state_fields=state_fields,
+                state_fields=state_fields[gi] if gi < len(state_fields) else (),
                 seed=seed_t,
                 tp_replicated=rep,
                 sr_offset=_sr_offset(out, rep),

@@ -24,21 +24,37 @@ from fusedzero.state import ParamInfo, ShardInfo, ShardState, convert, fields_of
 class ShardAccess:
     """`before_write` runs before master (and the param shard derived from it) is rewritten:
     nothing in flight may read the shards then, and no gathered copy of them may outlive the
-    write (ZeroOptimizer.quiesce_params). `rule` says which state fields each buffer holds."""
+    write (ZeroOptimizer.quiesce_params). `rules[gi]` is param group gi's update rule: a
+    buffer holds its group's rule's state fields."""
 
     def __init__(
         self,
-        rule: Rule,
+        rules: list[Rule],
         buffers: list[FlatBuffer],
         scalars: StepScalars,
         param_sync: ParamSync,
         before_write: Callable[[], None],
     ) -> None:
-        self.rule = rule
+        self.rules = rules
         self.buffers = buffers
         self.scalars = scalars
         self.param_sync = param_sync
         self.before_write = before_write
+
+    def _fields(self, buf: FlatBuffer, modes: MemoryModes) -> tuple[str, ...]:
+        return fields_of(modes, self.rules[buf.group_index])
+
+    def _names(self, modes: MemoryModes) -> tuple[str, ...]:
+        """Every field some buffer holds in `modes`, master first, then each rule's in order."""
+        return tuple(dict.fromkeys(f for r in self.rules for f in fields_of(modes, r)))
+
+    def _rule_names(self) -> str:
+        names = list(dict.fromkeys(r.name for r in self.rules))
+        return (
+            f"the {names[0]} rule keeps"
+            if len(names) == 1
+            else (f"the {' and '.join(names)} rules keep")
+        )
 
     def shard_infos(self) -> list[ShardInfo]:
         return [
@@ -93,17 +109,19 @@ class ShardAccess:
         self.param_sync.wait()
 
     def shard_state(self) -> ShardState:
-        """Every buffer's state as it is stored (all buffers share the optimizer's modes)."""
+        """Every buffer's state as it is stored (all buffers share the optimizer's modes); a
+        field's entry is None for a buffer whose rule does not keep it."""
         scaler = self.scalars.scaler
         modes = self.buffers[0].modes if self.buffers else ShardState().modes
-        lists = {
-            f: (
-                [self.master(b) for b in self.buffers]
-                if f == "master"
-                else [b.comp if f == "comp" else b.state[f] for b in self.buffers]
-            )
-            for f in fields_of(modes, self.rule)
-        }
+
+        def tensor(b: FlatBuffer, f: str) -> torch.Tensor | None:
+            if f not in self._fields(b, modes):
+                return None
+            if f == "master":
+                return self.master(b)
+            return b.comp if f == "comp" else b.state[f]
+
+        lists = {f: [tensor(b, f) for b in self.buffers] for f in self._names(modes)}
         return ShardState(
             **lists,
             modes=modes,
@@ -115,12 +133,11 @@ class ShardAccess:
         """Write `st` (converted from its modes into each buffer's, `fusedzero.state.convert`).
         Everything is converted and checked before the first buffer is written."""
         n = len(self.buffers)
-        known = fields_of(st.modes, self.rule)
+        known = self._names(st.modes)
         unknown = [name for name in st.names() if name not in known]
         if unknown:
             raise ValueError(
-                f"shard state has fields {unknown}; in its modes the {self.rule.name} rule "
-                f"keeps {list(known)}"
+                f"shard state has fields {unknown}; in its modes {self._rule_names()} {list(known)}"
             )
         for name in st.names():
             values = st.get(name)
@@ -130,7 +147,7 @@ class ShardAccess:
                 )
         with torch.no_grad():
             new = [
-                convert(st.tensors(i), st.modes, buf.modes, self.rule)
+                convert(st.tensors(i), st.modes, buf.modes, self.rules[buf.group_index])
                 for i, buf in enumerate(self.buffers)
             ]
             for t, buf in zip(new, self.buffers):
@@ -177,9 +194,17 @@ class ShardAccess:
             if self.scalars.scaler is not None and "scaler" in state:
                 self.scalars.scaler.load_state_dict(state["scaler"])
         modes = MemoryModes(**state.get("modes", {}))
+        # Each buffer's entry holds its rule's fields (None: a field its rule does not keep).
         self.load_shard_state(
             ShardState(
-                **{f: [d[f] for d in flat] for f in fields_of(modes, self.rule)}, modes=modes
+                **{
+                    f: [
+                        d[f] if f in self._fields(b, modes) else None
+                        for d, b in zip(flat, self.buffers)
+                    ]
+                    for f in self._names(modes)
+                },
+                modes=modes,
             )
         )
 
@@ -257,6 +282,21 @@ class ShardStateMethods:
         }
 
     # -- the typed interface of fusedzero/state.py (checkpoints, importers, plan) -------------
+    def _fields(self, buf: FlatBuffer, modes: MemoryModes) -> tuple[str, ...]:
+        return fields_of(modes, self.rules[buf.group_index])
+
+    def _names(self, modes: MemoryModes) -> tuple[str, ...]:
+        """Every field some buffer holds in `modes`, master first, then each rule's in order."""
+        return tuple(dict.fromkeys(f for r in self.rules for f in fields_of(modes, r)))
+
+    def _rule_names(self) -> str:
+        names = list(dict.fromkeys(r.name for r in self.rules))
+        return (
+            f"the {names[0]} rule keeps"
+            if len(names) == 1
+            else (f"the {' and '.join(names)} rules keep")
+        )
+
     def shard_infos(self) -> list[ShardInfo]:
         """What this rank holds, one record per flat buffer (the order of `shard_state()`)."""
         return self.shards.shard_infos()

@@ -1,5 +1,6 @@
-"""ZeroOptimizer, the sharding engine, and ZeroAdamW (the engine with the AdamW rule): data
-parallelism over flat sharded buffers, ZeRO stages 0 to 3.
+"""ZeroOptimizer, the sharding engine, ZeroAdamW (the engine with the AdamW rule) and ZeroMuon
+(Muon groups and AdamW groups, a rule per group): data parallelism over flat sharded buffers,
+ZeRO stages 0 to 3.
 
     opt = ZeroAdamW(model.parameters(), lr=3e-4, stage=2, module=model, max_grad_norm=1.0,
                     precision=Precision(param_dtype=torch.bfloat16))
@@ -39,8 +40,9 @@ on the local shards and keeps the torch.optim contract; each part owns its state
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -58,11 +60,12 @@ from fusedzero._scalars import LossScaler, StepScalars
 from fusedzero._shards import ShardAccess, ShardStateMethods
 from fusedzero._zero3 import Zero3
 from fusedzero.policy import Groups, Precision, Sharding, Wire, check_record, moved_keywords
-from fusedzero.rules import Rule, StepTensors
+from fusedzero.rules import ByGroup, Rule, StepTensors, Update
 from fusedzero.rules._adamw import ADAMW
+from fusedzero.rules._muon import MUON, matrix_shape
 from fusedzero.stage import Stage
 
-__all__ = ["MemoryReport", "Stage", "ZeroAdamW", "ZeroOptimizer"]
+__all__ = ["MemoryReport", "Stage", "ZeroAdamW", "ZeroMuon", "ZeroOptimizer"]
 
 
 class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
@@ -71,9 +74,11 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
     Args:
         params: parameters or param-group dicts, as for the rule's torch.optim counterpart.
             Params with `requires_grad=False` are left out (frozen).
-        rule: the update rule (fusedzero/rules; `ZeroAdamW` passes the AdamW rule).
-        defaults: the default hyper-parameters of every group, over `rule.defaults`; each
-            group is checked by `rule.check_group`.
+        rule: the update rule of every group (fusedzero/rules; `ZeroAdamW` passes the AdamW
+            rule), or a `ByGroup` naming each group's rule (`ZeroMuon`: Muon and AdamW).
+        defaults: with one rule, the default hyper-parameters of every group, over
+            `rule.defaults` (a `ByGroup` carries its rules' defaults). Each group is checked
+            by its rule's `check_group`.
         stage: 0 (DP), 1 (optimizer state), 2 (+ grads), 3 (+ params; needs `module`).
         module: the model; gives parameter names (checkpoints) and, for stage 3, the units.
         max_grad_norm: clip the global grad norm to this (None: no clipping).
@@ -98,7 +103,7 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[nn.Parameter] | Iterable[dict[str, Any]],
-        rule: Rule,
+        rule: Rule | ByGroup,
         defaults: dict[str, Any] | None = None,
         *,
         stage: int | Stage = 1,
@@ -111,9 +116,16 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
         device: torch.device | str | None = None,
         trace: bool = False,
     ) -> None:
-        self.rule = rule
-        defaults = {**rule.defaults, **(defaults or {})}
-        rule.check_group(defaults)
+        if isinstance(rule, ByGroup):
+            if defaults:
+                raise ValueError("defaults= with a ByGroup rule: put them in ByGroup.defaults")
+            self._by_group: ByGroup | None = rule
+            self._single: Rule | None = None
+            defaults = {}
+        else:
+            self._by_group, self._single = None, rule
+            defaults = {**rule.defaults, **(defaults or {})}
+            rule.check_group(defaults)
         self.precision = check_record("precision", precision, Precision)
         self.wire = check_record("wire", wire, Wire)
         self.groups = check_record("groups", groups, Groups)
@@ -128,18 +140,29 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
         param_dtype, reduce_dtype = precision.param_dtype, precision.reduce_dtype
         bucket_numel, seed = sharding.bucket_numel, precision.seed
         super().__init__(validate.trainable(params), defaults)
-        all_params = validate.check_groups(self.param_groups, rule.check_group)
+        # Each group's rule, in param-group order (`add_param_group` filled its defaults).
+        self.group_rules: list[Rule] = [self._rule_of(g) for g in self.param_groups]
+        all_params = validate.check_groups(
+            self.param_groups, lambda g: self._rule_of(g).check_group(g)
+        )
+        # The rule every group runs, None where groups run different rules.
+        self.rule: Rule | None = self._single or _only(self.group_rules)
+        # Asked here, before anything touches the model: a rule refuses a memory mode it
+        # cannot hold by raising.
+        group_fields = [r.state_fields(self.modes) for r in self.group_rules]
 
         self.stage = stage
         self.process_group = process_group
         self.world_size = comm.group_size(process_group)
         self.rank = comm.group_rank(process_group)
-        if not rule.element_wise and stage.shards_state and self.world_size > 1:
+        per_matrix = [r for r in self.group_rules if not r.element_wise]
+        if per_matrix and stage.shards_state and self.world_size > 1:
             # See [Note: whole tensors for per-matrix rules] in fusedzero/rules/__init__.py.
             raise NotImplementedError(
-                f"the {rule.name} rule updates whole tensors, and the layout at stage "
-                f"{int(stage)} cuts them into equal slices over {self.world_size} ranks; run "
-                "it at stage 0 or on one rank"
+                f"the {per_matrix[0].name} rule updates whole tensors, and the layout at stage "
+                f"{int(stage)} cuts them into equal slices over {self.world_size} ranks (the "
+                "owner layout that keeps each tensor whole on one rank is not wired yet): "
+                "stages 1-3 need one rank for now; run it at stage 0 or on one rank"
             )
         self.replicate_group = replicate_group
         self.replicas = 1 if replicate_group is None else comm.group_size(replicate_group)
@@ -163,6 +186,7 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
         validate.check_not_owned(module, all_params, names)
         # Tensor parallel: DTensor params on a tp mesh (None: a plain model).
         self.tp = tp_info(all_params, names, process_group, replicate_group)
+        self._check_whole_over_tp(names)
         self._ctx = CommContext.of(process_group, self.comm, self.trace, self.device)
         gather_group = groups.gather
         if gather_group is not None:
@@ -218,7 +242,7 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
             reduce_dtype=reduce_dtype,
             device=self.device,
             modes=self.modes,
-            state_fields=rule.state_fields(self.modes),
+            state_fields=group_fields,
             seed=seed,
             tp_replicated=None if self.tp is None else [self.tp.replicated(p) for p in all_params],
         )
@@ -250,7 +274,7 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
             self.param_wire,
         )
         self.shards = ShardAccess(
-            rule, self.flat_groups, self.scalars, self.param_sync, self.quiesce_params
+            self.group_rules, self.flat_groups, self.scalars, self.param_sync, self.quiesce_params
         )
         self._build_update()
         # model.load_state_dict() at stages 0-2 (at stage 3 the unit hooks do it).
@@ -264,26 +288,64 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
 
     # -- construction -----------------------------------------------------------------------
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """Only during construction: the flat buffers and their sharding are built once."""
+        """Only during construction: the flat buffers and their sharding are built once. With
+        a `ByGroup` rule the group is filled from its own rule's defaults."""
         if hasattr(self, "flat_groups"):
             raise NotImplementedError(
                 f"{type(self).__name__} cannot add param groups after construction (its flat "
                 "buffers are sharded at build time); pass every group to the constructor"
             )
+        if self._by_group is not None:
+            _, defaults = self._by_group.pick(param_group)
+            param_group = {**defaults, **param_group}
         super().add_param_group(param_group)
 
+    def _check_whole_over_tp(self, names: list[str]) -> None:
+        """A per-matrix rule's params must be whole on each rank: a tensor-parallel shard of a
+        matrix is a piece of it (See [Note: whole tensors for per-matrix rules])."""
+        if self.tp is None:
+            return
+        index = 0
+        for g, rule in zip(self.param_groups, self.group_rules):
+            for p in g["params"]:
+                if not rule.element_wise and not self.tp.replicated(p):
+                    raise NotImplementedError(
+                        f"the {rule.name} rule updates whole tensors, and {names[index]} is a "
+                        f"tensor-parallel shard (placements {self.tp.placements[id(p)]}): "
+                        "replicate it over the tp mesh or put it in a group of an element-wise "
+                        "rule"
+                    )
+                index += 1
+
+    def _rule_of(self, group: dict[str, Any]) -> Rule:
+        if self._by_group is None:
+            assert self._single is not None
+            return self._single
+        return self._by_group.pick(group)[0]
+
     def _build_update(self) -> None:
-        """The rule's launches over every flat buffer, and one sum-of-squares launch per grad
-        dtype per step, built once. Their tables hold the buffers' addresses: the buffers are
-        never replaced, only written in place (checkpoint loads, load_state_dict, zero3 all
-        `copy_`)."""
-        self._update = self.rule.build(
-            [b.local_shard() for b in self.flat_groups],
-            device=self.device,
-            num_groups=len(self.param_groups),
-            modes=self.modes,
-            seed=self.flat_groups[0].seed if self.flat_groups else None,
-        )
+        """Each rule's launches over its own groups' flat buffers, and one sum-of-squares
+        launch per grad dtype per step, built once. Their tables hold the buffers' addresses:
+        the buffers are never replaced, only written in place (checkpoint loads,
+        load_state_dict, zero3 all `copy_`)."""
+        parts = []
+        for rule in dict.fromkeys(self.group_rules):  # in order of first appearance
+            gis = [i for i, r in enumerate(self.group_rules) if r is rule]
+            own = {gi: k for k, gi in enumerate(gis)}  # the rule's own group numbering
+            shards = [
+                dataclasses.replace(b.local_shard(), group_index=own[b.group_index])
+                for b in self.flat_groups
+                if b.group_index in own
+            ]
+            update = rule.build(
+                shards,
+                device=self.device,
+                num_groups=len(gis),
+                modes=self.modes,
+                seed=self.flat_groups[0].seed if self.flat_groups else None,
+            )
+            parts.append(_RulePart(update, tuple(gis)))
+        self._update = _Updates(parts)
         self._sumsq = self._grouped_sumsq()
 
     def _grouped_sumsq(self) -> Callable[[], torch.Tensor]:
@@ -400,7 +462,7 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
                 self._ctx if self.stage.shards_state else None,
                 self._tp_ctx,
                 rows=rows,
-                hyper=hyper,
+                hyper=self._update.rows_hyper(hyper),
             )
         with phase("fusedzero::update"):
             self._update.step(
@@ -509,6 +571,41 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
         return loss if self.scaler is None else loss * self.scaler.scale
 
 
+def _only(rules: Sequence[Rule]) -> Rule | None:
+    """The rule every group runs, or None where they differ."""
+    distinct = list(dict.fromkeys(rules))
+    return distinct[0] if len(distinct) == 1 else None
+
+
+class _RulePart(NamedTuple):
+    """One rule's launches and the param groups (their indices) they update."""
+
+    update: Update
+    groups: tuple[int, ...]
+
+
+class _Updates:
+    """Every rule's launches as one: each reads its own groups' hyper-parameters and updates
+    its own groups' buffers. The step's scalar launch writes the rows of one rule, the first
+    that has any; the others write theirs in their own launches."""
+
+    def __init__(self, parts: list[_RulePart]) -> None:
+        self.parts = parts
+        self._writer = next((k for k, p in enumerate(parts) if p.update.rows is not None), None)
+        self.rows = None if self._writer is None else parts[self._writer].update.rows
+
+    def read_groups(self, param_groups: list[dict[str, Any]]) -> list[Any]:
+        return [p.update.read_groups([param_groups[i] for i in p.groups]) for p in self.parts]
+
+    def rows_hyper(self, hyper: list[Any]) -> Any:
+        """The hyper-parameters of the rule whose rows the scalar launch writes (or None)."""
+        return None if self._writer is None else hyper[self._writer]
+
+    def step(self, hyper: list[Any], scalars: StepTensors, *, rows_written: bool) -> None:
+        for k, (p, h) in enumerate(zip(self.parts, hyper)):
+            p.update.step(h, scalars, rows_written=rows_written and k == self._writer)
+
+
 class ZeroAdamW(ZeroOptimizer):
     """AdamW with ZeRO sharding over a process group: the engine (`ZeroOptimizer`) with the
     AdamW rule (fusedzero/rules/_adamw.py); one fused update launch per dtype combination.
@@ -549,6 +646,83 @@ class ZeroAdamW(ZeroOptimizer):
             params,
             ADAMW,
             dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, maximize=maximize),
+            stage=stage,
+            module=module,
+            max_grad_norm=max_grad_norm,
+            precision=precision,
+            wire=wire,
+            groups=groups,
+            sharding=sharding,
+            device=device,
+            trace=trace,
+        )
+
+
+class ZeroMuon(ZeroOptimizer):
+    """Muon for the hidden matrices and AdamW for the rest, in one optimizer with ZeRO sharding:
+    the engine (`ZeroOptimizer`) with the Muon rule (fusedzero/rules/_muon.py) on the groups
+    that say `use_muon=True` and the AdamW rule on those that say False (the convention of
+    `MuonWithAuxAdam` in the Muon reference repository). `fusedzero.muon_param_groups(model)`
+    makes the groups.
+
+    Args:
+        param_groups: param-group dicts, each with `use_muon`. A Muon group takes
+            `torch.optim.Muon`'s hyper-parameters (lr, weight_decay, momentum, nesterov,
+            ns_coefficients, eps, ns_steps, adjust_lr_fn) with its defaults; an AdamW group
+            `torch.optim.AdamW`'s (lr, betas, eps, weight_decay, maximize) with its defaults.
+            A Muon group's params are 2-D, or 3-D stacks [E, M, N] of E matrices.
+        muon_defaults, adamw_defaults: defaults over torch's for the groups of each kind.
+        stage, module, max_grad_norm, precision, wire, groups, sharding, device, trace: the
+            engine's (`ZeroOptimizer`). Muon needs the fp32 master mode and fp32 or bf16 state.
+
+    Semantics: `torch.optim.Muon` on the Muon groups plus `torch.optim.AdamW` on the rest, under
+    DDP. Newton-Schulz needs each matrix whole on the rank that updates it: stage 0 (every rank
+    updates every matrix, as DDP + Muon) at any world size, every stage on one rank. At stages
+    1-3 over several ranks the owner layout that keeps each matrix whole on one rank is not
+    wired yet, and construction refuses (docs/muon.md).
+    """
+
+    @moved_keywords
+    def __init__(
+        self,
+        param_groups: Iterable[dict[str, Any]],
+        *,
+        muon_defaults: dict[str, Any] | None = None,
+        adamw_defaults: dict[str, Any] | None = None,
+        stage: int | Stage = 1,
+        module: nn.Module | None = None,
+        max_grad_norm: float | None = None,
+        precision: Precision = Precision(),
+        wire: Wire = Wire(),
+        groups: Groups = Groups(),
+        sharding: Sharding = Sharding(),
+        device: torch.device | str | None = None,
+        trace: bool = False,
+    ) -> None:
+        param_groups = list(param_groups)
+        names = {} if module is None else {id(p): n for n, p in module.named_parameters()}
+        for i, g in enumerate(param_groups):
+            if not isinstance(g, dict):
+                raise TypeError(
+                    f"ZeroMuon takes param-group dicts with use_muon=True/False, got "
+                    f"{type(g).__name__} at {i}: use fusedzero.muon_param_groups(model)"
+                )
+            ps = g.get("params", [])
+            for p in [ps] if isinstance(ps, torch.Tensor) else ps:
+                if g.get("use_muon") and matrix_shape(p.shape) is None:
+                    raise ValueError(
+                        f"param_groups[{i}] (use_muon=True) holds "
+                        f"{names.get(id(p), 'a param')} of shape {tuple(p.shape)}: Muon "
+                        "updates 2-D matrices and 3-D stacks of them; put it in a use_muon="
+                        "False group"
+                    )
+        super().__init__(
+            param_groups,
+            ByGroup(
+                "use_muon",
+                {True: MUON, False: ADAMW},
+                {True: dict(muon_defaults or {}), False: dict(adamw_defaults or {})},
+            ),
             stage=stage,
             module=module,
             max_grad_norm=max_grad_norm,

@@ -104,6 +104,13 @@ class PlanConfig:
     rule: Rule = ADAMW
     """The update rule (fusedzero/rules): the state fields it keeps are counted per element
     (default: AdamW's, as `ZeroAdamW` runs)."""
+    group_rules: tuple[Rule, ...] = ()
+    """Where param groups run different rules (`ZeroMuon`, a `ByGroup` rule): the rule of each
+    group, whose fields its buffers keep (`opt.group_rules`); empty: `rule` for every group."""
+
+    def rule_of(self, group: int) -> Rule:
+        """The rule whose state fields group `group`'s buffers keep."""
+        return self.group_rules[group] if self.group_rules else self.rule
 
     def __post_init__(self) -> None:
         for name, cls in (("precision", Precision), ("wire", Wire), ("sharding", Sharding)):
@@ -293,15 +300,25 @@ def _gb(n: int) -> str:
 Item = tuple[int, str, tuple[int, ...]]  # (index in the optimizer's param list, name, shape)
 
 
+class _Buffer(NamedTuple):
+    """One flat buffer as planned: its dtype, params, stage-3 unit (0, the root, elsewhere)
+    and param group."""
+
+    dtype: torch.dtype
+    items: list[Item]
+    unit: int
+    group: int
+
+
 def _buffers_from_groups(
     groups: list[list[tuple[str, nn.Parameter]]],
     stage: int,
     cfg: PlanConfig,
     units: list[int] | None,
-) -> list[tuple[torch.dtype, list[Item], int]]:
-    """(dtype, params) of every flat buffer, in ZeroAdamW's order: stages 0-2 group by
-    (param group, dtype), stage 3 by (unit, group, dtype) (`fusedzero._flat.build_buffers`, the
-    units from `Zero3.assign`); with each, its stage-3 unit (0, the root, elsewhere)."""
+) -> list[_Buffer]:
+    """Every flat buffer, in ZeroAdamW's order: stages 0-2 group by (param group, dtype), stage
+    3 by (unit, group, dtype) (`fusedzero._flat.build_buffers`, the units from
+    `Zero3.assign`)."""
     keyed: dict[tuple[int, int, torch.dtype], list[Item]] = {}
     index = 0
     for gi, group in enumerate(groups):
@@ -311,7 +328,7 @@ def _buffers_from_groups(
             keyed.setdefault((u, gi, dt), []).append((index, name, tuple(p.shape)))
             index += 1
     order = sorted(keyed, key=lambda k: (k[0], k[1])) if stage == 3 else list(keyed)
-    return [(k[2], keyed[k], k[0]) for k in order]
+    return [_Buffer(k[2], keyed[k], k[0], k[1]) for k in order]
 
 
 def _units(model: nn.Module, params: list[nn.Parameter], policy: Any) -> list[int]:
@@ -337,19 +354,17 @@ def _layout(items: list[Item], dt: torch.dtype, stage: int, cfg: PlanConfig) -> 
     return build_layout(items, 1 if stage == 0 else cfg.world_size, bucket)
 
 
-def _stage_plan(
-    buffers: list[tuple[torch.dtype, list[Item], int]], stage: int, cfg: PlanConfig
-) -> tuple[StagePlan, int]:
+def _stage_plan(buffers: list[_Buffer], stage: int, cfg: PlanConfig) -> tuple[StagePlan, int]:
     """The stage's bytes, and the ring steps of its collectives (LinkModel)."""
     W = cfg.world_size
     g = cfg.reduce_dtype.itemsize
     params = grads = opt = comm = steps = 0
-    for dt, items, unit in buffers:
+    for dt, items, unit, gi in buffers:
         L = _layout(items, dt, stage, cfg)
         p = dt.itemsize
         params += p * (L.local_numel if stage == 3 else L.padded_numel)
         grads += g * (L.local_numel if stage >= 2 else L.padded_numel)
-        opt += optimizer_bytes(cfg.modes, cfg.rule, L.local_numel, dt)
+        opt += optimizer_bytes(cfg.modes, cfg.rule_of(gi), L.local_numel, dt)
         # One collective per bucket, counted as comm.CommCounter.add does (`_bucket_comm`); the
         # ring steps of each (an all-to-all, as a reduce-scatter, W-1) for the comm-time model.
         nb = L.num_buckets
@@ -465,8 +480,8 @@ def model_layouts(
     flat = [p for grp in groups for _, p in grp]
     units = _units(model, flat, cfg.sharding.units) if stage == 3 else None
     return [
-        _layout(items, dt, stage, cfg)
-        for dt, items, _ in _buffers_from_groups(groups, stage, cfg, units)
+        _layout(b.items, b.dtype, stage, cfg)
+        for b in _buffers_from_groups(groups, stage, cfg, units)
     ]
 
 

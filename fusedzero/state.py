@@ -10,6 +10,8 @@ never through its private attributes:
     opt.load_shard_state(ShardState)          # write them back (collective at stages 1-3)
     opt.write_param_runs(read) -> bool        # stage 3: params written run by run, unstaged
     opt.rule                                  # the update rule: its state fields by name
+    opt.group_rules                           # each param group's rule (opt.rule: None where
+                                              # they differ); a buffer holds its group's fields
 
 and its public attributes (`params`, `param_names`, `param_groups`, `module`, `world_size`,
 `rank`, `process_group`, `stage`, `bucket_numel`, `param_dtype`, `seed`, `step_count`, `replicas`,
@@ -84,7 +86,8 @@ class ShardState:
     converting masters]). From `shard_state()` they may be live views of the optimizer's
     buffers: copy them before the next `step()` if they must outlive it. For
     `load_shard_state()`, a field left out (or None) is left as it is (e.g. `import_weights`
-    sets only `master`).
+    sets only `master`). Where param groups run different rules (`ByGroup`), a field's entry
+    is None for a buffer whose rule does not keep that field.
     """
 
     def __init__(
@@ -125,8 +128,9 @@ class ShardState:
         return own + tuple(self.states)
 
     def tensors(self, i: int) -> dict[str, torch.Tensor]:
-        """Buffer i's tensors by field name (the fields that are set)."""
-        return {name: self.get(name)[i] for name in self.names()}  # type: ignore[index]
+        """Buffer i's tensors by field name (the fields that are set for it)."""
+        out = {name: self.get(name)[i] for name in self.names()}  # type: ignore[index]
+        return {name: t for name, t in out.items() if t is not None}
 
 
 def tensor_fields(modes: MemoryModes, rule: Rule) -> tuple[StateField, ...]:

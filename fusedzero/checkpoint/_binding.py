@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import torch
 
 from fusedzero.checkpoint._format import SHARD_FORMAT, ST_DTYPE, count_str
-from fusedzero.checkpoint._manifest import VERSION, manifest_modes, manifest_rule
+from fusedzero.checkpoint._manifest import VERSION, manifest_group_rules, manifest_modes
 from fusedzero.state import tensor_fields
 
 # The layout digest's own header key (its value: sha256 of every other row, see `_digest`).
@@ -127,10 +127,10 @@ def expected_tensors(
     m: dict[str, Any], e: dict[str, Any]
 ) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
     """Every tensor entry `e`'s file must hold: name -> (dtype, shape)."""
-    fields = tensor_fields(manifest_modes(m), manifest_rule(m))
+    modes, rules = manifest_modes(m), manifest_group_rules(m)
     out = {}
     for g in e["groups"]:
-        for f in fields:
+        for f in tensor_fields(modes, rules[g["group_index"]]):
             out[f"{g['key']}.{f.name}"] = (f.dtype, (f.numel(g["local_numel"]),))
     return out
 

@@ -30,7 +30,8 @@ fp32):
     fg{i}.master            master values: fp32 (fp32 params without a separate master: the
                             params); bf16 in the bf16 master modes (the params themselves)
     fg{i}.comp              bf16-kahan only: the bf16 compensation (effective master: master+comp)
-    fg{i}.<field>           each state field of the manifest's update rule
+    fg{i}.<field>           each state field of the manifest's update rule (of buffer i's
+                            group's rule, with `group_rules`)
                             (`Rule.state_fields(modes)`, fusedzero/rules; AdamW's: its two
                             moments, fp32, bf16 or int8/uint8 codes, and in the int8 mode their
                             `<field>_scale` tensors: fp32, one per QBLOCK (128) elements, scale
@@ -56,8 +57,11 @@ manifest.json (written last, after every shard is fsynced and renamed into place
     modes                    {"master": "fp32"|"bf16-kahan"|"bf16-sr"|"bf16",
                               "states": "fp32"|"bf16"|"int8"} (version 2)
     rule                     the update rule whose state the shards hold, a name of
-                             `_manifest.RULES` ("adamw"); absent (written before it was
-                             recorded): "adamw"
+                             `_manifest.RULES` ("adamw", "muon"); absent (written before it
+                             was recorded): "adamw"; "by-group" where param groups run
+                             different rules, then `group_rules`
+    group_rules              with rule "by-group": each param group's rule; a buffer's
+                             `fg{i}.<field>` tensors are its group's rule's fields
     seed                     the saving optimizer's bf16-sr seed (version 2; informative: the
                              loading optimizer keeps its own)
     world_size, stage, step  the saving run; step is the caller's step, step_count the optimizer's

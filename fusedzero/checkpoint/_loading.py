@@ -38,6 +38,7 @@ from fusedzero.checkpoint._format import MANIFEST, Peak
 from fusedzero.checkpoint._manifest import (
     VERSION,
     CheckpointError,
+    manifest_group_rules,
     manifest_modes,
     manifest_rule,
     snippet,
@@ -140,8 +141,9 @@ def load(
                 raise CheckpointError(named)
             if manifest["version"] < VERSION:  # one problem: convert it
                 raise CheckpointError(file_problems(d, manifest, [], False)[0])
-            staged = _read_staged(d, manifest, infos, reads, peak, verify, _rule(opt, d, manifest))
-        _check_values(staged, d, opt.rule)
+            rules = _rules(opt, d, manifest)
+            staged = _read_staged(d, manifest, infos, reads, peak, verify, rules)
+        _check_values(staged, d, opt.group_rules)
         if load_hyperparams:
             groups = _staged_groups(opt, manifest["param_groups"], d)
         state = _staged_state(manifest, rank, opt.replica_rank, d, restore_rng)
@@ -195,7 +197,7 @@ def _read_staged(
     plan: list[list[Read]],
     peak: Peak,
     verify: bool,
-    rule: Rule,
+    rules: list[Rule],
 ) -> ShardState:
     """Every buffer's state from the shard files, on the host, as it was saved (the manifest's
     modes: `load_shard_state` converts it into the optimizer's). Each file is opened once, its
@@ -208,10 +210,15 @@ def _read_staged(
     multiples of the layout's ALIGN = QBLOCK), so every read starts on a block and its scales
     are those of blocks [src, src + n) / QBLOCK."""
     saved = manifest_modes(manifest)
-    fields = tensor_fields(saved, rule)
-    out: dict[str, list[torch.Tensor]] = {f.name: [] for f in fields}
+    # Each buffer reads its group's rule's fields (None for another rule's).
+    names = dict.fromkeys(f.name for r in rules for f in tensor_fields(saved, r))
+    out: dict[str, list[torch.Tensor | None]] = {name: [] for name in names}
     by_file: dict[str, list[Slice]] = {}
     for info, reads in zip(infos, plan, strict=True):
+        fields = tensor_fields(saved, rules[info.group_index])
+        for name in names:
+            if all(f.name != name for f in fields):
+                out[name].append(None)
         for f in fields:
             kind, scale = f.name, f.per != 1
             dst = peak.add(torch.zeros(f.numel(info.local_numel), dtype=f.dtype))
@@ -245,25 +252,38 @@ def _read_staged(
     return ShardState(**out, modes=saved)
 
 
-def _rule(opt: ZeroAdamW, d: Path, manifest: dict[str, Any]) -> Rule:
-    """The rule whose state the checkpoint holds, which must be the optimizer's."""
-    rule = manifest_rule(manifest)
-    if rule.name != opt.rule.name:
-        raise CheckpointError(
-            f"checkpoint {d} holds {rule.name} state, this optimizer runs {opt.rule.name}"
-        )
-    return rule
+def _rules(opt: ZeroAdamW, d: Path, manifest: dict[str, Any]) -> list[Rule]:
+    """Each param group's rule, whose state the checkpoint must hold for every param the group
+    holds: one rule for all (the optimizer's must be the checkpoint's), or, where groups run
+    different rules, each saved param's group's rule equal to its group's here."""
+    saved = manifest_group_rules(manifest)
+    if opt.rule is not None and len({r.name for r in saved}) <= 1:
+        rule = saved[0] if saved else manifest_rule(manifest)
+        if rule.name != opt.rule.name:
+            raise CheckpointError(
+                f"checkpoint {d} holds {rule.name} state, this optimizer runs {opt.rule.name}"
+            )
+        return [rule] * len(opt.param_groups)
+    mine = {i.name: opt.group_rules[i.group_index].name for i in opt.param_infos()}
+    for p in manifest["params"]:
+        had = saved[p["group"]].name
+        if p["name"] in mine and mine[p["name"]] != had:
+            raise CheckpointError(
+                f"checkpoint {d} holds {had} state for {p['name']}, which this optimizer "
+                f"updates with {mine[p['name']]}"
+            )
+    return list(opt.group_rules)
 
 
-def _check_values(staged: ShardState, d: Path, rule: Rule) -> None:
+def _check_values(staged: ShardState, d: Path, rules: list[Rule]) -> None:
     """Every staged float finite, every state the rule keeps non-negative (an unsigned field,
     e.g. AdamW's second moment) >= 0: a NaN or Inf (a diverged run, an edited shard whose sha256
     was updated too) would train the params to NaN, and the next save would make it `latest`.
     One pass over the staging buffers, on the host."""
-    unsigned = {f.name for f in rule.state_fields(staged.modes) if not f.signed}
+    unsigned = {f.name for r in rules for f in r.state_fields(staged.modes) if not f.signed}
     for kind in staged.names():
         for i, t in enumerate(staged.get(kind) or ()):
-            if not t.is_floating_point():
+            if t is None or not t.is_floating_point():
                 continue  # int8 codes: every value is one
             bad = ~torch.isfinite(t)
             if kind in unsigned:
@@ -331,7 +351,7 @@ def _staged_groups(
                 new[k] = tuple(v)
         merged = {**g, **new}
         try:  # the constructor's rules: a manifest installs nothing ZeroAdamW(...) would refuse
-            opt.rule.check_group(merged)
+            opt.group_rules[i].check_group(merged)
         except (ValueError, TypeError) as e:
             raise CheckpointError(
                 f"{d / MANIFEST}: param_groups[{i}]: {e} ({type(opt).__name__} refuses "

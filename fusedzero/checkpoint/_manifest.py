@@ -25,6 +25,7 @@ from fusedzero import _dtypes as dtypes
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES, MemoryModes
 from fusedzero.rules import Rule
 from fusedzero.rules._adamw import ADAMW
+from fusedzero.rules._muon import MUON
 
 FORMAT = "fusedzero-checkpoint"
 # 2: `modes` (memory modes: each state stored in its own dtype, with its scales); a version-1
@@ -98,23 +99,46 @@ def manifest_modes(m: dict[str, Any]) -> MemoryModes:
 # The update rules whose state checkpoints hold, by `Rule.name`: a manifest names its rule in
 # `rule`; one without (written before rules were named) holds AdamW state. A rule joins here
 # when its checkpoints are supported: its state fields are the tensors of the shard files.
-RULES: dict[str, Rule] = {ADAMW.name: ADAMW}
+RULES: dict[str, Rule] = {ADAMW.name: ADAMW, MUON.name: MUON}
+# `rule` of a manifest whose param groups run different rules: `group_rules` lists each group's
+# (a reader that predates it refuses the name instead of reading the shards as AdamW's).
+BY_GROUP = "by-group"
 
 
 def manifest_rule(m: dict[str, Any]) -> Rule:
-    """The update rule whose state fields a validated manifest's shards hold."""
-    return RULES[m.get("rule", ADAMW.name)]
-
-
-def rule_name(rule: Rule) -> str:
-    """What a manifest records for an optimizer running `rule`; ValueError for a rule whose
-    state checkpoints do not hold (it could be saved but never loaded)."""
-    if rule.name not in RULES:
-        raise ValueError(
-            f"checkpoints hold the state of the update rules {sorted(RULES)}, not "
-            f"{rule.name!r}: add it to fusedzero/checkpoint/_manifest.py's RULES (docs/rules.md)"
+    """The update rule whose state fields a validated manifest's shards hold; CheckpointError
+    for one whose groups run different rules (`manifest_group_rules`)."""
+    name = m.get("rule", ADAMW.name)
+    if name == BY_GROUP:
+        raise CheckpointError(
+            f"the checkpoint's param groups run different update rules {m['group_rules']}: "
+            "this path reads one rule's state"
         )
-    return rule.name
+    return RULES[name]
+
+
+def manifest_group_rules(m: dict[str, Any]) -> list[Rule]:
+    """The rule of each param group of a validated manifest."""
+    if m.get("rule") == BY_GROUP:
+        return [RULES[n] for n in m["group_rules"]]
+    return [manifest_rule(m)] * len(m["param_groups"])
+
+
+def rule_names(rules: list[Rule]) -> dict[str, Any]:
+    """What a manifest records for an optimizer whose groups run `rules`: `rule`, and where they
+    differ `group_rules`; ValueError for a rule whose state checkpoints do not hold (it could be
+    saved but never loaded)."""
+    for rule in rules:
+        if rule.name not in RULES:
+            raise ValueError(
+                f"checkpoints hold the state of the update rules {sorted(RULES)}, not "
+                f"{rule.name!r}: add it to fusedzero/checkpoint/_manifest.py's RULES "
+                "(docs/rules.md)"
+            )
+    names = [r.name for r in rules]
+    if len(set(names)) > 1:
+        return {"rule": BY_GROUP, "group_rules": names}
+    return {"rule": names[0] if names else ADAMW.name}
 
 
 def value_kinds(rule: Rule) -> tuple[str, ...]:
@@ -232,8 +256,15 @@ def validate(m: Any, where: Path) -> None:
                 raise c.fail(
                     f"modes.{key}", f"is {_short(modes[key])}, expected one of {list(allowed)}"
                 )
-    if "rule" in m and m["rule"] not in RULES:
+    if "rule" in m and m["rule"] not in RULES and m["rule"] != BY_GROUP:
         raise c.fail("rule", f"is {_short(m['rule'])}, expected one of {sorted(RULES)}")
+    if m.get("rule") == BY_GROUP:
+        names = c.list_(c.get(m, "group_rules", ""), "group_rules")
+        if any(not isinstance(n, str) or n not in RULES for n in names):
+            raise c.fail("group_rules", f"is {_short(names)}, each one of {sorted(RULES)}")
+        n_groups = len(c.list_(c.get(m, "param_groups", ""), "param_groups"))
+        if len(names) != n_groups:
+            raise c.fail("group_rules", f"has {len(names)} entries for {n_groups} param groups")
     W = c.int_(c.get(m, "world_size", ""), "world_size", 1, 1 << 20)
     c.int_(c.get(m, "stage", ""), "stage", 0, 4)
     c.int_(c.get(m, "step", ""), "step")
@@ -275,7 +306,8 @@ def validate(m: Any, where: Path) -> None:
         numels.append(numel)
         if c.str_(c.get(p, "dtype", f), f"{f}.dtype") not in _DTYPES:
             raise c.fail(f"{f}.dtype", f"is {p['dtype']!r}, expected one of {list(_DTYPES)}")
-        c.int_(c.get(p, "group", f), f"{f}.group")
+        n_rules = len(m["group_rules"]) if m.get("rule") == BY_GROUP else _MAX_INT
+        c.int_(c.get(p, "group", f), f"{f}.group", 0, n_rules)
         aliases = c.list_(p.get("aliases", []), f"{f}.aliases")
         for j, a in enumerate([nm, *aliases]):
             af = f"{f}.name" if j == 0 else f"{f}.aliases[{j - 1}]"
@@ -339,7 +371,9 @@ def validate(m: Any, where: Path) -> None:
             if not _KEY.match(key) or key in keys:
                 raise c.fail(f"{gf}.key", f"is {key!r}, expected a unique 'fg<i>'")
             keys.add(key)
-            c.int_(c.get(g, "group_index", gf), f"{gf}.group_index")
+            # With a rule per group, group_index picks the rule of the shard's fields.
+            n_rules = len(m["group_rules"]) if m.get("rule") == BY_GROUP else _MAX_INT
+            c.int_(c.get(g, "group_index", gf), f"{gf}.group_index", 0, n_rules)
             if c.str_(c.get(g, "dtype", gf), f"{gf}.dtype") not in _DTYPES:
                 raise c.fail(f"{gf}.dtype", f"is {g['dtype']!r}, expected one of {list(_DTYPES)}")
             unit = g.get("unit")

@@ -68,7 +68,7 @@ from fusedzero.checkpoint._manifest import (
     STEP_DIR,
     VERSION,
     CheckpointError,
-    rule_name,
+    rule_names,
 )
 from fusedzero.checkpoint._optview import aliases, hyperparams
 from fusedzero.checkpoint._placements import tp_directory, tp_origin
@@ -501,7 +501,7 @@ def _manifest_base(
         "bucket_numel": opt.bucket_numel,
         "param_dtype": dtypes.name(opt.param_dtype) if opt.param_dtype is not None else None,
         "modes": st.modes.to_json(),
-        "rule": rule_name(opt.rule),
+        **rule_names(opt.group_rules),
         "seed": opt.seed,
         "params": params,
         "param_groups": hyperparams(opt),

@@ -19,13 +19,19 @@ loss scale, step count). It runs any `Rule` on its local shards; a rule declares
 
 The AdamW rule is `fusedzero.rules._adamw.ADAMW`; docs/rules.md shows how to add one.
 
+A rule runs per param group: `ByGroup` lets one optimizer run several (e.g. Muon for the hidden
+matrices, AdamW for the rest, one set of hooks). Flat buffers never mix groups, so each buffer
+holds its group's rule's fields, and each rule's launches see only its own groups' buffers
+(`LocalShard.group_index` then counts that rule's groups, in order).
+
 [Note: whole tensors for per-matrix rules] A rule with `element_wise = False` gets, in each
 `LocalShard`, whole tensors only: the layout, not the rule, must place each tensor whole on one
 owner rank (the reduce-scatter then hands the owner its full grads and the all-gather brings the
 params back, no extra collective). Today's layout cuts every bucket into equal slices, so the
 engine runs such a rule only where a rank's local shard holds whole tensors: stage 0 (every rank
 updates everything) or one rank; elsewhere it refuses at construction. An owner layout lifts that
-without a change to the rule.
+without a change to the rule. A tensor-parallel shard (a DTensor sharded over the tp mesh) is a
+piece of its tensor on every rank: the engine refuses one in such a rule's groups.
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ from fusedzero._layout import Segment
 from fusedzero.kernels import Strided
 from fusedzero.memory_modes import MemoryModes
 
-__all__ = ["LocalShard", "Rule", "StateField", "StepTensors", "Update", "WholeTensor"]
+__all__ = ["ByGroup", "LocalShard", "Rule", "StateField", "StepTensors", "Update", "WholeTensor"]
 
 # What a launch reads or writes: a contiguous local-shard tensor, or this rank's pieces of a full
 # bucketed buffer read in place (`Strided`).
@@ -204,3 +210,27 @@ class Rule(Protocol):
         """The launches over `shards` (every flat buffer of the rank, in order). `seed`: the
         engine's bf16-sr random stream seed (None in other master modes)."""
         ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ByGroup:
+    """Which rule runs each param group: the group's `key` (e.g. "use_muon") picks one of
+    `rules` by its value; a group of that rule is filled from `defaults[value]`, over the
+    rule's own defaults, then checked by the rule."""
+
+    key: str
+    rules: Mapping[Any, Rule]
+    defaults: Mapping[Any, Mapping[str, Any]] = dataclasses.field(default_factory=dict)
+
+    def pick(self, group: Mapping[str, Any]) -> tuple[Rule, dict[str, Any]]:
+        """The rule of `group` and the defaults its group is filled from."""
+        if self.key not in group:
+            raise ValueError(
+                f"param group with keys {sorted(k for k in group if k != 'params')} has no "
+                f"{self.key!r}: every group says {self.key}= one of {list(self.rules)}"
+            )
+        value = group[self.key]
+        if value not in self.rules:
+            raise ValueError(f"{self.key}={value!r}, expected one of {list(self.rules)}")
+        rule = self.rules[value]
+        return rule, {**rule.defaults, **self.defaults.get(value, {}), self.key: value}

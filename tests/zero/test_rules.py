@@ -20,7 +20,8 @@ from fusedzero.memory_modes import MemoryModes
 from fusedzero.optim import ZeroOptimizer
 from fusedzero.plan import PlanConfig, plan_groups
 from fusedzero.policy import Precision, Sharding
-from fusedzero.rules import LocalShard, StateField, StepTensors
+from fusedzero.rules import ByGroup, LocalShard, StateField, StepTensors
+from fusedzero.rules._adamw import ADAMW
 from fusedzero.testing import fake_group
 
 from _helpers import Stack, TwoLinear
@@ -146,6 +147,106 @@ def test_a_rule_the_engine_never_saw_trains_bitwise_like_torch_sgd(stage: int) -
     opt.close()
 
 
+MIXED = ByGroup("rule", {"sgd": SGD, "adamw": ADAMW}, {"sgd": dict(lr=0.1, weight_decay=0.01)})
+
+
+def _mixed_groups(m: Stack) -> list[dict[str, Any]]:
+    """The blocks' weights to SGD, their biases and the head to AdamW (two groups)."""
+    named = dict(m.named_parameters())
+    w = [p for n, p in named.items() if n.startswith("blocks") and n.endswith("weight")]
+    b = [p for n, p in named.items() if n.startswith("blocks") and n.endswith("bias")]
+    head = [named["head.weight"], named["head.bias"]]
+    return [
+        {"params": w, "rule": "sgd"},
+        {"params": b, "rule": "adamw", "lr": 0.01},
+        {"params": head, "rule": "adamw", "weight_decay": 0.0},
+    ]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_groups_running_different_rules_train_like_their_torch_optimizers(stage: int) -> None:
+    """One optimizer (one set of hooks) whose groups run SGD and AdamW, 4 steps at every stage
+    on one rank: the params match `torch.optim.SGD` on the SGD group plus `torch.optim.AdamW`
+    on the others (each group filled from its own rule's defaults) to an ulp: the AdamW kernel
+    orders its fp32 ops otherwise than torch (ZeroAdamW alone differs from torch.optim.AdamW by
+    as much, test_optimizer.py), and through the forward that reaches the SGD params too. Each
+    buffer
+    holds its own rule's fields (None for the other's in the state record), and a state dict
+    carries both into a fresh optimizer that then steps identically."""
+    torch.manual_seed(0)
+    model = Stack()
+    ref = copy.deepcopy(model)
+    twin = copy.deepcopy(model)
+    opt = ZeroOptimizer(_mixed_groups(model), MIXED, stage=stage, module=model)
+    assert [r.name for r in opt.group_rules] == ["sgd-momentum", "adamw", "adamw"]
+    assert opt.rule is None
+    assert opt.param_groups[0]["momentum"] == 0.9 and "betas" not in opt.param_groups[0]
+    assert opt.param_groups[2]["betas"] == (0.9, 0.999) and "momentum" not in opt.param_groups[2]
+    _train(model, opt)
+    groups = _mixed_groups(ref)
+    sgd = torch.optim.SGD(groups[0]["params"], lr=0.1, momentum=0.9, weight_decay=0.01)
+    adamw = torch.optim.AdamW([{k: v for k, v in g.items() if k != "rule"} for g in groups[1:]])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(4):
+        ref(torch.randn(8, 16, generator=g)).square().mean().backward()
+        sgd.step()
+        adamw.step()
+        sgd.zero_grad()
+        adamw.zero_grad()
+    with opt.gathered_params():
+        for (n, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=n)
+    st = opt.shard_state()
+    assert st.names() == ("master", "momentum_buffer", "exp_avg", "exp_avg_sq")
+    for info, mom, m in zip(opt.shard_infos(), st.momentum_buffer, st.exp_avg, strict=True):
+        assert (mom is None) == (info.group_index != 0) and (m is None) == (mom is not None)
+    assert opt.memory().optimizer == sum(
+        (4 if i.group_index == 0 else 8) * i.local_numel for i in opt.shard_infos()
+    )
+
+    opt2 = ZeroOptimizer(_mixed_groups(twin), MIXED, stage=stage, module=twin)
+    opt2.load_state_dict(opt.state_dict())
+    x = torch.randn(8, 16)
+    for m, o in ((model, opt), (twin, opt2)):
+        m(x).square().mean().backward()
+        o.step()
+        with o.gathered_params():
+            pass
+    with opt.gathered_params(), opt2.gathered_params():
+        for (n, p), q in zip(model.named_parameters(), twin.parameters(), strict=True):
+            assert torch.equal(p, q), n
+    opt.close()
+    opt2.close()
+
+
+def test_a_group_without_its_rule_key_is_refused_and_checked_by_its_own_rule() -> None:
+    """With rules by group, a group that names no rule (or an unknown one) is refused naming
+    the key; each group's hyper-parameters are checked by its own rule."""
+    model = Stack()
+    with pytest.raises(ValueError, match="has no 'rule'"):
+        ZeroOptimizer(model.parameters(), MIXED)
+    with pytest.raises(ValueError, match="rule='lion', expected one of"):
+        ZeroOptimizer([{"params": list(model.parameters()), "rule": "lion"}], MIXED)
+    with pytest.raises(ValueError, match="Invalid momentum value: -1"):
+        ZeroOptimizer(
+            [{"params": list(model.parameters()), "rule": "sgd", "momentum": -1.0}], MIXED
+        )
+
+
+def test_a_checkpoint_of_groups_running_a_rule_it_cannot_name_is_refused(tmp_path) -> None:
+    """Where groups run different rules the manifest names each group's; one of them unknown
+    to the format (the test's SGD) is refused when saving, naming it, and nothing is
+    written."""
+    model = Stack()
+    opt = ZeroOptimizer(_mixed_groups(model), MIXED, stage=1, module=model)
+    model(torch.randn(2, 16)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="not 'sgd-momentum'"):
+        checkpoint.save(opt, tmp_path / "ck", step=1).wait()
+    assert not any((tmp_path / "ck").glob("step-*"))
+    opt.close()
+
+
 def test_the_rule_s_fields_are_what_memory_plan_and_state_dicts_hold() -> None:
     """One fp32 field per element: `opt.memory()` counts it (fp32 params are their own master),
     `plan` predicts the same bytes from the rule, bf16 states halve it, and a state dict
@@ -200,7 +301,7 @@ def test_a_checkpoint_refuses_a_rule_it_cannot_name_before_writing(tmp_path) -> 
     opt = ZeroOptimizer(model.parameters(), SGD, stage=1, module=model)
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
-    with pytest.raises(ValueError, match=r"update rules \['adamw'\], not 'sgd-momentum'"):
+    with pytest.raises(ValueError, match=r"update rules \['adamw', 'muon'\], not 'sgd-momentum'"):
         checkpoint.save(opt, tmp_path / "ck", step=1).wait()
     assert not any((tmp_path / "ck").glob("step-*"))
     opt.close()
@@ -253,7 +354,7 @@ def test_a_manifest_names_its_rule_and_one_without_holds_adamw(tmp_path) -> None
     assert m["rule"] == "adamw" and manifest_rule(m) is ADAMW
     del m["rule"]
     assert manifest_rule(m) is ADAMW
-    with pytest.raises(CheckpointError, match="rule.*expected one of \\['adamw'\\]"):
+    with pytest.raises(CheckpointError, match="rule.*expected one of \\['adamw', 'muon'\\]"):
         validate({**m, "rule": "sgd-momentum"}, tmp_path / "manifest.json")
 
 
