@@ -24,7 +24,12 @@ The constructor is the Trainer's, plus `stage=` and any ZeroAdamW keyword (`shar
   ranks, so `model.generate(...)` needs `synced_gpus=True` (a rank whose sequences ended early
   keeps running forwards while the others generate; without it they wait for it forever).
 
-A ZeroAdamW the user built (`module=model`) may come in `optimizers=(opt, None)`; its
+`muon=dict(lr=...)`: ZeroMuon in ZeroAdamW's place, Muon on `muon_param_groups(model)`'s hidden
+matrices with those hyper-parameters, AdamW on the rest with the arguments' settings (the
+Trainer's decay split); stages 1-3 over several ranks and a run that saves checkpoints
+(`save_strategy` other than "no": checkpoints cannot hold ZeroMuon's state yet) are refused.
+
+A ZeroAdamW or ZeroMuon the user built (`module=model`) may come in `optimizers=(opt, None)`; its
 `max_grad_norm` must equal the arguments'. Not supported, each refused in one line:
 `deepspeed=`/`fsdp=` (ZeroAdamW is the sharding), `fp16=True` (the Trainer's GradScaler reads
 `.grad`; `bf16=True` autocast works), `bf16_full_eval`/`fp16_full_eval` (evaluate() would cast the

@@ -26,10 +26,17 @@ cluster_environment, process_group_backend, timeout, ...) and any ZeroAdamW keyw
 wire=, groups=, sharding=, device=, ...); DDP's own keywords are refused (no DDP is built), and a
 keyword of ZeroAdamW's old flat signature (`param_dtype=`, ...) is refused naming its record
 (`precision=fusedzero.Precision(param_dtype=...)`). Refused in one line too: an optimizer
-other than AdamW/ZeroAdamW (Lightning itself refuses several under automatic optimization),
+other than AdamW/ZeroAdamW/ZeroMuon, several optimizers but a Muon with an AdamW,
 `amsgrad=True`, `gradient_clip_algorithm="value"`, manual optimization, a
 precision other than "32-true" (ZeroAdamW's `precision=fusedzero.Precision(param_dtype=
 torch.bfloat16)` is the bf16 path).
+
+Muon: `configure_optimizers` returning a `torch.optim.Muon` and a `torch.optim.AdamW` (disjoint
+params) becomes one ZeroMuon, the Muon's groups its Muon groups and the AdamW's its AdamW groups,
+both stepping on every optimizer step (Lightning's own check, which refuses several optimizers
+under automatic optimization, is skipped for that pair); each optimizer's schedulers drive its
+own groups inside the ZeroMuon. Stages 1-3 over several ranks, and a fit with checkpointing
+(checkpoints cannot hold ZeroMuon's state yet), are refused before the first step.
 
 [Note: the optimizer swap] ZeroAdamW owns flat buffers, hooks and collectives from its constructor
 on, so it is built once, in `setup_optimizers`, from what `configure_optimizers` returned: the
