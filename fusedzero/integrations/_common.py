@@ -68,14 +68,16 @@ def refuse_muon_layout(stage: int, world_size: int, where: str) -> None:
         )
 
 
-def refuse_muon_checkpoints(opt: ZeroOptimizer, where: str, fix: str) -> None:
-    """Close `opt` and refuse in one line, before the first step, where the run would save a
-    checkpoint `fusedzero.checkpoint` cannot hold yet (an optimizer whose groups run different
-    rules, ZeroMuon's), rather than fail at the first save."""
+def refuse_muon_checkpoints(opt: ZeroOptimizer, where: str, fix: str, *, close: bool) -> None:
+    """Refuse in one line, before the first step, a run that would save a checkpoint
+    `fusedzero.checkpoint` cannot hold yet (an optimizer whose groups run different rules,
+    ZeroMuon's), rather than fail at the first save. `close`: close `opt` first (one the
+    integration built; a user's own is left open)."""
     try:
         rule_name(opt.rule)
     except ValueError as e:
-        opt.close()
+        if close:
+            opt.close()
         raise ValueError(f"{where} cannot save checkpoints yet ({e}); set {fix}") from None
 
 

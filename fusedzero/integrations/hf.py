@@ -145,8 +145,15 @@ class ZeroTrainer(transformers.Trainer):
             raise ValueError(
                 f"ZeroTrainer got a {type(self.zero_optimizer).__name__} with max_grad_norm="
                 f"{self.zero_optimizer.max_grad_norm} and TrainingArguments("
-                f"max_grad_norm={self.args.max_grad_norm}): the ZeroAdamW clips; "
+                f"max_grad_norm={self.args.max_grad_norm}): the optimizer clips; "
                 f"give both the same value (0 in the arguments for None)"
+            )
+        if self.zero_optimizer is not None and _saves(self.args):
+            refuse_muon_checkpoints(
+                self.zero_optimizer,
+                f"ZeroTrainer with a {type(self.zero_optimizer).__name__}",
+                _NO_SAVES,
+                close=False,
             )
 
     # -- the model and optimizer as Accelerate prepares them ---------------------------------
@@ -251,10 +258,8 @@ class ZeroTrainer(transformers.Trainer):
             max_grad_norm=_max_grad_norm(a),
             **self.zero_kwargs,
         )
-        if str(getattr(a.save_strategy, "value", a.save_strategy)) != "no":
-            refuse_muon_checkpoints(
-                opt, "ZeroTrainer(muon=...)", "TrainingArguments(save_strategy='no')"
-            )
+        if _saves(a):
+            refuse_muon_checkpoints(opt, "ZeroTrainer(muon=...)", _NO_SAVES, close=True)
         return opt
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
@@ -321,6 +326,14 @@ class ZeroTrainer(transformers.Trainer):
         sched = os.path.join(resume_from, _SCHEDULER)
         if os.path.isfile(sched):
             self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+
+_NO_SAVES = "TrainingArguments(save_strategy='no')"
+
+
+def _saves(args: Any) -> bool:
+    """Whether the Trainer will save checkpoints (`save_strategy` other than "no")."""
+    return str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
 
 
 def _max_grad_norm(args: Any) -> float | None:

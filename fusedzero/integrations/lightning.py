@@ -111,6 +111,7 @@ _MUON_KEYS = (
     "adjust_lr_fn",
     "initial_lr",
 )
+_NO_SAVES = "Trainer(enable_checkpointing=False)"
 _SUPPORTED = (
     "return a torch.optim.AdamW, a torch.optim.Muon with a torch.optim.AdamW (over disjoint "
     "params), or a ZeroAdamW/ZeroMuon"
@@ -187,6 +188,10 @@ class ZeroStrategy(DDPStrategy):
                     f"{type(zero).__name__} clips; pass max_grad_norm={clip} to it, or leave "
                     f"gradient_clip_val out"
                 )
+            if trainer.checkpoint_callbacks:
+                refuse_muon_checkpoints(
+                    zero, f"ZeroStrategy with a {type(zero).__name__}", _NO_SAVES, close=False
+                )
         elif len(olds) == 1:
             zero = self._to_zero(olds[0])
         elif kinds == ["AdamW", "Muon"] and all(
@@ -234,7 +239,7 @@ class ZeroStrategy(DDPStrategy):
         assert len(zero.param_groups) == len(groups), "ZeroMuon dropped a param group"
         if trainer.checkpoint_callbacks:
             refuse_muon_checkpoints(
-                zero, "ZeroStrategy with torch.optim.Muon", "Trainer(enable_checkpointing=False)"
+                zero, "ZeroStrategy with torch.optim.Muon", _NO_SAVES, close=True
             )
         return zero
 

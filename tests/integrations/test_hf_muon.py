@@ -134,7 +134,8 @@ def test_zero_trainer_muon_matches_torch_muon_plus_adamw(tmp_path: Path) -> None
 
 def test_muon_refusals(tmp_path: Path) -> None:
     """One line each: a checkpointing run (checked when train() builds ZeroMuon, before any
-    step), stages 1-3 over several ranks (checked in the constructor), muon= with optimizers=."""
+    step, or in the constructor for a ZeroMuon passed in optimizers=), stages 1-3 over several
+    ranks (checked in the constructor), muon= with optimizers=."""
     t = ZeroTrainer(
         model=tiny_llama(),
         args=training_args(tmp_path, save_strategy="steps"),
@@ -152,7 +153,16 @@ def test_muon_refusals(tmp_path: Path) -> None:
     ):
         _common.refuse_muon_layout(2, 2, "ZeroTrainer(muon=...)")  # the constructor's check
     model = tiny_llama()
-    own = ZeroMuon(muon_param_groups(model), module=model)
+    own = ZeroMuon(muon_param_groups(model), module=model, max_grad_norm=CLIP)
     with pytest.raises(TypeError, match="^ZeroTrainer got muon= and optimizers="):
         ZeroTrainer(model=model, muon={}, optimizers=(own, None))
+    with pytest.raises(
+        ValueError,
+        match=r"^ZeroTrainer with a ZeroMuon cannot save checkpoints yet .*save_strategy='no'",
+    ):
+        ZeroTrainer(
+            model=model,
+            args=training_args(tmp_path, save_strategy="steps"),
+            optimizers=(own, None),
+        )
     own.close()

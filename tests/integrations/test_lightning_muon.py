@@ -22,7 +22,7 @@ pytest.importorskip("transformers", reason="the tiny Llama: pip install 'fusedze
 import lightning.pytorch as L  # noqa: E402
 from _tiny import LR, tiny_llama, tokens  # noqa: E402
 
-from fusedzero import muon_param_groups  # noqa: E402
+from fusedzero import ZeroMuon, muon_param_groups  # noqa: E402
 from fusedzero.integrations.lightning import ZeroStrategy  # noqa: E402
 
 BATCH, STEPS, CLIP = 8, 3, 0.5
@@ -45,6 +45,8 @@ class MuonLlama(L.LightningModule):
     def configure_optimizers(self) -> Any:
         muon, adamw = muon_param_groups(self.net)
         first: torch.optim.Optimizer
+        if self.which == "zero_muon":
+            return ZeroMuon(muon_param_groups(self.net), stage=1, module=self)
         if self.which == "muon+adamw":
             first = torch.optim.Muon(muon["params"], lr=0.02, weight_decay=0.1)
         else:
@@ -141,7 +143,8 @@ def test_muon_and_adamw_become_one_zero_muon(tmp_path: Path, stage: int) -> None
 
 def test_other_pairs_and_checkpointing_are_refused(tmp_path: Path) -> None:
     """Two AdamWs (Lightning's own refusal is about manual optimization) name what is
-    supported; a Muon + AdamW fit with a ModelCheckpoint is refused before its first step."""
+    supported; a Muon + AdamW fit, or one with the module's own ZeroMuon, with a ModelCheckpoint
+    is refused before its first step."""
     base = tiny_llama()
     with pytest.raises(
         TypeError,
@@ -164,3 +167,15 @@ def test_other_pairs_and_checkpointing_are_refused(tmp_path: Path) -> None:
         r"set Trainer\(enable_checkpointing=False\)$",
     ):
         trainer.fit(MuonLlama(base))
+    with pytest.raises(
+        ValueError, match=r"^ZeroStrategy with a ZeroMuon cannot save checkpoints yet "
+    ):
+        L.Trainer(
+            strategy=ZeroStrategy(stage=1),
+            accelerator="cpu",
+            devices=1,
+            max_steps=1,
+            logger=False,
+            enable_progress_bar=False,
+            default_root_dir=str(tmp_path),
+        ).fit(MuonLlama(base, "zero_muon"))
