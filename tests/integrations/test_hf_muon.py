@@ -2,7 +2,10 @@
 torch.optim.AdamW (the rest, the Trainer's decay split) on the same data, at one rank: the
 same lr schedule on both optimizers, clipping by the global norm. Refusals: stages 1-3 over
 several ranks, and a run that would save checkpoints ZeroMuon's state cannot go into yet.
-Skipped without the 'hf' extra."""
+Skipped without the 'hf' extra.
+
+About an internal: fusedzero.integrations._common (refuse_muon_layout, the constructor's check
+of the stage and world size, called with 2 ranks without starting them)."""
 
 from __future__ import annotations
 
