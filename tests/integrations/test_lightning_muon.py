@@ -28,6 +28,15 @@ from fusedzero.integrations.lightning import ZeroStrategy  # noqa: E402
 BATCH, STEPS, CLIP = 8, 3, 0.5
 
 
+@pytest.fixture(autouse=True)
+def _no_process_group_left() -> Any:
+    """Lightning's DDP strategies start a one-rank gloo process group in this process and leave
+    it after fit; later tests in the process start their own."""
+    yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 class MuonLlama(L.LightningModule):
     """Muon on the hidden matrices, AdamW on the rest, two optimizers, a scheduler each."""
 
