@@ -1,5 +1,6 @@
 """What both integrations share: the framework import with the extra that installs it, the
-ZeroAdamW keywords a user may pass through, and the full model state dict (a collective)."""
+ZeroAdamW keywords a user may pass through, the full model state dict (a collective), and what
+ZeroMuon cannot do yet (the refusals both integrations make)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from torch import nn
 
 from fusedzero._comm import group_rank
 from fusedzero._model_state_dict import without_params
-from fusedzero.optim import ZeroAdamW
+from fusedzero.optim import ZeroAdamW, ZeroOptimizer
 from fusedzero.policy import MOVED_KEYWORDS
 
 
@@ -54,8 +55,20 @@ def check_zero_kwargs(zero_kwargs: dict[str, Any], taken: dict[str, str], where:
             )
 
 
+def refuse_muon_layout(stage: int, world_size: int, where: str) -> None:
+    """One line, before anything is built, where ZeroMuon would refuse the stage at this world
+    size: Newton-Schulz needs each matrix whole, and stages 1-3 over several ranks cut them
+    (the owner layout is not wired yet; docs/muon.md)."""
+    if stage > 0 and world_size > 1:
+        raise ValueError(
+            f"{where} at stage {stage} over {world_size} ranks: Muon runs stages 1-3 on one "
+            "rank only for now (the owner layout that keeps each matrix whole is not wired); "
+            "use stage=0 over several ranks"
+        )
+
+
 def full_state_dict(
-    opt: ZeroAdamW | None, module: nn.Module, *, rank0_only: bool = False
+    opt: ZeroOptimizer | None, module: nn.Module, *, rank0_only: bool = False
 ) -> dict[str, Any]:
     """`module.state_dict()` with every param at its full value: `opt.full_state_dict` (a
     collective at stages 1-3: call it on every rank), or the module's own without a live

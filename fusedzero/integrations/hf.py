@@ -24,7 +24,12 @@ The constructor is the Trainer's, plus `stage=` and any ZeroAdamW keyword (`shar
   ranks, so `model.generate(...)` needs `synced_gpus=True` (a rank whose sequences ended early
   keeps running forwards while the others generate; without it they wait for it forever).
 
-A ZeroAdamW the user built (`module=model`) may come in `optimizers=(opt, None)`; its
+`muon=dict(lr=...)`: ZeroMuon in ZeroAdamW's place, Muon on `muon_param_groups(model)`'s hidden
+matrices with those hyper-parameters, AdamW on the rest with the arguments' settings (the
+Trainer's decay split); stages 1-3 over several ranks and a run that saves checkpoints
+(`save_strategy` other than "no": checkpoints cannot hold ZeroMuon's state yet) are refused.
+
+A ZeroAdamW or ZeroMuon the user built (`module=model`) may come in `optimizers=(opt, None)`; its
 `max_grad_norm` must equal the arguments'. Not supported, each refused in one line:
 `deepspeed=`/`fsdp=` (ZeroAdamW is the sharding), `fp16=True` (the Trainer's GradScaler reads
 `.grad`; `bf16=True` autocast works), `bf16_full_eval`/`fp16_full_eval` (evaluate() would cast the
@@ -56,9 +61,15 @@ import torch
 from torch import nn
 
 from fusedzero import checkpoint
+from fusedzero._muon_groups import muon_param_groups
 from fusedzero._validate import check_stage
-from fusedzero.integrations._common import check_zero_kwargs, full_state_dict, import_framework
-from fusedzero.optim import ZeroAdamW
+from fusedzero.integrations._common import (
+    check_zero_kwargs,
+    full_state_dict,
+    import_framework,
+    refuse_muon_layout,
+)
+from fusedzero.optim import ZeroAdamW, ZeroMuon, ZeroOptimizer
 
 transformers = import_framework("transformers", "hf", "fusedzero.integrations.hf")
 if not all(hasattr(transformers.Trainer, m) for m in ("_clip_grad_norm", "_get_grad_norm")):
@@ -93,22 +104,37 @@ _TAKEN = {
 
 class ZeroTrainer(transformers.Trainer):
     """`transformers.Trainer` with ZeroAdamW (see the module docstring). `stage` is ZeroAdamW's
-    stage (0-3); every other keyword ZeroAdamW takes is passed to it as given."""
+    stage (0-3); every other keyword ZeroAdamW takes is passed to it as given.
 
-    def __init__(self, *args: Any, stage: int = 1, **kwargs: Any) -> None:
+    `muon`: train with ZeroMuon instead, Muon on the hidden matrices with these Muon
+    hyper-parameters (`torch.optim.Muon`'s: lr, weight_decay, momentum, ...; `{}` for its
+    defaults), AdamW on the rest (`muon_param_groups`) with the arguments' settings."""
+
+    def __init__(
+        self, *args: Any, stage: int = 1, muon: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         signature = inspect.signature(transformers.Trainer.__init__)
         zero_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k not in signature.parameters}
         check_zero_kwargs(zero_kwargs, _TAKEN, "ZeroTrainer")
         check_stage(stage, "ZeroTrainer")
         _refuse_optimizers(kwargs)
+        if muon is not None and kwargs.get("optimizers", (None, None))[0] is not None:
+            raise TypeError(
+                "ZeroTrainer got muon= and optimizers=: muon= builds the optimizer; pass one "
+                "of them"
+            )
         # Before the Trainer's own setup, which builds Accelerate's plugins from them.
         training_args = signature.bind_partial(self, *args, **kwargs).arguments.get("args")
         if training_args is not None:
             _check_args(training_args)
+            if muon is not None:
+                refuse_muon_layout(stage, training_args.world_size, "ZeroTrainer(muon=...)")
         self.zero_stage = stage
         self.zero_kwargs = zero_kwargs
-        # A ZeroAdamW the user built (checked above), or ours once create_optimizer runs.
-        self.zero_optimizer: ZeroAdamW | None = (kwargs.get("optimizers") or (None, None))[0]
+        self.zero_muon = None if muon is None else dict(muon)
+        # A ZeroAdamW/ZeroMuon the user built (checked above), or ours once create_optimizer
+        # runs.
+        self.zero_optimizer: ZeroOptimizer | None = (kwargs.get("optimizers") or (None, None))[0]
         # num_parameters(exclude_embeddings=True) of the whole model, counted before stage 3
         # empties the params (the Trainer's flos count reads it on every micro-batch).
         self._dense_params: int | None = None
@@ -116,9 +142,9 @@ class ZeroTrainer(transformers.Trainer):
         clip = _max_grad_norm(self.args)
         if self.zero_optimizer is not None and self.zero_optimizer.max_grad_norm != clip:
             raise ValueError(
-                f"ZeroTrainer got a ZeroAdamW with max_grad_norm="
+                f"ZeroTrainer got a {type(self.zero_optimizer).__name__} with max_grad_norm="
                 f"{self.zero_optimizer.max_grad_norm} and TrainingArguments("
-                f"max_grad_norm={self.args.max_grad_norm}): the ZeroAdamW clips; "
+                f"max_grad_norm={self.args.max_grad_norm}): the optimizer clips; "
                 f"give both the same value (0 in the arguments for None)"
             )
 
@@ -181,6 +207,10 @@ class ZeroTrainer(transformers.Trainer):
             a = self.args
             if hasattr(model, "num_parameters"):
                 self._dense_params = model.num_parameters(exclude_embeddings=True)
+            if self.zero_muon is not None:
+                self.zero_optimizer = self._create_muon(model, decay)
+                self.optimizer = self.zero_optimizer
+                return self.optimizer
             self.zero_optimizer = ZeroAdamW(
                 [g for g in groups if g["params"]],
                 lr=a.learning_rate,
@@ -194,6 +224,33 @@ class ZeroTrainer(transformers.Trainer):
             )
             self.optimizer = self.zero_optimizer
         return self.optimizer
+
+    def _create_muon(self, model: nn.Module, decay: set[str]) -> ZeroMuon:
+        """ZeroMuon: `muon_param_groups(model)`'s Muon group with `self.zero_muon`, its AdamW
+        group split as the Trainer splits its params (weight decay on all but biases and norms),
+        with the arguments' lr, betas, eps and weight decay."""
+        a = self.args
+        muon, *adamw = muon_param_groups(model, muon=self.zero_muon)
+        assert muon["use_muon"], "the model has no hidden matrices for Muon"
+        named = {id(p): n for n, p in model.named_parameters()}
+        rest = [p for g in adamw for p in g["params"]]
+        hyper = dict(lr=a.learning_rate, betas=(a.adam_beta1, a.adam_beta2), eps=a.adam_epsilon)
+        groups = [muon] + [
+            {"params": ps, "use_muon": False, "weight_decay": wd, **hyper}
+            for ps, wd in (
+                ([p for p in rest if named[id(p)] in decay], a.weight_decay),
+                ([p for p in rest if named[id(p)] not in decay], 0.0),
+            )
+            if ps
+        ]
+        opt = ZeroMuon(
+            groups,
+            stage=self.zero_stage,
+            module=model,
+            max_grad_norm=_max_grad_norm(a),
+            **self.zero_kwargs,
+        )
+        return opt
 
     def floating_point_ops(self, inputs: dict[str, Any]) -> int:
         """The Trainer's count (6 x tokens x non-embedding params) with the params counted
@@ -268,11 +325,11 @@ def _max_grad_norm(args: Any) -> float | None:
 
 def _refuse_optimizers(kwargs: dict[str, Any]) -> None:
     opt, _ = kwargs.get("optimizers") or (None, None)
-    if opt is not None and not isinstance(opt, ZeroAdamW):
+    if opt is not None and not isinstance(opt, ZeroAdamW | ZeroMuon):
         raise TypeError(
             f"ZeroTrainer got optimizers=({type(opt).__name__}, ...): it builds "
             f"ZeroAdamW from TrainingArguments; leave optimizers= out (or pass a "
-            f"ZeroAdamW built with module=model)"
+            f"ZeroAdamW or ZeroMuon built with module=model, or muon= for Muon)"
         )
     if kwargs.get("optimizer_cls_and_kwargs") is not None:
         raise TypeError(

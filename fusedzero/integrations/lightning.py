@@ -26,10 +26,17 @@ cluster_environment, process_group_backend, timeout, ...) and any ZeroAdamW keyw
 wire=, groups=, sharding=, device=, ...); DDP's own keywords are refused (no DDP is built), and a
 keyword of ZeroAdamW's old flat signature (`param_dtype=`, ...) is refused naming its record
 (`precision=fusedzero.Precision(param_dtype=...)`). Refused in one line too: an optimizer
-other than AdamW/ZeroAdamW (Lightning itself refuses several under automatic optimization),
+other than AdamW/ZeroAdamW/ZeroMuon, several optimizers but a Muon with an AdamW,
 `amsgrad=True`, `gradient_clip_algorithm="value"`, manual optimization, a
 precision other than "32-true" (ZeroAdamW's `precision=fusedzero.Precision(param_dtype=
 torch.bfloat16)` is the bf16 path).
+
+Muon: `configure_optimizers` returning a `torch.optim.Muon` and a `torch.optim.AdamW` (disjoint
+params) becomes one ZeroMuon, the Muon's groups its Muon groups and the AdamW's its AdamW groups,
+both stepping on every optimizer step (Lightning's own check, which refuses several optimizers
+under automatic optimization, is skipped for that pair); each optimizer's schedulers drive its
+own groups inside the ZeroMuon. Stages 1-3 over several ranks, and a fit with checkpointing
+(checkpoints cannot hold ZeroMuon's state yet), are refused before the first step.
 
 [Note: the optimizer swap] ZeroAdamW owns flat buffers, hooks and collectives from its constructor
 on, so it is built once, in `setup_optimizers`, from what `configure_optimizers` returned: the
@@ -54,6 +61,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock
 
 import safetensors.torch
 import torch
@@ -61,10 +69,16 @@ import torch
 from fusedzero import checkpoint
 from fusedzero._model_state_dict import without_params
 from fusedzero._validate import check_stage
-from fusedzero.integrations._common import check_zero_kwargs, full_state_dict, import_framework
-from fusedzero.optim import ZeroAdamW
+from fusedzero.integrations._common import (
+    check_zero_kwargs,
+    full_state_dict,
+    import_framework,
+    refuse_muon_layout,
+)
+from fusedzero.optim import ZeroAdamW, ZeroMuon, ZeroOptimizer
 
 L = import_framework("lightning.pytorch", "lightning", "fusedzero.integrations.lightning")
+from lightning.pytorch.core import optimizer as pl_optimizer  # noqa: E402
 from lightning.pytorch.plugins.precision import Precision  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 
@@ -84,6 +98,22 @@ _TAKEN = {
     "max_grad_norm": "Trainer(gradient_clip_val=...)",
 }
 _GROUP_KEYS = ("lr", "betas", "eps", "weight_decay", "maximize", "initial_lr")
+# A torch.optim.Muon group's hyper-parameters, as ZeroMuon's Muon groups take them.
+_MUON_KEYS = (
+    "lr",
+    "weight_decay",
+    "momentum",
+    "nesterov",
+    "ns_coefficients",
+    "eps",
+    "ns_steps",
+    "adjust_lr_fn",
+    "initial_lr",
+)
+_SUPPORTED = (
+    "return a torch.optim.AdamW, a torch.optim.Muon with a torch.optim.AdamW (over disjoint "
+    "params), or a ZeroAdamW/ZeroMuon"
+)
 
 
 class ZeroStrategy(DDPStrategy):
@@ -101,7 +131,7 @@ class ZeroStrategy(DDPStrategy):
         super().__init__(**kwargs)
         self.zero_stage = stage
         self.zero_kwargs = zero_kwargs
-        self.zero_optimizer: ZeroAdamW | None = None
+        self.zero_optimizer: ZeroOptimizer | None = None
         self._max_grad_norm: float | None = None  # Trainer(gradient_clip_val=...), at setup
         self._failed = False  # on_exception ran: see [Note: teardown after a failure]
 
@@ -132,26 +162,76 @@ class ZeroStrategy(DDPStrategy):
 
     def setup_optimizers(self, trainer: L.Trainer) -> None:
         """See [Note: the optimizer swap]."""
-        super().setup_optimizers(trainer)
         lm = self.lightning_module
         if not lm.automatic_optimization:
             raise ValueError(
                 "ZeroStrategy needs automatic optimization (ZeroAdamW's step runs "
                 "where Lightning's does); manual optimization is not supported"
             )
-        old = self.optimizers[0]
-        clip = self._max_grad_norm
-        if isinstance(old, ZeroAdamW) and clip is not None and clip != old.max_grad_norm:
-            raise ValueError(
-                f"configure_optimizers returned a ZeroAdamW with max_grad_norm="
-                f"{old.max_grad_norm} but Trainer(gradient_clip_val={clip}): the "
-                f"ZeroAdamW clips; pass max_grad_norm={clip} to it, or leave "
-                f"gradient_clip_val out"
+        # Lightning refuses several optimizers under automatic optimization; a Muon with an
+        # AdamW is one ZeroMuon here, and any other pair is refused below.
+        with mock.patch.object(
+            pl_optimizer, "_validate_multiple_optimizers_support", lambda *args: None
+        ):
+            super().setup_optimizers(trainer)
+        olds = list(self.optimizers)
+        kinds = sorted(type(o).__name__ for o in olds)
+        if len(olds) == 1 and isinstance(olds[0], ZeroAdamW | ZeroMuon):
+            zero = olds[0]
+            clip = self._max_grad_norm
+            if clip is not None and clip != zero.max_grad_norm:
+                raise ValueError(
+                    f"configure_optimizers returned a {type(zero).__name__} with max_grad_norm="
+                    f"{zero.max_grad_norm} but Trainer(gradient_clip_val={clip}): the "
+                    f"{type(zero).__name__} clips; pass max_grad_norm={clip} to it, or leave "
+                    f"gradient_clip_val out"
+                )
+        elif len(olds) == 1:
+            zero = self._to_zero(olds[0])
+        elif kinds == ["AdamW", "Muon"] and all(
+            type(o).__module__.startswith("torch.optim") for o in olds
+        ):
+            zero = self._to_muon(olds, trainer)
+        else:
+            raise TypeError(
+                f"ZeroStrategy got {len(olds)} optimizers from configure_optimizers "
+                f"({', '.join(kinds)}): {_SUPPORTED}"
             )
-        self.zero_optimizer = old if isinstance(old, ZeroAdamW) else self._to_zero(old)
-        self.optimizers = [self.zero_optimizer]
-        for cfg in self.lr_scheduler_configs:
-            _repoint(cfg.scheduler, old, self.zero_optimizer)
+        self.zero_optimizer = zero
+        self.optimizers = [zero]
+        start = 0
+        for old in olds:
+            stop = start + len(old.param_groups)
+            new = zero if len(olds) == 1 else _GroupsOf(zero, start, stop)
+            for cfg in self.lr_scheduler_configs:
+                _repoint(cfg.scheduler, old, new)
+            start = stop
+
+    def _to_muon(self, opts: list[torch.optim.Optimizer], trainer: L.Trainer) -> ZeroMuon:
+        """One ZeroMuon: the Muon's param groups as its Muon groups, the AdamW's as its AdamW
+        groups, each with its hyper-parameters, in the order configure_optimizers gave them."""
+        refuse_muon_layout(self.zero_stage, self.world_size, "ZeroStrategy with torch.optim.Muon")
+        groups = []
+        for opt in opts:
+            muon = type(opt) is torch.optim.Muon
+            if not muon and any(g.get("amsgrad") for g in opt.param_groups):
+                raise ValueError(
+                    "ZeroStrategy: AdamW(amsgrad=True) has no ZeroMuon counterpart; drop amsgrad"
+                )
+            keys = _MUON_KEYS if muon else _GROUP_KEYS
+            groups += [
+                {"params": g["params"], "use_muon": muon, **{k: g[k] for k in keys if k in g}}
+                for g in opt.param_groups
+            ]
+        zero = ZeroMuon(
+            groups,
+            stage=self.zero_stage,
+            module=self.lightning_module,
+            max_grad_norm=self._max_grad_norm,
+            **self.zero_kwargs,
+        )
+        assert len(zero.param_groups) == len(groups), "ZeroMuon dropped a param group"
+        return zero
 
     def _to_zero(self, opt: torch.optim.Optimizer) -> ZeroAdamW:
         if type(opt) is not torch.optim.AdamW:
@@ -300,7 +380,7 @@ class ZeroStrategy(DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint_dict: Any) -> None:
         pass  # load_checkpoint restored ZeroAdamW
 
-    def _live_optimizer(self) -> ZeroAdamW | None:
+    def _live_optimizer(self) -> ZeroOptimizer | None:
         opt = self.zero_optimizer
         return None if opt is None or opt.closed else opt
 
@@ -337,7 +417,24 @@ def _clipped_in_step(*args: Any, **kwargs: Any) -> None:
     """Lightning's clip_gradients under ZeroStrategy: ZeroAdamW(max_grad_norm=...) clips."""
 
 
-def _repoint(scheduler: Any, old: torch.optim.Optimizer, new: ZeroAdamW) -> None:
+class _GroupsOf:
+    """One of several optimizers configure_optimizers returned, inside the ZeroMuon that took
+    their place, as its lr scheduler sees it: its param groups are the ZeroMuon's at
+    [start, stop) (read on every access: `load_state_dict` replaces the group dicts), the rest
+    is the ZeroMuon's."""
+
+    def __init__(self, opt: ZeroOptimizer, start: int, stop: int) -> None:
+        self._opt, self._start, self._stop = opt, start, stop
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self._opt.param_groups[self._start : self._stop]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._opt, name)
+
+
+def _repoint(scheduler: Any, old: torch.optim.Optimizer, new: Any) -> None:
     """A scheduler (and those it chains) that drove `old` drives `new` from now on."""
     if getattr(scheduler, "optimizer", None) is old:
         scheduler.optimizer = new
