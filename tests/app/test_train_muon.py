@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedzero import ZeroMuon, cli
+from fusedzero import ZeroMuon, cli, muon_param_groups
 from fusedzero.app.launch import run
 from fusedzero.app.model import GPT, GPTConfig, gpt_muon_param_groups, gpt_param_groups
 
@@ -108,3 +108,9 @@ def test_muon_trains_at_one_rank_every_stage_and_two_ranks_stage_0(corpus: Path)
     assert [x["loss"] for x in two["steps"]] == pytest.approx(loss, rel=1e-3)
     adamw = run(TINY + ["--data", str(corpus), "--nproc", "1", "--stage", "0"])
     assert [x["loss"] for x in adamw["steps"]][1:] != loss[1:]
+    # Plain DDP beside it holds torch's state: one fp32 momentum per Muon param, not two moments.
+    model = GPT(GPTConfig(vocab_size=256, block_size=32, n_layer=1, n_head=2, n_embd=32))
+    muon = sum(p.numel() for g in muon_param_groups(model) if g["use_muon"] for p in g["params"])
+    psi = one[0]["params"]
+    assert adamw["ddp_resident_bytes"]["optimizer"] == 8 * psi
+    assert one[0]["ddp_resident_bytes"]["optimizer"] == 8 * psi - 4 * muon
