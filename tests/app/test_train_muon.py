@@ -41,11 +41,11 @@ def _cli_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
         (["--optimizer", "sgd"], "invalid choice: 'sgd'"),
         (["--optimizer", "muon", "--muon-lr", "0"], "--muon-lr must be in"),
         (
-            ["--optimizer", "muon", "--stage", "1", "--nproc", "2", "--device", "cpu"],
+            ["--optimizer", "muon", "--stage", "1", "--nproc", "2"],
             "use --stage 0 or --nproc 1",
         ),
         (
-            ["--optimizer", "muon", "--stage", "3", "--nproc", "4", "--device", "cpu"],
+            ["--optimizer", "muon", "--stage", "3", "--nproc", "4"],
             "use --stage 0 or --nproc 1",
         ),
         (["--optimizer", "muon", "--ckpt-dir", "x"], "drop --ckpt-dir"),
@@ -62,7 +62,7 @@ def test_muon_refusals_are_one_line_naming_the_fix(
 ) -> None:
     """What ZeroMuon or the checkpoints cannot run is refused before any rank starts, in one
     line that names the fix."""
-    assert words in _cli_error(capsys, ["train", *argv])
+    assert words in _cli_error(capsys, ["train", "--device", "cpu", *argv])
 
 
 def test_muon_groups_cover_every_param_once_and_keep_the_decay_split() -> None:
