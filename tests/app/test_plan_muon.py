@@ -1,5 +1,7 @@
 """`fusedzero plan --optimizer muon`: the bytes of ZeroMuon, and the owner layout's Newton-Schulz
-FLOPs per rank and padding from its planner."""
+FLOPs per rank and padding from its planner.
+
+About an internal: fusedzero._muon_layout (the planner the plan's numbers must equal)."""
 
 from __future__ import annotations
 
