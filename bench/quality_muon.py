@@ -24,8 +24,8 @@ from pathlib import Path
 
 from fusedzero.app.config import DEFAULT_LR
 
-# Three points around each default, a factor of 2-3 apart (the sweep that chose the default
-# --muon-lr, fusedzero/app/config.py; --lr's default was chosen before, for AdamW).
+# Three points a factor of 2-3 apart: around --lr's default for AdamW; for Muon the sweep that
+# chose the default --muon-lr (fusedzero/app/config.py), around the Muon reference's 0.02.
 SWEEPS = {
     "adamw": (DEFAULT_LR / 3, DEFAULT_LR, DEFAULT_LR * 3),
     "muon": (0.01, 0.02, 0.05),
