@@ -91,6 +91,23 @@ def test_muon_groups_cover_every_param_once_and_keep_the_decay_split() -> None:
     opt.close()
 
 
+def test_checkpoints_refuse_a_muon_optimizer_so_train_refuses_ckpt_dir(tmp_path: Path) -> None:
+    """Why --optimizer muon refuses --ckpt-dir: the checkpoint package holds one rule's state,
+    and refuses ZeroMuon's Muon and AdamW groups before writing anything."""
+    from fusedzero import checkpoint
+    from fusedzero.testing import fake_group
+
+    with fake_group(0, 1):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+        groups = gpt_muon_param_groups(model, 0.1, muon_lr=0.02, lr=3e-3, betas=(0.9, 0.95))
+        opt = ZeroMuon(groups, stage=0, module=model)
+        with pytest.raises(ValueError, match="run different update rules"):
+            checkpoint.save(opt, tmp_path / "ckpt", step=1)
+        opt.close()
+    assert not list((tmp_path).glob("ckpt/step-*"))
+
+
 @pytest.mark.slow
 def test_muon_trains_at_one_rank_every_stage_and_two_ranks_stage_0(corpus: Path) -> None:
     """--optimizer muon trains (the loss falls) on one rank at stages 0-3, the same losses at
