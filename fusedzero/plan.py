@@ -31,6 +31,7 @@ split of a multi-node ring (give the slowest link).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -39,11 +40,14 @@ from torch import nn
 
 from fusedzero import _dtypes as dtypes, wire
 from fusedzero._layout import FlatLayout, build_layout, default_bucket_numel
+from fusedzero._muon_groups import muon_param_groups
+from fusedzero._muon_layout import MuonParamSpec, plan_muon_layout
 from fusedzero._units import select_units
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.policy import Precision, Sharding, Wire, check_record
 from fusedzero.rules import Rule
 from fusedzero.rules._adamw import ADAMW
+from fusedzero.rules._muon import MUON
 from fusedzero.stage import Stage
 from fusedzero.state import optimizer_bytes
 
@@ -51,12 +55,14 @@ __all__ = [
     "PLAN_PRECISION",
     "STAGES",
     "LinkModel",
+    "MuonLayoutPlan",
     "Plan",
     "PlanConfig",
     "StagePlan",
     "model_layouts",
     "plan_groups",
     "plan_model",
+    "plan_muon_model",
     "plan_params",
 ]
 
@@ -73,6 +79,24 @@ class StagePlan(NamedTuple):
     optimizer_bytes: int
     total_bytes: int
     comm_bytes_per_step: int
+
+
+class MuonLayoutPlan(NamedTuple):
+    """The owner layout of `fusedzero._muon_layout` at one world size (the JSON schema): every
+    Muon matrix whole on one rank, owners balanced by Newton-Schulz FLOPs."""
+
+    world_size: int
+    muon_params: int
+    """Elements of the params in Muon groups."""
+    ns_flops_max: int
+    """Newton-Schulz FLOPs per step of the busiest rank."""
+    ns_flops_mean: float
+    ns_balance: float
+    """ns_flops_max / ns_flops_mean (1.0: perfectly balanced)."""
+    padding: int
+    """Elements of the layout that belong to no param."""
+    padding_fraction: float
+    """padding / muon_params."""
 
 
 # The ZeRO paper's mixed-precision Adam: bf16 params, bf16 grads, fp32 master and moments.
@@ -176,6 +200,10 @@ class Plan:
     source: str
     ring_steps: dict[int, int] = field(default_factory=dict)
     """Per stage, the ring steps of one step's collectives (see LinkModel)."""
+    group_rules: list[Rule] = field(default_factory=list)
+    """The update rule of each param group (empty: `config.rule` for every group)."""
+    muon_layout: MuonLayoutPlan | None = None
+    """With Muon groups: their owner layout at `world_size` (`plan_muon_model`)."""
 
     def comm_seconds(self, link: LinkModel) -> dict[int, float]:
         """Per stage, one step's communication time in the alpha-beta ring model."""
@@ -194,6 +222,10 @@ class Plan:
             "world_size": self.world_size,
             "params": self.params,
         }
+        if self.group_rules:
+            out["group_rules"] = [r.name for r in self.group_rules]
+        if self.muon_layout is not None:
+            out["muon_layout"] = self.muon_layout._asdict()
         if self.comm_by_wire:
             out["comm_bytes_per_step_by_wire"] = {
                 w: {str(s): b for s, b in d.items()} for w, d in self.comm_by_wire.items()
@@ -220,22 +252,27 @@ class Plan:
         decimal unit (B, KB, MB, GB, TB)."""
         c, W = self.config, self.world_size
         pdt = dtypes.short_name(c.param_dtype) if c.param_dtype is not None else "own dtype"
-        # K per element of a shard, scales included (exact per 128 elements: QBLOCK divides it).
-        k = optimizer_bytes(c.modes, c.rule, 128, c.param_dtype or torch.float32) / 128
-        states = " + ".join(f.name for f in c.rule.state_fields(c.modes))
-        if c.modes != MemoryModes():
-            what = f"master={c.modes.master}, states={c.modes.states}"
-        elif c.param_dtype == torch.float32:
-            what = f"fp32 {states} (fp32 params are their own master)"
-        else:
-            what = f"fp32 master + {states}"
+        whats = []
+        for rule in dict.fromkeys(self.group_rules or [c.rule]):
+            # K per element of a shard, scales included (exact per 128 elements: QBLOCK
+            # divides it).
+            k = optimizer_bytes(c.modes, rule, 128, c.param_dtype or torch.float32) / 128
+            states = " + ".join(f.name for f in rule.state_fields(c.modes))
+            if c.modes != MemoryModes():
+                what = f"master={c.modes.master}, states={c.modes.states}"
+            elif c.param_dtype == torch.float32:
+                what = f"fp32 {states} (fp32 params are their own master)"
+            else:
+                what = f"fp32 master + {states}"
+            named = f"{rule.name} groups " if self.group_rules else ""
+            whats.append(f"{named}{what}: K={k:g} bytes/param")
         lines = [
             f"{self.source}: {self.params:,} params (Psi), world size W={W}",
             f"params {pdt}, grads {dtypes.short_name(c.reduce_dtype)}"
             + (f" (wire {c.wire.grads})" if c.wire.grads is not None else "")
             + (f", params gathered in {c.wire.params}" if c.wire.params is not None else "")
             + ", optimizer "
-            f"{what}: K={k:g} bytes/param",
+            + "; ".join(whats),
             "",
         ]
         where = {
@@ -281,7 +318,24 @@ class Plan:
             "Not counted: activations, stage 2-3 transient grad buckets (<= 2 in flight), "
             "stage-3 gathered units (the current one and one prefetched).",
         ]
+        if self.muon_layout is not None:
+            lines += ["", *self.muon_lines()]
         return "\n".join(lines) + ("\n" + self.wire_table() if self.comm_by_wire else "")
+
+    def muon_lines(self) -> list[str]:
+        """The Muon owner layout's lines of the table."""
+        m = self.muon_layout
+        assert m is not None
+        return [
+            f"Muon owner layout at W={m.world_size} (fusedzero/_muon_layout.py): "
+            f"{m.muon_params:,} Muon params",
+            f"  Newton-Schulz FLOPs/step per rank: max {m.ns_flops_max:.4g}, mean "
+            f"{m.ns_flops_mean:.4g}, max/mean {m.ns_balance:.4f}",
+            f"  padding {m.padding:,} elements ({100 * m.padding_fraction:.4g}% of Muon params)",
+            "  The owner layout is planned, not yet what ZeroMuon runs: at stages 1-3 with W > 1 "
+            "it refuses; the bytes above are the flat layout's, which it runs on one rank and at "
+            "stage 0 (docs/muon.md).",
+        ]
 
 
 _UNITS = ("B", "KB", "MB", "GB", "TB")  # decimal, as the ZeRO paper's figures
@@ -415,11 +469,17 @@ def plan_groups(
     model: nn.Module | None = None,
     source: str = "model",
     by_wire: bool = False,
+    rules: Sequence[Rule] = (),
 ) -> Plan:
     """Plan from the optimizer's param groups, each a list of (name, param); params may live on
     the meta device. `model` is needed for stage-3 units (without it: every param in one unit
     that is not the root, as in a model whose blocks hold nearly all of it: 3 Psi per step).
-    `by_wire`: also the comm of every stage under every grad wire choice (`Plan.comm_by_wire`)."""
+    `by_wire`: also the comm of every stage under every grad wire choice (`Plan.comm_by_wire`).
+    `rules`: each group's update rule, as the optimizer's `group_rules` (empty: `cfg.rule`)."""
+    if rules and len(rules) != len(groups):
+        raise ValueError(f"{len(rules)} rules for {len(groups)} param groups")
+    if rules:
+        cfg = dataclasses.replace(cfg, group_rules=tuple(rules))
     flat = [p for grp in groups for _, p in grp]
     units = _units(model, flat, cfg.sharding.units) if model is not None else [1] * len(flat)
     done = {s: _stage_plan(_buffers_from_groups(groups, s, cfg, units), s, cfg) for s in STAGES}
@@ -430,6 +490,7 @@ def plan_groups(
         cfg,
         source,
         ring_steps={s: d[1] for s, d in done.items()},
+        group_rules=list(cfg.group_rules),
     )
     if by_wire:
         for name in ("native", *wire.WIRES):
@@ -468,6 +529,60 @@ def plan_model(
     return plan_groups(
         _model_groups(model, decay_split), cfg, model=model, source=source, by_wire=by_wire
     )
+
+
+def _muon_model_groups(model: nn.Module) -> tuple[list[list[tuple[str, nn.Parameter]]], list[bool]]:
+    """`fusedzero train --optimizer muon`'s groups (`gpt_muon_param_groups`): the Muon params
+    of `muon_param_groups(model)`, then its AdamW params split into decayed (>= 2-D) and not;
+    with each group whether it is Muon's. Empty groups are left out."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out: list[tuple[list[tuple[str, nn.Parameter]], bool]] = []
+    for g in muon_param_groups(model):
+        if g["use_muon"]:
+            out.append(([(names[id(p)], p) for p in g["params"]], True))
+            continue
+        for decayed in (True, False):
+            ps = [(names[id(p)], p) for p in g["params"] if (p.dim() >= 2) == decayed]
+            if ps:
+                out.append((ps, False))
+    return [g for g, _ in out], [m for _, m in out]
+
+
+def plan_muon_model(
+    model: nn.Module, cfg: PlanConfig, *, source: str = "model", by_wire: bool = False
+) -> Plan:
+    """Plan for `ZeroMuon(groups, module=model)` with the groups `fusedzero train --optimizer
+    muon` makes: the bytes of the flat layout (what ZeroMuon runs on one rank and at stage 0),
+    the Muon groups keeping the Muon rule's state; and `Plan.muon_layout`, the owner layout of
+    `fusedzero._muon_layout` at `cfg.world_size`."""
+    groups, is_muon = _muon_model_groups(model)
+    result = plan_groups(
+        groups,
+        cfg,
+        model=model,
+        source=source,
+        by_wire=by_wire,
+        rules=[MUON if m else ADAMW for m in is_muon],
+    )
+    muon_ids = {id(p) for grp, m in zip(groups, is_muon) if m for _, p in grp}
+    specs = [
+        MuonParamSpec(n, tuple(p.shape), id(p) in muon_ids)
+        for n, p in model.named_parameters()
+        if p.requires_grad
+    ]
+    layout = plan_muon_layout(specs, cfg.world_size)
+    flops = layout.ns_flops()
+    mean = sum(flops) / len(flops)
+    result.muon_layout = MuonLayoutPlan(
+        world_size=cfg.world_size,
+        muon_params=layout.muon_numel,
+        ns_flops_max=max(flops),
+        ns_flops_mean=mean,
+        ns_balance=layout.balance(),
+        padding=layout.padding,
+        padding_fraction=layout.padding / layout.muon_numel if layout.muon_numel else 0.0,
+    )
+    return result
 
 
 def model_layouts(

@@ -27,6 +27,12 @@ from fusedzero.wire import WIRES
 DEFAULT_STEPS = 500
 DEFAULT_BATCH = 32
 DEFAULT_LR = 3e-3
+# --optimizer muon: the peak lr of the Muon groups (the hidden matrices; torch.optim.Muon's
+# "original" lr adjustment, sqrt(max(1, rows / cols))): the best of 0.01, 0.02 and 0.05 on the
+# default model and corpus over 200 steps (docs/benchmarks.md, "Muon"; the top of that sweep,
+# so a larger one may do better). The embeddings, head, norms and biases keep AdamW at --lr.
+DEFAULT_MUON_LR = 0.05
+OPTIMIZERS = ("adamw", "muon")
 DEFAULT_N_LAYER = 2
 DEFAULT_N_HEAD = 4
 DEFAULT_N_EMBD = 128
@@ -92,7 +98,12 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches per step on each rank."""
     lr: float = DEFAULT_LR
-    """Peak learning rate (after warmup)."""
+    """Peak learning rate (after warmup); with --optimizer muon, of the AdamW groups."""
+    optimizer: str = "adamw"
+    """adamw: ZeroAdamW on every param. muon: ZeroMuon, Muon on the hidden matrices (at
+    --muon-lr) and AdamW on the embeddings, head, norms and biases (docs/muon.md)."""
+    muon_lr: float = DEFAULT_MUON_LR
+    """Peak learning rate of the Muon groups (--optimizer muon); same schedule as --lr."""
     warmup: int | None = None
     """Linear warmup steps (None: 5% of --steps, at least 1)."""
     weight_decay: float = 0.1
@@ -210,6 +221,17 @@ class TrainConfig:
             f"nothing, a larger one inf), got {self.lr:g}",
         )
         need(
+            self.optimizer in OPTIMIZERS,
+            f"--optimizer must be one of {list(OPTIMIZERS)}, got {self.optimizer!r}",
+        )
+        need(
+            FP32.tiny <= self.muon_lr <= FP32.max,
+            f"--muon-lr must be in [{FP32.tiny:.4g}, {FP32.max:.4g}], a normal fp32 number, "
+            f"got {self.muon_lr:g}",
+        )
+        if self.optimizer == "muon":
+            self._check_muon()
+        need(
             self.clip >= 0 and (self.clip <= FP32.max or self.clip == math.inf),
             f"--clip must be >= 0 (0 disables) and within fp32's range, got {self.clip:g}",
         )
@@ -324,6 +346,24 @@ class TrainConfig:
                 f"{flag} needs --ckpt-dir DIR (where checkpoints are written and read)",
             )
 
+    def _check_muon(self) -> None:
+        """What ZeroMuon cannot run yet, refused before any rank starts."""
+        if self.master != "fp32":
+            raise UsageError(
+                f"--optimizer muon with --master {self.master}: Muon updates an fp32 master; "
+                "use --master fp32"
+            )
+        if self.states == "int8":
+            raise UsageError(
+                "--optimizer muon with --states int8: Muon keeps its momentum in fp32 or bf16; "
+                "use --states fp32 or --states bf16"
+            )
+        if self.tp > 1:
+            raise UsageError(
+                f"--optimizer muon with --tp {self.tp}: Newton-Schulz needs each matrix whole "
+                "and tensor parallelism splits them; use --tp 1"
+            )
+
     @property
     def warmup_steps(self) -> int:
         return max(1, self.steps // 20) if self.warmup is None else self.warmup
@@ -366,6 +406,17 @@ class TrainConfig:
         }
 
 
+def check_optimizer_world(cfg: TrainConfig, world: int) -> None:
+    """--optimizer muon at stages 1-3 needs one rank: over several, Newton-Schulz needs each
+    matrix whole on one rank and ZeroMuon has no owner layout yet (docs/muon.md)."""
+    if cfg.optimizer == "muon" and cfg.stage > 0 and world > 1:
+        raise UsageError(
+            f"--optimizer muon runs --stage {cfg.stage} on one rank only ({world} ranks here: "
+            "Newton-Schulz needs each matrix whole, and the owner layout is not wired yet); "
+            "use --stage 0 or --nproc 1"
+        )
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig  # defaults live on the dataclass
     a = p.add_argument
@@ -391,6 +442,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     a("--grad-accum", type=int, default=d.grad_accum, help="micro-batches per step per rank")
     a("--lr", type=float, default=d.lr, help="peak learning rate (default %(default)s)")
+    a(
+        "--optimizer",
+        choices=OPTIMIZERS,
+        default=d.optimizer,
+        help="adamw: ZeroAdamW on every param; muon: ZeroMuon, Muon on the hidden matrices at "
+        "--muon-lr, AdamW at --lr on the rest; at more than one rank only --stage 0 "
+        "(default %(default)s)",
+    )
+    a(
+        "--muon-lr",
+        type=float,
+        default=d.muon_lr,
+        help="peak lr of the Muon groups with --optimizer muon (default %(default)s)",
+    )
     a("--warmup", type=int, default=None, help="linear warmup steps (default 5%% of --steps)")
     a(
         "--weight-decay",

@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from fusedzero import Groups, ZeroAdamW, _dtypes as dtypes, _safe_paths as safe_paths
+from fusedzero import Groups, ZeroAdamW, ZeroMuon, _dtypes as dtypes, _safe_paths as safe_paths
 from fusedzero.app import resume as resume_mod, tp_plan, watch
 from fusedzero.app.config import MIN_LR_RATIO, TrainConfig, UsageError
 from fusedzero.app.data import BatchSampler, Split, eval_batches
 from fusedzero.app.log import PendingStep, RunLog, waiting_for
-from fusedzero.app.model import GPT, GPTConfig, gpt_param_groups
+from fusedzero.app.model import GPT, GPTConfig, gpt_muon_param_groups, gpt_param_groups
 from fusedzero.app.summary import format_table, summarize
 from fusedzero.kernels import LAUNCHES
 
@@ -67,10 +67,7 @@ def train_rank(
     dpr, dpw = mesh.dp_rank, mesh.dp_size
     # NCCL: param all-gathers on a communicator of their own.
     gather = tp_plan.gather_group(mesh) if device.type == "cuda" else None
-    opt = ZeroAdamW(
-        gpt_param_groups(model, cfg.weight_decay),
-        lr=cfg.lr,
-        betas=(cfg.beta1, cfg.beta2),
+    engine: dict[str, Any] = dict(
         stage=cfg.stage,
         module=model,
         max_grad_norm=cfg.clip or None,
@@ -79,6 +76,25 @@ def train_rank(
         groups=Groups(shard=mesh.dp_group, gather=gather),
         sharding=cfg.sharding(),
     )
+    opt: ZeroAdamW | ZeroMuon
+    if cfg.optimizer == "muon":
+        opt = ZeroMuon(
+            gpt_muon_param_groups(
+                model,
+                cfg.weight_decay,
+                muon_lr=cfg.muon_lr,
+                lr=cfg.lr,
+                betas=(cfg.beta1, cfg.beta2),
+            ),
+            **engine,
+        )
+    else:
+        opt = ZeroAdamW(
+            gpt_param_groups(model, cfg.weight_decay),
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+            **engine,
+        )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda_for(cfg))
     sampler = BatchSampler(train_data, cfg.block_size, cfg.batch_size, cfg.seed)
     val = eval_batches(val_data, cfg.block_size, cfg.eval_seqs, 1)[0]
@@ -181,7 +197,7 @@ def train_rank(
         opt.step()
         # Counted over a real step (the last one is what the summary reports), not computed.
         launches = {k: LAUNCHES[k] - launched.get(k, 0) for k in ("adamw", "sumsq")}
-        lr = opt.param_groups[0]["lr"]
+        lr = opt.param_groups[-1]["lr"]  # --lr's schedule (muon: an AdamW group's)
         sched.step()
         opt.zero_grad()
         for k, v in opt.comm.bytes.items():

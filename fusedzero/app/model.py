@@ -293,6 +293,36 @@ def gpt_param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, An
     ]
 
 
+def gpt_muon_param_groups(
+    model: nn.Module,
+    weight_decay: float,
+    *,
+    muon_lr: float,
+    lr: float,
+    betas: tuple[float, float],
+) -> list[dict[str, Any]]:
+    """``model``'s parameters as `ZeroMuon` groups: the hidden matrices to Muon at ``muon_lr``
+    (`fusedzero.muon_param_groups`), the rest to AdamW at ``lr``, split as in
+    `gpt_param_groups` (the embedding decayed, 1-D params not). Every group decays with the same
+    ``weight_decay`` where it decays at all."""
+    from fusedzero import muon_param_groups
+
+    groups = muon_param_groups(
+        model, muon=dict(lr=muon_lr, weight_decay=weight_decay), adamw=dict(lr=lr, betas=betas)
+    )
+    out: list[dict[str, Any]] = []
+    for g in groups:
+        if g["use_muon"]:
+            out.append(g)
+            continue
+        for decayed in (True, False):
+            ps = [p for p in g["params"] if (p.dim() >= 2) == decayed]
+            if ps:
+                wd = weight_decay if decayed else 0.0
+                out.append({**g, "params": ps, "weight_decay": wd})
+    return out
+
+
 _GPT2 = dict(vocab_size=50257, block_size=1024)
 PRESETS: dict[str, dict[str, Any]] = {
     # GPT-2 shapes (tied head, no qkv bias: a few params fewer than OpenAI's), as `fusedzero plan`

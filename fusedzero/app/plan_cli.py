@@ -27,7 +27,14 @@ from fusedzero.app.config import (
 from fusedzero.app.model import GPT, GPTConfig
 from fusedzero.emulate import SHAPES, Emulation, emulate, meta_model
 from fusedzero.memory_modes import MASTER_MODES, STATE_MODES
-from fusedzero.plan import STAGES, LinkModel, PlanConfig, plan_model, plan_params
+from fusedzero.plan import (
+    STAGES,
+    LinkModel,
+    PlanConfig,
+    plan_model,
+    plan_muon_model,
+    plan_params,
+)
 from fusedzero.policy import Precision, Sharding, Wire
 from fusedzero.wire import WIRES
 
@@ -187,6 +194,14 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
         help="--preset only: tensor-parallel ranks per replica (fusedzero train's "
         "plan); -W is then the data-parallel size, nproc = W * N",
     )
+    p.add_argument(
+        "--optimizer",
+        choices=("adamw", "muon"),
+        default="adamw",
+        help="muon: ZeroMuon with `fusedzero train --optimizer muon`'s groups (the Muon "
+        "groups keep a momentum buffer), plus the owner layout's Newton-Schulz FLOPs per rank "
+        "and padding at -W (default %(default)s)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     m = p.add_argument_group("communication time (an alpha-beta ring model, see docs/scale.md)")
     m.add_argument(
@@ -230,6 +245,8 @@ def _cli_plan(args: argparse.Namespace) -> int:
                 "--emulate builds a data-parallel ZeroAdamW only, not a tensor-"
                 f"parallel one: drop --tp {args.tp} or --emulate"
             )
+        if args.optimizer == "muon":
+            _check_muon_args(args)
         link = LinkModel(bandwidth=args.link_gbps * 1e9, latency=args.link_latency_us * 1e-6)
         cfg = PlanConfig(
             world_size=args.world_size,
@@ -244,7 +261,9 @@ def _cli_plan(args: argparse.Namespace) -> int:
             sharding=Sharding(bucket_numel=args.bucket_numel, reshard_after_forward=args.reshard),
         )
         by_wire = args.wire == "all"
-        if args.tp > 1:
+        if args.optimizer == "muon":
+            result = plan_muon_model(_meta_model(args), cfg, source=_source(args), by_wire=by_wire)
+        elif args.tp > 1:
             result = _plan_tp(args, cfg)
         elif args.params is not None:
             if not (math.isfinite(args.params) and args.params == int(args.params)):
@@ -305,6 +324,40 @@ def _cli_plan(args: argparse.Namespace) -> int:
     if emulated is not None:
         print(_emulation_lines(emulated))
     return 0
+
+
+def _check_muon_args(args: argparse.Namespace) -> None:
+    for bad, why in (
+        (
+            args.params is not None,
+            "--params: Muon needs the model's shapes; use --preset, --shape or --hf-config",
+        ),
+        (args.tp > 1, f"--tp {args.tp}: Newton-Schulz needs each matrix whole; use --tp 1"),
+        (args.emulate, "--emulate: the emulation builds a ZeroAdamW; drop --emulate"),
+        (
+            args.one_group,
+            "--one-group: Muon's groups are fixed (Muon, AdamW decayed, AdamW "
+            "not); drop --one-group",
+        ),
+    ):
+        if bad:
+            raise ValueError(f"--optimizer muon with {why}")
+
+
+def _meta_model(args: argparse.Namespace) -> nn.Module:
+    if args.preset is not None:
+        return preset_model(args.preset)
+    if args.shape is not None:
+        return meta_model(args.shape)
+    return hf_model_from_config(args.hf_config)
+
+
+def _source(args: argparse.Namespace) -> str:
+    if args.preset is not None:
+        return f"preset {args.preset}"
+    if args.shape is not None:
+        return f"shape {args.shape}"
+    return str(args.hf_config)
 
 
 def _plan_tp(args: argparse.Namespace, cfg: PlanConfig) -> plan.Plan:

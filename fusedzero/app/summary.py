@@ -16,7 +16,8 @@ from fusedzero import _dtypes as dtypes
 from fusedzero.app.config import TrainConfig
 from fusedzero.app.log import RunLog
 from fusedzero.app.model import GPTConfig, flops_per_token
-from fusedzero.optim import ZeroAdamW
+from fusedzero.memory_modes import MemoryModes
+from fusedzero.optim import ZeroOptimizer
 
 # Dense bf16 tensor-core peaks (FLOP/s, no sparsity) from NVIDIA's datasheets, matched in order
 # against torch.cuda.get_device_name (first match wins: each variant before the name it
@@ -50,7 +51,7 @@ def mfu(tokens_per_s: float, flops: int, world: int, peak: float | None) -> floa
 
 def summarize(
     cfg: TrainConfig,
-    opt: ZeroAdamW,
+    opt: ZeroOptimizer,
     world: int,
     device: torch.device,
     param_dtype: torch.dtype,
@@ -68,7 +69,11 @@ def summarize(
     psi = int(mem.param_elements)
     pb, gb = param_dtype.itemsize, reduce_dtype.itemsize
     master = 4 if param_dtype != torch.float32 else 0
-    ddp = {"params": psi * pb, "grads": psi * gb, "optimizer": psi * (8 + master)}
+    # Plain DDP with torch's optimizers: each group's rule's state fields in fp32 (AdamW two
+    # moments, Muon one momentum buffer), and an fp32 master beside non-fp32 params.
+    fp32_fields = [len(r.state_fields(MemoryModes())) for r in opt.group_rules]
+    state = sum(4 * fp32_fields[fg.group_index] * fg.layout.param_numel for fg in opt.flat_groups)
+    ddp = {"params": psi * pb, "grads": psi * gb, "optimizer": psi * master + state}
     ddp_comm = 2 * (world - 1) * psi * gb // world
     flops = flops_per_token(GPTConfig(**cfg.model_config()))
     peak, device_name = bf16_peak(device)

@@ -26,8 +26,8 @@ The constructor is the Trainer's, plus `stage=` and any ZeroAdamW keyword (`shar
 
 `muon=dict(lr=...)`: ZeroMuon in ZeroAdamW's place, Muon on `muon_param_groups(model)`'s hidden
 matrices with those hyper-parameters, AdamW on the rest with the arguments' settings (the
-Trainer's decay split); stages 1-3 over several ranks and a run that saves checkpoints
-(`save_strategy` other than "no": checkpoints cannot hold ZeroMuon's state yet) are refused.
+Trainer's decay split); stages 1-3 over several ranks are refused; checkpoints hold its state
+as ZeroAdamW's.
 
 A ZeroAdamW or ZeroMuon the user built (`module=model`) may come in `optimizers=(opt, None)`; its
 `max_grad_norm` must equal the arguments'. Not supported, each refused in one line:

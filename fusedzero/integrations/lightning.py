@@ -35,8 +35,8 @@ Muon: `configure_optimizers` returning a `torch.optim.Muon` and a `torch.optim.A
 params) becomes one ZeroMuon, the Muon's groups its Muon groups and the AdamW's its AdamW groups,
 both stepping on every optimizer step (Lightning's own check, which refuses several optimizers
 under automatic optimization, is skipped for that pair); each optimizer's schedulers drive its
-own groups inside the ZeroMuon. Stages 1-3 over several ranks, and a fit with checkpointing
-(checkpoints cannot hold ZeroMuon's state yet), are refused before the first step.
+own groups inside the ZeroMuon. Stages 1-3 over several ranks are refused before the first
+step; checkpoints hold ZeroMuon's state as ZeroAdamW's.
 
 [Note: the optimizer swap] ZeroAdamW owns flat buffers, hooks and collectives from its constructor
 on, so it is built once, in `setup_optimizers`, from what `configure_optimizers` returned: the
