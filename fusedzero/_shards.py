@@ -282,21 +282,6 @@ class ShardStateMethods:
         }
 
     # -- the typed interface of fusedzero/state.py (checkpoints, importers, plan) -------------
-    def _fields(self, buf: FlatBuffer, modes: MemoryModes) -> tuple[str, ...]:
-        return fields_of(modes, self.rules[buf.group_index])
-
-    def _names(self, modes: MemoryModes) -> tuple[str, ...]:
-        """Every field some buffer holds in `modes`, master first, then each rule's in order."""
-        return tuple(dict.fromkeys(f for r in self.rules for f in fields_of(modes, r)))
-
-    def _rule_names(self) -> str:
-        names = list(dict.fromkeys(r.name for r in self.rules))
-        return (
-            f"the {names[0]} rule keeps"
-            if len(names) == 1
-            else (f"the {' and '.join(names)} rules keep")
-        )
-
     def shard_infos(self) -> list[ShardInfo]:
         """What this rank holds, one record per flat buffer (the order of `shard_state()`)."""
         return self.shards.shard_infos()
