@@ -234,7 +234,10 @@ def test_newton_schulz_2d_is_torch_bitwise(shape):
     assert torch.equal(newton_schulz(x.clone(), *NS), _zeropower_via_newtonschulz(x, *NS))
 
 
-@pytest.mark.parametrize("shape", [(64, 96), (96, 64), (256, 768), (17, 33)])
+# (256, 768): large enough for CPU bmm's blocked path, ~4 s of bf16 matmuls: the slow tier.
+@pytest.mark.parametrize(
+    "shape", [(64, 96), (96, 64), pytest.param((256, 768), marks=pytest.mark.slow), (17, 33)]
+)
 def test_newton_schulz_batched_equals_per_matrix(shape):
     """A [B, m, n] stack orthogonalised in one batched pass equals each matrix done alone, bit
     for bit on CPU (bmm accumulates each matrix as mm does). Noise control: one matrix's input
