@@ -262,3 +262,14 @@ def rewrite_shard(d: Path, edit: Callable[[str, torch.Tensor], torch.Tensor]) ->
     m = json.loads((d / ck.MANIFEST).read_text())
     m["files"][0].update(bytes=size, sha256=sha)
     (d / ck.MANIFEST).write_text(json.dumps(m))
+
+
+def cli_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    """`fusedzero ARGV` exits 2 with exactly one stderr line, `fusedzero: error: ...`: that line."""
+    from fusedzero import cli
+
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("fusedzero: error: "), err
+    return lines[0]

@@ -22,6 +22,8 @@ from fusedzero import cli
 from fusedzero.app.config import MIN_LR_RATIO, UsageError
 from fusedzero.app.launch import run
 
+from _helpers import cli_error
+
 # Tests that spawn ranks or the CLI are marked slow one by one; flag and path errors are fast.
 
 
@@ -230,12 +232,6 @@ def test_resume_after_stop_is_bitwise_and_reshards(
 
 
 # -- errors: one line, exit code 2 ----------------------------------------------------------------
-def _cli_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("fusedzero: error: "), err
-    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -258,7 +254,7 @@ def _cli_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
 def test_bad_flags_give_one_line(
     capsys: pytest.CaptureFixture[str], argv: list[str], words: str
 ) -> None:
-    assert words in _cli_error(capsys, argv)
+    assert words in cli_error(capsys, argv)
 
 
 def test_bad_data_paths_give_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -273,7 +269,7 @@ def test_bad_data_paths_give_one_line(capsys: pytest.CaptureFixture[str], tmp_pa
         (tmp_path / "tiny.txt", "fewer than 2*block_size+2"),
         (Path("/dev/null"), "is a character device; refusing to read it"),
     ]:
-        line = _cli_error(capsys, ["train", "--data", str(path), "--nproc", "1", "--device", "cpu"])
+        line = cli_error(capsys, ["train", "--data", str(path), "--nproc", "1", "--device", "cpu"])
         assert "--data" in line and words in line, line
     with pytest.raises(UsageError, match="no complete checkpoint"):
         run(["--ckpt-dir", str(tmp_path / "empty"), "--resume", "--nproc", "1", "--device", "cpu"])
@@ -317,7 +313,7 @@ def test_unwritable_paths_fail_before_training(
         (["--out-json", str(a_file / "run.json")], "is a file, not a folder"),
         (["--out-json", "/proc/run.json"], "cannot write in"),
     ]:
-        line = _cli_error(capsys, ["train", *TINY, *argv])
+        line = cli_error(capsys, ["train", *TINY, *argv])
         assert argv[0] in line and words in line, line
 
 
@@ -347,7 +343,7 @@ def test_locked_folder_is_refused_naming_the_holder_and_stale_lock_is_taken_over
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
-        line = _cli_error(capsys, ["train", *TINY, "--data", str(corpus), "--ckpt-dir", str(ckpt)])
+        line = cli_error(capsys, ["train", *TINY, "--data", str(corpus), "--ckpt-dir", str(ckpt)])
         assert "is in use by another run" in line and f"pid {holder.pid} " in line, line
     finally:
         holder.kill()

@@ -9,9 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusedzero import ZeroMuon, cli, muon_param_groups
+from fusedzero import ZeroMuon, muon_param_groups
 from fusedzero.app.launch import run
 from fusedzero.app.model import GPT, GPTConfig, gpt_muon_param_groups, gpt_param_groups
+
+from _helpers import cli_error
 
 TINY = [
     *("--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32"),
@@ -25,14 +27,6 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("data") / "argparse.py"
     shutil.copy(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py", path)
     return path
-
-
-def _cli_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
-    assert cli.main(argv) == 2
-    err = capsys.readouterr().err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("fusedzero: error: "), err
-    return lines[0]
 
 
 @pytest.mark.parametrize(
@@ -61,7 +55,7 @@ def test_muon_refusals_are_one_line_naming_the_fix(
 ) -> None:
     """What ZeroMuon cannot run is refused before any rank starts, in one
     line that names the fix."""
-    assert words in _cli_error(capsys, ["train", "--device", "cpu", *argv])
+    assert words in cli_error(capsys, ["train", "--device", "cpu", *argv])
 
 
 def test_muon_groups_cover_every_param_once_and_keep_the_decay_split() -> None:
