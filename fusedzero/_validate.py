@@ -25,45 +25,6 @@ OWNER_ATTR = "_fusedzero_owner"
 _FP32 = torch.finfo(torch.float32)
 
 
-def _number(v: Any) -> float:
-    return float(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else float(v)
-
-
-def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
-    """As torch.optim.AdamW, with its messages, and stricter on purpose: eps must be > 0 (a
-    positive normal fp32 number: eps 0 divides by zero wherever the second moment is zero, e.g.
-    a param whose grads are all zero, and writes inf or NaN into it), and lr, eps and
-    weight_decay finite in fp32 (1e300 or inf is inf in the fp32 update). Used by the
-    constructor and by `checkpoint.load` for the hyper-parameters a manifest holds."""
-    lr_v = _number(lr)
-    if not lr_v >= 0.0:
-        raise ValueError(f"Invalid learning rate: {lr}")
-    if not lr_v <= _FP32.max:
-        raise ValueError(
-            f"Invalid learning rate: {lr} (must be finite in fp32, at most {_FP32.max:.4g})"
-        )
-    eps_v = _number(eps)
-    if not eps_v >= 0.0:
-        raise ValueError(f"Invalid epsilon value: {eps}")
-    if not _FP32.tiny <= eps_v <= _FP32.max:
-        raise ValueError(
-            f"Invalid epsilon value: {eps} (must be > 0 and finite in fp32, in "
-            f"[{_FP32.tiny:.4g}, {_FP32.max:.4g}]: eps 0 divides by zero where "
-            "the second moment is zero; torch's default is 1e-8)"
-        )
-    if len(betas) != 2 or not 0.0 <= betas[0] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
-    if not 0.0 <= betas[1] < 1.0:
-        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
-    if not _number(weight_decay) <= _FP32.max:
-        raise ValueError(
-            f"Invalid weight_decay value: {weight_decay} (must be finite in fp32, "
-            f"at most {_FP32.max:.4g})"
-        )
-
-
 def check_stage(stage: Any, where: str = "ZeroAdamW") -> Stage:
     """`stage` as a `Stage`: an int 0-3 or a Stage. A bool or float is refused even where
     `Stage(...)` would take it (True == 1, 2.0 == 2): a flag or a computed number passed as the

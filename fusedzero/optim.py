@@ -34,7 +34,8 @@ class ZeroAdamW(ZeroOptimizer):
         params: parameters or param-group dicts, as for `torch.optim.AdamW`. Params with
             `requires_grad=False` are left out (frozen).
         lr, betas, eps, weight_decay, maximize: as `torch.optim.AdamW` (decoupled weight decay),
-            but eps must be > 0 and lr, eps, weight_decay finite in fp32 (`validate.check_hyper`).
+            but eps must be > 0 and lr, eps, weight_decay finite in fp32
+            (`rules._adamw.check_hyper`).
         stage, module, max_grad_norm, precision, wire, groups, sharding, device, trace: the
             engine's (`ZeroOptimizer`).
 

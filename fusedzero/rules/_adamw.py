@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from fusedzero import _validate as validate
 from fusedzero._scalars import GroupLr
 from fusedzero.kernels import AdamWBuffer, GroupedAdamW, Hyper
 from fusedzero.memory_modes import QBLOCK, MemoryModes
@@ -23,6 +22,46 @@ from fusedzero.rules import LocalShard, StateField, StepTensors
 __all__ = ["ADAMW", "AdamW"]
 
 _F32 = torch.float32
+_FP32 = torch.finfo(torch.float32)
+
+
+def _number(v: Any) -> float:
+    return float(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else float(v)
+
+
+def check_hyper(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None:
+    """As torch.optim.AdamW, with its messages, and stricter on purpose: eps must be > 0 (a
+    positive normal fp32 number: eps 0 divides by zero wherever the second moment is zero, e.g.
+    a param whose grads are all zero, and writes inf or NaN into it), and lr, eps and
+    weight_decay finite in fp32 (1e300 or inf is inf in the fp32 update). Used by the
+    constructor and by `checkpoint.load` for the hyper-parameters a manifest holds."""
+    lr_v = _number(lr)
+    if not lr_v >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+    if not lr_v <= _FP32.max:
+        raise ValueError(
+            f"Invalid learning rate: {lr} (must be finite in fp32, at most {_FP32.max:.4g})"
+        )
+    eps_v = _number(eps)
+    if not eps_v >= 0.0:
+        raise ValueError(f"Invalid epsilon value: {eps}")
+    if not _FP32.tiny <= eps_v <= _FP32.max:
+        raise ValueError(
+            f"Invalid epsilon value: {eps} (must be > 0 and finite in fp32, in "
+            f"[{_FP32.tiny:.4g}, {_FP32.max:.4g}]: eps 0 divides by zero where "
+            "the second moment is zero; torch's default is 1e-8)"
+        )
+    if len(betas) != 2 or not 0.0 <= betas[0] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 0: {betas[0]}")
+    if not 0.0 <= betas[1] < 1.0:
+        raise ValueError(f"Invalid beta parameter at index 1: {betas[1]}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {weight_decay}")
+    if not _number(weight_decay) <= _FP32.max:
+        raise ValueError(
+            f"Invalid weight_decay value: {weight_decay} (must be finite in fp32, "
+            f"at most {_FP32.max:.4g})"
+        )
 
 
 class AdamW:
@@ -35,7 +74,7 @@ class AdamW:
     )
 
     def check_group(self, group: Mapping[str, Any]) -> None:
-        validate.check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
+        check_hyper(group["lr"], group["betas"], group["eps"], group["weight_decay"])
 
     def state_fields(self, modes: MemoryModes) -> tuple[StateField, ...]:
         m_dt, v_dt = modes.state_dtypes

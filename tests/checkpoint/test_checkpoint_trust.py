@@ -314,7 +314,7 @@ def test_manifest_cap_is_enforced_when_reading_and_saving(
         ("betas", [0.9, -3.0], "Invalid beta parameter at index 1: -3.0"),
         ("eps", -1e-8, "Invalid epsilon value"),
         ("weight_decay", -0.1, "Invalid weight_decay value"),
-        # Stricter than torch.optim.AdamW on purpose (fusedzero._validate.check_hyper): eps 0
+        # Stricter than torch.optim.AdamW on purpose (fusedzero.rules._adamw.check_hyper): eps 0
         # divides by zero at a zero second moment; the rest is inf or 0 in the fp32 update.
         ("eps", 0, r"Invalid epsilon value: 0 \(must be > 0"),
         ("eps", 1e-50, r"Invalid epsilon value: 1e-50 \(must be > 0"),
