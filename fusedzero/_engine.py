@@ -152,15 +152,6 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
         self.process_group = process_group
         self.world_size = comm.group_size(process_group)
         self.rank = comm.group_rank(process_group)
-        per_matrix = [r for r in self.group_rules if not r.element_wise]
-        if per_matrix and stage.shards_state and self.world_size > 1:
-            # See [Note: whole tensors for per-matrix rules] in fusedzero/rules/__init__.py.
-            raise NotImplementedError(
-                f"the {per_matrix[0].name} rule updates whole tensors, and the layout at stage "
-                f"{int(stage)} cuts them into equal slices over {self.world_size} ranks (the "
-                "owner layout that keeps each tensor whole on one rank is not wired yet): "
-                "stages 1-3 need one rank for now; run it at stage 0 or on one rank"
-            )
         self.replicate_group = replicate_group
         self.replicas = 1 if replicate_group is None else comm.group_size(replicate_group)
         self.replica_rank = 0 if replicate_group is None else comm.group_rank(replicate_group)
@@ -242,6 +233,7 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
             state_fields=group_fields,
             seed=seed,
             tp_replicated=None if self.tp is None else [self.tp.replicated(p) for p in all_params],
+            blocks=[None if r.element_wise else r.blocks for r in self.group_rules],
         )
         self.seed = seed
         if self.zero3 is not None:

@@ -29,7 +29,7 @@ and no copy (DDP's gradient_as_bucket_view).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -38,6 +38,7 @@ from torch import nn
 from fusedzero._dtensor import local, set_local
 from fusedzero._eager import eager
 from fusedzero._layout import FlatLayout, ParamSlot, build_layout, default_bucket_numel
+from fusedzero._owner_layout import Block, build_owner_layout
 from fusedzero._streams import allocating_stream, free_storage
 from fusedzero.kernels import Strided
 from fusedzero.memory_modes import MemoryModes
@@ -68,13 +69,13 @@ class FlatBuffer:
         sr_offset: int = 0,
         seed: torch.Tensor | None = None,
         tp_replicated: bool = True,
+        blocks: Callable[[tuple[int, ...]], Block] | None = None,
     ) -> None:
         self.group_index, self.dtype, self.stage, self.unit = group_index, dtype, stage, unit
         # Identical on every tensor-parallel rank (plain params, Replicate DTensors); False:
         # the params are tp shards (fusedzero/_dtensor.py). Each buffer holds one kind.
         self.tp_replicated = tp_replicated
         self.modes = modes
-        self.params = params
         self.world_size, self.rank = world_size, rank
         # Stage 0 replicates everything: its layout is the world-size-1 layout.
         self.shard_rank = rank if stage.shards_state else 0
@@ -82,12 +83,18 @@ class FlatBuffer:
         # stage 0's all-reduce included), not the layout's shard count.
         if bucket_numel is None:
             bucket_numel = default_bucket_numel(world_size, dtype.itemsize)
-        # DTensor params: the layout holds their local (tp-shard) shapes.
-        self.layout: FlatLayout = build_layout(
-            [(i, n, tuple(local(p).shape)) for i, n, p in zip(indices, names, params)],
-            world_size if stage.shards_state else 1,
-            bucket_numel,
+        # DTensor params: the layout holds their local (tp-shard) shapes. A per-matrix rule's
+        # params (`blocks`: each shape's block) take the owner layout where a shard is less
+        # than the buffer (fusedzero/_owner_layout.py); the params follow the layout's order.
+        items = [(i, n, tuple(local(p).shape)) for i, n, p in zip(indices, names, params)]
+        shards = world_size if stage.shards_state else 1
+        self.layout: FlatLayout = (
+            build_owner_layout(items, [blocks(it[2]) for it in items], shards)
+            if blocks is not None and shards > 1
+            else build_layout(items, shards, bucket_numel)
         )
+        where = {i: k for k, i in enumerate(indices)}
+        self.params = [params[where[s.index]] for s in self.layout.params]
         self.device = device
         self.reduce_dtype = reduce_dtype
         n_local = self.layout.local_numel
@@ -378,13 +385,15 @@ def build_buffers(
     state_fields: Sequence[tuple[StateField, ...]] = (),
     seed: int = 0,
     tp_replicated: list[bool] | None = None,
+    blocks: Sequence[Callable[[tuple[int, ...]], Block] | None] = (),
 ) -> list[FlatBuffer]:
     """One FlatBuffer per (unit, param group, dtype, tp-replicated), in that order (dtypes and
     tp kinds in order of first appearance). `units[i]` is the stage-3 unit of the i-th param
     (all 0 below stage 3); `tp_replicated[i]` whether it is the same on every tensor-parallel
     rank (default: all, a plain model). `state_fields[gi]`: the per-element state group gi's
     update rule keeps in `modes` (fusedzero/rules; none where not given). `seed`: bf16-sr's
-    random stream, one device tensor for all buffers."""
+    random stream, one device tensor for all buffers. `blocks[gi]`: group gi's per-matrix
+    rule's blocks (None, or not given: an element-wise rule)."""
     seed_t = torch.tensor([seed], dtype=torch.int64, device=device)
     by_key: dict[tuple[int, int, torch.dtype, bool], list[tuple[int, nn.Parameter]]] = {}
     index = 0
@@ -418,6 +427,7 @@ def build_buffers(
                 seed=seed_t,
                 tp_replicated=rep,
                 sr_offset=_sr_offset(out, rep),
+                blocks=blocks[gi] if gi < len(blocks) else None,
             )
         )
     return out

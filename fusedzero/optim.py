@@ -97,10 +97,11 @@ class ZeroMuon(ZeroOptimizer):
             engine's (`ZeroOptimizer`). Muon needs the fp32 master mode and fp32 or bf16 state.
 
     Semantics: `torch.optim.Muon` on the Muon groups plus `torch.optim.AdamW` on the rest, under
-    DDP. Newton-Schulz needs each matrix whole on the rank that updates it: stage 0 (every rank
-    updates every matrix, as DDP + Muon) at any world size, every stage on one rank. At stages
-    1-3 over several ranks the owner layout that keeps each matrix whole on one rank is not
-    wired yet, and construction refuses (docs/muon.md).
+    DDP. Newton-Schulz needs each matrix whole on the rank that updates it: at stage 0 every
+    rank updates every matrix (as DDP + Muon); at stages 1-3 the Muon groups' buffers take the
+    owner layout (fusedzero/_owner_layout.py): each matrix whole in one rank's shard, so the
+    reduce-scatter and all-gather the stage runs anyway carry it, and Newton-Schulz runs once
+    per matrix, on its owner (docs/muon.md).
     """
 
     @moved_keywords

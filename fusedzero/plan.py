@@ -42,6 +42,7 @@ from fusedzero import _dtypes as dtypes, wire
 from fusedzero._layout import FlatLayout, build_layout, default_bucket_numel
 from fusedzero._muon_groups import muon_param_groups
 from fusedzero._muon_layout import MuonParamSpec, plan_muon_layout
+from fusedzero._owner_layout import build_owner_layout
 from fusedzero._units import select_units
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.policy import Precision, Sharding, Wire, check_record
@@ -397,15 +398,21 @@ def _units(model: nn.Module, params: list[nn.Parameter], policy: Any) -> list[in
     return [owner.get(id(p), 0) for p in params]
 
 
-def _layout(items: list[Item], dt: torch.dtype, stage: int, cfg: PlanConfig) -> FlatLayout:
+def _layout(
+    items: list[Item], dt: torch.dtype, stage: int, cfg: PlanConfig, rule: Rule | None = None
+) -> FlatLayout:
     """One flat buffer's layout, as FlatBuffer builds it. Stage 0 replicates everything: its
-    layout is the world-size-1 layout."""
+    layout is the world-size-1 layout. A per-matrix rule's buffer takes the owner layout
+    (fusedzero/_owner_layout.py) where it is sharded."""
     bucket = (
         cfg.bucket_numel
         if cfg.bucket_numel is not None
         else default_bucket_numel(cfg.world_size, dt.itemsize)
     )  # as FlatBuffer chooses it
-    return build_layout(items, 1 if stage == 0 else cfg.world_size, bucket)
+    shards = 1 if stage == 0 else cfg.world_size
+    if rule is not None and not rule.element_wise and shards > 1:
+        return build_owner_layout(items, [rule.blocks(it[2]) for it in items], shards)
+    return build_layout(items, shards, bucket)
 
 
 def _stage_plan(buffers: list[_Buffer], stage: int, cfg: PlanConfig) -> tuple[StagePlan, int]:
@@ -414,7 +421,7 @@ def _stage_plan(buffers: list[_Buffer], stage: int, cfg: PlanConfig) -> tuple[St
     g = cfg.reduce_dtype.itemsize
     params = grads = opt = comm = steps = 0
     for dt, items, unit, gi in buffers:
-        L = _layout(items, dt, stage, cfg)
+        L = _layout(items, dt, stage, cfg, cfg.rule_of(gi))
         p = dt.itemsize
         params += p * (L.local_numel if stage == 3 else L.padded_numel)
         grads += g * (L.local_numel if stage >= 2 else L.padded_numel)

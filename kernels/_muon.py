@@ -272,14 +272,17 @@ class MuonRows:
         n = len(rows)
         self.rows = torch.zeros(n, NCOLS, dtype=torch.float32, device=device)
         # fp32(1 - momentum) from the fp64 difference, as torch rounds its Python float.
-        copy_from_host(
-            self.rows[:, : MuonRowCol.NESTEROV + 1],
-            [[1.0 - r.momentum, r.momentum, float(r.nesterov)] for r in rows],
-        )
+        if n:  # none: a rank that owns no matrix
+            copy_from_host(
+                self.rows[:, : MuonRowCol.NESTEROV + 1],
+                [[1.0 - r.momentum, r.momentum, float(r.nesterov)] for r in rows],
+            )
         self.group = torch.tensor([r.group for r in rows], dtype=torch.int64).to(device)
-        self.c64 = torch.tensor(
-            [[r.lr_ratio, r.weight_decay] for r in rows], dtype=torch.float64
-        ).to(device)
+        self.c64 = (
+            torch.tensor([[r.lr_ratio, r.weight_decay] for r in rows], dtype=torch.float64)
+            .reshape(n, 2)
+            .to(device)
+        )
 
     def update(self, lr: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tensor:
         """This step's columns from `lr` ((num_groups,) device tensor, fp32) and `grad_scale`

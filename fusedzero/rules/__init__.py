@@ -15,7 +15,9 @@ loss scale, step count). It runs any `Rule` on its local shards; a rule declares
   computed (`Update`).
 - `element_wise`: True when any slice of a tensor can be updated alone (AdamW, SGD); False when
   the rule needs whole tensors on one rank (a per-matrix rule such as Newton-Schulz
-  orthogonalisation): the layout must then place each tensor whole on an owner rank.
+  orthogonalisation): such a rule also says what one of its blocks is (`blocks(shape)`: the
+  elements that must stay together and their cost), and the engine's owner layout puts each
+  block whole on one rank, balancing the cost.
 
 The AdamW rule is `fusedzero.rules._adamw.ADAMW`; docs/rules.md shows how to add one.
 
@@ -25,13 +27,13 @@ holds its group's rule's fields, and each rule's launches see only its own group
 (`LocalShard.group_index` then counts that rule's groups, in order).
 
 [Note: whole tensors for per-matrix rules] A rule with `element_wise = False` gets, in each
-`LocalShard`, whole tensors only: the layout, not the rule, must place each tensor whole on one
-owner rank (the reduce-scatter then hands the owner its full grads and the all-gather brings the
-params back, no extra collective). Today's layout cuts every bucket into equal slices, so the
-engine runs such a rule only where a rank's local shard holds whole tensors: stage 0 (every rank
-updates everything) or one rank; elsewhere it refuses at construction. An owner layout lifts that
-without a change to the rule. A tensor-parallel shard (a DTensor sharded over the tp mesh) is a
-piece of its tensor on every rank: the engine refuses one in such a rule's groups.
+`LocalShard`, whole tensors only: the layout, not the rule, places each block (`Rule.blocks`: a
+matrix, or each matrix of a 3-D stack) whole in one owner rank's shard of one bucket
+(fusedzero/_owner_layout.py), so the reduce-scatter the engine already runs hands the owner its
+full grads and the all-gather brings the params back, no extra collective. Where the layout does
+not shard (stage 0, one rank) every rank holds every tensor whole. A tensor-parallel shard (a
+DTensor sharded over the tp mesh) is a piece of its tensor on every rank: the engine refuses one
+in such a rule's groups.
 """
 
 from __future__ import annotations
@@ -44,10 +46,20 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from fusedzero._layout import Segment
+from fusedzero._owner_layout import Block
 from fusedzero.kernels import Strided
 from fusedzero.memory_modes import MemoryModes
 
-__all__ = ["ByGroup", "LocalShard", "Rule", "StateField", "StepTensors", "Update", "WholeTensor"]
+__all__ = [
+    "Block",
+    "ByGroup",
+    "LocalShard",
+    "Rule",
+    "StateField",
+    "StepTensors",
+    "Update",
+    "WholeTensor",
+]
 
 # What a launch reads or writes: a contiguous local-shard tensor, or this rank's pieces of a full
 # bucketed buffer read in place (`Strided`).
@@ -192,6 +204,11 @@ class Rule(Protocol):
 
     def check_group(self, group: Mapping[str, Any]) -> None:
         """Refuse a bad hyper-parameter with a ValueError naming it."""
+        ...
+
+    def blocks(self, shape: tuple[int, ...]) -> Block:
+        """Per-matrix rules only (`element_wise = False`): what of a param of `shape` must sit
+        whole on one rank (see [Note: whole tensors for per-matrix rules])."""
         ...
 
     def state_fields(self, modes: MemoryModes) -> tuple[StateField, ...]:

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from fusedzero._owner_layout import Block
 from fusedzero._scalars import GroupLr
 from fusedzero.kernels import (
     MomentumPiece,
@@ -42,7 +43,7 @@ from fusedzero.kernels._muon import ADJUST_LR_FNS, MuonRows
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.rules import LocalShard, ShardView, StateField, StepTensors
 
-__all__ = ["MUON", "Muon", "matrix_shape"]
+__all__ = ["MUON", "Muon", "matrix_shape", "ns_cost"]
 
 # torch.optim.Muon's defaults (Keller Jordan's NS coefficients and steps).
 DEFAULTS: Mapping[str, Any] = dict(
@@ -55,6 +56,13 @@ DEFAULTS: Mapping[str, Any] = dict(
     ns_steps=5,
     adjust_lr_fn=None,
 )
+
+
+def ns_cost(rows: int, cols: int, ns_steps: int = 5) -> int:
+    """Newton-Schulz FLOPs of a rows x cols matrix: ns_steps * (4 s*s*l + 2 s*s*s), s <= l
+    (two matmuls of s x s x l and one of s x s x s per step, 2 FLOPs a multiply-add)."""
+    s, lg = min(rows, cols), max(rows, cols)
+    return ns_steps * (4 * s * s * lg + 2 * s * s * s)
 
 
 def matrix_shape(shape: Sequence[int]) -> tuple[int, int] | None:
@@ -94,6 +102,14 @@ class Muon:
                 f"ns_coefficients must be 3 values (a, b, c), got {group['ns_coefficients']}"
             )
 
+    def blocks(self, shape: tuple[int, ...]) -> Block:
+        """What the owner layout keeps whole: one matrix of `shape` (2-D, or each of a 3-D
+        stack), costing its Newton-Schulz FLOPs (`ns_cost`)."""
+        ms = matrix_shape(shape)
+        if ms is None:
+            raise ValueError(f"the muon rule updates matrices, got a param of shape {shape}")
+        return Block(ms[0] * ms[1], ns_cost(*ms))
+
     def state_fields(self, modes: MemoryModes) -> tuple[StateField, ...]:
         # Refused here, before the engine builds any buffer (which rewrites the model's params).
         if not modes.fp32_master:
@@ -123,17 +139,18 @@ class Muon:
 MUON = Muon()
 
 
-def _contiguous(view: ShardView, s: LocalShard) -> torch.Tensor:
-    """`view` over the whole local shard as one tensor (where the shard is one run of memory:
-    one rank, or stage 0, whose layout is one rank's)."""
-    n = s.num_buckets * s.shard_numel
+def _slice(view: ShardView, s: LocalShard, a: int, b: int) -> torch.Tensor:
+    """Local-shard elements [a, b) of `view` as one tensor: a whole matrix lies in one bucket's
+    piece (the owner layout), or in adjacent pieces that are one run of memory (one rank, stage
+    0: the local shard is the whole buffer)."""
     if isinstance(view, torch.Tensor):
-        return view[:n]
-    if view.stride != s.shard_numel and s.num_buckets > 1:
-        raise ValueError(
-            "the muon rule needs this rank's local shard in one run of memory (one rank or stage 0)"
-        )
-    return view.tensor[view.base : view.base + n]
+        return view[a:b]
+    S = s.shard_numel
+    k = a // S
+    if (b - 1) // S != k and view.stride != S:
+        raise ValueError(f"local elements [{a}, {b}) cross a piece edge of a strided view")
+    start = k * view.stride + view.base + a - k * S
+    return view.tensor[start : start + b - a]
 
 
 def _consts(g: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -187,9 +204,9 @@ class MuonUpdate:
         for s, t, key, first, e in found:
             row = self._row(key)
             a, b = t.local, t.local + math.prod(t.shape)
-            grad, buf = _contiguous(s.grad, s)[a:b], s.state["momentum_buffer"][a:b]
-            master = _contiguous(s.master, s)[a:b]
-            out = None if s.out is None else _contiguous(s.out, s)[a:b]
+            grad, buf = _slice(s.grad, s, a, b), s.state["momentum_buffer"][a:b]
+            master = _slice(s.master, s, a, b)
+            out = None if s.out is None else _slice(s.out, s, a, b)
             ns = self.stacks[key][first : first + e].view(-1)
             mom.append(MomentumPiece(grad, buf, ns, row))
             upd.append(UpdatePiece(master, ns, out, row))

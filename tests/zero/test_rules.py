@@ -8,6 +8,7 @@ rule) and fusedzero.rules._adamw (the AdamW rule a manifest names)."""
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -20,7 +21,7 @@ from fusedzero.memory_modes import MemoryModes
 from fusedzero.optim import ZeroOptimizer
 from fusedzero.plan import PlanConfig, plan_groups
 from fusedzero.policy import Precision, Sharding
-from fusedzero.rules import ByGroup, LocalShard, StateField, StepTensors
+from fusedzero.rules import Block, ByGroup, LocalShard, StateField, StepTensors
 from fusedzero.rules._adamw import ADAMW
 from fusedzero.testing import fake_group
 
@@ -95,6 +96,10 @@ class PerMatrix(SGDMomentum):
 
     name = "per-matrix"
     element_wise = False
+
+    def blocks(self, shape: tuple[int, ...]) -> Block:
+        n = math.prod(shape)
+        return Block(n, n)  # every param one block, its size its cost
 
     def build(self, shards: Sequence[LocalShard], **kw: Any) -> _SGDUpdate:
         held = [t.param for s in shards for t in s.whole_tensors()]  # raises if one is cut
@@ -307,10 +312,11 @@ def test_a_checkpoint_refuses_a_rule_it_cannot_name_before_writing(tmp_path) -> 
     opt.close()
 
 
-def test_a_per_matrix_rule_runs_where_a_rank_holds_whole_tensors_only() -> None:
-    """`element_wise = False`: on one rank (whole tensors in the local shard) it trains as
-    the element-wise rule; sharded over 2 ranks the layout's equal slices would cut its
-    tensors, and the engine refuses at construction, naming the stage and the world size."""
+def test_a_per_matrix_rule_gets_whole_tensors_at_every_stage_and_world_size() -> None:
+    """`element_wise = False` with its `blocks`: on one rank (whole tensors in the local shard)
+    it trains as the element-wise rule; sharded over 2 ranks (rank r of a fake group) at stages
+    1-3 the owner layout hands each rank whole tensors only, and each tensor to one rank: no
+    engine code knows the rule."""
     torch.manual_seed(0)
     a = TwoLinear(16, 33, 5)
     b = copy.deepcopy(a)
@@ -328,13 +334,18 @@ def test_a_per_matrix_rule_runs_where_a_rank_holds_whole_tensors_only() -> None:
     ZeroOptimizer(
         d.parameters(), PerMatrix(), stage=1, module=d, sharding=Sharding(bucket_numel=512)
     ).close()
-    with fake_group(0, 2):
-        c = TwoLinear(16, 33, 5)
-        with pytest.raises(
-            NotImplementedError, match="at stage 1 cuts them into equal slices over 2 ranks"
-        ):
-            ZeroOptimizer(c.parameters(), PerMatrix(), stage=1, module=c, device="cpu")
-        ZeroOptimizer(c.parameters(), PerMatrix(), stage=0, module=c, device="cpu").close()
+    for stage in (1, 2, 3):
+        owners: dict[int, int] = {}
+        for r in range(2):
+            with fake_group(r, 2):
+                c = TwoLinear(16, 33, 5)
+                o = ZeroOptimizer(c.parameters(), PerMatrix(), stage=stage, module=c, device="cpu")
+                for buf in o.flat_groups:
+                    for t in buf.local_shard().whole_tensors():
+                        assert t.param not in owners, (stage, t.param)
+                        owners[t.param] = r
+                o.close()
+        assert sorted(owners) == list(range(4)) and set(owners.values()) == {0, 1}, stage
 
 
 def test_a_manifest_names_its_rule_and_one_without_holds_adamw(tmp_path) -> None:

@@ -6,8 +6,8 @@ params fixed in both runs) the Muon params are bit-identical over several steps.
 live, the AdamW kernel's fp32 op order differs from torch's by an ulp (as ZeroAdamW alone,
 test_optimizer.py), and that difference reaches every param through the forward: the
 comparison then takes a tolerance beside its noise control. Over two ranks at stage 0 every
-rank runs Newton-Schulz on every matrix (as DDP + Muon); stages 1-3 over several ranks are
-refused until the owner layout is wired.
+rank runs Newton-Schulz on every matrix (as DDP + Muon); at stages 1-3 the owner layout
+(fusedzero/_owner_layout.py) puts each matrix whole on one rank.
 
 About internals: fusedzero.rules._muon (the Muon rule's state field and defaults),
 fusedzero.checkpoint._catalog and fusedzero.checkpoint._manifest (the manifest's group rules).
@@ -457,15 +457,30 @@ def test_memory_equals_plan_with_each_group_s_rule(states: str) -> None:
         opt.close()
 
 
-def test_stages_1_to_3_over_several_ranks_are_refused_naming_the_owner_layout() -> None:
-    """Equal slices would cut Muon's matrices over 2 ranks at stages 1-3: construction refuses,
-    naming the missing owner layout and what runs instead; stage 0 builds."""
-    with fake_group(0, 2):
-        model = make_gpt(CFG)
-        for stage in (1, 2, 3):
-            with pytest.raises(NotImplementedError, match="owner layout.*stages 1-3 need one rank"):
-                ZeroMuon(muon_param_groups(model), stage=stage, module=model, device="cpu")
-        ZeroMuon(muon_param_groups(model), stage=0, module=model, device="cpu").close()
+@pytest.mark.parametrize("W", [2, 4, 8])
+def test_each_matrix_is_whole_on_exactly_one_owner_at_stages_1_to_3(W: int) -> None:
+    """Over W ranks (rank r of a fake group, one at a time) at stages 1-3, the Muon rule's
+    launches see whole matrices only, and every Muon matrix is held by exactly one rank (the
+    stage-3 units too); the AdamW buffers keep the equal-slice layout."""
+    for stage in (1, 2, 3):
+        held: dict[int, list[int]] = {}
+        for r in range(W):
+            with fake_group(r, W):
+                model = make_gpt(CFG)
+                groups = muon_param_groups(model)
+                muon = {id(p) for p in groups[0]["params"]}
+                opt = ZeroMuon(groups, stage=stage, module=model, device="cpu")
+                want = {i for i, p in enumerate(opt.params) if id(p) in muon}
+                for buf in opt.flat_groups:
+                    if opt.group_rules[buf.group_index].name != "muon":
+                        continue
+                    for t in buf.local_shard().whole_tensors():  # raises on a cut matrix
+                        held.setdefault(t.param, []).append(r)
+                opt.close()
+        assert sorted(held) == sorted(want), (stage, W)
+        assert all(len(rs) == 1 for rs in held.values()), (stage, W, held)
+        if W == 2:  # the small model's 8 matrices: both ranks own some
+            assert {rs[0] for rs in held.values()} == {0, 1}, (stage, held)
 
 
 def test_a_tensor_parallel_shard_in_a_muon_group_is_refused() -> None:

@@ -1,0 +1,171 @@
+"""The owner layout: a flat buffer whose every block (a matrix Muon orthogonalises) lies whole in
+one rank's shard of one bucket. Pure arithmetic, no tensors.
+
+A per-matrix rule (`Rule.element_wise = False`, fusedzero/rules) needs each block whole on the
+rank that updates it. The engine's collectives cut every bucket into W equal shards and hand
+rank r shard r (`fusedzero._layout`), so the layout, not a new collective, keeps blocks whole:
+the reduce-scatter the engine already runs hands each owner its full grads, the update runs once
+on the owner, and the all-gather brings the params back. Zero bytes on the wire beyond the
+padding.
+
+The result is an ordinary `FlatLayout` (equal buckets, params at ALIGN multiples in offset
+order, holes between them): the kernels, reductions, gathers, stage-3 units and checkpoints run
+it unchanged. Only the placement differs:
+
+1. Shard size S: the largest thing that must sit whole in a shard (a 2-D matrix, or a 3-D stack
+   that cannot be cut at shard edges), rounded up to ALIGN. A stack [E, M, N] whose matrices are
+   ALIGN multiples dividing S *streams*: S / (M*N) matrices per shard over consecutive shards,
+   every shard edge between two of its matrices (a Mixtral expert stack: one matrix a shard).
+2. Bins of S elements, first-fit decreasing: a bin holds one Llama MLP matrix, or three q/o
+   projections and two k/v ones; a GPT-2 c_attn with an attention c_proj.
+3. Bins to (bucket, rank) slots: stream bins first, in slot order (they must be consecutive in
+   the buffer); then the rest by longest-processing-time, the costliest bin to the least-loaded
+   rank with a free slot, the cost being the rule's (Newton-Schulz FLOPs for Muon). Buckets:
+   ceil(bins / W); the slots left over are padding.
+
+Padding is the empty slots (< W bins' worth) plus each bin's unfilled room. It is small where a
+buffer holds many more matrices than W * (matrices per bin) (Llama-8B at W = 8: 0.45%) and
+large where it does not (GPT-2 124M at W = 8: 4 of 40 slots empty, 11%; a stage-3 unit of one
+block at W = 8). An element-wise param could fill the room (the planner of docs/muon.md,
+"Padding"), which needs buckets of more than one size or a buffer of two rules: not done.
+
+The user's `bucket_numel` does not apply: a bucket here is W shards of S.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from fusedzero._layout import ALIGN, FlatLayout, ParamSlot, round_up
+
+
+class Block(NamedTuple):
+    """What must sit whole on one rank: a param of `shape` is `prod(shape) // numel` blocks of
+    `numel` elements back to back (a 2-D matrix: one; a stack [E, M, N]: E of M*N), each
+    costing `cost` (the rule's work per block: what the layout balances over ranks)."""
+
+    numel: int
+    cost: int
+
+
+@dataclass(slots=True)
+class _Bin:
+    used: int = 0
+    cost: int = 0
+    # (param position, elements) placed back to back from the bin's start.
+    items: list[tuple[int, int]] = field(default_factory=list)
+    stream: bool = False
+
+
+def _streams(numel: int, block: Block, S: int) -> bool:
+    """A param of several blocks that may cross shard edges between its blocks."""
+    m = block.numel
+    return numel > m and m % ALIGN == 0 and S % m == 0
+
+
+def shard_size(sizes: list[int], blocks: list[Block]) -> int:
+    """S: the largest thing that must sit whole in one shard (see the module docstring, 1)."""
+    S = max([ALIGN] + [round_up(b.numel, ALIGN) for n, b in zip(sizes, blocks) if n])
+    while True:  # a stack that cannot stream is whole: it may raise S, which may stop another
+        need = max(
+            [S] + [round_up(n, ALIGN) for n, b in zip(sizes, blocks) if n and not _streams(n, b, S)]
+        )
+        if need == S:
+            return S
+        S = need
+
+
+def build_owner_layout(
+    params: list[tuple[int, str, tuple[int, ...]]], blocks: list[Block], world_size: int
+) -> FlatLayout:
+    """The owner layout of `params` (index, name, shape), `blocks[i]` the block of params[i],
+    over `world_size` ranks (see the module docstring). Params come back in offset order."""
+    W = world_size
+    if W < 1:
+        raise ValueError(f"world_size must be >= 1, got {W}")
+    if len(blocks) != len(params):
+        raise ValueError(f"{len(blocks)} blocks for {len(params)} params")
+    sizes = [math.prod(shape) for _, _, shape in params]
+    for (_, name, shape), n, b in zip(params, sizes, blocks):
+        if b.numel < 1 or n % b.numel:
+            raise ValueError(f"{name} of shape {shape} is not whole blocks of {b.numel} elements")
+    if not any(sizes):
+        slots = [ParamSlot(i, name, tuple(shape), 0, 0) for i, name, shape in params]
+        return FlatLayout(slots, W, 0, 0, 0)
+    S = shard_size(sizes, blocks)
+
+    # 2. Streams first (consecutive bins), then first-fit decreasing.
+    bins: list[_Bin] = []
+    offsets = [0] * len(params)
+    for pos, (n, b) in enumerate(zip(sizes, blocks)):
+        if n and _streams(n, b, S):
+            per = S // b.numel  # blocks per shard
+            count = n // b.numel
+            offsets[pos] = len(bins) * S  # stream bin j goes to slot j (below)
+            for first in range(0, count, per):
+                k = min(per, count - first)
+                bins.append(_Bin(k * b.numel, k * b.cost, [(pos, k * b.numel)], True))
+    whole = [pos for pos, (n, b) in enumerate(zip(sizes, blocks)) if n and not _streams(n, b, S)]
+    whole.sort(key=lambda pos: -round_up(sizes[pos], ALIGN))  # stable: model order among equals
+    n_stream = len(bins)
+    for pos in whole:
+        size = round_up(sizes[pos], ALIGN)
+        cost = sizes[pos] // blocks[pos].numel * blocks[pos].cost
+        # A stream's bins take whole params only after its last block: only its last bin may
+        # have room, and what follows it there is fine.
+        for b in bins:
+            if b.used + size <= S:
+                break
+        else:
+            b = _Bin()
+            bins.append(b)
+        # The stream's own elements are not aligned up: place after the aligned end.
+        b.used = round_up(b.used, ALIGN) + size
+        b.cost += cost
+        b.items.append((pos, size))
+
+    # 3. Bins to slots: streams in slot order, the rest by LPT over ranks with a free slot.
+    nb = -(-len(bins) // W)
+    load = [0] * W
+    free: list[list[int]] = [list(range(nb)) for _ in range(W)]  # each rank's free buckets
+    placed: list[tuple[int, int, _Bin]] = []  # (bucket, rank, bin)
+    for j, b in enumerate(bins[:n_stream]):
+        k, r = divmod(j, W)
+        free[r].remove(k)
+        load[r] += b.cost
+        placed.append((k, r, b))
+    rest = sorted(bins[n_stream:], key=lambda b: -b.cost)
+    for b in rest:
+        r = min((r for r in range(W) if free[r]), key=lambda r: (load[r], r))
+        placed.append((free[r].pop(0), r, b))
+        load[r] += b.cost
+
+    # Offsets: bin at (k, r) starts at k*W*S + r*S, its items back to back at ALIGN (a stream
+    # bin's first item is its stream's piece, whose offset is the stream's first bin's).
+    for k, r, b in placed:
+        cur = (k * W + r) * S
+        for i, (pos, length) in enumerate(b.items):
+            cur = round_up(cur, ALIGN)
+            if not (b.stream and i == 0):
+                offsets[pos] = cur
+            cur += length
+    order = sorted(range(len(params)), key=lambda pos: (offsets[pos], pos))
+    slots = [
+        ParamSlot(params[pos][0], params[pos][1], tuple(params[pos][2]), sizes[pos], offsets[pos])
+        for pos in order
+    ]
+    end = max(s.offset + s.numel for s in slots)
+    return FlatLayout(slots, W, end, nb, W * S)
+
+
+def rank_costs(layout: FlatLayout, blocks: dict[int, Block]) -> list[int]:
+    """Each rank's work in `layout`: the cost of every block its shards hold (`blocks` by param
+    index)."""
+    out = [0] * layout.world_size
+    for r in range(layout.world_size):
+        for seg in layout.segments(r):
+            b = blocks[seg.param]
+            out[r] += seg.length // b.numel * b.cost
+    return out
