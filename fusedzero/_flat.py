@@ -70,6 +70,7 @@ class FlatBuffer:
         seed: torch.Tensor | None = None,
         tp_replicated: bool = True,
         blocks: Callable[[tuple[int, ...]], Block] | None = None,
+        owner_load: list[int] | None = None,
     ) -> None:
         self.group_index, self.dtype, self.stage, self.unit = group_index, dtype, stage, unit
         # Identical on every tensor-parallel rank (plain params, Replicate DTensors); False:
@@ -89,7 +90,7 @@ class FlatBuffer:
         items = [(i, n, tuple(local(p).shape)) for i, n, p in zip(indices, names, params)]
         shards = world_size if stage.shards_state else 1
         self.layout: FlatLayout = (
-            build_owner_layout(items, [blocks(it[2]) for it in items], shards)
+            build_owner_layout(items, [blocks(it[2]) for it in items], shards, owner_load)
             if blocks is not None and shards > 1
             else build_layout(items, shards, bucket_numel)
         )
@@ -395,6 +396,8 @@ def build_buffers(
     random stream, one device tensor for all buffers. `blocks[gi]`: group gi's per-matrix
     rule's blocks (None, or not given: an element-wise rule)."""
     seed_t = torch.tensor([seed], dtype=torch.int64, device=device)
+    # The owner layouts' per-rank cost, carried from buffer to buffer (see build_owner_layout).
+    owner_load = [0] * world_size
     by_key: dict[tuple[int, int, torch.dtype, bool], list[tuple[int, nn.Parameter]]] = {}
     index = 0
     for gi, g in enumerate(param_groups):
@@ -428,6 +431,7 @@ def build_buffers(
                 tp_replicated=rep,
                 sr_offset=_sr_offset(out, rep),
                 blocks=blocks[gi] if gi < len(blocks) else None,
+                owner_load=owner_load,
             )
         )
     return out

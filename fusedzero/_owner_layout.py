@@ -78,10 +78,17 @@ def shard_size(sizes: list[int], blocks: list[Block]) -> int:
 
 
 def build_owner_layout(
-    params: list[tuple[int, str, tuple[int, ...]]], blocks: list[Block], world_size: int
+    params: list[tuple[int, str, tuple[int, ...]]],
+    blocks: list[Block],
+    world_size: int,
+    load: list[int] | None = None,
 ) -> FlatLayout:
     """The owner layout of `params` (index, name, shape), `blocks[i]` the block of params[i],
-    over `world_size` ranks (see the module docstring). Params come back in offset order."""
+    over `world_size` ranks (see the module docstring). Params come back in offset order.
+
+    `load`: each rank's cost in the buffers laid out before this one, updated in place, so that
+    the balance holds over all of them (stage 3 lays out a buffer per unit: balanced one by one,
+    each unit's costliest bin would land on rank 0). None: this buffer alone."""
     W = world_size
     if W < 1:
         raise ValueError(f"world_size must be >= 1, got {W}")
@@ -103,7 +110,7 @@ def build_owner_layout(
         if n and _streams(n, b, S):
             per = S // b.numel  # blocks per shard
             count = n // b.numel
-            offsets[pos] = len(bins) * S  # stream bin j goes to slot j (below)
+            offsets[pos] = len(bins)  # its first bin; the slot's offset below
             for first in range(0, count, per):
                 k = min(per, count - first)
                 bins.append(_Bin(k * b.numel, k * b.cost, [(pos, k * b.numel)], True))
@@ -126,13 +133,18 @@ def build_owner_layout(
         b.cost += cost
         b.items.append((pos, size))
 
-    # 3. Bins to slots: streams in slot order, the rest by LPT over ranks with a free slot.
+    # 3. Bins to slots: streams in slot order from the least-loaded rank that keeps them in the
+    #    buckets the bins need, the rest by LPT over ranks with a free slot.
     nb = -(-len(bins) // W)
-    load = [0] * W
+    if load is None:
+        load = [0] * W
+    if len(load) != W:
+        raise ValueError(f"load has {len(load)} ranks, expected {W}")
+    first = min(range(min(W, nb * W - n_stream + 1)), key=lambda r: (load[r], r))
     free: list[list[int]] = [list(range(nb)) for _ in range(W)]  # each rank's free buckets
     placed: list[tuple[int, int, _Bin]] = []  # (bucket, rank, bin)
     for j, b in enumerate(bins[:n_stream]):
-        k, r = divmod(j, W)
+        k, r = divmod(first + j, W)
         free[r].remove(k)
         load[r] += b.cost
         placed.append((k, r, b))
@@ -143,7 +155,11 @@ def build_owner_layout(
         load[r] += b.cost
 
     # Offsets: bin at (k, r) starts at k*W*S + r*S, its items back to back at ALIGN (a stream
-    # bin's first item is its stream's piece, whose offset is the stream's first bin's).
+    # bin's first item is its stream's piece, whose offset is the stream's first bin's: stream
+    # bin j went to slot first + j).
+    for pos, (n, b) in enumerate(zip(sizes, blocks)):
+        if n and _streams(n, b, S):
+            offsets[pos] = (first + offsets[pos]) * S
     for k, r, b in placed:
         cur = (k * W + r) * S
         for i, (pos, length) in enumerate(b.items):

@@ -399,11 +399,17 @@ def _units(model: nn.Module, params: list[nn.Parameter], policy: Any) -> list[in
 
 
 def _layout(
-    items: list[Item], dt: torch.dtype, stage: int, cfg: PlanConfig, rule: Rule | None = None
+    items: list[Item],
+    dt: torch.dtype,
+    stage: int,
+    cfg: PlanConfig,
+    rule: Rule | None = None,
+    owner_load: list[int] | None = None,
 ) -> FlatLayout:
     """One flat buffer's layout, as FlatBuffer builds it. Stage 0 replicates everything: its
     layout is the world-size-1 layout. A per-matrix rule's buffer takes the owner layout
-    (fusedzero/_owner_layout.py) where it is sharded."""
+    (fusedzero/_owner_layout.py) where it is sharded, `owner_load` carried over the buffers in
+    their order as `build_buffers` carries it."""
     bucket = (
         cfg.bucket_numel
         if cfg.bucket_numel is not None
@@ -411,7 +417,7 @@ def _layout(
     )  # as FlatBuffer chooses it
     shards = 1 if stage == 0 else cfg.world_size
     if rule is not None and not rule.element_wise and shards > 1:
-        return build_owner_layout(items, [rule.blocks(it[2]) for it in items], shards)
+        return build_owner_layout(items, [rule.blocks(it[2]) for it in items], shards, owner_load)
     return build_layout(items, shards, bucket)
 
 
@@ -420,8 +426,9 @@ def _stage_plan(buffers: list[_Buffer], stage: int, cfg: PlanConfig) -> tuple[St
     W = cfg.world_size
     g = cfg.reduce_dtype.itemsize
     params = grads = opt = comm = steps = 0
+    owner_load = [0] * W
     for dt, items, unit, gi in buffers:
-        L = _layout(items, dt, stage, cfg, cfg.rule_of(gi))
+        L = _layout(items, dt, stage, cfg, cfg.rule_of(gi), owner_load)
         p = dt.itemsize
         params += p * (L.local_numel if stage == 3 else L.padded_numel)
         grads += g * (L.local_numel if stage >= 2 else L.padded_numel)

@@ -479,8 +479,9 @@ def test_each_matrix_is_whole_on_exactly_one_owner_at_stages_1_to_3(W: int) -> N
                 opt.close()
         assert sorted(held) == sorted(want), (stage, W)
         assert all(len(rs) == 1 for rs in held.values()), (stage, W, held)
-        if W == 2:  # the small model's 8 matrices: both ranks own some
-            assert {rs[0] for rs in held.values()} == {0, 1}, (stage, held)
+        if W <= 4:  # 8 matrices in 6 bins: every rank owns some, at stage 3 too, where each
+            # unit is laid out on its own and the per-rank cost carries from unit to unit
+            assert {rs[0] for rs in held.values()} == set(range(W)), (stage, held)
 
 
 def test_a_tensor_parallel_shard_in_a_muon_group_is_refused() -> None:
