@@ -2,8 +2,9 @@
 Newton-Schulz FLOPs per rank and padding of the Muon buffers as the engine lays them out (the
 owner layout at stages 1-3 over several ranks).
 
-About internals: fusedzero._owner_layout (the layout the numbers must be those of), the engine's
-flat buffers (`opt.flat_groups`, each one's `layout` and `local_shard()`)."""
+About internals: fusedzero._owner_layout (the layout the numbers must be those of),
+fusedzero.rules._muon (`MUON.blocks`), the engine's flat buffers (`opt.flat_groups`, each one's
+`layout` and `local_shard()`)."""
 
 from __future__ import annotations
 
