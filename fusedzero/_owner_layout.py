@@ -24,10 +24,10 @@ it unchanged. Only the placement differs:
    ceil(bins / W); the slots left over are padding.
 
 Padding is the empty slots (< W bins' worth) plus each bin's unfilled room. It is small where a
-buffer holds many more matrices than W * (matrices per bin) (Llama-8B at W = 8: 0.45%) and
+buffer holds many more matrices than W * (matrices per bin) (Llama-8B at W = 8: 0.96%) and
 large where it does not (GPT-2 124M at W = 8: 4 of 40 slots empty, 11%; a stage-3 unit of one
-block at W = 8). An element-wise param could fill the room (the planner of docs/muon.md,
-"Padding"), which needs buckets of more than one size or a buffer of two rules: not done.
+block at W = 8). An element-wise param could fill the room (docs/muon.md, "Padding"), which
+needs buckets of more than one size or a buffer of two rules: not done.
 
 The user's `bucket_numel` does not apply: a bucket here is W shards of S.
 """

@@ -31,6 +31,7 @@ split of a multi-node ring (give the slowest link).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -41,8 +42,7 @@ from torch import nn
 from fusedzero import _dtypes as dtypes, wire
 from fusedzero._layout import FlatLayout, build_layout, default_bucket_numel
 from fusedzero._muon_groups import muon_param_groups
-from fusedzero._muon_layout import MuonParamSpec, plan_muon_layout
-from fusedzero._owner_layout import build_owner_layout
+from fusedzero._owner_layout import build_owner_layout, rank_costs
 from fusedzero._units import select_units
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.policy import Precision, Sharding, Wire, check_record
@@ -83,8 +83,12 @@ class StagePlan(NamedTuple):
 
 
 class MuonLayoutPlan(NamedTuple):
-    """The owner layout of `fusedzero._muon_layout` at one world size (the JSON schema): every
-    Muon matrix whole on one rank, owners balanced by Newton-Schulz FLOPs."""
+    """The Muon groups' buffers at one world size as ZeroMuon builds them (the JSON schema):
+    at stages 1-3 over several ranks the owner layout (fusedzero/_owner_layout.py), every Muon
+    matrix whole on one rank, owners balanced by Newton-Schulz FLOPs; on one rank the flat
+    layout. The unprefixed fields are stages 1-2 (one buffer per Muon group and dtype), the
+    `stage3_` ones stage 3 (a buffer per unit, each its own owner layout). Stage 0 runs every
+    matrix on every rank."""
 
     world_size: int
     muon_params: int
@@ -95,9 +99,15 @@ class MuonLayoutPlan(NamedTuple):
     ns_balance: float
     """ns_flops_max / ns_flops_mean (1.0: perfectly balanced)."""
     padding: int
-    """Elements of the layout that belong to no param."""
+    """Elements of the Muon buffers that belong to no param (padded_numel - param_numel,
+    summed over the buffers)."""
     padding_fraction: float
     """padding / muon_params."""
+    stage3_ns_flops_max: int
+    stage3_ns_flops_mean: float
+    stage3_ns_balance: float
+    stage3_padding: int
+    stage3_padding_fraction: float
 
 
 # The ZeRO paper's mixed-precision Adam: bf16 params, bf16 grads, fp32 master and moments.
@@ -324,18 +334,37 @@ class Plan:
         return "\n".join(lines) + ("\n" + self.wire_table() if self.comm_by_wire else "")
 
     def muon_lines(self) -> list[str]:
-        """The Muon owner layout's lines of the table."""
+        """The Muon layout's lines of the table."""
         m = self.muon_layout
         assert m is not None
+        what = "owner layout (fusedzero/_owner_layout.py)" if m.world_size > 1 else "flat layout"
         return [
-            f"Muon owner layout at W={m.world_size} (fusedzero/_muon_layout.py): "
+            f"Muon {what} at W={m.world_size}, as ZeroMuon builds it: "
             f"{m.muon_params:,} Muon params",
-            f"  Newton-Schulz FLOPs/step per rank: max {m.ns_flops_max:.4g}, mean "
-            f"{m.ns_flops_mean:.4g}, max/mean {m.ns_balance:.4f}",
-            f"  padding {m.padding:,} elements ({100 * m.padding_fraction:.4g}% of Muon params)",
-            "  The owner layout is planned, not yet what ZeroMuon runs: at stages 1-3 with W > 1 "
-            "it refuses; the bytes above are the flat layout's, which it runs on one rank and at "
-            "stage 0 (docs/muon.md).",
+            *(
+                f"  {name}: Newton-Schulz FLOPs/step per rank max {mx:.4g}, mean {mean:.4g}, "
+                f"max/mean {bal:.4f}; padding {pad:,} elements ({100 * frac:.4g}% of Muon params)"
+                for name, mx, mean, bal, pad, frac in (
+                    (
+                        "stages 1-2",
+                        m.ns_flops_max,
+                        m.ns_flops_mean,
+                        m.ns_balance,
+                        m.padding,
+                        m.padding_fraction,
+                    ),
+                    (
+                        "stage 3 (a buffer per unit)",
+                        m.stage3_ns_flops_max,
+                        m.stage3_ns_flops_mean,
+                        m.stage3_ns_balance,
+                        m.stage3_padding,
+                        m.stage3_padding_fraction,
+                    ),
+                )
+            ),
+            "  (stage 0: every rank runs every matrix; the padding is in the bytes above; "
+            'docs/muon.md, "The owner layout")',
         ]
 
 
@@ -566,9 +595,9 @@ def plan_muon_model(
     model: nn.Module, cfg: PlanConfig, *, source: str = "model", by_wire: bool = False
 ) -> Plan:
     """Plan for `ZeroMuon(groups, module=model)` with the groups `fusedzero train --optimizer
-    muon` makes: the bytes of the flat layout (what ZeroMuon runs on one rank and at stage 0),
-    the Muon groups keeping the Muon rule's state; and `Plan.muon_layout`, the owner layout of
-    `fusedzero._muon_layout` at `cfg.world_size`."""
+    muon` makes: the bytes of the buffers ZeroMuon builds (the Muon groups' in the owner layout
+    at stages 1-3 over several ranks, keeping the Muon rule's state), and `Plan.muon_layout`,
+    the Muon buffers' Newton-Schulz FLOPs per rank and padding at stages 1-2 and 3."""
     groups, is_muon = _muon_model_groups(model)
     result = plan_groups(
         groups,
@@ -578,25 +607,58 @@ def plan_muon_model(
         by_wire=by_wire,
         rules=[MUON if m else ADAMW for m in is_muon],
     )
-    muon_ids = {id(p) for grp, m in zip(groups, is_muon) if m for _, p in grp}
-    specs = [
-        MuonParamSpec(n, tuple(p.shape), id(p) in muon_ids)
-        for n, p in model.named_parameters()
-        if p.requires_grad
-    ]
-    layout = plan_muon_layout(specs, cfg.world_size)
-    flops = layout.ns_flops()
-    mean = sum(flops) / len(flops)
+    cfg = result.config  # with the group rules
+    flat = [p for grp in groups for _, p in grp]
+    units = _units(model, flat, cfg.sharding.units)
+    muon_numel = sum(p.numel() for grp, m in zip(groups, is_muon) if m for _, p in grp)
+    (pad, flops), (pad3, flops3) = (
+        _muon_buffers(_buffers_from_groups(groups, s, cfg, units), s, cfg) for s in (1, 3)
+    )
+
+    def frac(n: int) -> float:
+        return n / muon_numel if muon_numel else 0.0
+
+    def mean(xs: list[int]) -> float:
+        return sum(xs) / len(xs)
+
+    def balance(xs: list[int]) -> float:
+        return max(xs) / mean(xs) if any(xs) else 1.0
+
     result.muon_layout = MuonLayoutPlan(
         world_size=cfg.world_size,
-        muon_params=layout.muon_numel,
+        muon_params=muon_numel,
         ns_flops_max=max(flops),
-        ns_flops_mean=mean,
-        ns_balance=layout.balance(),
-        padding=layout.padding,
-        padding_fraction=layout.padding / layout.muon_numel if layout.muon_numel else 0.0,
+        ns_flops_mean=mean(flops),
+        ns_balance=balance(flops),
+        padding=pad,
+        padding_fraction=frac(pad),
+        stage3_ns_flops_max=max(flops3),
+        stage3_ns_flops_mean=mean(flops3),
+        stage3_ns_balance=balance(flops3),
+        stage3_padding=pad3,
+        stage3_padding_fraction=frac(pad3),
     )
     return result
+
+
+def _muon_buffers(buffers: list[_Buffer], stage: int, cfg: PlanConfig) -> tuple[int, list[int]]:
+    """The per-matrix rules' buffers of a stage, laid out as `_stage_plan` lays them out (the
+    engine's layouts): their padding in elements and each rank's cost of the blocks it holds
+    (`Rule.blocks`: Newton-Schulz FLOPs for Muon), summed over the buffers."""
+    pad, costs = 0, [0] * cfg.world_size
+    owner_load = [0] * cfg.world_size  # carried as in `_stage_plan` and the engine
+    for dt, items, _, gi in buffers:
+        rule = cfg.rule_of(gi)
+        if rule.element_wise:
+            continue
+        L = _layout(items, dt, stage, cfg, rule, owner_load)
+        pad += L.padded_numel - L.param_numel
+        blocks = {i: rule.blocks(shape) for i, _, shape in items}
+        if L.world_size == 1:  # the flat layout (it may cut a matrix at a bucket edge)
+            costs[0] += sum(math.prod(s) // blocks[i].numel * blocks[i].cost for i, _, s in items)
+        else:
+            costs = [a + b for a, b in zip(costs, rank_costs(L, blocks))]
+    return pad, costs
 
 
 def model_layouts(

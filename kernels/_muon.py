@@ -1,7 +1,7 @@
 """Muon's element-wise launches over a rank's flat shards, and Newton-Schulz batched per shape.
 
-A Muon step on a rank is three phases over the matrices it owns whole (fusedzero/_muon_layout.py
-puts every matrix whole in one rank's shard of a bucket):
+A Muon step on a rank is three phases over the matrices it owns whole (at stages 1-3 the owner
+layout, fusedzero/_owner_layout.py, puts every matrix whole in one rank's shard of a bucket):
 
 1. `MuonPlan.momentum`: one launch over every matrix of the rank (all groups, all buckets)
        g   = grad * grad_mult                      (averaging, clip, loss scale folded in)

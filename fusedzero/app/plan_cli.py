@@ -199,8 +199,8 @@ def add_plan_subparser(subparsers: Any) -> argparse.ArgumentParser:
         choices=("adamw", "muon"),
         default="adamw",
         help="muon: ZeroMuon with `fusedzero train --optimizer muon`'s groups (the Muon "
-        "groups keep a momentum buffer), plus the owner layout's Newton-Schulz FLOPs per rank "
-        "and padding at -W (default %(default)s)",
+        "groups keep a momentum buffer, in the owner layout at stages 1-3), plus those buffers' "
+        "Newton-Schulz FLOPs per rank and padding at -W (default %(default)s)",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
     m = p.add_argument_group("communication time (an alpha-beta ring model, see docs/scale.md)")

@@ -1,7 +1,10 @@
-"""`fusedzero plan --optimizer muon`: the bytes of ZeroMuon, and the owner layout's Newton-Schulz
-FLOPs per rank and padding from its planner.
+"""`fusedzero plan --optimizer muon`: the bytes and comm of ZeroMuon at every stage, and the
+Newton-Schulz FLOPs per rank and padding of the Muon buffers as the engine lays them out (the
+owner layout at stages 1-3 over several ranks).
 
-About an internal: fusedzero._muon_layout (the planner the plan's numbers must equal)."""
+About internals: fusedzero._owner_layout (the layout the numbers must be those of),
+fusedzero.rules._muon (`MUON.blocks`), the engine's flat buffers (`opt.flat_groups`, each one's
+`layout` and `local_shard()`)."""
 
 from __future__ import annotations
 
@@ -11,25 +14,32 @@ import pytest
 import torch
 
 from fusedzero import Precision, Sharding, ZeroMuon, muon_param_groups
-from fusedzero._muon_layout import MuonParamSpec, plan_muon_layout
+from fusedzero._owner_layout import build_owner_layout, rank_costs
 from fusedzero.app.model import GPT, GPTConfig, gpt_muon_param_groups
 from fusedzero.app.plan_cli import preset_model
 from fusedzero.cli import main
-from fusedzero.plan import PlanConfig, plan_model, plan_muon_model
+from fusedzero.plan import PlanConfig, plan_groups, plan_model, plan_muon_model
+from fusedzero.rules._muon import MUON
 from fusedzero.testing import fake_group
+
+from _helpers import make_gpt
 
 CFG = dict(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=64)
 
 
-def _muon(model: torch.nn.Module, stage: int, precision: Precision, bucket: int) -> ZeroMuon:
-    groups = gpt_muon_param_groups(model, 0.1, muon_lr=0.02, lr=3e-3, betas=(0.9, 0.95))
+def _groups(model: torch.nn.Module) -> list[dict]:
+    return gpt_muon_param_groups(model, 0.1, muon_lr=0.02, lr=3e-3, betas=(0.9, 0.95))
+
+
+def _muon(model: torch.nn.Module, stage: int, precision: Precision, bucket: int, **kw) -> ZeroMuon:
     return ZeroMuon(
-        groups,
+        _groups(model),
         stage=stage,
         module=model,
         max_grad_norm=1.0,
         precision=precision,
         sharding=Sharding(bucket_numel=bucket),
+        **kw,
     )
 
 
@@ -71,35 +81,92 @@ def test_plan_equals_zero_muon_memory_and_comm(states: str, pdt: torch.dtype) ->
             assert want.optimizer_bytes < adamw_only.stages[stage].optimizer_bytes, what
 
 
+@pytest.mark.parametrize("W", [2, 4])
+def test_plan_equals_zero_muon_at_stages_1_to_3_over_ranks(W: int) -> None:
+    """Over W ranks at stages 1-3 (each rank of a fake group, one at a time), where the Muon
+    buffers take the owner layout: `plan_groups` with the optimizer's group rules gives every
+    rank's `memory()` and its comm bytes after a step to the byte, and `plan_muon_model`'s
+    Muon numbers are the engine's buffers': their padding, and each rank's Newton-Schulz FLOPs
+    over the matrices its local shards hold."""
+    with torch.device("meta"):
+        meta = GPT(GPTConfig(**CFG))
+    names = {id(p): n for n, p in meta.named_parameters()}
+    groups = [[(names[id(p)], p) for p in g["params"]] for g in _groups(meta)]
+    precision = Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    bucket = 5000
+    cfg = PlanConfig(world_size=W, precision=precision, sharding=Sharding(bucket_numel=bucket))
+    m = plan_muon_model(meta, cfg).muon_layout
+    assert m is not None
+    for stage in (1, 2, 3):
+        flops, pads = [0] * W, set()
+        for r in range(W):
+            with fake_group(r, W):
+                model = make_gpt(GPTConfig(**CFG))
+                opt = _muon(model, stage, precision, bucket, device="cpu")
+                plan = plan_groups(groups, cfg, model=meta, rules=opt.group_rules)
+                x = torch.randint(0, CFG["vocab_size"], (2, CFG["block_size"]))
+                model(x, x)[1].backward()
+                opt.step()
+                mem, want = opt.memory(), plan.stages[stage]
+                what = f"W={W} stage={stage} rank={r}"
+                assert (mem.params, mem.grads, mem.optimizer, mem.total) == (
+                    want.params_bytes,
+                    want.grads_bytes,
+                    want.optimizer_bytes,
+                    want.total_bytes,
+                ), what
+                assert opt.comm.total_bytes == want.comm_bytes_per_step, what
+                pad = 0
+                for buf in opt.flat_groups:
+                    if opt.group_rules[buf.group_index].element_wise:
+                        continue
+                    pad += buf.layout.padded_numel - buf.layout.param_numel
+                    shard = buf.local_shard()
+                    for seg in shard.segments:
+                        b = MUON.blocks(shard.shapes[seg.param])
+                        assert seg.length % b.numel == 0, what  # whole matrices only
+                        flops[r] += seg.length // b.numel * b.cost
+                pads.add(pad)
+                opt.close()
+        got = (m.padding, m.ns_flops_max, m.ns_flops_mean, m.ns_balance)
+        if stage == 3:
+            got = (m.stage3_padding, m.stage3_ns_flops_max, m.stage3_ns_flops_mean)
+            got += (m.stage3_ns_balance,)
+        mean = sum(flops) / W
+        assert got == (pads.pop(), max(flops), mean, max(flops) / mean), (stage, flops)
+        assert not pads, (stage, pads)  # every rank's buffers alike
+
+
 @pytest.mark.parametrize("W", [1, 8, 64])
-def test_layout_numbers_are_the_planners(W: int) -> None:
-    """The NS FLOPs per rank (max, mean, max/mean) and padding the plan reports are those of
-    `plan_muon_layout` over the model's params, Muon's marked per-matrix."""
+def test_layout_numbers_are_the_owner_layouts(W: int) -> None:
+    """On GPT-2 124M the stage 1-2 numbers the plan reports (NS FLOPs per rank: max, mean,
+    max/mean; padding) are those of `build_owner_layout` over the model's Muon params, one
+    buffer of them (on one rank: no padding, every matrix on rank 0)."""
     model = preset_model("gpt2")
     plan = plan_muon_model(model, PlanConfig(world_size=W))
     muon = {id(p) for g in muon_param_groups(model) if g["use_muon"] for p in g["params"]}
-    layout = plan_muon_layout(
-        [MuonParamSpec(n, tuple(p.shape), id(p) in muon) for n, p in model.named_parameters()],
-        W,
-    )
-    flops = layout.ns_flops()
+    items = [
+        (i, n, tuple(p.shape)) for i, (n, p) in enumerate(model.named_parameters()) if id(p) in muon
+    ]
+    blocks = {i: MUON.blocks(shape) for i, _, shape in items}
+    numel = sum(p.numel() for p in model.parameters() if id(p) in muon)
+    if W == 1:
+        flops, pad = [sum(b.cost for b in blocks.values())], 0
+    else:
+        L = build_owner_layout(items, list(blocks.values()), W)
+        flops, pad = rank_costs(L, blocks), L.padded_numel - numel
     m = plan.muon_layout
-    assert m is not None and m.world_size == W
-    assert (
-        m.muon_params
-        == layout.muon_numel
-        == sum(p.numel() for p in model.parameters() if id(p) in muon)
-    )
+    assert m is not None and m.world_size == W and m.muon_params == numel
     assert (m.ns_flops_max, m.ns_flops_mean) == (max(flops), sum(flops) / W)
-    assert m.ns_balance == layout.balance() == max(flops) / (sum(flops) / W)
-    assert m.padding == layout.padding
-    assert m.padding_fraction == layout.padding / layout.muon_numel
+    assert m.ns_balance == max(flops) / (sum(flops) / W)
+    assert (m.padding, m.padding_fraction) == (pad, pad / numel)
+    if W == 8:  # 5 buckets of 8 bins, 4 empty (docs/muon.md, "The owner layout")
+        assert pad == 4 * L.shard_numel
 
 
 def test_cli_muon_table_json_and_refusals(capsys: pytest.CaptureFixture[str]) -> None:
-    """The table names both rules' state and says the owner layout is planned, not yet run at
-    stages 1-3 over several ranks; --json carries the layout's numbers; what the Muon plan
-    cannot take is one line, exit 2."""
+    """The table names both rules' state and the owner layout's numbers at stages 1-2 and 3;
+    --json carries them; what the Muon plan cannot take is one line, exit 2."""
     assert main(["plan", "--preset", "gpt2", "-W", "8", "--optimizer", "muon"]) == 0
     table = capsys.readouterr().out
     for want in (
@@ -107,9 +174,13 @@ def test_cli_muon_table_json_and_refusals(capsys: pytest.CaptureFixture[str]) ->
         "exp_avg + exp_avg_sq",
         "max/mean",
         "padding",
-        "planned, not yet what ZeroMuon runs",
+        "Muon owner layout (fusedzero/_owner_layout.py) at W=8, as ZeroMuon builds it",
+        "stages 1-2:",
+        "stage 3 (a buffer per unit):",
     ):
         assert want in table, table
+    for gone in ("planned", "not yet"):
+        assert gone not in table, table
     assert main(["plan", "--preset", "gpt2", "-W", "8", "--optimizer", "muon", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     want = plan_muon_model(preset_model("gpt2"), PlanConfig(world_size=8))
