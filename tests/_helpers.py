@@ -58,6 +58,20 @@ def make_gpt(cfg: GPTConfig, seed: int = 0) -> GPT:
     return GPT(cfg)
 
 
+def assert_memory_is_plan(opt: Any, want: Any, what: str) -> None:
+    """`opt.memory()` equals a `StagePlan`'s bytes to the byte (params, grads, optimizer,
+    total), and `opt.comm`'s bytes so far (one step) its comm per step."""
+    mem = opt.memory()
+    got = (mem.params, mem.grads, mem.optimizer, mem.total)
+    assert got == (
+        want.params_bytes,
+        want.grads_bytes,
+        want.optimizer_bytes,
+        want.total_bytes,
+    ), what
+    assert opt.comm.total_bytes == want.comm_bytes_per_step, (what, opt.comm.snapshot())
+
+
 def gpt_batch(cfg: GPTConfig, batch: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Step `step`'s global batch of `batch` random token sequences: (inputs, next tokens)."""
     g = torch.Generator().manual_seed(1000 + step)

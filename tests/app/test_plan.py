@@ -23,6 +23,8 @@ from fusedzero.emulate import meta_model
 from fusedzero.plan import PlanConfig, plan_model, plan_params
 from fusedzero.testing import fake_group
 
+from _helpers import assert_memory_is_plan
+
 CFG = dict(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=64)
 
 
@@ -115,16 +117,9 @@ def test_plan_equals_memory_and_comm_of_a_real_optimizer(W, rank, pdt, rdt, buck
                 loss.backward()
                 opt.step()
                 opt.zero_grad()
-                mem = opt.memory()
                 want = plan.stages[stage]
                 what = f"W={W} rank={rank} stage={stage} {pdt}/{rdt} reshard={reshard}"
-                assert (mem.params, mem.grads, mem.optimizer, mem.total) == (
-                    want.params_bytes,
-                    want.grads_bytes,
-                    want.optimizer_bytes,
-                    want.total_bytes,
-                ), what
-                assert opt.comm.total_bytes == want.comm_bytes_per_step, (what, opt.comm.snapshot())
+                assert_memory_is_plan(opt, want, what)
 
 
 MODE_CASES = [("bf16-kahan", "int8"), ("bf16-sr", "bf16"), ("bf16", "fp32"), ("fp32", "int8")]

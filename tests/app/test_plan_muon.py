@@ -22,7 +22,7 @@ from fusedzero.plan import PlanConfig, plan_groups, plan_model, plan_muon_model
 from fusedzero.rules._muon import MUON
 from fusedzero.testing import fake_group
 
-from _helpers import make_gpt
+from _helpers import assert_memory_is_plan, make_gpt
 
 CFG = dict(n_layer=2, n_head=2, n_embd=64, block_size=16, vocab_size=64)
 
@@ -67,15 +67,9 @@ def test_plan_equals_zero_muon_memory_and_comm(states: str, pdt: torch.dtype) ->
                 model(x, x)[1].backward()
                 opt.step()
                 opt.zero_grad()
-                mem, want = opt.memory(), plan.stages[stage]
+                want = plan.stages[stage]
                 what = f"W={W} stage={stage} {pdt} states={states}"
-                assert (mem.params, mem.grads, mem.optimizer, mem.total) == (
-                    want.params_bytes,
-                    want.grads_bytes,
-                    want.optimizer_bytes,
-                    want.total_bytes,
-                ), what
-                assert opt.comm.total_bytes == want.comm_bytes_per_step, what
+                assert_memory_is_plan(opt, want, what)
                 opt.close()
             # one state field fewer than AdamW's on the Muon params
             assert want.optimizer_bytes < adamw_only.stages[stage].optimizer_bytes, what
@@ -107,15 +101,9 @@ def test_plan_equals_zero_muon_at_stages_1_to_3_over_ranks(W: int) -> None:
                 x = torch.randint(0, CFG["vocab_size"], (2, CFG["block_size"]))
                 model(x, x)[1].backward()
                 opt.step()
-                mem, want = opt.memory(), plan.stages[stage]
+                want = plan.stages[stage]
                 what = f"W={W} stage={stage} rank={r}"
-                assert (mem.params, mem.grads, mem.optimizer, mem.total) == (
-                    want.params_bytes,
-                    want.grads_bytes,
-                    want.optimizer_bytes,
-                    want.total_bytes,
-                ), what
-                assert opt.comm.total_bytes == want.comm_bytes_per_step, what
+                assert_memory_is_plan(opt, want, what)
                 pad = 0
                 for buf in opt.flat_groups:
                     if opt.group_rules[buf.group_index].element_wise:
