@@ -55,18 +55,6 @@ def check_zero_kwargs(zero_kwargs: dict[str, Any], taken: dict[str, str], where:
             )
 
 
-def refuse_muon_layout(stage: int, world_size: int, where: str) -> None:
-    """One line, before anything is built, where ZeroMuon would refuse the stage at this world
-    size: Newton-Schulz needs each matrix whole, and stages 1-3 over several ranks cut them
-    (the owner layout is not wired yet; docs/muon.md)."""
-    if stage > 0 and world_size > 1:
-        raise ValueError(
-            f"{where} at stage {stage} over {world_size} ranks: Muon runs stages 1-3 on one "
-            "rank only for now (the owner layout that keeps each matrix whole is not wired); "
-            "use stage=0 over several ranks"
-        )
-
-
 def full_state_dict(
     opt: ZeroOptimizer | None, module: nn.Module, *, rank0_only: bool = False
 ) -> dict[str, Any]:
