@@ -1,6 +1,5 @@
 """What both integrations share: the framework import with the extra that installs it, the
-ZeroAdamW keywords a user may pass through, the full model state dict (a collective), and what
-ZeroMuon cannot do yet (the refusals both integrations make)."""
+ZeroAdamW keywords a user may pass through, and the full model state dict (a collective)."""
 
 from __future__ import annotations
 
