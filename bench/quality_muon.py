@@ -5,8 +5,9 @@ run reaches the best AdamW run's final val loss.
     python bench/quality_muon.py --out /tmp/fz_muon          # 500 steps, as the default run
     python bench/quality_muon.py --out /tmp/fz_muon --steps 200 --eval-every 20
 
-Every run is `fusedzero train --stage 0` (ZeroMuon runs stages 1-3 on one rank only) on
---nproc ranks with the default model, batch, schedule and seed; AdamW sweeps --lr, Muon sweeps
+Every run is `fusedzero train --stage 0` (as the sweep in docs/benchmarks.md was measured;
+ZeroMuon also runs stages 1-3 on several ranks, each matrix whole on one rank) on --nproc
+ranks with the default model, batch, schedule and seed; AdamW sweeps --lr, Muon sweeps
 --muon-lr (its AdamW groups, embeddings, head, norms and biases, at the default --lr). Each run's
 summary lands in OUT/<optimizer>-<lr>.json (a run whose file exists is not run again, so an
 interrupted sweep continues); the table is printed as markdown and written with the settings to

@@ -406,17 +406,6 @@ class TrainConfig:
         }
 
 
-def check_optimizer_world(cfg: TrainConfig, world: int) -> None:
-    """--optimizer muon at stages 1-3 needs one rank: over several, Newton-Schulz needs each
-    matrix whole on one rank and ZeroMuon has no owner layout yet (docs/muon.md)."""
-    if cfg.optimizer == "muon" and cfg.stage > 0 and world > 1:
-        raise UsageError(
-            f"--optimizer muon runs --stage {cfg.stage} on one rank only ({world} ranks here: "
-            "Newton-Schulz needs each matrix whole, and the owner layout is not wired yet); "
-            "use --stage 0 or --nproc 1"
-        )
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     d = TrainConfig  # defaults live on the dataclass
     a = p.add_argument
@@ -447,8 +436,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         choices=OPTIMIZERS,
         default=d.optimizer,
         help="adamw: ZeroAdamW on every param; muon: ZeroMuon, Muon on the hidden matrices at "
-        "--muon-lr, AdamW at --lr on the rest; at more than one rank only --stage 0 "
-        "(default %(default)s)",
+        "--muon-lr, AdamW at --lr on the rest (default %(default)s)",
     )
     a(
         "--muon-lr",

@@ -50,7 +50,6 @@ from fusedzero.app.config import (
     TrainConfig,
     UsageError,
     add_arguments,
-    check_optimizer_world,
     config_from_args,
     parse_args,
 )
@@ -106,7 +105,6 @@ def run_config(cfg: TrainConfig) -> dict[str, Any]:
         return _run_in_group(cfg)
     use_cuda, nproc = local_ranks(cfg)
     check_tp_world(cfg, nproc)
-    check_optimizer_world(cfg, nproc)
     preflight.check_batch(cfg, nproc)
     # Before anything slow: a bad path fails now, not after the run.
     preflight.check_outputs_writable(cfg)
@@ -374,7 +372,6 @@ def torchrun_env() -> TorchrunEnv:
 
 def _train_in_group(cfg: TrainConfig, device: torch.device, use_cuda: bool) -> dict[str, Any]:
     check_tp_world(cfg, dist.get_world_size())
-    check_optimizer_world(cfg, dist.get_world_size())
     preflight.check_batch(cfg, dist.get_world_size())
     # One rank checks the shared paths and holds the folder's lock; all learn the outcome.
     box: list[Any] = [None]

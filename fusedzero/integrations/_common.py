@@ -1,6 +1,5 @@
 """What both integrations share: the framework import with the extra that installs it, the
-ZeroAdamW keywords a user may pass through, the full model state dict (a collective), and what
-ZeroMuon cannot do yet (the refusals both integrations make)."""
+ZeroAdamW keywords a user may pass through, and the full model state dict (a collective)."""
 
 from __future__ import annotations
 
@@ -53,18 +52,6 @@ def check_zero_kwargs(zero_kwargs: dict[str, Any], taken: dict[str, str], where:
                 f"own arguments plus stage= and ZeroAdamW's keywords "
                 f"({', '.join(sorted(zero_keywords() - set(taken)))})"
             )
-
-
-def refuse_muon_layout(stage: int, world_size: int, where: str) -> None:
-    """One line, before anything is built, where ZeroMuon would refuse the stage at this world
-    size: Newton-Schulz needs each matrix whole, and stages 1-3 over several ranks cut them
-    (the owner layout is not wired yet; docs/muon.md)."""
-    if stage > 0 and world_size > 1:
-        raise ValueError(
-            f"{where} at stage {stage} over {world_size} ranks: Muon runs stages 1-3 on one "
-            "rank only for now (the owner layout that keeps each matrix whole is not wired); "
-            "use stage=0 over several ranks"
-        )
 
 
 def full_state_dict(

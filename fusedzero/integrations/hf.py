@@ -26,8 +26,8 @@ The constructor is the Trainer's, plus `stage=` and any ZeroAdamW keyword (`shar
 
 `muon=dict(lr=...)`: ZeroMuon in ZeroAdamW's place, Muon on `muon_param_groups(model)`'s hidden
 matrices with those hyper-parameters, AdamW on the rest with the arguments' settings (the
-Trainer's decay split); stages 1-3 over several ranks are refused; checkpoints hold its state
-as ZeroAdamW's.
+Trainer's decay split), at every stage and world size (stages 1-3 keep each matrix whole on
+one rank: the owner layout); checkpoints hold its state as ZeroAdamW's.
 
 A ZeroAdamW or ZeroMuon the user built (`module=model`) may come in `optimizers=(opt, None)`; its
 `max_grad_norm` must equal the arguments'. Not supported, each refused in one line:
@@ -67,7 +67,6 @@ from fusedzero.integrations._common import (
     check_zero_kwargs,
     full_state_dict,
     import_framework,
-    refuse_muon_layout,
 )
 from fusedzero.optim import ZeroAdamW, ZeroMuon, ZeroOptimizer
 
@@ -127,8 +126,6 @@ class ZeroTrainer(transformers.Trainer):
         training_args = signature.bind_partial(self, *args, **kwargs).arguments.get("args")
         if training_args is not None:
             _check_args(training_args)
-            if muon is not None:
-                refuse_muon_layout(stage, training_args.world_size, "ZeroTrainer(muon=...)")
         self.zero_stage = stage
         self.zero_kwargs = zero_kwargs
         self.zero_muon = None if muon is None else dict(muon)

@@ -35,8 +35,8 @@ Muon: `configure_optimizers` returning a `torch.optim.Muon` and a `torch.optim.A
 params) becomes one ZeroMuon, the Muon's groups its Muon groups and the AdamW's its AdamW groups,
 both stepping on every optimizer step (Lightning's own check, which refuses several optimizers
 under automatic optimization, is skipped for that pair); each optimizer's schedulers drive its
-own groups inside the ZeroMuon. Stages 1-3 over several ranks are refused before the first
-step; checkpoints hold ZeroMuon's state as ZeroAdamW's.
+own groups inside the ZeroMuon. Every stage runs at any world size (at stages 1-3 the owner
+layout keeps each matrix whole on one rank); checkpoints hold ZeroMuon's state as ZeroAdamW's.
 
 [Note: the optimizer swap] ZeroAdamW owns flat buffers, hooks and collectives from its constructor
 on, so it is built once, in `setup_optimizers`, from what `configure_optimizers` returned: the
@@ -73,7 +73,6 @@ from fusedzero.integrations._common import (
     check_zero_kwargs,
     full_state_dict,
     import_framework,
-    refuse_muon_layout,
 )
 from fusedzero.optim import ZeroAdamW, ZeroMuon, ZeroOptimizer
 
@@ -210,7 +209,6 @@ class ZeroStrategy(DDPStrategy):
     def _to_muon(self, opts: list[torch.optim.Optimizer], trainer: L.Trainer) -> ZeroMuon:
         """One ZeroMuon: the Muon's param groups as its Muon groups, the AdamW's as its AdamW
         groups, each with its hyper-parameters, in the order configure_optimizers gave them."""
-        refuse_muon_layout(self.zero_stage, self.world_size, "ZeroStrategy with torch.optim.Muon")
         groups = []
         for opt in opts:
             muon = type(opt) is torch.optim.Muon

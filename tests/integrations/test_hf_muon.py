@@ -1,11 +1,8 @@
 """ZeroTrainer(muon=...) against a plain loop of torch.optim.Muon (the hidden matrices) plus
-torch.optim.AdamW (the rest, the Trainer's decay split) on the same data, at one rank: the
-same lr schedule on both optimizers, clipping by the global norm. Refusals: stages 1-3 over
-several ranks, and a run that would save checkpoints ZeroMuon's state cannot go into yet.
-Skipped without the 'hf' extra.
-
-About an internal: fusedzero.integrations._common (refuse_muon_layout, the constructor's check
-of the stage and world size, called with 2 ranks without starting them)."""
+torch.optim.AdamW (the rest, the Trainer's decay split) on the same data: the same lr schedule on
+both optimizers, clipping by the global norm; at one rank, and at stage 2 on 2 gloo ranks (the
+Muon group in the owner layout, each matrix whole on one rank). Refused: muon= with
+optimizers=. Skipped without the 'hf' extra."""
 
 from __future__ import annotations
 
@@ -26,8 +23,8 @@ pytest.importorskip(
 from _tiny import LR, tiny_llama, tokens  # noqa: E402
 
 from fusedzero import ZeroMuon, muon_param_groups  # noqa: E402
-from fusedzero.integrations import _common  # noqa: E402
 from fusedzero.integrations.hf import ZeroTrainer  # noqa: E402
+from fusedzero.testing import run_ranks  # noqa: E402
 
 N_SEQS, STEPS, CLIP = 8, 3, 0.5
 MUON = dict(lr=0.02, weight_decay=0.1)  # lr exact enough: both sides read the same Python float
@@ -109,17 +106,36 @@ def reference(base: torch.nn.Module, halves: bool) -> tuple[dict[str, torch.Tens
     return {n: p.detach() for n, p in model.named_parameters()}, losses
 
 
-def test_zero_trainer_muon_matches_torch_muon_plus_adamw(tmp_path: Path) -> None:
-    """Three steps: the params match the plain loop's within 2x its noise control (the loop
-    against itself with each loss over two half batches; Newton-Schulz rounds its input to
-    bf16, so an fp32 ulp of summation order can move an update by a bf16 ulp: bitwise is out of
-    reach, as in tests/zero/test_zero_muon.py), the logged losses too (1e-4 relative, the first
-    bitwise-close), and the Muon group's lr follows the Trainer's schedule."""
-    base = tiny_llama()
+def noise_control(
+    base: torch.nn.Module,
+) -> tuple[dict[str, torch.Tensor], list[float], float]:
+    """The plain loop's params and losses, and its noise control: the largest param difference
+    between the loop and itself with each loss over two half batches (Newton-Schulz rounds its
+    input to bf16, so an fp32 ulp of summation order can move an update by a bf16 ulp: bitwise
+    is out of reach, as in tests/zero/test_zero_muon.py)."""
     want, want_losses = reference(base, halves=False)
     noisy, _ = reference(base, halves=True)
     noise = max((noisy[n] - w).abs().max().item() for n, w in want.items())
     assert 0.0 < noise < 2e-3, noise  # well below an lr-sized step, or it would hide a bug
+    return want, want_losses, noise
+
+
+def check_against_loop(
+    got: dict[str, torch.Tensor], losses: list[float], base: torch.nn.Module
+) -> None:
+    """Params within 2x the loop's noise control, logged losses within 1e-4 relative."""
+    want, want_losses, noise = noise_control(base)
+    for n, w in want.items():
+        d = (got[n] - w).abs().max().item()
+        assert d <= 2 * noise, f"{n}: max diff {d} > 2x the noise control {noise}"
+    torch.testing.assert_close(losses, want_losses, rtol=1e-4, atol=0)
+
+
+def test_zero_trainer_muon_matches_torch_muon_plus_adamw(tmp_path: Path) -> None:
+    """Three steps at one rank: the params match the plain loop's within 2x its noise control,
+    the logged losses within 1e-4 relative, and the Muon group's lr follows the Trainer's
+    schedule."""
+    base = tiny_llama()
     model = copy.deepcopy(base)
     t = ZeroTrainer(model=model, args=training_args(tmp_path), train_dataset=Tokens(), muon=MUON)
     t.train()
@@ -127,21 +143,51 @@ def test_zero_trainer_muon_matches_torch_muon_plus_adamw(tmp_path: Path) -> None
     assert [g["use_muon"] for g in opt.param_groups] == [True, False, False]
     assert opt.param_groups[0]["lr"] == 0.0 and opt.param_groups[1]["lr"] == 0.0  # linear -> 0
     got = {n: p.detach() for n, p in model.named_parameters()}
-    for n, w in want.items():
-        d = (got[n] - w).abs().max().item()
-        assert d <= 2 * noise, f"{n}: max diff {d} > 2x the noise control {noise}"
-    losses = [h["loss"] for h in t.state.log_history if "loss" in h]
-    torch.testing.assert_close(losses, want_losses, rtol=1e-4, atol=0)
+    check_against_loop(got, [h["loss"] for h in t.state.log_history if "loss" in h], base)
     opt.close()
 
 
-def test_muon_refusals() -> None:
-    """One line each: stages 1-3 over several ranks (checked in the constructor), muon= with
-    optimizers=."""
-    with pytest.raises(
-        ValueError, match=r"^ZeroTrainer\(muon=...\) at stage 2 over 2 ranks: .*use stage=0"
-    ):
-        _common.refuse_muon_layout(2, 2, "ZeroTrainer(muon=...)")  # the constructor's check
+def stage_2_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    """ZeroTrainer(muon=..., stage=2) on this rank, half the batch each: its params after the
+    run (stage 2 all-gathers them whole on every rank), its logged losses (the ranks' mean),
+    and which rank owns each Muon matrix."""
+    model = tiny_llama()
+    t = ZeroTrainer(
+        model=model,
+        args=training_args(Path(root), per_device_train_batch_size=N_SEQS // world),
+        train_dataset=Tokens(),
+        muon=MUON,
+        stage=2,
+    )
+    t.train()
+    opt = t.zero_optimizer
+    out = {
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "losses": [h["loss"] for h in t.state.log_history if "loss" in h],
+        "owned": sum(
+            len(buf.local_shard().whole_tensors())
+            for buf in opt.flat_groups
+            if opt.group_rules[buf.group_index].name == "muon"
+        ),
+    }
+    opt.close()
+    return out
+
+
+@pytest.mark.slow  # spawns ranks
+def test_zero_trainer_muon_stage_2_on_two_ranks(tmp_path: Path) -> None:
+    """Stage 2 on 2 gloo ranks, 4 sequences each (the 8 the loop sees in one batch): the
+    params on every rank match the plain loop's within 2x its noise control, the logged losses
+    within 1e-4 relative, and both ranks own some of the Muon matrices (the owner layout
+    spreads them; one rank owning all would be stage 0 in disguise)."""
+    ranks = run_ranks(stage_2_ranks, 2, str(tmp_path), timeout=600)
+    for r, got in enumerate(ranks):
+        assert got["owned"] > 0, f"rank {r} owns no Muon matrix"
+        check_against_loop(got["params"], got["losses"], tiny_llama())
+
+
+def test_muon_with_optimizers_is_refused() -> None:
+    """muon= with optimizers= is one line: muon= builds the optimizer."""
     model = tiny_llama()
     own = ZeroMuon(muon_param_groups(model), module=model, max_grad_norm=CLIP)
     with pytest.raises(TypeError, match="^ZeroTrainer got muon= and optimizers="):

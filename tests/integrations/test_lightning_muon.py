@@ -1,7 +1,8 @@
 """ZeroStrategy with configure_optimizers returning [torch.optim.Muon, torch.optim.AdamW], each
-with its lr scheduler, at one rank: one ZeroMuon in their place matches the same module stepping
-both torch optimizers itself under strategy "ddp" (manual optimization: Lightning refuses two
-optimizers under automatic optimization), loss by loss and param by param. Any other pair is
+with its lr scheduler, at one rank and at stage 3 on 2 gloo ranks (the owner layout): one
+ZeroMuon in their place matches the same module stepping both torch optimizers itself under
+strategy "ddp" at one rank (manual optimization: Lightning refuses two optimizers under
+automatic optimization), loss by loss and param by param. Any other pair is
 refused in one line naming what is supported, and so is a fit that would save checkpoints.
 Skipped without the 'lightning' extra."""
 
@@ -24,6 +25,7 @@ from _tiny import LR, tiny_llama, tokens  # noqa: E402
 
 from fusedzero import ZeroMuon, muon_param_groups  # noqa: E402
 from fusedzero.integrations.lightning import ZeroStrategy  # noqa: E402
+from fusedzero.testing import run_ranks  # noqa: E402
 
 BATCH, STEPS, CLIP = 8, 3, 0.5
 
@@ -40,10 +42,13 @@ def _no_process_group_left() -> Any:
 class MuonLlama(L.LightningModule):
     """Muon on the hidden matrices, AdamW on the rest, two optimizers, a scheduler each."""
 
-    def __init__(self, base: torch.nn.Module, optimizers: str = "muon+adamw") -> None:
+    def __init__(
+        self, base: torch.nn.Module, optimizers: str = "muon+adamw", batch: int = BATCH
+    ) -> None:
         super().__init__()
         self.net = copy.deepcopy(base)
         self.which = optimizers
+        self.batch = batch  # per rank
         self.losses: list[float] = []
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
@@ -73,7 +78,7 @@ class MuonLlama(L.LightningModule):
         ]
 
     def train_dataloader(self) -> Any:
-        return torch.utils.data.DataLoader(tokens(BATCH * STEPS), batch_size=BATCH)
+        return torch.utils.data.DataLoader(tokens(BATCH * STEPS), batch_size=self.batch)
 
 
 class Manual(MuonLlama):
@@ -103,11 +108,13 @@ class Manual(MuonLlama):
             s.step()
 
 
-def fit(module: L.LightningModule, root: Path, strategy: Any = "auto", **kw: Any) -> None:
+def fit(
+    module: L.LightningModule, root: Path, strategy: Any = "auto", devices: int = 1, **kw: Any
+) -> None:
     L.Trainer(
         strategy=strategy,
         accelerator="cpu",
-        devices=1,
+        devices=devices,
         max_epochs=1,
         limit_train_batches=STEPS,
         logger=False,
@@ -123,21 +130,30 @@ def params(module: L.LightningModule) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in module.named_parameters()}
 
 
+def manual_reference(
+    base: torch.nn.Module, root: Path
+) -> tuple[Manual, dict[str, torch.Tensor], float]:
+    """The manual reference at one rank, its params, and its noise control: the largest param
+    difference to the same loop with each loss over two half batches (Newton-Schulz rounds its
+    input to bf16, so an fp32 ulp of summation order can move an update by a bf16 ulp: bitwise
+    is out of reach, as in tests/zero/test_zero_muon.py)."""
+    ref, noisy = Manual(base, halves=False), Manual(base, halves=True)
+    fit(ref, root / "ref", "ddp")  # its sampler: the DistributedSampler's order, as ours
+    fit(noisy, root / "noisy", "ddp")
+    want = params(ref)
+    noise = max((p - want[n]).abs().max().item() for n, p in params(noisy).items())
+    assert 0.0 < noise < 2e-3, noise  # well below an lr-sized step, or it would hide a bug
+    return ref, want, noise
+
+
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_muon_and_adamw_become_one_zero_muon(tmp_path: Path, stage: int) -> None:
     """Three steps with clipping and a scheduler per optimizer (different end factors, so a
     scheduler driving the wrong groups shows): the params match the manual reference within 2x
-    its noise control (Newton-Schulz rounds its input to bf16, so an fp32 ulp of summation
-    order can move an update by a bf16 ulp: bitwise is out of reach, as in
-    tests/zero/test_zero_muon.py), the losses within 1e-4 relative, and each group ends at its
-    own scheduler's lr."""
+    its noise control, the losses within 1e-4 relative, and each group ends at its own
+    scheduler's lr."""
     base = tiny_llama()
-    ref, noisy = Manual(base, halves=False), Manual(base, halves=True)
-    fit(ref, tmp_path / "ref", "ddp")  # its sampler: the DistributedSampler's order, as ours
-    fit(noisy, tmp_path / "noisy", "ddp")
-    want = params(ref)
-    noise = max((p - want[n]).abs().max().item() for n, p in params(noisy).items())
-    assert 0.0 < noise < 2e-3, noise  # well below an lr-sized step, or it would hide a bug
+    ref, want, noise = manual_reference(base, tmp_path)
     got = MuonLlama(base)
     strategy = ZeroStrategy(stage=stage)
     fit(got, tmp_path / "zero", strategy, gradient_clip_val=CLIP)
@@ -148,6 +164,46 @@ def test_muon_and_adamw_become_one_zero_muon(tmp_path: Path, stage: int) -> None
         d = (p - want[n]).abs().max().item()
         assert d <= 2 * noise, f"{n}: max diff {d} > 2x the noise control {noise}"
     torch.testing.assert_close(got.losses, ref.losses, rtol=1e-4, atol=0)
+
+
+def stage_3_ranks(rank: int, world: int, root: str) -> dict[str, Any]:
+    """The Muon + AdamW module under ZeroStrategy(stage=3) on these ranks, BATCH // world
+    sequences each (the DistributedSampler interleaves them: together one reference batch):
+    its params after fit (gathered whole), its losses, and how many Muon matrices it owned."""
+    got = MuonLlama(tiny_llama(), batch=BATCH // world)
+    strategy = ZeroStrategy(stage=3)
+    owned = []
+
+    class Owned(L.Callback):
+        def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            opt = strategy.zero_optimizer
+            owned.append(
+                sum(
+                    len(buf.local_shard().whole_tensors())
+                    for buf in opt.flat_groups
+                    if opt.group_rules[buf.group_index].name == "muon"
+                )
+            )
+
+    fit(got, Path(root), strategy, devices=world, gradient_clip_val=CLIP, callbacks=[Owned()])
+    return {"params": params(got), "losses": got.losses, "owned": owned[0]}
+
+
+@pytest.mark.slow  # spawns ranks
+def test_muon_and_adamw_at_stage_3_on_two_ranks(tmp_path: Path) -> None:
+    """Stage 3 on 2 gloo ranks, each matrix whole on its owner rank: after fit the params on
+    every rank match the one-rank manual reference within 2x its noise control, the ranks'
+    mean loss each step matches its loss within 1e-4 relative, and both ranks owned Muon
+    matrices."""
+    ref, want, noise = manual_reference(tiny_llama(), tmp_path)
+    ranks = run_ranks(stage_3_ranks, 2, str(tmp_path / "zero"), timeout=600)
+    for r, got in enumerate(ranks):
+        assert got["owned"] > 0, f"rank {r} owned no Muon matrix"
+        for n, p in got["params"].items():
+            d = (p - want[n]).abs().max().item()
+            assert d <= 2 * noise, f"rank {r}, {n}: max diff {d} > 2x the noise control {noise}"
+    mean = [sum(ls) / len(ls) for ls in zip(*(g["losses"] for g in ranks), strict=True)]
+    torch.testing.assert_close(mean, ref.losses, rtol=1e-4, atol=0)
 
 
 def test_other_pairs_are_refused_and_a_muon_fit_checkpoints(tmp_path: Path) -> None:
