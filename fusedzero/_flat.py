@@ -90,7 +90,9 @@ class FlatBuffer:
         items = [(i, n, tuple(local(p).shape)) for i, n, p in zip(indices, names, params)]
         shards = world_size if stage.shards_state else 1
         self.layout: FlatLayout = (
-            build_owner_layout(items, [blocks(it[2]) for it in items], shards, owner_load)
+            build_owner_layout(
+                items, [blocks(it[2]) for it in items], shards, owner_load, bucket_numel
+            )
             if blocks is not None and shards > 1
             else build_layout(items, shards, bucket_numel)
         )

@@ -18,10 +18,13 @@ it unchanged. Only the placement differs:
    every shard edge between two of its matrices (a Mixtral expert stack: one matrix a shard).
 2. Bins of S elements, first-fit decreasing: a bin holds one Llama MLP matrix, or three q/o
    projections and two k/v ones; a GPT-2 c_attn with an attention c_proj.
-3. Bins to (bucket, rank) slots: stream bins first, in slot order (they must be consecutive in
-   the buffer); then the rest by longest-processing-time, the costliest bin to the least-loaded
-   rank with a free slot, the cost being the rule's (Newton-Schulz FLOPs for Muon). Buckets:
-   ceil(bins / W); the slots left over are padding.
+3. Bins to slots: each rank gets m = ceil(bins / W) slots of S, c of them back to back in its
+   shard of each of m / c buckets (c the largest divisor of m whose bucket, W * c * S, fits the
+   buffer's `bucket_numel`: each bucket is a collective and ~4 ops in backward, so more bins a
+   bucket means fewer ops per param, at the same padding). Stream bins first, in slot order
+   (they must be consecutive in the buffer); then the rest by longest-processing-time, the
+   costliest bin to the least-loaded rank with a free slot, the cost being the rule's
+   (Newton-Schulz FLOPs for Muon). The m * W - bins slots left over are padding.
 
 Padding is the empty slots (< W bins' worth) plus each bin's unfilled room. It is small where a
 buffer holds many more matrices than W * (matrices per bin) (Llama-8B at W = 8: 0.96%) and
@@ -29,7 +32,7 @@ large where it does not (GPT-2 124M at W = 8: 4 of 40 slots empty, 11%; a stage-
 block at W = 8). An element-wise param could fill the room (docs/muon.md, "Padding"), which
 needs buckets of more than one size or a buffer of two rules: not done.
 
-The user's `bucket_numel` does not apply: a bucket here is W shards of S.
+`bucket_numel` bounds a bucket only down to W * S: a bucket holds at least one bin per rank.
 """
 
 from __future__ import annotations
@@ -82,13 +85,16 @@ def build_owner_layout(
     blocks: list[Block],
     world_size: int,
     load: list[int] | None = None,
+    bucket_numel: int = 0,
 ) -> FlatLayout:
     """The owner layout of `params` (index, name, shape), `blocks[i]` the block of params[i],
     over `world_size` ranks (see the module docstring). Params come back in offset order.
 
     `load`: each rank's cost in the buffers laid out before this one, updated in place, so that
     the balance holds over all of them (stage 3 lays out a buffer per unit: balanced one by one,
-    each unit's costliest bin would land on rank 0). None: this buffer alone."""
+    each unit's costliest bin would land on rank 0). None: this buffer alone.
+    `bucket_numel`: how large a bucket may grow by holding several bins per rank (0: one bin
+    per rank per bucket)."""
     W = world_size
     if W < 1:
         raise ValueError(f"world_size must be >= 1, got {W}")
@@ -133,35 +139,40 @@ def build_owner_layout(
         b.cost += cost
         b.items.append((pos, size))
 
-    # 3. Bins to slots: streams in slot order from the least-loaded rank that keeps them in the
-    #    buckets the bins need, the rest by LPT over ranks with a free slot.
-    nb = -(-len(bins) // W)
+    # 3. Bins to slots. Each rank gets m = ceil(bins / W) slots, c of them in each of m / c
+    #    buckets (c the largest divisor of m whose bucket fits `bucket_numel`: fewer, larger
+    #    collectives, the same padding). Slot (bucket k, rank r, place j) starts at linear index
+    #    (k*W + r)*c + j, times S. Streams go first, from the least-loaded rank that keeps them
+    #    in the slots there are; the rest by LPT over ranks with a free slot.
+    m = -(-len(bins) // W)
+    c = max(d for d in range(1, m + 1) if m % d == 0 and (d == 1 or d * W * S <= bucket_numel))
     if load is None:
         load = [0] * W
     if len(load) != W:
         raise ValueError(f"load has {len(load)} ranks, expected {W}")
-    first = min(range(min(W, nb * W - n_stream + 1)), key=lambda r: (load[r], r))
-    free: list[list[int]] = [list(range(nb)) for _ in range(W)]  # each rank's free buckets
-    placed: list[tuple[int, int, _Bin]] = []  # (bucket, rank, bin)
+    r0 = min(range(min(W, (m * W - n_stream) // c + 1)), key=lambda r: (load[r], r))
+    free: list[list[int]] = [list(range(m)) for _ in range(W)]  # each rank's free slots
+    placed: list[tuple[int, int, _Bin]] = []  # (linear index, rank, bin)
     for j, b in enumerate(bins[:n_stream]):
-        k, r = divmod(first + j, W)
-        free[r].remove(k)
+        lin = r0 * c + j
+        k, r, jj = lin // (W * c), lin // c % W, lin % c
+        free[r].remove(k * c + jj)
         load[r] += b.cost
-        placed.append((k, r, b))
-    rest = sorted(bins[n_stream:], key=lambda b: -b.cost)
-    for b in rest:
+        placed.append((lin, r, b))
+    for b in sorted(bins[n_stream:], key=lambda b: -b.cost):
         r = min((r for r in range(W) if free[r]), key=lambda r: (load[r], r))
-        placed.append((free[r].pop(0), r, b))
+        slot = free[r].pop(0)
+        placed.append(((slot // c * W + r) * c + slot % c, r, b))
         load[r] += b.cost
 
-    # Offsets: bin at (k, r) starts at k*W*S + r*S, its items back to back at ALIGN (a stream
-    # bin's first item is its stream's piece, whose offset is the stream's first bin's: stream
-    # bin j went to slot first + j).
+    # Offsets: a bin's items back to back at ALIGN from its slot's start (a stream bin's first
+    # item is its stream's piece, whose offset is the stream's first bin's: stream bin j went to
+    # linear index r0*c + j).
     for pos, (n, b) in enumerate(zip(sizes, blocks)):
         if n and _streams(n, b, S):
-            offsets[pos] = (first + offsets[pos]) * S
-    for k, r, b in placed:
-        cur = (k * W + r) * S
+            offsets[pos] = (r0 * c + offsets[pos]) * S
+    for lin, _, b in placed:
+        cur = lin * S
         for i, (pos, length) in enumerate(b.items):
             cur = round_up(cur, ALIGN)
             if not (b.stream and i == 0):
@@ -173,7 +184,7 @@ def build_owner_layout(
         for pos in order
     ]
     end = max(s.offset + s.numel for s in slots)
-    return FlatLayout(slots, W, end, nb, W * S)
+    return FlatLayout(slots, W, end, m // c, W * c * S)
 
 
 def rank_costs(layout: FlatLayout, blocks: dict[int, Block]) -> list[int]:

@@ -96,19 +96,7 @@ def _check(extra: dict) -> None:
     assert not over, over
 
 
-# The owner layout makes a bucket W shards of S, S the largest Muon matrix rounded up to ALIGN
-# (fusedzero/_owner_layout.py): a bucket holds W bins, here one 4x4 matrix each, so 24 matrices
-# take 12 buckets at W=2, each with its reduce-scatter, scale, zero and copy (4 ops): ~1.1 ops
-# per param at stages 1-3. A bucket that held several bins per rank (up to bucket_numel) would
-# bring it back under the bound.
-_MUON_BUCKET_PER_W_BINS = pytest.mark.xfail(
-    strict=True, reason="owner-layout buckets hold W bins each: ~4/W backward ops per matrix"
-)
-
-
-@pytest.mark.parametrize(
-    "stage", [0, *(pytest.param(s, marks=_MUON_BUCKET_PER_W_BINS) for s in (1, 2, 3))]
-)
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_backward_under_zero_muon_adds_at_most_half_an_op_per_param_fake_2_ranks(
     stage: int,
 ) -> None:
