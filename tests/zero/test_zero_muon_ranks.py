@@ -1,0 +1,224 @@
+"""ZeroMuon over several gloo ranks against the single-process torch.optim.Muon + AdamW.
+
+Each rank takes its slice of every batch (grads averaged as DDP), so the grads differ from the
+reference's by the summation order of the batch mean: exactly the noise control of
+tests/zero/test_zero_muon.py (the reference against itself with each loss over two half
+batches), and the params must match within 2x of it. At stage 0 every rank runs Newton-Schulz
+on every matrix; at stages 1-3 the owner layout (fusedzero/_owner_layout.py) puts each matrix
+whole on one rank, an expert stack [E, M, N] streaming its matrices over consecutive owners.
+Checkpoints save momentum per param, so a run moves between world sizes and stages (owners
+change) and resumes as the reference would.
+
+About internals: `FlatBuffer.layout` segments and `LocalShard.whole_tensors` (which matrix a
+rank owns), `ZeroOptimizer.shard_infos`/`shard_state` (the momentum buffers by segment).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_zero_muon import (
+    MUON_HP,
+    _assert_within,
+    _params,
+)
+from torch import nn
+
+from fusedzero import ZeroMuon, muon_param_groups
+from fusedzero.testing import fake_group, run_ranks
+
+ADAMW = dict(lr=1e-3, weight_decay=0.01)
+CLIP = 0.5  # below the grad norm of every step here: the clip coefficient is live
+
+
+# -- 2. a Mixtral-shaped mixture of experts ---------------------------------------------------
+
+E, D, FFN, VOCAB, SEQ = 4, 16, 32, 32, 8
+# One expert matrix is FFN * D = 512 elements, an ALIGN multiple and the largest block: the
+# owner layout's shard size, so each stack streams one matrix a shard over consecutive owners.
+MOE_BATCH = 8  # sequences a step
+MOE_STEPS = 3
+
+
+class Moe(nn.Module):
+    """One Mixtral-shaped layer: single-head causal attention (q, k, v, o projections), a router
+    Linear, top-k routing to E SiLU experts held as stacks `w1` [E, FFN, D] and `w2` [E, D, FFN]
+    (or, `stacked=False`, as 2-D params `w1s.e`, `w2s.e`: the same math), a norm and a head."""
+
+    def __init__(self, top_k: int, stacked: bool = True) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.embed = nn.Embedding(VOCAB, D)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            nn.Linear(D, D, bias=False) for _ in range(4)
+        )
+        self.norm = nn.LayerNorm(D)
+        self.router = nn.Linear(D, E, bias=False)
+        w1, w2 = torch.randn(E, FFN, D) * D**-0.5, torch.randn(E, D, FFN) * FFN**-0.5
+        if stacked:
+            self.w1, self.w2 = nn.Parameter(w1), nn.Parameter(w2)
+        else:
+            self.w1s = nn.ParameterList(nn.Parameter(m) for m in w1)
+            self.w2s = nn.ParameterList(nn.Parameter(m) for m in w2)
+        self.lm_head = nn.Linear(D, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        q, k, v = self.q_proj(h), self.k_proj(h), self.v_proj(h)
+        h = h + self.o_proj(F.scaled_dot_product_attention(q, k, v, is_causal=True))
+        t = self.norm(h).reshape(-1, D)
+        probs = torch.softmax(self.router(t), dim=-1)
+        gate, idx = probs.topk(self.top_k, dim=-1)
+        if self.top_k > 1:  # Mixtral renormalises its top-k; top-1 keeps the router's grad
+            gate = gate / gate.sum(-1, keepdim=True)
+        w1 = self.w1.unbind(0) if hasattr(self, "w1") else list(self.w1s)
+        w2 = self.w2.unbind(0) if hasattr(self, "w2") else list(self.w2s)
+        out = torch.zeros_like(t)
+        for e in range(E):  # an expert with no token still gets a (zero) grad
+            tok, slot = (idx == e).nonzero(as_tuple=True)
+            ye = F.silu(t[tok] @ w1[e].T) @ w2[e].T
+            out = out.index_add(0, tok, ye * gate[tok, slot, None])
+        h = h + out.view_as(h)
+        return F.cross_entropy(self.lm_head(h).reshape(-1, VOCAB), y.reshape(-1))
+
+
+def _moe(top_k: int) -> Moe:
+    torch.manual_seed(0)
+    return Moe(top_k)
+
+
+def _moe_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(2000 + step)
+    x = torch.randint(0, VOCAB, (MOE_BATCH, SEQ + 1), generator=g)
+    return x[:, :-1], x[:, 1:]
+
+
+def _split_twin(model: Moe) -> Moe:
+    """`model` with each expert matrix a 2-D param of the same values."""
+    twin = Moe(model.top_k, stacked=False)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n in ("w1", "w2"):
+                for e in range(E):
+                    twin.get_parameter(f"{n}s.{e}").copy_(p[e])
+            else:
+                twin.get_parameter(n).copy_(p)
+    return twin
+
+
+def _moe_reference(top_k: int) -> tuple[dict[str, torch.Tensor], float]:
+    """torch.optim.Muon (on each expert matrix as a 2-D param: it refuses 3-D) + AdamW on the
+    whole batch, clipped: the params by the stacked model's names after MOE_STEPS steps, and
+    the noise control: how far the same reference moves them when each loss is the mean of 2, 4
+    or 8 partial-batch losses (the most of the three). One ordering is not enough here: in a
+    model this small an ulp of another order flips a bf16 rounding of Newton-Schulz's input
+    (about 2e-4 on the params) for some orders and for none of others, by chance."""
+    runs = {}
+    for parts in (1, 2, 4, 8):
+        twin = _split_twin(_moe(top_k))
+        groups = muon_param_groups(twin)
+        opts = (
+            torch.optim.Muon(groups[0]["params"], **MUON_HP),
+            torch.optim.AdamW(groups[1]["params"], **ADAMW),
+        )
+        h = MOE_BATCH // parts
+        for step in range(MOE_STEPS):
+            x, y = _moe_batch(step)
+            sum(twin(x[i : i + h], y[i : i + h]) / parts for i in range(0, MOE_BATCH, h)).backward()
+            torch.nn.utils.clip_grad_norm_(twin.parameters(), CLIP)
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        p = {n: q.detach() for n, q in twin.named_parameters() if n[:4] not in ("w1s.", "w2s.")}
+        for n in ("w1", "w2"):
+            p[n] = torch.stack([twin.get_parameter(f"{n}s.{e}").detach() for e in range(E)])
+        runs[parts] = p
+    want = runs.pop(1)
+    noise = max((r[n] - w).abs().max().item() for r in runs.values() for n, w in want.items())
+    assert 0.0 < noise < 5e-3, f"noise control moved the params by {noise}"
+    return want, noise
+
+
+def test_the_owner_layout_cuts_an_expert_stack_between_matrices_only() -> None:
+    """Over 2 ranks (a fake group) at stage 1, each expert stack is streamed one matrix a shard:
+    rank r holds matrices of it, not all, and the Muon rule takes each run of whole matrices
+    (`whole_tensors(stacks=True)`, a [k, M, N] piece) where a whole-param view refuses it."""
+    held: dict[str, list[int]] = {}
+    for r in range(2):
+        with fake_group(r, 2):
+            model = _moe(2)
+            opt = ZeroMuon(muon_param_groups(model), stage=1, module=model, device="cpu")
+            (shard,) = [
+                b.local_shard()
+                for b in opt.flat_groups
+                if opt.group_rules[b.group_index].name == "muon"
+            ]
+            with pytest.raises(ValueError, match="is not whole in this local shard"):
+                shard.whole_tensors()
+            for t in shard.whole_tensors(stacks=True):
+                name = opt.param_names[t.param]
+                if name in ("w1", "w2"):
+                    assert t.shape[1:] == model.get_parameter(name).shape[1:], t
+                    held.setdefault(name, []).extend([r] * t.shape[0])
+            opt.close()
+    assert sorted(held["w1"]) == sorted(held["w2"]) == [0, 0, 1, 1], held
+
+
+def _moe_stages(rank: int, world: int, top_k: int) -> dict[int, dict[str, Any]]:
+    out = {}
+    h = MOE_BATCH // world
+    for stage in (1, 2, 3):
+        model = _moe(top_k)
+        opt = ZeroMuon(
+            muon_param_groups(model, muon=MUON_HP, adamw=ADAMW),
+            stage=stage,
+            module=model,
+            max_grad_norm=CLIP,
+        )
+        owned = []  # (name, first element, elements) of every Muon segment this rank holds
+        for buf in opt.flat_groups:
+            if opt.group_rules[buf.group_index].name == "muon":
+                owned += [
+                    (opt.param_names[s.param], s.start, s.length)
+                    for s in buf.local_shard().segments
+                ]
+        for step in range(MOE_STEPS):
+            x, y = _moe_batch(step)
+            model(x[rank * h : (rank + 1) * h], y[rank * h : (rank + 1) * h]).backward()
+            opt.step()
+            opt.zero_grad()
+        out[stage] = {"params": _params(model, opt), "owned": owned}
+        opt.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("world", "top_k"), [(2, 2), (4, 1)])
+def test_a_mixtral_shaped_moe_with_expert_stacks_cut_between_owners(world: int, top_k: int) -> None:
+    """A Mixtral-shaped layer whose experts are 3-D stacks [E, FFN, D] and [E, D, FFN] in the
+    Muon group (with the attention projections and the router), top-k routing, clipping, at
+    stages 1-3 over W gloo ranks: each expert matrix is owned whole by one rank and each stack's
+    matrices by several (the stack is cut between owners, at matrix edges only); the params
+    match torch.optim.Muon over the E matrices as 2-D params + AdamW within 2x the noise
+    control, on every rank alike."""
+    outs = run_ranks(_moe_stages, world, top_k)
+    want, noise = _moe_reference(top_k)
+    for stage in (1, 2, 3):
+        owners: dict[str, dict[int, int]] = {}  # stack name: first element -> rank
+        for r in range(world):
+            for name, start, length in outs[r][stage]["owned"]:
+                if name in ("w1", "w2"):
+                    assert start % (FFN * D) == 0 and length % (FFN * D) == 0, (name, start)
+                    for m in range(start // (FFN * D), (start + length) // (FFN * D)):
+                        assert m not in owners.setdefault(name, {}), (stage, name, m)
+                        owners[name][m] = r
+        for name in ("w1", "w2"):
+            assert sorted(owners[name]) == list(range(E)), (stage, name, owners)
+            assert len(set(owners[name].values())) > 1, f"stage {stage}: {name} on one rank"
+        for r in range(1, world):
+            for n, w in outs[0][stage]["params"].items():
+                assert torch.equal(outs[r][stage]["params"][n], w), f"stage {stage} rank {r} {n}"
+        _assert_within(outs[0][stage]["params"], want, 2 * noise, f"W={world} stage {stage}")
