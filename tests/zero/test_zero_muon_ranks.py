@@ -15,23 +15,115 @@ rank owns), `ZeroOptimizer.shard_infos`/`shard_state` (the momentum buffers by s
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 from test_zero_muon import (
+    CFG,
     MUON_HP,
     _assert_within,
+    _first_diff,
     _params,
+    _reference_and_noise,
+    _zero,
 )
 from torch import nn
 
-from fusedzero import ZeroMuon, muon_param_groups
+from fusedzero import ZeroMuon, checkpoint, muon_param_groups
 from fusedzero.testing import fake_group, run_ranks
+
+from _helpers import gpt_batch, make_gpt
 
 ADAMW = dict(lr=1e-3, weight_decay=0.01)
 CLIP = 0.5  # below the grad norm of every step here: the clip coefficient is live
+BATCH = 8  # sequences a step: a quarter each at W = 4, in two micro-batches of one
+STEPS = 4
+MICRO = (1, 3)  # the steps taken as two accumulated micro-batches on every rank
+
+
+@functools.cache
+def _gpt_reference() -> tuple[dict[str, torch.Tensor], float]:
+    return _reference_and_noise(ADAMW, CLIP, STEPS, BATCH)
+
+
+def _train(model: nn.Module, opt: ZeroMuon, rank: int, world: int, steps: range) -> None:
+    """`steps` of the small GPT, this rank on its slice of every batch (two micro-batches at the
+    steps of MICRO)."""
+    h = BATCH // world
+    for step in steps:
+        x, y = gpt_batch(CFG, BATCH, step)
+        x, y = x[rank * h : (rank + 1) * h], y[rank * h : (rank + 1) * h]
+        micro = 2 if step in MICRO else 1
+        for k in range(micro):
+            sl = slice(k * h // micro, (k + 1) * h // micro)
+            (model(x[sl], y[sl])[1] / micro).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _momentum_pieces(opt: ZeroMuon) -> dict[str, list[tuple[int, torch.Tensor]]]:
+    """This rank's Muon momentum by param name: (first element in the flattened param, values)
+    for every segment its shards hold."""
+    st, out = opt.shard_state(), {}
+    for info, buf in zip(opt.shard_infos(), st.momentum_buffer, strict=True):
+        for seg in info.segments() if buf is not None else ():
+            piece = buf[seg.local : seg.local + seg.length].clone()
+            out.setdefault(opt.param_names[seg.param], []).append((seg.start, piece))
+    return out
+
+
+def _merged_momenta(
+    per_rank: list[dict[str, list[tuple[int, torch.Tensor]]]], numels: dict[str, int]
+) -> dict[str, torch.Tensor]:
+    """Every Muon param's momentum, whole, from the ranks' pieces (stages 1-3): each element
+    held by exactly one rank."""
+    out: dict[str, torch.Tensor] = {}
+    held: dict[str, torch.Tensor] = {}
+    for pieces in per_rank:
+        for name, runs in pieces.items():
+            full = out.setdefault(name, torch.zeros(numels[name]))
+            count = held.setdefault(name, torch.zeros(numels[name], dtype=torch.int64))
+            for start, t in runs:
+                full[start : start + len(t)] = t
+                count[start : start + len(t)] += 1
+    for name, count in held.items():
+        assert bool((count == 1).all()), f"{name}: elements held by {count.unique().tolist()}"
+    return out
+
+
+# -- 1. the small GPT at stages 0-3 -----------------------------------------------------------
+
+
+def _gpt_stages(rank: int, world: int) -> dict[int, dict[str, torch.Tensor]]:
+    out = {}
+    for stage in range(4):
+        model = make_gpt(CFG)
+        opt = _zero(model, ADAMW, stage, max_grad_norm=CLIP)
+        _train(model, opt, rank, world, range(STEPS))
+        out[stage] = _params(model, opt)
+        opt.close()
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_stages_0_to_3_match_muon_plus_adamw(world: int) -> None:
+    """W gloo ranks, each with its slice of every batch, at stages 0-3 (one spawned run builds
+    each stage in turn on a fresh model), clipping by global norm and two accumulated
+    micro-batches at some steps: every rank holds the same params, which match
+    torch.optim.Muon + torch.optim.AdamW after `clip_grad_norm_` on the whole batch within 2x
+    the noise control."""
+    outs = run_ranks(_gpt_stages, world)
+    want, noise = _gpt_reference()
+    for stage in range(4):
+        for r in range(1, world):
+            for n, w in outs[0][stage].items():
+                got = outs[r][stage][n]
+                assert torch.equal(got, w), f"stage {stage} rank {r} {n}: {_first_diff(got, w)}"
+        _assert_within(outs[0][stage], want, 2 * noise, f"W={world} stage {stage}")
 
 
 # -- 2. a Mixtral-shaped mixture of experts ---------------------------------------------------
@@ -222,3 +314,86 @@ def test_a_mixtral_shaped_moe_with_expert_stacks_cut_between_owners(world: int, 
             for n, w in outs[0][stage]["params"].items():
                 assert torch.equal(outs[r][stage]["params"][n], w), f"stage {stage} rank {r} {n}"
         _assert_within(outs[0][stage]["params"], want, 2 * noise, f"W={world} stage {stage}")
+
+
+# -- 3. checkpoints ---------------------------------------------------------------------------
+
+
+def _save_w4_stage3(rank: int, world: int, path: str) -> dict[str, Any]:
+    model = make_gpt(CFG)
+    opt = _zero(model, ADAMW, 3, max_grad_norm=CLIP)
+    _train(model, opt, rank, world, range(2))
+    checkpoint.save(opt, path, step=2).wait()
+    out = {"params": _params(model, opt), "momenta": _momentum_pieces(opt)}
+    opt.close()
+    return out
+
+
+def _load_w2_stage1(rank: int, world: int, path: str) -> dict[str, Any]:
+    model = make_gpt(CFG, seed=1)
+    opt = _zero(model, ADAMW, 1, max_grad_norm=CLIP)
+    checkpoint.load(opt, path)
+    out = {"params": _params(model, opt), "momenta": _momentum_pieces(opt)}
+    _train(model, opt, rank, world, range(2, STEPS))
+    out["final"] = _params(model, opt)
+    opt.close()
+    return out
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_4_ranks_at_stage_3_resumes_on_2_ranks_at_stage_1(tmp_path) -> None:
+    """Saved by 4 gloo ranks at stage 3 after two steps, loaded by 2 ranks at stage 1 (other
+    owners for most matrices): every param and every Muon momentum buffer is the saved one bit
+    for bit; two more steps then match the single-process reference run of four steps within
+    2x the noise control."""
+    saved = run_ranks(_save_w4_stage3, 4, str(tmp_path))
+    loaded = run_ranks(_load_w2_stage1, 2, str(tmp_path))
+    numels = {n: p.numel() for n, p in make_gpt(CFG).named_parameters()}
+    want_m = _merged_momenta([o["momenta"] for o in saved], numels)
+    got_m = _merged_momenta([o["momenta"] for o in loaded], numels)
+    assert sorted(got_m) == sorted(want_m) and len(want_m) == 8
+    for n, w in want_m.items():
+        assert torch.equal(got_m[n], w), f"momentum {n}: {_first_diff(got_m[n], w)}"
+    for o in loaded:
+        for n, w in saved[0]["params"].items():
+            assert torch.equal(o["params"][n], w), f"param {n}: {_first_diff(o['params'][n], w)}"
+    want, noise = _gpt_reference()
+    _assert_within(loaded[0]["final"], want, 2 * noise, "resumed at W=2 stage 1")
+    for n, w in loaded[0]["final"].items():
+        assert torch.equal(loaded[1]["final"][n], w), f"ranks differ: {n}"
+
+
+def _resume_same_layout(rank: int, world: int, path: str) -> dict[str, Any]:
+    model = make_gpt(CFG)
+    opt = _zero(model, ADAMW, 2, max_grad_norm=CLIP)
+    _train(model, opt, rank, world, range(STEPS))
+    straight = {"params": _params(model, opt), "momenta": _momentum_pieces(opt)}
+    opt.close()
+    model = make_gpt(CFG)
+    opt = _zero(model, ADAMW, 2, max_grad_norm=CLIP)
+    _train(model, opt, rank, world, range(2))
+    checkpoint.save(opt, path, step=2).wait()
+    opt.close()
+    model = make_gpt(CFG, seed=1)
+    opt = _zero(model, ADAMW, 2, max_grad_norm=CLIP)
+    checkpoint.load(opt, path)
+    _train(model, opt, rank, world, range(2, STEPS))
+    resumed = {"params": _params(model, opt), "momenta": _momentum_pieces(opt)}
+    opt.close()
+    return {"straight": straight, "resumed": resumed}
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_bit_exactly_at_the_same_world_size_and_stage(tmp_path) -> None:
+    """Two gloo ranks at stage 2: two steps, save, load into a fresh model and ZeroMuon, two
+    more steps equal four straight steps bit for bit, every param and every rank's Muon
+    momentum."""
+    outs = run_ranks(_resume_same_layout, 2, str(tmp_path))
+    for r, o in enumerate(outs):
+        a, b = o["straight"], o["resumed"]
+        for n, w in a["params"].items():
+            assert torch.equal(b["params"][n], w), f"rank {r} {n}: {_first_diff(b['params'][n], w)}"
+        assert sorted(b["momenta"]) == sorted(a["momenta"]) and a["momenta"], r
+        for n, runs in a["momenta"].items():
+            for (s0, w), (s1, g) in zip(runs, b["momenta"][n], strict=True):
+                assert s0 == s1 and torch.equal(g, w), f"rank {r} momentum {n}"
