@@ -128,28 +128,31 @@ def test_stages_0_to_3_match_muon_plus_adamw(world: int) -> None:
 
 # -- 2. a Mixtral-shaped mixture of experts ---------------------------------------------------
 
-E, D, FFN, VOCAB, SEQ = 4, 16, 32, 32, 8
-# One expert matrix is FFN * D = 512 elements, an ALIGN multiple and the largest block: the
-# owner layout's shard size, so each stack streams one matrix a shard over consecutive owners.
+E, D, VOCAB, SEQ = 4, 16, 32, 8
+# An expert matrix of ffn = 32 is 32 * D = 512 elements, an ALIGN multiple and the largest block:
+# the owner layout's shard size, so each stack streams one matrix a shard over consecutive
+# owners. At ffn = 8 it is 128 elements and a q projection (256) sets the shard size: two
+# matrices a shard, a rank's run of a stack a [2, ffn, D] piece.
+FFN = 32
 MOE_BATCH = 8  # sequences a step
 MOE_STEPS = 3
 
 
 class Moe(nn.Module):
     """One Mixtral-shaped layer: single-head causal attention (q, k, v, o projections), a router
-    Linear, top-k routing to E SiLU experts held as stacks `w1` [E, FFN, D] and `w2` [E, D, FFN]
+    Linear, top-k routing to E SiLU experts held as stacks `w1` [E, ffn, D] and `w2` [E, D, ffn]
     (or, `stacked=False`, as 2-D params `w1s.e`, `w2s.e`: the same math), a norm and a head."""
 
-    def __init__(self, top_k: int, stacked: bool = True) -> None:
+    def __init__(self, top_k: int, stacked: bool = True, ffn: int = FFN) -> None:
         super().__init__()
-        self.top_k = top_k
+        self.top_k, self.ffn = top_k, ffn
         self.embed = nn.Embedding(VOCAB, D)
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
             nn.Linear(D, D, bias=False) for _ in range(4)
         )
         self.norm = nn.LayerNorm(D)
         self.router = nn.Linear(D, E, bias=False)
-        w1, w2 = torch.randn(E, FFN, D) * D**-0.5, torch.randn(E, D, FFN) * FFN**-0.5
+        w1, w2 = torch.randn(E, ffn, D) * D**-0.5, torch.randn(E, D, ffn) * ffn**-0.5
         if stacked:
             self.w1, self.w2 = nn.Parameter(w1), nn.Parameter(w2)
         else:
@@ -177,9 +180,9 @@ class Moe(nn.Module):
         return F.cross_entropy(self.lm_head(h).reshape(-1, VOCAB), y.reshape(-1))
 
 
-def _moe(top_k: int) -> Moe:
+def _moe(top_k: int, ffn: int = FFN) -> Moe:
     torch.manual_seed(0)
-    return Moe(top_k)
+    return Moe(top_k, ffn=ffn)
 
 
 def _moe_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -190,7 +193,7 @@ def _moe_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _split_twin(model: Moe) -> Moe:
     """`model` with each expert matrix a 2-D param of the same values."""
-    twin = Moe(model.top_k, stacked=False)
+    twin = Moe(model.top_k, stacked=False, ffn=model.ffn)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if n in ("w1", "w2"):
@@ -201,7 +204,7 @@ def _split_twin(model: Moe) -> Moe:
     return twin
 
 
-def _moe_reference(top_k: int) -> tuple[dict[str, torch.Tensor], float]:
+def _moe_reference(top_k: int, ffn: int) -> tuple[dict[str, torch.Tensor], float]:
     """torch.optim.Muon (on each expert matrix as a 2-D param: it refuses 3-D) + AdamW on the
     whole batch, clipped: the params by the stacked model's names after MOE_STEPS steps, and
     the noise control: how far the same reference moves them when each loss is the mean of 2, 4
@@ -210,7 +213,7 @@ def _moe_reference(top_k: int) -> tuple[dict[str, torch.Tensor], float]:
     (about 2e-4 on the params) for some orders and for none of others, by chance."""
     runs = {}
     for parts in (1, 2, 4, 8):
-        twin = _split_twin(_moe(top_k))
+        twin = _split_twin(_moe(top_k, ffn))
         groups = muon_param_groups(twin)
         opts = (
             torch.optim.Muon(groups[0]["params"], **MUON_HP),
@@ -259,11 +262,11 @@ def test_the_owner_layout_cuts_an_expert_stack_between_matrices_only() -> None:
     assert sorted(held["w1"]) == sorted(held["w2"]) == [0, 0, 1, 1], held
 
 
-def _moe_stages(rank: int, world: int, top_k: int) -> dict[int, dict[str, Any]]:
+def _moe_stages(rank: int, world: int, top_k: int, ffn: int) -> dict[int, dict[str, Any]]:
     out = {}
     h = MOE_BATCH // world
     for stage in (1, 2, 3):
-        model = _moe(top_k)
+        model = _moe(top_k, ffn)
         opt = ZeroMuon(
             muon_param_groups(model, muon=MUON_HP, adamw=ADAMW),
             stage=stage,
@@ -288,25 +291,29 @@ def _moe_stages(rank: int, world: int, top_k: int) -> dict[int, dict[str, Any]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("world", "top_k"), [(2, 2), (4, 1)])
-def test_a_mixtral_shaped_moe_with_expert_stacks_cut_between_owners(world: int, top_k: int) -> None:
-    """A Mixtral-shaped layer whose experts are 3-D stacks [E, FFN, D] and [E, D, FFN] in the
+@pytest.mark.parametrize(("world", "top_k", "ffn"), [(2, 2, 32), (4, 1, 32), (4, 2, 8)])
+def test_a_mixtral_shaped_moe_with_expert_stacks_cut_between_owners(
+    world: int, top_k: int, ffn: int
+) -> None:
+    """A Mixtral-shaped layer whose experts are 3-D stacks [E, ffn, D] and [E, D, ffn] in the
     Muon group (with the attention projections and the router), top-k routing, clipping, at
     stages 1-3 over W gloo ranks: each expert matrix is owned whole by one rank and each stack's
     matrices by several (the stack is cut between owners, at matrix edges only); the params
     match torch.optim.Muon over the E matrices as 2-D params + AdamW within 2x the noise
     control, on every rank alike."""
-    outs = run_ranks(_moe_stages, world, top_k)
-    want, noise = _moe_reference(top_k)
+    outs = run_ranks(_moe_stages, world, top_k, ffn)
+    want, noise = _moe_reference(top_k, ffn)
+    m = ffn * D  # elements of one expert matrix
+    per = max(D * D, m) // m  # matrices a shard: the shard size is the largest block's
     for stage in (1, 2, 3):
-        owners: dict[str, dict[int, int]] = {}  # stack name: first element -> rank
+        owners: dict[str, dict[int, int]] = {}  # stack name: its matrix -> its owner
         for r in range(world):
             for name, start, length in outs[r][stage]["owned"]:
                 if name in ("w1", "w2"):
-                    assert start % (FFN * D) == 0 and length % (FFN * D) == 0, (name, start)
-                    for m in range(start // (FFN * D), (start + length) // (FFN * D)):
-                        assert m not in owners.setdefault(name, {}), (stage, name, m)
-                        owners[name][m] = r
+                    assert start % m == 0 and length == per * m, (name, start, length)
+                    for j in range(start // m, (start + length) // m):
+                        assert j not in owners.setdefault(name, {}), (stage, name, j)
+                        owners[name][j] = r
         for name in ("w1", "w2"):
             assert sorted(owners[name]) == list(range(E)), (stage, name, owners)
             assert len(set(owners[name].values())) > 1, f"stage {stage}: {name} on one rank"
