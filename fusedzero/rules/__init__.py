@@ -99,7 +99,9 @@ def scale_field(fields: Sequence[StateField], name: str) -> StateField | None:
 
 class WholeTensor(NamedTuple):
     """A param held whole by a local shard: its index, where it starts in the local shard, its
-    shape (its elements are `local : local + numel` of every local-shard tensor)."""
+    shape (its elements are `local : local + numel` of every local-shard tensor). With
+    `whole_tensors(stacks=True)`, also a run of whole slices of a stack: `shape` is then the
+    run's, [k, *param.shape[1:]]."""
 
     param: int
     local: int
@@ -132,25 +134,38 @@ class LocalShard:
     comp: torch.Tensor | None = None  # bf16-kahan: the master's bf16 compensation
     sr_offset: int = 0  # bf16-sr: where this buffer starts in the random stream
 
-    def whole_tensors(self) -> list[WholeTensor]:
+    def whole_tensors(self, stacks: bool = False) -> list[WholeTensor]:
         """Every param this shard holds whole, contiguous in the local shard (its segments
         joined: at one rank a param may straddle two buckets, whose pieces are adjacent), in
         local order. A per-matrix rule updates these; ValueError names a param held in part or
-        cut, which the engine never hands such a rule."""
+        cut, which the engine never hands such a rule. `stacks`: a param of 3 or more dims is a
+        stack of its [1:] slices, which the owner layout may share out over ranks at slice
+        edges (an expert stack streamed one matrix a shard): each run of whole slices this
+        shard holds comes back on its own."""
         runs: dict[int, list[Segment]] = {}
         for seg in self.segments:
             runs.setdefault(seg.param, []).append(seg)
         out = []
         for p, segs in runs.items():
             segs.sort(key=lambda s: s.start)
-            numel = math.prod(self.shapes[p])
-            joined = all(
-                b.start == a.start + a.length and b.local == a.local + a.length
-                for a, b in zip(segs, segs[1:])
-            )
-            if segs[0].start != 0 or sum(s.length for s in segs) != numel or not joined:
-                raise ValueError(f"param {p} is not whole in this local shard: {segs}")
-            out.append(WholeTensor(p, segs[0].local, self.shapes[p]))
+            shape = self.shapes[p]
+            numel = math.prod(shape)
+            joined = [[segs[0]]]
+            for a, b in zip(segs, segs[1:]):
+                if b.start == a.start + a.length and b.local == a.local + a.length:
+                    joined[-1].append(b)
+                else:
+                    joined.append([b])
+            if len(joined) == 1 and segs[0].start == 0 and sum(s.length for s in segs) == numel:
+                out.append(WholeTensor(p, segs[0].local, shape))
+                continue
+            inner = math.prod(shape[1:])
+            for run in joined:
+                length = sum(s.length for s in run)
+                if not stacks or len(shape) < 3 or run[0].start % inner or length % inner:
+                    raise ValueError(f"param {p} is not whole in this local shard: {segs}")
+                part = (length // inner, *shape[1:])
+                out.append(WholeTensor(p, run[0].local, part))
         return sorted(out, key=lambda t: t.local)
 
     def pieces(self, view: ShardView) -> list[torch.Tensor]:

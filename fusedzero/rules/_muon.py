@@ -177,11 +177,12 @@ class MuonUpdate:
         self.device = device
         self.num_groups = num_groups
         self.group_lr = GroupLr(num_groups, device, consts=_consts)
-        # Each whole param: (shard, its WholeTensor, matrix shape), grouped by (group, shape).
+        # Each whole param, or run of whole matrices of a stack the owner layout shares out over
+        # ranks: (shard, its WholeTensor, matrix shape), grouped by (group, shape).
         counts: dict[tuple[int, tuple[int, int]], int] = {}
         found = []
         for s in shards:
-            for t in s.whole_tensors():
+            for t in s.whole_tensors(stacks=True):
                 ms = matrix_shape(t.shape)
                 if ms is None:
                     raise ValueError(

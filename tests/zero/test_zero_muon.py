@@ -35,9 +35,9 @@ BATCH = 4
 MUON_HP = dict(lr=float(torch.tensor(0.02)), weight_decay=0.1, momentum=0.95)
 
 
-def _loss(model: nn.Module, step: int, micro: int = 1) -> torch.Tensor:
-    x, y = gpt_batch(CFG, BATCH, step)
-    return model(x, y)[1] / micro
+def _loss(model: nn.Module, step: int, batch: int = BATCH) -> torch.Tensor:
+    x, y = gpt_batch(CFG, batch, step)
+    return model(x, y)[1]
 
 
 def _reference(model: nn.Module, adamw: dict[str, Any]) -> tuple[Any, Any]:
@@ -53,8 +53,10 @@ def _zero(model: nn.Module, adamw: dict[str, Any], stage: int, **kw: Any) -> Zer
     )
 
 
-def _ref_step(model: nn.Module, opts: tuple[Any, Any], step: int, clip: float | None) -> None:
-    _loss(model, step).backward()
+def _ref_step(
+    model: nn.Module, opts: tuple[Any, Any], step: int, clip: float | None, batch: int = BATCH
+) -> None:
+    _loss(model, step, batch).backward()
     if clip is not None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     for o in opts:
@@ -149,23 +151,23 @@ def test_muon_groups_are_bitwise_torch_optim_muon(
 
 
 def _reference_and_noise(
-    adamw: dict[str, Any], clip: float | None, steps: int
+    adamw: dict[str, Any], clip: float | None, steps: int, batch: int = BATCH
 ) -> tuple[dict[str, torch.Tensor], float]:
-    """The reference's params after `steps` steps, and the noise control: how far the same
-    reference moves them when each loss is taken as the mean of two half-batch losses (the same
-    math, another summation order; the difference an ulp makes once Newton-Schulz rounds its
-    input to bf16)."""
+    """The reference's params after `steps` steps on batches of `batch` sequences, and the noise
+    control: how far the same reference moves them when each loss is taken as the mean of two
+    half-batch losses (the same math, another summation order; the difference an ulp makes once
+    Newton-Schulz rounds its input to bf16)."""
     base = make_gpt(CFG)
     ref = copy.deepcopy(base)
     opts = _reference(ref, adamw)
     for step in range(steps):
-        _ref_step(ref, opts, step, clip)
+        _ref_step(ref, opts, step, clip, batch)
     want = {n: p.detach() for n, p in ref.named_parameters()}
     noisy = copy.deepcopy(base)
     opts = _reference(noisy, adamw)
-    h = BATCH // 2
+    h = batch // 2
     for step in range(steps):
-        x, y = gpt_batch(CFG, BATCH, step)
+        x, y = gpt_batch(CFG, batch, step)
         ((noisy(x[:h], y[:h])[1] + noisy(x[h:], y[h:])[1]) / 2).backward()
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(noisy.parameters(), clip)
