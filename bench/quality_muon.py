@@ -5,8 +5,8 @@ run reaches the best AdamW run's final val loss.
     python bench/quality_muon.py --out /tmp/fz_muon          # 500 steps, as the default run
     python bench/quality_muon.py --out /tmp/fz_muon --steps 200 --eval-every 20
 
-Every run is `fusedzero train --stage 0` (as the sweep in docs/benchmarks.md was measured;
-ZeroMuon also runs stages 1-3 on several ranks, each matrix whole on one rank) on --nproc
+Every run is `fusedzero train --stage 1` (--stage; the same math as stage 0, with each
+Newton-Schulz run once, on the matrix's owner rank, so the Muon runs go faster) on --nproc
 ranks with the default model, batch, schedule and seed; AdamW sweeps --lr, Muon sweeps
 --muon-lr (its AdamW groups, embeddings, head, norms and biases, at the default --lr). Each run's
 summary lands in OUT/<optimizer>-<lr>.json (a run whose file exists is not run again, so an
@@ -25,11 +25,12 @@ from pathlib import Path
 
 from fusedzero.app.config import DEFAULT_LR
 
-# Three points a factor of 2-3 apart: around --lr's default for AdamW; for Muon the sweep that
-# chose the default --muon-lr (fusedzero/app/config.py), around the Muon reference's 0.02.
+# Three points a factor of 2-3 apart, centred where a 200-step sweep found each best at an end
+# of its range (AdamW 1e-3 of 1e-3..9e-3, Muon 0.05 of 0.01..0.05; docs/benchmarks.md): AdamW
+# below --lr's default, Muon around the default --muon-lr (fusedzero/app/config.py).
 SWEEPS = {
-    "adamw": (DEFAULT_LR / 3, DEFAULT_LR, DEFAULT_LR * 3),
-    "muon": (0.01, 0.02, 0.05),
+    "adamw": (3e-4, 1e-3, DEFAULT_LR),
+    "muon": (0.02, 0.05, 0.1),
 }
 
 
@@ -45,7 +46,7 @@ def _argv(opt: str, lr: float, args: argparse.Namespace, out: Path) -> list[str]
         flag,
         f"{lr:g}",
         "--stage",
-        "0",
+        str(args.stage),
         "--nproc",
         str(args.nproc),
         "--steps",
@@ -98,6 +99,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=500, help="steps of every run (default 500)")
     p.add_argument("--eval-every", type=int, default=25, help="steps between val evals")
     p.add_argument("--nproc", type=int, default=2, help="gloo ranks of every run (default 2)")
+    p.add_argument(
+        "--stage",
+        type=int,
+        default=1,
+        help="ZeRO stage of every run (default 1: Newton-Schulz "
+        "split over the ranks; the same math as stage 0)",
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     runs = _run_all(args)
@@ -108,7 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     target = best["adamw"]["val_loss"]
     reach = _reach(best["muon"]["val"], target)
     lines = [
-        f"{args.steps} steps, stage 0, {args.nproc} ranks, val loss every {args.eval_every} steps",
+        f"{args.steps} steps, stage {args.stage}, {args.nproc} ranks, val loss every "
+        f"{args.eval_every} steps",
         "",
         "| optimizer | lr | final val loss | final train loss |",
         "| --- | --- | --- | --- |",
@@ -132,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
                 "steps": args.steps,
                 "eval_every": args.eval_every,
                 "nproc": args.nproc,
-                "stage": 0,
+                "stage": args.stage,
                 "runs": runs,
                 "best": {o: r["lr"] for o, r in best.items()},
                 "muon_reaches_adamw_final_at_step": reach,

@@ -48,14 +48,14 @@ def test_reads_the_sweep_and_finds_the_step_muon_reaches_adamw(
     assert len(d["runs"]) == 6
 
 
-def test_each_run_is_train_at_stage_0_sweeping_its_own_lr_flag(tmp_path: Path) -> None:
+def test_each_run_is_train_at_its_stage_sweeping_its_own_lr_flag(tmp_path: Path) -> None:
     mod = _load()
-    args = mod.argparse.Namespace(nproc=2, steps=7, eval_every=5)
+    args = mod.argparse.Namespace(nproc=2, steps=7, eval_every=5, stage=1)
     a = mod._argv("adamw", 1e-3, args, tmp_path / "a.json")
     m = mod._argv("muon", 0.05, args, tmp_path / "m.json")
     assert a[a.index("--optimizer") + 1] == "adamw" and a[a.index("--lr") + 1] == "0.001"
     assert m[m.index("--optimizer") + 1] == "muon" and m[m.index("--muon-lr") + 1] == "0.05"
     assert "--lr" not in m
     for argv in (a, m):
-        assert argv[argv.index("--stage") + 1] == "0" and argv[argv.index("--steps") + 1] == "7"
+        assert argv[argv.index("--stage") + 1] == "1" and argv[argv.index("--steps") + 1] == "7"
         assert "--device" in argv
