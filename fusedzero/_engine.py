@@ -552,8 +552,16 @@ class ZeroOptimizer(ShardStateMethods, torch.optim.Optimizer):
         return self.buckets.max_live_buckets
 
     def memory(self) -> MemoryReport:
-        """Resident bytes this rank owns now, from the tensors themselves."""
-        return memory_report(self.flat_groups)
+        """Resident bytes this rank owns now, from the tensors themselves: the flat buffers, and
+        in `optimizer` the rules' scratch too (`Update.scratch`, e.g. Muon's Newton-Schulz
+        stacks)."""
+        report = memory_report(self.flat_groups)
+        scratch = sum(
+            t.numel() * t.element_size()
+            for p in self._update.parts
+            for t in getattr(p.update, "scratch", ())
+        )
+        return report._replace(optimizer=report.optimizer + scratch)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """Multiply the loss by the current loss scale (identity without loss scaling)."""

@@ -46,7 +46,7 @@ from fusedzero._owner_layout import build_owner_layout, rank_costs
 from fusedzero._units import select_units
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.policy import Precision, Sharding, Wire, check_record
-from fusedzero.rules import Rule
+from fusedzero.rules import Rule, scratch_bytes
 from fusedzero.rules._adamw import ADAMW
 from fusedzero.rules._muon import MUON
 from fusedzero.stage import Stage
@@ -269,6 +269,8 @@ class Plan:
             # divides it).
             k = optimizer_bytes(c.modes, rule, 128, c.param_dtype or torch.float32) / 128
             states = " + ".join(f.name for f in rule.state_fields(c.modes))
+            if scratch_bytes(rule, 128):
+                states += f" + {scratch_bytes(rule, 128) / 128:g} B scratch"
             if c.modes != MemoryModes():
                 what = f"master={c.modes.master}, states={c.modes.states}"
             elif c.param_dtype == torch.float32:

@@ -39,7 +39,7 @@ from fusedzero.memory_modes import (
     decode_state,
     encode_master,
 )
-from fusedzero.rules import Rule, StateField, scale_field
+from fusedzero.rules import Rule, StateField, scale_field, scratch_bytes
 
 __all__ = ["ParamInfo", "ShardInfo", "ShardState", "tensor_fields"]
 
@@ -147,10 +147,12 @@ def optimizer_bytes(
 ) -> int:
     """Resident optimizer bytes of a local shard of `local_numel` elements (a multiple of
     QBLOCK) whose params are `param_dtype`: the master beside the params (`master_bytes`) and
-    the rule's state fields. The formula `fusedzero plan` uses; `opt.memory()` counts the same
-    tensors."""
-    return modes.master_bytes(local_numel, param_dtype) + sum(
-        f.nbytes(local_numel) for f in rule.state_fields(modes)
+    the rule's state fields, and the rule's scratch (`rules.scratch_bytes`). The formula
+    `fusedzero plan` uses; `opt.memory()` counts the same tensors."""
+    return (
+        modes.master_bytes(local_numel, param_dtype)
+        + sum(f.nbytes(local_numel) for f in rule.state_fields(modes))
+        + scratch_bytes(rule, local_numel)
     )
 
 

@@ -221,6 +221,11 @@ class Rule(Protocol):
         """Refuse a bad hyper-parameter with a ValueError naming it."""
         ...
 
+    # Optional: `scratch_bytes(local_numel) -> int`, the bytes the rule's launches keep beside a
+    # local shard of `local_numel` elements (working memory, never saved; absent: none). The
+    # rule's `Update` then holds them as `scratch` tensors. `opt.memory()` counts the tensors,
+    # `fusedzero plan` the formula (`scratch_bytes` below): they must agree.
+
     def blocks(self, shape: tuple[int, ...]) -> Block:
         """Per-matrix rules only (`element_wise = False`): what of a param of `shape` must sit
         whole on one rank (see [Note: whole tensors for per-matrix rules])."""
@@ -242,6 +247,13 @@ class Rule(Protocol):
         """The launches over `shards` (every flat buffer of the rank, in order). `seed`: the
         engine's bf16-sr random stream seed (None in other master modes)."""
         ...
+
+
+def scratch_bytes(rule: Rule, local_numel: int) -> int:
+    """The scratch bytes `rule` keeps beside a local shard of `local_numel` elements (0 for a
+    rule that declares none)."""
+    fn = getattr(rule, "scratch_bytes", None)
+    return 0 if fn is None else int(fn(local_numel))
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

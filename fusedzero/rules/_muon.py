@@ -110,6 +110,10 @@ class Muon:
             raise ValueError(f"the muon rule updates matrices, got a param of shape {shape}")
         return Block(ms[0] * ms[1], ns_cost(*ms))
 
+    def scratch_bytes(self, local_numel: int) -> int:
+        """The Newton-Schulz stacks: bf16, one element per local-shard element (`MuonUpdate`)."""
+        return 2 * local_numel
+
     def state_fields(self, modes: MemoryModes) -> tuple[StateField, ...]:
         # Refused here, before the engine builds any buffer (which rewrites the model's params).
         if not modes.fp32_master:
@@ -194,12 +198,18 @@ class MuonUpdate:
                 found.append((s, t, key, counts.get(key, 0), e))
                 counts[key] = counts.get(key, 0) + e
         # One [B, M, N] bf16 stack per (group, shape): the momentum launch writes the NS input
-        # there and Newton-Schulz its result back, which the update launch reads (scratch: 2 B
-        # per Muon element, not state).
-        self.stacks = {
-            key: torch.zeros(n, *key[1], dtype=torch.bfloat16, device=device)
-            for key, n in counts.items()
-        }
+        # there and Newton-Schulz its result back, which the update launch reads. The stacks
+        # are carved back to back from one scratch tensor of a local shard's size (`scratch_
+        # bytes`: 2 B per local-shard element, the same on every rank, so `plan` counts it
+        # exactly; the matrices a rank owns never exceed its local shard).
+        local = sum(s.num_buckets * s.shard_numel for s in shards)
+        self.scratch = (torch.zeros(local, dtype=torch.bfloat16, device=device),)
+        self.stacks: dict[tuple[int, tuple[int, int]], torch.Tensor] = {}
+        at = 0
+        for key, n in counts.items():
+            numel = n * key[1][0] * key[1][1]
+            self.stacks[key] = self.scratch[0][at : at + numel].view(n, *key[1])
+            at += numel
         self._row_keys: list[tuple[int, tuple[int, int]]] = []  # (group, shape) per row
         mom, upd = [], []
         for s, t, key, first, e in found:

@@ -48,7 +48,7 @@ def _muon(model: torch.nn.Module, stage: int, precision: Precision, bucket: int,
 def test_plan_equals_zero_muon_memory_and_comm(states: str, pdt: torch.dtype) -> None:
     """At one rank (every stage) and at stage 0 on two ranks, the plan's resident bytes and
     comm bytes are ZeroMuon's `memory()` and `opt.comm` after a step, to the byte: the Muon
-    groups keep one state field, the AdamW groups two."""
+    groups keep one state field and the Newton-Schulz scratch, the AdamW groups two fields."""
     with torch.device("meta"):
         meta = GPT(GPTConfig(**CFG))
     precision = Precision(param_dtype=pdt, reduce_dtype=torch.float32, states=states)
@@ -71,8 +71,10 @@ def test_plan_equals_zero_muon_memory_and_comm(states: str, pdt: torch.dtype) ->
                 what = f"W={W} stage={stage} {pdt} states={states}"
                 assert_memory_is_plan(opt, want, what)
                 opt.close()
-            # one state field fewer than AdamW's on the Muon params
-            assert want.optimizer_bytes < adamw_only.stages[stage].optimizer_bytes, what
+            # fp32 states: Muon's 4 B of momentum and 2 B of Newton-Schulz scratch per element
+            # against AdamW's 8 B of moments (bf16 states: 2 + 2 against 2 + 2)
+            if states == "fp32":
+                assert want.optimizer_bytes < adamw_only.stages[stage].optimizer_bytes, what
 
 
 @pytest.mark.parametrize("W", [2, 4])
