@@ -18,6 +18,9 @@ it unchanged. Only the placement differs:
    every shard edge between two of its matrices (a Mixtral expert stack: one matrix a shard).
 2. Bins of S elements, first-fit decreasing: a bin holds one Llama MLP matrix, or three q/o
    projections and two k/v ones; a GPT-2 c_attn with an attention c_proj.
+   Where the buffer's `bucket_numel` allows bins larger than S and no stack streams, fewer,
+   larger bins are tried (m per rank, about 1/(W*m) of the matrices each, worst-fit
+   decreasing) and the packing of least padding kept (`_fewer_larger_bins`).
 3. Bins to slots: each rank gets m = ceil(bins / W) slots of S, c of them back to back in its
    shard of each of m / c buckets (c the largest divisor of m whose bucket, W * c * S, fits the
    buffer's `bucket_numel`: each bucket is a collective and ~4 ops in backward, so more bins a
@@ -29,14 +32,16 @@ it unchanged. Only the placement differs:
 Padding is the empty slots (< W bins' worth) plus each bin's unfilled room. It is small where a
 buffer holds many more matrices than W * (matrices per bin) (Llama-8B at W = 8: 0.96%) and
 large where it does not (GPT-2 124M at W = 8: 4 of 40 slots empty, 11%; a stage-3 unit of one
-block at W = 8). An element-wise param could fill the room (docs/muon.md, "Padding"), which
-needs buckets of more than one size or a buffer of two rules: not done.
+block at W = 8), with bins of S; with a bucket of the whole buffer (2., larger bins) GPT-2
+and Llama-8B/70B at W = 8 pad nothing. An element-wise param could fill the room (docs/muon.md,
+"Padding"), which needs buckets of more than one size or a buffer of two rules: not done.
 
 `bucket_numel` bounds a bucket only down to W * S: a bucket holds at least one bin per rank.
 """
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -138,6 +143,9 @@ def build_owner_layout(
         b.used = round_up(b.used, ALIGN) + size
         b.cost += cost
         b.items.append((pos, size))
+    if not n_stream:
+        costs = {pos: sizes[pos] // blocks[pos].numel * blocks[pos].cost for pos in whole}
+        S, bins = _fewer_larger_bins(S, bins, W, bucket_numel, costs)
 
     # 3. Bins to slots. Each rank gets m = ceil(bins / W) slots, c of them in each of m / c
     #    buckets (c the largest divisor of m whose bucket fits `bucket_numel`: fewer, larger
@@ -185,6 +193,58 @@ def build_owner_layout(
     ]
     end = max(s.offset + s.numel for s in slots)
     return FlatLayout(slots, W, end, m // c, W * c * S)
+
+
+def _fewer_larger_bins(
+    S: int, bins: list[_Bin], W: int, bucket_numel: int, costs: dict[int, int]
+) -> tuple[int, list[_Bin]]:
+    """Bins larger than the largest matrix, where the bucket size allows, when they pad less:
+    for m bins per rank, capacity C = max(S, total / (W*m)) rounded up to ALIGN (and a few
+    ALIGN-rounded percent more where the items do not fit), the items worst-fit decreasing into
+    exactly W*m bins (each into the emptiest: the fills even out, where first fit leaves the
+    last bins light). GPT-2 124M at W = 8: its 48 matrices make 8 bins of exactly an eighth (no
+    padding) where bins of the largest matrix leave 4 of 40 slots empty (11%). Kept: the layout
+    of least padding, the smaller bins on a tie (more buckets: more overlap with backward)."""
+    cap = bucket_numel // W
+    if cap <= S:
+        return S, bins
+    items = [(pos, size, costs[pos]) for b in bins for pos, size in b.items]
+    items.sort(key=lambda t: (-t[1], t[0]))  # largest first, model order among equals
+    total = sum(size for _, size, _ in items)
+    best = (-(-len(bins) // W) * W * S, S, bins)
+    m = 1
+    while True:
+        C = round_up(max(S, -(-total // (W * m))), ALIGN)
+        if C <= S:
+            break
+        for grow in (0, 1, 2, 5):
+            Cg = round_up(C + C * grow // 100, ALIGN)
+            if Cg > cap:
+                break
+            packed = _worst_fit(items, W * m, Cg)
+            if packed is not None:
+                if W * m * Cg < best[0]:
+                    best = (W * m * Cg, Cg, packed)
+                break
+        m += 1
+    return best[1], best[2]
+
+
+def _worst_fit(items: list[tuple[int, int, int]], n: int, C: int) -> list[_Bin] | None:
+    """`items` (position, aligned size, cost; largest first) worst-fit into `n` bins of `C`, or
+    None where one does not fit."""
+    bins = [_Bin() for _ in range(n)]
+    heap = [(0, i) for i in range(n)]
+    for pos, size, cost in items:
+        used, i = heapq.heappop(heap)
+        if used + size > C:
+            return None
+        b = bins[i]
+        b.used = used + size
+        b.cost += cost
+        b.items.append((pos, size))
+        heapq.heappush(heap, (b.used, i))
+    return bins
 
 
 def rank_costs(layout: FlatLayout, blocks: dict[int, Block]) -> list[int]:
