@@ -448,7 +448,8 @@ def _layout(
     )  # as FlatBuffer chooses it
     shards = 1 if stage == 0 else cfg.world_size
     if rule is not None and not rule.element_wise and shards > 1:
-        return build_owner_layout(items, [rule.blocks(it[2]) for it in items], shards, owner_load)
+        blocks = [rule.blocks(it[2]) for it in items]
+        return build_owner_layout(items, blocks, shards, owner_load, bucket)
     return build_layout(items, shards, bucket)
 
 

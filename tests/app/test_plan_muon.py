@@ -31,7 +31,9 @@ def _groups(model: torch.nn.Module) -> list[dict]:
     return gpt_muon_param_groups(model, 0.1, muon_lr=0.02, lr=3e-3, betas=(0.9, 0.95))
 
 
-def _muon(model: torch.nn.Module, stage: int, precision: Precision, bucket: int, **kw) -> ZeroMuon:
+def _muon(
+    model: torch.nn.Module, stage: int, precision: Precision, bucket: int | None, **kw
+) -> ZeroMuon:
     return ZeroMuon(
         _groups(model),
         stage=stage,
@@ -77,19 +79,20 @@ def test_plan_equals_zero_muon_memory_and_comm(states: str, pdt: torch.dtype) ->
                 assert want.optimizer_bytes < adamw_only.stages[stage].optimizer_bytes, what
 
 
+@pytest.mark.parametrize("bucket", [5000, None], ids=["bins-of-the-largest", "default-bucket"])
 @pytest.mark.parametrize("W", [2, 4])
-def test_plan_equals_zero_muon_at_stages_1_to_3_over_ranks(W: int) -> None:
+def test_plan_equals_zero_muon_at_stages_1_to_3_over_ranks(W: int, bucket: int | None) -> None:
     """Over W ranks at stages 1-3 (each rank of a fake group, one at a time), where the Muon
     buffers take the owner layout: `plan_groups` with the optimizer's group rules gives every
     rank's `memory()` and its comm bytes after a step to the byte, and `plan_muon_model`'s
     Muon numbers are the engine's buffers': their padding, and each rank's Newton-Schulz FLOPs
-    over the matrices its local shards hold."""
+    over the matrices its local shards hold. With buckets too small for more than a matrix a
+    bin, and with the default bucket (a rank's bins in one bucket)."""
     with torch.device("meta"):
         meta = GPT(GPTConfig(**CFG))
     names = {id(p): n for n, p in meta.named_parameters()}
     groups = [[(names[id(p)], p) for p in g["params"]] for g in _groups(meta)]
     precision = Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    bucket = 5000
     cfg = PlanConfig(world_size=W, precision=precision, sharding=Sharding(bucket_numel=bucket))
     m = plan_muon_model(meta, cfg).muon_layout
     assert m is not None
@@ -125,6 +128,18 @@ def test_plan_equals_zero_muon_at_stages_1_to_3_over_ranks(W: int) -> None:
         mean = sum(flops) / W
         assert got == (pads.pop(), max(flops), mean, max(flops) / mean), (stage, flops)
         assert not pads, (stage, pads)  # every rank's buffers alike
+
+
+def test_the_plan_lays_out_muon_with_the_bucket_size_the_engine_gets() -> None:
+    """The bucket size reaches the plan's owner layout as it reaches FlatBuffer's: GPT-2 124M at
+    W = 8 pads 11% with the default bucket (bins of the largest matrix) and nothing with a
+    bucket of 100M elements (a bin of an eighth of the Muon params a rank)."""
+    model = preset_model("gpt2")
+    default = plan_muon_model(model, PlanConfig(world_size=8)).muon_layout
+    big = PlanConfig(world_size=8, sharding=Sharding(bucket_numel=100_000_000))
+    larger = plan_muon_model(model, big).muon_layout
+    assert default is not None and larger is not None
+    assert default.padding == 4 * 768 * 3072 and larger.padding == 0
 
 
 @pytest.mark.parametrize("W", [1, 8, 64])
