@@ -130,6 +130,34 @@ def test_plan_equals_zero_muon_at_stages_1_to_3_over_ranks(W: int, bucket: int |
         assert not pads, (stage, pads)  # every rank's buffers alike
 
 
+def test_memory_is_plan_where_the_layout_takes_larger_bins() -> None:
+    """A 3-layer model's 12 Muon matrices over 2 ranks: bins of the largest matrix make 9 bins
+    in 10 slots (one empty); the default bucket lets the layout take one bin a rank of half the
+    matrices each, with no padding. Both ranks' `memory()` and comm after a step are the plan's
+    to the byte, and the Muon buffer pads nothing."""
+    cfg3 = {**CFG, "n_layer": 3}
+    with torch.device("meta"):
+        meta = GPT(GPTConfig(**cfg3))
+    names = {id(p): n for n, p in meta.named_parameters()}
+    groups = [[(names[id(p)], p) for p in g["params"]] for g in _groups(meta)]
+    precision = Precision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    cfg = PlanConfig(world_size=2, precision=precision)
+    for stage in (1, 2):
+        for r in range(2):
+            with fake_group(r, 2):
+                model = make_gpt(GPTConfig(**cfg3))
+                opt = _muon(model, stage, precision, None, device="cpu")
+                (muon,) = [b for b in opt.flat_groups if b.group_index == 0]
+                assert muon.layout.padded_numel == muon.layout.param_numel, muon.layout
+                assert muon.layout.num_buckets == 1
+                x = torch.randint(0, CFG["vocab_size"], (2, CFG["block_size"]))
+                model(x, x)[1].backward()
+                opt.step()
+                plan = plan_groups(groups, cfg, model=meta, rules=opt.group_rules)
+                assert_memory_is_plan(opt, plan.stages[stage], f"stage {stage} rank {r}")
+                opt.close()
+
+
 def test_the_plan_lays_out_muon_with_the_bucket_size_the_engine_gets() -> None:
     """The bucket size reaches the plan's owner layout as it reaches FlatBuffer's: GPT-2 124M at
     W = 8 pads 11% with the default bucket (bins of the largest matrix) and nothing with a
