@@ -45,6 +45,8 @@ from fusedzero.rules import LocalShard, ShardView, StateField, StepTensors
 
 __all__ = ["MUON", "Muon", "matrix_shape", "ns_cost"]
 
+_FP32_MAX = torch.finfo(torch.float32).max
+
 # torch.optim.Muon's defaults (Keller Jordan's NS coefficients and steps).
 DEFAULTS: Mapping[str, Any] = dict(
     lr=1e-3,
@@ -92,6 +94,15 @@ class Muon:
             raise ValueError(f"momentum should be >= 0 but is: {group['momentum']}")
         if not 0.0 <= group["weight_decay"]:
             raise ValueError(f"weight decay should be >= 0 but is: {group['weight_decay']}")
+        # Stricter than torch on purpose, as the AdamW rule: the update runs in fp32, where
+        # 1e39 or inf is inf (torch's Python-float arithmetic would stay finite, or not).
+        for key in ("lr", "momentum", "weight_decay"):
+            v = group[key]
+            v = float(v.reshape(-1)[0]) if isinstance(v, torch.Tensor) else float(v)
+            if not v <= _FP32_MAX:
+                raise ValueError(
+                    f"{key} should be finite in fp32 (at most {_FP32_MAX:.4g}) but is: {group[key]}"
+                )
         fn = group["adjust_lr_fn"]
         if fn is not None and fn not in ADJUST_LR_FNS:
             raise ValueError(f"Adjust learning rate function {fn} is not supported")

@@ -412,6 +412,10 @@ def test_hyper_parameters_defaults_and_refusals() -> None:
         (dict(lr=-1.0), "Learning rate should be >= 0"),
         (dict(adjust_lr_fn="nope"), "Adjust learning rate function nope"),
         (dict(ns_steps=100), "ns_steps"),
+        # finite in Python, inf in the fp32 update (torch would run it in float64)
+        (dict(lr=1e39), "lr should be finite in fp32"),
+        (dict(weight_decay=float("inf")), "weight_decay should be finite in fp32"),
+        (dict(momentum=1e39), "momentum should be finite in fp32"),
     ):
         with pytest.raises(ValueError, match=msg):
             ZeroMuon(muon_param_groups(model, muon=bad), module=model)
