@@ -25,11 +25,11 @@ from pathlib import Path
 
 from fusedzero.app.config import DEFAULT_LR
 
-# Three points a factor of 2-3 apart, centred where a 200-step sweep found each best at an end
-# of its range (AdamW 1e-3 of 1e-3..9e-3, Muon 0.05 of 0.01..0.05; docs/benchmarks.md): AdamW
-# below --lr's default, Muon around the default --muon-lr (fusedzero/app/config.py).
+# Three points a factor of 2-3 apart, each optimizer's best at 500 steps in the middle
+# (docs/benchmarks.md, "Muon"): AdamW around --lr's default, Muon around the default --muon-lr
+# (fusedzero/app/config.py).
 SWEEPS = {
-    "adamw": (3e-4, 1e-3, DEFAULT_LR),
+    "adamw": (DEFAULT_LR / 3, DEFAULT_LR, DEFAULT_LR * 3),
     "muon": (0.02, 0.05, 0.1),
 }
 
