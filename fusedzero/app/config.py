@@ -28,9 +28,9 @@ DEFAULT_STEPS = 500
 DEFAULT_BATCH = 32
 DEFAULT_LR = 3e-3
 # --optimizer muon: the peak lr of the Muon groups (the hidden matrices; torch.optim.Muon's
-# "original" lr adjustment, sqrt(max(1, rows / cols))): the best of 0.01, 0.02 and 0.05 on the
-# default model and corpus over 200 steps (docs/benchmarks.md, "Muon"; the top of that sweep,
-# so a larger one may do better). The embeddings, head, norms and biases keep AdamW at --lr.
+# "original" lr adjustment, sqrt(max(1, rows / cols))): the best of 0.02, 0.05 and 0.1 on the
+# default model and corpus over the default 500 steps (docs/benchmarks.md, "Muon"; also the best
+# of 0.01-0.05 over 200 steps). The embeddings, head, norms and biases keep AdamW at --lr.
 DEFAULT_MUON_LR = 0.05
 OPTIMIZERS = ("adamw", "muon")
 DEFAULT_N_LAYER = 2
