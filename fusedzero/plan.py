@@ -108,6 +108,12 @@ class MuonLayoutPlan(NamedTuple):
     stage3_ns_balance: float
     stage3_padding: int
     stage3_padding_fraction: float
+    least_padding: int
+    """Stages 1-2: the padding of the layout where the bucket size allows any bins (the least
+    the owner layout reaches; equal to `padding` where the bucket already allows it)."""
+    least_padding_bucket_numel: int
+    """The bucket size (`Sharding(bucket_numel=)`, all ranks together) from which the Muon
+    buffers take that layout: their largest bucket then."""
 
 
 # The ZeRO paper's mixed-precision Adam: bf16 params, bf16 grads, fp32 master and moments.
@@ -365,10 +371,22 @@ class Plan:
                     ),
                 )
             ),
+            *(
+                [
+                    f"  stages 1-2 with --bucket-numel >= {m.least_padding_bucket_numel:,} "
+                    f"(fewer, larger bins): padding {m.least_padding:,} elements "
+                    f"({100 * m.least_padding / m.muon_params:.4g}% of Muon params)"
+                ]
+                if m.least_padding < m.padding
+                else []
+            ),
             "  (stage 0: every rank runs every matrix; the padding is in the bytes above; "
             'docs/muon.md, "The owner layout")',
         ]
 
+
+# A bucket size no buffer reaches: the owner layout then packs with no bound on its bins.
+_ANY_BUCKET = 1 << 60
 
 _UNITS = ("B", "KB", "MB", "GB", "TB")  # decimal, as the ZeRO paper's figures
 
@@ -614,8 +632,15 @@ def plan_muon_model(
     flat = [p for grp in groups for _, p in grp]
     units = _units(model, flat, cfg.sharding.units)
     muon_numel = sum(p.numel() for grp, m in zip(groups, is_muon) if m for _, p in grp)
-    (pad, flops), (pad3, flops3) = (
+    (pad, flops, _), (pad3, flops3, _) = (
         _muon_buffers(_buffers_from_groups(groups, s, cfg, units), s, cfg) for s in (1, 3)
+    )
+    # Stages 1-2 with a bucket that allows any bins: the least padding, and the bucket it needs.
+    unbounded = dataclasses.replace(
+        cfg, sharding=dataclasses.replace(cfg.sharding, bucket_numel=_ANY_BUCKET)
+    )
+    least, _, least_bucket = _muon_buffers(
+        _buffers_from_groups(groups, 1, unbounded, units), 1, unbounded
     )
 
     def frac(n: int) -> float:
@@ -640,15 +665,20 @@ def plan_muon_model(
         stage3_ns_balance=balance(flops3),
         stage3_padding=pad3,
         stage3_padding_fraction=frac(pad3),
+        least_padding=least,
+        least_padding_bucket_numel=least_bucket,
     )
     return result
 
 
-def _muon_buffers(buffers: list[_Buffer], stage: int, cfg: PlanConfig) -> tuple[int, list[int]]:
+def _muon_buffers(
+    buffers: list[_Buffer], stage: int, cfg: PlanConfig
+) -> tuple[int, list[int], int]:
     """The per-matrix rules' buffers of a stage, laid out as `_stage_plan` lays them out (the
     engine's layouts): their padding in elements and each rank's cost of the blocks it holds
-    (`Rule.blocks`: Newton-Schulz FLOPs for Muon), summed over the buffers."""
-    pad, costs = 0, [0] * cfg.world_size
+    (`Rule.blocks`: Newton-Schulz FLOPs for Muon), summed over the buffers, and their largest
+    bucket."""
+    pad, costs, largest = 0, [0] * cfg.world_size, 0
     owner_load = [0] * cfg.world_size  # carried as in `_stage_plan` and the engine
     for dt, items, _, gi in buffers:
         rule = cfg.rule_of(gi)
@@ -656,12 +686,13 @@ def _muon_buffers(buffers: list[_Buffer], stage: int, cfg: PlanConfig) -> tuple[
             continue
         L = _layout(items, dt, stage, cfg, rule, owner_load)
         pad += L.padded_numel - L.param_numel
+        largest = max(largest, L.bucket_numel)
         blocks = {i: rule.blocks(shape) for i, _, shape in items}
         if L.world_size == 1:  # the flat layout (it may cut a matrix at a bucket edge)
             costs[0] += sum(math.prod(s) // blocks[i].numel * blocks[i].cost for i, _, s in items)
         else:
             costs = [a + b for a, b in zip(costs, rank_costs(L, blocks))]
-    return pad, costs
+    return pad, costs, largest
 
 
 def model_layouts(

@@ -161,13 +161,24 @@ def test_memory_is_plan_where_the_layout_takes_larger_bins() -> None:
 def test_the_plan_lays_out_muon_with_the_bucket_size_the_engine_gets() -> None:
     """The bucket size reaches the plan's owner layout as it reaches FlatBuffer's: GPT-2 124M at
     W = 8 pads 11% with the default bucket (bins of the largest matrix) and nothing with a
-    bucket of 100M elements (a bin of an eighth of the Muon params a rank)."""
+    bucket of 100M elements (a bin of an eighth of the Muon params a rank); the plan says from
+    which bucket size on that is reached (the Muon params: one bucket), and it is."""
     model = preset_model("gpt2")
     default = plan_muon_model(model, PlanConfig(world_size=8)).muon_layout
     big = PlanConfig(world_size=8, sharding=Sharding(bucket_numel=100_000_000))
     larger = plan_muon_model(model, big).muon_layout
     assert default is not None and larger is not None
     assert default.padding == 4 * 768 * 3072 and larger.padding == 0
+    # The plan names the bucket from which the least padding is reached, and it is reached.
+    assert default.least_padding == 0 == larger.least_padding
+    hint = PlanConfig(
+        world_size=8, sharding=Sharding(bucket_numel=default.least_padding_bucket_numel)
+    )
+    at = plan_muon_model(model, hint).muon_layout
+    assert at is not None and at.padding == 0 and at.least_padding_bucket_numel == 84_934_656
+    table = plan_muon_model(model, PlanConfig(world_size=8)).table()
+    assert "stages 1-2 with --bucket-numel >= 84,934,656 (fewer, larger bins): padding 0" in table
+    assert "--bucket-numel >=" not in plan_muon_model(model, hint).table()
 
 
 @pytest.mark.parametrize("W", [1, 8, 64])
