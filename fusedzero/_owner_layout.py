@@ -113,24 +113,26 @@ def build_owner_layout(
         slots = [ParamSlot(i, name, tuple(shape), 0, 0) for i, name, shape in params]
         return FlatLayout(slots, W, 0, 0, 0)
     S = shard_size(sizes, blocks)
+    # Decided once, at this S: larger bins (below) are tried only where nothing streams.
+    streams = [bool(n) and _streams(n, b, S) for n, b in zip(sizes, blocks)]
+    costs = [n // b.numel * b.cost for n, b in zip(sizes, blocks)]
 
     # 2. Streams first (consecutive bins), then first-fit decreasing.
     bins: list[_Bin] = []
     offsets = [0] * len(params)
     for pos, (n, b) in enumerate(zip(sizes, blocks)):
-        if n and _streams(n, b, S):
+        if streams[pos]:
             per = S // b.numel  # blocks per shard
             count = n // b.numel
             offsets[pos] = len(bins)  # its first bin; the slot's offset below
             for first in range(0, count, per):
                 k = min(per, count - first)
                 bins.append(_Bin(k * b.numel, k * b.cost, [(pos, k * b.numel)], True))
-    whole = [pos for pos, (n, b) in enumerate(zip(sizes, blocks)) if n and not _streams(n, b, S)]
+    whole = [pos for pos, n in enumerate(sizes) if n and not streams[pos]]
     whole.sort(key=lambda pos: -round_up(sizes[pos], ALIGN))  # stable: model order among equals
     n_stream = len(bins)
     for pos in whole:
         size = round_up(sizes[pos], ALIGN)
-        cost = sizes[pos] // blocks[pos].numel * blocks[pos].cost
         # A stream's bins take whole params only after its last block: only its last bin may
         # have room, and what follows it there is fine.
         for b in bins:
@@ -141,10 +143,9 @@ def build_owner_layout(
             bins.append(b)
         # The stream's own elements are not aligned up: place after the aligned end.
         b.used = round_up(b.used, ALIGN) + size
-        b.cost += cost
+        b.cost += costs[pos]
         b.items.append((pos, size))
     if not n_stream:
-        costs = {pos: sizes[pos] // blocks[pos].numel * blocks[pos].cost for pos in whole}
         S, bins = _fewer_larger_bins(S, bins, W, bucket_numel, costs)
 
     # 3. Bins to slots. Each rank gets m = ceil(bins / W) slots, c of them in each of m / c
@@ -176,8 +177,8 @@ def build_owner_layout(
     # Offsets: a bin's items back to back at ALIGN from its slot's start (a stream bin's first
     # item is its stream's piece, whose offset is the stream's first bin's: stream bin j went to
     # linear index r0*c + j).
-    for pos, (n, b) in enumerate(zip(sizes, blocks)):
-        if n and _streams(n, b, S):
+    for pos in range(len(params)):
+        if streams[pos]:
             offsets[pos] = (r0 * c + offsets[pos]) * S
     for lin, _, b in placed:
         cur = lin * S
@@ -196,7 +197,7 @@ def build_owner_layout(
 
 
 def _fewer_larger_bins(
-    S: int, bins: list[_Bin], W: int, bucket_numel: int, costs: dict[int, int]
+    S: int, bins: list[_Bin], W: int, bucket_numel: int, costs: list[int]
 ) -> tuple[int, list[_Bin]]:
     """Bins larger than the largest matrix, where the bucket size allows, when they pad less:
     for m bins per rank, capacity C = max(S, total / (W*m)) rounded up to ALIGN (and a few
