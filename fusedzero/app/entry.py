@@ -10,16 +10,15 @@ launcher.
 
 from __future__ import annotations
 
-import os
 import sys
 
-from fusedzero.app.preload import RANK_PRELOAD, TORCHRUN_ENV
+from fusedzero.app.preload import RANK_PRELOAD, under_torchrun
 
 
 def _starts_cpu_ranks(argv: list[str]) -> bool:
     if argv[:1] != ["train"] or {"-h", "--help"} & set(argv):
         return False
-    if all(k in os.environ for k in TORCHRUN_ENV):
+    if under_torchrun():
         return False
     pairs = zip(argv, argv[1:])
     return not ("--device=cuda" in argv or ("--device", "cuda") in pairs)

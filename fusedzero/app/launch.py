@@ -56,7 +56,7 @@ from fusedzero.app.config import (
 from fusedzero.app.data import Split
 from fusedzero.app.lifecycle import die_with_parent, sigterm_as_interrupt
 from fusedzero.app.log import waiting_for
-from fusedzero.app.preload import RANK_PRELOAD, TORCHRUN_ENV
+from fusedzero.app.preload import RANK_PRELOAD, under_torchrun
 
 # After the first rank reports a stall, how long the launcher waits for the other ranks' own
 # reports (they hit the same timeout at about the same moment) before it ends them.
@@ -88,7 +88,7 @@ def add_train_subparser(subparsers: Any) -> argparse.ArgumentParser:
 def _cli_train(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     # A process torchrun started, whose group `_run_in_group` makes and destroys.
-    torchrun_rank = all(k in os.environ for k in TORCHRUN_ENV) and not dist.is_initialized()
+    torchrun_rank = under_torchrun() and not dist.is_initialized()
     run_config(cfg)
     if torchrun_rank:
         # Done, the group destroyed, every output written: skip interpreter teardown, as a
@@ -112,7 +112,7 @@ def run(argv: list[str]) -> dict[str, Any]:
 
 def run_config(cfg: TrainConfig) -> dict[str, Any]:
     """Train as `cfg` says: join torchrun's group if there is one, else spawn local ranks."""
-    if all(k in os.environ for k in TORCHRUN_ENV) or dist.is_initialized():
+    if under_torchrun() or dist.is_initialized():
         return _run_in_group(cfg)
     use_cuda, nproc = local_ranks(cfg)
     check_tp_world(cfg, nproc)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fusedzero.app import entry
+from fusedzero.app.preload import TORCHRUN_ENV
 
 
 @pytest.mark.parametrize(
@@ -24,7 +25,7 @@ from fusedzero.app import entry
 def test_fork_server_starts_only_where_cpu_ranks_will(
     argv: list[str], env: dict[str, str], starts: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    for k in entry.TORCHRUN_ENV:
+    for k in TORCHRUN_ENV:
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
