@@ -40,10 +40,10 @@ import torch
 from torch import nn
 
 from fusedzero import _dtypes as dtypes, wire
-from fusedzero._layout import FlatLayout, build_layout, default_bucket_numel
+from fusedzero._layout import FlatLayout
 from fusedzero._muon_groups import muon_param_groups
-from fusedzero._owner_layout import build_owner_layout, rank_costs
-from fusedzero._units import select_units
+from fusedzero._owner_layout import rank_costs
+from fusedzero._plan_buffers import Buffer, buffers_from_groups, layout_of, units_of
 from fusedzero.memory_modes import MemoryModes
 from fusedzero.policy import Precision, Sharding, Wire, check_record
 from fusedzero.rules import Rule, scratch_bytes
@@ -400,85 +400,14 @@ def _gb(n: int) -> str:
     return f"{v:.3g} {_UNITS[unit]}" if v < 1000 else f"{v:,.0f} {_UNITS[unit]}"
 
 
-# -- flat buffers, as the optimizer builds them ---------------------------------------------
-Item = tuple[int, str, tuple[int, ...]]  # (index in the optimizer's param list, name, shape)
-
-
-class _Buffer(NamedTuple):
-    """One flat buffer as planned: its dtype, params, stage-3 unit (0, the root, elsewhere)
-    and param group."""
-
-    dtype: torch.dtype
-    items: list[Item]
-    unit: int
-    group: int
-
-
-def _buffers_from_groups(
-    groups: list[list[tuple[str, nn.Parameter]]],
-    stage: int,
-    cfg: PlanConfig,
-    units: list[int] | None,
-) -> list[_Buffer]:
-    """Every flat buffer, in ZeroAdamW's order: stages 0-2 group by (param group, dtype), stage
-    3 by (unit, group, dtype) (`fusedzero._flat.build_buffers`, the units from
-    `Zero3.assign`)."""
-    keyed: dict[tuple[int, int, torch.dtype], list[Item]] = {}
-    index = 0
-    for gi, group in enumerate(groups):
-        for name, p in group:
-            dt = cfg.param_dtype or p.dtype
-            u = units[index] if stage == 3 and units is not None else 0
-            keyed.setdefault((u, gi, dt), []).append((index, name, tuple(p.shape)))
-            index += 1
-    order = sorted(keyed, key=lambda k: (k[0], k[1])) if stage == 3 else list(keyed)
-    return [_Buffer(k[2], keyed[k], k[0], k[1]) for k in order]
-
-
-def _units(model: nn.Module, params: list[nn.Parameter], policy: Any) -> list[int]:
-    """Stage-3 unit of each param, as `fusedzero._zero3.Zero3.assign` decides."""
-    owner: dict[int, int] = {}
-    for u, m in enumerate(select_units(model, policy), start=1):
-        for p in m.parameters():
-            if id(p) in owner and owner[id(p)] != u:
-                owner[id(p)] = 0  # shared by two units (tied weights): the root holds it
-            else:
-                owner.setdefault(id(p), u)
-    return [owner.get(id(p), 0) for p in params]
-
-
-def _layout(
-    items: list[Item],
-    dt: torch.dtype,
-    stage: int,
-    cfg: PlanConfig,
-    rule: Rule | None = None,
-    owner_load: list[int] | None = None,
-) -> FlatLayout:
-    """One flat buffer's layout, as FlatBuffer builds it. Stage 0 replicates everything: its
-    layout is the world-size-1 layout. A per-matrix rule's buffer takes the owner layout
-    (fusedzero/_owner_layout.py) where it is sharded, `owner_load` carried over the buffers in
-    their order as `build_buffers` carries it."""
-    bucket = (
-        cfg.bucket_numel
-        if cfg.bucket_numel is not None
-        else default_bucket_numel(cfg.world_size, dt.itemsize)
-    )  # as FlatBuffer chooses it
-    shards = 1 if stage == 0 else cfg.world_size
-    if rule is not None and not rule.element_wise and shards > 1:
-        blocks = [rule.blocks(it[2]) for it in items]
-        return build_owner_layout(items, blocks, shards, owner_load, bucket)
-    return build_layout(items, shards, bucket)
-
-
-def _stage_plan(buffers: list[_Buffer], stage: int, cfg: PlanConfig) -> tuple[StagePlan, int]:
+def _stage_plan(buffers: list[Buffer], stage: int, cfg: PlanConfig) -> tuple[StagePlan, int]:
     """The stage's bytes, and the ring steps of its collectives (LinkModel)."""
     W = cfg.world_size
     g = cfg.reduce_dtype.itemsize
     params = grads = opt = comm = steps = 0
     owner_load = [0] * W
     for dt, items, unit, gi in buffers:
-        L = _layout(items, dt, stage, cfg, cfg.rule_of(gi), owner_load)
+        L = layout_of(items, dt, stage, cfg, cfg.rule_of(gi), owner_load)
         p = dt.itemsize
         params += p * (L.local_numel if stage == 3 else L.padded_numel)
         grads += g * (L.local_numel if stage >= 2 else L.padded_numel)
@@ -545,8 +474,8 @@ def plan_groups(
     if rules:
         cfg = dataclasses.replace(cfg, group_rules=tuple(rules))
     flat = [p for grp in groups for _, p in grp]
-    units = _units(model, flat, cfg.sharding.units) if model is not None else [1] * len(flat)
-    done = {s: _stage_plan(_buffers_from_groups(groups, s, cfg, units), s, cfg) for s in STAGES}
+    units = units_of(model, flat, cfg.sharding.units) if model is not None else [1] * len(flat)
+    done = {s: _stage_plan(buffers_from_groups(groups, s, cfg, units), s, cfg) for s in STAGES}
     result = Plan(
         sum(p.numel() for p in flat),
         cfg.world_size,
@@ -561,7 +490,7 @@ def plan_groups(
             grads = None if name == "native" else name
             c = dataclasses.replace(cfg, wire=dataclasses.replace(cfg.wire, grads=grads))
             result.comm_by_wire[name] = {
-                s: _stage_plan(_buffers_from_groups(groups, s, c, units), s, c)[
+                s: _stage_plan(buffers_from_groups(groups, s, c, units), s, c)[
                     0
                 ].comm_bytes_per_step
                 for s in STAGES
@@ -630,17 +559,17 @@ def plan_muon_model(
     )
     cfg = result.config  # with the group rules
     flat = [p for grp in groups for _, p in grp]
-    units = _units(model, flat, cfg.sharding.units)
+    units = units_of(model, flat, cfg.sharding.units)
     muon_numel = sum(p.numel() for grp, m in zip(groups, is_muon) if m for _, p in grp)
     (pad, flops, _), (pad3, flops3, _) = (
-        _muon_buffers(_buffers_from_groups(groups, s, cfg, units), s, cfg) for s in (1, 3)
+        _muon_buffers(buffers_from_groups(groups, s, cfg, units), s, cfg) for s in (1, 3)
     )
     # Stages 1-2 with a bucket that allows any bins: the least padding, and the bucket it needs.
     unbounded = dataclasses.replace(
         cfg, sharding=dataclasses.replace(cfg.sharding, bucket_numel=_ANY_BUCKET)
     )
     least, _, least_bucket = _muon_buffers(
-        _buffers_from_groups(groups, 1, unbounded, units), 1, unbounded
+        buffers_from_groups(groups, 1, unbounded, units), 1, unbounded
     )
 
     def frac(n: int) -> float:
@@ -671,9 +600,7 @@ def plan_muon_model(
     return result
 
 
-def _muon_buffers(
-    buffers: list[_Buffer], stage: int, cfg: PlanConfig
-) -> tuple[int, list[int], int]:
+def _muon_buffers(buffers: list[Buffer], stage: int, cfg: PlanConfig) -> tuple[int, list[int], int]:
     """The per-matrix rules' buffers of a stage, laid out as `_stage_plan` lays them out (the
     engine's layouts): their padding in elements and each rank's cost of the blocks it holds
     (`Rule.blocks`: Newton-Schulz FLOPs for Muon), summed over the buffers, and their largest
@@ -684,7 +611,7 @@ def _muon_buffers(
         rule = cfg.rule_of(gi)
         if rule.element_wise:
             continue
-        L = _layout(items, dt, stage, cfg, rule, owner_load)
+        L = layout_of(items, dt, stage, cfg, rule, owner_load)
         pad += L.padded_numel - L.param_numel
         largest = max(largest, L.bucket_numel)
         blocks = {i: rule.blocks(shape) for i, _, shape in items}
@@ -703,10 +630,10 @@ def model_layouts(
     element lives, so the segments a checkpoint's manifest lists (`FlatLayout.segments`)."""
     groups = _model_groups(model, decay_split)
     flat = [p for grp in groups for _, p in grp]
-    units = _units(model, flat, cfg.sharding.units) if stage == 3 else None
+    units = units_of(model, flat, cfg.sharding.units) if stage == 3 else None
     return [
-        _layout(b.items, b.dtype, stage, cfg)
-        for b in _buffers_from_groups(groups, stage, cfg, units)
+        layout_of(b.items, b.dtype, stage, cfg)
+        for b in buffers_from_groups(groups, stage, cfg, units)
     ]
 
 
